@@ -1,0 +1,3 @@
+from actmem.cli import main
+
+main()

@@ -1,0 +1,77 @@
+"""Compose the term table into the paper's equations (symbolic, exact).
+
+Every public function here returns a sympy expression in the symbols of
+``actmem.symbols``; nothing is written out by hand twice. ``exact`` binds the
+symbols to integers, ``numeric`` turns an expression into a vectorised function.
+"""
+
+from functools import cache
+
+import sympy
+
+from actmem.pipeline import chunks_in_flight
+from actmem.symbols import L, a, b, h, m, p, s, t, v
+from actmem.techniques import Technique
+from actmem.terms import LAYER_TERMS, STAGE_TERMS, Region, Scope, Term
+
+#: argument order of the functions ``numeric`` returns
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m)
+
+
+def divisor(region: Region, technique: Technique):
+    """How many ways a tensor in this region is split (Figures 4 and 5)."""
+    split = technique.tensor_parallel if region is Region.BLOCK else technique.sequence_parallel
+    return t if split else sympy.Integer(1)
+
+
+@cache
+def term_bytes(term: Term, technique: Technique) -> sympy.Expr:
+    """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it."""
+    if technique.recompute not in term.kept_under:
+        return sympy.Integer(0)
+    return term.bytes / divisor(term.region, technique)
+
+
+@cache
+def per_layer_bytes(technique: Technique) -> sympy.Expr:
+    """One layer, one microbatch: a row of Table 2 (Eqs 1, 2, 4 and the recompute rows)."""
+    return sympy.Add(*(term_bytes(term, technique) for term in LAYER_TERMS))
+
+
+def stage_count(term: Term, layer_activations, microbatches, holds_output):
+    """How many instances of a term the first stage holds (sections 4.4 and 4.5)."""
+    return {Scope.LAYER: layer_activations, Scope.EMBEDDING: microbatches,
+            Scope.OUTPUT: holds_output}[term.scope]
+
+
+def extra_bytes(technique: Technique, microbatches, holds_output) -> sympy.Expr:
+    """Section 4.5: the embedding and output-layer terms of the first stage."""
+    return sympy.Add(*(term_bytes(term, technique) * stage_count(term, 0, microbatches, holds_output)
+                       for term in STAGE_TERMS))
+
+
+def layers_in_flight(interleaved: bool) -> sympy.Expr:
+    """Layer activations the first stage holds, pipeline full: Eq 5's L, times the
+    interleave factor 1 + (p-1)/(pm) under the interleaved schedule (section 4.4)."""
+    if interleaved:
+        return L / (p * m) * chunks_in_flight(p, m, True)
+    return L / p * chunks_in_flight(p, 1, False)
+
+
+def first_stage_bytes(technique: Technique, interleaved: bool, holds_output: bool) -> sympy.Expr:
+    """The first stage with the pipeline full: Eq 5 (or Eq 6) plus the section 4.5 terms."""
+    return (per_layer_bytes(technique) * layers_in_flight(interleaved)
+            + extra_bytes(technique, p, int(holds_output)))
+
+
+def exact(expr, bindings: dict) -> int:
+    """Bind the symbols to integers and return the whole number of bytes."""
+    value = sympy.sympify(expr).subs(bindings)
+    if not value.is_Integer:
+        raise ArithmeticError(f"{expr} is not a whole number of bytes at {bindings}: {value}")
+    return int(value)
+
+
+def numeric(expr):
+    """A numpy function of NUMERIC_ARGS for sweeps (the planner), from the same expression."""
+    return sympy.lambdify(NUMERIC_ARGS, expr, modules="numpy")

@@ -1,0 +1,61 @@
+"""How much the first pipeline stage holds at its peak (section 4.4).
+
+The first stage runs L/p layers and, to keep the pipeline busy, holds the
+activations of several microbatches at once; it also hosts the input embedding.
+"""
+
+from dataclasses import dataclass
+
+
+def chunks_in_flight(p, m, interleaved: bool):
+    """Model chunks of L/(p·m) layers each held by the first stage with the pipeline full.
+
+    1F1B (PipeDream-Flush): p microbatches, so p·(L/p) = L layers whatever p is (Eq 5).
+    Megatron's interleaved schedule: on rank 0 the warm-up runs 2(p-1) + (m-1)p chunk
+    forwards and the steady state one more before the first backward, pm + p - 1 in all,
+    so L/(pm)·(pm + p - 1) = L·(1 + (p-1)/(pm)) layers: the paper's interleave factor.
+    Works on ints and on sympy symbols alike.
+    """
+    return p * m + p - 1 if interleaved else p
+
+
+@dataclass(frozen=True)
+class StageOccupancy:
+    """What the first stage holds at its peak, in units the term table multiplies."""
+
+    layer_activations: int
+    """Layers x microbatches held (Eq 5: L; interleaved: L·(1 + (p-1)/(pm)))."""
+    microbatches: int
+    """Microbatches whose embedding dropout mask is held (section 4.5: p)."""
+    holds_output_layer: bool
+    """The first stage is also the last (p = 1): it keeps the output-layer terms."""
+    explanation: str
+
+
+def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None
+                          ) -> StageOccupancy:
+    """The first stage's peak; fewer microbatches than the schedule wants hold less."""
+    interleaved = m > 1
+    full_chunks = chunks_in_flight(p, m, interleaved)
+    chunks = full_chunks
+    n = microbatches_per_iteration
+    if n is not None:
+        chunks = min(full_chunks, n * m)   # the warm-up stops when the microbatches run out
+    layers_per_chunk = layers // (p * m)
+    embedding_microbatches = p if n is None else min(p, n)
+    explanation = _explain(layers, p, m, n, chunks, full_chunks, layers_per_chunk)
+    return StageOccupancy(layers_per_chunk * chunks, embedding_microbatches, p == 1, explanation)
+
+
+def _explain(layers, p, m, n, chunks, full_chunks, layers_per_chunk) -> str:
+    if m > 1:
+        schedule, unit = f"interleaved schedule (m={m})", "chunks"
+    else:
+        schedule, unit = "1F1B schedule", "microbatches"
+    held = f"{chunks} {unit} x {layers_per_chunk} layers = {chunks * layers_per_chunk} layer activations"
+    if n is None:
+        return f"{schedule}, microbatches per iteration unknown, pipeline assumed full: {held}"
+    if chunks < full_chunks:
+        return (f"{schedule}, only {n} microbatches per iteration (a full pipeline holds "
+                f"{full_chunks} {unit}): {held}")
+    return f"{schedule}, {n} microbatches per iteration: {held}"

@@ -1,0 +1,73 @@
+"""Model presets: one TOML file each, shipped in the wheel as actmem/presets/."""
+
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from actmem.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    source: str
+    aliases: tuple
+    model: dict
+    run: dict
+
+
+def preset_dir() -> Path:
+    """Installed wheels carry actmem/presets/; a source checkout has presets/ at its root."""
+    installed = resources.files("actmem") / "presets"
+    if installed.is_dir():
+        return Path(str(installed))
+    return Path(__file__).resolve().parent.parent / "presets"
+
+
+def all_presets() -> list[Preset]:
+    """Smallest model first."""
+    presets = [read_preset(path) for path in preset_dir().glob("*.toml")]
+    return sorted(presets, key=lambda p: (p.model.get("hidden", 0), p.model.get("layers", 0), p.name))
+
+
+def load_preset(name_or_path: str) -> Preset:
+    """A shipped preset by name or alias (case-insensitive), or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.is_file():
+        return read_preset(path)
+    wanted = name_or_path.lower()
+    presets = all_presets()
+    for preset in presets:
+        if wanted == preset.name or wanted in preset.aliases:
+            return preset
+    known = ", ".join(f"{p.name} ({', '.join(p.aliases)})" if p.aliases else p.name for p in presets)
+    raise SpecError(f"unknown preset {name_or_path!r}; known: {known}; or give a path to a .toml file")
+
+
+def read_preset(path: Path) -> Preset:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SpecError(f"preset file {path}: cannot read it ({error.strerror})")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise SpecError(f"preset file {path}: not valid TOML: {error}")
+    unknown = sorted(set(data) - {"name", "description", "source", "aliases", "model", "run"})
+    if unknown:
+        raise SpecError(f"preset file {path}: unknown keys {', '.join(unknown)}")
+    if not isinstance(data.get("model"), dict):
+        raise SpecError(f"preset file {path}: needs a [model] table (heads, hidden, layers, vocab, seq_len)")
+    if not isinstance(data.get("run", {}), dict):
+        raise SpecError(f"preset file {path}: [run] must be a table")
+    aliases = data.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(alias, str) for alias in aliases):
+        raise SpecError(f"preset file {path}: aliases must be a list of strings")
+    return Preset(name=str(data.get("name", path.stem)), description=str(data.get("description", "")),
+                  source=str(data.get("source", str(path))), aliases=tuple(a.lower() for a in aliases),
+                  model=data["model"], run=data.get("run", {}))

@@ -1,0 +1,166 @@
+"""All terminal output: rich tables and bars. The only module that knows the terminal."""
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from actmem.estimate import Estimate
+from actmem.units import format_gib, gib
+
+_BAR_WIDTH = 24
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 title_style="bold")
+
+
+def _bar(fraction: float, width: int = _BAR_WIDTH, style: str = "cyan") -> Text:
+    filled = max(0, min(width, round(fraction * width)))
+    return Text("█" * filled, style=style) + Text("·" * (width - filled), style="dim")
+
+
+def render_estimate(est: Estimate) -> None:
+    console = _console()
+    console.print(_header(est))
+    console.print(_techniques_table(est))
+    console.print(_terms_table(est))
+    console.print(_memory_table(est))
+    console.print(_verdict(est))
+    notes = Table.grid(padding=(0, 1))
+    notes.add_column(style="dim")
+    notes.add_column(style="dim")
+    for note in est.assumptions:
+        notes.add_row("·", note)
+    console.print(Text("Assumptions", style="bold"), notes)
+
+
+def _header(est: Estimate) -> Text:
+    spec, run, model = est.spec, est.spec.run, est.spec.model
+    text = Text(f"actmem · {spec.name}\n", style="bold")
+    text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
+                f"v={spec.padded_vocab} s={model.seq_len}\n")
+    text.append(f"run    t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
+                f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
+                f"recompute {run.recompute.value}\n")
+    if spec.microbatches is not None:
+        text.append(f"batch  {run.gpus} GPUs, d={spec.data_parallel} · global batch "
+                    f"{run.global_batch} · {spec.microbatches} microbatches per iteration\n")
+    return text
+
+
+def _techniques_table(est: Estimate) -> Table:
+    table = _table(f"Activations per GPU, first stage, {est.occupancy.layer_activations} "
+                   f"layer activations held (Table 2)")
+    for column in ("technique", "per layer", "first stage", "vs tp", "", "+ params"):
+        table.add_column(column, justify="left" if column in ("technique", "") else "right")
+    current = (est.run.technique.sequence_parallel, est.run.technique.recompute)
+    for row in est.techniques:
+        tech = row.technique
+        is_run = tech.tensor_parallel and (tech.sequence_parallel, tech.recompute) == current
+        share = row.per_layer_bytes / est.baseline.per_layer_bytes
+        total = row.first_stage_bytes + est.parameters.total_bytes
+        fits = total <= est.spec.gpu_memory_bytes
+        table.add_row(Text(tech.name + (" ◀" if is_run else ""), style="bold" if is_run else ""),
+                      format_gib(row.per_layer_bytes), format_gib(row.first_stage_bytes),
+                      f"{100 * share:.0f}%",
+                      _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
+                      Text(f"{format_gib(total)} {'✓' if fits else '✗'}", style="green" if fits else "red"))
+    table.caption = "vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); ◀ this run"
+    table.caption_justify = "left"
+    return table
+
+
+def _terms_table(est: Estimate) -> Table:
+    table = _table("This run, term by term (first stage, one GPU)")
+    for column in ("term", "region", "each", "× held", "bytes", "share"):
+        table.add_column(column, justify="left" if column in ("term", "region") else "right")
+    total = est.activations_bytes
+    for row in est.run_terms:
+        table.add_row(row.term.name, row.term.region.value, f"{row.bytes_each:,}", f"{row.count:,}",
+                      format_gib(row.total_bytes), f"{100 * row.total_bytes / total:.1f}%")
+    table.add_row(Text("activations", style="bold"), "", "", "", Text(format_gib(total), style="bold"), "")
+    return table
+
+
+def _memory_table(est: Estimate) -> Table:
+    params = est.parameters
+    table = _table("Memory per GPU, first stage")
+    for column in ("item", "bytes", "GiB", ""):
+        table.add_column(column, justify="right" if column in ("bytes", "GiB") else "left")
+    per_param = f"{params.count:,} parameters × "
+    shards = est.spec.data_parallel if est.spec.run.distributed_optimizer else 1
+    rows = (("activations", est.activations_bytes, "the run's terms above"),
+            ("weights", params.weights_bytes, per_param + "2 B"),
+            ("gradients", params.gradients_bytes, per_param + "4 B (fp32)"),
+            ("optimizer state", params.optimizer_bytes,
+             per_param + ("12 B" if shards == 1 else f"12 B / d={shards}")))
+    for item, n_bytes, note in rows:
+        table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
+    table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
+    return table
+
+
+def _verdict(est: Estimate) -> Text:
+    budget = est.spec.gpu_memory_bytes
+    used = est.total_bytes / budget
+    left = budget - est.total_bytes
+    text = Text("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
+    text.append_text(_bar(used, width=30, style="green" if est.fits else "red"))
+    text.append(f" {gib(est.total_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%), "
+                f"{format_gib(abs(left))} {'spare' if left >= 0 else 'over'}\n")
+    return text
+
+
+def render_formulas(latex: bool) -> None:
+    import sympy
+
+    from actmem.equations import equations, table_2
+    from actmem.terms import TERMS
+
+    console = _console()
+    show = sympy.latex if latex else (lambda e: sympy.pretty(e, use_unicode=True))
+    table = Table(title="Table 2: activation bytes per layer, one microbatch", title_justify="left",
+                  show_lines=True)
+    for column in ("technique", "bytes", "meaning"):
+        table.add_column(column)
+    for eq in table_2():
+        table.add_row(eq.label, show(eq.display), eq.meaning)
+    console.print(table)
+    table = Table(title="First pipeline stage (sections 4.4, 4.5)", title_justify="left", show_lines=True)
+    for column in ("", "bytes", "meaning"):
+        table.add_column(column)
+    for eq in equations():
+        table.add_row(eq.label, show(eq.display), eq.meaning)
+    console.print(table)
+    table = Table(title="The term table (section 4.1, 4.5): bytes with no parallelism",
+                  title_justify="left")
+    for column in ("term", "bytes", "region", "kept under", "per", "source"):
+        table.add_column(column)
+    for term in TERMS:
+        kept = ", ".join(r.value for r in sorted(term.kept_under, key=lambda r: r.value))
+        table.add_row(term.name, sympy.latex(term.bytes) if latex else sympy.sstr(term.bytes),
+                      term.region.value, kept, term.scope.value, term.source)
+    console.print(table)
+
+
+def render_presets(presets) -> None:
+    table = _table("Presets: actmem estimate --model NAME")
+    table.collapse_padding = True
+    for column in ("name", "aliases", "a", "h", "L", "v", "s", "t", "p", "m", "b", "gpus"):
+        table.add_column(column, justify="left" if column in ("name", "aliases") else "right",
+                         no_wrap=True)
+    for preset in presets:
+        model, run = preset.model, preset.run
+        table.add_row(preset.name, ", ".join(preset.aliases),
+                      *(str(model.get(k, "")) for k in ("heads", "hidden", "layers", "vocab", "seq_len")),
+                      *(str(run.get(k, "")) for k in ("tensor_parallel", "pipeline_parallel",
+                                                       "interleave", "micro_batch", "gpus")))
+    table.caption = "\n".join(f"{p.name}: {p.description} ({p.source})" for p in presets)
+    table.caption_justify = "left"
+    _console().print(table)

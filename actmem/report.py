@@ -1,0 +1,88 @@
+"""An Estimate as plain records: the one source for JSON, CSV and markdown."""
+
+import json
+
+from actmem.estimate import Estimate
+
+
+def records(est: Estimate) -> dict:
+    """Everything an estimate says, as JSON-ready values; byte counts are integers."""
+    spec, run = est.spec, est.spec.run
+    return {
+        "model": {"name": spec.name, "heads": spec.model.heads, "hidden": spec.model.hidden,
+                  "layers": spec.model.layers, "vocab": spec.model.vocab,
+                  "padded_vocab": spec.padded_vocab, "seq_len": spec.model.seq_len},
+        "run": {"tensor_parallel": run.tensor_parallel, "pipeline_parallel": run.pipeline_parallel,
+                "interleave": run.interleave, "micro_batch": run.micro_batch,
+                "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
+                "global_batch": run.global_batch, "gpus": run.gpus,
+                "data_parallel": spec.data_parallel, "microbatches_per_iteration": spec.microbatches,
+                "distributed_optimizer": run.distributed_optimizer},
+        "first_stage": {"layer_activations": est.occupancy.layer_activations,
+                        "microbatches_in_flight": est.occupancy.microbatches,
+                        "holds_output_layer": est.occupancy.holds_output_layer,
+                        "schedule": est.occupancy.explanation},
+        "techniques": [_technique(row, est) for row in est.techniques],
+        "run_terms": [_term(row) for row in est.run_terms],
+        "activations_bytes": est.activations_bytes,
+        "parameters": {"count": est.parameters.count,
+                       "weights_bytes": est.parameters.weights_bytes,
+                       "gradients_bytes": est.parameters.gradients_bytes,
+                       "optimizer_bytes": est.parameters.optimizer_bytes,
+                       "total_bytes": est.parameters.total_bytes},
+        "total_bytes": est.total_bytes,
+        "gpu_memory_bytes": spec.gpu_memory_bytes,
+        "headroom_bytes": spec.gpu_memory_bytes - est.total_bytes,
+        "fits": est.fits,
+        "assumptions": list(est.assumptions),
+    }
+
+
+def _technique(row, est: Estimate) -> dict:
+    return {"technique": row.technique.name, "label": row.technique.label,
+            "per_layer_bytes": row.per_layer_bytes, "layers_bytes": row.layers_bytes,
+            "extra_bytes": row.extra_bytes, "first_stage_bytes": row.first_stage_bytes,
+            "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2)}
+
+
+def _term(row) -> dict:
+    return {"term": row.term.name, "region": row.term.region.value, "scope": row.term.scope.value,
+            "bytes_each": row.bytes_each, "count": row.count, "bytes": row.total_bytes,
+            "source": row.term.source}
+
+
+def to_json(est: Estimate) -> str:
+    return json.dumps(records(est), indent=2)
+
+
+def _frames(est: Estimate) -> dict:
+    import pandas as pd   # only the csv and markdown formats pay for pandas
+
+    rec = records(est)
+    params = rec["parameters"]
+    memory = [{"item": item, "bytes": n_bytes} for item, n_bytes in (
+        ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
+        ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
+        ("total", rec["total_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
+        ("headroom", rec["headroom_bytes"]))]
+    return {"techniques": pd.DataFrame(rec["techniques"]),
+            "run_terms": pd.DataFrame(rec["run_terms"]).drop(columns="source"),
+            "memory": pd.DataFrame(memory)}
+
+
+def to_csv(est: Estimate) -> str:
+    """One long table: a 'section' column says which of the three tables a row is from."""
+    import pandas as pd
+
+    frames = [df.assign(section=name) for name, df in _frames(est).items()]
+    table = pd.concat(frames, ignore_index=True).convert_dtypes()  # ints stay ints beside blanks
+    columns = ["section"] + [c for c in table.columns if c != "section"]
+    return table[columns].to_csv(index=False)
+
+
+def to_markdown(est: Estimate) -> str:
+    title = {"techniques": "Table 2 techniques, first pipeline stage",
+             "run_terms": "This run, term by term", "memory": "Memory per GPU"}
+    parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in _frames(est).items()]
+    notes = "\n".join(f"- {note}" for note in est.assumptions)
+    return "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"

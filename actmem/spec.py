@@ -1,0 +1,173 @@
+"""The typed spec: a model's dims and the run that trains it, validated.
+
+Every constraint a user can break raises ``SpecError`` with the arithmetic in
+the message, e.g. ``t (3) must divide heads (128)``.
+"""
+
+from dataclasses import dataclass, field, fields
+
+from actmem import symbols
+from actmem.errors import SpecError
+from actmem.terms import Recompute
+from actmem.units import parse_bytes
+
+DEFAULT_GPU_MEMORY = "80GiB"     # A100 80GB, the paper's GPU (Figure 1's dashed line)
+DEFAULT_VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by
+
+
+def _require_positive_ints(obj) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("positive") and not (value is None and f.metadata.get("optional")):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+def _positive(optional=False, **kw):
+    return field(metadata={"positive": True, "optional": optional}, **kw)
+
+
+@dataclass(frozen=True)
+class Model:
+    """Transformer dims (Table 1)."""
+
+    heads: int = _positive()       # a
+    hidden: int = _positive()      # h
+    layers: int = _positive()      # L
+    vocab: int = _positive()       # v, before padding
+    seq_len: int = _positive()     # s
+
+    def __post_init__(self):
+        _require_positive_ints(self)
+        _divides("heads", self.heads, "hidden", self.hidden)
+
+
+@dataclass(frozen=True)
+class Run:
+    """How the model is trained: parallelism, microbatch, recompute."""
+
+    tensor_parallel: int = _positive(default=1)     # t
+    pipeline_parallel: int = _positive(default=1)   # p
+    interleave: int = _positive(default=1)          # m, model chunks per pipeline rank
+    micro_batch: int = _positive(default=1)         # b
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    global_batch: int | None = _positive(optional=True, default=None)
+    gpus: int | None = _positive(optional=True, default=None)
+    distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        _require_positive_ints(self)
+        for name in ("sequence_parallel", "distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.recompute, Recompute):
+            raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
+        if self.interleave > 1 and self.pipeline_parallel == 1:
+            raise SpecError(f"interleave m ({self.interleave}) needs pipeline parallelism: p must be > 1")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model, a run, and the GPU it must fit; cross-checked, with derived sizes."""
+
+    model: Model
+    run: Run
+    name: str = "custom"
+    gpu_memory_bytes: int = parse_bytes(DEFAULT_GPU_MEMORY)
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+
+    def __post_init__(self):
+        model, run = self.model, self.run
+        t, p, m = run.tensor_parallel, run.pipeline_parallel, run.interleave
+        _divides("t", t, "hidden", model.hidden)
+        _divides("t", t, "heads", model.heads)
+        if run.sequence_parallel:
+            _divides("t", t, "seq_len", model.seq_len, why="sequence parallelism splits the sequence t ways")
+        _divides("p", p, "layers", model.layers)
+        if (model.layers // p) % m:
+            raise SpecError(f"interleave m ({m}) must divide the layers per stage "
+                            f"L/p = {model.layers}/{p} = {model.layers // p}")
+        if run.gpus is not None and run.gpus % (t * p):
+            raise SpecError(f"t·p ({t}·{p} = {t * p}) must divide gpus ({run.gpus})")
+        if run.global_batch is not None and run.gpus is not None:
+            per_step = run.micro_batch * self.data_parallel
+            if run.global_batch % per_step:
+                raise SpecError(f"micro_batch·data_parallel ({run.micro_batch}·{self.data_parallel}"
+                                f" = {per_step}) must divide global_batch ({run.global_batch})")
+        n = self.microbatches
+        if m > 1 and n is not None and n % p:
+            raise SpecError(f"the interleaved schedule needs the microbatches per iteration "
+                            f"({n}) to be a multiple of p ({p}), as Megatron requires")
+        for name in ("gpu_memory_bytes", "vocab_divisible_by"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def data_parallel(self) -> int:
+        """d = gpus/(t·p); 1 when the GPU count is not given."""
+        if self.run.gpus is None:
+            return 1
+        return self.run.gpus // (self.run.tensor_parallel * self.run.pipeline_parallel)
+
+    @property
+    def microbatches(self) -> int | None:
+        """Microbatches per iteration, global_batch/(b·d); None when the batch or GPUs are unknown."""
+        run = self.run
+        if run.global_batch is None or run.gpus is None:
+            return None
+        return run.global_batch // (run.micro_batch * self.data_parallel)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Megatron pads the vocabulary to a multiple of vocab_divisible_by·t."""
+        multiple = self.vocab_divisible_by * self.run.tensor_parallel
+        return -(-self.model.vocab // multiple) * multiple
+
+    def bindings(self) -> dict:
+        """The paper's symbols bound to this spec's integers."""
+        model, run = self.model, self.run
+        values = {"s": model.seq_len, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
+                  "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
+                  "v": self.padded_vocab, "m": run.interleave}
+        return {symbols.BY_NAME[name]: value for name, value in values.items()}
+
+
+def _divides(small_name, small, big_name, big, why=""):
+    if big % small:
+        reason = f" ({why})" if why else ""
+        raise SpecError(f"{small_name} ({small}) must divide {big_name} ({big}){reason}")
+
+
+def build_spec(model: dict, run: dict, name: str = "custom", **options) -> Spec:
+    """A Spec from plain values (a preset file merged with flags); names missing or unknown keys."""
+    _check_keys("model", model, Model, required=True)
+    _check_keys("run", run, Run, required=False)
+    run = dict(run)
+    if isinstance(run.get("recompute"), str):
+        try:
+            run["recompute"] = Recompute(run["recompute"])
+        except ValueError:
+            raise SpecError(f"recompute must be one of none, selective, full; got {run['recompute']!r}")
+    return Spec(Model(**model), Run(**run), name=name, **options)
+
+
+def _check_keys(section: str, values: dict, cls, required: bool) -> None:
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise SpecError(f"[{section}] has unknown keys: {', '.join(unknown)} (known: {', '.join(names)})")
+    missing = [name for name in names if name not in values]
+    if required and missing:
+        raise SpecError(f"[{section}] is missing {', '.join(missing)}")
+
+
+def merge_recompute(recompute: str | None, granularity: str | None, activations_flag: bool):
+    """One recompute mode from actmem's flag and Megatron's two; they must agree."""
+    given = {value for value in (recompute, granularity) if value is not None}
+    if activations_flag:
+        given.add("selective")
+    if len(given) > 1:
+        raise SpecError(f"recompute flags disagree: {', '.join(sorted(given))}")
+    return given.pop() if given else None

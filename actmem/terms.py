@@ -1,0 +1,115 @@
+"""The table of saved tensors: what the backward pass keeps, op by op.
+
+One row per tensor of section 4.1 (one transformer layer) and section 4.5 (the
+embedding and output layer), sized in bytes with no parallelism: 16-bit
+activations (2 bytes an element), 1-byte dropout masks, fp32 logits. Every
+equation of the paper is a composition of this table (see ``engine``).
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+
+import sympy
+
+from actmem.symbols import a, b, h, s, v
+
+
+class Region(Enum):
+    """Where a tensor lives relative to the tensor-parallel blocks (Figures 4 and 5)."""
+
+    BLOCK = "block"
+    """Inside an attention or MLP block: split across heads or the 4h/vocab dim, so it divides by t."""
+    BOUNDARY = "boundary"
+    """On a block boundary (layer norms, dropouts, block inputs): replicated under
+    plain tensor parallelism, split along the sequence under sequence parallelism."""
+
+
+class Recompute(Enum):
+    """Activation recomputation (section 5)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Recompute the attention core (QKᵀ, softmax, dropout, ·V); keep the rest."""
+    FULL = "full"
+    """Recompute the whole layer; keep only its input (checkpoint)."""
+
+
+class Scope(Enum):
+    """What a term is counted per, on the first pipeline stage (sections 4.4, 4.5)."""
+
+    LAYER = "layer"
+    """Once per layer per microbatch in flight."""
+    EMBEDDING = "embedding"
+    """Once per microbatch in flight (the input embedding sits on the first stage)."""
+    OUTPUT = "output"
+    """Once, and only when the first stage is also the last (p = 1)."""
+
+
+_STORED = frozenset({Recompute.NONE, Recompute.SELECTIVE})
+_NOT_RECOMPUTED = frozenset({Recompute.NONE})
+_ALWAYS = frozenset(Recompute)
+_CHECKPOINT = frozenset({Recompute.FULL})
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: sympy.Expr
+    """Size in bytes of one instance with no parallelism."""
+    region: Region
+    kept_under: frozenset
+    """The recompute modes under which the forward pass keeps it."""
+    scope: Scope
+    source: str
+    """What it is, and where the paper counts it."""
+
+
+_sbh = s * b * h
+
+TERMS = (
+    # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
+    Term("attention_layernorm_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "layer norm before attention keeps its input (4.1, layer norm 2sbh)"),
+    Term("qkv_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
+    Term("query_key", 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+         "QKᵀ keeps Q and K (4.1, 4sbh)"),
+    Term("softmax_output", 2 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "softmax keeps its output (4.1, 2as²b)"),
+    Term("softmax_dropout_mask", a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "attention dropout keeps its 1-byte mask (4.1, as²b)"),
+    Term("softmax_dropout_output", 2 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "attention over V keeps the dropout output (4.1, 2as²b)"),
+    Term("value", 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+         "attention over V keeps V (4.1, 2sbh)"),
+    Term("projection_input", 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+         "output projection keeps its input (4.1, 2sbh)"),
+    Term("attention_dropout_mask", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "dropout after the projection keeps its 1-byte mask (4.1, sbh)"),
+    # -- MLP block, section 4.1: 19sbh ------------------------------------------------
+    Term("mlp_layernorm_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)"),
+    Term("fc1_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "h→4h linear keeps its input (4.1, 2sbh)"),
+    Term("gelu_input", 8 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+         "GeLU keeps its input (4.1, 8sbh)"),
+    Term("fc2_input", 8 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+         "4h→h linear keeps its input, the GeLU output (4.1, 8sbh)"),
+    Term("mlp_dropout_mask", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "dropout after the MLP keeps its 1-byte mask (4.1, sbh)"),
+    # -- full recompute, section 5: only the layer input is checkpointed ---------------
+    Term("layer_input_checkpoint", 2 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
+         "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
+    # -- first and last stage, section 4.5 ---------------------------------------------
+    Term("embedding_dropout_mask", _sbh, Region.BOUNDARY, _ALWAYS, Scope.EMBEDDING,
+         "dropout after the input embedding keeps its 1-byte mask (4.5, sbhp/t under SP)"),
+    Term("final_layernorm_input", 2 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "final layer norm keeps its input (4.5, 2sbh/t under SP)"),
+    Term("output_layer_input", 2 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "output layer keeps its input (4.5, 2sbh/t under SP)"),
+    Term("logits_fp32", 4 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,
+         "cross entropy keeps fp32 logits, split over the vocabulary (4.5, 4sbv/t)"),
+)
+
+LAYER_TERMS = tuple(term for term in TERMS if term.scope is Scope.LAYER)
+STAGE_TERMS = tuple(term for term in TERMS if term.scope is not Scope.LAYER)

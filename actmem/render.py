@@ -121,7 +121,7 @@ def render_formulas(latex: bool) -> None:
     import sympy
 
     from actmem.equations import equations, table_2
-    from actmem.terms import TERMS
+    from actmem.terms import TERMS, Recompute
 
     console = _console()
     show = sympy.latex if latex else (lambda e: sympy.pretty(e, use_unicode=True))
@@ -138,14 +138,20 @@ def render_formulas(latex: bool) -> None:
     for eq in equations():
         table.add_row(eq.label, show(eq.display), eq.meaning)
     console.print(table)
-    table = Table(title="The term table (section 4.1, 4.5): bytes with no parallelism",
-                  title_justify="left")
-    for column in ("term", "bytes", "region", "kept under", "per", "source"):
-        table.add_column(column)
+    table = _table("The term table (sections 4.1, 4.5): bytes with no parallelism")
+    table.add_column("term · what it is (section, paper's size)", ratio=1)
+    table.add_column("bytes", no_wrap=True)
+    table.add_column("region", no_wrap=True)
+    table.add_column("n s f", no_wrap=True)
+    table.add_column("per", no_wrap=True)
     for term in TERMS:
-        kept = ", ".join(r.value for r in sorted(term.kept_under, key=lambda r: r.value))
-        table.add_row(term.name, sympy.latex(term.bytes) if latex else sympy.sstr(term.bytes),
-                      term.region.value, kept, term.scope.value, term.source)
+        kept = "".join("●" if mode in term.kept_under else "·" for mode in Recompute)
+        size = sympy.latex(term.bytes) if latex else sympy.sstr(term.bytes).replace("*", "·")
+        name = Text(term.name, style="bold") + Text(f"\n{term.source}", style="dim")
+        table.add_row(name, size, term.region.value, kept, term.scope.value)
+    table.caption = ("kept under recompute none / selective / full; block: split t ways; boundary: "
+                     "replicated under plain TP, split along the sequence under SP")
+    table.caption_justify = "left"
     console.print(table)
 
 

@@ -1,0 +1,108 @@
+"""Property tests: no valid input crashes the CLI, and no invalid one passes silently."""
+
+import json
+from fractions import Fraction
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import Cli, assert_one_line_error
+
+_SETTINGS = settings(max_examples=120, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def valid_runs(draw):
+    t = draw(st.sampled_from([1, 2, 4, 8]))
+    heads = t * draw(st.integers(1, 8))
+    hidden = heads * draw(st.sampled_from([8, 16, 64, 128]))
+    p = draw(st.integers(1, 4))
+    m = 1 if p == 1 else draw(st.integers(1, 3))
+    layers = p * m * draw(st.integers(1, 3))
+    flags = {"--heads": heads, "--hidden": hidden, "--layers": layers, "--tp": t, "--pp": p,
+             "--interleave": m, "--seq-len": t * draw(st.integers(1, 256)),
+             "--micro-batch": draw(st.integers(1, 4)), "--vocab": draw(st.integers(1, 60000)),
+             "--recompute": draw(st.sampled_from(["none", "selective", "full"]))}
+    if draw(st.booleans()):
+        d = draw(st.integers(1, 4))
+        n = p * draw(st.integers(1, 4)) if m > 1 else draw(st.integers(1, 8))
+        flags |= {"--gpus": t * p * d, "--global-batch": n * flags["--micro-batch"] * d}
+    args = [str(x) for flag, value in flags.items() for x in (flag, value)]
+    sp = draw(st.booleans())
+    return flags, args + ["--sp" if sp else "--no-sp"]
+
+
+def expected_layer_activations(flags):
+    """Section 4.4 by hand: 1F1B holds min(p, n) microbatches of L/p layers; the interleaved
+    schedule min(pm + p - 1, nm) chunks of L/(pm) layers; n unknown means a full pipeline."""
+    L, p, m = flags["--layers"], flags["--pp"], flags["--interleave"]
+    n = None
+    if "--gpus" in flags:
+        d = flags["--gpus"] // (flags["--tp"] * p)
+        n = flags["--global-batch"] // (flags["--micro-batch"] * d)
+    if m == 1:
+        return L // p * (p if n is None else min(p, n))
+    chunks = p * m + p - 1
+    return L // (p * m) * (chunks if n is None else min(chunks, n * m))
+
+
+@_SETTINGS
+@given(valid_runs())
+def test_valid_input_never_crashes_and_matches_table_2(case):
+    flags, args = case
+    result = Cli()("estimate", *args, "--format", "json")
+    assert result.exit_code == 0, (args, result.output)
+    out = json.loads(result.stdout)
+    s, b, h, a, t = (flags[k] for k in ("--seq-len", "--micro-batch", "--hidden", "--heads", "--tp"))
+    sbh, attention = Fraction(s * b * h), Fraction(5 * a * s, h)
+    paper = {"none": sbh * (34 + attention), "tp": sbh * (10 + Fraction(24, t) + attention / t),
+             "tp-sp": sbh / t * (34 + attention), "tp-sel": sbh * (10 + Fraction(24, t)),
+             "tp-sp-sel": sbh * 34 / t, "full": 2 * sbh}
+    held = expected_layer_activations(flags)
+    assert out["first_stage"]["layer_activations"] == held
+    for row in out["techniques"]:
+        assert row["per_layer_bytes"] == paper[row["technique"]]
+        assert row["layers_bytes"] == row["per_layer_bytes"] * held
+        assert row["first_stage_bytes"] == row["layers_bytes"] + row["extra_bytes"]
+    assert sum(term["bytes"] for term in out["run_terms"]) == out["activations_bytes"]
+    assert out["total_bytes"] == out["activations_bytes"] + out["parameters"]["total_bytes"]
+
+
+def is_valid(heads, hidden, layers, t, p, m, s, sp):
+    """The constraints of the estimator issue, written out independently of actmem.spec."""
+    if min(heads, hidden, layers, t, p, m, s) <= 0:
+        return False
+    return (hidden % heads == 0 and hidden % t == 0 and heads % t == 0
+            and (not sp or s % t == 0) and layers % p == 0 and (layers // p) % m == 0
+            and (m == 1 or p > 1))
+
+
+@st.composite
+def perhaps_invalid_runs(draw):
+    """A valid run with, half the time, one dim or size replaced by any small integer."""
+    t = draw(st.sampled_from([1, 2, 4]))
+    heads = t * draw(st.integers(1, 4))
+    p = draw(st.integers(1, 3))
+    m = 1 if p == 1 else draw(st.integers(1, 2))
+    dims = {"heads": heads, "hidden": heads * 16, "layers": p * m * draw(st.integers(1, 3)),
+            "t": t, "p": p, "m": m, "s": t * draw(st.integers(1, 8)), "sp": draw(st.booleans())}
+    if draw(st.booleans()):
+        key = draw(st.sampled_from(["heads", "hidden", "layers", "t", "p", "m", "s"]))
+        dims[key] = draw(st.integers(-3, 40))
+    return dims
+
+
+@_SETTINGS
+@given(perhaps_invalid_runs())
+def test_invalid_input_never_passes_silently(dims):
+    args = ["estimate", "--heads", dims["heads"], "--hidden", dims["hidden"],
+            "--layers", dims["layers"], "--tp", dims["t"], "--pp", dims["p"],
+            "--interleave", dims["m"], "--seq-len", dims["s"], "--vocab", 1000,
+            "--sp" if dims["sp"] else "--no-sp", "--format", "json"]
+    result = Cli()(*map(str, args))
+    if is_valid(**dims):
+        assert result.exit_code == 0, (args, result.output)
+        json.loads(result.stdout)
+    else:
+        assert_one_line_error(result)

@@ -91,6 +91,8 @@ def spec_options(command):
         click.option("--distributed-optimizer/--no-distributed-optimizer",
                      "--use-distributed-optimizer", "distributed_optimizer", default=None,
                      help="Shard the optimizer state over data parallel ranks (6 + 12/d B a parameter)."),
+        click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
+                     default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
         click.option("--gpu-memory", default=None, metavar="SIZE",
                      help="Memory of one GPU, e.g. 80GiB, 40GB, 81920MiB (default 80GiB)."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
@@ -104,7 +106,7 @@ def spec_options(command):
 def build_spec_from_flags(flags: dict):
     """Merge a preset with the flags into a validated Spec (raises SpecError)."""
     from actmem.presets import load_preset
-    from actmem.spec import build_spec, merge_recompute
+    from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
     from actmem.units import parse_bytes
 
     preset = load_preset(flags["preset"]) if flags["preset"] else None
@@ -115,6 +117,12 @@ def build_spec_from_flags(flags: dict):
     for key in ("sequence_parallel", "distributed_optimizer"):
         if flags[key] is not None:
             run[key] = flags[key]
+    if flags["layers_per_chunk"] is not None:
+        if flags["interleave"] is not None:
+            raise SpecError("give the interleave once: --interleave or "
+                            "--num-layers-per-virtual-pipeline-stage, not both")
+        run["interleave"] = interleave_from_layers_per_chunk(
+            model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
     recompute = merge_recompute(flags["recompute"], flags["recompute_granularity"],
                                 flags["recompute_activations"])
     if recompute is not None:

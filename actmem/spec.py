@@ -171,3 +171,13 @@ def merge_recompute(recompute: str | None, granularity: str | None, activations_
     if len(given) > 1:
         raise SpecError(f"recompute flags disagree: {', '.join(sorted(given))}")
     return given.pop() if given else None
+
+
+def interleave_from_layers_per_chunk(layers: int, p: int, layers_per_chunk: int) -> int:
+    """Megatron's --num-layers-per-virtual-pipeline-stage N gives m = (L/p)/N."""
+    if layers_per_chunk <= 0:
+        raise SpecError(f"layers per virtual pipeline stage must be a positive integer, got {layers_per_chunk}")
+    if layers % p or (layers // p) % layers_per_chunk:
+        raise SpecError(f"layers per virtual pipeline stage ({layers_per_chunk}) must divide the "
+                        f"layers per stage L/p = {layers}/{p}")
+    return layers // p // layers_per_chunk

@@ -34,6 +34,18 @@ def test_megatron_argument_names_are_aliases(actmem):
     assert ours["model"]["padded_vocab"] == 50688   # next multiple of 128·4 above 50257
 
 
+def test_layers_per_virtual_stage_gives_the_interleave(actmem):
+    """530B with p = 5: L/p = 21 layers a stage, 7 a virtual stage, so m = 3; d = 280/40 = 7,
+    n = 280/7 = 40 microbatches; held: 105·(1 + 4/15) = 133 layers."""
+    out = actmem.json("estimate", "--model", "530b", "--pp", "5",
+                      "--num-layers-per-virtual-pipeline-stage", "7")
+    assert out["run"]["interleave"] == 3
+    assert out["first_stage"]["layer_activations"] == 133
+    both = actmem("estimate", "--model", "530b", "--interleave", "3",
+                  "--num-layers-per-virtual-pipeline-stage", "1")
+    assert both.exit_code == 2 and "give the interleave once" in both.stderr
+
+
 def test_recompute_activations_flag_means_selective(actmem):
     out = actmem.json("estimate", "--model", "gpt3", "--recompute-activations")
     assert out["run"]["recompute"] == "selective"
@@ -106,6 +118,8 @@ BAD_INPUTS = [
     (["--model", "530b", "--recompute", "full", "--recompute-granularity", "selective"],
      ["recompute flags disagree"]),
     (["--model", "530b", "--make-vocab-size-divisible-by", "0"], ["vocab_divisible_by must be"]),
+    (["--model", "530b", "--num-layers-per-virtual-pipeline-stage", "2"],
+     ["layers per virtual pipeline stage (2) must divide", "105/35"]),
     (["--hidden", "4096"], ["[model] is missing heads, layers, vocab, seq_len"]),
     ([], ["give a preset with --model"]),
     (["--model", "530b", "--no-such-flag"], ["No such option", "--no-such-flag"]),

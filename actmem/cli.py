@@ -74,12 +74,9 @@ def cli():
 
 def spec_options(command):
     """The model and run flags shared by every command that takes a spec."""
-    for names, key, help_text in reversed(_MODEL_FLAGS + _RUN_FLAGS):
+    for names, key, help_text in reversed(_RUN_FLAGS):
         command = click.option(*names, key, type=int, default=None, help=help_text)(command)
     options = [
-        click.option("--model", "-m", "preset", metavar="NAME|PATH",
-                     help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
-                          "its run is the default, and flags override it."),
         click.option("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel",
                      "sequence_parallel", default=None, help="Sequence parallelism."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
@@ -100,20 +97,39 @@ def spec_options(command):
     ]
     for option in reversed(options):
         command = option(command)
-    return command
+    return model_options(command)
 
 
-def build_spec_from_flags(flags: dict):
-    """Merge a preset with the flags into a validated Spec (raises SpecError)."""
+def model_options(command):
+    """--model and the model dims, shared by every command that takes a model."""
+    for names, key, help_text in reversed(_MODEL_FLAGS):
+        command = click.option(*names, key, type=int, default=None, help=help_text)(command)
+    return click.option("--model", "-m", "preset", metavar="NAME|PATH",
+                        help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
+                             "flags override it.")(command)
+
+
+def _preset_and_flags(flags: dict) -> tuple:
+    """(name, model values, run values): the preset's, overridden by the flags given."""
     from actmem.presets import load_preset
-    from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
-    from actmem.units import parse_bytes
 
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     model = dict(preset.model) if preset else {}
     run = dict(preset.run) if preset else {}
-    model.update({key: flags[key] for _, key, _ in _MODEL_FLAGS if flags[key] is not None})
-    run.update({key: flags[key] for _, key, _ in _RUN_FLAGS if flags[key] is not None})
+    model.update({key: flags[key] for _, key, _ in _MODEL_FLAGS if flags.get(key) is not None})
+    run.update({key: flags[key] for _, key, _ in _RUN_FLAGS if flags.get(key) is not None})
+    if preset is None and not model:
+        raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
+                        "--heads, --hidden, --layers, --vocab, --seq-len")
+    return (preset.name if preset else "custom"), model, run
+
+
+def build_spec_from_flags(flags: dict):
+    """Merge a preset with the flags into a validated Spec (raises SpecError)."""
+    from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
+    from actmem.units import parse_bytes
+
+    name, model, run = _preset_and_flags(flags)
     for key in ("sequence_parallel", "distributed_optimizer"):
         if flags[key] is not None:
             run[key] = flags[key]
@@ -132,10 +148,7 @@ def build_spec_from_flags(flags: dict):
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:
         options["vocab_divisible_by"] = flags["vocab_divisible_by"]
-    if preset is None and not model:
-        raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
-                        "--heads, --hidden, --layers, --vocab, --seq-len")
-    return build_spec(model, run, name=preset.name if preset else "custom", **options)
+    return build_spec(model, run, name=name, **options)
 
 
 @cli.command()
@@ -191,6 +204,135 @@ def presets(fmt):
         click.echo(json.dumps([vars(p) | {"aliases": list(p.aliases)} for p in all_presets()], indent=2))
     else:
         render_presets(all_presets())
+
+
+@cli.command()
+@model_options
+@click.option("--gpus", type=int, default=None, help="GPUs for the run (default: the preset's).")
+@click.option("--global-batch", "--global-batch-size", "global_batch", type=int, default=None,
+              help="Sequences per iteration (default: the preset's).")
+@click.option("--gpu", "gpu_name", default="a100", show_default=True,
+              help="GPU kind: a100 or h100 (peak FLOP/s, memory, bandwidths).")
+@click.option("--gpu-memory", default=None, metavar="SIZE", help="Override the GPU's memory, e.g. 40GiB.")
+@click.option("--reserve", default="0GiB", show_default=True, metavar="SIZE",
+              help="Headroom kept free for the allocator, workspaces and communication buffers.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True,
+              help="Tensor parallelism stays inside a node: t <= this.")
+@click.option("--efficiency", type=float, default=0.6, show_default=True,
+              help="Share of the GPU's peak the matmuls reach (scales compute time).")
+@click.option("--max-micro-batch", type=int, default=16, show_default=True, help="Largest b to try.")
+@click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=128,
+              show_default=True, help="Megatron's vocabulary padding (times t).")
+@click.option("--top", type=int, default=10, show_default=True, help="How many configurations to show.")
+@click.option("--explain", "config", metavar="CONFIG", default=None,
+              help="Show one configuration in full, as the table prints it: 't=8 p=8 m=3 b=1 sp sel'.")
+@click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
+              show_default=True, help="Output format.")
+def plan(fmt, top, config, **flags):
+    """Choose t, p, m, b, sequence parallelism, recompute and the distributed optimizer.
+
+    Enumerates every valid configuration for the model on --gpus GPUs at --global-batch,
+    keeps those whose first pipeline stage fits the GPU, and ranks them by a simple
+    iteration-time model (compute, pipeline bubble, tensor- and data-parallel
+    communication, each shown). Exits 1 when nothing fits.
+
+    \b
+    Examples:
+      actmem plan --model 530b
+      actmem plan --model 1t --gpus 3072 --global-batch 3072 --gpu h100
+      actmem plan --model gpt3 --explain "t=8 p=8 m=3 b=1 sp sel"
+    """
+    from actmem import plan as planner
+
+    request = _plan_request(flags)
+    if config is not None:
+        from actmem.render import render_explain
+
+        render_explain(*planner.explain(request, config))
+        return
+    result = planner.plan(request)
+    if fmt == "rich":
+        from actmem.render import render_plan
+
+        render_plan(result, top)
+    else:
+        from actmem import report
+
+        click.echo(report.plan_json(result, top) if fmt == "json" else report.plan_csv(result, top),
+                   nl=fmt == "json")
+    if result.fitting.empty:
+        sys.exit(1)
+
+
+def _given_or(flag, default):
+    """A flag's value when given (even 0, which validation then rejects), else the preset's."""
+    return default if flag is None else flag
+
+
+def _plan_request(flags: dict):
+    from actmem.hardware import gpu_named
+    from actmem.plan import PlanRequest
+    from actmem.spec import build_spec
+    from actmem.units import parse_bytes
+
+    name, model, run = _preset_and_flags(flags)
+    model = build_spec(model, {}).model          # checks the dims and names what is missing
+    gpus = _given_or(flags["gpus"], run.get("gpus"))
+    global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
+    if gpus is None or global_batch is None:
+        raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
+    gpu = gpu_named(flags["gpu_name"])
+    memory = parse_bytes(flags["gpu_memory"]) if flags["gpu_memory"] else gpu.memory_bytes
+    return PlanRequest(model=model, gpus=gpus, global_batch=global_batch, gpu=gpu,
+                       gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
+                       gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
+                       max_micro_batch=flags["max_micro_batch"],
+                       vocab_divisible_by=flags["vocab_divisible_by"])
+
+
+@cli.command()
+@model_options
+@click.option("--global-batch", "--global-batch-size", "global_batch", type=int, default=None,
+              help="Sequences per iteration (default: the preset's).")
+@click.option("--iteration-time", type=float, default=None, metavar="SECONDS",
+              help="Measured seconds per iteration: gives MFU and HFU.")
+@click.option("--gpus", type=int, default=None, help="GPUs in the run (default: the preset's).")
+@click.option("--gpu", "gpu_name", default="a100", show_default=True, help="GPU kind for the peak.")
+@click.option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
+@click.option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
+              show_default=True, help="Output format.")
+def flops(fmt, iteration_time, peak_tflops, **flags):
+    """FLOPs per iteration (the paper's appendix) and, given a time, MFU and HFU.
+
+    \b
+    Example (Table 5 of the paper):
+      actmem flops --model 530b --iteration-time 37.83
+    """
+    from actmem.flops import flops_report
+
+    name, model, run = _preset_and_flags(flags)
+    from actmem.hardware import gpu_named
+    from actmem.spec import build_spec
+
+    dims = build_spec(model, {}).model
+    global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
+    gpus = _given_or(flags["gpus"], run.get("gpus"))
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise SpecError(f"flops needs a positive --global-batch, got {global_batch!r}")
+    if iteration_time is not None and not (iteration_time > 0 and isinstance(gpus, int) and gpus > 0):
+        raise SpecError(f"MFU needs a positive --iteration-time ({iteration_time}) and --gpus ({gpus})")
+    peak = peak_tflops * 1e12 if peak_tflops else gpu_named(flags["gpu_name"]).peak_flops
+    if peak <= 0:
+        raise SpecError(f"--peak-tflops must be positive, got {peak_tflops}")
+    report = flops_report(dims, global_batch, gpus, peak, iteration_time)
+    if fmt == "json":
+        import json
+
+        click.echo(json.dumps(report, indent=2))
+    else:
+        from actmem.render import render_flops
+
+        render_flops(name, report)
 
 
 def main():

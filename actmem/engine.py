@@ -14,8 +14,12 @@ from actmem.symbols import L, a, b, h, m, p, s, t, v
 from actmem.techniques import Technique
 from actmem.terms import LAYER_TERMS, STAGE_TERMS, Region, Scope, Term
 
+#: how many of each scope the first stage holds, as symbols for the vectorised form
+layer_activations, microbatches_held, holds_output = sympy.symbols(
+    "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
+
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output)
 
 
 def divisor(region: Region, technique: Technique):
@@ -64,6 +68,14 @@ def first_stage_bytes(technique: Technique, interleaved: bool, holds_output: boo
             + extra_bytes(technique, p, int(holds_output)))
 
 
+@cache
+def held_bytes(technique: Technique) -> sympy.Expr:
+    """The first stage's activations for any occupancy: per layer x layer activations held,
+    plus the section 4.5 terms, with the counts left as symbols (for the planner's sweep)."""
+    return (per_layer_bytes(technique) * layer_activations
+            + extra_bytes(technique, microbatches_held, holds_output))
+
+
 def exact(expr, bindings: dict) -> int:
     """Bind the symbols to integers and return the whole number of bytes."""
     value = sympy.sympify(expr).subs(bindings)
@@ -72,6 +84,7 @@ def exact(expr, bindings: dict) -> int:
     return int(value)
 
 
+@cache
 def numeric(expr):
     """A numpy function of NUMERIC_ARGS for sweeps (the planner), from the same expression."""
     return sympy.lambdify(NUMERIC_ARGS, expr, modules="numpy")

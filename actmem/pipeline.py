@@ -32,22 +32,32 @@ class StageOccupancy:
     explanation: str
 
 
+def _minimum(x, y):
+    """min(x, y) of integers that works elementwise on numpy arrays too."""
+    return (x + y - abs(x - y)) // 2
+
+
+def held_counts(layers, p, m, n):
+    """(layer activations, microbatches) the first stage holds at its peak, for n
+    microbatches per iteration: the schedule's warm-up stops when the microbatches run out.
+    Arithmetic only: runs on ints and on numpy integer arrays (the planner's sweep)."""
+    full_chunks = chunks_in_flight(p, m, True) * (m > 1) + chunks_in_flight(p, m, False) * (m == 1)
+    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(p, n)
+
+
 def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None
                           ) -> StageOccupancy:
     """The first stage's peak; fewer microbatches than the schedule wants hold less."""
-    interleaved = m > 1
-    full_chunks = chunks_in_flight(p, m, interleaved)
-    chunks = full_chunks
     n = microbatches_per_iteration
-    if n is not None:
-        chunks = min(full_chunks, n * m)   # the warm-up stops when the microbatches run out
-    layers_per_chunk = layers // (p * m)
-    embedding_microbatches = p if n is None else min(p, n)
-    explanation = _explain(layers, p, m, n, chunks, full_chunks, layers_per_chunk)
-    return StageOccupancy(layers_per_chunk * chunks, embedding_microbatches, p == 1, explanation)
+    # Unknown n: 2p microbatches are enough to fill either schedule (2pm >= pm + p - 1).
+    layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n)
+    full_chunks = chunks_in_flight(p, m, m > 1)
+    chunks = layer_activations // (layers // (p * m))
+    explanation = _explain(p, m, n, chunks, full_chunks, layers // (p * m))
+    return StageOccupancy(layer_activations, microbatches, p == 1, explanation)
 
 
-def _explain(layers, p, m, n, chunks, full_chunks, layers_per_chunk) -> str:
+def _explain(p, m, n, chunks, full_chunks, layers_per_chunk) -> str:
     if m > 1:
         schedule, unit = f"interleaved schedule (m={m})", "chunks"
     else:

@@ -86,3 +86,46 @@ def to_markdown(est: Estimate) -> str:
     parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in _frames(est).items()]
     notes = "\n".join(f"- {note}" for note in est.assumptions)
     return "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
+
+
+_PLAN_COLUMNS = ["t", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
+                 "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
+                 "optimizer_bytes", "total_bytes", "fits", "compute_s", "tensor_parallel_s",
+                 "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
+
+
+def _plan_rows(frame, top: int) -> list[dict]:
+    from actmem.plan import config_label
+
+    rows = frame.head(top) if top > 0 else frame
+    return [{"config": config_label(row), **{k: _plain(getattr(row, k)) for k in _PLAN_COLUMNS}}
+            for row in rows.itertuples()]
+
+
+def _plain(value):
+    """numpy scalars to Python ones, for json."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def plan_json(plan, top: int) -> str:
+    req = plan.request
+    why_not = plan.why_not()
+    return json.dumps({
+        "request": {"model": vars(req.model), "gpus": req.gpus, "global_batch": req.global_batch,
+                    "gpu": req.gpu.name, "gpu_memory_bytes": req.gpu_memory_bytes,
+                    "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes,
+                    "efficiency": req.efficiency},
+        "evaluated": len(plan.evaluated),
+        "fitting": len(plan.fitting),
+        "best": _plan_rows(plan.fitting, top),
+        "why_not": [{"t": int(row.t), "any_fits": bool(row.t_fits), "leanest": _plan_rows(
+            why_not.iloc[[i]], 1)[0], "over_bytes": int(row.over_bytes),
+                     "largest_part": row.largest_part} for i, row in enumerate(why_not.itertuples())],
+    }, indent=2)
+
+
+def plan_csv(plan, top: int) -> str:
+    """The fitting configurations, fastest first (all of them with --top 0)."""
+    import pandas as pd
+
+    return pd.DataFrame(_plan_rows(plan.fitting, top), columns=["config"] + _PLAN_COLUMNS).to_csv(index=False)

@@ -121,9 +121,7 @@ class Spec:
 
     @property
     def padded_vocab(self) -> int:
-        """Megatron pads the vocabulary to a multiple of vocab_divisible_by·t."""
-        multiple = self.vocab_divisible_by * self.run.tensor_parallel
-        return -(-self.model.vocab // multiple) * multiple
+        return padded_vocab(self.model.vocab, self.run.tensor_parallel, self.vocab_divisible_by)
 
     def bindings(self) -> dict:
         """The paper's symbols bound to this spec's integers."""
@@ -132,6 +130,12 @@ class Spec:
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
                   "v": self.padded_vocab, "m": run.interleave}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
+
+
+def padded_vocab(vocab, t, divisible_by):
+    """Megatron pads the vocabulary to a multiple of divisible_by·t (ints or numpy arrays)."""
+    multiple = divisible_by * t
+    return -(-vocab // multiple) * multiple
 
 
 def _divides(small_name, small, big_name, big, why=""):

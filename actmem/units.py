@@ -13,7 +13,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, allow_zero: bool = False) -> int:
     """'80GiB' -> 85899345920. A bare number is bytes; GB is 10^9, GiB is 2^30."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
@@ -21,7 +21,7 @@ def parse_bytes(text: str) -> int:
         raise SpecError(f"memory size {text!r} is not a number with a unit "
                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
     size = Fraction(match.group(1)) * _UNITS[unit or "b"]
-    if size.denominator != 1 or size <= 0:
+    if size.denominator != 1 or size < 0 or (size == 0 and not allow_zero):
         raise SpecError(f"memory size {text!r} must be a positive whole number of bytes")
     return int(size)
 

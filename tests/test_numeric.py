@@ -13,8 +13,20 @@ def test_numeric_matches_exact_on_a_grid():
     h, a, L, p, v, m = 12288, 96, 96, 8, 51200, 3
     for technique in TABLE_2:
         expr = engine.first_stage_bytes(technique, interleaved=True, holds_output=False)
-        fast = engine.numeric(expr)(s, b, h, a, L, t, p, v, m)
+        fast = engine.numeric(expr)(s, b, h, a, L, t, p, v, m, 0, 0, 0)
         for i, (si, bi, ti) in enumerate(grid):
             spec = Spec(Model(a, h, L, v, si), Run(tensor_parallel=ti, pipeline_parallel=p,
                                                    interleave=m, micro_batch=bi))
             assert fast[i] == engine.exact(expr, spec.bindings())
+
+
+def test_held_bytes_matches_the_estimate(actmem):
+    """The planner's vectorised form gives the estimate's bytes for the same run."""
+    out = actmem.json("estimate", "--model", "gpt3", "--global-batch", "4", "--interleave", "1")
+    held = out["first_stage"]
+    spec_args = (2048, 1, 12288, 96, 96, 8, 8, 51200, 1)
+    for row in out["techniques"]:
+        technique = next(t for t in TABLE_2 if t.name == row["technique"])
+        f = engine.numeric(engine.held_bytes(technique))
+        assert f(*spec_args, held["layer_activations"], held["microbatches_in_flight"],
+                 int(held["holds_output_layer"])) == row["first_stage_bytes"]

@@ -1,0 +1,34 @@
+"""GPUs the planner knows: memory, peak 16-bit throughput and the bandwidths it assumes."""
+
+from dataclasses import dataclass
+
+from actmem.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    peak_flops: float
+    """Dense bf16/fp16 tensor-core peak, FLOP/s."""
+    intra_node_bandwidth: float
+    """Bytes/s one GPU achieves in an NVLink all-reduce (NCCL bus bandwidth), for t."""
+    inter_node_bandwidth: float
+    """Bytes/s one GPU achieves across nodes (its InfiniBand share), for data parallelism."""
+
+
+GPUS = {
+    # The paper's GPU: 312 TFLOP/s bf16; NVLink 3 (600 GB/s both ways) reaches ~230 GB/s bus
+    # bandwidth in NCCL all-reduce; one 200 Gb/s HDR InfiniBand link a GPU is 25 GB/s.
+    "a100": Gpu("A100 80GB", 80 * 2**30, 312e12, 230e9, 25e9),
+    # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 (900 GB/s both ways) ~360 GB/s bus
+    # bandwidth; one 400 Gb/s NDR InfiniBand link a GPU is 50 GB/s.
+    "h100": Gpu("H100 SXM 80GB", 80 * 2**30, 989e12, 360e9, 50e9),
+}
+
+
+def gpu_named(name: str) -> Gpu:
+    try:
+        return GPUS[name.lower()]
+    except KeyError:
+        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")

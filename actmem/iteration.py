@@ -1,0 +1,50 @@
+"""A small, transparent model of the time per iteration, each part shown.
+
+    time = (compute + tensor-parallel + pipeline point-to-point communication) x pipeline bubble
+           + data-parallel communication
+
+Arithmetic on numpy arrays (one element per configuration); none of it is overlapped,
+which makes it a ranking model, not a promise.
+"""
+
+from actmem.flops import hardware_flops
+from actmem.terms import Recompute
+
+BYTES_16BIT = 2
+GRADIENT_BYTES = 4    # Megatron reduces fp32 main gradients
+
+
+def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency):
+    """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak."""
+    flops = sum((recompute == mode.value) * hardware_flops(B, s, L, h, v, mode) for mode in Recompute)
+    return flops / (gpus * efficiency * peak_flops)
+
+
+def bubble_factor(p, m, n):
+    """Pipeline flush: 1 + (p-1)/(m·n) for n microbatches and m chunks a rank."""
+    return 1 + (p - 1) / (m * n)
+
+
+def tensor_parallel_seconds(s, b, h, L, p, t, n, recompute, bandwidth):
+    """Each layer all-reduces its 2sbh-byte output twice forward and twice backward (three
+    times forward with full recompute); sequence parallelism moves the same bytes as an
+    all-gather plus a reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
+    per_layer = 4 + 2 * (recompute == Recompute.FULL.value)
+    volume = n * (L // p) * per_layer * 2 * (t - 1) / t * BYTES_16BIT * s * b * h
+    return volume / bandwidth
+
+
+def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth):
+    """Once an iteration: all-reduce the fp32 gradients (2(d-1)/d x 4 B a parameter); the
+    distributed optimizer reduce-scatters them and all-gathers 16-bit weights instead
+    ((d-1)/d x (4 + 2) B)."""
+    per_parameter = (2 * GRADIENT_BYTES * (1 - distributed_optimizer)
+                     + (GRADIENT_BYTES + BYTES_16BIT) * distributed_optimizer)
+    return parameters * per_parameter * (d - 1) / d / bandwidth
+
+
+def pipeline_p2p_seconds(s, b, h, t, p, m, n, bandwidth):
+    """Each microbatch crosses each of the rank's m chunk boundaries forward (activations)
+    and backward (gradients): 2·m sends of 2sbh/t bytes (Megatron scatters them over the t
+    tensor-parallel ranks). None with p = 1."""
+    return (p > 1) * n * 2 * m * BYTES_16BIT * s * b * h / t / bandwidth

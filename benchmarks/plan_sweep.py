@@ -1,0 +1,44 @@
+"""Benchmark: the planner's sweep, in configurations evaluated per second. A report, not a test.
+
+The issue's target: a full sweep for the 1T model on 3072 GPUs finishes in about a second.
+Usage: python benchmarks/plan_sweep.py
+"""
+
+import subprocess
+import sys
+import time
+
+from actmem.hardware import GPUS
+from actmem.plan import PlanRequest, plan
+from actmem.presets import load_preset
+from actmem.spec import Model
+
+
+def timed_plan(model: Model, gpus: int, global_batch: int, **options) -> tuple[int, float]:
+    request = PlanRequest(model=model, gpus=gpus, global_batch=global_batch, gpu=GPUS["a100"],
+                          gpu_memory_bytes=80 * 2**30, **options)
+    start = time.perf_counter()
+    evaluated = len(plan(request).evaluated)
+    return evaluated, time.perf_counter() - start
+
+
+def main() -> None:
+    one_t = Model(**load_preset("1t").model)
+    for label, model, gpus, batch, options in (
+        ("1T on 3072 GPUs, global batch 3072 (first call: lambdify)", one_t, 3072, 3072, {}),
+        ("1T on 3072 GPUs, global batch 3072", one_t, 3072, 3072, {}),
+        ("1T on 3072 GPUs, global batch 3072, b up to 256", one_t, 3072, 3072, {"max_micro_batch": 256}),
+        ("L=96 on 6144 GPUs, global batch 12288, b up to 64",
+         Model(96, 12288, 96, 51200, 2048), 6144, 12288, {"max_micro_batch": 64}),
+    ):
+        count, seconds = timed_plan(model, gpus, batch, **options)
+        print(f"{label:58s} {count:7,d} configs {seconds:6.3f} s {count / seconds:10,.0f} configs/s")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "actmem", "plan", "--model", "1t", "--gpus", "3072",
+                    "--global-batch", "3072"], check=True, capture_output=True)
+    print(f"{'whole command: actmem plan --model 1t --gpus 3072 --global-batch 3072':58s} "
+          f"{time.perf_counter() - start:23.3f} s")
+
+
+if __name__ == "__main__":
+    main()

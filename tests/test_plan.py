@@ -1,0 +1,166 @@
+"""`actmem plan`: the sweep, its memory against the exact estimate, the paper's sanity checks."""
+
+import json
+
+import pytest
+
+from actmem.estimate import estimate
+from actmem.hardware import GPUS
+from actmem.plan import PlanRequest, candidates, config_label, evaluate, parse_config, plan
+from actmem.presets import load_preset
+from actmem.spec import Model, build_spec
+from tests.conftest import assert_one_line_error
+
+# Table 3, and m from section 6: (p, m, b) of the paper's run; t = 8 for all
+PAPER_RUNS = {"22b": (1, 1, 4), "175b": (8, 3, 1), "530b": (35, 3, 1), "1t": (64, 1, 1)}
+
+
+def request(preset: str, **overrides) -> PlanRequest:
+    pr = load_preset(preset)
+    values = dict(model=Model(**pr.model), gpus=pr.run["gpus"], global_batch=pr.run["global_batch"],
+                  gpu=GPUS["a100"], gpu_memory_bytes=80 * 2**30, efficiency=0.6)
+    return PlanRequest(**values | overrides)
+
+
+def row_of(frame, t, p, m, b, sp, recompute, dopt=False):
+    match = frame[(frame.t == t) & (frame.p == p) & (frame.m == m) & (frame.b == b)
+                  & (frame.sequence_parallel == sp) & (frame.recompute == recompute)
+                  & (frame.distributed_optimizer == dopt)]
+    assert len(match) == 1
+    return match.iloc[0]
+
+
+@pytest.mark.parametrize("preset", PAPER_RUNS)
+def test_paper_configuration_fits_and_without_the_techniques_does_not(preset):
+    """Section 6: t = 8, SP + selective fits an 80 GB A100; the same t and p with neither
+    technique does not ("without these techniques the models do not fit")."""
+    evaluated = plan(request(preset)).evaluated
+    p, m, b = PAPER_RUNS[preset]
+    assert row_of(evaluated, 8, p, m, b, True, "selective").fits
+    assert not row_of(evaluated, 8, p, m, b, False, "none").fits
+
+
+def test_530b_best_is_the_papers_own_configuration():
+    best = plan(request("530b")).fitting.iloc[0]
+    assert config_label(best) == "t=8 p=35 m=3 b=1 sp sel"
+
+
+@pytest.mark.parametrize("preset", ["175b", "530b"])
+def test_vectorised_memory_equals_the_exact_estimate(preset):
+    """The sweep's numpy evaluation agrees to the byte with `actmem estimate`, row by row."""
+    req = request(preset)
+    evaluated = evaluate(req, candidates(req))
+    for row in evaluated.sample(40, random_state=0).itertuples():
+        run = parse_config(config_label(row)) | {"gpus": req.gpus, "global_batch": req.global_batch}
+        est = estimate(build_spec(vars(req.model), run))
+        assert row.activations_bytes == est.activations_bytes
+        assert row.total_bytes == est.total_bytes
+
+
+def test_time_parts_by_hand():
+    """GPT-3, t = 8, p = 8, m = 3, b = 1, SP + selective, 64 GPUs (d = 1), n = 64:
+    compute = 72·64·2048·96·12288²·(1 + 2048/(3·12288) + 51200/(12·12288·96)) / (64·0.6·312e12);
+    tp comm = 64·12 layers·4 all-reduces·2·(7/8)·2·2048·12288 B / 230 GB/s;
+    pipeline sends = 64·2·3·2·2048·12288/8 B / 25 GB/s;
+    bubble = 1 + 7/(3·64); no data parallelism."""
+    row = row_of(plan(request("175b")).evaluated, 8, 8, 3, 1, True, "selective")
+    s, h, L = 2048, 12288, 96
+    compute = 72 * 64 * s * L * h * h * (1 + s / (3 * h) + 51200 / (12 * h * L)) / (64 * 0.6 * 312e12)
+    tp = 64 * 12 * 4 * 2 * 7 / 8 * 2 * s * h / 230e9
+    p2p = 64 * 2 * 3 * 2 * s * h / 8 / 25e9
+    assert row.compute_s == pytest.approx(compute)
+    assert row.tensor_parallel_s == pytest.approx(tp)
+    assert row.pipeline_p2p_s == pytest.approx(p2p)
+    assert row.bubble == pytest.approx(1 + 7 / 192)
+    assert row.data_parallel_s == 0
+    assert row.iteration_s == pytest.approx((compute + tp + p2p) * (1 + 7 / 192))
+
+
+def test_data_parallel_time_by_hand():
+    """GPT-3 on 128 GPUs with t = 8, p = 8: d = 2, fp32 gradients all-reduced: 2·(1/2)·4 B a
+    parameter at 25 GB/s; the distributed optimizer moves (1/2)·(4 + 2) B instead."""
+    req = request("175b", gpus=128, global_batch=128)
+    evaluated = plan(req).evaluated
+    plain = row_of(evaluated, 8, 8, 3, 1, True, "selective")
+    sharded = row_of(evaluated, 8, 8, 3, 1, True, "selective", dopt=True)
+    assert plain.data_parallel_s == pytest.approx(plain.parameters * 4 / 25e9)
+    assert sharded.data_parallel_s == pytest.approx(sharded.parameters * 3 / 25e9)
+    assert sharded.total_bytes < plain.total_bytes
+
+
+def test_constraints_of_the_space():
+    frame = candidates(request("175b"))
+    assert set(frame.t) <= {1, 2, 4, 8}                       # t | 96 heads, one node
+    assert (96 % frame.p == 0).all() and ((96 // frame.p) % frame.m == 0).all()
+    assert (frame.n % frame.p == 0)[frame.m > 1].all()         # Megatron's interleave rule
+    assert not (frame.sequence_parallel & (frame.t == 1)).any()
+    assert not (frame.distributed_optimizer & (frame.d == 1)).any()
+    assert (frame.t * frame.p * frame.d == 64).all()
+
+
+def test_config_label_round_trip():
+    assert parse_config("t=8 p=35 m=3 b=1 sp sel") == {
+        "tensor_parallel": 8, "pipeline_parallel": 35, "interleave": 3, "micro_batch": 1,
+        "sequence_parallel": True, "recompute": "selective", "distributed_optimizer": False}
+    assert parse_config("t=2,p=4,nosp,full,dopt")["distributed_optimizer"] is True
+
+
+def test_why_not_names_the_part_that_broke_the_budget():
+    """530B on one node (8 GPUs): no t fits; at t = 8 the leanest needs the whole model's
+    optimizer state on 8 GPUs, 12 B x 530e9/8 ≈ 740 GiB, its largest part."""
+    why = plan(request("530b", gpus=8, global_batch=8)).why_not()
+    assert not why.t_fits.any()
+    t8 = why[why.t == 8].iloc[0]
+    assert t8.largest_part == "optimizer"
+    assert t8.over_bytes > 700 * 2**30
+
+
+def test_plan_cli_json(actmem):
+    result = actmem("plan", "--model", "530b", "--top", "3", "--format", "json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["best"][0]["config"] == "t=8 p=35 m=3 b=1 sp sel"
+    assert len(out["best"]) == 3 and out["fitting"] <= out["evaluated"]
+    assert {row["t"] for row in out["why_not"]} == {1, 2, 4, 8}
+
+
+def test_plan_cli_rich_csv_and_explain(actmem):
+    assert "t=8 p=35 m=3 b=1 sp sel" in actmem("plan", "--model", "530b").stdout
+    csv = actmem("plan", "--model", "22b", "--format", "csv", "--top", "0").stdout
+    assert csv.splitlines()[0].startswith("config,t,p,m,b,d,n")
+    explained = actmem("plan", "--model", "gpt3", "--explain", "t=8 p=8 m=3 b=1 sp sel")
+    assert explained.exit_code == 0
+    assert "pipeline bubble" in explained.stdout and "tp-sp-sel" in explained.stdout
+
+
+def test_nothing_fits_exits_1_and_says_why(actmem):
+    result = actmem("plan", "--model", "530b", "--gpus", "8", "--global-batch", "8")
+    assert result.exit_code == 1
+    assert "Nothing fits" in result.stdout and "largest part: optimizer" in result.stdout
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--model", "1t", "--gpus", "13", "--global-batch", "64"],
+     ["divisible by none of the data-parallel sizes", "13"]),
+    # 530B: p | 105 is odd, so on 16 GPUs p = 1 and d is 2, 4, 8 or 16: none divides 7
+    (["--model", "530b", "--gpus", "16", "--global-batch", "7"],
+     ["global batch 7 is divisible by none", "2, 4, 8, 16"]),
+    (["--model", "gpt3", "--gpus", "0"], ["gpus must be a positive integer, got 0"]),
+    (["--model", "gpt3", "--reserve", "90GiB"], ["reserve", "must be less than the GPU memory"]),
+    (["--model", "gpt3", "--efficiency", "0"], ["efficiency must be in (0, 1]"]),
+    (["--model", "gpt3", "--gpu", "b200"], ["unknown GPU 'b200'"]),
+    (["--model", "gpt3", "--explain", "t=8 q=2"], ["cannot read 'q=2'"]),
+    (["--model", "gpt3", "--explain", "t=5"], ["t (5) must divide hidden (12288)"]),
+    (["--heads", "8", "--hidden", "512", "--layers", "4", "--vocab", "100", "--seq-len", "64"],
+     ["plan needs --gpus and --global-batch"]),
+    (["--model", "gpt3", "--gpus-per-node", "x"], ["'x' is not a valid integer"]),
+])
+def test_plan_bad_input(actmem, args, fragments):
+    assert_one_line_error(actmem("plan", *args), *fragments)
+
+
+def test_a_prime_gpu_count_larger_than_a_node():
+    """13 GPUs: only t = p = 1 divides 13, so d = 13 must divide the global batch."""
+    req = request("1t", gpus=13, global_batch=13 * 4)
+    frame = candidates(req)
+    assert set(zip(frame.t, frame.p, frame.d)) == {(1, 1, 13)}

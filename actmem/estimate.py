@@ -119,8 +119,8 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
            "; the output-layer terms of section 4.5 sit on the last stage (p > 1)"),
         "Table 2 rows share this run's pipeline and microbatch and vary only t, SP and "
         "recompute ('none' sets t = 1)",
-        "embedding dropout masks counted for p microbatches as in section 4.5; the interleaved "
-        "schedule can briefly hold more",
+        f"embedding dropout masks of {occupancy.microbatches} microbatches: p as section 4.5 "
+        "counts under 1F1B, 2p at the peak of the interleaved schedule (the paper says p)",
         "not counted: the one layer rematerialised during a recompute backward, "
         "allocator fragmentation, workspace and communication buffers",
         "parameters: Megatron GPT layers (12h² + 13h each), word embedding split over the "

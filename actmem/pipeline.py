@@ -37,19 +37,31 @@ def _minimum(x, y):
     return (x + y - abs(x - y)) // 2
 
 
+def embedding_microbatches(p, m, interleaved: bool):
+    """Microbatches whose chunk-0 forward (with the embedding) the first stage holds at its
+    peak, pipeline full. 1F1B: p, as section 4.5 counts. Megatron's interleaved schedule:
+    2p. After forward k of the steady state, with y = k - (pm + p - 2), the chunk-0
+    forwards run minus the chunk-0 backwards run is p + f(y + p - 1) - g(y), where f(x)
+    counts k' < x with k' mod pm < p and g(y) counts j' < y with j' mod pm >= (m-1)p; that
+    is 2p whenever y mod pm lies in [1, (m-1)p], which happens with pm + p - 1 chunks held
+    as soon as n >= 2p. (With n = p every forward runs first: p.) The harness measures it."""
+    return 2 * p if interleaved else p
+
+
 def held_counts(layers, p, m, n):
     """(layer activations, microbatches) the first stage holds at its peak, for n
     microbatches per iteration: the schedule's warm-up stops when the microbatches run out.
     Arithmetic only: runs on ints and on numpy integer arrays (the planner's sweep)."""
     full_chunks = chunks_in_flight(p, m, True) * (m > 1) + chunks_in_flight(p, m, False) * (m == 1)
-    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(p, n)
+    embedding = embedding_microbatches(p, m, True) * (m > 1) + embedding_microbatches(p, m, False) * (m == 1)
+    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(embedding, n)
 
 
 def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None
                           ) -> StageOccupancy:
     """The first stage's peak; fewer microbatches than the schedule wants hold less."""
     n = microbatches_per_iteration
-    # Unknown n: 2p microbatches are enough to fill either schedule (2pm >= pm + p - 1).
+    # Unknown n: 2p microbatches fill either schedule (2pm >= pm + p - 1, and 2p masks).
     layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n)
     full_chunks = chunks_in_flight(p, m, m > 1)
     chunks = layer_activations // (layers // (p * m))

@@ -26,6 +26,18 @@ def test_interleaved_full_pipeline_matches_the_paper_factor():
     assert "31 chunks x 4 layers" in occupancy.explanation
 
 
+def test_interleaved_peak_holds_2p_embedding_masks():
+    """Megatron's interleaved order on rank 0, p = 2, m = 2, n = 4 (warm-up 2(p-1) + (m-1)p = 4):
+    F(mb0,c0) F(mb1,c0) F(mb0,c1) F(mb1,c1) | F(mb2,c0) B(mb0,c1) | F(mb3,c0) B(mb1,c1) | ...
+    After F(mb3,c0): chunks in flight mb0c0 mb1c0 mb1c1 mb2c0 mb3c0 = pm + p - 1 = 5, of which
+    chunk 0 (with the embedding) for mb0..mb3 = 2p = 4."""
+    occupancy = first_stage_occupancy(4, 2, 2, microbatches_per_iteration=4)
+    assert (occupancy.layer_activations, occupancy.microbatches) == (5, 4)
+    # with n = p every forward runs first: p chunk-0 forwards, pm chunks
+    occupancy = first_stage_occupancy(4, 2, 2, microbatches_per_iteration=2)
+    assert (occupancy.layer_activations, occupancy.microbatches) == (4, 2)
+
+
 def test_interleaved_with_n_equal_p_runs_all_forwards_first():
     """n = p = 8, m = 3: the schedule has only n·m = 24 chunk forwards to run, fewer than the
     pm + p - 1 = 31 of a full warm-up, so it holds 24 chunks x 4 layers = 96 = L."""

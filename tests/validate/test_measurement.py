@@ -1,0 +1,122 @@
+"""The measured bytes match the formulas, term by term, on real gloo ranks and at paper scale."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from actmem_validate.compare import worst_error  # noqa: E402
+from actmem_validate.grid import configs_for, preset_grid, small_grid  # noqa: E402
+from actmem_validate.launch import FAIL_RANK_VARIABLE, HarnessError, run_fake, run_real  # noqa: E402
+from actmem_validate.measure import Config  # noqa: E402
+
+RESIDUALS = {"layernorm_statistics", "token_ids", "position_ids", "cross_entropy_targets"}
+
+
+def paper_rows(rows):
+    return [row for row in rows if row["kind"] == "paper"]
+
+
+def test_real_small_grid_matches_every_term_to_the_byte():
+    rows = run_real(small_grid())
+    assert paper_rows(rows)
+    for row in paper_rows(rows):
+        assert row["measured_bytes"] == row["formula_bytes"], row
+    assert {row["term"] for row in rows if row["kind"] == "residual"} <= RESIDUALS
+    assert {row["rank"] for row in rows} == {0, 1, 2, 3}
+
+
+def test_interleaved_first_stage_holds_2p_embedding_masks():
+    """p = 2, m = 2, n = 4, t = 2 with SP: masks of 2p = 4 microbatches of sbh/t = 32·2·64/2 B."""
+    config = Config("small", "tp-sp", 8, 64, 4, 512, 32, 2, 2, 2, 2, 4)
+    rows = run_real([config])
+    masks = [r for r in rows if r["term"] == "embedding_dropout_mask"]
+    assert [r["measured_bytes"] for r in masks] == [4 * 32 * 2 * 64 // 2] * 2
+
+
+@pytest.mark.parametrize("name", ["22b", "530b"])
+def test_paper_scale_fake_runs_match_to_the_byte(name):
+    rows = run_fake(preset_grid(names=(name,)))
+    assert worst_error(rows) == 0
+    totals = [row for row in rows if row["term"] == "total"]
+    assert len(totals) == 2 and all(abs(row["error_percent"]) < 0.05 for row in totals)
+
+
+def test_a_failing_rank_ends_the_job_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv(FAIL_RANK_VARIABLE, "1")
+    with pytest.raises(HarnessError, match="failure injected on rank 1"):
+        run_real([Config("small", "tp", 8, 64, 2, 512, 32, 2, 1, 1, 2, 1)], timeout_s=60)
+
+
+def actmem(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "actmem", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+SMALL = ["--heads", "8", "--hidden", "64", "--layers", "4", "--vocab", "512", "--seq-len", "32"]
+
+
+def test_validate_cli_json_rows():
+    result = actmem("validate", *SMALL, "--tp", "2", "--pp", "2", "--techniques", "tp-sp-sel",
+                    "--format", "json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert {"technique", "term", "formula_bytes", "measured_bytes"} <= set(rows[0])
+    assert [r["rank"] for r in rows if r["term"] == "total"] == [0, 1]
+
+
+def test_validate_exits_1_when_a_paper_term_is_off():
+    """Without dropout there are no masks: the formula counts them, the measurement has none."""
+    result = actmem("validate", *SMALL, "--techniques", "tp", "--tp", "2", "--dropout", "0")
+    assert result.returncode == 1
+    assert "off by 100.0000%" in result.stderr
+
+
+def test_validate_cli_reports_a_failing_rank():
+    result = actmem("validate", *SMALL, "--tp", "2", "--techniques", "tp", env={FAIL_RANK_VARIABLE: "0"},
+                    timeout=180)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("actmem: error: a rank of the t=2 run failed")
+
+
+def test_validate_bad_input():
+    result = actmem("validate", *SMALL, "--techniques", "tp,magic")
+    assert result.returncode == 2 and "unknown techniques magic" in result.stderr
+
+
+def test_validate_without_torch_says_how_to_install_it():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from actmem.cli import cli\n"
+            "cli(['validate', '--model', '22b'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "pip install 'actmem[harness]'" in result.stderr
+
+
+def test_configs_for_a_preset_fill_the_schedule():
+    from actmem.presets import load_preset
+    from actmem.spec import build_spec
+
+    preset = load_preset("530b")
+    configs = configs_for(build_spec(preset.model, preset.run), ["tp-sp-sel"])
+    assert configs[0].microbatches == 70          # 2p for the interleaved schedule
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_gpu_run_matches_on_cuda():
+    rows = run_real([Config("small", "tp-sp-sel", 8, 64, 2, 512, 32, 1, 1, 1, 2, 1)])
+    assert worst_error(rows) == 0
+
+
+def test_torchrun_runs_the_same_measurement():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "-m", "actmem_validate", *SMALL, "--tp", "2", "--techniques", "tp-sp",
+                             "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout)
+    assert {row["rank"] for row in rows} == {0, 1}
+    assert worst_error(rows) == 0

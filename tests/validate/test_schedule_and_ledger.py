@@ -1,0 +1,51 @@
+"""The schedule's order and the ledger's accounting, on small hand-checkable cases."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actmem_validate.ledger import Ledger, label, scope  # noqa: E402
+from actmem_validate.schedule import first_stage_order  # noqa: E402
+
+
+def test_1f1b_order_for_rank_0():
+    """p = 3, n = 4: warm-up p - 1 = 2 forwards, then one forward one backward, then drain."""
+    assert first_stage_order(3, 1, 4) == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("B", 0, 0), ("F", 3, 0), ("B", 1, 0),
+        ("B", 2, 0), ("B", 3, 0)]
+
+
+def test_interleaved_order_for_rank_0():
+    """Megatron, p = 2, m = 2, n = 4: warm-up 2(p-1) + (m-1)p = 4 chunk forwards, groups of p
+    microbatches a chunk; backwards start from the last chunk."""
+    assert first_stage_order(2, 2, 4) == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+        ("F", 2, 0), ("B", 0, 1), ("F", 3, 0), ("B", 1, 1), ("F", 2, 1), ("B", 0, 0),
+        ("F", 3, 1), ("B", 1, 0), ("B", 2, 1), ("B", 3, 1), ("B", 2, 0), ("B", 3, 0)]
+
+
+def test_all_forwards_first_when_n_equals_p():
+    order = first_stage_order(2, 3, 2)
+    assert [kind for kind, _, _ in order] == ["F"] * 6 + ["B"] * 6
+
+
+def test_ledger_counts_a_storage_once_and_leaves_parameters_out():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    ledger = Ledger([weight])
+    with ledger.recording():
+        label(x, "input")
+        y = x @ weight                     # saves x and weight
+        z = x[1:] * y[1:]                  # saves a view of x (same storage) and a view of y
+        with scope("softmax_output"):
+            torch.softmax(z, dim=-1)       # saves its own output
+    assert ledger.by_term() == {"input": 4 * 8 * 4, "unattributed": 4 * 8 * 4, "softmax_output": 3 * 8 * 4}
+
+
+def test_a_dead_label_does_not_stick_to_a_reused_address():
+    ledger = Ledger([])
+    with ledger.recording():
+        label(torch.randn(4), "gone")      # dies at once: its storage may be reused
+        x = torch.randn(4, requires_grad=True)
+        (x * x).sum()
+    assert set(ledger.by_term()) <= {"unattributed"}

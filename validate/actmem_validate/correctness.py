@@ -1,0 +1,89 @@
+"""Numerical correctness: a TP (+ SP) layer against a single-device layer with the same weights.
+
+Every rank builds the full reference layer from one seed, cuts its own shards of the
+weights from it, runs both in fp32 without dropout, and compares the output, the input
+gradient and every parameter gradient (its shard of the reference's, or all of it for a
+replicated parameter).
+"""
+
+import json
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from actmem_validate.gpt import LayerSpec, TransformerLayer
+from actmem_validate.layers import allreduce_sequence_parallel_grads
+from actmem_validate.parallel import TensorParallel, all_gather, split_first_dim
+
+# How each parameter is split across t ranks: along dim 0 (column-parallel), dim 1
+# (row-parallel), or not at all (replicated).
+_SPLIT_DIM = {"attention.qkv.weight": 0, "attention.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
+              "attention.projection.weight": 1, "mlp.fc2.weight": 1}
+
+
+def _shard(full: torch.Tensor, name: str, tp: TensorParallel) -> torch.Tensor:
+    dim = _SPLIT_DIM.get(name)
+    if dim is None:
+        return full
+    return full.chunk(tp.size, dim=dim)[tp.rank]
+
+
+def layer_differences(tp: TensorParallel, recompute: str, s=16, b=2, h=64, a=8) -> dict:
+    """Largest absolute differences from the reference: output, input grad, parameter grads."""
+    spec = LayerSpec(h, a, s, layers=2, dropout=0.0, recompute=recompute, dtype=torch.float32)
+    torch.manual_seed(0)
+    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, "none", torch.float32), TensorParallel())
+    layer = TransformerLayer(spec, tp)
+    with torch.no_grad():
+        for (name, param), full in zip(layer.named_parameters(), reference.parameters()):
+            param.copy_(_shard(full, name, tp))
+    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    grad_out = torch.randn(s, b, h, generator=torch.Generator().manual_seed(2))
+    expected = reference(x)
+    expected.backward(grad_out)
+
+    sp = tp.sequence_parallel and tp.size > 1
+    x_local = (split_first_dim(x.detach(), tp) if sp else x.detach().clone()).requires_grad_()
+    out = layer(x_local)
+    out.backward(split_first_dim(grad_out, tp) if sp else grad_out)
+    allreduce_sequence_parallel_grads(layer, tp)
+    gathered = (lambda t: all_gather(t.contiguous(), tp)) if sp else (lambda t: t)
+    diffs = {"output": (gathered(out.detach()) - expected.detach()).abs().max().item(),
+             "input_grad": (gathered(x_local.grad) - x.grad).abs().max().item()}
+    for (name, param), full in zip(layer.named_parameters(), reference.parameters()):
+        diffs[name] = (param.grad - _shard(full.grad, name, tp)).abs().max().item()
+    return diffs
+
+
+def check_all(t: int) -> dict:
+    """{'sp=on recompute=full': largest difference, ...} over t gloo ranks."""
+    import tempfile
+
+    from actmem_validate.launch import _free_port
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank, args=(t, folder, _free_port()), nprocs=t, join=True)
+        with open(os.path.join(folder, "result.json")) as file:
+            return json.load(file)
+
+
+def _rank(rank: int, t: int, folder: str, port: int) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=t, timeout=timedelta(seconds=120))
+    results = {}
+    for sp in (False, True):
+        for recompute in ("none", "selective", "full"):
+            diffs = layer_differences(TensorParallel(t, rank, None, sp), recompute)
+            results[f"sp={'on' if sp else 'off'} recompute={recompute}"] = max(diffs.values())
+    worst = [None] * t if rank == 0 else None
+    dist.gather_object(results, worst, dst=0)
+    if rank == 0:
+        merged = {key: max(r[key] for r in worst) for key in results}
+        with open(os.path.join(folder, "result.json"), "w") as file:
+            json.dump(merged, file)
+    dist.destroy_process_group()

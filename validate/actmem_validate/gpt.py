@@ -1,0 +1,210 @@
+"""The GPT layer of the paper's Figure 5 and the embedding/output pieces of section 4.5,
+built from the tensor-parallel blocks. Each tensor the backward pass will need is labelled
+with the name of its row in actmem's term table (``actmem/terms.py``).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
+    init_scaled
+from actmem_validate.ledger import label, scope
+from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
+    scatter_to_sequence_parallel_region
+from actmem_validate.parallel import TensorParallel, all_reduce
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    hidden: int
+    heads: int
+    seq_len: int
+    layers: int = 1
+    dropout: float = 0.1
+    recompute: str = "none"           # none | selective | full
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+
+
+def _layer_norm(h, spec: LayerSpec) -> nn.LayerNorm:
+    norm = nn.LayerNorm(h, dtype=spec.dtype, device=spec.device)
+    for param in norm.parameters():
+        param.sequence_parallel = True     # replicated; grads all-reduced under SP
+    return norm
+
+
+def attention_core(q, k, v, mask_bias, dropout: Dropout):
+    """QKᵀ, softmax, dropout, ·V: the part selective recompute checkpoints. q, k, v: (b·a/t, s, hd)."""
+    scores = torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5   # bmm keeps Q and K
+    with scope("softmax_output"):                                    # softmax keeps its output
+        probs = torch.softmax(scores + mask_bias, dim=-1)
+    dropped = label(dropout(probs), "softmax_dropout_output")        # its mask: softmax_dropout_mask
+    return torch.bmm(dropped, v)                                     # keeps the dropout output and V
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: LayerSpec, tp: TensorParallel):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.heads = spec.heads // tp.size
+        kw = dict(dtype=spec.dtype, device=spec.device)
+        self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp, **kw)   # head-major [a, 3, hd]
+        self.projection = RowParallelLinear(spec.hidden, spec.hidden, tp, **kw)
+        self.projection.bias.sequence_parallel = True
+        init_scaled(self.projection, spec.layers)
+        self.dropout = Dropout(spec.dropout, "softmax_dropout_mask")
+        causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
+        self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
+
+    def forward(self, x):
+        qkv = self.qkv(x)                                     # (s, b, 3h/t)
+        s, b, _ = qkv.shape
+        hd = self.spec.hidden // self.spec.heads
+        qkv = qkv.view(s, b, self.heads, 3, hd).permute(3, 1, 2, 0, 4)   # (3, b, a/t, s, hd)
+        # Contiguous copies: Megatron's q, k, v are views of one QKV output, saved once with
+        # the same 6sbh/t bytes; separate storages let each be named after its own term.
+        q, k, v = (qkv[i].reshape(b * self.heads, s, hd).contiguous() for i in range(3))
+        label(q, "query_key"), label(k, "query_key"), label(v, "value")
+        if self.spec.recompute == "selective":
+            context = checkpoint(attention_core, q, k, v, self.mask_bias, self.dropout,
+                                 use_reentrant=True)           # keeps q, k, v only
+        else:
+            context = attention_core(q, k, v, self.mask_bias, self.dropout)
+        context = context.view(b, self.heads, s, hd).permute(2, 0, 1, 3).reshape(s, b, self.heads * hd)
+        return self.projection(label(context, "projection_input"))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: LayerSpec, tp: TensorParallel):
+        super().__init__()
+        kw = dict(dtype=spec.dtype, device=spec.device)
+        self.fc1 = ColumnParallelLinear(spec.hidden, 4 * spec.hidden, tp, **kw)
+        self.fc2 = RowParallelLinear(4 * spec.hidden, spec.hidden, tp, **kw)
+        self.fc2.bias.sequence_parallel = True
+        init_scaled(self.fc2, spec.layers)
+
+    def forward(self, x):
+        hidden = label(self.fc1(x), "gelu_input")             # (s, b, 4h/t)
+        return self.fc2(label(nn.functional.gelu(hidden), "fc2_input"))
+
+
+class TransformerLayer(nn.Module):
+    """Layer norm, self-attention, dropout, residual; layer norm, MLP, dropout, residual."""
+
+    def __init__(self, spec: LayerSpec, tp: TensorParallel):
+        super().__init__()
+        self.spec = spec
+        self.norm1, self.norm2 = _layer_norm(spec.hidden, spec), _layer_norm(spec.hidden, spec)
+        self.attention, self.mlp = SelfAttention(spec, tp), MLP(spec, tp)
+        self.dropout1 = Dropout(spec.dropout, "attention_dropout_mask")
+        self.dropout2 = Dropout(spec.dropout, "mlp_dropout_mask")
+
+    def _forward(self, x):
+        label(x, "attention_layernorm_input")
+        with scope("layernorm_statistics"):
+            normed = label(self.norm1(x), "qkv_input")
+        x = label(x + self.dropout1(self.attention(normed)), "mlp_layernorm_input")
+        with scope("layernorm_statistics"):
+            normed = label(self.norm2(x), "fc1_input")
+        return x + self.dropout2(self.mlp(normed))
+
+    def forward(self, x):
+        if self.spec.recompute == "full":
+            label(x, "layer_input_checkpoint")
+            return checkpoint(self._forward, x, use_reentrant=True)   # keeps x only
+        return self._forward(x)
+
+
+class Embedding(nn.Module):
+    """Vocabulary-parallel word embedding + learned positions, then dropout; under SP the
+    output is split along the sequence before the dropout (section 4.5: mask sbh/t)."""
+
+    def __init__(self, vocab: int, spec: LayerSpec, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        kw = dict(dtype=spec.dtype, device=spec.device)
+        self.vocab_start = tp.rank * (vocab // tp.size)
+        self.words = nn.Parameter(torch.empty(vocab // tp.size, spec.hidden, **kw))
+        self.positions = nn.Parameter(torch.empty(spec.seq_len, spec.hidden, **kw))
+        nn.init.normal_(self.words, std=0.02), nn.init.normal_(self.positions, std=0.02)
+        self.dropout = Dropout(spec.dropout, "embedding_dropout_mask")
+
+    def forward(self, tokens):                                # tokens: (b, s)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.words.shape[0])
+        with scope("token_ids"):
+            words = nn.functional.embedding(local.masked_fill(outside, 0), self.words)
+            words = words.masked_fill(outside.unsqueeze(-1), 0)
+        words = reduce_from_tensor_parallel_region(words, self.tp)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        with scope("position_ids"):
+            x = (words + nn.functional.embedding(positions, self.positions)).transpose(0, 1).contiguous()
+        if self.tp.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp)
+        return self.dropout(x)                                # (s or s/t, b, h)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits split across the vocabulary, computed in fp32; keeps the
+    fp32 softmax (section 4.5: 4sbv/t) and the small target index tensors."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, tp):
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        logits = logits - _all_reduce_max(logits.max(dim=-1, keepdim=True).values, tp)
+        local = targets - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = all_reduce(picked, tp) if tp.size > 1 else picked
+        exp = logits.exp()
+        total = exp.sum(dim=-1, keepdim=True)
+        total = all_reduce(total, tp) if tp.size > 1 else total
+        softmax = label(exp / total, "logits_fp32")
+        ctx.save_for_backward(softmax, outside, local)
+        return torch.log(total.squeeze(-1)) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, outside, local = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        hit = (~outside).to(grad_logits.dtype)
+        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
+        return (grad_logits * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+def _all_reduce_max(x, tp):
+    if tp.size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous().clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return x
+
+
+class OutputHead(nn.Module):
+    """Final layer norm, the output layer (the word embedding's weights, vocabulary-parallel)
+    and the loss: on the first stage only when p = 1 (section 4.5)."""
+
+    def __init__(self, embedding: Embedding, spec: LayerSpec, tp: TensorParallel):
+        super().__init__()
+        self.tp, self.embedding = tp, embedding
+        self.norm = _layer_norm(spec.hidden, spec)
+
+    def forward(self, x, targets):                            # targets: (b, s)
+        label(x, "final_layernorm_input")
+        with scope("layernorm_statistics"):
+            x = label(self.norm(x), "output_layer_input")
+        weight = self.embedding.words
+        if self.tp.sequence_parallel and self.tp.size > 1:
+            logits = _LinearWithSequenceParallel.apply(x, weight, None, self.tp)   # keeps 2sbh/t
+        else:
+            logits = nn.functional.linear(copy_to_tensor_parallel_region(x, self.tp), weight)
+        with scope("cross_entropy_targets"):
+            losses = _VocabParallelCrossEntropy.apply(logits, targets.t(), self.embedding.vocab_start, self.tp)
+        return losses.mean()

@@ -1,0 +1,103 @@
+"""Run measurements: fake ranks in this process, or t real ranks (spawned, or torchrun).
+
+Real runs use gloo on CPU and NCCL on GPUs. A rank that raises ends the whole job: the
+spawner terminates the other ranks, and every collective has a timeout, so CI never hangs.
+"""
+
+import json
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from itertools import groupby
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from actmem_validate.measure import Config, measure
+
+FAIL_RANK_VARIABLE = "ACTMEM_VALIDATE_FAIL_RANK"   # fault injection, for the tests of the above
+
+
+class HarnessError(RuntimeError):
+    """A rank failed; the message says which and why."""
+
+
+def _by_world_size(configs):
+    ordered = sorted(configs, key=lambda c: c.world_size)
+    return [(t, list(group)) for t, group in groupby(ordered, key=lambda c: c.world_size)]
+
+
+def run_fake(configs: list[Config], on_done=lambda config: None) -> list[dict]:
+    """Rank 0 of t, one process: FakeTensorMode for shapes without data, the fake process
+    group for collectives that return at once. Paper-scale shapes cost no memory."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rows = []
+    for t, group in _by_world_size(configs):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
+        try:
+            for config in group:
+                rows += measure(config, rank=0, fake=True)
+                on_done(config)
+        finally:
+            dist.destroy_process_group()
+    return rows
+
+
+def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config: None) -> list[dict]:
+    """t processes for each world size, each measuring its own rank."""
+    rows = []
+    for t, group in _by_world_size(configs):
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                mp.spawn(_spawned_rank, args=(t, group, folder, _free_port(), timeout_s), nprocs=t, join=True)
+            except mp.ProcessRaisedException as error:
+                last = str(error).strip().splitlines()[-1]
+                raise HarnessError(f"a rank of the t={t} run failed: {last}") from None
+            except mp.ProcessExitedException as error:
+                raise HarnessError(f"a rank of the t={t} run exited: {error}") from None
+            for rank in range(t):
+                with open(os.path.join(folder, f"rank{rank}.json")) as file:
+                    rows += json.load(file)
+        for config in group:
+            on_done(config)
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned_rank(rank: int, world: int, configs, folder: str, port: int, timeout_s: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rows = run_rank(rank, world, configs, timeout_s)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as file:
+        json.dump(rows, file)
+
+
+def run_rank(rank: int, world: int, configs, timeout_s: int, gather: bool = False) -> list[dict]:
+    """This rank's measurements (MASTER_ADDR/PORT set, as torchrun sets them); with gather,
+    rank 0 returns every rank's rows and the others return none."""
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        if os.environ.get(FAIL_RANK_VARIABLE) == str(rank):
+            raise RuntimeError(f"failure injected on rank {rank} ({FAIL_RANK_VARIABLE})")
+        rows = [row for config in configs for row in measure(config, rank, device)]
+        if not gather:
+            return rows
+        everyone = [None] * world if rank == 0 else None
+        dist.gather_object(rows, everyone, dst=0)
+        return [row for part in everyone for row in part] if rank == 0 else []
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,82 @@
+"""Which tensors the forward pass saves for the backward pass, by term, deduplicated.
+
+``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd saves. Each
+storage is counted once (a view saved twice holds its memory once), parameters are left
+out, and each is attributed to the term name the layer code gave its storage with
+``label``, else to the enclosing ``scope`` (tensors an op saves internally, such as the
+layer-norm statistics), else to ``unattributed``, so nothing is hidden.
+"""
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+UNATTRIBUTED = "unattributed"
+_active: list = []
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the memory behind a tensor (works on fake tensors too)."""
+    return tensor.untyped_storage()._cdata
+
+
+def label(tensor: torch.Tensor, term: str) -> torch.Tensor:
+    """Name the storage of a tensor after a term of actmem's table, before it is saved (an
+    op that saves its own output, like softmax, runs inside ``scope`` instead). The first
+    live name sticks (the full-recompute checkpoint names the layer input before the layer
+    does); a name whose tensor has died no longer holds, since its address may be reused."""
+    for ledger in _active:
+        key = storage_key(tensor)
+        held = ledger.names.get(key)
+        if held is None or held[1]() is None:
+            ledger.names[key] = (term, weakref.ref(tensor))
+    return tensor
+
+
+@contextmanager
+def scope(term: str):
+    """Attribute what the ops inside save, and nobody labelled, to this term."""
+    for ledger in _active:
+        ledger.scopes.append(term)
+    try:
+        yield
+    finally:
+        for ledger in _active:
+            ledger.scopes.pop()
+
+
+class Ledger:
+    """Saved bytes by term for one forward pass."""
+
+    def __init__(self, model_state):
+        """model_state: parameters and buffers (the causal mask, say): not activations."""
+        self.excluded = {storage_key(p) for p in model_state}
+        self.names: dict = {}
+        self.scopes: list = []
+        self.saved: dict = {}        # storage key -> (term, bytes)
+
+    def _pack(self, tensor):
+        key = storage_key(tensor)
+        if key not in self.excluded and key not in self.saved:
+            fallback = self.scopes[-1] if self.scopes else UNATTRIBUTED
+            term, alive = self.names.get(key, (fallback, None))
+            if alive is not None and alive() is None:   # a freed tensor's storage was reused
+                term = fallback
+            self.saved[key] = (term, tensor.untyped_storage().nbytes())
+        return tensor
+
+    @contextmanager
+    def recording(self):
+        _active.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+                yield self
+        finally:
+            _active.remove(self)
+
+    def by_term(self) -> dict:
+        totals: dict = {}
+        for term, n_bytes in self.saved.values():
+            totals[term] = totals.get(term, 0) + n_bytes
+        return totals

@@ -1,0 +1,50 @@
+"""The tensor-parallel group a module runs in, and the collectives it uses (first dim)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 names them *_single; older releases *_into_tensor / *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """t ranks splitting the blocks; with sequence parallelism they also split the sequence."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_world(cls, sequence_parallel: bool) -> "TensorParallel":
+        if not dist.is_initialized():
+            return cls(sequence_parallel=sequence_parallel)
+        return cls(dist.get_world_size(), dist.get_rank(), None, sequence_parallel)
+
+
+def all_gather(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // tp.size, *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def split_first_dim(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's contiguous chunk of the first dim."""
+    chunk = x.shape[0] // tp.size
+    return x[tp.rank * chunk:(tp.rank + 1) * chunk].contiguous()

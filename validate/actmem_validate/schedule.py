@@ -1,0 +1,98 @@
+"""The first pipeline stage, run in the real order of its forwards and backwards.
+
+Rank 0 of a p-stage pipeline holds m model chunks of L/(p·m) layers (chunk 0 starts with
+the embedding; with p = 1 the stage ends with the output layer and loss). The schedules
+are Megatron's: 1F1B, and the interleaved one. Each chunk forward runs under its own
+ledger; its saved bytes stay live until its backward frees the graph, so the peak of
+the live sum is what the stage really holds, not an assumption.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from actmem_validate.gpt import Embedding, LayerSpec, OutputHead, TransformerLayer
+from actmem_validate.ledger import Ledger
+from actmem_validate.parallel import TensorParallel
+
+
+def first_stage_order(p: int, m: int, n: int) -> list[tuple[str, int, int]]:
+    """('F' or 'B', microbatch, chunk) in the order pipeline rank 0 runs them."""
+    total = n * m
+    if m == 1:
+        warmup = min(p - 1, n)
+    else:
+        warmup = total if n == p else min(2 * (p - 1) + (m - 1) * p, total)
+
+    def step(kind, k):
+        chunk = (k % (p * m)) // p
+        return kind, (k // (p * m)) * p + k % p, chunk if kind == "F" else m - 1 - chunk
+
+    order = [step("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [step("F", warmup + k), step("B", k)]
+    return order + [step("B", k) for k in range(total - warmup, total)]
+
+
+class FirstStage(nn.Module):
+    def __init__(self, spec: LayerSpec, vocab: int, tp: TensorParallel, p: int, m: int):
+        super().__init__()
+        per_chunk = spec.layers // (p * m)
+        self.tp = tp
+        self.embedding = Embedding(vocab, spec, tp)
+        self.chunks = nn.ModuleList(nn.ModuleList(TransformerLayer(spec, tp) for _ in range(per_chunk))
+                                    for _ in range(m))
+        self.head = OutputHead(self.embedding, spec, tp) if p == 1 else None
+
+    def forward_chunk(self, chunk: int, x, tokens, targets):
+        if chunk == 0:
+            x = self.embedding(tokens)
+        for layer in self.chunks[chunk]:
+            x = layer(x)
+        if self.head is not None and chunk == len(self.chunks) - 1:
+            return self.head(x, targets)
+        return x
+
+
+@dataclass
+class StageRun:
+    """What the stage held: saved bytes by term at the peak of the live sum."""
+
+    peak_saved_bytes: int = 0
+    terms_at_peak: dict = field(default_factory=dict)
+    chunk_forwards: int = 0
+
+
+def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, micro_batch: int,
+                    vocab: int, tp: TensorParallel) -> StageRun:
+    s_local = spec.seq_len // tp.size if tp.sequence_parallel else spec.seq_len
+    model_state = [*stage.parameters(), *stage.buffers()]
+    in_flight: dict = {}
+    result = StageRun()
+    for kind, microbatch, chunk in first_stage_order(p, m, n):
+        if kind == "F":
+            gen = torch.Generator(device="cpu").manual_seed(1000 * microbatch + chunk)
+            tokens = torch.randint(0, vocab, (micro_batch, spec.seq_len), generator=gen).to(spec.device)
+            received = None if chunk == 0 else torch.randn(
+                s_local, micro_batch, spec.hidden, generator=gen).to(spec.device, spec.dtype).requires_grad_()
+            ledger = Ledger(model_state)
+            with ledger.recording():
+                out = stage.forward_chunk(chunk, received, tokens, tokens)
+            in_flight[(microbatch, chunk)] = (out, ledger)
+            result.chunk_forwards += 1
+            _track_peak(result, in_flight)
+        else:
+            out, _ = in_flight.pop((microbatch, chunk))
+            out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+    return result
+
+
+def _track_peak(result: StageRun, in_flight: dict) -> None:
+    live = sum(n_bytes for _, ledger in in_flight.values() for _, n_bytes in ledger.saved.values())
+    if live > result.peak_saved_bytes:
+        terms: dict = {}
+        for _, ledger in in_flight.values():
+            for term, n_bytes in ledger.by_term().items():
+                terms[term] = terms.get(term, 0) + n_bytes
+        result.peak_saved_bytes, result.terms_at_peak = live, terms

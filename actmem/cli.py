@@ -266,13 +266,13 @@ def plan(fmt, top, config, **flags):
 
     request = _plan_request(flags)
     if config is not None:
-        from actmem.render import render_explain
+        from actmem.render_plan import render_explain
 
         render_explain(*planner.explain(request, config))
         return
     result = planner.plan(request)
     if fmt == "rich":
-        from actmem.render import render_plan
+        from actmem.render_plan import render_plan
 
         render_plan(result, top)
     else:
@@ -350,7 +350,7 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
 
         click.echo(json.dumps(report, indent=2))
     else:
-        from actmem.render import render_flops
+        from actmem.render_plan import render_flops
 
         render_flops(name, report)
 

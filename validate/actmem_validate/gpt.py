@@ -6,6 +6,7 @@ with the name of its row in actmem's term table (``actmem/terms.py``).
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -180,8 +181,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def _all_reduce_max(x, tp):
     if tp.size == 1:
         return x
-    import torch.distributed as dist
-
     x = x.contiguous().clone()
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
     return x

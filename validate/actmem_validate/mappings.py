@@ -9,79 +9,37 @@ import torch
 from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, reduce_scatter, split_first_dim
 
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """f: forward identity, backward all-reduce."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.tp), None
+def _identity(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """f̄: forward all-reduce, backward identity."""
+def _mapping(forward, backward, doc: str):
+    """An autograd function running one collective forward and its conjugate backward."""
 
-    @staticmethod
-    def forward(ctx, x, tp):
-        return all_reduce(x, tp)
+    class Mapping(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, tp):
+            ctx.tp = tp
+            return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.tp), None
 
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """g: forward all-gather, backward reduce-scatter, first dim."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return all_gather(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.tp), None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """ḡ: forward reduce-scatter, backward all-gather, first dim."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.tp), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """forward: keep this rank's chunk of the first dim; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return split_first_dim(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.tp), None
-
-
-def _bypass(function):
     def apply(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        return x if tp.size == 1 else function.apply(x, tp)
-    apply.__doc__ = function.__doc__
+        return x if tp.size == 1 else Mapping.apply(x, tp)
+
+    apply.__doc__ = doc
     return apply
 
 
-copy_to_tensor_parallel_region = _bypass(_CopyToTensorParallelRegion)
-reduce_from_tensor_parallel_region = _bypass(_ReduceFromTensorParallelRegion)
-gather_from_sequence_parallel_region = _bypass(_GatherFromSequenceParallelRegion)
-reduce_scatter_to_sequence_parallel_region = _bypass(_ReduceScatterToSequenceParallelRegion)
-scatter_to_sequence_parallel_region = _bypass(_ScatterToSequenceParallelRegion)
+copy_to_tensor_parallel_region = _mapping(
+    _identity, all_reduce, "f: forward identity, backward all-reduce.")
+reduce_from_tensor_parallel_region = _mapping(
+    all_reduce, _identity, "f̄: forward all-reduce, backward identity.")
+gather_from_sequence_parallel_region = _mapping(
+    all_gather, reduce_scatter, "g: forward all-gather, backward reduce-scatter, first dim.")
+reduce_scatter_to_sequence_parallel_region = _mapping(
+    reduce_scatter, all_gather, "ḡ: forward reduce-scatter, backward all-gather, first dim.")
+scatter_to_sequence_parallel_region = _mapping(
+    split_first_dim, all_gather, "forward: keep this rank's chunk of the first dim; backward: all-gather.")

@@ -46,6 +46,19 @@ def test_paper_scale_fake_runs_match_to_the_byte(name):
     assert len(totals) == 2 and all(abs(row["error_percent"]) < 0.05 for row in totals)
 
 
+def test_allocated_and_pytorch_choice_rows():
+    """Beside the saved bytes: the memory allocated at their peak (it holds them, so it is at
+    least as large) and the allocator's peak. PyTorch's own CPU dropout keeps a float mask (4 B
+    an element): 3 more bytes an element than the 1-byte masks the paper and Megatron use."""
+    rows = run_real([Config("small", "tp", 8, 64, 2, 512, 32, 2, 1, 1, 2, 1)])
+    for rank in (0, 1):
+        mine = {row["term"]: row for row in rows if row["rank"] == rank}
+        assert mine["allocated"]["measured_bytes"] >= mine["total"]["measured_bytes"]
+        assert mine["peak"]["measured_bytes"] >= mine["allocated"]["measured_bytes"]
+        masks = sum(row["measured_bytes"] for term, row in mine.items() if term.endswith("dropout_mask"))
+        assert mine["native_dropout_mask_extra (4 B/element)"]["measured_bytes"] == 3 * masks
+
+
 def test_a_failing_rank_ends_the_job_with_a_clear_message(monkeypatch):
     monkeypatch.setenv(FAIL_RANK_VARIABLE, "1")
     with pytest.raises(HarnessError, match="failure injected on rank 1"):

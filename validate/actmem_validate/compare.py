@@ -6,10 +6,12 @@ from actmem.terms import TERMS
 PAPER_TERMS = [term.name for term in TERMS]
 
 
-def compare(config, est: Estimate, run, rank: int, peak_bytes: int) -> list[dict]:
+def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1) -> list[dict]:
     """One row a term the formula or the measurement has; then 'total' (all saved bytes
-    against the formula's activations) and 'peak' (the allocator's peak above parameters:
-    activations plus gradients and transient buffers, information rather than a check)."""
+    against the formula's activations); 'allocated' (what is allocated above the parameters
+    right after the forward that made that peak) and 'peak' (the allocator's peak during
+    the schedule), both information rather than checks; and, where PyTorch's own dropout
+    keeps a wider mask than 1 byte, what that choice would add ('pytorch_choice')."""
     formula = {row.term.name: row.total_bytes for row in est.run_terms}
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
@@ -17,7 +19,12 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int) -> list[dict
     rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0),
                  "paper" if name in PAPER_TERMS else "residual") for name in names]
     rows.append(_row(config, rank, "total", est.activations_bytes, run.peak_saved_bytes, "total"))
+    rows.append(_row(config, rank, "allocated", est.activations_bytes, run.allocated_at_peak, "allocated"))
     rows.append(_row(config, rank, "peak", est.activations_bytes, peak_bytes, "peak"))
+    masks = sum(n for name, n in measured.items() if name.endswith("dropout_mask"))
+    if native_mask_bytes > 1 and masks:
+        rows.append(_row(config, rank, f"native_dropout_mask_extra ({native_mask_bytes} B/element)", 0,
+                         masks * (native_mask_bytes - 1), "pytorch_choice"))
     return rows
 
 

@@ -72,8 +72,19 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, config.p, config.m)
         with _PeakMemory(stage, device) as peak:
             run = run_first_stage(stage, layer_spec, config.p, config.m, config.microbatches,
-                                  config.micro_batch, spec.padded_vocab, tp)
-    return compare(config, estimate(spec), run, rank, peak.bytes)
+                                  config.micro_batch, spec.padded_vocab, tp, peak.current)
+    mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
+    return compare(config, estimate(spec), run, rank, peak.bytes, mask_bytes)
+
+
+def native_dropout_mask_bytes(device: str) -> int:
+    """Bytes an element of the mask PyTorch's own dropout saves on this device (4 on CPU,
+    where it keeps a float mask; 1 with CUDA's fused kernel). The harness keeps 1 byte."""
+    x = torch.ones(8, device=device, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.dropout(x, 0.5, training=True)
+    return max(t.element_size() for t in saved)
 
 
 def _fake_mode():
@@ -100,15 +111,26 @@ class _PeakMemory:
             self.tracker.__enter__()
         return self
 
+    def current(self) -> int:
+        """Bytes allocated now above the parameters."""
+        if self.device.startswith("cuda"):
+            return torch.cuda.memory_allocated() - self.base
+        return _above_parameters(next(iter(self.tracker.get_tracker_snapshot("current").values()), {}))
+
     def __exit__(self, *exc):
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             self.bytes = torch.cuda.max_memory_allocated() - self.base
             return False
         self.tracker.__exit__(*exc)
-        peak = next(iter(self.tracker.get_tracker_snapshot("peak").values()), {})
-        self.bytes = int(sum(v for k, v in peak.items() if k != "Total" and getattr(k, "value", "") != "Parameter"))
+        self.bytes = _above_parameters(next(iter(self.tracker.get_tracker_snapshot("peak").values()), {}))
         return False
+
+
+def _above_parameters(snapshot: dict) -> int:
+    """A MemTracker snapshot's bytes, parameters left out."""
+    return int(sum(n for kind, n in snapshot.items()
+                   if kind != "Total" and getattr(kind, "value", "") != "Parameter"))
 
 
 def _device_wide_tracker():

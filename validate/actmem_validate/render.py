@@ -16,13 +16,17 @@ def render_rows(rows: list[dict]) -> None:
                           f"{row['measured_bytes']:,}", _error(row))
         console.print(table)
     console.print(Text("error: (measured - formula) / formula. residual: saved by PyTorch, not "
-                       "counted by the paper. total: every saved byte against the formula. peak: "
-                       "the allocator's peak above the parameters (gradients, buffers): information.",
+                       "counted by the paper. total: every saved byte at the stage's peak against the "
+                       "formula. allocated: all memory above the parameters at that moment; peak: the "
+                       "allocator's peak during the schedule (gradients, buffers): information. "
+                       "native_dropout_mask_extra: what PyTorch's own dropout, with its wider mask on "
+                       "this device, would add; the harness keeps 1-byte masks as Megatron does.",
                        style="dim"))
 
 
 def _term(row) -> Text:
-    style = {"residual": "dim", "total": "bold", "peak": "italic"}.get(row["kind"], "")
+    style = {"residual": "dim", "total": "bold", "peak": "italic", "allocated": "italic",
+             "pytorch_choice": "dim"}.get(row["kind"], "")
     return Text(row["term"] + (" (residual)" if row["kind"] == "residual" else ""), style=style)
 
 

@@ -61,11 +61,13 @@ class StageRun:
 
     peak_saved_bytes: int = 0
     terms_at_peak: dict = field(default_factory=dict)
+    allocated_at_peak: int = 0
+    """Bytes allocated above the parameters right after the forward that made the peak."""
     chunk_forwards: int = 0
 
 
 def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, micro_batch: int,
-                    vocab: int, tp: TensorParallel) -> StageRun:
+                    vocab: int, tp: TensorParallel, allocated=lambda: 0) -> StageRun:
     s_local = spec.seq_len // tp.size if tp.sequence_parallel else spec.seq_len
     model_state = [*stage.parameters(), *stage.buffers()]
     in_flight: dict = {}
@@ -81,18 +83,22 @@ def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, 
                 out = stage.forward_chunk(chunk, received, tokens, tokens)
             in_flight[(microbatch, chunk)] = (out, ledger)
             result.chunk_forwards += 1
-            _track_peak(result, in_flight)
+            if _track_peak(result, in_flight):
+                result.allocated_at_peak = allocated()
         else:
             out, _ = in_flight.pop((microbatch, chunk))
             out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
     return result
 
 
-def _track_peak(result: StageRun, in_flight: dict) -> None:
+def _track_peak(result: StageRun, in_flight: dict) -> bool:
+    """Record the live saved bytes by term if they are a new peak; say whether they were."""
     live = sum(n_bytes for _, ledger in in_flight.values() for _, n_bytes in ledger.saved.values())
-    if live > result.peak_saved_bytes:
-        terms: dict = {}
-        for _, ledger in in_flight.values():
-            for term, n_bytes in ledger.by_term().items():
-                terms[term] = terms.get(term, 0) + n_bytes
-        result.peak_saved_bytes, result.terms_at_peak = live, terms
+    if live <= result.peak_saved_bytes:
+        return False
+    terms: dict = {}
+    for _, ledger in in_flight.values():
+        for term, n_bytes in ledger.by_term().items():
+            terms[term] = terms.get(term, 0) + n_bytes
+    result.peak_saved_bytes, result.terms_at_peak = live, terms
+    return True

@@ -11,6 +11,7 @@ import sys
 import click
 
 from actmem.errors import SpecError
+from actmem.hardware import DEFAULT_EFFICIENCY
 
 # (flag names, spec key, help); Megatron-LM's argument names are accepted as aliases,
 # so the parallelism flags of a launch script can be pasted as they are.
@@ -144,6 +145,14 @@ def _preset_and_flags(flags: dict) -> tuple:
     return (preset.name if preset else "custom"), model, run
 
 
+def _model_from_flags(flags: dict) -> tuple:
+    """(name, validated Model, the preset's run values) for commands that choose the run."""
+    from actmem.spec import build_spec
+
+    name, model, run = _preset_and_flags(flags)
+    return name, build_spec(model, {}).model, run     # checks the dims, names what is missing
+
+
 def build_spec_from_flags(flags: dict):
     """Merge a preset with the flags into a validated Spec (raises SpecError)."""
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
@@ -238,7 +247,7 @@ def presets(fmt):
               help="Headroom kept free for the allocator, workspaces and communication buffers.")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True,
               help="Tensor parallelism stays inside a node: t <= this.")
-@click.option("--efficiency", type=float, default=0.6, show_default=True,
+@click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
               help="Share of the GPU's peak the matmuls reach (scales compute time).")
 @click.option("--max-micro-batch", type=int, default=16, show_default=True, help="Largest b to try.")
 @click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=128,
@@ -292,17 +301,15 @@ def _given_or(flag, default):
 def _plan_request(flags: dict):
     from actmem.hardware import gpu_named
     from actmem.plan import PlanRequest
-    from actmem.spec import build_spec
     from actmem.units import parse_bytes
 
-    name, model, run = _preset_and_flags(flags)
-    model = build_spec(model, {}).model          # checks the dims and names what is missing
+    _, model, run = _model_from_flags(flags)
     gpus = _given_or(flags["gpus"], run.get("gpus"))
     global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
     if gpus is None or global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     gpu = gpu_named(flags["gpu_name"])
-    memory = parse_bytes(flags["gpu_memory"]) if flags["gpu_memory"] else gpu.memory_bytes
+    memory = gpu.memory_bytes if flags["gpu_memory"] is None else parse_bytes(flags["gpu_memory"])
     return PlanRequest(model=model, gpus=gpus, global_batch=global_batch, gpu=gpu,
                        gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
                        gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
@@ -329,19 +336,16 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
       actmem flops --model 530b --iteration-time 37.83
     """
     from actmem.flops import flops_report
-
-    name, model, run = _preset_and_flags(flags)
     from actmem.hardware import gpu_named
-    from actmem.spec import build_spec
 
-    dims = build_spec(model, {}).model
+    name, dims, run = _model_from_flags(flags)
     global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
     gpus = _given_or(flags["gpus"], run.get("gpus"))
     if not isinstance(global_batch, int) or global_batch <= 0:
         raise SpecError(f"flops needs a positive --global-batch, got {global_batch!r}")
     if iteration_time is not None and not (iteration_time > 0 and isinstance(gpus, int) and gpus > 0):
         raise SpecError(f"MFU needs a positive --iteration-time ({iteration_time}) and --gpus ({gpus})")
-    peak = peak_tflops * 1e12 if peak_tflops else gpu_named(flags["gpu_name"]).peak_flops
+    peak = gpu_named(flags["gpu_name"]).peak_flops if peak_tflops is None else peak_tflops * 1e12
     if peak <= 0:
         raise SpecError(f"--peak-tflops must be positive, got {peak_tflops}")
     report = flops_report(dims, global_batch, gpus, peak, iteration_time)

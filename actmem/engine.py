@@ -62,12 +62,6 @@ def layers_in_flight(interleaved: bool) -> sympy.Expr:
     return L / p * chunks_in_flight(p, 1, False)
 
 
-def first_stage_bytes(technique: Technique, interleaved: bool, holds_output: bool) -> sympy.Expr:
-    """The first stage with the pipeline full: Eq 5 (or Eq 6) plus the section 4.5 terms."""
-    return (per_layer_bytes(technique) * layers_in_flight(interleaved)
-            + extra_bytes(technique, p, int(holds_output)))
-
-
 @cache
 def held_bytes(technique: Technique) -> sympy.Expr:
     """The first stage's activations for any occupancy: per layer x layer activations held,

@@ -26,7 +26,8 @@ class StageOccupancy:
     layer_activations: int
     """Layers x microbatches held (Eq 5: L; interleaved: L·(1 + (p-1)/(pm)))."""
     microbatches: int
-    """Microbatches whose embedding dropout mask is held (section 4.5: p)."""
+    """Microbatches whose embedding dropout mask is held (1F1B: p, as section 4.5 counts;
+    interleaved: 2p at the peak)."""
     holds_output_layer: bool
     """The first stage is also the last (p = 1): it keeps the output-layer terms."""
     explanation: str
@@ -52,9 +53,13 @@ def held_counts(layers, p, m, n):
     """(layer activations, microbatches) the first stage holds at its peak, for n
     microbatches per iteration: the schedule's warm-up stops when the microbatches run out.
     Arithmetic only: runs on ints and on numpy integer arrays (the planner's sweep)."""
-    full_chunks = chunks_in_flight(p, m, True) * (m > 1) + chunks_in_flight(p, m, False) * (m == 1)
-    embedding = embedding_microbatches(p, m, True) * (m > 1) + embedding_microbatches(p, m, False) * (m == 1)
-    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(embedding, n)
+    full_chunks = _by_schedule(chunks_in_flight, p, m)
+    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(_by_schedule(embedding_microbatches, p, m), n)
+
+
+def _by_schedule(count, p, m):
+    """count(p, m, interleaved) with interleaved = m > 1, elementwise on numpy arrays too."""
+    return count(p, m, True) * (m > 1) + count(p, m, False) * (m == 1)
 
 
 def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None
@@ -63,9 +68,9 @@ def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteratio
     n = microbatches_per_iteration
     # Unknown n: 2p microbatches fill either schedule (2pm >= pm + p - 1, and 2p masks).
     layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n)
-    full_chunks = chunks_in_flight(p, m, m > 1)
-    chunks = layer_activations // (layers // (p * m))
-    explanation = _explain(p, m, n, chunks, full_chunks, layers // (p * m))
+    per_chunk = layers // (p * m)
+    explanation = _explain(p, m, n, layer_activations // per_chunk, _by_schedule(chunks_in_flight, p, m),
+                           per_chunk)
     return StageOccupancy(layer_activations, microbatches, p == 1, explanation)
 
 

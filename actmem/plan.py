@@ -15,10 +15,10 @@ import pandas as pd
 from actmem import engine, iteration
 from actmem.errors import SpecError
 from actmem.flops import model_flops
-from actmem.hardware import Gpu
+from actmem.hardware import DEFAULT_EFFICIENCY, Gpu
 from actmem.parameters import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, first_stage_parameters
 from actmem.pipeline import held_counts
-from actmem.spec import Model, padded_vocab
+from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import run_technique
 from actmem.terms import Recompute
 
@@ -36,16 +36,14 @@ class PlanRequest:
     """Headroom kept free for the allocator, workspaces and communication buffers."""
     gpus_per_node: int = 8
     """Tensor parallelism stays inside a node: t <= gpus_per_node."""
-    efficiency: float = 0.5
+    efficiency: float = DEFAULT_EFFICIENCY
     """Share of the peak the matmuls reach; scales every compute time alike."""
     max_micro_batch: int = 16
     vocab_divisible_by: int = 128
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
         if not 0 <= self.reserve_bytes < self.gpu_memory_bytes:
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")
@@ -147,9 +145,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     across_nodes = gpu.inter_node_bandwidth if req.gpus > req.gpus_per_node else gpu.intra_node_bandwidth
     grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s, grid.b, h, grid.t, grid.p, grid.m,
                                                              grid.n, across_nodes)
-    dp_bandwidth = across_nodes
     grid["data_parallel_s"] = iteration.data_parallel_seconds(grid.parameters, grid.d,
-                                                              grid.distributed_optimizer, dp_bandwidth)
+                                                              grid.distributed_optimizer, across_nodes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.pipeline_p2p_s) * grid.bubble
                            + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab)

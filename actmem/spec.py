@@ -15,12 +15,17 @@ DEFAULT_GPU_MEMORY = "80GiB"     # A100 80GB, the paper's GPU (Figure 1's dashed
 DEFAULT_VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by
 
 
+def require_positive_int(name: str, value) -> None:
+    """The check every count and size takes (a bool is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _require_positive_ints(obj) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
         if f.metadata.get("positive") and not (value is None and f.metadata.get("optional")):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SpecError(f"{f.name} must be a positive integer, got {value!r}")
+            require_positive_int(f.name, value)
 
 
 def _positive(optional=False, **kw):
@@ -100,9 +105,7 @@ class Spec:
             raise SpecError(f"the interleaved schedule needs the microbatches per iteration "
                             f"({n}) to be a multiple of p ({p}), as Megatron requires")
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
 
     @property
     def data_parallel(self) -> int:

@@ -156,15 +156,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, tp):
         ctx.dtype = logits.dtype
         logits = logits.float()
-        logits = logits - _all_reduce_max(logits.max(dim=-1, keepdim=True).values, tp)
+        logits = logits - all_reduce(logits.max(dim=-1, keepdim=True).values, tp, dist.ReduceOp.MAX)
         local = targets - vocab_start
         outside = (local < 0) | (local >= logits.shape[-1])
         local = local.masked_fill(outside, 0)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        picked = all_reduce(picked, tp) if tp.size > 1 else picked
+        picked = all_reduce(picked, tp)
         exp = logits.exp()
         total = exp.sum(dim=-1, keepdim=True)
-        total = all_reduce(total, tp) if tp.size > 1 else total
+        total = all_reduce(total, tp)
         softmax = label(exp / total, "logits_fp32")
         ctx.save_for_backward(softmax, outside, local)
         return torch.log(total.squeeze(-1)) - picked
@@ -176,14 +176,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hit = (~outside).to(grad_logits.dtype)
         grad_logits.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
         return (grad_logits * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
-
-
-def _all_reduce_max(x, tp):
-    if tp.size == 1:
-        return x
-    x = x.contiguous().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
-    return x
 
 
 class OutputHead(nn.Module):

@@ -38,9 +38,11 @@ def reduce_scatter(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return out
 
 
-def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, tp: TensorParallel, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if tp.size == 1:
+        return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=tp.group)
+    dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 

@@ -2,36 +2,22 @@
 
 Heavy imports (sympy, pandas, rich) happen inside the commands so that --help is instant.
 A user's mistake is one line on stderr and exit code 2; ACTMEM_DEBUG=1 or --debug
-shows the traceback instead.
+shows the traceback instead. A closed pipe (`actmem estimate | head`) ends quietly with
+exit code 141, as a shell reports SIGPIPE, never with the 1 that means "nothing fits".
 """
 
+import math
 import os
 import sys
 
 import click
 
 from actmem.errors import SpecError
-from actmem.hardware import DEFAULT_EFFICIENCY
+from actmem.flags import (GLOBAL_BATCH, GPUS, MEGATRON_NOT_MODELLED, add_flags, build_spec_from_flags,
+                          model_from_flags, model_options, spec_options)
+from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE
 
-# (flag names, spec key, help); Megatron-LM's argument names are accepted as aliases,
-# so the parallelism flags of a launch script can be pasted as they are.
-_MODEL_FLAGS = (
-    (("--heads", "--num-attention-heads"), "heads", "attention heads a"),
-    (("--hidden", "--hidden-size"), "hidden", "hidden size h"),
-    (("--layers", "--num-layers"), "layers", "transformer layers L"),
-    (("--vocab", "--vocab-size"), "vocab", "vocabulary size v (padded as Megatron does)"),
-    (("--seq-len", "--seq-length"), "seq_len", "sequence length s"),
-)
-_RUN_FLAGS = (
-    (("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
-    (("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
-    (("--interleave", "--num-virtual-stages-per-pipeline-rank"), "interleave",
-     "interleaved schedule: model chunks per pipeline rank m (1 = plain 1F1B)"),
-    (("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
-    (("--global-batch", "--global-batch-size"), "global_batch",
-     "global batch, with --gpus gives the microbatches per iteration"),
-    (("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·p))"),
-)
+EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
 class _OneLineErrors(click.Group):
@@ -40,16 +26,30 @@ class _OneLineErrors(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as error:     # `actmem` alone: the help
+            click.echo(error.ctx.get_help())
+            sys.exit(0)
         except (click.ClickException, SpecError) as error:
             if _debug():
                 raise
-            message = error.format_message() if isinstance(error, click.ClickException) else str(error)
-            click.echo(f"actmem: error: {message}", err=True)
+            click.echo(f"actmem: error: {_message(error)}", err=True)
             sys.exit(2)
         except click.Abort:
             click.echo("actmem: aborted", err=True)
             sys.exit(1)
+        except BrokenPipeError:
+            # the reader went away: nothing more to say, and Python must not complain at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _message(error) -> str:
+    if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
+        return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: "
+                "its layer is the paper's GPT (ffn 4h, GeLU, LayerNorm, eager attention, no "
+                "query groups, no context parallelism)")
+    return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 
 class _Commands(_OneLineErrors):
@@ -93,93 +93,6 @@ def cli():
     """
 
 
-def spec_options(command):
-    """The model and run flags shared by every command that takes a spec."""
-    for names, key, help_text in reversed(_RUN_FLAGS):
-        command = click.option(*names, key, type=int, default=None, help=help_text)(command)
-    options = [
-        click.option("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel",
-                     "sequence_parallel", default=None, help="Sequence parallelism."),
-        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
-                     help="Activation recomputation."),
-        click.option("--recompute-granularity", type=click.Choice(["selective", "full"]),
-                     default=None, help="Megatron's name for --recompute."),
-        click.option("--recompute-activations", is_flag=True, default=False,
-                     help="Megatron's older flag for --recompute selective."),
-        click.option("--distributed-optimizer/--no-distributed-optimizer",
-                     "--use-distributed-optimizer", "distributed_optimizer", default=None,
-                     help="Shard the optimizer state over data parallel ranks (6 + 12/d B a parameter)."),
-        click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
-                     default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
-        click.option("--gpu-memory", default=None, metavar="SIZE",
-                     help="Memory of one GPU, e.g. 80GiB, 40GB, 81920MiB (default 80GiB)."),
-        click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
-                     help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return model_options(command)
-
-
-def model_options(command):
-    """--model and the model dims, shared by every command that takes a model."""
-    for names, key, help_text in reversed(_MODEL_FLAGS):
-        command = click.option(*names, key, type=int, default=None, help=help_text)(command)
-    return click.option("--model", "-m", "preset", metavar="NAME|PATH",
-                        help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
-                             "flags override it.")(command)
-
-
-def _preset_and_flags(flags: dict) -> tuple:
-    """(name, model values, run values): the preset's, overridden by the flags given."""
-    from actmem.presets import load_preset
-
-    preset = load_preset(flags["preset"]) if flags["preset"] else None
-    model = dict(preset.model) if preset else {}
-    run = dict(preset.run) if preset else {}
-    model.update({key: flags[key] for _, key, _ in _MODEL_FLAGS if flags.get(key) is not None})
-    run.update({key: flags[key] for _, key, _ in _RUN_FLAGS if flags.get(key) is not None})
-    if preset is None and not model:
-        raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
-                        "--heads, --hidden, --layers, --vocab, --seq-len")
-    return (preset.name if preset else "custom"), model, run
-
-
-def _model_from_flags(flags: dict) -> tuple:
-    """(name, validated Model, the preset's run values) for commands that choose the run."""
-    from actmem.spec import build_spec
-
-    name, model, run = _preset_and_flags(flags)
-    return name, build_spec(model, {}).model, run     # checks the dims, names what is missing
-
-
-def build_spec_from_flags(flags: dict):
-    """Merge a preset with the flags into a validated Spec (raises SpecError)."""
-    from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
-    from actmem.units import parse_bytes
-
-    name, model, run = _preset_and_flags(flags)
-    for key in ("sequence_parallel", "distributed_optimizer"):
-        if flags[key] is not None:
-            run[key] = flags[key]
-    if flags["layers_per_chunk"] is not None:
-        if flags["interleave"] is not None:
-            raise SpecError("give the interleave once: --interleave or "
-                            "--num-layers-per-virtual-pipeline-stage, not both")
-        run["interleave"] = interleave_from_layers_per_chunk(
-            model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
-    recompute = merge_recompute(flags["recompute"], flags["recompute_granularity"],
-                                flags["recompute_activations"])
-    if recompute is not None:
-        run["recompute"] = recompute
-    options = {}
-    if flags["gpu_memory"] is not None:
-        options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
-    if flags["vocab_divisible_by"] is not None:
-        options["vocab_divisible_by"] = flags["vocab_divisible_by"]
-    return build_spec(model, run, name=name, **options)
-
-
 @cli.command()
 @spec_options
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
@@ -187,8 +100,8 @@ def build_spec_from_flags(flags: dict):
 def estimate(fmt, **flags):
     """Activation, parameter and optimizer memory per GPU of the first pipeline stage.
 
-    Shows the six techniques of Table 2 on this run, the run's own terms, parameters
-    and optimizer state, and whether the total fits the GPU.
+    Shows the six techniques of Table 2 (and full recompute under SP) on this run, the
+    run's own terms, parameters and optimizer state, and whether the total fits the GPU.
 
     \b
     Examples:
@@ -211,12 +124,12 @@ def estimate(fmt, **flags):
 
 
 @cli.command()
-@click.option("--latex", is_flag=True, help="Print LaTeX instead of pretty text.")
+@click.option("--latex", is_flag=True, help="Print LaTeX lines (no table) to copy into a document.")
 def formulas(latex):
     """Table 2, Eqs 1-6 and the term table, as the engine composes them."""
-    from actmem.render import render_formulas
+    from actmem.render import render_formulas, render_formulas_latex
 
-    render_formulas(latex)
+    render_formulas_latex() if latex else render_formulas()
 
 
 @cli.command()
@@ -235,34 +148,52 @@ def presets(fmt):
         render_presets(all_presets())
 
 
+def _gpus_and_batch(command):
+    return add_flags(command, (GPUS, GLOBAL_BATCH))
+
+
+def _plan_options(command):
+    """The flags of `actmem plan` beyond the model's."""
+    options = [
+        click.option("--gpu", "gpu_name", default="a100", show_default=True,
+                     help="GPU kind: a100 or h100 (peak FLOP/s, memory, bandwidths)."),
+        click.option("--gpu-memory", default=None, metavar="SIZE",
+                     help="Override the GPU's memory, with its unit, e.g. 40GiB."),
+        click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, metavar="SIZE",
+                     help="Headroom kept free on each GPU for what the activation count leaves "
+                          "out: the allocator's peak above the saved activations (the harness "
+                          "measures up to 7.1 GiB at the paper's runs), the CUDA context, NCCL "
+                          "and cuBLAS workspaces."),
+        click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="Tensor parallelism stays inside a node: t <= this."),
+        click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
+                     help="Share of the GPU's peak the matmuls reach (scales compute time)."),
+        click.option("--max-micro-batch", type=click.IntRange(min=1), default=16, show_default=True,
+                     help="Largest b to try."),
+        click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
+                     default=128, show_default=True, help="Megatron's vocabulary padding (times t)."),
+        click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
+                     help="How many configurations to show; 0 shows all."),
+        click.option("--explain", "config", metavar="CONFIG", default=None,
+                     help="Show one configuration in full, as the table prints it: "
+                          "'t=8 p=8 m=3 b=1 sp sel'; what it leaves out comes from the preset."),
+        click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
+                     show_default=True, help="Output format."),
+    ]
+    command = _gpus_and_batch(command)
+    for option in reversed(options):
+        command = option(command)
+    return model_options(command)
+
+
 @cli.command()
-@model_options
-@click.option("--gpus", type=int, default=None, help="GPUs for the run (default: the preset's).")
-@click.option("--global-batch", "--global-batch-size", "global_batch", type=int, default=None,
-              help="Sequences per iteration (default: the preset's).")
-@click.option("--gpu", "gpu_name", default="a100", show_default=True,
-              help="GPU kind: a100 or h100 (peak FLOP/s, memory, bandwidths).")
-@click.option("--gpu-memory", default=None, metavar="SIZE", help="Override the GPU's memory, e.g. 40GiB.")
-@click.option("--reserve", default="0GiB", show_default=True, metavar="SIZE",
-              help="Headroom kept free for the allocator, workspaces and communication buffers.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True,
-              help="Tensor parallelism stays inside a node: t <= this.")
-@click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
-              help="Share of the GPU's peak the matmuls reach (scales compute time).")
-@click.option("--max-micro-batch", type=int, default=16, show_default=True, help="Largest b to try.")
-@click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=128,
-              show_default=True, help="Megatron's vocabulary padding (times t).")
-@click.option("--top", type=int, default=10, show_default=True, help="How many configurations to show.")
-@click.option("--explain", "config", metavar="CONFIG", default=None,
-              help="Show one configuration in full, as the table prints it: 't=8 p=8 m=3 b=1 sp sel'.")
-@click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
-              show_default=True, help="Output format.")
+@_plan_options
 def plan(fmt, top, config, **flags):
     """Choose t, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
     Enumerates every valid configuration for the model on --gpus GPUs at --global-batch,
-    keeps those whose first pipeline stage fits the GPU, and ranks them by a simple
-    iteration-time model (compute, pipeline bubble, tensor- and data-parallel
+    keeps those whose first pipeline stage fits the GPU less the reserve, and ranks them by
+    a simple iteration-time model (compute, pipeline bubble, tensor- and data-parallel
     communication, each shown). Exits 1 when nothing fits.
 
     \b
@@ -273,57 +204,65 @@ def plan(fmt, top, config, **flags):
     """
     from actmem import plan as planner
 
-    request = _plan_request(flags)
+    name, request, preset_run = _plan_request(flags)
     if config is not None:
+        from actmem.explain import explain
         from actmem.render_plan import render_explain
 
-        render_explain(*planner.explain(request, config))
+        render_explain(*explain(request, config, name, preset_run))
         return
     result = planner.plan(request)
+    nothing = None
+    if result.fitting.empty:
+        from actmem.nearest import nothing_fits
+
+        nothing = nothing_fits(result)
     if fmt == "rich":
         from actmem.render_plan import render_plan
 
-        render_plan(result, top)
+        render_plan(result, top, nothing)
     else:
         from actmem import report
 
-        click.echo(report.plan_json(result, top) if fmt == "json" else report.plan_csv(result, top),
-                   nl=fmt == "json")
-    if result.fitting.empty:
+        writer = report.plan_json if fmt == "json" else report.plan_csv
+        click.echo(writer(result, top, nothing), nl=fmt == "json")
+    if nothing is not None:
         sys.exit(1)
 
 
-def _given_or(flag, default):
-    """A flag's value when given (even 0, which validation then rejects), else the preset's."""
-    return default if flag is None else flag
-
-
 def _plan_request(flags: dict):
+    """(model name, PlanRequest, the preset's run values)."""
     from actmem.hardware import gpu_named
     from actmem.plan import PlanRequest
+    from actmem.presets import load_preset
     from actmem.units import parse_bytes
 
-    _, model, run = _model_from_flags(flags)
-    gpus = _given_or(flags["gpus"], run.get("gpus"))
-    global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
-    if gpus is None or global_batch is None:
+    name, model, run = model_from_flags(flags)
+    if run.get("gpus") is None or run.get("global_batch") is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     gpu = gpu_named(flags["gpu_name"])
     memory = gpu.memory_bytes if flags["gpu_memory"] is None else parse_bytes(flags["gpu_memory"])
-    return PlanRequest(model=model, gpus=gpus, global_batch=global_batch, gpu=gpu,
-                       gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
-                       gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
-                       max_micro_batch=flags["max_micro_batch"],
-                       vocab_divisible_by=flags["vocab_divisible_by"])
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    request = PlanRequest(model=model, gpus=run["gpus"], global_batch=run["global_batch"], gpu=gpu,
+                          gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
+                          gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
+                          max_micro_batch=flags["max_micro_batch"],
+                          vocab_divisible_by=flags["vocab_divisible_by"],
+                          architecture=_architecture(preset))
+    return name, request, dict(preset.run) if preset else {}
+
+
+def _architecture(preset):
+    from actmem.architecture import PAPER, Architecture
+
+    return Architecture(**preset.architecture) if preset and preset.architecture else PAPER
 
 
 @cli.command()
 @model_options
-@click.option("--global-batch", "--global-batch-size", "global_batch", type=int, default=None,
-              help="Sequences per iteration (default: the preset's).")
+@_gpus_and_batch
 @click.option("--iteration-time", type=float, default=None, metavar="SECONDS",
               help="Measured seconds per iteration: gives MFU and HFU.")
-@click.option("--gpus", type=int, default=None, help="GPUs in the run (default: the preset's).")
 @click.option("--gpu", "gpu_name", default="a100", show_default=True, help="GPU kind for the peak.")
 @click.option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
 @click.option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
@@ -338,16 +277,23 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
     from actmem.flops import flops_report
     from actmem.hardware import gpu_named
 
-    name, dims, run = _model_from_flags(flags)
-    global_batch = _given_or(flags["global_batch"], run.get("global_batch"))
-    gpus = _given_or(flags["gpus"], run.get("gpus"))
-    if not isinstance(global_batch, int) or global_batch <= 0:
-        raise SpecError(f"flops needs a positive --global-batch, got {global_batch!r}")
-    if iteration_time is not None and not (iteration_time > 0 and isinstance(gpus, int) and gpus > 0):
-        raise SpecError(f"MFU needs a positive --iteration-time ({iteration_time}) and --gpus ({gpus})")
+    name, dims, run = model_from_flags(flags)
+    global_batch, gpus = run.get("global_batch"), run.get("gpus")
+    if global_batch is None:
+        raise SpecError("flops needs --global-batch (the preset gives none)")
+    if global_batch <= 0:
+        raise SpecError(f"--global-batch must be a positive integer, got {global_batch}")
+    if iteration_time is not None:
+        if not (math.isfinite(iteration_time) and iteration_time > 0):
+            raise SpecError(f"--iteration-time must be a positive, finite number of seconds, "
+                            f"got {iteration_time}")
+        if gpus is None:
+            raise SpecError("MFU needs --gpus with --iteration-time (the preset gives none)")
+        if gpus <= 0:
+            raise SpecError(f"--gpus must be a positive integer, got {gpus}")
     peak = gpu_named(flags["gpu_name"]).peak_flops if peak_tflops is None else peak_tflops * 1e12
-    if peak <= 0:
-        raise SpecError(f"--peak-tflops must be positive, got {peak_tflops}")
+    if not (math.isfinite(peak) and peak > 0):
+        raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")
     report = flops_report(dims, global_batch, gpus, peak, iteration_time)
     if fmt == "json":
         import json

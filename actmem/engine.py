@@ -9,6 +9,7 @@ from functools import cache
 
 import sympy
 
+from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
 from actmem.symbols import L, a, b, h, m, p, s, t, v
 from actmem.techniques import Technique
@@ -29,17 +30,18 @@ def divisor(region: Region, technique: Technique):
 
 
 @cache
-def term_bytes(term: Term, technique: Technique) -> sympy.Expr:
-    """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it."""
-    if technique.recompute not in term.kept_under:
+def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
+    the architecture has no such tensor."""
+    if technique.recompute not in term.kept_under or not term.present(arch):
         return sympy.Integer(0)
     return term.bytes / divisor(term.region, technique)
 
 
 @cache
-def per_layer_bytes(technique: Technique) -> sympy.Expr:
+def per_layer_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """One layer, one microbatch: a row of Table 2 (Eqs 1, 2, 4 and the recompute rows)."""
-    return sympy.Add(*(term_bytes(term, technique) for term in LAYER_TERMS))
+    return sympy.Add(*(term_bytes(term, technique, arch) for term in LAYER_TERMS))
 
 
 def stage_count(term: Term, layer_activations, microbatches, holds_output):
@@ -48,9 +50,10 @@ def stage_count(term: Term, layer_activations, microbatches, holds_output):
             Scope.OUTPUT: holds_output}[term.scope]
 
 
-def extra_bytes(technique: Technique, microbatches, holds_output) -> sympy.Expr:
+def extra_bytes(technique: Technique, microbatches, holds_output, arch: Architecture = PAPER
+                ) -> sympy.Expr:
     """Section 4.5: the embedding and output-layer terms of the first stage."""
-    return sympy.Add(*(term_bytes(term, technique) * stage_count(term, 0, microbatches, holds_output)
+    return sympy.Add(*(term_bytes(term, technique, arch) * stage_count(term, 0, microbatches, holds_output)
                        for term in STAGE_TERMS))
 
 
@@ -63,11 +66,11 @@ def layers_in_flight(interleaved: bool) -> sympy.Expr:
 
 
 @cache
-def held_bytes(technique: Technique) -> sympy.Expr:
+def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """The first stage's activations for any occupancy: per layer x layer activations held,
     plus the section 4.5 terms, with the counts left as symbols (for the planner's sweep)."""
-    return (per_layer_bytes(technique) * layer_activations
-            + extra_bytes(technique, microbatches_held, holds_output))
+    return (per_layer_bytes(technique, arch) * layer_activations
+            + extra_bytes(technique, microbatches_held, holds_output, arch))
 
 
 def exact(expr, bindings: dict) -> int:

@@ -3,11 +3,15 @@
 from dataclasses import dataclass
 
 from actmem import engine
+from actmem import symbols
 from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_bytes
 from actmem.pipeline import StageOccupancy, first_stage_occupancy
-from actmem.spec import Spec
-from actmem.techniques import BASELINE, TABLE_2, Technique, run_technique
+from actmem.spec import Spec, padded_vocab
+from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, run_technique
 from actmem.terms import TERMS, Term
+from actmem.units import plural
+from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
+                           WEIGHT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,16 @@ class TechniqueRow:
     """per layer x layer activations held (Eq 5, with the interleave factor)."""
     extra_bytes: int
     """Section 4.5: embedding dropout mask; output-layer terms when p = 1."""
+    parameters: ParameterBytes
+    """Weights, gradients and optimizer state at this technique's t ('none' sets t = 1)."""
 
     @property
     def first_stage_bytes(self) -> int:
         return self.layers_bytes + self.extra_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.first_stage_bytes + self.parameters.total_bytes
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class Estimate:
     spec: Spec
     occupancy: StageOccupancy
     techniques: tuple
-    """The six rows of Table 2, each on this run's pipeline."""
+    """The six rows of Table 2 and full recompute under SP, each on this run's pipeline."""
     run: TechniqueRow
     run_terms: tuple
     parameters: ParameterBytes
@@ -55,6 +65,12 @@ class Estimate:
     @property
     def baseline(self) -> TechniqueRow:
         return next(row for row in self.techniques if row.technique == BASELINE)
+
+    @property
+    def run_row(self) -> TechniqueRow:
+        """The named technique this run is (the row the output marks)."""
+        named = matching(self.run.technique)
+        return next(row for row in self.techniques if row.technique == named)
 
     @property
     def activations_bytes(self) -> int:
@@ -68,21 +84,24 @@ class Estimate:
     def fits(self) -> bool:
         return self.total_bytes <= self.spec.gpu_memory_bytes
 
+    def technique_fits(self, row: TechniqueRow) -> bool:
+        return row.total_bytes <= self.spec.gpu_memory_bytes
+
 
 def estimate(spec: Spec) -> Estimate:
     """Activation, parameter and optimizer bytes on one GPU of the first pipeline stage."""
     occupancy = first_stage_occupancy(spec.model.layers, spec.run.pipeline_parallel,
                                       spec.run.interleave, spec.microbatches)
-    bindings = spec.bindings()
     run = run_technique(spec.run.sequence_parallel, spec.run.recompute)
-    terms = tuple(_term_row(term, run, occupancy, bindings) for term in TERMS)
+    arch = spec.architecture
+    terms = tuple(_term_row(term, run, occupancy, spec.bindings(), arch) for term in TERMS)
     return Estimate(
         spec=spec,
         occupancy=occupancy,
-        techniques=tuple(_technique_row(t, occupancy, bindings) for t in TABLE_2),
-        run=_technique_row(run, occupancy, bindings),
+        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in TECHNIQUES),
+        run=_technique_row(spec, run, occupancy),
         run_terms=tuple(row for row in terms if row.total_bytes),
-        parameters=_parameters(spec),
+        parameters=_parameters(spec, spec.run.tensor_parallel),
         assumptions=_assumptions(spec, occupancy),
     )
 
@@ -91,47 +110,65 @@ def _counts(occupancy: StageOccupancy) -> tuple:
     return occupancy.layer_activations, occupancy.microbatches, int(occupancy.holds_output_layer)
 
 
-def _term_row(term, technique, occupancy, bindings) -> TermRow:
+def _term_row(term, technique, occupancy, bindings, arch) -> TermRow:
     count = engine.stage_count(term, *_counts(occupancy))
-    return TermRow(term, engine.exact(engine.term_bytes(term, technique), bindings), count)
+    return TermRow(term, engine.exact(engine.term_bytes(term, technique, arch), bindings), count)
 
 
-def _technique_row(technique, occupancy, bindings) -> TechniqueRow:
+def _technique_t(spec: Spec, technique: Technique) -> int:
+    """The t a technique runs at: the run's, or 1 for 'none' (no parallelism)."""
+    return spec.run.tensor_parallel if technique.tensor_parallel else 1
+
+
+def _technique_row(spec: Spec, technique: Technique, occupancy) -> TechniqueRow:
     layer_activations, microbatches, holds_output = _counts(occupancy)
-    per_layer = engine.exact(engine.per_layer_bytes(technique), bindings)
-    extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output), bindings)
-    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra)
+    t = _technique_t(spec, technique)
+    bindings = spec.bindings() | {symbols.t: t,
+                                  symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
+    arch = spec.architecture
+    per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
+    extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
+    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, _parameters(spec, t))
 
 
-def _parameters(spec: Spec) -> ParameterBytes:
+def _parameters(spec: Spec, t: int) -> ParameterBytes:
     model, run = spec.model, spec.run
-    count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel,
-                                   run.tensor_parallel, spec.padded_vocab, model.seq_len)
+    count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
+                                   padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len)
     return parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)
 
 
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
+    arch = spec.architecture
+    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
     notes = [
-        "activations 16-bit (2 B), dropout masks 1 B, logits fp32 (section 4); layer-norm "
-        "mean/variance and small buffers left out, as in the paper",
+        f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
+        f"({LOGITS_BYTES} B) (section 4); layer-norm mean/variance and small buffers left out, "
+        "as in the paper",
+        f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
+        + ("" if arch.attention_dropout and arch.hidden_dropout else
+           " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         f"first pipeline stage: {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else
            "; the output-layer terms of section 4.5 sit on the last stage (p > 1)"),
-        "Table 2 rows share this run's pipeline and microbatch and vary only t, SP and "
-        "recompute ('none' sets t = 1)",
-        f"embedding dropout masks of {occupancy.microbatches} microbatches: p as section 4.5 "
-        "counts under 1F1B, 2p at the peak of the interleaved schedule (the paper says p)",
+        "the technique rows share this run's pipeline and microbatch and vary only t, SP and "
+        "recompute; 'none' sets t = 1, so its parameters are not split either",
+        f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
+        "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
+        "says p)",
         "not counted: the one layer rematerialised during a recompute backward, "
         "allocator fragmentation, workspace and communication buffers",
         "parameters: Megatron GPT layers (12h² + 13h each), word embedding split over the "
         "vocabulary and tied with the output layer, learned position embedding",
     ]
     if spec.run.distributed_optimizer:
-        notes.append(f"18 B per parameter less the optimizer sharding: 2 B weight + 4 B fp32 "
-                     f"gradient + 12 B fp32 master weight and Adam moments / d = {spec.data_parallel}")
+        notes.append(f"{WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B fp32 gradient + "
+                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / d = "
+                     f"{spec.data_parallel} (the distributed optimizer) a parameter")
     else:
-        notes.append("18 B per parameter: 2 B weight + 4 B fp32 gradient + 12 B fp32 master "
-                     "weight and Adam moments (mixed-precision Adam)")
+        notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B "
+                     f"fp32 gradient + {OPTIMIZER_BYTES} B fp32 master weight and Adam moments "
+                     "(mixed-precision Adam)")
     if spec.run.gpus is None:
         notes.append("GPU count unknown: data parallel size taken as 1")
     if spec.padded_vocab != spec.model.vocab:

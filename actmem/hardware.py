@@ -10,6 +10,14 @@ from actmem.errors import SpecError
 # measured 13.75 s and 37.83 s).
 DEFAULT_EFFICIENCY = 0.6
 
+# Headroom the planner keeps free on every GPU for what the saved-activation count leaves
+# out. The harness measures the allocator's peak above the counted activations at the
+# paper's four runs (SP + selective, paper scale): 1.3, 6.1, 7.1 and 5.2 GiB for 22B, 175B,
+# 530B and 1T. That peak includes 16-bit parameter gradients, which the estimate already
+# counts as fp32 gradients, so it is an upper bound. Add about 1 GiB for the CUDA context
+# and NCCL/cuBLAS workspaces: 8 GiB covers the worst of them. Issue 9 models the peak itself.
+DEFAULT_RESERVE = "8GiB"
+
 
 @dataclass(frozen=True)
 class Gpu:

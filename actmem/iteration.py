@@ -9,9 +9,7 @@ which makes it a ranking model, not a promise.
 
 from actmem.flops import hardware_flops
 from actmem.terms import Recompute
-
-BYTES_16BIT = 2
-GRADIENT_BYTES = 4    # Megatron reduces fp32 main gradients
+from actmem.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
 def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency):
@@ -30,7 +28,7 @@ def tensor_parallel_seconds(s, b, h, L, p, t, n, recompute, bandwidth):
     times forward with full recompute); sequence parallelism moves the same bytes as an
     all-gather plus a reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
     per_layer = 4 + 2 * (recompute == Recompute.FULL.value)
-    volume = n * (L // p) * per_layer * 2 * (t - 1) / t * BYTES_16BIT * s * b * h
+    volume = n * (L // p) * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
     return volume / bandwidth
 
 
@@ -39,7 +37,7 @@ def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth):
     distributed optimizer reduce-scatters them and all-gathers 16-bit weights instead
     ((d-1)/d x (4 + 2) B)."""
     per_parameter = (2 * GRADIENT_BYTES * (1 - distributed_optimizer)
-                     + (GRADIENT_BYTES + BYTES_16BIT) * distributed_optimizer)
+                     + (GRADIENT_BYTES + WEIGHT_BYTES) * distributed_optimizer)
     return parameters * per_parameter * (d - 1) / d / bandwidth
 
 
@@ -47,4 +45,4 @@ def pipeline_p2p_seconds(s, b, h, t, p, m, n, bandwidth):
     """Each microbatch crosses each of the rank's m chunk boundaries forward (activations)
     and backward (gradients): 2·m sends of 2sbh/t bytes (Megatron scatters them over the t
     tensor-parallel ranks). None with p = 1."""
-    return (p > 1) * n * 2 * m * BYTES_16BIT * s * b * h / t / bandwidth
+    return (p > 1) * n * 2 * m * ACTIVATION_BYTES * s * b * h / t / bandwidth

@@ -6,10 +6,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 
 from dataclasses import dataclass
 
-WEIGHT_BYTES = 2       # bf16/fp16 weights
-GRADIENT_BYTES = 4     # fp32 main gradients (Megatron accumulates in fp32)
-OPTIMIZER_BYTES = 12   # fp32 master weight + Adam first and second moments
-# 2 + 4 + 12 = 18 bytes per parameter; the distributed optimizer shards the 12 over d.
+from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 
 def layer_parameters(h, t):
@@ -37,17 +34,14 @@ class ParameterBytes:
     optimizer_bytes: int
 
     @property
-    def total_bytes(self) -> int:
+    def total_bytes(self):
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
-    @property
-    def bytes_per_parameter(self) -> float:
-        return self.total_bytes / self.count
 
-
-def parameter_bytes(count: int, data_parallel: int, distributed_optimizer: bool) -> ParameterBytes:
+def parameter_bytes(count, data_parallel, distributed_optimizer) -> ParameterBytes:
     """18 bytes a parameter, or 6 + 12/d with the distributed optimizer (rounded up: the
-    largest shard)."""
-    shards = data_parallel if distributed_optimizer else 1
+    largest shard). Arithmetic only: the planner passes numpy arrays, one element a
+    configuration."""
+    shards = 1 + (data_parallel - 1) * distributed_optimizer
     optimizer = -(-OPTIMIZER_BYTES * count // shards)
     return ParameterBytes(count, WEIGHT_BYTES * count, GRADIENT_BYTES * count, optimizer)

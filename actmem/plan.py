@@ -3,26 +3,38 @@
 Every valid configuration for a model, a GPU count and a global batch is enumerated as
 one row of a pandas frame; memory (the engine's lambdified term table) and time (the
 model in ``iteration``) are evaluated for all rows at once, never one sympy substitution
-per configuration.
+per configuration. Validity is ``actmem.rules``, the same rules a single spec obeys.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from actmem import engine, iteration
+from actmem import engine, iteration, rules
+from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
-from actmem.hardware import DEFAULT_EFFICIENCY, Gpu
-from actmem.parameters import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, first_stage_parameters
+from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
+from actmem.parameters import first_stage_parameters, parameter_bytes
 from actmem.pipeline import held_counts
 from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import run_technique
 from actmem.terms import Recompute
+from actmem.units import parse_bytes
 
 MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes")
+
+#: The largest inputs the sweep takes. Beyond them int64 parameter counts could overflow,
+#: and the divisor loops and the grid grow past what answers in seconds.
+LIMITS = {"gpus": 2**20, "global_batch": 2**24, "max_micro_batch": 1024, "gpus_per_node": 64,
+          "hidden": 2**17, "heads": 2**17, "layers": 2**14, "seq_len": 2**24, "vocab": 2**24}
+MAX_CONFIGURATIONS = 1_000_000
+"""Rows the sweep evaluates at once (about 300 MB of frame)."""
+SATURATED_BYTES = 2**62
+"""Activation counts are evaluated in float64: exact below 2^53 bytes (8 PiB), and stored
+as at most this, which no GPU holds; the fits verdict is unaffected."""
 
 
 @dataclass(frozen=True)
@@ -32,22 +44,29 @@ class PlanRequest:
     global_batch: int
     gpu: Gpu
     gpu_memory_bytes: int
-    reserve_bytes: int = 0
-    """Headroom kept free for the allocator, workspaces and communication buffers."""
+    reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
+    """Headroom kept free for what the activation count leaves out (see hardware.DEFAULT_RESERVE)."""
     gpus_per_node: int = 8
     """Tensor parallelism stays inside a node: t <= gpus_per_node."""
     efficiency: float = DEFAULT_EFFICIENCY
     """Share of the peak the matmuls reach; scales every compute time alike."""
     max_micro_batch: int = 16
     vocab_divisible_by: int = 128
+    architecture: Architecture = field(default=PAPER)
 
     def __post_init__(self):
-        for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes"):
+        for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
+                     "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)
+        for name, limit in LIMITS.items():
+            if sizes[name] > limit:
+                raise SpecError(f"plan: {name} ({sizes[name]:,}) is above the largest the planner "
+                                f"sweeps ({limit:,})")
         if not 0 <= self.reserve_bytes < self.gpu_memory_bytes:
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")
-        if not 0 < self.efficiency <= 1:
+        if not (math.isfinite(self.efficiency) and 0 < self.efficiency <= 1):
             raise SpecError(f"efficiency must be in (0, 1], got {self.efficiency}")
 
     @property
@@ -55,19 +74,26 @@ class PlanRequest:
         return self.gpu_memory_bytes - self.reserve_bytes
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (trial division up to sqrt n)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
 
 
 def _frame(column: str, values) -> pd.DataFrame:
     return pd.DataFrame({column: list(values)})
 
 
+def tensor_parallel_sizes(req: PlanRequest) -> list[int]:
+    """t dividing heads and hidden, at most a node."""
+    return [t for t in divisors(math.gcd(req.model.heads, req.model.hidden)) if t <= req.gpus_per_node]
+
+
 def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
     """(t, p, d) with t | heads, t | hidden, t <= a node, p | layers, d = gpus/(t·p) | batch."""
     model = req.model
-    ts = [t for t in _divisors(math.gcd(model.heads, model.hidden)) if t <= req.gpus_per_node]
-    pairs = [(t, p) for t in ts for p in _divisors(model.layers) if req.gpus % (t * p) == 0]
+    pairs = [(t, p) for t in tensor_parallel_sizes(req) for p in divisors(model.layers)
+             if req.gpus % (t * p) == 0]
     if not pairs:
         raise SpecError(f"no t (dividing heads {model.heads} and hidden {model.hidden}, at most "
                         f"{req.gpus_per_node} a node) times p (dividing layers {model.layers}) "
@@ -82,54 +108,70 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
     return sizes
 
 
-def candidates(req: PlanRequest) -> pd.DataFrame:
-    """Every valid configuration, one a row: t p d b n m sequence_parallel recompute
-    distributed_optimizer."""
-    model = req.model
-    grid = (_parallel_sizes(req)
-            .merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
-            .merge(_frame("m", _divisors(model.layers)), how="cross")
-            .merge(_frame("sequence_parallel", [False, True]), how="cross")
+def _switches() -> pd.DataFrame:
+    """SP, recompute and the distributed optimizer: 12 combinations."""
+    return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", [mode.value for mode in Recompute]), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
+
+
+def candidates(req: PlanRequest) -> pd.DataFrame:
+    """Every valid configuration, one a row: t p d b n m sequence_parallel recompute
+    distributed_optimizer. Built in stages, each filtered before the next multiplies it."""
+    model = req.model
+    grid = _parallel_sizes(req).merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
     grid = grid[req.global_batch % (grid.b * grid.d) == 0]
+    grid = grid.merge(_frame("m", divisors(model.layers)), how="cross")
+    grid = grid[(model.layers // grid.p) % grid.m == 0]
+    switches = _switches()
+    if len(grid) * len(switches) > MAX_CONFIGURATIONS:
+        raise SpecError(f"the sweep would hold {len(grid) * len(switches):,} configurations, more "
+                        f"than the planner evaluates at once ({MAX_CONFIGURATIONS:,}): lower "
+                        f"--max-micro-batch ({req.max_micro_batch})")
+    grid = grid.merge(switches, how="cross")
     grid["n"] = req.global_batch // (grid.b * grid.d)
-    valid = (
-        ((model.layers // grid.p) % grid.m == 0)
-        # Megatron's interleaved schedule: p > 1 and microbatches a multiple of p
-        & ((grid.m == 1) | ((grid.p > 1) & (grid.n % grid.p == 0)))
-        & (~grid.sequence_parallel | ((grid.t > 1) & (model.seq_len % grid.t == 0)))
-        & (~grid.distributed_optimizer | (grid.d > 1))       # d = 1: nothing to shard
-    )
-    return grid[valid].reset_index(drop=True)
+    values = rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers,
+                          seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b,
+                          sequence_parallel=grid.sequence_parallel,
+                          distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
+                          global_batch=req.global_batch, d=grid.d, n=grid.n)
+    return grid[rules.valid(values)].reset_index(drop=True)
 
 
 def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     """Memory per GPU of the first stage and time per iteration, for every row at once."""
     grid = grid.copy()
     model = req.model
-    s, h, a, L = model.seq_len, model.hidden, model.heads, model.layers
+    s, h, L = model.seq_len, model.hidden, model.layers
     grid["vocab"] = padded_vocab(model.vocab, grid.t, req.vocab_divisible_by)
     grid["layer_activations"], grid["microbatches_held"] = held_counts(L, grid.p, grid.m, grid.n)
-    grid["activations_bytes"] = _activations(grid, s, h, a, L)
-    count = first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s)
-    shards = np.where(grid.distributed_optimizer, grid.d, 1)
-    grid["parameters"] = count
-    grid["weights_bytes"] = WEIGHT_BYTES * count
-    grid["gradients_bytes"] = GRADIENT_BYTES * count
-    grid["optimizer_bytes"] = -(-OPTIMIZER_BYTES * count // shards)
+    grid["activations_bytes"] = _activations(req, grid)
+    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s), grid.d,
+                             grid.distributed_optimizer.astype("int64"))
+    grid["parameters"] = params.count
+    grid["weights_bytes"] = params.weights_bytes
+    grid["gradients_bytes"] = params.gradients_bytes
+    grid["optimizer_bytes"] = params.optimizer_bytes
     grid["total_bytes"] = grid[list(MEMORY_PARTS)].sum(axis=1)
     grid["fits"] = grid.total_bytes <= req.budget_bytes
     _add_time(req, grid)
     return grid
 
 
-def _activations(grid: pd.DataFrame, s, h, a, L) -> pd.Series:
+def _activations(req: PlanRequest, grid: pd.DataFrame) -> pd.Series:
+    """The engine's first-stage expression, lambdified, on float64 columns (no int64 overflow)."""
+    model = req.model
+    dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
     result = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
-        f = engine.numeric(engine.held_bytes(run_technique(bool(sp), Recompute(recompute))))
-        values = f(s, rows.b, h, a, L, rows.t, rows.p, rows.vocab, rows.m,
-                   rows.layer_activations, rows.microbatches_held, (rows.p == 1).astype(int))
+        technique = run_technique(bool(sp), Recompute(recompute))
+        f = engine.numeric(engine.held_bytes(technique, req.architecture))
+        column = lambda name: rows[name].to_numpy(dtype="float64")
+        s, h, a, L = dims
+        values = f(s, column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
+                   column("layer_activations"), column("microbatches_held"),
+                   (rows.p == 1).to_numpy(dtype="float64"))
+        values = np.minimum(np.broadcast_to(values, len(rows)), SATURATED_BYTES)
         result[rows.index] = np.rint(values).astype("int64")   # exact: whole bytes below 2^53
     return result
 
@@ -186,45 +228,3 @@ def config_label(row) -> str:
     label = (f"t={row.t} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
              f"{short}")
     return label + (" dopt" if row.distributed_optimizer else "")
-
-
-_RECOMPUTE_WORDS = {"none": "none", "sel": "selective", "selective": "selective", "full": "full"}
-
-
-def parse_config(text: str) -> dict:
-    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces) -> run values; unnamed ones default to
-    t = p = m = b = 1, no SP, no recompute, no distributed optimizer."""
-    run = {"tensor_parallel": 1, "pipeline_parallel": 1, "interleave": 1, "micro_batch": 1,
-           "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
-    keys = {"t": "tensor_parallel", "p": "pipeline_parallel", "m": "interleave", "b": "micro_batch"}
-    for token in text.replace(",", " ").split():
-        key, _, value = token.partition("=")
-        if key in keys and value.isdigit():
-            run[keys[key]] = int(value)
-        elif token in ("sp", "nosp"):
-            run["sequence_parallel"] = token == "sp"
-        elif token in _RECOMPUTE_WORDS:
-            run["recompute"] = _RECOMPUTE_WORDS[token]
-        elif token in ("dopt", "nodopt"):
-            run["distributed_optimizer"] = token == "dopt"
-        else:
-            raise SpecError(f"--explain: cannot read {token!r} in {text!r}; write it as the plan "
-                            f"prints it, e.g. 't=8 p=8 m=3 b=1 sp sel'")
-    return run
-
-
-def explain(req: PlanRequest, config: str):
-    """One configuration in full: the exact estimate and its time breakdown."""
-    from actmem.estimate import estimate
-    from actmem.spec import Run, Spec
-
-    run = parse_config(config)
-    spec = Spec(req.model, Run(**run | {"recompute": Recompute(run["recompute"]),
-                                        "gpus": req.gpus, "global_batch": req.global_batch}),
-                gpu_memory_bytes=req.budget_bytes, vocab_divisible_by=req.vocab_divisible_by)
-    row = pd.DataFrame([{"t": spec.run.tensor_parallel, "p": spec.run.pipeline_parallel,
-                         "d": spec.data_parallel, "b": spec.run.micro_batch, "n": spec.microbatches,
-                         "m": spec.run.interleave, "sequence_parallel": spec.run.sequence_parallel,
-                         "recompute": spec.run.recompute.value,
-                         "distributed_optimizer": spec.run.distributed_optimizer}])
-    return estimate(spec), evaluate(req, row).iloc[0]

@@ -21,6 +21,8 @@ class Preset:
     aliases: tuple
     model: dict
     run: dict
+    architecture: dict
+    """Optional [architecture] table (dropouts); the paper's GPT where absent."""
 
 
 def preset_dir() -> Path:
@@ -58,16 +60,17 @@ def read_preset(path: Path) -> Preset:
         raise SpecError(f"preset file {path}: cannot read it ({error.strerror})")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise SpecError(f"preset file {path}: not valid TOML: {error}")
-    unknown = sorted(set(data) - {"name", "description", "source", "aliases", "model", "run"})
+    unknown = sorted(set(data) - {"name", "description", "source", "aliases", "model", "run", "architecture"})
     if unknown:
         raise SpecError(f"preset file {path}: unknown keys {', '.join(unknown)}")
     if not isinstance(data.get("model"), dict):
         raise SpecError(f"preset file {path}: needs a [model] table (heads, hidden, layers, vocab, seq_len)")
-    if not isinstance(data.get("run", {}), dict):
-        raise SpecError(f"preset file {path}: [run] must be a table")
+    for table in ("run", "architecture"):
+        if not isinstance(data.get(table, {}), dict):
+            raise SpecError(f"preset file {path}: [{table}] must be a table")
     aliases = data.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(alias, str) for alias in aliases):
         raise SpecError(f"preset file {path}: aliases must be a list of strings")
     return Preset(name=str(data.get("name", path.stem)), description=str(data.get("description", "")),
                   source=str(data.get("source", str(path))), aliases=tuple(a.lower() for a in aliases),
-                  model=data["model"], run=data.get("run", {}))
+                  model=data["model"], run=data.get("run", {}), architecture=data.get("architecture", {}))

@@ -6,13 +6,22 @@ from rich.table import Table
 from rich.text import Text
 
 from actmem.estimate import Estimate
-from actmem.units import format_gib, gib
+from actmem.units import column_unit, format_in, gib, plural
+from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 _BAR_WIDTH = 24
 
 
-def _console() -> Console:
-    return Console(highlight=False)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich would exit 1, which the planner uses for "nothing fits": let the CLI end it."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def terminal() -> Console:
+    """Where all of actmem's terminal output goes."""
+    return _Console(highlight=False)
 
 
 def _table(title: str) -> Table:
@@ -26,7 +35,7 @@ def _bar(fraction: float, width: int = _BAR_WIDTH, style: str = "cyan") -> Text:
 
 
 def render_estimate(est: Estimate) -> None:
-    console = _console()
+    console = terminal()
     console.print(_header(est))
     console.print(_techniques_table(est))
     console.print(_terms_table(est))
@@ -48,30 +57,35 @@ def _header(est: Estimate) -> Text:
     text.append(f"run    t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.recompute.value}\n")
+    arch = spec.architecture
+    text.append(f"arch   dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}\n")
     if spec.microbatches is not None:
-        text.append(f"batch  {run.gpus} GPUs, d={spec.data_parallel} · global batch "
-                    f"{run.global_batch} · {spec.microbatches} microbatches per iteration\n")
+        text.append(f"batch  {plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
+                    f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration\n")
     return text
 
 
 def _techniques_table(est: Estimate) -> Table:
-    table = _table(f"Activations per GPU, first stage, {est.occupancy.layer_activations} "
-                   f"layer activations held (Table 2)")
+    table = _table(f"Activations per GPU, first stage, "
+                   f"{plural(est.occupancy.layer_activations, 'layer activation')} held (Table 2)")
     for column in ("technique", "per layer", "first stage", "vs tp", "", "+ params"):
-        table.add_column(column, justify="left" if column in ("technique", "") else "right")
-    current = (est.run.technique.sequence_parallel, est.run.technique.recompute)
+        table.add_column(column, justify="left" if column in ("technique", "") else "right", no_wrap=True)
+    units = {name: column_unit(values) for name, values in (
+        ("layer", [row.per_layer_bytes for row in est.techniques]),
+        ("stage", [row.first_stage_bytes for row in est.techniques]),
+        ("total", [row.total_bytes for row in est.techniques]))}
     for row in est.techniques:
-        tech = row.technique
-        is_run = tech.tensor_parallel and (tech.sequence_parallel, tech.recompute) == current
+        is_run = row is est.run_row
         share = row.per_layer_bytes / est.baseline.per_layer_bytes
-        total = row.first_stage_bytes + est.parameters.total_bytes
-        fits = total <= est.spec.gpu_memory_bytes
-        table.add_row(Text(tech.name + (" ◀" if is_run else ""), style="bold" if is_run else ""),
-                      format_gib(row.per_layer_bytes), format_gib(row.first_stage_bytes),
-                      f"{100 * share:.0f}%",
+        fits = est.technique_fits(row)
+        table.add_row(Text(row.technique.name + (" ◀" if is_run else ""), style="bold" if is_run else ""),
+                      format_in(row.per_layer_bytes, units["layer"]),
+                      format_in(row.first_stage_bytes, units["stage"]), f"{100 * share:.0f}%",
                       _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
-                      Text(f"{format_gib(total)} {'✓' if fits else '✗'}", style="green" if fits else "red"))
-    table.caption = "vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); ◀ this run"
+                      Text(f"{format_in(row.total_bytes, units['total'])} {'✓' if fits else '✗'}",
+                           style="green" if fits else "red"))
+    table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
+                     "+ params: with weights, gradients and optimizer state at the row's t; ◀ this run")
     table.caption_justify = "left"
     return table
 
@@ -81,10 +95,11 @@ def _terms_table(est: Estimate) -> Table:
     for column in ("term", "region", "each", "× held", "bytes", "share"):
         table.add_column(column, justify="left" if column in ("term", "region") else "right")
     total = est.activations_bytes
+    unit = column_unit([row.total_bytes for row in est.run_terms] + [total])
     for row in est.run_terms:
         table.add_row(row.term.name, row.term.region.value, f"{row.bytes_each:,}", f"{row.count:,}",
-                      format_gib(row.total_bytes), f"{100 * row.total_bytes / total:.1f}%")
-    table.add_row(Text("activations", style="bold"), "", "", "", Text(format_gib(total), style="bold"), "")
+                      format_in(row.total_bytes, unit), f"{100 * row.total_bytes / total:.1f}%")
+    table.add_row(Text("activations", style="bold"), "", "", "", Text(format_in(total, unit), style="bold"), "")
     return table
 
 
@@ -95,11 +110,11 @@ def _memory_table(est: Estimate) -> Table:
         table.add_column(column, justify="right" if column in ("bytes", "GiB") else "left")
     per_param = f"{params.count:,} parameters × "
     shards = est.spec.data_parallel if est.spec.run.distributed_optimizer else 1
+    optimizer = f"{OPTIMIZER_BYTES} B" + ("" if shards == 1 else f" / d={shards}")
     rows = (("activations", est.activations_bytes, "the run's terms above"),
-            ("weights", params.weights_bytes, per_param + "2 B"),
-            ("gradients", params.gradients_bytes, per_param + "4 B (fp32)"),
-            ("optimizer state", params.optimizer_bytes,
-             per_param + ("12 B" if shards == 1 else f"12 B / d={shards}")))
+            ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
+            ("gradients", params.gradients_bytes, per_param + f"{GRADIENT_BYTES} B (fp32)"),
+            ("optimizer state", params.optimizer_bytes, per_param + optimizer))
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
@@ -113,18 +128,29 @@ def _verdict(est: Estimate) -> Text:
     text = Text("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
     text.append_text(_bar(used, width=30, style="green" if est.fits else "red"))
     text.append(f" {gib(est.total_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%), "
-                f"{format_gib(abs(left))} {'spare' if left >= 0 else 'over'}\n")
+                f"{gib(abs(left)):,.2f} GiB {'spare' if left >= 0 else 'over'}\n")
     return text
 
 
-def render_formulas(latex: bool) -> None:
+def inline(expr) -> str:
+    """One line a person reads: 2·a·b·s², not 2*a*b*s**2."""
+    import re
+
+    import sympy
+
+    superscript = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+    text = re.sub(r"\*\*(\d+)", lambda match: match.group(1).translate(superscript), sympy.sstr(expr))
+    return text.replace("*", "·")
+
+
+def render_formulas() -> None:
     import sympy
 
     from actmem.equations import equations, table_2
     from actmem.terms import TERMS, Recompute
 
-    console = _console()
-    show = sympy.latex if latex else (lambda e: sympy.pretty(e, use_unicode=True))
+    console = terminal()
+    show = lambda e: sympy.pretty(e, use_unicode=True)
     table = Table(title="Table 2: activation bytes per layer, one microbatch", title_justify="left",
                   show_lines=True)
     for column in ("technique", "bytes", "meaning"):
@@ -146,13 +172,29 @@ def render_formulas(latex: bool) -> None:
     table.add_column("per", no_wrap=True)
     for term in TERMS:
         kept = "".join("●" if mode in term.kept_under else "·" for mode in Recompute)
-        size = sympy.latex(term.bytes) if latex else sympy.sstr(term.bytes).replace("*", "·")
-        name = Text(term.name, style="bold") + Text(f"\n{term.source}", style="dim")
-        table.add_row(name, size, term.region.value, kept, term.scope.value)
+        when = "" if term.present.__name__ == "always" else f"; only when {term.present.__doc__}"
+        name = Text(term.name, style="bold") + Text(f"\n{term.source}{when}", style="dim")
+        table.add_row(name, inline(term.bytes), term.region.value, kept, term.scope.value)
     table.caption = ("kept under recompute none / selective / full; block: split t ways; boundary: "
                      "replicated under plain TP, split along the sequence under SP")
     table.caption_justify = "left"
     console.print(table)
+
+
+def render_formulas_latex() -> None:
+    """Plain lines, no table, so each can be copied whole: '% label: meaning' then the LaTeX."""
+    import click
+    import sympy
+
+    from actmem.equations import equations, table_2
+    from actmem.terms import TERMS
+
+    lines = []
+    for eq in [*table_2(), *equations()]:
+        lines += [f"% {eq.label}: {eq.meaning}", sympy.latex(eq.display), ""]
+    for term in TERMS:
+        lines += [f"% term {term.name}: {term.source}", sympy.latex(term.bytes), ""]
+    click.echo("\n".join(lines).rstrip())
 
 
 def render_presets(presets) -> None:
@@ -169,4 +211,4 @@ def render_presets(presets) -> None:
                                                        "interleave", "micro_batch", "gpus")))
     table.caption = "\n".join(f"{p.name}: {p.description} ({p.source})" for p in presets)
     table.caption_justify = "left"
-    _console().print(table)
+    terminal().print(table)

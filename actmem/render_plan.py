@@ -3,26 +3,31 @@
 from rich.table import Table
 from rich.text import Text
 
-from actmem.render import _console, _table, render_estimate
-from actmem.units import format_gib, gib
+from actmem.render import _table, render_estimate, terminal as _console
+from actmem.units import column_unit, format_in, gib, plural
 
 
-def render_plan(plan, top: int) -> None:
+def _shown(frame, top: int):
+    """The first ``top`` rows; all of them with top = 0."""
+    return frame.head(top) if top > 0 else frame
+
+
+def render_plan(plan, top: int, nothing=None) -> None:
     from actmem.plan import config_label
 
     req, console = plan.request, _console()
     model = req.model
     console.print(Text(f"actmem plan · a={model.heads} h={model.hidden} L={model.layers} "
-                       f"s={model.seq_len} on {req.gpus} × {req.gpu.name}, global batch "
-                       f"{req.global_batch}", style="bold"))
-    console.print(f"budget {format_gib(req.budget_bytes)} a GPU "
-                  f"({format_gib(req.gpu_memory_bytes)} less {format_gib(req.reserve_bytes)} reserve); "
-                  f"{len(plan.evaluated):,} configurations, {len(plan.fitting):,} fit\n")
+                       f"s={model.seq_len}", style="bold"))
+    console.print(f"{plural(req.gpus, 'GPU')} ({req.gpu.name}) · global batch {req.global_batch}")
+    console.print(f"budget {gib(req.budget_bytes):,.2f} GiB a GPU: {gib(req.gpu_memory_bytes):,.2f} GiB "
+                  f"less a reserve of {gib(req.reserve_bytes):,.2f} GiB")
+    console.print(f"{plural(len(plan.evaluated), 'configuration')}, {len(plan.fitting):,} fit\n")
     table = _table("Fastest that fit (seconds per iteration, estimated)")
-    table.collapse_padding = True
+    table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
     for column in ("config", "GiB", "time", "comp", "tp", "pp", "bubble", "dp", "MFU"):
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
-    for row in plan.fitting.head(top).itertuples():
+    for row in _shown(plan.fitting, top).itertuples():
         table.add_row(config_label(row), f"{gib(row.total_bytes):.1f}", f"{row.iteration_s:.2f}",
                       f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}", f"{row.pipeline_p2p_s:.2f}",
                       f"+{100 * (row.bubble - 1):.1f}%", f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.1f}%")
@@ -33,11 +38,8 @@ def render_plan(plan, top: int) -> None:
     if not plan.fitting.empty:
         console.print(table)
     console.print(_why_not_table(plan))
-    if plan.fitting.empty:
-        leanest = plan.evaluated.loc[plan.evaluated.total_bytes.idxmin()]
-        console.print(Text(f"Nothing fits {format_gib(req.budget_bytes)}: the leanest configuration, "
-                           f"{config_label(leanest)}, needs {format_gib(leanest.total_bytes)}.",
-                           style="bold red"))
+    if nothing is not None:
+        console.print(_nothing_fits(plan, nothing))
     notes = Table.grid(padding=(0, 1))
     notes.add_column(style="dim")
     notes.add_column(style="dim")
@@ -51,21 +53,54 @@ def _why_not_table(plan) -> Table:
 
     table = _table("Each t at its leanest (why not t = ...?)")
     for column in ("t", "leanest config", "memory", "verdict"):
-        table.add_column(column, justify="right" if column in ("t", "memory") else "left")
-    for row in plan.why_not().itertuples():
+        table.add_column(column, justify="right" if column in ("t", "memory") else "left",
+                         no_wrap=column != "verdict")
+    why = plan.why_not()
+    unit = column_unit(list(why.total_bytes) + list(why.over_bytes))
+    for row in why.itertuples():
         if row.t_fits:
             count = int((plan.fitting.t == row.t).sum())
-            verdict = Text(f"{count} configurations fit", style="green")
+            verdict = Text(f"{plural(count, 'configuration')} fit" if count > 1 else "1 configuration fits",
+                           style="green")
         else:
-            verdict = Text(f"over by {format_gib(row.over_bytes)}; largest part: {row.largest_part}",
+            verdict = Text(f"over by {format_in(row.over_bytes, unit)}; largest part: {row.largest_part}",
                            style="red")
-        table.add_row(str(row.t), config_label(row), format_gib(row.total_bytes), verdict)
+        table.add_row(str(row.t), config_label(row), format_in(row.total_bytes, unit), verdict)
     return table
+
+
+def _nothing_fits(plan, nothing) -> Text:
+    """Why nothing fits: the leanest need, what the GPU count allows, and where to go instead."""
+    from actmem.plan import config_label
+
+    req = plan.request
+    leanest = plan.evaluated.loc[plan.evaluated.total_bytes.idxmin()]
+    text = Text(f"Nothing fits {gib(req.budget_bytes):,.2f} GiB: the leanest configuration, "
+                f"{config_label(leanest)}, needs {gib(leanest.total_bytes):,.2f} GiB.\n", style="bold red")
+    if nothing.usable_p != nothing.all_p:
+        text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must divide "
+                    f"layers ({req.model.layers}) and {req.gpus}/t, and d = gpus/(t·p) the batch: that "
+                    f"leaves t in {_listed(nothing.usable_t)} and p in {_listed(nothing.usable_p)} "
+                    f"(the model allows p in {_listed(nothing.all_p)}).\n")
+    if nothing.nearest:
+        places = "; ".join(f"{plural(gpus, 'GPU')}: {label}" for gpus, label in nothing.nearest)
+        text.append(f"Nearest GPU counts where a configuration fits: {places}.\n", style="green")
+    else:
+        text.append("No GPU count near this one fits either (searched the nearest that the "
+                    "parameters alone could fit).\n")
+    return text
+
+
+def _listed(values) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
 
 
 def _plan_assumptions(req) -> list[str]:
     gpu = req.gpu
     return [
+        f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free for what the activation count "
+        "leaves out: the allocator's peak above the saved activations (the harness measures up "
+        "to 7.1 GiB at the paper's runs), the CUDA context, NCCL and cuBLAS workspaces",
         f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
         f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "

@@ -12,6 +12,7 @@ def records(est: Estimate) -> dict:
         "model": {"name": spec.name, "heads": spec.model.heads, "hidden": spec.model.hidden,
                   "layers": spec.model.layers, "vocab": spec.model.vocab,
                   "padded_vocab": spec.padded_vocab, "seq_len": spec.model.seq_len},
+        "architecture": vars(spec.architecture),
         "run": {"tensor_parallel": run.tensor_parallel, "pipeline_parallel": run.pipeline_parallel,
                 "interleave": run.interleave, "micro_batch": run.micro_batch,
                 "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
@@ -42,7 +43,9 @@ def _technique(row, est: Estimate) -> dict:
     return {"technique": row.technique.name, "label": row.technique.label,
             "per_layer_bytes": row.per_layer_bytes, "layers_bytes": row.layers_bytes,
             "extra_bytes": row.extra_bytes, "first_stage_bytes": row.first_stage_bytes,
-            "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2)}
+            "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2),
+            "parameters_bytes": row.parameters.total_bytes, "total_bytes": row.total_bytes,
+            "fits": est.technique_fits(row), "is_run": row is est.run_row}
 
 
 def _term(row) -> dict:
@@ -55,6 +58,18 @@ def to_json(est: Estimate) -> str:
     return json.dumps(records(est), indent=2)
 
 
+def settings(est: Estimate) -> list[dict]:
+    """The model, architecture and run an estimate is for, and its verdict, as (setting, value)."""
+    rec = records(est)
+    rows = [("model", rec["model"]["name"])]
+    rows += [(key, value) for key, value in rec["model"].items() if key != "name"]
+    rows += list(rec["architecture"].items())
+    rows += list(rec["run"].items())
+    rows += [("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("fits", rec["fits"])]
+    return [{"setting": key, "value": "" if value is None else str(value).lower()
+             if isinstance(value, bool) else str(value)} for key, value in rows]
+
+
 def _frames(est: Estimate) -> dict:
     import pandas as pd   # only the csv and markdown formats pay for pandas
 
@@ -65,13 +80,15 @@ def _frames(est: Estimate) -> dict:
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
         ("total", rec["total_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("headroom", rec["headroom_bytes"]))]
-    return {"techniques": pd.DataFrame(rec["techniques"]),
+    return {"settings": pd.DataFrame(settings(est)),
+            "techniques": pd.DataFrame(rec["techniques"]),
             "run_terms": pd.DataFrame(rec["run_terms"]).drop(columns="source"),
             "memory": pd.DataFrame(memory)}
 
 
 def to_csv(est: Estimate) -> str:
-    """One long table: a 'section' column says which of the three tables a row is from."""
+    """One long table: a 'section' column says which table a row is from (settings, with the
+    fits verdict; techniques; run_terms; memory)."""
     import pandas as pd
 
     frames = [df.assign(section=name) for name, df in _frames(est).items()]
@@ -81,11 +98,14 @@ def to_csv(est: Estimate) -> str:
 
 
 def to_markdown(est: Estimate) -> str:
-    title = {"techniques": "Table 2 techniques, first pipeline stage",
+    title = {"settings": "Model and run", "techniques": "Table 2 techniques, first pipeline stage",
              "run_terms": "This run, term by term", "memory": "Memory per GPU"}
+    verdict = "fits" if est.fits else "does not fit"
+    head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.total_bytes / 2**30:,.2f} of "
+            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of the first stage.\n")
     parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in _frames(est).items()]
     notes = "\n".join(f"- {note}" for note in est.assumptions)
-    return "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
+    return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 
 
 _PLAN_COLUMNS = ["t", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
@@ -107,11 +127,19 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def plan_json(plan, top: int) -> str:
+def _nothing_fits(nothing) -> dict | None:
+    if nothing is None:
+        return None
+    return {"usable_t": nothing.usable_t, "usable_p": nothing.usable_p, "model_p": nothing.all_p,
+            "nearest_fitting": [{"gpus": gpus, "config": label} for gpus, label in nothing.nearest]}
+
+
+def plan_json(plan, top: int, nothing=None) -> str:
     req = plan.request
     why_not = plan.why_not()
     return json.dumps({
-        "request": {"model": vars(req.model), "gpus": req.gpus, "global_batch": req.global_batch,
+        "request": {"model": vars(req.model), "architecture": vars(req.architecture),
+                    "gpus": req.gpus, "global_batch": req.global_batch,
                     "gpu": req.gpu.name, "gpu_memory_bytes": req.gpu_memory_bytes,
                     "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes,
                     "efficiency": req.efficiency},
@@ -121,11 +149,14 @@ def plan_json(plan, top: int) -> str:
         "why_not": [{"t": int(row.t), "any_fits": bool(row.t_fits), "leanest": _plan_rows(
             why_not.iloc[[i]], 1)[0], "over_bytes": int(row.over_bytes),
                      "largest_part": row.largest_part} for i, row in enumerate(why_not.itertuples())],
+        "nothing_fits": _nothing_fits(nothing),
     }, indent=2)
 
 
-def plan_csv(plan, top: int) -> str:
-    """The fitting configurations, fastest first (all of them with --top 0)."""
+def plan_csv(plan, top: int, nothing=None) -> str:
+    """The fitting configurations, fastest first (all of them with --top 0). When nothing
+    fits, the leanest configuration of each t instead, so the file says how far off it is."""
     import pandas as pd
 
-    return pd.DataFrame(_plan_rows(plan.fitting, top), columns=["config"] + _PLAN_COLUMNS).to_csv(index=False)
+    frame = plan.fitting if nothing is None else plan.why_not()
+    return pd.DataFrame(_plan_rows(frame, top), columns=["config"] + _PLAN_COLUMNS).to_csv(index=False)

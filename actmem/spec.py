@@ -6,7 +6,8 @@ the message, e.g. ``t (3) must divide heads (128)``.
 
 from dataclasses import dataclass, field, fields
 
-from actmem import symbols
+from actmem import rules, symbols
+from actmem.architecture import Architecture
 from actmem.errors import SpecError
 from actmem.terms import Recompute
 from actmem.units import parse_bytes
@@ -68,8 +69,6 @@ class Run:
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
             raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
-        if self.interleave > 1 and self.pipeline_parallel == 1:
-            raise SpecError(f"interleave m ({self.interleave}) needs pipeline parallelism: p must be > 1")
 
 
 @dataclass(frozen=True)
@@ -81,31 +80,25 @@ class Spec:
     name: str = "custom"
     gpu_memory_bytes: int = parse_bytes(DEFAULT_GPU_MEMORY)
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+    architecture: Architecture = Architecture()
 
     def __post_init__(self):
-        model, run = self.model, self.run
-        t, p, m = run.tensor_parallel, run.pipeline_parallel, run.interleave
-        _divides("t", t, "hidden", model.hidden)
-        _divides("t", t, "heads", model.heads)
-        if run.sequence_parallel:
-            _divides("t", t, "seq_len", model.seq_len, why="sequence parallelism splits the sequence t ways")
-        _divides("p", p, "layers", model.layers)
-        if (model.layers // p) % m:
-            raise SpecError(f"interleave m ({m}) must divide the layers per stage "
-                            f"L/p = {model.layers}/{p} = {model.layers // p}")
-        if run.gpus is not None and run.gpus % (t * p):
-            raise SpecError(f"t·p ({t}·{p} = {t * p}) must divide gpus ({run.gpus})")
-        if run.global_batch is not None and run.gpus is not None:
-            per_step = run.micro_batch * self.data_parallel
-            if run.global_batch % per_step:
-                raise SpecError(f"micro_batch·data_parallel ({run.micro_batch}·{self.data_parallel}"
-                                f" = {per_step}) must divide global_batch ({run.global_batch})")
-        n = self.microbatches
-        if m > 1 and n is not None and n % p:
-            raise SpecError(f"the interleaved schedule needs the microbatches per iteration "
-                            f"({n}) to be a multiple of p ({p}), as Megatron requires")
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        if not isinstance(self.architecture, Architecture):
+            raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
+        rules.check(self.rule_values())
+
+    def rule_values(self) -> rules.Values:
+        """This spec in the names ``actmem.rules`` reads."""
+        model, run = self.model, self.run
+        exact = run.gpus is not None and run.gpus % (run.tensor_parallel * run.pipeline_parallel) == 0
+        return rules.Values(
+            heads=model.heads, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
+            t=run.tensor_parallel, p=run.pipeline_parallel, m=run.interleave, b=run.micro_batch,
+            sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
+            gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
+            n=self.microbatches if exact else None)
 
     @property
     def data_parallel(self) -> int:
@@ -141,23 +134,25 @@ def padded_vocab(vocab, t, divisible_by):
     return -(-vocab // multiple) * multiple
 
 
-def _divides(small_name, small, big_name, big, why=""):
+def _divides(small_name, small, big_name, big):
     if big % small:
-        reason = f" ({why})" if why else ""
-        raise SpecError(f"{small_name} ({small}) must divide {big_name} ({big}){reason}")
+        raise SpecError(f"{small_name} ({small}) must divide {big_name} ({big})")
 
 
-def build_spec(model: dict, run: dict, name: str = "custom", **options) -> Spec:
+def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict | None = None,
+               **options) -> Spec:
     """A Spec from plain values (a preset file merged with flags); names missing or unknown keys."""
     _check_keys("model", model, Model, required=True)
     _check_keys("run", run, Run, required=False)
+    _check_keys("architecture", architecture or {}, Architecture, required=False)
     run = dict(run)
     if isinstance(run.get("recompute"), str):
         try:
             run["recompute"] = Recompute(run["recompute"])
         except ValueError:
             raise SpecError(f"recompute must be one of none, selective, full; got {run['recompute']!r}")
-    return Spec(Model(**model), Run(**run), name=name, **options)
+    return Spec(Model(**model), Run(**run), name=name, architecture=Architecture(**(architecture or {})),
+                **options)
 
 
 def _check_keys(section: str, values: dict, cls, required: bool) -> None:

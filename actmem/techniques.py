@@ -1,4 +1,4 @@
-"""The six techniques of Table 2, as switches over the term table."""
+"""The six techniques of Table 2, as switches, and full recompute under sequence parallelism."""
 
 from dataclasses import dataclass
 
@@ -30,10 +30,23 @@ TABLE_2 = (
     Technique("full", True, False, Recompute.FULL, "full recompute"),
 )
 
-BY_NAME = {technique.name: technique for technique in TABLE_2}
+#: Table 2's rows, then full recompute under sequence parallelism: the checkpointed layer
+#: input is already split along the sequence, so 2sbh/t (section 5 with Figure 5).
+TECHNIQUES = TABLE_2 + (
+    Technique("tp-sp-full", True, True, Recompute.FULL, "tensor + sequence parallel + full recompute"),
+)
+
+BY_NAME = {technique.name: technique for technique in TECHNIQUES}
 BASELINE = BY_NAME["tp"]
 
 
 def run_technique(sequence_parallel: bool, recompute: Recompute) -> Technique:
     """The technique of a user's own run: tensor parallel (t may be 1) with its own flags."""
     return Technique("run", True, sequence_parallel, recompute, "this run")
+
+
+def matching(technique: Technique) -> Technique:
+    """The named technique with the same switches as a run's (t > 1 or not aside)."""
+    return next(named for named in TECHNIQUES if named.tensor_parallel and
+                (named.sequence_parallel, named.recompute) == (technique.sequence_parallel,
+                                                              technique.recompute))

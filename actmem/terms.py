@@ -8,10 +8,13 @@ equation of the paper is a composition of this table (see ``engine``).
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import sympy
 
+from actmem.architecture import always, attention_dropout, hidden_dropout
 from actmem.symbols import a, b, h, s, v
+from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
 
 class Region(Enum):
@@ -62,52 +65,56 @@ class Term:
     scope: Scope
     source: str
     """What it is, and where the paper counts it."""
+    present: Callable = always
+    """architecture -> whether the layer has this tensor at all (dropout 0 keeps no mask)."""
 
 
 _sbh = s * b * h
 
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
-    Term("attention_layernorm_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before attention keeps its input (4.1, layer norm 2sbh)"),
-    Term("qkv_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
-    Term("query_key", 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+    Term("query_key", A16 * 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
          "QKᵀ keeps Q and K (4.1, 4sbh)"),
-    Term("softmax_output", 2 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+    Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "softmax keeps its output (4.1, 2as²b)"),
-    Term("softmax_dropout_mask", a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "attention dropout keeps its 1-byte mask (4.1, as²b)"),
-    Term("softmax_dropout_output", 2 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "attention over V keeps the dropout output (4.1, 2as²b)"),
-    Term("value", 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+    Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "attention dropout keeps its 1-byte mask (4.1, as²b)", attention_dropout),
+    Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "attention over V keeps the dropout output (4.1, 2as²b); with no attention dropout "
+         "it keeps the softmax output, counted once above", attention_dropout),
+    Term("value", A16 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
          "attention over V keeps V (4.1, 2sbh)"),
-    Term("projection_input", 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+    Term("projection_input", A16 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
          "output projection keeps its input (4.1, 2sbh)"),
-    Term("attention_dropout_mask", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "dropout after the projection keeps its 1-byte mask (4.1, sbh)"),
+    Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
-    Term("mlp_layernorm_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("mlp_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)"),
-    Term("fc1_input", 2 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh)"),
-    Term("gelu_input", 8 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+    Term("gelu_input", A16 * 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh)"),
-    Term("fc2_input", 8 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
+    Term("fc2_input", A16 * 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
          "4h→h linear keeps its input, the GeLU output (4.1, 8sbh)"),
-    Term("mlp_dropout_mask", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "dropout after the MLP keeps its 1-byte mask (4.1, sbh)"),
+    Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
-    Term("layer_input_checkpoint", 2 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
+    Term("layer_input_checkpoint", A16 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
          "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
     # -- first and last stage, section 4.5 ---------------------------------------------
-    Term("embedding_dropout_mask", _sbh, Region.BOUNDARY, _ALWAYS, Scope.EMBEDDING,
-         "dropout after the input embedding keeps its 1-byte mask (4.5, sbhp/t under SP)"),
-    Term("final_layernorm_input", 2 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+    Term("embedding_dropout_mask", MASK * _sbh, Region.BOUNDARY, _ALWAYS, Scope.EMBEDDING,
+         "dropout after the input embedding keeps its 1-byte mask (4.5, sbhp/t under SP)",
+         hidden_dropout),
+    Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)"),
-    Term("output_layer_input", 2 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+    Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "output layer keeps its input (4.5, 2sbh/t under SP)"),
-    Term("logits_fp32", 4 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,
+    Term("logits_fp32", F32 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,
          "cross entropy keeps fp32 logits, split over the vocabulary (4.5, 4sbv/t)"),
 )
 

@@ -12,7 +12,8 @@ from tests.conftest import assert_one_line_error
 def test_json_carries_the_table_2_rows_as_integers(actmem):
     out = actmem.json("estimate", "--model", "1t")
     names = [row["technique"] for row in out["techniques"]]
-    assert names == ["none", "tp", "tp-sp", "tp-sel", "tp-sp-sel", "full"]
+    assert names == ["none", "tp", "tp-sp", "tp-sel", "tp-sp-sel", "full", "tp-sp-full"]
+    assert [row["technique"] for row in out["techniques"] if row["is_run"]] == ["tp-sp-sel"]
     for row in out["techniques"]:
         for key in ("per_layer_bytes", "layers_bytes", "extra_bytes", "first_stage_bytes"):
             assert isinstance(row[key], int)
@@ -71,7 +72,7 @@ def test_csv_is_one_table_with_a_section_column(actmem):
     result = actmem("estimate", "--model", "gpt3", "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     sections = {row["section"] for row in rows}
-    assert sections == {"techniques", "run_terms", "memory"}
+    assert sections == {"settings", "techniques", "run_terms", "memory"}
     sel = next(r for r in rows if r["technique"] == "tp-sp-sel")
     assert sel["per_layer_bytes"] == str(34 * 2048 * 12288 // 8)
 
@@ -79,7 +80,7 @@ def test_csv_is_one_table_with_a_section_column(actmem):
 def test_markdown_has_the_three_tables(actmem):
     result = actmem("estimate", "--model", "22b", "--format", "markdown")
     assert result.exit_code == 0
-    assert result.stdout.count("## ") == 4
+    assert result.stdout.count("## ") == 5
     assert "| tp-sp-sel" in result.stdout
 
 

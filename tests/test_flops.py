@@ -65,4 +65,4 @@ def test_flops_bad_input(actmem):
     assert_one_line_error(actmem("flops", "--model", "530b", "--iteration-time", "-1"), "iteration-time")
     assert_one_line_error(actmem("flops", "--model", "530b", "--peak-tflops", "-3"), "peak-tflops")
     assert_one_line_error(actmem("flops", "--model", "530b", "--peak-tflops", "0"), "peak-tflops")
-    assert_one_line_error(actmem("flops", "--model", "530b", "--global-batch", "0"), "global-batch")
+    assert_one_line_error(actmem("flops", "--model", "530b", "--global-batch", "0"), "--global-batch")

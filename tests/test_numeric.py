@@ -4,7 +4,7 @@ import numpy as np
 
 from actmem import engine
 from actmem.spec import Model, Run, Spec
-from actmem.techniques import TABLE_2
+from actmem.techniques import TABLE_2, TECHNIQUES
 
 
 def test_numeric_matches_exact_on_a_grid():
@@ -28,7 +28,7 @@ def test_held_bytes_matches_the_estimate(actmem):
     held = out["first_stage"]
     spec_args = (2048, 1, 12288, 96, 96, 8, 8, 51200, 1)
     for row in out["techniques"]:
-        technique = next(t for t in TABLE_2 if t.name == row["technique"])
+        technique = next(t for t in TECHNIQUES if t.name == row["technique"])
         f = engine.numeric(engine.held_bytes(technique))
         assert f(*spec_args, held["layer_activations"], held["microbatches_in_flight"],
                  int(held["holds_output_layer"])) == row["first_stage_bytes"]

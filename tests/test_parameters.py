@@ -14,10 +14,11 @@ TABLE_3 = {  # name: (a, h, L), v = 51200, s = 2048; the name is the size in par
 
 @pytest.mark.parametrize("name", TABLE_3)
 def test_whole_model_count_matches_the_name(name):
-    """On one GPU (t = p = 1) the first stage is the whole model: L(12h² + 13h) + vh + sh + 2h."""
+    """On one GPU (t = p = 1) the first stage is the whole model, and its size is the model's
+    name within 2%. (The count per GPU under t and p is checked against the parameters of
+    the stage the harness builds: tests/validate/test_parameters_built.py.)"""
     _, h, layers, size = TABLE_3[name]
     count = first_stage_parameters(h, layers, 1, 1, 51200, 2048)
-    assert count == layers * (12 * h * h + 13 * h) + 51200 * h + 2048 * h + 2 * h
     assert abs(count / size - 1) < 0.02
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from actmem.estimate import estimate
 from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, candidates, config_label, evaluate, parse_config, plan
+from actmem.explain import parse_config
+from actmem.plan import PlanRequest, candidates, config_label, evaluate, plan
 from actmem.presets import load_preset
 from actmem.spec import Model, build_spec
 from tests.conftest import assert_one_line_error

@@ -29,7 +29,7 @@ def valid_runs(draw):
         n = p * draw(st.integers(1, 4)) if m > 1 else draw(st.integers(1, 8))
         flags |= {"--gpus": t * p * d, "--global-batch": n * flags["--micro-batch"] * d}
     args = [str(x) for flag, value in flags.items() for x in (flag, value)]
-    sp = draw(st.booleans())
+    sp = t > 1 and draw(st.booleans())          # sequence parallelism needs t > 1
     return flags, args + ["--sp" if sp else "--no-sp"]
 
 
@@ -58,7 +58,7 @@ def test_valid_input_never_crashes_and_matches_table_2(case):
     sbh, attention = Fraction(s * b * h), Fraction(5 * a * s, h)
     paper = {"none": sbh * (34 + attention), "tp": sbh * (10 + Fraction(24, t) + attention / t),
              "tp-sp": sbh / t * (34 + attention), "tp-sel": sbh * (10 + Fraction(24, t)),
-             "tp-sp-sel": sbh * 34 / t, "full": 2 * sbh}
+             "tp-sp-sel": sbh * 34 / t, "full": 2 * sbh, "tp-sp-full": 2 * sbh / t}
     held = expected_layer_activations(flags)
     assert out["first_stage"]["layer_activations"] == held
     for row in out["techniques"]:
@@ -74,7 +74,7 @@ def is_valid(heads, hidden, layers, t, p, m, s, sp):
     if min(heads, hidden, layers, t, p, m, s) <= 0:
         return False
     return (hidden % heads == 0 and hidden % t == 0 and heads % t == 0
-            and (not sp or s % t == 0) and layers % p == 0 and (layers // p) % m == 0
+            and (not sp or (t > 1 and s % t == 0)) and layers % p == 0 and (layers // p) % m == 0
             and (m == 1 or p > 1))
 
 

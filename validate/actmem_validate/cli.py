@@ -5,13 +5,14 @@ itself never imports this package; torch is imported only when the command runs.
 """
 
 import json
+import math
 import os
 import sys
 
 import click
 
-from actmem.cli import build_spec_from_flags, spec_options
 from actmem.errors import SpecError
+from actmem.flags import build_spec_from_flags, given_flags, spec_options
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                   "(on a CPU-only machine install the CPU build of torch first)")
@@ -19,32 +20,36 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 
 @click.command()
 @spec_options
-@click.option("--techniques", default="tp,tp-sp,tp-sel,tp-sp-sel,full,tp-sp-full", show_default=True,
-              help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full.")
+@click.option("--techniques", default=None,
+              help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
+                   "[default: all but none].")
 @click.option("--grid", type=click.Choice(["small", "presets"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
-                   "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake).")
+                   "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake). "
+                   "A grid sets the model, run and techniques itself.")
 @click.option("--mode", type=click.Choice(["real", "fake"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
                    "process with FakeTensorMode, any scale, no memory used.")
-@click.option("--microbatches", type=int, default=None,
+@click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per iteration (default: the fewest that fill the schedule).")
-@click.option("--dropout", type=float, default=0.1, show_default=True)
 @click.option("--max-error", type=float, default=0.0, show_default=True,
-              help="Largest |error| in percent allowed on a term the paper counts; more exits 1.")
-@click.option("--timeout", type=int, default=300, show_default=True,
+              help="Largest |error| in percent allowed on a term the paper counts and on the "
+                   "total; more exits 1. A tensor no term or named residual accounts for always "
+                   "fails.")
+@click.option("--timeout", type=click.IntRange(min=1), default=300, show_default=True,
               help="Seconds a collective may wait before a real run gives up.")
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows to this file (.json or .csv).")
-def validate(techniques, grid, mode, microbatches, dropout, max_error, timeout, fmt, output, **flags):
+def validate(techniques, grid, mode, microbatches, max_error, timeout, fmt, output, **flags):
     """Measure what real tensor- and sequence-parallel layers save, against the formulas.
 
     Builds the first pipeline stage as Megatron does, runs its schedule (1F1B or
     interleaved), records every tensor saved for backward (torch's saved_tensors_hooks,
     deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
     and the error per term and rank. Terms PyTorch keeps that the paper does not count are
-    listed as residuals; 'peak' is the allocator's peak, for information.
+    listed as named residuals; 'peak' is the allocator's peak, for information. Exits 1
+    when a term is off, a saved tensor is unaccounted for, or the total does not add up.
 
     \b
     Examples:
@@ -54,37 +59,56 @@ def validate(techniques, grid, mode, microbatches, dropout, max_error, timeout, 
       torchrun --nproc-per-node 4 -m actmem_validate --heads 8 --hidden 64 --layers 2 \\
           --vocab 512 --seq-len 32 --tp 4
     """
+    if not (math.isfinite(max_error) and max_error >= 0):
+        raise SpecError(f"--max-error must be a finite percentage >= 0, got {max_error}")
+    _check_output(output)
     try:
         import torch  # noqa: F401
     except ImportError:
         raise click.ClickException(_TORCH_MISSING)
-    from actmem_validate import grid as grids
-    from actmem_validate.compare import worst_error
+    from actmem_validate.compare import judge
 
-    configs = _configs(grids, grid, techniques, microbatches, dropout, flags)
+    configs = _configs(grid, techniques, microbatches, flags)
+    if mode == "real" and "LOCAL_RANK" not in os.environ:
+        from actmem_validate.footprint import check_fits_machine
+
+        check_fits_machine(configs)
     rows = _run(configs, mode, timeout)
+    failures = judge(rows, max_error)
     _emit(rows, fmt, output)
-    worst = worst_error(rows)
-    click.echo(_summary(rows, worst), err=True)
-    if worst > max_error:
-        click.echo(f"actmem validate: a term the paper counts is off by {worst:.4f}% "
-                   f"(--max-error {max_error}%)", err=True)
+    click.echo(_summary(rows, failures), err=True)
+    if failures:
+        for line in failures[:10]:
+            click.echo(f"actmem validate: {line}", err=True)
+        if len(failures) > 10:
+            click.echo(f"actmem validate: ... and {len(failures) - 10} more", err=True)
         sys.exit(1)
 
 
-def _configs(grids, grid, techniques, microbatches, dropout, flags):
-    if grid is not None:
-        return grids.GRIDS[grid]()
-    from actmem_validate.measure import TECHNIQUES
+def _check_output(output) -> None:
+    """Before any work: a place the rows can be written, in a format named by its suffix."""
+    if output is None:
+        return
+    if not output.endswith((".json", ".csv")):
+        raise SpecError(f"--output {output}: name a .json or .csv file")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise SpecError(f"--output {output}: the folder {folder} does not exist or is not writable")
 
-    chosen = [name.strip() for name in techniques.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in TECHNIQUES]
-    if unknown or not chosen:
-        raise SpecError(f"unknown techniques {', '.join(unknown) or '(none given)'}; "
-                        f"known: {', '.join(TECHNIQUES)}")
-    if not 0 <= dropout < 1:
-        raise SpecError(f"dropout must be in [0, 1), got {dropout}")
-    return grids.configs_for(build_spec_from_flags(flags), chosen, microbatches, dropout)
+
+def _configs(grid, techniques, microbatches, flags):
+    from actmem_validate import grid as grids
+
+    if grid is not None:
+        overridden = given_flags(flags) + [name for name, value in (
+            ("--techniques", techniques), ("--microbatches", microbatches)) if value is not None]
+        if overridden:
+            raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop "
+                            f"{', '.join(overridden)}")
+        return grids.GRIDS[grid]()
+    names = [name.strip() for name in (techniques or ",".join(grids.DEFAULT_TECHNIQUES)).split(",")
+             if name.strip()]
+    return grids.configs_for(build_spec_from_flags(flags), grids.techniques_named(names), microbatches)
 
 
 def _run(configs, mode, timeout):
@@ -108,22 +132,25 @@ def _run_under_torchrun(configs, timeout, run_rank):
     mine = [config for config in configs if config.world_size == world]
     if not mine:
         raise SpecError(f"torchrun started {world} ranks but no technique runs on {world} "
-                        f"(t = {configs[0].t}; 'none' runs on 1)")
+                        f"(t = {configs[0].spec.run.tensor_parallel}; 'none' runs on 1)")
     rows = run_rank(rank, world, mine, timeout, gather=True)
     if rank != 0:
         sys.exit(0)
     return rows
 
 
-def _summary(rows, worst) -> str:
+def _summary(rows, failures) -> str:
+    from actmem_validate.compare import worst_error
+
     runs = {(row["config"], row["rank"]) for row in rows}
     residual = {}
     for row in rows:
         if row["kind"] == "residual":
             residual[row["term"]] = max(residual.get(row["term"], 0), row["measured_bytes"])
     named = ", ".join(f"{term} (up to {n:,} B)" for term, n in sorted(residual.items())) or "none"
-    return (f"{len(runs)} measured runs (config x rank); worst error on a term the paper counts: "
-            f"{worst:.4f}%; residual terms: {named}")
+    verdict = "failed" if failures else "passed"
+    return (f"{len(runs)} measured runs (config x rank), gate {verdict}: worst error on a checked "
+            f"row {worst_error(rows):.4f}%; named residual terms: {named}")
 
 
 def _stderr_console():

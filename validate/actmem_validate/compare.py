@@ -1,24 +1,54 @@
-"""Formula against measurement, term by term: the rows of the error table."""
+"""Formula against measurement, term by term: the rows of the error table, and the gate.
+
+Every saved byte lands in exactly one kind of row:
+- ``paper``: a term of actmem's table. It must match the formula, in both directions: a
+  term measured where the formula has 0 (selective recompute silently broken, say) fails
+  as surely as a term in the formula that nothing saved.
+- ``residual``: a tensor PyTorch keeps that the paper leaves out, one of ``RESIDUALS``
+  below, each named and sized. Reported, not compared with the formula.
+- ``unnamed``: anything else (a tensor no layer labelled). Always a failure: nothing is
+  saved that the table does not name.
+Then ``total``: every saved byte at the stage's peak, against the formula's activations
+plus the named residuals. It fails unless the two add up, so no byte escapes the rows
+above. ``allocated``, ``peak`` and ``pytorch_choice`` rows are information.
+"""
 
 from actmem.estimate import Estimate
 from actmem.terms import TERMS
 
 PAPER_TERMS = [term.name for term in TERMS]
 
+#: tensors PyTorch saves that the paper does not count, and why they are not errors
+RESIDUALS = {
+    "layernorm_statistics": "mean and 1/std of each layer norm, 2sb values per norm (bf16 on CPU, "
+                            "fp32 on GPU); the paper leaves them out",
+    "token_ids": "the embedding's token indices (int64, sb per microbatch)",
+    "position_ids": "the position embedding's indices (int64, s)",
+    "cross_entropy_targets": "the loss's target indices and out-of-shard mask (sb values)",
+}
+CHECKED = ("paper", "unnamed", "total")
+"""The kinds of row the gate judges; the others are information."""
+
+
+def _kind(name: str) -> str:
+    if name in PAPER_TERMS:
+        return "paper"
+    return "residual" if name in RESIDUALS else "unnamed"
+
 
 def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1) -> list[dict]:
-    """One row a term the formula or the measurement has; then 'total' (all saved bytes
-    against the formula's activations); 'allocated' (what is allocated above the parameters
-    right after the forward that made that peak) and 'peak' (the allocator's peak during
-    the schedule), both information rather than checks; and, where PyTorch's own dropout
-    keeps a wider mask than 1 byte, what that choice would add ('pytorch_choice')."""
+    """One row a term the formula or the measurement has, then 'total'; 'allocated' (above the
+    parameters right after the forward that made the peak) and 'peak' (the allocator's peak
+    during the schedule); and, where PyTorch's own dropout keeps a wider mask than 1 byte,
+    what that choice would add ('pytorch_choice')."""
     formula = {row.term.name: row.total_bytes for row in est.run_terms}
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
     names += sorted(set(measured) - set(PAPER_TERMS))
-    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0),
-                 "paper" if name in PAPER_TERMS else "residual") for name in names]
-    rows.append(_row(config, rank, "total", est.activations_bytes, run.peak_saved_bytes, "total"))
+    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _kind(name))
+            for name in names]
+    residuals = sum(row["measured_bytes"] for row in rows if row["kind"] == "residual")
+    rows.append(_row(config, rank, "total", est.activations_bytes + residuals, run.peak_saved_bytes, "total"))
     rows.append(_row(config, rank, "allocated", est.activations_bytes, run.allocated_at_peak, "allocated"))
     rows.append(_row(config, rank, "peak", est.activations_bytes, peak_bytes, "peak"))
     masks = sum(n for name, n in measured.items() if name.endswith("dropout_mask"))
@@ -30,12 +60,50 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
 
 def _row(config, rank, term, formula_bytes, measured_bytes, kind) -> dict:
     error = 100 * (measured_bytes - formula_bytes) / formula_bytes if formula_bytes else None
-    return {"config": config.label, "technique": config.technique, "rank": rank, "term": term,
+    return {"config": config.label, "technique": config.technique.name, "rank": rank, "term": term,
             "kind": kind, "formula_bytes": int(formula_bytes), "measured_bytes": int(measured_bytes),
             "error_percent": error}
 
 
+def row_error(row: dict) -> float:
+    """|error| in percent; infinite where the formula has 0 bytes and the measurement does not."""
+    if row["formula_bytes"]:
+        return abs(row["measured_bytes"] - row["formula_bytes"]) / row["formula_bytes"] * 100
+    return float("inf") if row["measured_bytes"] else 0.0
+
+
+def judge(rows: list[dict], max_error: float) -> list[str]:
+    """Mark each row 'pass', 'fail' or 'info' (its 'gate' field) and return one line a
+    failure. An unnamed row fails whatever its size; a paper term or the total fails when
+    off by more than max_error percent (a term with formula 0 and bytes measured is off by
+    infinitely much)."""
+    failures = []
+    for row in rows:
+        if row["kind"] not in CHECKED:
+            row["gate"] = "info"
+            continue
+        off = row["kind"] == "unnamed" or row_error(row) > max_error
+        row["gate"] = "fail" if off else "pass"
+        if off:
+            failures.append(_failure(row))
+    return failures
+
+
+def _failure(row: dict) -> str:
+    where = f"{row['config']}, rank {row['rank']}: {row['term']}"
+    measured, formula = f"{row['measured_bytes']:,} B", f"{row['formula_bytes']:,} B"
+    if row["kind"] == "unnamed":
+        return f"{where} saved {measured} that no term or named residual accounts for"
+    if row["kind"] == "total":
+        return f"{where}: {measured} saved, but the terms and named residuals add up to {formula}"
+    if not row["formula_bytes"]:
+        return f"{where} measured {measured} where the formula has none"
+    return f"{where} measured {measured}, formula {formula} ({row['error_percent']:+.4f}%)"
+
+
 def worst_error(rows: list[dict]) -> float:
-    """Largest |error| over the terms the paper counts (residual terms are reported, not checked)."""
-    errors = [abs(r["error_percent"]) for r in rows if r["kind"] == "paper" and r["error_percent"] is not None]
+    """Largest |error| in percent over the rows the gate checks (infinite for an unnamed row
+    or a term the formula lacks)."""
+    errors = [float("inf") if row["kind"] == "unnamed" else row_error(row)
+              for row in rows if row["kind"] in CHECKED]
     return max(errors, default=0.0)

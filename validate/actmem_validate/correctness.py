@@ -31,9 +31,10 @@ def _shard(full: torch.Tensor, name: str, tp: TensorParallel) -> torch.Tensor:
 
 def layer_differences(tp: TensorParallel, recompute: str, s=16, b=2, h=64, a=8) -> dict:
     """Largest absolute differences from the reference: output, input grad, parameter grads."""
-    spec = LayerSpec(h, a, s, layers=2, dropout=0.0, recompute=recompute, dtype=torch.float32)
+    spec = LayerSpec(h, a, s, layers=2, attention_dropout=0.0, hidden_dropout=0.0, recompute=recompute,
+                     dtype=torch.float32)
     torch.manual_seed(0)
-    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, "none", torch.float32), TensorParallel())
+    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32), TensorParallel())
     layer = TransformerLayer(spec, tp)
     with torch.no_grad():
         for (name, param), full in zip(layer.named_parameters(), reference.parameters()):

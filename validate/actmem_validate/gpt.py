@@ -24,10 +24,18 @@ class LayerSpec:
     heads: int
     seq_len: int
     layers: int = 1
-    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
     recompute: str = "none"           # none | selective | full
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
+
+    @classmethod
+    def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
+        """The layer an actmem Spec describes."""
+        model, arch = spec.model, spec.architecture
+        return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
+                   arch.hidden_dropout, spec.run.recompute.value, dtype, device)
 
 
 def _layer_norm(h, spec: LayerSpec) -> nn.LayerNorm:
@@ -56,7 +64,7 @@ class SelfAttention(nn.Module):
         self.projection = RowParallelLinear(spec.hidden, spec.hidden, tp, **kw)
         self.projection.bias.sequence_parallel = True
         init_scaled(self.projection, spec.layers)
-        self.dropout = Dropout(spec.dropout, "softmax_dropout_mask")
+        self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
         causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
         self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
 
@@ -100,8 +108,8 @@ class TransformerLayer(nn.Module):
         self.spec = spec
         self.norm1, self.norm2 = _layer_norm(spec.hidden, spec), _layer_norm(spec.hidden, spec)
         self.attention, self.mlp = SelfAttention(spec, tp), MLP(spec, tp)
-        self.dropout1 = Dropout(spec.dropout, "attention_dropout_mask")
-        self.dropout2 = Dropout(spec.dropout, "mlp_dropout_mask")
+        self.dropout1 = Dropout(spec.hidden_dropout, "attention_dropout_mask")
+        self.dropout2 = Dropout(spec.hidden_dropout, "mlp_dropout_mask")
 
     def _forward(self, x):
         label(x, "attention_layernorm_input")
@@ -131,7 +139,7 @@ class Embedding(nn.Module):
         self.words = nn.Parameter(torch.empty(vocab // tp.size, spec.hidden, **kw))
         self.positions = nn.Parameter(torch.empty(spec.seq_len, spec.hidden, **kw))
         nn.init.normal_(self.words, std=0.02), nn.init.normal_(self.positions, std=0.02)
-        self.dropout = Dropout(spec.dropout, "embedding_dropout_mask")
+        self.dropout = Dropout(spec.hidden_dropout, "embedding_dropout_mask")
 
     def forward(self, tokens):                                # tokens: (b, s)
         local = tokens - self.vocab_start
@@ -144,8 +152,16 @@ class Embedding(nn.Module):
         with scope("position_ids"):
             x = (words + nn.functional.embedding(positions, self.positions)).transpose(0, 1).contiguous()
         if self.tp.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp)
+            x = clone_scatter_output_in_embedding(scatter_to_sequence_parallel_region(x, self.tp))
         return self.dropout(x)                                # (s or s/t, b, h)
+
+
+def clone_scatter_output_in_embedding(x):
+    """The sequence scatter returns a view of the whole (s, b, h) tensor; with no dropout to
+    copy it, the next layer would save that view and hold all s rows. Megatron-Core clones it
+    (LanguageModelEmbedding.forward, config.clone_scatter_output_in_embedding, on by default),
+    and so does the harness. (s/t, b, h)"""
+    return x.clone()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

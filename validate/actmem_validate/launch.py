@@ -32,11 +32,11 @@ def _by_world_size(configs):
 def run_fake(configs: list[Config], on_done=lambda config: None) -> list[dict]:
     """Rank 0 of t, one process: FakeTensorMode for shapes without data, the fake process
     group for collectives that return at once. Paper-scale shapes cost no memory."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from actmem_validate.torch_compat import fake_store
 
     rows = []
     for t, group in _by_world_size(configs):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=t)
         try:
             for config in group:
                 rows += measure(config, rank=0, fake=True)

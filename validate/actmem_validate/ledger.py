@@ -5,6 +5,14 @@ storage is counted once (a view saved twice holds its memory once), parameters a
 out, and each is attributed to the term name the layer code gave its storage with
 ``label``, else to the enclosing ``scope`` (tensors an op saves internally, such as the
 layer-norm statistics), else to ``unattributed``, so nothing is hidden.
+
+Checkpointed regions (selective and full recompute) show the ledger only their inputs,
+whichever way torch checkpoints: with ``use_reentrant=True`` (Megatron's own
+CheckpointFunction, which the harness uses) the region runs under no_grad and
+CheckpointFunction saves its inputs; with ``use_reentrant=False`` torch saves the inputs
+through a no-op Function and hides the region's saves behind its own saved_tensors_hooks,
+which take precedence over the ledger's. The ledger's count is therefore the same in both
+modes (tests/validate/test_schedule_and_ledger.py checks it).
 """
 
 import weakref
@@ -12,13 +20,10 @@ from contextlib import contextmanager
 
 import torch
 
+from actmem_validate.torch_compat import storage_key
+
 UNATTRIBUTED = "unattributed"
 _active: list = []
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the memory behind a tensor (works on fake tensors too)."""
-    return tensor.untyped_storage()._cdata
 
 
 def label(tensor: torch.Tensor, term: str) -> torch.Tensor:

@@ -37,8 +37,6 @@ copy_to_tensor_parallel_region = _mapping(
     _identity, all_reduce, "f: forward identity, backward all-reduce.")
 reduce_from_tensor_parallel_region = _mapping(
     all_reduce, _identity, "f̄: forward all-reduce, backward identity.")
-gather_from_sequence_parallel_region = _mapping(
-    all_gather, reduce_scatter, "g: forward all-gather, backward reduce-scatter, first dim.")
 reduce_scatter_to_sequence_parallel_region = _mapping(
     reduce_scatter, all_gather, "ḡ: forward reduce-scatter, backward all-gather, first dim.")
 scatter_to_sequence_parallel_region = _mapping(

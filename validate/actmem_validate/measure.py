@@ -1,80 +1,66 @@
 """Measure one configuration on this rank: saved bytes by term, and the allocator's peak."""
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from actmem.estimate import estimate
-from actmem.spec import Spec, build_spec
+from actmem.spec import Spec
+from actmem.techniques import Technique
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
-
-#: technique -> (tensor parallel, sequence parallel, recompute); Table 2's rows plus full
-#: recompute under SP (which keeps the layer input split, 2sbh/t)
-TECHNIQUES = {
-    "none": (False, False, "none"), "tp": (True, False, "none"), "tp-sp": (True, True, "none"),
-    "tp-sel": (True, False, "selective"), "tp-sp-sel": (True, True, "selective"),
-    "full": (True, False, "full"), "tp-sp-full": (True, True, "full"),
-}
+from actmem_validate.torch_compat import device_wide_mem_tracker, fake_tensor_mode, \
+    tracker_bytes_above_parameters
 
 
 @dataclass(frozen=True)
 class Config:
-    """One measured run of the first pipeline stage."""
+    """One measured run of the first pipeline stage: the spec as measured (its run set to
+    the technique, d = 1 and global batch n·b) and the technique it stands for."""
 
-    name: str
-    technique: str
-    heads: int
-    hidden: int
-    layers: int
-    vocab: int
-    seq_len: int
-    t: int
-    p: int
-    m: int
-    micro_batch: int
+    spec: Spec
+    technique: Technique
     microbatches: int
-    dropout: float = 0.1
 
     @property
     def world_size(self) -> int:
-        return self.t if TECHNIQUES[self.technique][0] else 1
+        return self.spec.run.tensor_parallel
 
     @property
     def label(self) -> str:
-        return (f"{self.name} t={self.world_size} p={self.p} m={self.m} b={self.micro_batch} "
-                f"n={self.microbatches} {self.technique}")
+        run = self.spec.run
+        return (f"{self.spec.name} t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
+                f"b={run.micro_batch} n={self.microbatches} {self.technique.name}")
 
-    def spec(self) -> Spec:
-        """actmem's spec for the same run: d = 1, so global batch = n·b."""
-        _, sp, recompute = TECHNIQUES[self.technique]
-        model = dict(heads=self.heads, hidden=self.hidden, layers=self.layers, vocab=self.vocab,
-                     seq_len=self.seq_len)
-        run = dict(tensor_parallel=self.world_size, pipeline_parallel=self.p, interleave=self.m,
-                   micro_batch=self.micro_batch, sequence_parallel=sp, recompute=recompute,
-                   gpus=self.world_size * self.p, global_batch=self.microbatches * self.micro_batch)
-        return build_spec(model, run, name=self.name)
+
+def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
+    """The spec a technique is measured at: t = 1 for 'none' (no parallelism), the technique's
+    SP and recompute, one data-parallel rank, n microbatches."""
+    t = spec.run.tensor_parallel if technique.tensor_parallel else 1
+    run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
+                  recompute=technique.recompute, gpus=t * spec.run.pipeline_parallel,
+                  global_batch=microbatches * spec.run.micro_batch, distributed_optimizer=False)
+    return Config(replace(spec, run=run), technique, microbatches)
 
 
 def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
     """Build the first stage on this rank, run its schedule, compare with the estimate."""
-    spec = config.spec()
-    _, sp, recompute = TECHNIQUES[config.technique]
-    tp = TensorParallel.from_world(sp) if config.world_size > 1 else TensorParallel(sequence_parallel=sp)
-    layer_spec = LayerSpec(config.hidden, config.heads, config.seq_len, config.layers, config.dropout,
-                           recompute, torch.bfloat16, device)
+    spec, run = config.spec, config.spec.run
+    tp = (TensorParallel.from_world(run.sequence_parallel) if run.tensor_parallel > 1
+          else TensorParallel(sequence_parallel=run.sequence_parallel))
+    layer_spec = LayerSpec.of(spec, device)
     torch.manual_seed(1234 + rank)
-    mode = _fake_mode() if fake else nullcontext()
-    with mode:
-        stage = FirstStage(layer_spec, spec.padded_vocab, tp, config.p, config.m)
+    with fake_tensor_mode() if fake else nullcontext():
+        stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave)
         with _PeakMemory(stage, device) as peak:
-            run = run_first_stage(stage, layer_spec, config.p, config.m, config.microbatches,
-                                  config.micro_batch, spec.padded_vocab, tp, peak.current)
+            result = run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave,
+                                     config.microbatches, run.micro_batch, spec.padded_vocab, tp,
+                                     peak.current)
     mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
-    return compare(config, estimate(spec), run, rank, peak.bytes, mask_bytes)
+    return compare(config, estimate(spec), result, rank, peak.bytes, mask_bytes)
 
 
 def native_dropout_mask_bytes(device: str) -> int:
@@ -87,15 +73,9 @@ def native_dropout_mask_bytes(device: str) -> int:
     return max(t.element_size() for t in saved)
 
 
-def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
-
-
 class _PeakMemory:
     """Peak bytes above the parameters during the schedule: torch.cuda's allocator stats on a
-    GPU, torch.distributed._tools.mem_tracker.MemTracker elsewhere (it follows fake tensors too)."""
+    GPU, a device-wide MemTracker elsewhere (it follows fake tensors too)."""
 
     def __init__(self, module, device: str):
         self.module, self.device, self.bytes = module, device, 0
@@ -106,7 +86,7 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            self.tracker = _device_wide_tracker()
+            self.tracker = device_wide_mem_tracker()
             self.tracker.track_external(self.module)
             self.tracker.__enter__()
         return self
@@ -115,7 +95,7 @@ class _PeakMemory:
         """Bytes allocated now above the parameters."""
         if self.device.startswith("cuda"):
             return torch.cuda.memory_allocated() - self.base
-        return _above_parameters(next(iter(self.tracker.get_tracker_snapshot("current").values()), {}))
+        return tracker_bytes_above_parameters(self.tracker, "current")
 
     def __exit__(self, *exc):
         if self.device.startswith("cuda"):
@@ -123,32 +103,5 @@ class _PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated() - self.base
             return False
         self.tracker.__exit__(*exc)
-        self.bytes = _above_parameters(next(iter(self.tracker.get_tracker_snapshot("peak").values()), {}))
+        self.bytes = tracker_bytes_above_parameters(self.tracker, "peak")
         return False
-
-
-def _above_parameters(snapshot: dict) -> int:
-    """A MemTracker snapshot's bytes, parameters left out."""
-    return int(sum(n for kind, n in snapshot.items()
-                   if kind != "Total" and getattr(kind, "value", "") != "Parameter"))
-
-
-def _device_wide_tracker():
-    """MemTracker's device-wide peak without its per-module statistics: those assume each
-    module runs once an iteration, and a pipeline schedule runs each n·m times."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class DeviceWideMemTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return DeviceWideMemTracker()

@@ -1,38 +1,47 @@
 """The error table in the terminal."""
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+_GATE = {"pass": Text("✓", style="green"), "fail": Text("✗", style="bold red"), "info": Text("", style="dim")}
+
 
 def render_rows(rows: list[dict]) -> None:
-    console = Console(highlight=False)
+    from actmem.render import terminal
+
+    console = terminal()
     for config in dict.fromkeys(row["config"] for row in rows):
         table = Table(title=config, title_justify="left", title_style="bold", pad_edge=False)
-        for column in ("rank", "term", "formula B", "measured B", "error"):
-            table.add_column(column, justify="left" if column == "term" else "right")
+        for column in ("rank", "term", "formula B", "measured B", "error", "gate"):
+            table.add_column(column, justify="left" if column == "term" else "right",
+                             no_wrap=column != "term")
         for row in (r for r in rows if r["config"] == config):
             table.add_row(str(row["rank"]), _term(row), f"{row['formula_bytes']:,}",
-                          f"{row['measured_bytes']:,}", _error(row))
+                          f"{row['measured_bytes']:,}", _error(row), _GATE.get(row.get("gate"), ""))
         console.print(table)
-    console.print(Text("error: (measured - formula) / formula. residual: saved by PyTorch, not "
-                       "counted by the paper. total: every saved byte at the stage's peak against the "
-                       "formula. allocated: all memory above the parameters at that moment; peak: the "
-                       "allocator's peak during the schedule (gradients, buffers): information. "
-                       "native_dropout_mask_extra: what PyTorch's own dropout, with its wider mask on "
-                       "this device, would add; the harness keeps 1-byte masks as Megatron does.",
+    console.print(Text("error: (measured - formula) / formula. Checked (gate ✓/✗): every term of the "
+                       "paper, in both directions; anything saved that no term or named residual "
+                       "accounts for (unnamed); and total, every saved byte at the stage's peak "
+                       "against the formula plus the named residuals. Information: residual (saved by "
+                       "PyTorch, not counted by the paper); allocated, all memory above the parameters "
+                       "at that moment; peak, the allocator's peak during the schedule; "
+                       "native_dropout_mask_extra, what PyTorch's own dropout, with its wider mask on "
+                       "this device, would add (the harness keeps 1-byte masks as Megatron does).",
                        style="dim"))
 
 
 def _term(row) -> Text:
     style = {"residual": "dim", "total": "bold", "peak": "italic", "allocated": "italic",
-             "pytorch_choice": "dim"}.get(row["kind"], "")
-    return Text(row["term"] + (" (residual)" if row["kind"] == "residual" else ""), style=style)
+             "pytorch_choice": "dim", "unnamed": "bold red"}.get(row["kind"], "")
+    suffix = {"residual": " (residual)", "unnamed": " (unnamed)"}.get(row["kind"], "")
+    return Text(row["term"] + suffix, style=style)
 
 
 def _error(row) -> Text:
     if row["error_percent"] is None:
-        return Text("–", style="dim")
+        failed = row.get("gate") == "fail"
+        return Text("new" if failed else "–", style="bold red" if failed else "dim")
     error = row["error_percent"]
-    style = "green" if row["kind"] != "paper" or error == 0 else "red"
-    return Text(f"{error:+.4f}%", style=style if row["kind"] in ("paper", "total") else "dim")
+    if row.get("gate") in ("pass", "fail"):
+        return Text(f"{error:+.4f}%", style="green" if row["gate"] == "pass" else "bold red")
+    return Text(f"{error:+.4f}%", style="dim")

@@ -63,7 +63,6 @@ class StageRun:
     terms_at_peak: dict = field(default_factory=dict)
     allocated_at_peak: int = 0
     """Bytes allocated above the parameters right after the forward that made the peak."""
-    chunk_forwards: int = 0
 
 
 def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, micro_batch: int,
@@ -82,7 +81,6 @@ def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, 
             with ledger.recording():
                 out = stage.forward_chunk(chunk, received, tokens, tokens)
             in_flight[(microbatch, chunk)] = (out, ledger)
-            result.chunk_forwards += 1
             if _track_peak(result, in_flight):
                 result.allocated_at_peak = allocated()
         else:

@@ -1,0 +1,63 @@
+"""`actmem plan --explain CONFIG`: one configuration, as the plan prints it, in full."""
+
+import pandas as pd
+
+from actmem.errors import SpecError
+from actmem.terms import Recompute
+
+#: What a config string may leave out, when the preset's run does not say either.
+DEFAULT_RUN = {"tensor_parallel": 1, "pipeline_parallel": 1, "interleave": 1, "micro_batch": 1,
+               "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
+_KEYS = {"t": "tensor_parallel", "p": "pipeline_parallel", "m": "interleave", "b": "micro_batch"}
+_WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False),
+          "sel": ("recompute", "selective"), "selective": ("recompute", "selective"),
+          "none": ("recompute", "none"), "full": ("recompute", "full"),
+          "dopt": ("distributed_optimizer", True), "nodopt": ("distributed_optimizer", False)}
+
+
+def parse_config(text: str, defaults: dict | None = None) -> dict:
+    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces) -> run values. What the text leaves
+    out comes from ``defaults`` (the preset's run), else t = p = m = b = 1, no SP, no
+    recompute, no distributed optimizer. A setting given twice is an error."""
+    given: dict = {}
+    for token in text.replace(",", " ").split():
+        key, _, value = token.partition("=")
+        if key in _KEYS and value.isdigit():
+            setting, parsed = _KEYS[key], int(value)
+        elif token in _WORDS:
+            setting, parsed = _WORDS[token]
+        else:
+            raise SpecError(f"--explain: cannot read {token!r} in {text!r}; write it as the plan "
+                            f"prints it, e.g. 't=8 p=8 m=3 b=1 sp sel'")
+        if setting in given:
+            raise SpecError(f"--explain: {setting} is given twice in {text!r}")
+        given[setting] = parsed
+    if not given:
+        raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
+    base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
+    if isinstance(base["recompute"], Recompute):
+        base["recompute"] = base["recompute"].value
+    return base | given
+
+
+def explain(req, config: str, name: str = "custom", defaults: dict | None = None):
+    """One configuration in full: the exact estimate (against the budget, the GPU less the
+    reserve) and its time breakdown."""
+    from actmem.estimate import estimate
+    from actmem.plan import config_label, evaluate
+    from actmem.spec import Run, Spec
+
+    run = parse_config(config, defaults)
+    run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus,
+                       "global_batch": req.global_batch})
+    probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
+                 architecture=req.architecture)          # checks the rules, gives d and n
+    row = pd.DataFrame([{"t": run.tensor_parallel, "p": run.pipeline_parallel, "d": probe.data_parallel,
+                         "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
+                         "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
+                         "distributed_optimizer": run.distributed_optimizer}])
+    evaluated = evaluate(req, row).iloc[0]
+    spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",
+                gpu_memory_bytes=req.budget_bytes, vocab_divisible_by=req.vocab_divisible_by,
+                architecture=req.architecture)
+    return estimate(spec), evaluated

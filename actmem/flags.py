@@ -1,0 +1,230 @@
+"""The flags that describe a model, its architecture and a run, and how they become a Spec.
+
+Megatron-LM's argument names are accepted beside actmem's, so the parallelism flags of a
+launch script can be pasted as they are. Each spelling is its own click option that may
+repeat: a setting given twice with different values, or under two spellings that
+disagree (``--tp 4 --tensor-model-parallel-size 8``), is refused rather than the last one
+silently winning.
+"""
+
+from dataclasses import dataclass
+
+import click
+
+from actmem.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple
+    """actmem's spelling first, then Megatron-LM's; "--a/--no-a" for an on/off switch."""
+    key: str
+    """The spec's name for the setting."""
+    help: str
+    type: object = int
+
+    def dest(self, index: int) -> str:
+        return f"{self.key}__{index}"
+
+
+MODEL_FLAGS = (
+    Flag(("--heads", "--num-attention-heads"), "heads", "attention heads a"),
+    Flag(("--hidden", "--hidden-size"), "hidden", "hidden size h"),
+    Flag(("--layers", "--num-layers"), "layers", "transformer layers L"),
+    Flag(("--vocab", "--vocab-size"), "vocab", "vocabulary size v (padded as Megatron does)"),
+    Flag(("--seq-len", "--seq-length"), "seq_len", "sequence length s"),
+)
+ARCHITECTURE_FLAGS = (
+    Flag(("--attention-dropout",), "attention_dropout",
+         "dropout on the attention probabilities (default 0.1, the paper's); 0 keeps no mask",
+         float),
+    Flag(("--hidden-dropout",), "hidden_dropout",
+         "dropout after the embedding, attention and MLP (default 0.1); 0 keeps no mask", float),
+)
+GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·p))")
+GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
+                    "global batch: sequences per iteration; with --gpus gives the microbatches")
+RUN_FLAGS = (
+    Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
+    Flag(("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
+    Flag(("--interleave", "--num-virtual-stages-per-pipeline-rank"), "interleave",
+         "interleaved schedule: model chunks per pipeline rank m (1 = plain 1F1B)"),
+    Flag(("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
+    GLOBAL_BATCH,
+    GPUS,
+    Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
+         "sequence parallelism (needs t > 1)", bool),
+    Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
+         "distributed_optimizer", "shard the optimizer state over the d data-parallel ranks "
+         "(6 + 12/d B a parameter; needs d > 1)", bool),
+)
+
+#: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
+#: launch script names them, and the user is told plainly rather than offered a look-alike.
+MEGATRON_NOT_MODELLED = frozenset({
+    "--ffn-hidden-size", "--num-query-groups", "--group-query-attention", "--swiglu",
+    "--normalization", "--use-flash-attn", "--context-parallel-size", "--kv-channels",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type",
+    "--use-rotary-position-embeddings", "--disable-bias-linear", "--add-bias-linear",
+    "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--num-experts",
+    "--expert-model-parallel-size",
+})
+
+
+def _spelling(flag: Flag, index: int, value) -> str:
+    """How the user wrote it: '--tp 4', '--no-sp', '--use-distributed-optimizer'."""
+    name = flag.names[index]
+    if flag.type is bool:
+        on, _, off = name.partition("/")
+        return on if value or not off else off
+    return f"{name} {value}"
+
+
+class _Spelled(click.Option):
+    """An option whose help line lists the other spellings of its setting beside its own."""
+
+    def __init__(self, *args, also=(), **kw):
+        super().__init__(*args, **kw)
+        self.also = also
+
+    def get_help_record(self, ctx):
+        record = super().get_help_record(ctx)
+        if record is None or not self.also:
+            return record
+        names, _, rest = record[0].partition(" ")
+        return f"{names}, {', '.join(self.also)}" + (f" {rest}" if rest else ""), record[1]
+
+
+def add_flags(command, flags):
+    """One repeatable click option a spelling; the help line of actmem's names Megatron's."""
+    for flag in reversed(flags):
+        for index in reversed(range(len(flag.names))):
+            name = flag.names[index]
+            also = tuple(n.partition("/")[0] for n in flag.names[1:]) if index == 0 else ()
+            kw = dict(multiple=True, hidden=index > 0, help=flag.help, cls=_Spelled, also=also)
+            if flag.type is bool:
+                kw.update(is_flag=True, default=None)
+            else:
+                kw.update(type=flag.type, metavar="FLOAT" if flag.type is float else "INTEGER")
+            command = click.option(name, flag.dest(index), **kw)(command)
+    return command
+
+
+def resolve(flags: dict, table) -> dict:
+    """Collapse the spellings of each flag in ``table`` into one value (None when not given);
+    two different values are an error that names both spellings."""
+    out = dict(flags)
+    for flag in table:
+        given = [(index, value) for index in range(len(flag.names))
+                 for value in out.pop(flag.dest(index), ())]
+        values = {value for _, value in given}
+        if len(values) > 1:
+            spelled = dict.fromkeys(_spelling(flag, index, value) for index, value in given)
+            raise SpecError(f"{flag.key} is given more than once and the values disagree: "
+                            f"{' and '.join(spelled)}; give it once")
+        out[flag.key] = values.pop() if values else None
+    return out
+
+
+def spec_options(command):
+    """The model, architecture and run flags of every command that takes a whole spec."""
+    options = [
+        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
+                     help="Activation recomputation."),
+        click.option("--recompute-granularity", type=click.Choice(["selective", "full"]),
+                     default=None, help="Megatron's name for --recompute."),
+        click.option("--recompute-activations", is_flag=True, default=False,
+                     help="Megatron's older flag for --recompute selective."),
+        click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
+                     default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
+        click.option("--gpu-memory", default=None, metavar="SIZE",
+                     help="Memory of one GPU with its unit, e.g. 80GiB, 40GB, 81920MiB "
+                          "(default 80GiB)."),
+        click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
+                     help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
+    ]
+    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS)
+    for option in reversed(options):
+        command = option(command)
+    return model_options(command)
+
+
+def model_options(command):
+    """--model and the model dims, shared by every command that takes a model."""
+    command = add_flags(command, MODEL_FLAGS)
+    return click.option("--model", "-m", "preset", metavar="NAME|PATH",
+                        help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
+                             "flags override it.")(command)
+
+
+def _preset_and_flags(flags: dict) -> tuple:
+    """(name, model values, run values, architecture values): the preset's, overridden by the
+    flags given. ``flags`` is already resolved."""
+    from actmem.presets import load_preset
+
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    model = dict(preset.model) if preset else {}
+    run = dict(preset.run) if preset else {}
+    architecture = dict(preset.architecture) if preset else {}
+    model.update({f.key: flags[f.key] for f in MODEL_FLAGS if flags.get(f.key) is not None})
+    run.update({f.key: flags[f.key] for f in RUN_FLAGS if flags.get(f.key) is not None})
+    architecture.update({f.key: flags[f.key] for f in ARCHITECTURE_FLAGS if flags.get(f.key) is not None})
+    if preset is None and not model:
+        raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
+                        "--heads, --hidden, --layers, --vocab, --seq-len")
+    return (preset.name if preset else "custom"), model, run, architecture
+
+
+def model_from_flags(flags: dict) -> tuple:
+    """(name, validated Model, the preset's run values) for commands that choose the run."""
+    from actmem.spec import build_spec
+
+    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH))
+    name, model, run, _ = _preset_and_flags(flags)
+    run = {key: run[key] for key in ("gpus", "global_batch") if key in run}
+    for key in ("gpus", "global_batch"):
+        if flags[key] is not None:
+            run[key] = flags[key]
+    return name, build_spec(model, {}).model, run     # checks the dims, names what is missing
+
+
+def build_spec_from_flags(flags: dict):
+    """Merge a preset with the flags into a validated Spec (raises SpecError)."""
+    from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
+    from actmem.units import parse_bytes
+
+    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
+    name, model, run, architecture = _preset_and_flags(flags)
+    if flags["layers_per_chunk"] is not None:
+        if flags["interleave"] is not None:
+            raise SpecError("give the interleave once: --interleave or "
+                            "--num-layers-per-virtual-pipeline-stage, not both")
+        run["interleave"] = interleave_from_layers_per_chunk(
+            model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
+    recompute = merge_recompute(flags["recompute"], flags["recompute_granularity"],
+                                flags["recompute_activations"])
+    if recompute is not None:
+        run["recompute"] = recompute
+    options = {}
+    if flags["gpu_memory"] is not None:
+        options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
+    if flags["vocab_divisible_by"] is not None:
+        options["vocab_divisible_by"] = flags["vocab_divisible_by"]
+    return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+_OTHER_SPELLINGS = {"preset": "--model", "layers_per_chunk": "--num-layers-per-virtual-pipeline-stage",
+                    "vocab_divisible_by": "--make-vocab-size-divisible-by"}
+
+
+def given_flags(flags: dict) -> list[str]:
+    """The spellings of the spec flags a user gave (before ``resolve``), for a mode that sets
+    them itself and must refuse them rather than ignore them."""
+    given = []
+    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS:
+        for index in range(len(flag.names)):
+            given += [_spelling(flag, index, value).split(" ")[0] for value in flags.get(flag.dest(index), ())]
+    for key, value in flags.items():
+        if "__" not in key and value not in (None, False, ()):
+            given.append(_OTHER_SPELLINGS.get(key, "--" + key.replace("_", "-")))
+    return list(dict.fromkeys(given))

@@ -1,0 +1,95 @@
+"""The rules a model and run must obey, written once.
+
+``check`` applies them to one spec (plain ints) and raises the first that fails, with the
+arithmetic in the message; ``valid`` applies them to the planner's sweep (numpy arrays,
+one element a configuration) and returns which rows obey them all. The expressions are
+numpy's, so one definition serves both.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from actmem.errors import SpecError
+
+
+def _implies(condition, consequence):
+    return np.logical_or(np.logical_not(condition), consequence)
+
+
+@dataclass(frozen=True)
+class Rule:
+    holds: Callable
+    """values -> bool (or a boolean array)."""
+    message: Callable
+    """values -> the line a user reads when it fails."""
+    needs: tuple = ()
+    """Values that must be known for the rule to apply (a spec may lack gpus or a batch)."""
+
+
+RULES = (
+    Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
+    Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
+    Rule(lambda v: _implies(v.sequence_parallel, v.t > 1),
+         lambda v: f"sequence parallelism splits the sequence over the tensor-parallel ranks: "
+                   f"it needs t > 1 (t = {v.t})"),
+    Rule(lambda v: _implies(v.sequence_parallel, v.seq_len % v.t == 0),
+         lambda v: f"t ({v.t}) must divide seq_len ({v.seq_len}) "
+                   f"(sequence parallelism splits the sequence t ways)"),
+    Rule(lambda v: v.layers % v.p == 0, lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
+    Rule(lambda v: _implies(v.m > 1, v.p > 1),
+         lambda v: f"interleave m ({v.m}) needs pipeline parallelism: p must be > 1"),
+    Rule(lambda v: (v.layers // v.p) % v.m == 0,
+         lambda v: f"interleave m ({v.m}) must divide the layers per stage "
+                   f"L/p = {v.layers}/{v.p} = {v.layers // v.p}"),
+    Rule(lambda v: v.gpus % (v.t * v.p) == 0,
+         lambda v: f"t·p ({v.t}·{v.p} = {v.t * v.p}) must divide gpus ({v.gpus})", ("gpus",)),
+    Rule(lambda v: v.global_batch % (v.b * v.d) == 0,
+         lambda v: f"micro_batch·data_parallel ({v.b}·{v.d} = {v.b * v.d}) must divide "
+                   f"global_batch ({v.global_batch})", ("gpus", "global_batch")),
+    Rule(lambda v: _implies(v.m > 1, v.n % v.p == 0),
+         lambda v: f"the interleaved schedule needs the microbatches per iteration ({v.n}) to be "
+                   f"a multiple of p ({v.p}), as Megatron requires", ("n",)),
+    Rule(lambda v: _implies(v.distributed_optimizer, v.d > 1),
+         lambda v: f"the distributed optimizer shards over the data-parallel ranks: it needs "
+                   f"d = gpus/(t·p) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)")),
+)
+
+
+@dataclass
+class Values:
+    """The names the rules read: the model's dims and one configuration (ints or arrays)."""
+
+    heads: object
+    hidden: object
+    layers: object
+    seq_len: object
+    t: object
+    p: object
+    m: object
+    b: object
+    sequence_parallel: object
+    distributed_optimizer: object
+    gpus: object = None
+    global_batch: object = None
+    d: object = 1
+    """gpus/(t·p); 1 when the GPU count is unknown."""
+    n: object = None
+    """Microbatches per iteration, global_batch/(b·d); None when unknown."""
+
+
+def _applies(rule: Rule, values: Values) -> bool:
+    return all(getattr(values, name) is not None for name in rule.needs)
+
+
+def check(values: Values) -> None:
+    """Raise SpecError with the first rule one configuration breaks."""
+    for rule in RULES:
+        if _applies(rule, values) and not rule.holds(values):
+            raise SpecError(rule.message(values))
+
+
+def valid(values: Values):
+    """Which configurations obey every rule (a boolean array over the sweep)."""
+    return np.logical_and.reduce([rule.holds(values) for rule in RULES if _applies(rule, values)])

@@ -1,0 +1,112 @@
+"""The gate fails in every direction: each failure is injected into the real layer code and
+must turn it red; the healthy run must stay green."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from actmem.cli import cli  # noqa: E402
+from actmem_validate import gpt, layers  # noqa: E402
+from actmem_validate.compare import judge, worst_error  # noqa: E402
+from actmem_validate.grid import configs_for, small_spec  # noqa: E402
+from actmem_validate.launch import run_fake  # noqa: E402
+from actmem_validate.ledger import label  # noqa: E402
+
+
+def measured(technique="tp-sp-sel", dropout=0.1, layers_=2):
+    """Rank 0 of t = 2 at small shapes, fake tensors: quick, and in this process, so the
+    monkeypatches below reach the layer code."""
+    rows = run_fake(configs_for(small_spec(layers_, 2, dropout=dropout), [technique], 1))
+    return rows, judge(rows, 0.0)
+
+
+def row(rows, term):
+    return next(r for r in rows if r["term"] == term)
+
+
+def test_a_healthy_run_passes():
+    rows, failures = measured()
+    assert failures == []
+    assert {r["gate"] for r in rows if r["kind"] in ("paper", "total")} == {"pass"}
+
+
+def test_recompute_disabled_at_run_time_fails(monkeypatch):
+    """Selective recompute silently broken: the attention core is saved after all. The formula
+    has 0 bytes for softmax_output; the gate must not skip it."""
+    monkeypatch.setattr(gpt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
+    rows, failures = measured("tp-sp-sel")
+    softmax = row(rows, "softmax_output")
+    assert softmax["formula_bytes"] == 0 and softmax["measured_bytes"] > 0
+    assert softmax["gate"] == "fail"
+    assert any("softmax_output measured" in line and "where the formula has none" in line for line in failures)
+    assert worst_error(rows) == float("inf")
+
+
+def test_a_tensor_the_formula_counts_but_nothing_saves_fails(monkeypatch):
+    """Dropout that keeps no mask: the formula's masks are missing from the measurement."""
+    monkeypatch.setattr(layers.Dropout, "forward", lambda self, x: x)
+    rows, failures = measured("tp")
+    mask = row(rows, "mlp_dropout_mask")
+    assert mask["measured_bytes"] == 0 and mask["formula_bytes"] > 0 and mask["gate"] == "fail"
+    assert failures
+
+
+def test_an_extra_unlabelled_tensor_fails(monkeypatch):
+    """A saved tensor no layer names lands in 'unattributed': unnamed, so red whatever its size."""
+    forward = gpt.MLP.forward
+    monkeypatch.setattr(gpt.MLP, "forward", lambda self, x: torch.sin(forward(self, x)))  # sin saves its input
+    rows, failures = measured("tp")
+    unnamed = [r for r in rows if r["kind"] == "unnamed"]
+    assert [r["term"] for r in unnamed] == ["unattributed"] and unnamed[0]["gate"] == "fail"
+    assert any("no term or named residual accounts for" in line for line in failures)
+
+
+def test_an_extra_tensor_under_a_paper_name_fails(monkeypatch):
+    """Something saved twice under a term's name: the term reads more than the formula."""
+    forward = gpt.MLP.forward
+    monkeypatch.setattr(gpt.MLP, "forward",
+                        lambda self, x: torch.sin(label(forward(self, x) * 1, "fc1_input")))
+    rows, failures = measured("tp")
+    fc1 = row(rows, "fc1_input")
+    assert fc1["measured_bytes"] > fc1["formula_bytes"] and fc1["gate"] == "fail"
+    assert failures
+
+
+def test_the_embedding_view_held_whole_fails(monkeypatch):
+    """Without Megatron's clone after the SP scatter, dropout 0 makes the first layer save a
+    view of the whole embedding output: its norm input reads t = 2 times the formula."""
+    monkeypatch.setattr(gpt, "clone_scatter_output_in_embedding", lambda x: x)
+    rows, failures = measured("tp-sp", dropout=0.0, layers_=1)
+    norm = row(rows, "attention_layernorm_input")
+    assert norm["measured_bytes"] == 2 * norm["formula_bytes"] and norm["gate"] == "fail"
+
+
+def test_judge_on_hand_made_rows():
+    """The gate's rules without running anything: both directions, unnamed, the total."""
+    def r(kind, formula, measured_, term="x"):
+        return {"config": "c", "technique": "tp", "rank": 0, "term": term, "kind": kind,
+                "formula_bytes": formula, "measured_bytes": measured_,
+                "error_percent": 100 * (measured_ - formula) / formula if formula else None}
+
+    assert judge([r("paper", 100, 100), r("residual", 0, 7), r("total", 107, 107)], 0) == []
+    assert len(judge([r("paper", 0, 1)], 0)) == 1                 # measured, not in the formula
+    assert len(judge([r("paper", 100, 0)], 0)) == 1               # in the formula, not measured
+    assert len(judge([r("unnamed", 0, 1)], 50)) == 1              # never allowed, any tolerance
+    assert len(judge([r("total", 107, 108)], 0)) == 1             # a byte unaccounted for
+    assert judge([r("paper", 100, 101)], 1.0) == []               # within --max-error 1%
+    assert len(judge([r("paper", 100, 102)], 1.0)) == 1
+    rows = [r("peak", 100, 500), r("allocated", 100, 300), r("pytorch_choice", 0, 9)]
+    assert judge(rows, 0) == [] and {x["gate"] for x in rows} == {"info"}
+
+
+def test_validate_command_exits_1_when_the_gate_fails(monkeypatch):
+    monkeypatch.setattr(gpt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
+    result = CliRunner().invoke(cli, ["validate", "--heads", "8", "--hidden", "64", "--layers", "2",
+                                      "--vocab", "512", "--seq-len", "32", "--tp", "2", "--sp",
+                                      "--recompute", "selective", "--techniques", "tp-sp-sel",
+                                      "--mode", "fake", "--format", "json"])
+    assert result.exit_code == 1, result.output
+    assert "gate failed" in result.stderr
+    assert "softmax_output measured" in result.stderr

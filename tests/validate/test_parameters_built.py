@@ -1,0 +1,27 @@
+"""actmem's parameter count per GPU equals the parameters of the stage the harness builds,
+the way Megatron splits them (counted with numel, not with actmem's formula)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actmem.estimate import estimate  # noqa: E402
+from actmem.presets import load_preset  # noqa: E402
+from actmem.spec import build_spec  # noqa: E402
+from actmem_validate.gpt import LayerSpec  # noqa: E402
+from actmem_validate.parallel import TensorParallel  # noqa: E402
+from actmem_validate.schedule import FirstStage  # noqa: E402
+from actmem_validate.torch_compat import fake_tensor_mode  # noqa: E402
+
+
+@pytest.mark.parametrize("name, t", [("22b", 8), ("22b", 1), ("530b", 8), ("175b", 4)])
+def test_first_stage_parameters_equal_the_built_stage(name, t):
+    preset = load_preset(name)
+    spec = build_spec(preset.model, preset.run | {"tensor_parallel": t, "gpus": None, "global_batch": None,
+                                                  "sequence_parallel": t > 1})
+    run = spec.run
+    with fake_tensor_mode():                       # paper scale, no memory
+        stage = FirstStage(LayerSpec.of(spec), spec.padded_vocab, TensorParallel(size=t),
+                           run.pipeline_parallel, run.interleave)
+        built = sum(param.numel() for param in stage.parameters())
+    assert estimate(spec).parameters.count == built

@@ -1,0 +1,48 @@
+"""`actmem validate` refuses what it cannot do honestly, in one line, before any work."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.conftest import assert_one_line_error  # noqa: E402
+
+SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "--seq-len", "32"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--grid", "small", "--model", "22b"], ["--grid small sets the model", "drop --model"]),
+    (["--grid", "small", "--techniques", "tp"], ["drop --techniques"]),
+    (["--grid", "small", "--attention-dropout", "0"], ["drop --attention-dropout"]),
+    (["--grid", "small", "--microbatches", "2"], ["drop --microbatches"]),
+    (["--grid", "presets", "--tensor-model-parallel-size", "4", "--sp"],
+     ["drop --tensor-model-parallel-size, --sp"]),
+    ([*SMALL, "--output", "/nonexistent/dir/x.csv"], ["/nonexistent/dir does not exist"]),
+    ([*SMALL, "--output", "rows.txt"], ["name a .json or .csv file"]),
+    ([*SMALL, "--timeout", "0"], ["0 is not in the range x>=1"]),
+    ([*SMALL, "--max-error", "-1"], ["--max-error must be a finite percentage >= 0, got -1.0"]),
+    ([*SMALL, "--max-error", "nan"], ["--max-error must be a finite percentage >= 0, got nan"]),
+    ([*SMALL, "--techniques", "tp,magic"], ["unknown techniques magic"]),
+    ([*SMALL, "--microbatches", "0"], ["0 is not in the range x>=1"]),
+])
+def test_validate_bad_input(actmem, args, fragments):
+    assert_one_line_error(actmem("validate", *args), *fragments)
+
+
+def test_a_real_run_that_cannot_fit_this_machine_is_refused_with_the_numbers(actmem):
+    """The full 22B at t = 8: each rank holds 22e9/8 parameters (bf16 weights and gradients,
+    4 B each: about 10 GiB) and twice its ~10 GiB of activations: some 240 GiB in all."""
+    result = actmem("validate", "--model", "22b", "--techniques", "tp-sp-sel")
+    assert_one_line_error(result, "a real run of 22b t=8", "GiB available", "--mode fake")
+    need = float(result.stderr.split("needs about ")[1].split(" GiB")[0].replace(",", ""))
+    assert 200 < need < 300
+
+
+def test_the_footprint_guard_uses_the_machine_it_is_given():
+    from actmem_validate.footprint import check_fits_machine
+    from actmem_validate.grid import small_grid
+
+    from actmem.errors import SpecError
+
+    check_fits_machine(small_grid(), available=16 * 2**30)          # the CI grid fits 16 GiB
+    with pytest.raises(SpecError, match="needs about"):
+        check_fits_machine(small_grid(), available=2**30)

@@ -1,0 +1,54 @@
+"""What a real (not fake) harness run needs from this machine, known before it starts.
+
+A real run spawns t processes, each holding its rank's parameters, their gradients and the
+activations of the schedule. actmem's own estimate gives those sizes, so a run that cannot
+fit is refused with the numbers instead of swapping or being killed halfway.
+"""
+
+import os
+
+from actmem.errors import SpecError
+from actmem.estimate import estimate
+from actmem.units import gib
+
+HARNESS_PARAMETER_BYTES = 2 + 2
+"""bf16 weights and their bf16 .grad: the harness keeps no fp32 copies."""
+TRANSIENT_FACTOR = 2
+"""Allocator peak over the saved activations: the harness measures up to +49% at paper scale
+(the 175B run); twice the saved bytes covers it with room for the fp32 loss temporaries."""
+PROCESS_BYTES = 512 * 2**20
+"""One torch process with gloo, before any tensor (about 400 MiB resident here)."""
+
+
+def rank_bytes(config) -> int:
+    """One rank of one configuration: parameters and gradients, twice the saved activations
+    (saved + transients), and the process itself."""
+    est = estimate(config.spec)
+    return (HARNESS_PARAMETER_BYTES * est.parameters.count + TRANSIENT_FACTOR * est.activations_bytes
+            + PROCESS_BYTES)
+
+
+def available_bytes() -> int:
+    """Memory the kernel says a new process can have (MemAvailable), else free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits_machine(configs, available: int | None = None) -> None:
+    """Refuse a real run whose largest configuration needs more than this machine has
+    (configurations of one world size run one after another in the same t processes)."""
+    available = available_bytes() if available is None else available
+    worst = max(configs, key=lambda config: config.world_size * rank_bytes(config))
+    need = worst.world_size * rank_bytes(worst)
+    if need > available:
+        raise SpecError(f"a real run of {worst.label} needs about {gib(need):,.1f} GiB "
+                        f"({worst.world_size} ranks × {gib(rank_bytes(worst)):,.2f} GiB: bf16 weights "
+                        f"and gradients, twice the saved activations, the process), and this machine "
+                        f"has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
+                        f"fewer --layers")

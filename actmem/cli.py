@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from actmem import defaults
 from actmem.errors import SpecError
 from actmem.flags import (GLOBAL_BATCH, GPUS, MEGATRON_NOT_MODELLED, add_flags, build_spec_from_flags,
                           model_from_flags, model_options, spec_options)
@@ -164,14 +165,17 @@ def _plan_options(command):
                           "out: the allocator's peak above the saved activations (the harness "
                           "measures up to 7.1 GiB at the paper's runs), the CUDA context, NCCL "
                           "and cuBLAS workspaces."),
-        click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+        click.option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
+                     show_default=True,
                      help="Tensor parallelism stays inside a node: t <= this."),
         click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
                      help="Share of the GPU's peak the matmuls reach (scales compute time)."),
-        click.option("--max-micro-batch", type=click.IntRange(min=1), default=16, show_default=True,
+        click.option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
+                     show_default=True,
                      help="Largest b to try."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
-                     default=128, show_default=True, help="Megatron's vocabulary padding (times t)."),
+                     default=defaults.VOCAB_DIVISIBLE_BY, show_default=True,
+                     help="Megatron's vocabulary padding (times t)."),
         click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
         click.option("--explain", "config", metavar="CONFIG", default=None,
@@ -234,28 +238,19 @@ def _plan_request(flags: dict):
     """(model name, PlanRequest, the preset's run values)."""
     from actmem.hardware import gpu_named
     from actmem.plan import PlanRequest
-    from actmem.presets import load_preset
     from actmem.units import parse_bytes
 
-    name, model, run = model_from_flags(flags)
-    if run.get("gpus") is None or run.get("global_batch") is None:
+    choice = model_from_flags(flags)
+    if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     gpu = gpu_named(flags["gpu_name"])
     memory = gpu.memory_bytes if flags["gpu_memory"] is None else parse_bytes(flags["gpu_memory"])
-    preset = load_preset(flags["preset"]) if flags["preset"] else None
-    request = PlanRequest(model=model, gpus=run["gpus"], global_batch=run["global_batch"], gpu=gpu,
+    request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
                           gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           max_micro_batch=flags["max_micro_batch"],
-                          vocab_divisible_by=flags["vocab_divisible_by"],
-                          architecture=_architecture(preset))
-    return name, request, dict(preset.run) if preset else {}
-
-
-def _architecture(preset):
-    from actmem.architecture import PAPER, Architecture
-
-    return Architecture(**preset.architecture) if preset and preset.architecture else PAPER
+                          vocab_divisible_by=flags["vocab_divisible_by"], architecture=choice.architecture)
+    return choice.name, request, choice.preset_run
 
 
 @cli.command()
@@ -277,24 +272,28 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
     from actmem.flops import flops_report
     from actmem.hardware import gpu_named
 
-    name, dims, run = model_from_flags(flags)
-    global_batch, gpus = run.get("global_batch"), run.get("gpus")
+    choice = model_from_flags(flags)
+    global_batch, gpus = choice.global_batch, choice.gpus
     if global_batch is None:
         raise SpecError("flops needs --global-batch (the preset gives none)")
-    if global_batch <= 0:
-        raise SpecError(f"--global-batch must be a positive integer, got {global_batch}")
+    for flag, value in (("--global-batch", global_batch), ("--gpus", gpus)):
+        if value is not None and value <= 0:
+            raise SpecError(f"{flag} must be a positive integer, got {value}")
     if iteration_time is not None:
         if not (math.isfinite(iteration_time) and iteration_time > 0):
             raise SpecError(f"--iteration-time must be a positive, finite number of seconds, "
                             f"got {iteration_time}")
         if gpus is None:
             raise SpecError("MFU needs --gpus with --iteration-time (the preset gives none)")
-        if gpus <= 0:
-            raise SpecError(f"--gpus must be a positive integer, got {gpus}")
     peak = gpu_named(flags["gpu_name"]).peak_flops if peak_tflops is None else peak_tflops * 1e12
     if not (math.isfinite(peak) and peak > 0):
         raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")
-    report = flops_report(dims, global_batch, gpus, peak, iteration_time)
+    report = flops_report(choice.model, global_batch, gpus, peak, iteration_time)
+    if iteration_time is not None and report["mfu"] > 1:   # model FLOPs: the least any run computes
+        raise SpecError(f"MFU would be {100 * report['mfu']:,.0f}%, above the GPUs' peak: check "
+                        f"--iteration-time ({iteration_time}), --gpus ({gpus}) and the peak "
+                        f"({peak / 1e12:g} TFLOP/s)")
+    name = choice.name
     if fmt == "json":
         import json
 

@@ -22,7 +22,7 @@ def parse_config(text: str, defaults: dict | None = None) -> dict:
     given: dict = {}
     for token in text.replace(",", " ").split():
         key, _, value = token.partition("=")
-        if key in _KEYS and value.isdigit():
+        if key in _KEYS and value.isdecimal() and value.isascii():
             setting, parsed = _KEYS[key], int(value)
         elif token in _WORDS:
             setting, parsed = _WORDS[token]
@@ -50,6 +50,11 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     run = parse_config(config, defaults)
     run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus,
                        "global_batch": req.global_batch})
+    if run.tensor_parallel > req.gpus_per_node:
+        raise SpecError(f"--explain: t ({run.tensor_parallel}) is above --gpus-per-node "
+                        f"({req.gpus_per_node}), which the plan keeps tensor parallelism within")
+    if run.micro_batch > req.max_micro_batch:
+        raise SpecError(f"--explain: b ({run.micro_batch}) is above --max-micro-batch ({req.max_micro_batch})")
     probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
                  architecture=req.architecture)          # checks the rules, gives d and n
     row = pd.DataFrame([{"t": run.tensor_parallel, "p": run.pipeline_parallel, "d": probe.data_parallel,

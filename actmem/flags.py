@@ -157,12 +157,13 @@ def model_options(command):
                              "flags override it.")(command)
 
 
-def _preset_and_flags(flags: dict) -> tuple:
+def _preset_and_flags(flags: dict, preset=None) -> tuple:
     """(name, model values, run values, architecture values): the preset's, overridden by the
     flags given. ``flags`` is already resolved."""
     from actmem.presets import load_preset
 
-    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    if preset is None and flags["preset"]:
+        preset = load_preset(flags["preset"])
     model = dict(preset.model) if preset else {}
     run = dict(preset.run) if preset else {}
     architecture = dict(preset.architecture) if preset else {}
@@ -175,17 +176,33 @@ def _preset_and_flags(flags: dict) -> tuple:
     return (preset.name if preset else "custom"), model, run, architecture
 
 
-def model_from_flags(flags: dict) -> tuple:
-    """(name, validated Model, the preset's run values) for commands that choose the run."""
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the commands that choose the run themselves (plan, flops) take from a preset and
+    the flags: the model and architecture, the GPU count and batch, and the preset's run."""
+
+    name: str
+    model: object
+    architecture: object
+    preset_run: dict
+    """The preset's own run (checked with the preset, as `estimate` would), for --explain."""
+    gpus: int | None
+    global_batch: int | None
+
+
+def model_from_flags(flags: dict) -> ModelChoice:
+    from actmem.presets import load_preset
     from actmem.spec import build_spec
 
     flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH))
-    name, model, run, _ = _preset_and_flags(flags)
-    run = {key: run[key] for key in ("gpus", "global_batch") if key in run}
-    for key in ("gpus", "global_batch"):
-        if flags[key] is not None:
-            run[key] = flags[key]
-    return name, build_spec(model, {}).model, run     # checks the dims, names what is missing
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    if preset is not None:       # a preset file is checked whole, whatever the flags change
+        build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
+    name, model, run, architecture = _preset_and_flags(flags, preset)
+    spec = build_spec(model, {}, architecture=architecture)   # checks the dims, names what is missing
+    pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
+    return ModelChoice(name, spec.model, spec.architecture, dict(preset.run) if preset else {},
+                       pick("gpus"), pick("global_batch"))
 
 
 def build_spec_from_flags(flags: dict):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from actmem import engine, iteration, rules
+from actmem import defaults, engine, iteration, rules
 from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
@@ -29,6 +29,7 @@ MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimi
 #: The largest inputs the sweep takes. Beyond them int64 parameter counts could overflow,
 #: and the divisor loops and the grid grow past what answers in seconds.
 LIMITS = {"gpus": 2**20, "global_batch": 2**24, "max_micro_batch": 1024, "gpus_per_node": 64,
+          "vocab_divisible_by": 2**20, "gpu_memory_bytes": 2**50,
           "hidden": 2**17, "heads": 2**17, "layers": 2**14, "seq_len": 2**24, "vocab": 2**24}
 MAX_CONFIGURATIONS = 1_000_000
 """Rows the sweep evaluates at once (about 300 MB of frame)."""
@@ -46,12 +47,12 @@ class PlanRequest:
     gpu_memory_bytes: int
     reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
     """Headroom kept free for what the activation count leaves out (see hardware.DEFAULT_RESERVE)."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = defaults.GPUS_PER_NODE
     """Tensor parallelism stays inside a node: t <= gpus_per_node."""
     efficiency: float = DEFAULT_EFFICIENCY
     """Share of the peak the matmuls reach; scales every compute time alike."""
-    max_micro_batch: int = 16
-    vocab_divisible_by: int = 128
+    max_micro_batch: int = defaults.MAX_MICRO_BATCH
+    vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = field(default=PAPER)
 
     def __post_init__(self):

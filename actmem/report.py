@@ -154,9 +154,15 @@ def plan_json(plan, top: int, nothing=None) -> str:
 
 
 def plan_csv(plan, top: int, nothing=None) -> str:
-    """The fitting configurations, fastest first (all of them with --top 0). When nothing
-    fits, the leanest configuration of each t instead, so the file says how far off it is."""
+    """The fitting configurations, fastest first (all of them with --top 0), each row with
+    the request's settings. When nothing fits, the leanest configuration of each t instead,
+    so the file says how far off it is."""
     import pandas as pd
 
+    req = plan.request
     frame = plan.fitting if nothing is None else plan.why_not()
-    return pd.DataFrame(_plan_rows(frame, top), columns=["config"] + _PLAN_COLUMNS).to_csv(index=False)
+    table = pd.DataFrame(_plan_rows(frame, top), columns=["config"] + _PLAN_COLUMNS)
+    settings = {"gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
+                "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
+                "budget_bytes": req.budget_bytes}
+    return table.assign(**settings).to_csv(index=False)

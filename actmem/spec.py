@@ -6,14 +6,13 @@ the message, e.g. ``t (3) must divide heads (128)``.
 
 from dataclasses import dataclass, field, fields
 
-from actmem import rules, symbols
+from actmem import defaults, rules, symbols
 from actmem.architecture import Architecture
 from actmem.errors import SpecError
 from actmem.terms import Recompute
 from actmem.units import parse_bytes
 
 DEFAULT_GPU_MEMORY = "80GiB"     # A100 80GB, the paper's GPU (Figure 1's dashed line)
-DEFAULT_VOCAB_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by
 
 
 def require_positive_int(name: str, value) -> None:
@@ -79,7 +78,7 @@ class Spec:
     run: Run
     name: str = "custom"
     gpu_memory_bytes: int = parse_bytes(DEFAULT_GPU_MEMORY)
-    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+    vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = Architecture()
 
     def __post_init__(self):

@@ -74,6 +74,39 @@ def test_an_extra_tensor_under_a_paper_name_fails(monkeypatch):
     assert failures
 
 
+def test_a_tensor_hidden_inside_a_residual_scope_fails(monkeypatch):
+    """A fresh activation saved inside the layer norm's scope would be filed under
+    layernorm_statistics; the residual's size is checked, so it is red."""
+    from actmem_validate.ledger import scope
+
+    norm = gpt.nn.LayerNorm.forward
+
+    def norm_and_more(self, x):
+        out = norm(self, x)
+        with scope("layernorm_statistics"):
+            return torch.sin(out * 1)              # sin saves a fresh (s, b, h) tensor
+    monkeypatch.setattr(gpt.nn.LayerNorm, "forward", norm_and_more)
+    rows, failures = measured("tp")
+    stats = row(rows, "layernorm_statistics")
+    assert stats["measured_bytes"] > stats["formula_bytes"] and stats["gate"] == "fail"
+    assert any("(residual) measured" in line for line in failures)
+
+
+def test_a_second_logits_copy_in_the_loss_fails(monkeypatch):
+    """The cross entropy keeping a second fp32 copy of the logits under its targets' scope."""
+    from actmem_validate.ledger import scope
+
+    head = gpt.OutputHead.forward
+
+    def head_and_copy(self, x, targets):
+        loss = head(self, x, targets)
+        with scope("cross_entropy_targets"):
+            return loss + torch.sin(torch.zeros(64, 128, requires_grad=True) * 1).sum() * 0
+    monkeypatch.setattr(gpt.OutputHead, "forward", head_and_copy)
+    rows, failures = measured("tp")
+    assert row(rows, "cross_entropy_targets")["gate"] == "fail"
+
+
 def test_the_embedding_view_held_whole_fails(monkeypatch):
     """Without Megatron's clone after the SP scatter, dropout 0 makes the first layer save a
     view of the whole embedding output: its norm input reads t = 2 times the formula."""
@@ -90,9 +123,12 @@ def test_judge_on_hand_made_rows():
                 "formula_bytes": formula, "measured_bytes": measured_,
                 "error_percent": 100 * (measured_ - formula) / formula if formula else None}
 
-    assert judge([r("paper", 100, 100), r("residual", 0, 7), r("total", 107, 107)], 0) == []
+    assert judge([r("paper", 100, 100), r("residual", 7, 7), r("total", 107, 107)], 0) == []
     assert len(judge([r("paper", 0, 1)], 0)) == 1                 # measured, not in the formula
     assert len(judge([r("paper", 100, 0)], 0)) == 1               # in the formula, not measured
+    assert len(judge([r("paper", 100, 0)], 1e6)) == 1             # missing fails at any tolerance
+    assert len(judge([r("residual", 7, 8)], 0)) == 1              # a residual larger than its code saves
+    assert len(judge([r("residual", 0, 8)], 50)) == 1             # a residual that should not exist
     assert len(judge([r("unnamed", 0, 1)], 50)) == 1              # never allowed, any tolerance
     assert len(judge([r("total", 107, 108)], 0)) == 1             # a byte unaccounted for
     assert judge([r("paper", 100, 101)], 1.0) == []               # within --max-error 1%
@@ -104,8 +140,8 @@ def test_judge_on_hand_made_rows():
 def test_validate_command_exits_1_when_the_gate_fails(monkeypatch):
     monkeypatch.setattr(gpt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
     result = CliRunner().invoke(cli, ["validate", "--heads", "8", "--hidden", "64", "--layers", "2",
-                                      "--vocab", "512", "--seq-len", "32", "--tp", "2", "--sp",
-                                      "--recompute", "selective", "--techniques", "tp-sp-sel",
+                                      "--vocab", "512", "--seq-len", "32", "--tp", "2",
+                                      "--techniques", "tp-sp-sel",
                                       "--mode", "fake", "--format", "json"])
     assert result.exit_code == 1, result.output
     assert "gate failed" in result.stderr

@@ -101,7 +101,7 @@ def test_validate_cli_json_rows():
 
 def test_validate_with_no_dropout_passes():
     """Formerly every mask read -100% and the SP embedding shard +100%: dropout 0 is a case."""
-    result = actmem("validate", *SMALL, "--tp", "2", "--pp", "2", "--sp", "--techniques", "tp-sp",
+    result = actmem("validate", *SMALL, "--tp", "2", "--pp", "2", "--techniques", "tp-sp",
                     "--attention-dropout", "0", "--hidden-dropout", "0")
     assert result.returncode == 0, result.stderr
     assert "gate passed" in result.stderr

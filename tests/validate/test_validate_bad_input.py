@@ -22,15 +22,34 @@ SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "-
     ([*SMALL, "--max-error", "-1"], ["--max-error must be a finite percentage >= 0, got -1.0"]),
     ([*SMALL, "--max-error", "nan"], ["--max-error must be a finite percentage >= 0, got nan"]),
     ([*SMALL, "--techniques", "tp,magic"], ["unknown techniques magic"]),
-    ([*SMALL, "--microbatches", "0"], ["0 is not in the range x>=1"]),
+    ([*SMALL, "--microbatches", "0"], ["0 is not in the range 1<=x<=1024"]),
+    ([*SMALL, "--microbatches", "1000000"], ["1000000 is not in the range 1<=x<=1024"]),
+    ([*SMALL, "--tp", "2", "--recompute", "full"], ["own SP and recompute", "drop --recompute"]),
+    ([*SMALL, "--tp", "2", "--no-sp"], ["drop --no-sp"]),
+    ([*SMALL, "--gpus", "64", "--global-batch", "512"], ["drop", "--gpus", "--global-batch"]),
+    ([*SMALL, "--gpu-memory", "40GiB"], ["drop --gpu-memory"]),
 ])
+
 def test_validate_bad_input(actmem, args, fragments):
     assert_one_line_error(actmem("validate", *args), *fragments)
 
 
-def test_a_real_run_that_cannot_fit_this_machine_is_refused_with_the_numbers(actmem):
+def test_validate_at_t_1_measures_the_techniques_that_exist_there(actmem):
+    """No SP at t = 1: the default is tp, tp-sel and full (each at t = 1), not an error."""
+    import json
+
+    result = actmem("validate", *SMALL, "--mode", "fake", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert sorted({row["technique"] for row in json.loads(result.stdout)}) == ["full", "tp", "tp-sel"]
+
+
+def test_a_real_run_that_cannot_fit_this_machine_is_refused_with_the_numbers(actmem, monkeypatch):
     """The full 22B at t = 8: each rank holds 22e9/8 parameters (bf16 weights and gradients,
-    4 B each: about 10 GiB) and twice its ~10 GiB of activations: some 240 GiB in all."""
+    4 B each: about 10 GiB) and twice its ~10 GiB of activations: some 240 GiB in all. (The
+    machine is told to have 24 GiB, so the test means the same on a larger one.)"""
+    from actmem_validate import footprint
+
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 24 * 2**30)
     result = actmem("validate", "--model", "22b", "--techniques", "tp-sp-sel")
     assert_one_line_error(result, "a real run of 22b t=8", "GiB available", "--mode fake")
     need = float(result.stderr.split("needs about ")[1].split(" GiB")[0].replace(",", ""))

@@ -30,7 +30,7 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @click.option("--mode", type=click.Choice(["real", "fake"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
                    "process with FakeTensorMode, any scale, no memory used.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=None,
+@click.option("--microbatches", type=click.IntRange(min=1, max=1024), default=None,
               help="Microbatches per iteration (default: the fewest that fill the schedule).")
 @click.option("--max-error", type=float, default=0.0, show_default=True,
               help="Largest |error| in percent allowed on a term the paper counts and on the "
@@ -96,19 +96,35 @@ def _check_output(output) -> None:
         raise SpecError(f"--output {output}: the folder {folder} does not exist or is not writable")
 
 
+#: flags a measurement sets itself: each technique its SP and recompute; one data-parallel
+#: rank with --microbatches; no GPU to fit. Given, they would be ignored, so they are refused.
+_SET_BY_TECHNIQUES = ("--sp", "--no-sp", "--sequence-parallel", "--no-sequence-parallel", "--recompute",
+                      "--recompute-granularity", "--recompute-activations", "--gpus", "--global-batch",
+                      "--global-batch-size", "--distributed-optimizer", "--no-distributed-optimizer",
+                      "--use-distributed-optimizer", "--gpu-memory")
+
+
 def _configs(grid, techniques, microbatches, flags):
     from actmem_validate import grid as grids
 
+    given = given_flags(flags)
     if grid is not None:
-        overridden = given_flags(flags) + [name for name, value in (
+        overridden = given + [name for name, value in (
             ("--techniques", techniques), ("--microbatches", microbatches)) if value is not None]
         if overridden:
             raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop "
                             f"{', '.join(overridden)}")
         return grids.GRIDS[grid]()
-    names = [name.strip() for name in (techniques or ",".join(grids.DEFAULT_TECHNIQUES)).split(",")
-             if name.strip()]
-    return grids.configs_for(build_spec_from_flags(flags), grids.techniques_named(names), microbatches)
+    ignored = [name for name in given if name in _SET_BY_TECHNIQUES]
+    if ignored:
+        raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
+                        f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
+    spec = build_spec_from_flags(flags)
+    if techniques is None:
+        chosen = grids.default_techniques(spec.run.tensor_parallel)
+    else:
+        chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
+    return grids.configs_for(spec, chosen, microbatches)
 
 
 def _run(configs, mode, timeout):
@@ -129,10 +145,12 @@ def _run(configs, mode, timeout):
 
 def _run_under_torchrun(configs, timeout, run_rank):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    mine = [config for config in configs if config.world_size == world]
-    if not mine:
-        raise SpecError(f"torchrun started {world} ranks but no technique runs on {world} "
-                        f"(t = {configs[0].spec.run.tensor_parallel}; 'none' runs on 1)")
+    elsewhere = sorted({config.technique.name for config in configs if config.world_size != world})
+    if elsewhere:
+        raise SpecError(f"torchrun started {world} ranks, but {', '.join(elsewhere)} runs on "
+                        f"{configs[0].world_size if configs[0].world_size != world else 1}: "
+                        f"give --techniques that run on {world}, and the others separately")
+    mine = configs
     rows = run_rank(rank, world, mine, timeout, gather=True)
     if rank != 0:
         sys.exit(0)

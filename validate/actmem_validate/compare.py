@@ -5,29 +5,49 @@ Every saved byte lands in exactly one kind of row:
   term measured where the formula has 0 (selective recompute silently broken, say) fails
   as surely as a term in the formula that nothing saved.
 - ``residual``: a tensor PyTorch keeps that the paper leaves out, one of ``RESIDUALS``
-  below, each named and sized. Reported, not compared with the formula.
+  below. Each is sized from what the harness's code saves (``expected_residuals``) and
+  must match that size exactly, so nothing can hide inside a residual's name.
 - ``unnamed``: anything else (a tensor no layer labelled). Always a failure: nothing is
   saved that the table does not name.
 Then ``total``: every saved byte at the stage's peak, against the formula's activations
-plus the named residuals. It fails unless the two add up, so no byte escapes the rows
-above. ``allocated``, ``peak`` and ``pytorch_choice`` rows are information.
+plus the expected residuals. ``allocated``, ``peak`` and ``pytorch_choice`` rows are
+information.
 """
 
 from actmem.estimate import Estimate
-from actmem.terms import TERMS
+from actmem.terms import TERMS, Recompute
 
 PAPER_TERMS = [term.name for term in TERMS]
 
 #: tensors PyTorch saves that the paper does not count, and why they are not errors
 RESIDUALS = {
-    "layernorm_statistics": "mean and 1/std of each layer norm, 2sb values per norm (bf16 on CPU, "
-                            "fp32 on GPU); the paper leaves them out",
-    "token_ids": "the embedding's token indices (int64, sb per microbatch)",
-    "position_ids": "the position embedding's indices (int64, s)",
-    "cross_entropy_targets": "the loss's target indices and out-of-shard mask (sb values)",
+    "layernorm_statistics": "mean and 1/std of each layer norm: 2 values a token a norm (bf16 on "
+                            "CPU, fp32 on GPU); the paper leaves them out",
+    "token_ids": "the embedding's int64 token indices and its bool out-of-shard mask: 9 B a token, "
+                 "for each microbatch whose embedding the stage holds",
+    "position_ids": "the position embedding's int64 indices: 8s B a microbatch held",
+    "cross_entropy_targets": "the loss's int64 target indices and bool out-of-shard mask: 9 B a "
+                             "token, when the stage holds the output layer (p = 1)",
 }
-CHECKED = ("paper", "unnamed", "total")
+CHECKED = ("paper", "residual", "unnamed", "total")
 """The kinds of row the gate judges; the others are information."""
+INDEX_BYTES, FLAG_BYTES = 8, 1     # int64 indices, bool masks
+
+
+def expected_residuals(spec, occupancy, statistics_bytes: int) -> dict:
+    """Bytes of each residual on the first stage at its peak, from what the harness's own
+    code saves (gpt.py): per norm held, per microbatch whose embedding is held, and once
+    for the loss when p = 1. statistics_bytes: one norm statistic on this device."""
+    s, b, run = spec.model.seq_len, spec.run.micro_batch, spec.run
+    tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
+    layer_norms = 0 if run.recompute is Recompute.FULL else 2    # full recompute: inside the checkpoint
+    norms = layer_norms * occupancy.layer_activations + int(occupancy.holds_output_layer)
+    return {
+        "layernorm_statistics": norms * tokens_per_norm * 2 * statistics_bytes,
+        "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
+        "position_ids": occupancy.microbatches * s * INDEX_BYTES,
+        "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
+    }
 
 
 def _kind(name: str) -> str:
@@ -36,19 +56,23 @@ def _kind(name: str) -> str:
     return "residual" if name in RESIDUALS else "unnamed"
 
 
-def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1) -> list[dict]:
-    """One row a term the formula or the measurement has, then 'total'; 'allocated' (above the
-    parameters right after the forward that made the peak) and 'peak' (the allocator's peak
-    during the schedule); and, where PyTorch's own dropout keeps a wider mask than 1 byte,
-    what that choice would add ('pytorch_choice')."""
-    formula = {row.term.name: row.total_bytes for row in est.run_terms}
+def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1,
+            statistics_bytes: int = 2) -> list[dict]:
+    """One row a term the formula or the measurement has, and one a residual the harness
+    expects or measures; then 'total'; 'allocated' (above the parameters right after the
+    forward that made the peak) and 'peak' (the allocator's peak during the schedule); and,
+    where PyTorch's own dropout keeps a wider mask than 1 byte, what that choice would add
+    ('pytorch_choice'). A residual row's formula_bytes are the harness's expected size."""
+    residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy,
+                                                           statistics_bytes).items() if n}
+    formula = {row.term.name: row.total_bytes for row in est.run_terms} | residuals
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
-    names += sorted(set(measured) - set(PAPER_TERMS))
+    names += sorted((set(measured) | set(residuals)) - set(PAPER_TERMS))
     rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _kind(name))
             for name in names]
-    residuals = sum(row["measured_bytes"] for row in rows if row["kind"] == "residual")
-    rows.append(_row(config, rank, "total", est.activations_bytes + residuals, run.peak_saved_bytes, "total"))
+    rows.append(_row(config, rank, "total", est.activations_bytes + sum(residuals.values()),
+                     run.peak_saved_bytes, "total"))
     rows.append(_row(config, rank, "allocated", est.activations_bytes, run.allocated_at_peak, "allocated"))
     rows.append(_row(config, rank, "peak", est.activations_bytes, peak_bytes, "peak"))
     masks = sum(n for name, n in measured.items() if name.endswith("dropout_mask"))
@@ -74,15 +98,16 @@ def row_error(row: dict) -> float:
 
 def judge(rows: list[dict], max_error: float) -> list[str]:
     """Mark each row 'pass', 'fail' or 'info' (its 'gate' field) and return one line a
-    failure. An unnamed row fails whatever its size; a paper term or the total fails when
-    off by more than max_error percent (a term with formula 0 and bytes measured is off by
-    infinitely much)."""
+    failure. An unnamed row fails whatever its size; a term, residual or total fails when
+    off by more than max_error percent, and whatever the tolerance when one side is 0 and
+    the other is not (a tensor missing, or one that should not exist)."""
     failures = []
     for row in rows:
         if row["kind"] not in CHECKED:
             row["gate"] = "info"
             continue
-        off = row["kind"] == "unnamed" or row_error(row) > max_error
+        one_side_only = (row["formula_bytes"] == 0) != (row["measured_bytes"] == 0)
+        off = row["kind"] == "unnamed" or one_side_only or row_error(row) > max_error
         row["gate"] = "fail" if off else "pass"
         if off:
             failures.append(_failure(row))
@@ -96,6 +121,8 @@ def _failure(row: dict) -> str:
         return f"{where} saved {measured} that no term or named residual accounts for"
     if row["kind"] == "total":
         return f"{where}: {measured} saved, but the terms and named residuals add up to {formula}"
+    if row["kind"] == "residual":
+        return f"{where} (residual) measured {measured}, the harness's code saves {formula}"
     if not row["formula_bytes"]:
         return f"{where} measured {measured} where the formula has none"
     return f"{where} measured {measured}, formula {formula} ({row['error_percent']:+.4f}%)"

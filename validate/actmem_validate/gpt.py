@@ -73,9 +73,11 @@ class SelfAttention(nn.Module):
         s, b, _ = qkv.shape
         hd = self.spec.hidden // self.spec.heads
         qkv = qkv.view(s, b, self.heads, 3, hd).permute(3, 1, 2, 0, 4)   # (3, b, a/t, s, hd)
-        # Contiguous copies: Megatron's q, k, v are views of one QKV output, saved once with
-        # the same 6sbh/t bytes; separate storages let each be named after its own term.
-        q, k, v = (qkv[i].reshape(b * self.heads, s, hd).contiguous() for i in range(3))
+        # Copies: Megatron's q, k, v are views of one QKV output, saved once with the same
+        # 6sbh/t bytes; separate storages let each be named after its own term. (clone, not
+        # contiguous: at s = b = a/t = 1 the reshape is already contiguous and would stay a view.)
+        q, k, v = (qkv[i].reshape(b * self.heads, s, hd).clone(memory_format=torch.contiguous_format)
+                   for i in range(3))
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
         if self.spec.recompute == "selective":
             context = checkpoint(attention_core, q, k, v, self.mask_bias, self.dropout,

@@ -5,7 +5,14 @@ from actmem.spec import Spec, build_spec
 from actmem.techniques import BY_NAME, TECHNIQUES
 from actmem_validate.measure import Config, config_for
 
-DEFAULT_TECHNIQUES = ("tp", "tp-sp", "tp-sel", "tp-sp-sel", "full", "tp-sp-full")
+DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
+"""Every technique but 'none' (which runs at t = 1, in a run of its own)."""
+
+
+def default_techniques(t: int) -> list:
+    """What `validate` measures when not told: every tensor-parallel technique, less those
+    with sequence parallelism when t = 1 (they need t > 1)."""
+    return [BY_NAME[name] for name in DEFAULT_TECHNIQUES if t > 1 or not BY_NAME[name].sequence_parallel]
 
 
 def filling_microbatches(p: int, m: int) -> int:

@@ -48,8 +48,8 @@ class _OneLineErrors(click.Group):
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
         return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: "
-                "its layer is the paper's GPT (ffn 4h, GeLU, LayerNorm, eager attention, no "
-                "query groups, no context parallelism)")
+                "its attention is the paper's (eager, one key and value a head, learned "
+                "positions), with no context parallelism")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 
@@ -288,7 +288,7 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
     peak = gpu_named(flags["gpu_name"]).peak_flops if peak_tflops is None else peak_tflops * 1e12
     if not (math.isfinite(peak) and peak > 0):
         raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")
-    report = flops_report(choice.model, global_batch, gpus, peak, iteration_time)
+    report = flops_report(choice.model, global_batch, gpus, peak, iteration_time, choice.architecture)
     if iteration_time is not None and report["mfu"] > 1:   # model FLOPs: the least any run computes
         raise SpecError(f"MFU would be {100 * report['mfu']:,.0f}%, above the GPUs' peak: check "
                         f"--iteration-time ({iteration_time}), --gpus ({gpus}) and the peak "

@@ -13,7 +13,7 @@ from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
 from actmem.symbols import L, a, b, h, m, p, s, t, v
 from actmem.techniques import Technique
-from actmem.terms import LAYER_TERMS, STAGE_TERMS, Region, Scope, Term
+from actmem.terms import STAGE_TERMS, Region, Scope, Term, layer_terms
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
@@ -35,13 +35,13 @@ def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> 
     the architecture has no such tensor."""
     if technique.recompute not in term.kept_under or not term.present(arch):
         return sympy.Integer(0)
-    return term.bytes / divisor(term.region, technique)
+    return term.size(arch) / divisor(term.region, technique)
 
 
 @cache
 def per_layer_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """One layer, one microbatch: a row of Table 2 (Eqs 1, 2, 4 and the recompute rows)."""
-    return sympy.Add(*(term_bytes(term, technique, arch) for term in LAYER_TERMS))
+    return sympy.Add(*(term_bytes(term, technique, arch) for term in layer_terms(arch)))
 
 
 def stage_count(term: Term, layer_activations, microbatches, holds_output):

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from actmem import engine
+from actmem.architecture import PAPER
 from actmem import symbols
 from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_bytes
 from actmem.pipeline import StageOccupancy, first_stage_occupancy
@@ -134,8 +135,18 @@ def _technique_row(spec: Spec, technique: Technique, occupancy) -> TechniqueRow:
 def _parameters(spec: Spec, t: int) -> ParameterBytes:
     model, run = spec.model, spec.run
     count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
-                                   padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len)
+                                   padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
+                                   spec.architecture)
     return parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)
+
+
+def _layer_formula(arch) -> str:
+    """The paper's 12h² + 13h, or the weights of this architecture's layer."""
+    if arch == PAPER:
+        return "12h² + 13h"
+    f = "4h" if arch.ffn_hidden is None else "f"
+    mlp = f"{arch.fc1_width + 1}h·{f}"
+    return f"4h² + {mlp} weights, {arch.activation}, {arch.normalization}" + ("" if arch.bias else ", no biases")
 
 
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
@@ -158,8 +169,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         "says p)",
         "not counted: the one layer rematerialised during a recompute backward, "
         "allocator fragmentation, workspace and communication buffers",
-        "parameters: Megatron GPT layers (12h² + 13h each), word embedding split over the "
-        "vocabulary and tied with the output layer, learned position embedding",
+        f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "
+        "over the vocabulary" + (" and tied with the output layer" if arch.tied_output else
+                                 "; the output layer's own weights where it is held (p = 1)")
+        + ", learned position embedding",
     ]
     if spec.run.distributed_optimizer:
         notes.append(f"{WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B fp32 gradient + "

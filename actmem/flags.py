@@ -14,17 +14,24 @@ import click
 from actmem.errors import SpecError
 
 
+_NO_CONSTANT = object()
+
+
 @dataclass(frozen=True)
 class Flag:
     names: tuple
     """actmem's spelling first, then Megatron-LM's; "--a/--no-a" for an on/off switch."""
     key: str
-    """The spec's name for the setting."""
+    """The spec's name for the setting; several flags may set one key (--swiglu and
+    --activation), and they must agree like any two spellings."""
     help: str
     type: object = int
+    constant: object = _NO_CONSTANT
+    """For a switch that sets the key to a fixed value (--swiglu: 'swiglu')."""
 
     def dest(self, index: int) -> str:
-        return f"{self.key}__{index}"
+        spelling = self.names[index].partition("/")[0].lstrip("-").replace("-", "_")
+        return f"{self.key}__{spelling}"
 
 
 MODEL_FLAGS = (
@@ -40,6 +47,18 @@ ARCHITECTURE_FLAGS = (
          float),
     Flag(("--hidden-dropout",), "hidden_dropout",
          "dropout after the embedding, attention and MLP (default 0.1); 0 keeps no mask", float),
+    Flag(("--ffn", "--ffn-hidden-size"), "ffn_hidden", "the MLP's hidden size f (default 4h)"),
+    Flag(("--activation",), "activation", "the MLP's activation: gelu (default) or swiglu",
+         click.Choice(["gelu", "swiglu"], case_sensitive=False)),
+    Flag(("--swiglu",), "activation", "Megatron's switch for --activation swiglu", constant="swiglu"),
+    Flag(("--normalization",), "normalization", "layernorm (default) or rmsnorm (Megatron's "
+         "LayerNorm, RMSNorm are read too)", click.Choice(["layernorm", "rmsnorm"], case_sensitive=False)),
+    Flag(("--disable-bias-linear",), "bias", "linear layers without biases (Megatron's switch)",
+         constant=False),
+    Flag(("--add-bias-linear",), "bias", "linear layers with biases (the default)", constant=True),
+    Flag(("--untie-embeddings-and-output-weights",), "tied_output",
+         "an output layer with weights of its own (Megatron's switch; default: tied to the "
+         "word embedding)", constant=False),
 )
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
@@ -62,10 +81,8 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--ffn-hidden-size", "--num-query-groups", "--group-query-attention", "--swiglu",
-    "--normalization", "--use-flash-attn", "--context-parallel-size", "--kv-channels",
-    "--untie-embeddings-and-output-weights", "--position-embedding-type",
-    "--use-rotary-position-embeddings", "--disable-bias-linear", "--add-bias-linear",
+    "--num-query-groups", "--group-query-attention", "--use-flash-attn", "--context-parallel-size",
+    "--kv-channels", "--position-embedding-type", "--use-rotary-position-embeddings",
     "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--num-experts",
     "--expert-model-parallel-size",
 })
@@ -74,6 +91,8 @@ MEGATRON_NOT_MODELLED = frozenset({
 def _spelling(flag: Flag, index: int, value) -> str:
     """How the user wrote it: '--tp 4', '--no-sp', '--use-distributed-optimizer'."""
     name = flag.names[index]
+    if flag.constant is not _NO_CONSTANT:
+        return name
     if flag.type is bool:
         on, _, off = name.partition("/")
         return on if value or not off else off
@@ -102,10 +121,14 @@ def add_flags(command, flags):
             name = flag.names[index]
             also = tuple(n.partition("/")[0] for n in flag.names[1:]) if index == 0 else ()
             kw = dict(multiple=True, hidden=index > 0, help=flag.help, cls=_Spelled, also=also)
-            if flag.type is bool:
+            if flag.constant is not _NO_CONSTANT:
+                kw.update(is_flag=True, flag_value=flag.constant, default=None)
+            elif flag.type is bool:
                 kw.update(is_flag=True, default=None)
-            else:
+            elif flag.type in (int, float):
                 kw.update(type=flag.type, metavar="FLOAT" if flag.type is float else "INTEGER")
+            else:
+                kw.update(type=flag.type)
             command = click.option(name, flag.dest(index), **kw)(command)
     return command
 
@@ -114,15 +137,15 @@ def resolve(flags: dict, table) -> dict:
     """Collapse the spellings of each flag in ``table`` into one value (None when not given);
     two different values are an error that names both spellings."""
     out = dict(flags)
-    for flag in table:
-        given = [(index, value) for index in range(len(flag.names))
-                 for value in out.pop(flag.dest(index), ())]
-        values = {value for _, value in given}
+    for key in dict.fromkeys(flag.key for flag in table):
+        given = [(flag, index, value) for flag in table if flag.key == key
+                 for index in range(len(flag.names)) for value in out.pop(flag.dest(index), ())]
+        values = {value for _, _, value in given}
         if len(values) > 1:
-            spelled = dict.fromkeys(_spelling(flag, index, value) for index, value in given)
-            raise SpecError(f"{flag.key} is given more than once and the values disagree: "
+            spelled = dict.fromkeys(_spelling(flag, index, value) for flag, index, value in given)
+            raise SpecError(f"{key} is given more than once and the values disagree: "
                             f"{' and '.join(spelled)}; give it once")
-        out[flag.key] = values.pop() if values else None
+        out[key] = values.pop() if values else None
     return out
 
 

@@ -3,28 +3,43 @@
 Arithmetic only, so it runs on ints, floats and numpy arrays alike.
 """
 
+from actmem.architecture import PAPER
 from actmem.terms import Recompute
 
 
-def model_flops(B, s, L, h, v):
-    """72·B·s·L·h²·(1 + s/(6h) + v/(12hL)): forward and backward (3x the forward) of the
-    layers' matmuls (24Bsh² a layer), the attention scores (4Bs²h) and the logits (2Bshv)."""
-    return 72 * B * s * L * h * h * (1 + s / (6 * h) + v / (12 * h * L))
+def matmul_weights(h, arch=PAPER):
+    """W: the weights one token multiplies in a layer's linears: QKV and projection 4h², the
+    MLP (1 + fc1 width)·h·f. The paper's layer: 12h²."""
+    return 4 * h * h + (arch.fc1_width + 1) * h * arch.ffn(h)
 
 
-def hardware_flops(B, s, L, h, v, recompute: Recompute):
+def _parts(B, s, L, h, v, arch):
+    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs."""
+    return 2 * B * s * L * matmul_weights(h, arch), 4 * B * s * s * L * h, 2 * B * s * h * v
+
+
+def model_flops(B, s, L, h, v, arch=PAPER):
+    """Forward and backward (3x the forward) of the layers' matmuls, the attention scores and
+    the logits: 6·B·s·L·W + 12·B·s²·L·h + 6·B·s·h·v. For the paper's layer (W = 12h²) this
+    is the appendix's 72·B·s·L·h²·(1 + s/(6h) + v/(12hL))."""
+    layers, scores, logits = _parts(B, s, L, h, v, arch)
+    return 3 * (layers + scores + logits)
+
+
+def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER):
     """What the GPUs really compute, recomputation included (the paper's appendix).
 
-    selective: the paper counts the attention-score part again, 72BsLh²·s/(6h), which is
-    how it gets its 2.7% (GPT-3) and 1.6% (530B) overheads and the HFU column of Table 5.
-    full: one more forward of every layer (24BsLh²·(1 + s/(6h))), not of the logits:
-    96BsLh²·(1 + s/(6h) + v/(16hL)).
+    selective: the paper counts the attention-score part again, 12·B·s²·L·h
+    (72BsLh²·s/(6h)), which is how it gets its 2.7% (GPT-3) and 1.6% (530B) overheads and
+    the HFU column of Table 5. full: one more forward of every layer, not of the logits:
+    8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
     """
+    layers, scores, logits = _parts(B, s, L, h, v, arch)
     if recompute is Recompute.NONE:
-        return model_flops(B, s, L, h, v)
+        return 3 * (layers + scores + logits)
     if recompute is Recompute.SELECTIVE:
-        return 72 * B * s * L * h * h * (1 + s / (3 * h) + v / (12 * h * L))
-    return 96 * B * s * L * h * h * (1 + s / (6 * h) + v / (16 * h * L))
+        return 3 * (layers + scores + logits) + 3 * scores
+    return 4 * (layers + scores) + 3 * logits
 
 
 def utilization(flops, seconds, gpus, peak_flops):
@@ -33,10 +48,10 @@ def utilization(flops, seconds, gpus, peak_flops):
 
 
 def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
-                 seconds: float | None) -> dict:
+                 seconds: float | None, arch=PAPER) -> dict:
     """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
     iteration time is given."""
-    dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab)
+    dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch)
     flops = model_flops(**dims)
     report = {"global_batch": global_batch, "gpus": gpus, "peak_flops": peak_flops,
               "iteration_s": seconds, "model_flops": flops, "hardware": []}

@@ -63,5 +63,6 @@ def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
 
     model = req.model
     count = first_stage_parameters(model.hidden, model.layers, p, t,
-                                   padded_vocab(model.vocab, t, req.vocab_divisible_by), model.seq_len)
+                                   padded_vocab(model.vocab, t, req.vocab_divisible_by), model.seq_len,
+                                   req.architecture)
     return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

@@ -6,24 +6,30 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 
 from dataclasses import dataclass
 
+from actmem.architecture import PAPER
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 
-def layer_parameters(h, t):
+def layer_parameters(h, t, arch=PAPER):
     """One transformer layer's parameters on one of t GPUs.
 
-    QKV 3h²+3h, projection h²+h, h→4h 4h²+4h, 4h→h 4h²+h, two layer norms 4h:
-    12h² + 13h in all. Tensor parallelism splits the weights and the QKV and h→4h
-    biases (12h² + 7h); the row-parallel biases and the layer norms (6h) are replicated.
+    QKV 3h² (+3h bias), projection h² (+h), the MLP's first linear h·f, or 2h·f gated
+    (+f or 2f), its second f·h (+h), two norms of h or 2h each. The paper's layer (f = 4h,
+    biases, layer norms) is 12h² + 13h. Tensor parallelism splits the weights and the
+    column-parallel biases; the row-parallel biases and the norms are replicated.
     """
-    return (12 * h * h + 7 * h) // t + 6 * h
+    f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
+    split = 4 * h * h + width * h * f + f * h + bias * (3 * h + width * f)
+    replicated = bias * 2 * h + 2 * arch.norm_parameters * h
+    return split // t + replicated
 
 
-def first_stage_parameters(h, L, p, t, v, s):
+def first_stage_parameters(h, L, p, t, v, s, arch=PAPER):
     """L/p layers, the word embedding split over the vocabulary (v·h/t), the learned
-    position embedding (s·h), and the final layer norm (2h) when p = 1. The output
-    layer shares the word embedding's weights (section 3)."""
-    return L // p * layer_parameters(h, t) + v * h // t + s * h + 2 * h * (p == 1)
+    position embedding (s·h), and when p = 1 the final norm and, if untied, the output
+    layer's own v·h/t (tied, it shares the word embedding's weights: section 3)."""
+    last = (p == 1) * (arch.norm_parameters * h + (not arch.tied_output) * v * h // t)
+    return L // p * layer_parameters(h, t, arch) + v * h // t + s * h + last
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b,
                           sequence_parallel=grid.sequence_parallel,
                           distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
-                          global_batch=req.global_batch, d=grid.d, n=grid.n)
+                          global_batch=req.global_batch, d=grid.d, n=grid.n,
+                          ffn=req.architecture.ffn_hidden)
     return grid[rules.valid(values)].reset_index(drop=True)
 
 
@@ -147,8 +148,8 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["vocab"] = padded_vocab(model.vocab, grid.t, req.vocab_divisible_by)
     grid["layer_activations"], grid["microbatches_held"] = held_counts(L, grid.p, grid.m, grid.n)
     grid["activations_bytes"] = _activations(req, grid)
-    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s), grid.d,
-                             grid.distributed_optimizer.astype("int64"))
+    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture),
+                             grid.d, grid.distributed_optimizer.astype("int64"))
     grid["parameters"] = params.count
     grid["weights_bytes"] = params.weights_bytes
     grid["gradients_bytes"] = params.gradients_bytes
@@ -181,7 +182,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     model, gpu = req.model, req.gpu
     s, h, L = model.seq_len, model.hidden, model.layers
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
-                                                  req.gpus, gpu.peak_flops, req.efficiency)
+                                                  req.gpus, gpu.peak_flops, req.efficiency,
+                                                  req.architecture)
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
         s, grid.b, h, L, grid.p, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
@@ -192,7 +194,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                               grid.distributed_optimizer, across_nodes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.pipeline_p2p_s) * grid.bubble
                            + grid.data_parallel_s)
-    flops = model_flops(req.global_batch, s, L, h, model.vocab)
+    flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture)
     grid["mfu"] = flops / (grid.iteration_s * req.gpus * gpu.peak_flops)
 
 

@@ -58,7 +58,8 @@ def _header(est: Estimate) -> Text:
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.recompute.value}\n")
     arch = spec.architecture
-    text.append(f"arch   dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}\n")
+    text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
+                f"hidden {arch.hidden_dropout:g}\n")
     if spec.microbatches is not None:
         text.append(f"batch  {plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
                     f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration\n")
@@ -174,7 +175,7 @@ def render_formulas() -> None:
         kept = "".join("●" if mode in term.kept_under else "·" for mode in Recompute)
         when = "" if term.present.__name__ == "always" else f"; only when {term.present.__doc__}"
         name = Text(term.name, style="bold") + Text(f"\n{term.source}{when}", style="dim")
-        table.add_row(name, inline(term.bytes), term.region.value, kept, term.scope.value)
+        table.add_row(name, inline(term.size()), term.region.value, kept, term.scope.value)
     table.caption = ("kept under recompute none / selective / full; block: split t ways; boundary: "
                      "replicated under plain TP, split along the sequence under SP")
     table.caption_justify = "left"
@@ -193,7 +194,7 @@ def render_formulas_latex() -> None:
     for eq in [*table_2(), *equations()]:
         lines += [f"% {eq.label}: {eq.meaning}", sympy.latex(eq.display), ""]
     for term in TERMS:
-        lines += [f"% term {term.name}: {term.source}", sympy.latex(term.bytes), ""]
+        lines += [f"% term {term.name}: {term.source}", sympy.latex(term.size()), ""]
     click.echo("\n".join(lines).rstrip())
 
 

@@ -31,6 +31,7 @@ class Rule:
 RULES = (
     Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
     Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
+    Rule(lambda v: v.ffn % v.t == 0, lambda v: f"t ({v.t}) must divide ffn_hidden ({v.ffn})", ("ffn",)),
     Rule(lambda v: _implies(v.sequence_parallel, v.t > 1),
          lambda v: f"sequence parallelism splits the sequence over the tensor-parallel ranks: "
                    f"it needs t > 1 (t = {v.t})"),
@@ -77,6 +78,8 @@ class Values:
     """gpus/(t·p); 1 when the GPU count is unknown."""
     n: object = None
     """Microbatches per iteration, global_batch/(b·d); None when unknown."""
+    ffn: object = None
+    """The MLP's hidden size f when given (4h, which t divides with h, when not)."""
 
 
 def _applies(rule: Rule, values: Values) -> bool:

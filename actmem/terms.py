@@ -12,7 +12,7 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import always, attention_dropout, hidden_dropout
+from actmem.architecture import PAPER, always, attention_dropout, gelu, hidden_dropout, swiglu
 from actmem.symbols import a, b, h, s, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -57,8 +57,9 @@ _CHECKPOINT = frozenset({Recompute.FULL})
 @dataclass(frozen=True)
 class Term:
     name: str
-    bytes: sympy.Expr
-    """Size in bytes of one instance with no parallelism."""
+    bytes: object
+    """Size in bytes of one instance with no parallelism: a sympy expression, or a function
+    of the architecture that returns one (the MLP's rows depend on its width f)."""
     region: Region
     kept_under: frozenset
     """The recompute modes under which the forward pass keeps it."""
@@ -68,8 +69,18 @@ class Term:
     present: Callable = always
     """architecture -> whether the layer has this tensor at all (dropout 0 keeps no mask)."""
 
+    def size(self, arch=PAPER) -> sympy.Expr:
+        """Bytes of one instance with no parallelism, for this architecture."""
+        return self.bytes(arch) if callable(self.bytes) else self.bytes
+
 
 _sbh = s * b * h
+
+
+def _sbf(width: int):
+    """An sb x (width·f) 16-bit tensor; f is the architecture's MLP size (4h by default)."""
+    return lambda arch: A16 * width * s * b * arch.ffn(h)
+
 
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
@@ -97,10 +108,14 @@ TERMS = (
          "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)"),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh)"),
-    Term("gelu_input", A16 * 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
-         "GeLU keeps its input (4.1, 8sbh)"),
-    Term("fc2_input", A16 * 4 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
-         "4h→h linear keeps its input, the GeLU output (4.1, 8sbh)"),
+    Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
+         "bias-GeLU saves its input and the bias, a parameter", gelu),
+    Term("swiglu_input", _sbf(2), Region.BLOCK, _STORED, Scope.LAYER,
+         "SwiGLU keeps only its 2f-wide input (Megatron's fused_bias_swiglu.py: SwiGLUFunction "
+         "saves input_for_backward; 4sbf)", swiglu),
+    Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
@@ -118,5 +133,11 @@ TERMS = (
          "cross entropy keeps fp32 logits, split over the vocabulary (4.5, 4sbv/t)"),
 )
 
-LAYER_TERMS = tuple(term for term in TERMS if term.scope is Scope.LAYER)
+def layer_terms(arch) -> tuple:
+    """The rows of one layer of this architecture."""
+    return tuple(term for term in TERMS if term.scope is Scope.LAYER and term.present(arch))
+
+
+LAYER_TERMS = layer_terms(PAPER)
+"""The rows of the paper's layer (section 4.1)."""
 STAGE_TERMS = tuple(term for term in TERMS if term.scope is not Scope.LAYER)

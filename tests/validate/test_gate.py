@@ -75,19 +75,19 @@ def test_an_extra_tensor_under_a_paper_name_fails(monkeypatch):
 
 
 def test_a_tensor_hidden_inside_a_residual_scope_fails(monkeypatch):
-    """A fresh activation saved inside the layer norm's scope would be filed under
-    layernorm_statistics; the residual's size is checked, so it is red."""
+    """A fresh activation saved inside the norm's scope would be filed under norm_statistics;
+    the residual's size is checked, so it is red."""
     from actmem_validate.ledger import scope
 
-    norm = gpt.nn.LayerNorm.forward
+    norm = gpt.Norm.forward
 
     def norm_and_more(self, x):
         out = norm(self, x)
-        with scope("layernorm_statistics"):
+        with scope("norm_statistics"):
             return torch.sin(out * 1)              # sin saves a fresh (s, b, h) tensor
-    monkeypatch.setattr(gpt.nn.LayerNorm, "forward", norm_and_more)
+    monkeypatch.setattr(gpt.Norm, "forward", norm_and_more)
     rows, failures = measured("tp")
-    stats = row(rows, "layernorm_statistics")
+    stats = row(rows, "norm_statistics")
     assert stats["measured_bytes"] > stats["formula_bytes"] and stats["gate"] == "fail"
     assert any("(residual) measured" in line for line in failures)
 

@@ -21,8 +21,8 @@ PAPER_TERMS = [term.name for term in TERMS]
 
 #: tensors PyTorch saves that the paper does not count, and why they are not errors
 RESIDUALS = {
-    "layernorm_statistics": "mean and 1/std of each layer norm: 2 values a token a norm (bf16 on "
-                            "CPU, fp32 on GPU); the paper leaves them out",
+    "norm_statistics": "fp32 mu and rsigma of each LayerNorm (8 B a token), rsigma of each RMSNorm "
+                       "(4 B a token), as TE's fused norms keep them; the paper leaves them out",
     "token_ids": "the embedding's int64 token indices and its bool out-of-shard mask: 9 B a token, "
                  "for each microbatch whose embedding the stage holds",
     "position_ids": "the position embedding's int64 indices: 8s B a microbatch held",
@@ -31,19 +31,20 @@ RESIDUALS = {
 }
 CHECKED = ("paper", "residual", "unnamed", "total")
 """The kinds of row the gate judges; the others are information."""
-INDEX_BYTES, FLAG_BYTES = 8, 1     # int64 indices, bool masks
+INDEX_BYTES, FLAG_BYTES, STATISTIC_BYTES = 8, 1, 4     # int64 indices, bool masks, fp32 statistics
 
 
-def expected_residuals(spec, occupancy, statistics_bytes: int) -> dict:
+def expected_residuals(spec, occupancy) -> dict:
     """Bytes of each residual on the first stage at its peak, from what the harness's own
-    code saves (gpt.py): per norm held, per microbatch whose embedding is held, and once
-    for the loss when p = 1. statistics_bytes: one norm statistic on this device."""
+    code saves (gpt.py, fused.py): per norm held, per microbatch whose embedding is held,
+    and once for the loss when p = 1."""
     s, b, run = spec.model.seq_len, spec.run.micro_batch, spec.run
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     layer_norms = 0 if run.recompute is Recompute.FULL else 2    # full recompute: inside the checkpoint
     norms = layer_norms * occupancy.layer_activations + int(occupancy.holds_output_layer)
+    statistics = 1 if spec.architecture.normalization == "rmsnorm" else 2     # rsigma; mu and rsigma
     return {
-        "layernorm_statistics": norms * tokens_per_norm * 2 * statistics_bytes,
+        "norm_statistics": norms * tokens_per_norm * statistics * STATISTIC_BYTES,
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": occupancy.microbatches * s * INDEX_BYTES,
         "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
@@ -56,15 +57,13 @@ def _kind(name: str) -> str:
     return "residual" if name in RESIDUALS else "unnamed"
 
 
-def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1,
-            statistics_bytes: int = 2) -> list[dict]:
+def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1) -> list[dict]:
     """One row a term the formula or the measurement has, and one a residual the harness
     expects or measures; then 'total'; 'allocated' (above the parameters right after the
     forward that made the peak) and 'peak' (the allocator's peak during the schedule); and,
     where PyTorch's own dropout keeps a wider mask than 1 byte, what that choice would add
     ('pytorch_choice'). A residual row's formula_bytes are the harness's expected size."""
-    residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy,
-                                                           statistics_bytes).items() if n}
+    residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy).items() if n}
     formula = {row.term.name: row.total_bytes for row in est.run_terms} | residuals
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]

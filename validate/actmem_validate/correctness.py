@@ -22,23 +22,33 @@ _SPLIT_DIM = {"attention.qkv.weight": 0, "attention.qkv.bias": 0, "mlp.fc1.weigh
               "attention.projection.weight": 1, "mlp.fc2.weight": 1}
 
 
-def _shard(full: torch.Tensor, name: str, tp: TensorParallel) -> torch.Tensor:
+#: the layer variants checked: the paper's, and a gated one (SwiGLU, RMSNorm, no biases, f = 96)
+VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalization="rmsnorm", bias=False,
+                                                ffn=96)}
+
+
+def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:
     dim = _SPLIT_DIM.get(name)
     if dim is None:
         return full
+    if gated and name.startswith("mlp.fc1."):
+        # Megatron shards a gated fc1 so that each rank holds [its gate | its up]
+        return torch.cat([half.chunk(tp.size, dim=0)[tp.rank] for half in full.chunk(2, dim=0)])
     return full.chunk(tp.size, dim=dim)[tp.rank]
 
 
-def layer_differences(tp: TensorParallel, recompute: str, s=16, b=2, h=64, a=8) -> dict:
+def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper", s=16, b=2, h=64, a=8) -> dict:
     """Largest absolute differences from the reference: output, input grad, parameter grads."""
+    arch = VARIANTS[variant]
+    gated = arch.get("activation") == "swiglu"
     spec = LayerSpec(h, a, s, layers=2, attention_dropout=0.0, hidden_dropout=0.0, recompute=recompute,
-                     dtype=torch.float32)
+                     dtype=torch.float32, **arch)
     torch.manual_seed(0)
-    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32), TensorParallel())
+    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32, **arch), TensorParallel())
     layer = TransformerLayer(spec, tp)
     with torch.no_grad():
         for (name, param), full in zip(layer.named_parameters(), reference.parameters()):
-            param.copy_(_shard(full, name, tp))
+            param.copy_(_shard(full, name, tp, gated))
     x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(1)).requires_grad_()
     grad_out = torch.randn(s, b, h, generator=torch.Generator().manual_seed(2))
     expected = reference(x)
@@ -53,12 +63,12 @@ def layer_differences(tp: TensorParallel, recompute: str, s=16, b=2, h=64, a=8) 
     diffs = {"output": (gathered(out.detach()) - expected.detach()).abs().max().item(),
              "input_grad": (gathered(x_local.grad) - x.grad).abs().max().item()}
     for (name, param), full in zip(layer.named_parameters(), reference.parameters()):
-        diffs[name] = (param.grad - _shard(full.grad, name, tp)).abs().max().item()
+        diffs[name] = (param.grad - _shard(full.grad, name, tp, gated)).abs().max().item()
     return diffs
 
 
 def check_all(t: int) -> dict:
-    """{'sp=on recompute=full': largest difference, ...} over t gloo ranks."""
+    """{'paper sp=on recompute=full': largest difference, ...} over t gloo ranks."""
     import tempfile
 
     from actmem_validate.launch import _free_port
@@ -77,10 +87,11 @@ def _rank(rank: int, t: int, folder: str, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=t, timeout=timedelta(seconds=120))
     results = {}
-    for sp in (False, True):
-        for recompute in ("none", "selective", "full"):
-            diffs = layer_differences(TensorParallel(t, rank, None, sp), recompute)
-            results[f"sp={'on' if sp else 'off'} recompute={recompute}"] = max(diffs.values())
+    for variant in VARIANTS:
+        for sp in (False, True):
+            for recompute in ("none", "selective", "full"):
+                diffs = layer_differences(TensorParallel(t, rank, None, sp), recompute, variant)
+                results[f"{variant} sp={'on' if sp else 'off'} recompute={recompute}"] = max(diffs.values())
     worst = [None] * t if rank == 0 else None
     dist.gather_object(results, worst, dst=0)
     if rank == 0:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from actmem_validate.fused import Norm, swiglu
 from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
     init_scaled
 from actmem_validate.ledger import label, scope
@@ -29,20 +30,27 @@ class LayerSpec:
     recompute: str = "none"           # none | selective | full
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
+    ffn: int | None = None            # f; None: 4h
+    activation: str = "gelu"          # gelu | swiglu
+    normalization: str = "layernorm"  # layernorm | rmsnorm
+    bias: bool = True
+    tied_output: bool = True
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
         """The layer an actmem Spec describes."""
         model, arch = spec.model, spec.architecture
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
-                   arch.hidden_dropout, spec.run.recompute.value, dtype, device)
+                   arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
+                   arch.activation, arch.normalization, arch.bias, arch.tied_output)
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 4 * self.hidden if self.ffn is None else self.ffn
 
 
-def _layer_norm(h, spec: LayerSpec) -> nn.LayerNorm:
-    norm = nn.LayerNorm(h, dtype=spec.dtype, device=spec.device)
-    for param in norm.parameters():
-        param.sequence_parallel = True     # replicated; grads all-reduced under SP
-    return norm
+def _norm(spec: LayerSpec) -> Norm:
+    return Norm(spec.hidden, spec.normalization, dtype=spec.dtype, device=spec.device)
 
 
 def attention_core(q, k, v, mask_bias, dropout: Dropout):
@@ -60,9 +68,8 @@ class SelfAttention(nn.Module):
         self.spec, self.tp = spec, tp
         self.heads = spec.heads // tp.size
         kw = dict(dtype=spec.dtype, device=spec.device)
-        self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp, **kw)   # head-major [a, 3, hd]
-        self.projection = RowParallelLinear(spec.hidden, spec.hidden, tp, **kw)
-        self.projection.bias.sequence_parallel = True
+        self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp, bias=spec.bias, **kw)   # [a, 3, hd]
+        self.projection = RowParallelLinear(spec.hidden, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
         causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
@@ -89,17 +96,24 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """h -> f (GeLU) or 2f (SwiGLU: [gate | up] on each rank, as Megatron shards it) -> h."""
+
     def __init__(self, spec: LayerSpec, tp: TensorParallel):
         super().__init__()
         kw = dict(dtype=spec.dtype, device=spec.device)
-        self.fc1 = ColumnParallelLinear(spec.hidden, 4 * spec.hidden, tp, **kw)
-        self.fc2 = RowParallelLinear(4 * spec.hidden, spec.hidden, tp, **kw)
-        self.fc2.bias.sequence_parallel = True
+        self.gated = spec.activation == "swiglu"
+        f = spec.ffn_hidden
+        self.fc1 = ColumnParallelLinear(spec.hidden, (2 if self.gated else 1) * f, tp, bias=spec.bias, **kw)
+        self.fc2 = RowParallelLinear(f, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.fc2, spec.layers)
 
     def forward(self, x):
-        hidden = label(self.fc1(x), "gelu_input")             # (s, b, 4h/t)
-        return self.fc2(label(nn.functional.gelu(hidden), "fc2_input"))
+        hidden = self.fc1(x)                                  # (s, b, f/t) or (s, b, 2f/t)
+        if self.gated:
+            activated = swiglu(label(hidden, "swiglu_input"))
+        else:
+            activated = nn.functional.gelu(label(hidden, "gelu_input"))
+        return self.fc2(label(activated, "fc2_input"))        # (s, b, f/t) in
 
 
 class TransformerLayer(nn.Module):
@@ -108,17 +122,17 @@ class TransformerLayer(nn.Module):
     def __init__(self, spec: LayerSpec, tp: TensorParallel):
         super().__init__()
         self.spec = spec
-        self.norm1, self.norm2 = _layer_norm(spec.hidden, spec), _layer_norm(spec.hidden, spec)
+        self.norm1, self.norm2 = _norm(spec), _norm(spec)
         self.attention, self.mlp = SelfAttention(spec, tp), MLP(spec, tp)
         self.dropout1 = Dropout(spec.hidden_dropout, "attention_dropout_mask")
         self.dropout2 = Dropout(spec.hidden_dropout, "mlp_dropout_mask")
 
     def _forward(self, x):
         label(x, "attention_layernorm_input")
-        with scope("layernorm_statistics"):
+        with scope("norm_statistics"):
             normed = label(self.norm1(x), "qkv_input")
         x = label(x + self.dropout1(self.attention(normed)), "mlp_layernorm_input")
-        with scope("layernorm_statistics"):
+        with scope("norm_statistics"):
             normed = label(self.norm2(x), "fc1_input")
         return x + self.dropout2(self.mlp(normed))
 
@@ -203,13 +217,14 @@ class OutputHead(nn.Module):
     def __init__(self, embedding: Embedding, spec: LayerSpec, tp: TensorParallel):
         super().__init__()
         self.tp, self.embedding = tp, embedding
-        self.norm = _layer_norm(spec.hidden, spec)
+        self.norm = _norm(spec)
+        self.weight = None if spec.tied_output else nn.Parameter(torch.empty_like(embedding.words).normal_(std=0.02))
 
     def forward(self, x, targets):                            # targets: (b, s)
         label(x, "final_layernorm_input")
-        with scope("layernorm_statistics"):
+        with scope("norm_statistics"):
             x = label(self.norm(x), "output_layer_input")
-        weight = self.embedding.words
+        weight = self.embedding.words if self.weight is None else self.weight
         if self.tp.sequence_parallel and self.tp.size > 1:
             logits = _LinearWithSequenceParallel.apply(x, weight, None, self.tp)   # keeps 2sbh/t
         else:

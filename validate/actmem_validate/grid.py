@@ -40,11 +40,19 @@ def configs_for(spec: Spec, techniques, microbatches: int | None = None) -> list
     return [config_for(spec, technique, n) for technique in chosen]
 
 
-def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1) -> Spec:
+#: today's MLP and norm at small shapes: SwiGLU with f = 96, RMSNorm, no biases, an untied
+#: output layer, no dropout
+GATED = dict(activation="swiglu", ffn_hidden=96, normalization="rmsnorm", bias=False, tied_output=False,
+             attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
+               **architecture) -> Spec:
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2)
-    return build_spec(model, run, name="small" if dropout else "small-nodrop",
-                      architecture=dict(attention_dropout=dropout, hidden_dropout=dropout))
+    architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
+    return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
+                      architecture=architecture)
 
 
 def small_grid() -> list[Config]:
@@ -61,6 +69,10 @@ def small_grid() -> list[Config]:
     # scattered view must not be held whole (Megatron clones it)
     configs += configs_for(small_spec(2, 2, dropout=0.0), ["tp", "tp-sp", "tp-sp-sel"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, dropout=0.0), ["tp-sp"])
+    # SwiGLU, RMSNorm, no biases, untied output (p = 1 holds it), no dropout
+    for t in (2, 4):
+        configs += configs_for(small_spec(2, t, name="small-gated", **GATED), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
+    configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", **GATED), ["tp-sp"])
     return configs
 
 

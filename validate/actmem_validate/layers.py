@@ -60,19 +60,23 @@ class RowParallelLinear(nn.Module):
     reduce-scatter into the sequence-parallel region under SP. The bias is replicated and
     added after the reduction."""
 
-    def __init__(self, in_features, out_features, tp: TensorParallel, dtype=None, device=None):
+    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, dtype=None, device=None):
         super().__init__()
         self.tp = tp
         kw = dict(dtype=dtype, device=device)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, **kw))
-        self.bias = nn.Parameter(torch.zeros(out_features, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        if bias:
+            self.bias.sequence_parallel = True        # replicated; grads all-reduced under SP
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x):
         partial = nn.functional.linear(x, self.weight)             # saves x: 2sbh/t
         if self.tp.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.tp) + self.bias
-        return reduce_from_tensor_parallel_region(partial, self.tp) + self.bias
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+        else:
+            out = reduce_from_tensor_parallel_region(partial, self.tp)
+        return out if self.bias is None else out + self.bias
 
 
 class _Dropout(torch.autograd.Function):

@@ -59,9 +59,8 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
             result = run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave,
                                      config.microbatches, run.micro_batch, spec.padded_vocab, tp,
                                      peak.current)
-    # real probes, outside any fake mode
-    return compare(config, estimate(spec), result, rank, peak.bytes, native_dropout_mask_bytes(device),
-                   norm_statistics_bytes(device, layer_spec.dtype))
+    mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
+    return compare(config, estimate(spec), result, rank, peak.bytes, mask_bytes)
 
 
 def native_dropout_mask_bytes(device: str) -> int:
@@ -72,17 +71,6 @@ def native_dropout_mask_bytes(device: str) -> int:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         torch.nn.functional.dropout(x, 0.5, training=True)
     return max(t.element_size() for t in saved)
-
-
-def norm_statistics_bytes(device: str, dtype) -> int:
-    """Bytes of one mean or 1/std value torch's layer norm saves on this device for this
-    dtype (bf16 on CPU, fp32 on CUDA)."""
-    norm = torch.nn.LayerNorm(4, device=device, dtype=dtype)
-    x = torch.ones(2, 4, device=device, dtype=dtype, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        norm(x)
-    return next(t.element_size() for t in saved if t.dim() == 2 and t.shape[-1] == 1)
 
 
 class _PeakMemory:

@@ -187,4 +187,4 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     if spec.padded_vocab != spec.model.vocab:
         notes.append(f"vocabulary {spec.model.vocab} padded to {spec.padded_vocab} "
                      f"(a multiple of {spec.vocab_divisible_by}·t, as Megatron does)")
-    return tuple(notes)
+    return tuple(notes) + spec.notes

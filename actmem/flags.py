@@ -165,6 +165,10 @@ def spec_options(command):
                           "(default 80GiB)."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
                      help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
+        click.option("--megatron-args", default=None, metavar="TEXT|@FILE",
+                     help="A Megatron-LM launch script's arguments, pasted whole or from a file: "
+                          "those that change memory are used, those that cannot are listed as "
+                          "ignored, the rest are refused in one message."),
     ]
     command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS)
     for option in reversed(options):
@@ -228,13 +232,45 @@ def model_from_flags(flags: dict) -> ModelChoice:
                        pick("gpus"), pick("global_batch"))
 
 
+def _paste_command():
+    """A click command with the spec's options, to parse pasted Megatron arguments exactly as
+    the flags are parsed."""
+    return click.command()(spec_options(lambda **flags: flags))
+
+
+def with_megatron_args(flags: dict) -> tuple[dict, dict]:
+    """The flags with the pasted --megatron-args merged in (a pasted value that disagrees with
+    a flag is an error), and what else the paste says: {'ignored': [...], checks...}."""
+    from actmem import megatron_args
+
+    if flags.get("megatron_args") is None:
+        return flags, {}
+    command = _paste_command()
+    takes_value = {name: not param.is_flag for param in command.params if isinstance(param, click.Option)
+                   for name in param.opts + param.secondary_opts if name != "--megatron-args"}
+    used, ignored, checks = megatron_args.sort(megatron_args.split(flags["megatron_args"]), takes_value,
+                                               MEGATRON_NOT_MODELLED)
+    pasted = command.make_context("--megatron-args", used).params
+    merged = dict(flags, megatron_args=None)
+    for key, value in pasted.items():
+        if isinstance(value, tuple):
+            merged[key] = tuple(merged.get(key) or ()) + value
+        elif value not in (None, False):
+            if merged.get(key) not in (None, False, value):
+                raise SpecError(f"--megatron-args gives {key} = {value!r}, a flag gives {merged[key]!r}")
+            merged[key] = value
+    return merged, dict(checks, ignored=ignored)
+
+
 def build_spec_from_flags(flags: dict):
     """Merge a preset with the flags into a validated Spec (raises SpecError)."""
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
     from actmem.units import parse_bytes
 
+    flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
     name, model, run, architecture = _preset_and_flags(flags)
+    _check_max_positions(pasted, model)
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
             raise SpecError("give the interleave once: --interleave or "
@@ -250,7 +286,20 @@ def build_spec_from_flags(flags: dict):
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:
         options["vocab_divisible_by"] = flags["vocab_divisible_by"]
+    if pasted.get("ignored"):
+        options["notes"] = (f"Megatron arguments ignored, as they cannot change memory: "
+                            f"{', '.join(pasted['ignored'])}",)
     return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+def _check_max_positions(pasted: dict, model: dict) -> None:
+    """actmem sizes the learned position embedding at s: a different maximum is refused."""
+    from actmem.megatron_args import MAX_POSITIONS
+
+    given = pasted.get(MAX_POSITIONS)
+    if given is not None and str(given) != str(model.get("seq_len")):
+        raise SpecError(f"--megatron-args: {MAX_POSITIONS} ({given}) differs from the sequence length "
+                        f"({model.get('seq_len')}); actmem sizes the position embedding at s")
 
 
 _OTHER_SPELLINGS = {"preset": "--model", "layers_per_chunk": "--num-layers-per-virtual-pipeline-stage",

@@ -80,6 +80,8 @@ class Spec:
     gpu_memory_bytes: int = parse_bytes(DEFAULT_GPU_MEMORY)
     vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = Architecture()
+    notes: tuple = ()
+    """What the input said that the estimate should repeat (pasted arguments it ignored)."""
 
     def __post_init__(self):
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):

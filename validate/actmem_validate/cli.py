@@ -12,7 +12,7 @@ import sys
 import click
 
 from actmem.errors import SpecError
-from actmem.flags import build_spec_from_flags, given_flags, spec_options
+from actmem.flags import build_spec_from_flags, given_flags, spec_options, with_megatron_args
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                   "(on a CPU-only machine install the CPU build of torch first)")
@@ -107,7 +107,7 @@ _SET_BY_TECHNIQUES = ("--sp", "--no-sp", "--sequence-parallel", "--no-sequence-p
 def _configs(grid, techniques, microbatches, flags):
     from actmem_validate import grid as grids
 
-    given = given_flags(flags)
+    given = given_flags(with_megatron_args(flags)[0])
     if grid is not None:
         overridden = given + [name for name, value in (
             ("--techniques", techniques), ("--microbatches", microbatches)) if value is not None]

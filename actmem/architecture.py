@@ -34,15 +34,20 @@ class Architecture:
     tied_output: bool = True
     """The output layer shares the word embedding's weights (the paper's); False is
     Megatron's --untie-embeddings-and-output-weights."""
+    query_groups: int | None = None
+    """g: key/value heads (Megatron's --num-query-groups; MQA is 1); None: one a head."""
+    head_dim: int | None = None
+    """d (Megatron's --kv-channels); None: h/a."""
 
     def __post_init__(self):
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
-        if self.ffn_hidden is not None and (isinstance(self.ffn_hidden, bool) or
-                                            not isinstance(self.ffn_hidden, int) or self.ffn_hidden <= 0):
-            raise SpecError(f"ffn_hidden must be a positive integer, got {self.ffn_hidden!r}")
+        for name in ("ffn_hidden", "query_groups", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise SpecError(f"{name} must be a positive integer, got {value!r}")
         for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
@@ -54,6 +59,16 @@ class Architecture:
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""
         return 4 * hidden if self.ffn_hidden is None else self.ffn_hidden
 
+    def attention_width(self, hidden, heads):
+        """a·d, the width of the queries and of the attention's output: h unless d is given."""
+        return hidden if self.head_dim is None else heads * self.head_dim
+
+    def query_groups_or(self, heads):
+        return heads if self.query_groups is None else self.query_groups
+
+    def head_dim_or(self, hidden, heads):
+        return hidden // heads if self.head_dim is None else self.head_dim
+
     @property
     def fc1_width(self) -> int:
         """How many f-wide outputs the first MLP linear has: 2 for SwiGLU (gate and up)."""
@@ -62,7 +77,9 @@ class Architecture:
     def describe(self) -> str:
         """One line a person reads: 'gelu MLP (f = 4h) · layernorm · biases · tied output'."""
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
-        return (f"{self.activation} MLP (f = {f}) · {self.normalization} · "
+        groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
+        head = "" if self.head_dim is None else f"d = {self.head_dim} · "
+        return (f"{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
                 f"{'biases' if self.bias else 'no biases'} · {'tied' if self.tied_output else 'untied'} output")
 
     @property

@@ -136,7 +136,7 @@ def _parameters(spec: Spec, t: int) -> ParameterBytes:
     model, run = spec.model, spec.run
     count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
                                    padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
-                                   spec.architecture)
+                                   spec.architecture, model.heads)
     return parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)
 
 

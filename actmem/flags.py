@@ -56,6 +56,9 @@ ARCHITECTURE_FLAGS = (
     Flag(("--disable-bias-linear",), "bias", "linear layers without biases (Megatron's switch)",
          constant=False),
     Flag(("--add-bias-linear",), "bias", "linear layers with biases (the default)", constant=True),
+    Flag(("--query-groups", "--num-query-groups"), "query_groups",
+         "key/value heads g (grouped-query attention; 1 is multi-query); default: one a head"),
+    Flag(("--head-dim", "--kv-channels"), "head_dim", "head dim d (default h/a)"),
     Flag(("--untie-embeddings-and-output-weights",), "tied_output",
          "an output layer with weights of its own (Megatron's switch; default: tied to the "
          "word embedding)", constant=False),
@@ -81,8 +84,8 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--num-query-groups", "--group-query-attention", "--use-flash-attn", "--context-parallel-size",
-    "--kv-channels", "--position-embedding-type", "--use-rotary-position-embeddings",
+    "--use-flash-attn", "--context-parallel-size", "--position-embedding-type",
+    "--use-rotary-position-embeddings",
     "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--num-experts",
     "--expert-model-parallel-size",
 })

@@ -7,26 +7,31 @@ from actmem.architecture import PAPER
 from actmem.terms import Recompute
 
 
-def matmul_weights(h, arch=PAPER):
-    """W: the weights one token multiplies in a layer's linears: QKV and projection 4h², the
-    MLP (1 + fc1 width)·h·f. The paper's layer: 12h²."""
-    return 4 * h * h + (arch.fc1_width + 1) * h * arch.ffn(h)
+def matmul_weights(h, arch=PAPER, heads=None):
+    """W: the weights one token multiplies in a layer's linears: QKV h·(ad + 2gd) and the
+    projection ad·h (4h² with ad = h, g = a), the MLP (1 + fc1 width)·h·f. The paper's: 12h²."""
+    from actmem.parameters import _qkv_width
+
+    attention = h * _qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
+    return attention + (arch.fc1_width + 1) * h * arch.ffn(h)
 
 
-def _parts(B, s, L, h, v, arch):
-    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs."""
-    return 2 * B * s * L * matmul_weights(h, arch), 4 * B * s * s * L * h, 2 * B * s * h * v
+def _parts(B, s, L, h, v, arch, heads=None):
+    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs. The scores
+    (QKᵀ and ·V) are 4·B·s²·L·ad."""
+    return (2 * B * s * L * matmul_weights(h, arch, heads), 4 * B * s * s * L * arch.attention_width(h, heads),
+            2 * B * s * h * v)
 
 
-def model_flops(B, s, L, h, v, arch=PAPER):
+def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
     """Forward and backward (3x the forward) of the layers' matmuls, the attention scores and
     the logits: 6·B·s·L·W + 12·B·s²·L·h + 6·B·s·h·v. For the paper's layer (W = 12h²) this
     is the appendix's 72·B·s·L·h²·(1 + s/(6h) + v/(12hL))."""
-    layers, scores, logits = _parts(B, s, L, h, v, arch)
+    layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
     return 3 * (layers + scores + logits)
 
 
-def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER):
+def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None):
     """What the GPUs really compute, recomputation included (the paper's appendix).
 
     selective: the paper counts the attention-score part again, 12·B·s²·L·h
@@ -34,7 +39,7 @@ def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER):
     the HFU column of Table 5. full: one more forward of every layer, not of the logits:
     8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
     """
-    layers, scores, logits = _parts(B, s, L, h, v, arch)
+    layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
     if recompute is Recompute.NONE:
         return 3 * (layers + scores + logits)
     if recompute is Recompute.SELECTIVE:
@@ -51,7 +56,8 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
                  seconds: float | None, arch=PAPER) -> dict:
     """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
     iteration time is given."""
-    dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch)
+    dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch,
+                heads=model.heads)
     flops = model_flops(**dims)
     report = {"global_batch": global_batch, "gpus": gpus, "peak_flops": peak_flops,
               "iteration_s": seconds, "model_flops": flops, "hardware": []}

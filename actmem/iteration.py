@@ -12,9 +12,10 @@ from actmem.terms import Recompute
 from actmem.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
-def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch):
+def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads):
     """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak."""
-    flops = sum((recompute == mode.value) * hardware_flops(B, s, L, h, v, mode, arch) for mode in Recompute)
+    flops = sum((recompute == mode.value) * hardware_flops(B, s, L, h, v, mode, arch, heads)
+                for mode in Recompute)
     return flops / (gpus * efficiency * peak_flops)
 
 

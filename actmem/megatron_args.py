@@ -36,6 +36,8 @@ IGNORED = {
 }
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
+#: Megatron reads --num-query-groups only with this switch on
+GQA_SWITCH = "--group-query-attention"
 #: the learned position embedding's size; actmem sizes it at s and needs them equal
 MAX_POSITIONS = "--max-position-embeddings"
 
@@ -73,8 +75,8 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
         elif name in IGNORED:
             ignored.append(name)
             i += 2 if IGNORED[name] else 1
-        elif name in PRECISION:
-            checks["precision"] = name
+        elif name in PRECISION or name == GQA_SWITCH:
+            checks[name if name == GQA_SWITCH else "precision"] = name
             i += 1
         elif name == MAX_POSITIONS:
             checks[MAX_POSITIONS] = words[i + 1] if i + 1 < len(words) else ""
@@ -87,6 +89,9 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
         problems.append(f"changes memory and is not modelled yet: {', '.join(refused)}")
     if unknown:
         problems.append(f"unknown to actmem: {', '.join(unknown)}")
+    if ("--num-query-groups" in words) != (GQA_SWITCH in checks):
+        problems.append("Megatron reads --num-query-groups only with --group-query-attention (and the "
+                        "switch alone means nothing): give both or neither")
     if "precision" not in checks:
         problems.append("neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
                         "16-bit activations")

@@ -64,5 +64,5 @@ def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
     model = req.model
     count = first_stage_parameters(model.hidden, model.layers, p, t,
                                    padded_vocab(model.vocab, t, req.vocab_divisible_by), model.seq_len,
-                                   req.architecture)
+                                   req.architecture, model.heads)
     return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

@@ -10,26 +10,37 @@ from actmem.architecture import PAPER
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 
-def layer_parameters(h, t, arch=PAPER):
+def layer_parameters(h, t, arch=PAPER, heads=None):
     """One transformer layer's parameters on one of t GPUs.
 
-    QKV 3h² (+3h bias), projection h² (+h), the MLP's first linear h·f, or 2h·f gated
-    (+f or 2f), its second f·h (+h), two norms of h or 2h each. The paper's layer (f = 4h,
-    biases, layer norms) is 12h² + 13h. Tensor parallelism splits the weights and the
-    column-parallel biases; the row-parallel biases and the norms are replicated.
+    QKV h·(ad + 2gd) (+ its bias), projection ad·h (+h), the MLP's first linear h·f, or
+    2h·f gated (+f or 2f), its second f·h (+h), two norms of h or 2h each; ad = h and g = a
+    unless given. The paper's layer (f = 4h, biases, layer norms) is 12h² + 13h. Tensor
+    parallelism splits the weights and the column-parallel biases; the row-parallel biases
+    and the norms are replicated.
     """
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
-    split = 4 * h * h + width * h * f + f * h + bias * (3 * h + width * f)
+    qkv = _qkv_width(h, arch, heads)
+    split = h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h + bias * (qkv + width * f)
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
     return split // t + replicated
 
 
-def first_stage_parameters(h, L, p, t, v, s, arch=PAPER):
+def _qkv_width(h, arch, heads):
+    """ad + 2gd: the QKV linear's outputs (3h for the paper's layer)."""
+    if arch.query_groups is None and arch.head_dim is None:
+        return 3 * h
+    if heads is None:
+        raise ValueError("query groups or a head dim need the head count")
+    return arch.attention_width(h, heads) + 2 * arch.query_groups_or(heads) * arch.head_dim_or(h, heads)
+
+
+def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None):
     """L/p layers, the word embedding split over the vocabulary (v·h/t), the learned
     position embedding (s·h), and when p = 1 the final norm and, if untied, the output
     layer's own v·h/t (tied, it shares the word embedding's weights: section 3)."""
     last = (p == 1) * (arch.norm_parameters * h + (not arch.tied_output) * v * h // t)
-    return L // p * layer_parameters(h, t, arch) + v * h // t + s * h + last
+    return L // p * layer_parameters(h, t, arch, heads) + v * h // t + s * h + last
 
 
 @dataclass(frozen=True)

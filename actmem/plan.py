@@ -136,7 +136,7 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           sequence_parallel=grid.sequence_parallel,
                           distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
                           global_batch=req.global_batch, d=grid.d, n=grid.n,
-                          ffn=req.architecture.ffn_hidden)
+                          ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups)
     return grid[rules.valid(values)].reset_index(drop=True)
 
 
@@ -148,7 +148,8 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["vocab"] = padded_vocab(model.vocab, grid.t, req.vocab_divisible_by)
     grid["layer_activations"], grid["microbatches_held"] = held_counts(L, grid.p, grid.m, grid.n)
     grid["activations_bytes"] = _activations(req, grid)
-    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture),
+    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
+                                                    model.heads),
                              grid.d, grid.distributed_optimizer.astype("int64"))
     grid["parameters"] = params.count
     grid["weights_bytes"] = params.weights_bytes
@@ -183,7 +184,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     s, h, L = model.seq_len, model.hidden, model.layers
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, req.efficiency,
-                                                  req.architecture)
+                                                  req.architecture, model.heads)
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
         s, grid.b, h, L, grid.p, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
@@ -194,7 +195,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                               grid.distributed_optimizer, across_nodes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.pipeline_p2p_s) * grid.bubble
                            + grid.data_parallel_s)
-    flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture)
+    flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
     grid["mfu"] = flops / (grid.iteration_s * req.gpus * gpu.peak_flops)
 
 

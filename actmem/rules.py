@@ -32,6 +32,11 @@ RULES = (
     Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
     Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
     Rule(lambda v: v.ffn % v.t == 0, lambda v: f"t ({v.t}) must divide ffn_hidden ({v.ffn})", ("ffn",)),
+    Rule(lambda v: v.heads % v.groups == 0,
+         lambda v: f"query_groups ({v.groups}) must divide heads ({v.heads})", ("groups",)),
+    Rule(lambda v: v.groups % v.t == 0,
+         lambda v: f"t ({v.t}) must divide query_groups ({v.groups}): each rank keeps whole groups",
+         ("groups",)),
     Rule(lambda v: _implies(v.sequence_parallel, v.t > 1),
          lambda v: f"sequence parallelism splits the sequence over the tensor-parallel ranks: "
                    f"it needs t > 1 (t = {v.t})"),
@@ -80,6 +85,8 @@ class Values:
     """Microbatches per iteration, global_batch/(b·d); None when unknown."""
     ffn: object = None
     """The MLP's hidden size f when given (4h, which t divides with h, when not)."""
+    groups: object = None
+    """Query groups g when given (a, which t divides, when not)."""
 
 
 def _applies(rule: Rule, values: Values) -> bool:

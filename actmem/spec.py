@@ -99,7 +99,8 @@ class Spec:
             t=run.tensor_parallel, p=run.pipeline_parallel, m=run.interleave, b=run.micro_batch,
             sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
             gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
-            n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden)
+            n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
+            groups=self.architecture.query_groups)
 
     @property
     def data_parallel(self) -> int:

@@ -77,6 +77,11 @@ class Term:
 _sbh = s * b * h
 
 
+def _sb_attention(width: int):
+    """An sb x (width·a·d) 16-bit tensor: a·d is h unless the head dim d is given."""
+    return lambda arch: A16 * width * s * b * arch.attention_width(h, a)
+
+
 def _sbf(width: int):
     """An sb x (width·f) 16-bit tensor; f is the architecture's MLP size (4h by default)."""
     return lambda arch: A16 * width * s * b * arch.ffn(h)
@@ -88,8 +93,10 @@ TERMS = (
          "layer norm before attention keeps its input (4.1, layer norm 2sbh)"),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
-    Term("query_key", A16 * 2 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
-         "QKᵀ keeps Q and K (4.1, 4sbh)"),
+    Term("query_key", _sb_attention(2), Region.BLOCK, _STORED, Scope.LAYER,
+         "QKᵀ keeps Q and K (4.1, 4sbh; 4sb·ad with head dim d). With query groups Megatron's "
+         "local attention expands K to a heads first (dot_product_attention.py: repeat_interleave, "
+         "a copy), so K is as wide as Q"),
     Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "softmax keeps its output (4.1, 2as²b)"),
     Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
@@ -97,10 +104,10 @@ TERMS = (
     Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "attention over V keeps the dropout output (4.1, 2as²b); with no attention dropout "
          "it keeps the softmax output, counted once above", attention_dropout),
-    Term("value", A16 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
-         "attention over V keeps V (4.1, 2sbh)"),
-    Term("projection_input", A16 * _sbh, Region.BLOCK, _STORED, Scope.LAYER,
-         "output projection keeps its input (4.1, 2sbh)"),
+    Term("value", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "attention over V keeps V (4.1, 2sbh), expanded to a heads as K is (2sb·ad)"),
+    Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "output projection keeps its input (4.1, 2sbh; 2sb·ad)"),
     Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------

@@ -29,8 +29,8 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--num-query-groups 8 --frobnicate 3 --turbo",
-     ["not modelled yet: --num-query-groups", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--use-flash-attn --frobnicate 3 --turbo",
+     ["not modelled yet: --use-flash-attn", "unknown to actmem: --frobnicate, --turbo"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),
 ])
@@ -51,3 +51,11 @@ def test_a_pasted_value_that_disagrees_with_a_flag_is_refused(actmem):
 
 def test_a_missing_file_is_one_line(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", "@/no/such/args.txt"), "cannot read it")
+
+
+def test_query_groups_need_megatron_s_switch(actmem):
+    """Megatron reads --num-query-groups only with --group-query-attention."""
+    gqa = f"{MODEL} {RUN} --bf16 --num-query-groups 8 --kv-channels 128"
+    assert_one_line_error(actmem("estimate", "--megatron-args", gqa), "only with --group-query-attention")
+    out = actmem.json("estimate", "--megatron-args", gqa + " --group-query-attention")
+    assert (out["architecture"]["query_groups"], out["architecture"]["head_dim"]) == (8, 128)

@@ -10,7 +10,7 @@ from actmem_validate.correctness import check_all  # noqa: E402
 @pytest.mark.parametrize("t", [2, 4])
 def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
-    assert set(worst) == {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm")
+    assert set(worst) == {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
                           for sp in ("on", "off") for r in ("none", "selective", "full")}
     for case, difference in worst.items():
         assert difference < 1e-5, case

@@ -24,7 +24,8 @@ _SPLIT_DIM = {"attention.qkv.weight": 0, "attention.qkv.bias": 0, "mlp.fc1.weigh
 
 #: the layer variants checked: the paper's, and a gated one (SwiGLU, RMSNorm, no biases, f = 96)
 VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalization="rmsnorm", bias=False,
-                                                ffn=96)}
+                                                ffn=96),
+            "gqa": dict(query_groups=4, head_dim=16)}    # a = 8 heads of d = 16 in 4 groups; ad = 2h
 
 
 def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:

@@ -35,6 +35,8 @@ class LayerSpec:
     normalization: str = "layernorm"  # layernorm | rmsnorm
     bias: bool = True
     tied_output: bool = True
+    query_groups: int | None = None   # g; None: a
+    head_dim: int | None = None       # d; None: h/a
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -42,11 +44,20 @@ class LayerSpec:
         model, arch = spec.model, spec.architecture
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
-                   arch.activation, arch.normalization, arch.bias, arch.tied_output)
+                   arch.activation, arch.normalization, arch.bias, arch.tied_output, arch.query_groups,
+                   arch.head_dim)
 
     @property
     def ffn_hidden(self) -> int:
         return 4 * self.hidden if self.ffn is None else self.ffn
+
+    @property
+    def groups(self) -> int:
+        return self.heads if self.query_groups is None else self.query_groups
+
+    @property
+    def dim(self) -> int:
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
 
 
 def _norm(spec: LayerSpec) -> Norm:
@@ -63,35 +74,44 @@ def attention_core(q, k, v, mask_bias, dropout: Dropout):
 
 
 class SelfAttention(nn.Module):
+    """Megatron-Core's self-attention with its local (eager) core. The QKV output is laid out
+    group by group, [g, a/g + 2, d] (each group's queries, then its key and value), so a
+    column-parallel split gives each rank g/t whole groups."""
+
     def __init__(self, spec: LayerSpec, tp: TensorParallel):
         super().__init__()
         self.spec, self.tp = spec, tp
-        self.heads = spec.heads // tp.size
+        self.heads, self.groups = spec.heads // tp.size, spec.groups // tp.size
         kw = dict(dtype=spec.dtype, device=spec.device)
-        self.qkv = ColumnParallelLinear(spec.hidden, 3 * spec.hidden, tp, bias=spec.bias, **kw)   # [a, 3, hd]
-        self.projection = RowParallelLinear(spec.hidden, spec.hidden, tp, bias=spec.bias, **kw)
+        width = (spec.heads + 2 * spec.groups) * spec.dim
+        self.qkv = ColumnParallelLinear(spec.hidden, width, tp, bias=spec.bias, **kw)
+        self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
         causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
         self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
 
     def forward(self, x):
-        qkv = self.qkv(x)                                     # (s, b, 3h/t)
+        qkv = self.qkv(x)                                     # (s, b, (a + 2g)d/t)
         s, b, _ = qkv.shape
-        hd = self.spec.hidden // self.spec.heads
-        qkv = qkv.view(s, b, self.heads, 3, hd).permute(3, 1, 2, 0, 4)   # (3, b, a/t, s, hd)
-        # Copies: Megatron's q, k, v are views of one QKV output, saved once with the same
-        # 6sbh/t bytes; separate storages let each be named after its own term. (clone, not
-        # contiguous: at s = b = a/t = 1 the reshape is already contiguous and would stay a view.)
-        q, k, v = (qkv[i].reshape(b * self.heads, s, hd).clone(memory_format=torch.contiguous_format)
-                   for i in range(3))
+        per_group, d = self.heads // self.groups, self.spec.dim
+        qkv = qkv.view(s, b, self.groups, per_group + 2, d)  # (s, b, g/t, a/g + 2, d)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, d)
+        # Megatron's local attention expands K and V to a heads (dot_product_attention.py:
+        # repeat_interleave makes copies), so both are as wide as Q: 2sb·ad/t each.
+        k, v = (qkv[:, :, :, per_group + i].repeat_interleave(per_group, dim=2) for i in (0, 1))
+        # Copies: with one group a head, Megatron's q, k, v are views of the QKV output, saved
+        # once with the same 6sb·ad/t bytes; separate storages let each be named after its own
+        # term. (clone, not contiguous: a reshape already contiguous would stay a view.)
+        q, k, v = (t.permute(1, 2, 0, 3).reshape(b * self.heads, s, d).clone(memory_format=torch.contiguous_format)
+                   for t in (q, k, v))                        # (b·a/t, s, d)
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
         if self.spec.recompute == "selective":
             context = checkpoint(attention_core, q, k, v, self.mask_bias, self.dropout,
                                  use_reentrant=True)           # keeps q, k, v only
         else:
             context = attention_core(q, k, v, self.mask_bias, self.dropout)
-        context = context.view(b, self.heads, s, hd).permute(2, 0, 1, 3).reshape(s, b, self.heads * hd)
+        context = context.view(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.projection(label(context, "projection_input"))
 
 

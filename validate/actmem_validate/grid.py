@@ -73,6 +73,10 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-gated", **GATED), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", **GATED), ["tp-sp"])
+    # grouped-query attention, a head dim other than h/a: 4 groups of 2 heads, d = 16 (ad = 2h)
+    for t in (2, 4):
+        configs += configs_for(small_spec(2, t, name="small-gqa", query_groups=4, head_dim=16),
+                               ["tp", "tp-sp-sel"], 1)
     return configs
 
 

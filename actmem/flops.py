@@ -17,10 +17,11 @@ def matmul_weights(h, arch=PAPER, heads=None):
 
 
 def _parts(B, s, L, h, v, arch, heads=None):
-    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs. The scores
-    (QKᵀ and ·V) are 4·B·s²·L·ad."""
-    return (2 * B * s * L * matmul_weights(h, arch, heads), 4 * B * s * s * L * arch.attention_width(h, heads),
-            2 * B * s * h * v)
+    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs, in float64:
+    a 1T-parameter iteration is ~4e19 FLOPs, past int64, and the planner passes int64
+    arrays. The scores (QKᵀ and ·V) are 4·B·s²·L·ad."""
+    return (2.0 * B * s * L * matmul_weights(h, arch, heads),
+            4.0 * B * s * s * L * arch.attention_width(h, heads), 2.0 * B * s * h * v)
 
 
 def model_flops(B, s, L, h, v, arch=PAPER, heads=None):

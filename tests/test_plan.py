@@ -165,3 +165,18 @@ def test_a_prime_gpu_count_larger_than_a_node():
     req = request("1t", gpus=13, global_batch=13 * 4)
     frame = candidates(req)
     assert set(zip(frame.t, frame.p, frame.d)) == {(1, 1, 13)}
+
+
+def test_a_trillion_parameter_sweep_counts_flops_without_overflow():
+    """1T on 3072 GPUs at batch 3072 (the sweep benchmark): 72·3072·2048·128·25600² = 3.80e19,
+    times (1 + 2048/153600 + 51200/(12·25600·128)) = 1.0144: 3.86e19 FLOPs an iteration, past
+    int64's 9.2e18."""
+    import numpy as np
+
+    evaluated = plan(request("1t", gpus=3072, global_batch=3072)).evaluated
+    assert len(evaluated) > 3000
+    assert np.isfinite(evaluated.compute_s).all() and (evaluated.compute_s > 0).all()
+    expected = 72 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / 153600 + 51200 / (12 * 25600 * 128))
+    from actmem.flops import model_flops
+    assert model_flops(3072, 2048, 128, 25600, 51200) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(3.86e19, rel=1e-2) and expected > 2**63

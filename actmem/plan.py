@@ -64,6 +64,11 @@ class PlanRequest:
             if sizes[name] > limit:
                 raise SpecError(f"plan: {name} ({sizes[name]:,}) is above the largest the planner "
                                 f"sweeps ({limit:,})")
+        whole = first_stage_parameters(self.model.hidden, self.model.layers, 1, 1, self.model.vocab,
+                                       self.model.seq_len, self.architecture, self.model.heads)
+        if whole * 18 >= 2**62:      # Python ints here; the sweep counts in int64
+            raise SpecError(f"plan: the model has {whole:,} parameters, more than the planner "
+                            f"counts in int64 ({2**62 // 18:,})")
         if not 0 <= self.reserve_bytes < self.gpu_memory_bytes:
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")

@@ -180,3 +180,12 @@ def test_a_trillion_parameter_sweep_counts_flops_without_overflow():
     from actmem.flops import model_flops
     assert model_flops(3072, 2048, 128, 25600, 51200) == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx(3.86e19, rel=1e-2) and expected > 2**63
+
+
+def test_a_model_too_large_to_count_in_int64_is_refused():
+    """d = 2^40 would make QKV h·3ad ~ 10^18 parameters a layer: refused before the sweep."""
+    from actmem.architecture import Architecture
+    from actmem.errors import SpecError
+
+    with pytest.raises(SpecError, match="more than the planner counts in int64"):
+        request("530b", architecture=Architecture(head_dim=2**40))

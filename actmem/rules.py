@@ -2,19 +2,22 @@
 
 ``check`` applies them to one spec (plain ints) and raises the first that fails, with the
 arithmetic in the message; ``valid`` applies them to the planner's sweep (numpy arrays,
-one element a configuration) and returns which rows obey them all. The expressions are
-numpy's, so one definition serves both.
+one element a configuration) and returns which rows obey them all. One definition serves
+both; numpy is imported only for arrays, so a single estimate does not pay for it.
 """
 
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from actmem.errors import SpecError
 
 
 def _implies(condition, consequence):
+    """condition → consequence, for plain booleans or numpy arrays alike."""
+    if isinstance(condition, bool) and isinstance(consequence, bool):
+        return not condition or consequence
+    import numpy as np
+
     return np.logical_or(np.logical_not(condition), consequence)
 
 
@@ -102,4 +105,6 @@ def check(values: Values) -> None:
 
 def valid(values: Values):
     """Which configurations obey every rule (a boolean array over the sweep)."""
+    import numpy as np
+
     return np.logical_and.reduce([rule.holds(values) for rule in RULES if _applies(rule, values)])

@@ -40,6 +40,9 @@ class Architecture:
     """d (Megatron's --kv-channels); None: h/a."""
 
     def __post_init__(self):
+        for name in ("activation", "normalization"):       # Megatron writes RMSNorm, LayerNorm
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, getattr(self, name).lower())
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

@@ -1,6 +1,6 @@
 """One estimate: a spec in, a table of named byte counts out. No terminal here."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actmem import engine
 from actmem.architecture import PAPER
@@ -142,11 +142,13 @@ def _parameters(spec: Spec, t: int) -> ParameterBytes:
 
 def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
-    if arch == PAPER:
+    shape = dict(attention_dropout=PAPER.attention_dropout, hidden_dropout=PAPER.hidden_dropout)
+    if replace(arch, **shape) == PAPER:          # dropout changes no parameter
         return "12h² + 13h"
+    attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
-    mlp = f"{arch.fc1_width + 1}h·{f}"
-    return f"4h² + {mlp} weights, {arch.activation}, {arch.normalization}" + ("" if arch.bias else ", no biases")
+    return (f"{attention} + {arch.fc1_width + 1}h·{f} weights, {arch.activation}, {arch.normalization}"
+            + ("" if arch.bias else ", no biases"))
 
 
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:

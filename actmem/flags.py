@@ -250,7 +250,7 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
         return flags, {}
     command = _paste_command()
     takes_value = {name: not param.is_flag for param in command.params if isinstance(param, click.Option)
-                   for name in param.opts + param.secondary_opts if name != "--megatron-args"}
+                   for name in param.opts + param.secondary_opts if name in megatron_args.MEGATRON_NAMES}
     used, ignored, checks = megatron_args.sort(megatron_args.split(flags["megatron_args"]), takes_value,
                                                MEGATRON_NOT_MODELLED)
     pasted = command.make_context("--megatron-args", used).params
@@ -258,8 +258,8 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     for key, value in pasted.items():
         if isinstance(value, tuple):
             merged[key] = tuple(merged.get(key) or ()) + value
-        elif value not in (None, False):
-            if merged.get(key) not in (None, False, value):
+        elif value is not None and value is not False:
+            if merged.get(key) is not None and merged.get(key) is not False and merged[key] != value:
                 raise SpecError(f"--megatron-args gives {key} = {value!r}, a flag gives {merged[key]!r}")
             merged[key] = value
     return merged, dict(checks, ignored=ignored)

@@ -15,31 +15,49 @@ import shlex
 
 from actmem.errors import SpecError
 
-#: Megatron arguments that cannot change the memory of a training step, and whether each
-#: takes a value. (Numerics of the optimizer, the schedule, data, checkpoints, logging.)
+#: The Megatron spellings actmem reads; inside a paste its own spellings (--tp, --hidden,
+#: --gpu-memory) are not Megatron's and are refused as unknown.
+MEGATRON_NAMES = frozenset({
+    "--num-attention-heads", "--hidden-size", "--num-layers", "--vocab-size", "--seq-length",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+    "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+    "--micro-batch-size", "--global-batch-size", "--sequence-parallel", "--use-distributed-optimizer",
+    "--recompute-granularity", "--recompute-activations", "--make-vocab-size-divisible-by",
+    "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
+    "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
+    "--num-query-groups", "--kv-channels",
+})
+MANY = "many"
+#: Megatron arguments that cannot change the memory of a training step, and how many values
+#: each takes (1, 0, or MANY: up to the next argument). Numerics of the optimizer, the
+#: schedule, data, checkpoints, logging.
 IGNORED = {
     **dict.fromkeys(("--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction",
                      "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-samples", "--train-iters",
                      "--train-samples", "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2",
-                     "--adam-eps", "--init-method-std", "--seed", "--save", "--load", "--data-path",
+                     "--adam-eps", "--init-method-std", "--seed", "--save", "--load",
                      "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
                      "--log-interval", "--save-interval", "--eval-interval", "--eval-iters",
                      "--tensorboard-dir", "--tensorboard-log-interval", "--wandb-project",
                      "--wandb-exp-name", "--split", "--distributed-backend",
                      "--distributed-timeout-minutes", "--data-cache-path", "--num-workers",
-                     "--exit-interval", "--exit-duration-in-mins", "--norm-epsilon",
-                     "--rotary-base", "--attention-backend"), True),
+                     "--exit-interval", "--exit-duration-in-mins", "--norm-epsilon", "--rotary-base"), 1),
+    **dict.fromkeys(("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"), MANY),
     **dict.fromkeys(("--use-mcore-models", "--no-load-optim", "--no-load-rng", "--log-throughput",
                      "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                      "--no-async-tensor-model-parallel-allreduce", "--use-checkpoint-args",
-                     "--no-save-optim", "--no-save-rng"), False),
+                     "--no-save-optim", "--no-save-rng"), 0),
 }
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
-#: Megatron reads --num-query-groups only with this switch on
+#: Megatron reads --num-query-groups only with this switch; alone it means g = 1
 GQA_SWITCH = "--group-query-attention"
 #: the learned position embedding's size; actmem sizes it at s and needs them equal
 MAX_POSITIONS = "--max-position-embeddings"
+#: what decides the attention core; actmem counts Megatron-Core's local one
+ATTENTION = ("--attention-backend", "--transformer-impl")
+#: full recompute, as Megatron spells it: actmem's 'full' is every layer checkpointed alone
+RECOMPUTE_SHAPE = {"--recompute-method": "uniform", "--recompute-num-layers": "1"}
 
 
 def split(text: str) -> list[str]:
@@ -51,50 +69,86 @@ def split(text: str) -> list[str]:
                 text = file.read()
         except OSError as error:
             raise SpecError(f"--megatron-args {text}: cannot read it ({error.strerror})")
+        except UnicodeDecodeError:
+            raise SpecError(f"--megatron-args {text}: not UTF-8 text")
     try:
         return shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise SpecError(f"--megatron-args: not shell words ({error})")
 
 
+def _values(words: list[str], i: int, count) -> tuple[list[str], int]:
+    """The values after argument i: one, none, or all up to the next argument."""
+    if count == MANY:
+        j = i + 1
+        while j < len(words) and not words[j].startswith("--"):
+            j += 1
+        return words[i + 1:j], j
+    return words[i + 1:i + 1 + count], i + 1 + count
+
+
 def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], list[str], dict]:
     """(words actmem parses, ignored argument names, {'--seq-length': ...} checks to make).
-    takes_value: each argument actmem knows -> whether it takes a value."""
-    used, ignored, unknown, refused, checks = [], [], [], [], {}
+    takes_value: each Megatron argument actmem reads -> whether it takes a value."""
+    used, ignored, unknown, refused, missing, settings = [], [], [], [], [], {}
     words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
     i = 0
     while i < len(words):
         name = words[i]
+        count = (int(takes_value[name]) if name in takes_value else IGNORED.get(name)
+                 if name in IGNORED else 1 if name in (MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE) else 0)
+        values, after = _values(words, i, count)
         if not name.startswith("--"):
             unknown.append(name)
-            i += 1
+            after = i + 1
+        elif count and (not values or any(v.startswith("--") for v in values[:1])):
+            missing.append(name)
+            after = i + 1
         elif name in takes_value:
-            width = 2 if takes_value[name] else 1
-            used += words[i:i + width]
-            i += width
+            used += [name, *values]
         elif name in IGNORED:
             ignored.append(name)
-            i += 2 if IGNORED[name] else 1
-        elif name in PRECISION or name == GQA_SWITCH:
-            checks[name if name == GQA_SWITCH else "precision"] = name
-            i += 1
-        elif name == MAX_POSITIONS:
-            checks[MAX_POSITIONS] = words[i + 1] if i + 1 < len(words) else ""
-            i += 2
+        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE):
+            settings.setdefault(name, values[0] if values else True)
         else:
             (refused if name in not_modelled else unknown).append(name)
-            i += 1 if i + 1 >= len(words) or words[i + 1].startswith("--") else 2
+            after = i + 1 if i + 1 >= len(words) or words[i + 1].startswith("--") else i + 2
+        i = after
+    used += _implied(words, settings)
+    problems = _problems(words, settings, refused, unknown, missing)
+    if problems:
+        raise SpecError(f"--megatron-args: {'; '.join(problems)}")
+    return used, ignored, settings
+
+
+def _implied(words, settings) -> list[str]:
+    """Megatron's meaning of a switch given alone: --group-query-attention means g = 1."""
+    if GQA_SWITCH in settings and "--num-query-groups" not in words:
+        return ["--num-query-groups", "1"]
+    return []
+
+
+def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
     if refused:
         problems.append(f"changes memory and is not modelled yet: {', '.join(refused)}")
     if unknown:
         problems.append(f"unknown to actmem: {', '.join(unknown)}")
-    if ("--num-query-groups" in words) != (GQA_SWITCH in checks):
-        problems.append("Megatron reads --num-query-groups only with --group-query-attention (and the "
-                        "switch alone means nothing): give both or neither")
-    if "precision" not in checks:
-        problems.append("neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
+    if missing:
+        problems.append(f"expects a value: {', '.join(missing)}")
+    if "--num-query-groups" in words and GQA_SWITCH not in settings:
+        problems.append("Megatron ignores --num-query-groups without --group-query-attention")
+    precision = [name for name in PRECISION if name in settings]
+    if len(precision) != 1:
+        problems.append("give one of --bf16 or --fp16: actmem counts 16-bit activations" if precision else
+                        "neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
                         "16-bit activations")
-    if problems:
-        raise SpecError(f"--megatron-args: {'; '.join(problems)}")
-    return used, ignored, checks
+    if settings.get("--attention-backend") != "local" and settings.get("--transformer-impl") != "local":
+        problems.append("Megatron-Core's attention core is Transformer Engine's fused or flash one unless "
+                        "--attention-backend local (or --transformer-impl local) is given, and actmem "
+                        "models only the local core so far")
+    shape = {name: settings.get(name) for name in RECOMPUTE_SHAPE}
+    if any(shape.values()) and shape != RECOMPUTE_SHAPE:
+        problems.append("full recompute is modelled as --recompute-method uniform --recompute-num-layers 1 "
+                        "(every layer checkpointed alone); other methods are not modelled yet")
+    return problems

@@ -107,4 +107,5 @@ def valid(values: Values):
     """Which configurations obey every rule (a boolean array over the sweep)."""
     import numpy as np
 
-    return np.logical_and.reduce([rule.holds(values) for rule in RULES if _applies(rule, values)])
+    results = [np.asarray(rule.holds(values)) for rule in RULES if _applies(rule, values)]
+    return np.logical_and.reduce(np.broadcast_arrays(*results))   # a rule of the model alone is a scalar

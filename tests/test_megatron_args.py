@@ -8,7 +8,7 @@ MODEL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-leng
          "--vocab-size 128256 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm "
          "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0")
 RUN = "--tensor-model-parallel-size 8 --sequence-parallel --recompute-activations --micro-batch-size 1"
-NOISE = "--bf16 --lr 3e-4 --save /ckpt --log-interval 10 --use-mcore-models"
+NOISE = "--bf16 --lr 3e-4 --save /ckpt --log-interval 10 --use-mcore-models --attention-backend local"
 
 
 def test_a_pasted_script_gives_the_same_estimate_as_the_flags(actmem, tmp_path):
@@ -24,7 +24,7 @@ def test_a_pasted_script_gives_the_same_estimate_as_the_flags(actmem, tmp_path):
 
 
 def test_equals_signs_and_inline_text_work(actmem):
-    text = MODEL.replace("--num-layers 32", "--num-layers=32") + " " + RUN + " --bf16"
+    text = MODEL.replace("--num-layers 32", "--num-layers=32") + " " + RUN + " --bf16 --attention-backend=local"
     assert actmem.json("estimate", "--megatron-args", text)["model"]["layers"] == 32
 
 
@@ -35,17 +35,19 @@ def test_equals_signs_and_inline_text_work(actmem):
     ("stray", ["unknown to actmem: stray"]),
 ])
 def test_what_cannot_be_used_is_refused_in_one_message(actmem, extra, fragments):
-    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} {extra} --bf16"), *fragments)
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} {extra} --bf16 "
+                                                                "--attention-backend local"), *fragments)
 
 
 def test_a_script_without_16_bit_training_is_refused(actmem):
     """No --bf16 or --fp16: Megatron trains in fp32, twice the bytes actmem counts."""
-    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN}"),
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} --attention-backend local"),
                           "neither --bf16 nor --fp16", "fp32")
 
 
 def test_a_pasted_value_that_disagrees_with_a_flag_is_refused(actmem):
-    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} --bf16", "--tp", "4"),
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} --bf16 --attention-backend local",
+                                 "--tp", "4"),
                           "--tp 4 and --tensor-model-parallel-size 8")
 
 
@@ -55,7 +57,45 @@ def test_a_missing_file_is_one_line(actmem):
 
 def test_query_groups_need_megatron_s_switch(actmem):
     """Megatron reads --num-query-groups only with --group-query-attention."""
-    gqa = f"{MODEL} {RUN} --bf16 --num-query-groups 8 --kv-channels 128"
-    assert_one_line_error(actmem("estimate", "--megatron-args", gqa), "only with --group-query-attention")
+    gqa = f"{MODEL} {RUN} --bf16 --attention-backend local --num-query-groups 8 --kv-channels 128"
+    assert_one_line_error(actmem("estimate", "--megatron-args", gqa), "ignores --num-query-groups without")
     out = actmem.json("estimate", "--megatron-args", gqa + " --group-query-attention")
     assert (out["architecture"]["query_groups"], out["architecture"]["head_dim"]) == (8, 128)
+
+
+BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    ("--attention-backend flash", ["attention core is Transformer Engine's fused or flash one"]),
+    ("--save --swiglu", ["expects a value: --save"]),
+    ("--fp16", ["give one of --bf16 or --fp16"]),
+    ("--tp 8", ["unknown to actmem: --tp"]),
+    ("--gpu-memory 40GB", ["unknown to actmem: --gpu-memory"]),
+    ("--make-vocab-size-divisible-by 0", ["vocab_divisible_by must be a positive integer, got 0"]),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 2",
+     ["other methods are not modelled yet"]),
+])
+def test_paste_mistakes_reviewers_found(actmem, extra, fragments):
+    """An argument missing its value no longer swallows the next one; actmem's own spellings
+    are not Megatron's; a pasted 0 is a value; the attention core must be the modelled one."""
+    if extra.startswith("--attention-backend"):
+        text = BASE.replace("--attention-backend local", extra)
+    else:
+        text = f"{BASE} {extra}"
+    assert_one_line_error(actmem("estimate", "--megatron-args", text), *fragments)
+
+
+def test_paste_forms_that_megatron_reads(actmem, tmp_path):
+    """A data blend of several values is ignored whole; --group-query-attention alone means one
+    group (multi-query); full recompute as Megatron spells it is actmem's full."""
+    single = f"{MODEL} --micro-batch-size 1 --bf16 --attention-backend local"      # t = 1: g = 1 divides by t
+    out = actmem.json("estimate", "--megatron-args", f"{single} --data-path 0.5 a 0.5 b --group-query-attention")
+    assert out["architecture"]["query_groups"] == 1
+    assert "--data-path" in out["assumptions"][-1]
+    full = actmem.json("estimate", "--megatron-args", BASE.replace("--recompute-activations", "")
+                       + " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    assert full["run"]["recompute"] == "full"
+    binary = tmp_path / "args.bin"
+    binary.write_bytes(b"--bf16 \xff\xfe")
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{binary}"), "not UTF-8 text")

@@ -189,3 +189,17 @@ def test_a_model_too_large_to_count_in_int64_is_refused():
 
     with pytest.raises(SpecError, match="more than the planner counts in int64"):
         request("530b", architecture=Architecture(head_dim=2**40))
+
+
+
+def test_a_grouped_query_model_plans(actmem, tmp_path):
+    """A rule of the model alone (g divides a) is one boolean, not one per configuration: it
+    used to crash the sweep. Llama 2 70B's shape on 64 GPUs."""
+    path = tmp_path / "gqa.toml"
+    path.write_text("[model]\nheads = 64\nhidden = 8192\nlayers = 80\nvocab = 32000\nseq_len = 4096\n"
+                    "[architecture]\nquery_groups = 8\nhead_dim = 128\nactivation = 'swiglu'\n"
+                    "ffn_hidden = 28672\nnormalization = 'RMSNorm'\nbias = false\ntied_output = false\n")
+    result = actmem("plan", "--model", str(path), "--gpus", "64", "--global-batch", "64", "--format", "json")
+    assert result.exit_code in (0, 1), result.output
+    out = __import__("json").loads(result.stdout)
+    assert out["evaluated"] > 0 and out["request"]["architecture"]["query_groups"] == 8

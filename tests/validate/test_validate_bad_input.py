@@ -65,3 +65,8 @@ def test_the_footprint_guard_uses_the_machine_it_is_given():
     check_fits_machine(small_grid(), available=16 * 2**30)          # the CI grid fits 16 GiB
     with pytest.raises(SpecError, match="needs about"):
         check_fits_machine(small_grid(), available=2**30)
+
+
+def test_a_grid_refuses_pasted_megatron_args_too(actmem):
+    result = actmem("validate", "--grid", "small", "--megatron-args", "--bf16 --attention-backend local --lr 1")
+    assert_one_line_error(result, "--grid small sets the model", "--megatron-args")

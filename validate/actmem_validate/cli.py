@@ -107,7 +107,7 @@ _SET_BY_TECHNIQUES = ("--sp", "--no-sp", "--sequence-parallel", "--no-sequence-p
 def _configs(grid, techniques, microbatches, flags):
     from actmem_validate import grid as grids
 
-    given = given_flags(with_megatron_args(flags)[0])
+    given = list(dict.fromkeys(given_flags(flags) + given_flags(with_megatron_args(flags)[0])))
     if grid is not None:
         overridden = given + [name for name, value in (
             ("--techniques", techniques), ("--microbatches", microbatches)) if value is not None]

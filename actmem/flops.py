@@ -10,9 +10,9 @@ from actmem.terms import Recompute
 def matmul_weights(h, arch=PAPER, heads=None):
     """W: the weights one token multiplies in a layer's linears: QKV h·(ad + 2gd) and the
     projection ad·h (4h² with ad = h, g = a), the MLP (1 + fc1 width)·h·f. The paper's: 12h²."""
-    from actmem.parameters import _qkv_width
+    from actmem.parameters import qkv_width
 
-    attention = h * _qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
+    attention = h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
     return attention + (arch.fc1_width + 1) * h * arch.ffn(h)
 
 

@@ -95,8 +95,7 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
     i = 0
     while i < len(words):
         name = words[i]
-        count = (int(takes_value[name]) if name in takes_value else IGNORED.get(name)
-                 if name in IGNORED else 1 if name in (MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE) else 0)
+        count = _value_count(name, takes_value)
         values, after = _values(words, i, count)
         if not name.startswith("--"):
             unknown.append(name)
@@ -119,6 +118,15 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
     if problems:
         raise SpecError(f"--megatron-args: {'; '.join(problems)}")
     return used, ignored, settings
+
+
+def _value_count(name: str, takes_value: dict):
+    """How many values follow a known argument: 1, 0 or MANY (0 for one actmem does not know)."""
+    if name in takes_value:
+        return int(takes_value[name])
+    if name in IGNORED:
+        return IGNORED[name]
+    return 1 if name in (MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE) else 0
 
 
 def _implied(words, settings) -> list[str]:

@@ -20,13 +20,13 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
     and the norms are replicated.
     """
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
-    qkv = _qkv_width(h, arch, heads)
+    qkv = qkv_width(h, arch, heads)
     split = h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h + bias * (qkv + width * f)
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
     return split // t + replicated
 
 
-def _qkv_width(h, arch, heads):
+def qkv_width(h, arch, heads):
     """ad + 2gd: the QKV linear's outputs (3h for the paper's layer)."""
     if arch.query_groups is None and arch.head_dim is None:
         return 3 * h

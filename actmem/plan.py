@@ -7,7 +7,7 @@ per configuration. Validity is ``actmem.rules``, the same rules a single spec ob
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -23,6 +23,7 @@ from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import run_technique
 from actmem.terms import Recompute
 from actmem.units import parse_bytes
+from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes")
 
@@ -53,7 +54,7 @@ class PlanRequest:
     """Share of the peak the matmuls reach; scales every compute time alike."""
     max_micro_batch: int = defaults.MAX_MICRO_BATCH
     vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
-    architecture: Architecture = field(default=PAPER)
+    architecture: Architecture = PAPER
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
@@ -66,9 +67,10 @@ class PlanRequest:
                                 f"sweeps ({limit:,})")
         whole = first_stage_parameters(self.model.hidden, self.model.layers, 1, 1, self.model.vocab,
                                        self.model.seq_len, self.architecture, self.model.heads)
-        if whole * 18 >= 2**62:      # Python ints here; the sweep counts in int64
+        per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
+        if whole * per_parameter >= 2**62:      # Python ints here; the sweep counts in int64
             raise SpecError(f"plan: the model has {whole:,} parameters, more than the planner "
-                            f"counts in int64 ({2**62 // 18:,})")
+                            f"counts in int64 ({2**62 // per_parameter:,})")
         if not 0 <= self.reserve_bytes < self.gpu_memory_bytes:
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")

@@ -45,11 +45,6 @@ def test_the_mlp_rows_follow_f_symbolically():
     assert (gated - paper - 8 * s * b * h / t).simplify() == 0
 
 
-@pytest.mark.parametrize("name", ["tp", "tp-sp", "tp-sel", "tp-sp-sel", "full", "tp-sp-full"])
-def test_default_architecture_is_the_paper(name):
-    assert engine.per_layer_bytes(BY_NAME[name]) == engine.per_layer_bytes(BY_NAME[name], Architecture())
-
-
 def test_llama_2_7b_parameters_by_hand():
     """Llama 2 7B: h 4096, f 11008, 32 layers, v 32000, SwiGLU, RMSNorm, no biases, untied:
     L(4h² + 3hf + 2h) + 2vh + h = 6,738,415,616, the published count. actmem still gives the

@@ -13,6 +13,8 @@ from actmem.errors import SpecError
 PAPER_DROPOUT = 0.1   # the GPT models of the paper train with dropout 0.1
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+ATTENTION_CORES = ("eager", "flash")
+POSITION_EMBEDDINGS = ("learned", "rope", "none")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class Architecture:
     """'layernorm' (weight and bias) or 'rmsnorm' (weight only; --normalization RMSNorm)."""
     bias: bool = True
     """Biases on the linear layers (Megatron's --disable-bias-linear turns them off)."""
+    qkv_bias: bool | None = None
+    """A bias on the QKV linear whatever ``bias`` says (Megatron's --add-qkv-bias with
+    --disable-bias-linear: Qwen2's q, k, v biases); None: as ``bias``."""
     tied_output: bool = True
     """The output layer shares the word embedding's weights (the paper's); False is
     Megatron's --untie-embeddings-and-output-weights."""
@@ -38,9 +43,16 @@ class Architecture:
     """g: key/value heads (Megatron's --num-query-groups; MQA is 1); None: one a head."""
     head_dim: int | None = None
     """d (Megatron's --kv-channels); None: h/a."""
+    attention_core: str = "eager"
+    """'eager' (the paper's: QKᵀ, softmax, dropout, ·V, keeping the s² softmax output) or
+    'flash' (FlashAttention / cuDNN fused attention / SDPA's flash kernel: keeps q, k, v,
+    its output and an fp32 log-sum-exp; no s² term)."""
+    position_embedding: str = "learned"
+    """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
+    parameters; modelled under the flash core only) or 'none'."""
 
     def __post_init__(self):
-        for name in ("activation", "normalization"):       # Megatron writes RMSNorm, LayerNorm
+        for name in ("activation", "normalization", "attention_core", "position_embedding"):   # RMSNorm
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, getattr(self, name).lower())
         for name in ("attention_dropout", "hidden_dropout"):
@@ -51,12 +63,19 @@ class Architecture:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
-        for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS)):
+        for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS),
+                              ("attention_core", ATTENTION_CORES), ("position_embedding", POSITION_EMBEDDINGS)):
             if getattr(self, name) not in allowed:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.position_embedding == "rope" and self.attention_core == "eager":
+            raise SpecError("rotary position embedding is modelled under the flash attention core only: "
+                            "under Megatron's eager (local) core the value view keeps the whole QKV output "
+                            "alive beside the rotated q and k, which actmem does not count yet")
 
     def ffn(self, hidden):
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""
@@ -73,17 +92,53 @@ class Architecture:
         return hidden // heads if self.head_dim is None else self.head_dim
 
     @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
     def fc1_width(self) -> int:
         """How many f-wide outputs the first MLP linear has: 2 for SwiGLU (gate and up)."""
         return 2 if self.activation == "swiglu" else 1
+
+    def kv_width(self, hidden, heads):
+        """g·d, the width of the keys (and of the values): a·d unless query groups are given."""
+        if self.query_groups is None:
+            return self.attention_width(hidden, heads)
+        return self.query_groups * (hidden / heads if self.head_dim is None else self.head_dim)
+
+    def unmodelled_recompute(self, heads=None) -> dict:
+        """{recompute mode: why actmem does not model it for this architecture}."""
+        if self.attention_core == "flash":
+            return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
+                                 "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "
+                                 "output that actmem does not count yet: choose none or full"}
+        if self.query_groups is not None and heads is not None and self.query_groups < heads:
+            return {"selective": "selective recompute with query groups under the eager core keeps the "
+                                 "checkpoint's unexpanded k and v as views of the QKV output (and q as a "
+                                 "copy when t < g), which actmem does not count yet: choose none or full"}
+        return {}
 
     def describe(self) -> str:
         """One line a person reads: 'gelu MLP (f = 4h) · layernorm · biases · tied output'."""
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
         head = "" if self.head_dim is None else f"d = {self.head_dim} · "
-        return (f"{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
-                f"{'biases' if self.bias else 'no biases'} · {'tied' if self.tied_output else 'untied'} output")
+        core = "" if self.attention_core == "eager" else "flash attention · "
+        rope = "" if self.position_embedding == "learned" else "rope · "
+        return (f"{core}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
+                f"{self.biases} · {'tied' if self.tied_output else 'untied'} output")
+
+    @property
+    def biases(self) -> str:
+        """'biases', 'no biases', 'QKV bias only' or 'no QKV bias'."""
+        if self.has_qkv_bias == self.bias:
+            return "biases" if self.bias else "no biases"
+        return "QKV bias only" if self.has_qkv_bias else "no QKV bias"
+
+    @property
+    def norm_statistics(self) -> int:
+        """fp32 statistics a norm keeps a token: mu and rsigma, or rsigma for RMSNorm."""
+        return 2 if self.normalization == "layernorm" else 1
 
     @property
     def norm_parameters(self) -> int:
@@ -112,6 +167,26 @@ def gelu(arch: Architecture) -> bool:
 def swiglu(arch: Architecture) -> bool:
     """the activation is SwiGLU"""
     return arch.activation == "swiglu"
+
+
+def eager(arch: Architecture) -> bool:
+    """the attention core is eager (the paper's)"""
+    return arch.attention_core == "eager"
+
+
+def eager_with_attention_dropout(arch: Architecture) -> bool:
+    """the attention core is eager and its dropout > 0"""
+    return eager(arch) and attention_dropout(arch)
+
+
+def flash(arch: Architecture) -> bool:
+    """the attention core is flash"""
+    return arch.attention_core == "flash"
+
+
+def learned_positions(arch: Architecture) -> bool:
+    """the position embedding is learned"""
+    return arch.position_embedding == "learned"
 
 
 def always(arch: Architecture) -> bool:

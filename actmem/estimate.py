@@ -99,12 +99,18 @@ def estimate(spec: Spec) -> Estimate:
     return Estimate(
         spec=spec,
         occupancy=occupancy,
-        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in TECHNIQUES),
+        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in modelled_techniques(spec)),
         run=_technique_row(spec, run, occupancy),
         run_terms=tuple(row for row in terms if row.total_bytes),
         parameters=_parameters(spec, spec.run.tensor_parallel),
         assumptions=_assumptions(spec, occupancy),
     )
+
+
+def modelled_techniques(spec: Spec) -> tuple:
+    """The techniques actmem models for this architecture (flash attention: no selective rows)."""
+    unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
+    return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled)
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -142,13 +148,35 @@ def _parameters(spec: Spec, t: int) -> ParameterBytes:
 
 def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
-    shape = dict(attention_dropout=PAPER.attention_dropout, hidden_dropout=PAPER.hidden_dropout)
-    if replace(arch, **shape) == PAPER:          # dropout changes no parameter
+    no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding")
+    if replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:   # a layer's weights
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
     return (f"{attention} + {arch.fc1_width + 1}h·{f} weights, {arch.activation}, {arch.normalization}"
-            + ("" if arch.bias else ", no biases"))
+            + ("" if arch.biases == "biases" else f", {arch.biases}"))
+
+
+def _attention_notes(spec: Spec) -> list:
+    """What the attention core keeps, and the rows it leaves out."""
+    arch = spec.architecture
+    if arch.attention_core == "eager":
+        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): "
+                "keeps the s² softmax output"]
+    notes = ["attention core: flash (Transformer Engine's cuDNN fused attention or flash-attn; "
+             "Megatron-Core's default): keeps q, k, v, its output and an fp32 log-sum-exp, no s² "
+             "term; its 16-byte RNG state per layer is not counted"]
+    if arch.attention_dropout:
+        notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
+                     "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
+                     "kernel has no dropout), so it rests on the kernels' source")
+    if arch.position_embedding == "rope":
+        notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
+                     "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
+                     "held like a buffer, not counted as activations")
+    left_out = arch.unmodelled_recompute(spec.model.heads)
+    notes += [f"technique rows left out: {why}" for why in left_out.values()]
+    return notes
 
 
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
@@ -156,11 +184,14 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
     notes = [
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
-        f"({LOGITS_BYTES} B) (section 4); layer-norm mean/variance and small buffers left out, "
-        "as in the paper",
+        f"({LOGITS_BYTES} B) (section 4); "
+        + ("layer-norm mean/variance and small buffers left out, as in the paper"
+           if arch.attention_core == "eager" else
+           "the norms' fp32 statistics counted (TE's fused norms keep them); small buffers left out"),
         f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
+        *_attention_notes(spec),
         f"first pipeline stage: {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else
            "; the output-layer terms of section 4.5 sit on the last stage (p > 1)"),
@@ -174,7 +205,8 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "
         "over the vocabulary" + (" and tied with the output layer" if arch.tied_output else
                                  "; the output layer's own weights where it is held (p = 1)")
-        + ", learned position embedding",
+        + (", learned position embedding" if arch.position_embedding == "learned" else
+           "; rotary positions have no parameters"),
     ]
     if spec.run.distributed_optimizer:
         notes.append(f"{WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B fp32 gradient + "

@@ -17,6 +17,21 @@ from actmem.errors import SpecError
 _NO_CONSTANT = object()
 
 
+class _Named(click.Choice):
+    """A choice with other spellings read as one name (Megatron's learned_absolute: learned)."""
+
+    def __init__(self, names: dict):
+        super().__init__(list(names), case_sensitive=False)
+        self.names = names
+
+    def convert(self, value, param, ctx):
+        return self.names[super().convert(value, param, ctx)]
+
+
+POSITION_EMBEDDING_NAMES = _Named({"learned": "learned", "learned_absolute": "learned", "rope": "rope",
+                                   "none": "none"})
+
+
 @dataclass(frozen=True)
 class Flag:
     names: tuple
@@ -56,12 +71,25 @@ ARCHITECTURE_FLAGS = (
     Flag(("--disable-bias-linear",), "bias", "linear layers without biases (Megatron's switch)",
          constant=False),
     Flag(("--add-bias-linear",), "bias", "linear layers with biases (the default)", constant=True),
+    Flag(("--add-qkv-bias",), "qkv_bias", "a bias on the QKV linear even with --disable-bias-linear "
+         "(Megatron's switch; Qwen2)", constant=True),
     Flag(("--query-groups", "--num-query-groups"), "query_groups",
          "key/value heads g (grouped-query attention; 1 is multi-query); default: one a head"),
     Flag(("--head-dim", "--kv-channels"), "head_dim", "head dim d (default h/a)"),
     Flag(("--untie-embeddings-and-output-weights",), "tied_output",
          "an output layer with weights of its own (Megatron's switch; default: tied to the "
          "word embedding)", constant=False),
+    Flag(("--attention-core",), "attention_core",
+         "eager (default, the paper's: keeps the s² softmax output) or flash (FlashAttention / "
+         "cuDNN: keeps q, k, v, its output and an fp32 log-sum-exp)",
+         click.Choice(["eager", "flash"], case_sensitive=False)),
+    Flag(("--use-flash-attn",), "attention_core", "Megatron's switch for --attention-core flash",
+         constant="flash"),
+    Flag(("--position-embedding", "--position-embedding-type"), "position_embedding",
+         "learned (default, an s·h table), rope (rotary; flash core only) or none; Megatron's "
+         "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
+    Flag(("--use-rotary-position-embeddings",), "position_embedding",
+         "Megatron's older switch for --position-embedding rope", constant="rope"),
 )
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
@@ -84,8 +112,7 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--use-flash-attn", "--context-parallel-size", "--position-embedding-type",
-    "--use-rotary-position-embeddings",
+    "--context-parallel-size", "--no-rope-fusion",
     "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--num-experts",
     "--expert-model-parallel-size",
 })
@@ -188,8 +215,8 @@ def model_options(command):
 
 
 def _preset_and_flags(flags: dict, preset=None) -> tuple:
-    """(name, model values, run values, architecture values): the preset's, overridden by the
-    flags given. ``flags`` is already resolved."""
+    """(name, model values, run values, architecture values, notes): the preset's, overridden
+    by the flags given. ``flags`` is already resolved."""
     from actmem.presets import load_preset
 
     if preset is None and flags["preset"]:
@@ -203,7 +230,10 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
-    return (preset.name if preset else "custom"), model, run, architecture
+    notes = preset.notes if preset else ()
+    if preset and preset.seq_len_note and flags.get("seq_len") is None:
+        notes += (preset.seq_len_note,)
+    return (preset.name if preset else "custom"), model, run, architecture, notes
 
 
 @dataclass(frozen=True)
@@ -228,7 +258,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
-    name, model, run, architecture = _preset_and_flags(flags, preset)
+    name, model, run, architecture, _ = _preset_and_flags(flags, preset)
     spec = build_spec(model, {}, architecture=architecture)   # checks the dims, names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
     return ModelChoice(name, spec.model, spec.architecture, dict(preset.run) if preset else {},
@@ -272,8 +302,8 @@ def build_spec_from_flags(flags: dict):
 
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
-    name, model, run, architecture = _preset_and_flags(flags)
-    _check_max_positions(pasted, model)
+    name, model, run, architecture, notes = _preset_and_flags(flags)
+    _check_max_positions(pasted, model, architecture)
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
             raise SpecError("give the interleave once: --interleave or "
@@ -284,7 +314,7 @@ def build_spec_from_flags(flags: dict):
                                 flags["recompute_activations"])
     if recompute is not None:
         run["recompute"] = recompute
-    options = {}
+    options = {"notes": notes} if notes else {}
     if flags["gpu_memory"] is not None:
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:
@@ -295,12 +325,14 @@ def build_spec_from_flags(flags: dict):
     return build_spec(model, run, name=name, architecture=architecture, **options)
 
 
-def _check_max_positions(pasted: dict, model: dict) -> None:
-    """actmem sizes the learned position embedding at s: a different maximum is refused."""
+def _check_max_positions(pasted: dict, model: dict, architecture: dict) -> None:
+    """actmem sizes the learned position embedding at s: a different maximum is refused
+    (rotary positions have no table, so their maximum changes no byte actmem counts)."""
     from actmem.megatron_args import MAX_POSITIONS
 
     given = pasted.get(MAX_POSITIONS)
-    if given is not None and str(given) != str(model.get("seq_len")):
+    learned = architecture.get("position_embedding", "learned") == "learned"
+    if learned and given is not None and str(given) != str(model.get("seq_len")):
         raise SpecError(f"--megatron-args: {MAX_POSITIONS} ({given}) differs from the sequence length "
                         f"({model.get('seq_len')}); actmem sizes the position embedding at s")
 

@@ -25,7 +25,8 @@ MEGATRON_NAMES = frozenset({
     "--recompute-granularity", "--recompute-activations", "--make-vocab-size-divisible-by",
     "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
     "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
-    "--num-query-groups", "--kv-channels",
+    "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias", "--position-embedding-type",
+    "--use-rotary-position-embeddings",
 })
 MANY = "many"
 #: Megatron arguments that cannot change the memory of a training step, and how many values
@@ -41,12 +42,13 @@ IGNORED = {
                      "--tensorboard-dir", "--tensorboard-log-interval", "--wandb-project",
                      "--wandb-exp-name", "--split", "--distributed-backend",
                      "--distributed-timeout-minutes", "--data-cache-path", "--num-workers",
-                     "--exit-interval", "--exit-duration-in-mins", "--norm-epsilon", "--rotary-base"), 1),
+                     "--exit-interval", "--exit-duration-in-mins", "--norm-epsilon", "--rotary-base",
+                     "--rotary-percent", "--rotary-seq-len-interpolation-factor", "--rope-scaling-factor"), 1),
     **dict.fromkeys(("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"), MANY),
     **dict.fromkeys(("--use-mcore-models", "--no-load-optim", "--no-load-rng", "--log-throughput",
                      "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                      "--no-async-tensor-model-parallel-allreduce", "--use-checkpoint-args",
-                     "--no-save-optim", "--no-save-rng"), 0),
+                     "--no-save-optim", "--no-save-rng", "--use-rope-scaling"), 0),
 }
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
@@ -54,8 +56,13 @@ PRECISION = ("--bf16", "--fp16")
 GQA_SWITCH = "--group-query-attention"
 #: the learned position embedding's size; actmem sizes it at s and needs them equal
 MAX_POSITIONS = "--max-position-embeddings"
-#: what decides the attention core; actmem counts Megatron-Core's local one
+#: what decides the attention core (Megatron's defaults: auto, transformer_engine)
 ATTENTION = ("--attention-backend", "--transformer-impl")
+#: --attention-backend -> actmem's core: TE's flash and cuDNN fused kernels keep the same
+#: tensors (q, k, v, out, log-sum-exp), and auto picks one of them on a GPU that has them
+BACKEND_CORES = {"local": "eager", "flash": "flash", "fused": "flash", "auto": "flash"}
+#: Megatron's switch for no learned position table (with rope, or with no positions at all)
+NO_POSITION_TABLE = "--no-position-embedding"
 #: full recompute, as Megatron spells it: actmem's 'full' is every layer checkpointed alone
 RECOMPUTE_SHAPE = {"--recompute-method": "uniform", "--recompute-num-layers": "1"}
 
@@ -107,7 +114,7 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
             used += [name, *values]
         elif name in IGNORED:
             ignored.append(name)
-        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE):
+        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, *ATTENTION, *RECOMPUTE_SHAPE):
             settings.setdefault(name, values[0] if values else True)
         else:
             (refused if name in not_modelled else unknown).append(name)
@@ -130,10 +137,33 @@ def _value_count(name: str, takes_value: dict):
 
 
 def _implied(words, settings) -> list[str]:
-    """Megatron's meaning of a switch given alone: --group-query-attention means g = 1."""
+    """What Megatron makes of the settings: --group-query-attention alone means g = 1; the
+    attention backend and implementation choose the core; --no-position-embedding without
+    rope means no positions at all."""
+    implied = []
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
-        return ["--num-query-groups", "1"]
-    return []
+        implied += ["--num-query-groups", "1"]
+    core = attention_core(settings)
+    if core is not None:
+        implied += ["--attention-core", core]
+    rope = "--use-rotary-position-embeddings" in words or _value_after(words, "--position-embedding-type") == "rope"
+    if NO_POSITION_TABLE in settings and not rope:
+        implied += ["--position-embedding-type", "none"]
+    return implied
+
+
+def _value_after(words, name):
+    return next((words[i + 1] for i, word in enumerate(words[:-1]) if word == name), None)
+
+
+def attention_core(settings) -> str | None:
+    """'eager' or 'flash' from --transformer-impl and --attention-backend (None for a
+    combination actmem does not model; _problems names it)."""
+    impl = settings.get("--transformer-impl", "transformer_engine")
+    backend = settings.get("--attention-backend", "auto")
+    if impl == "local":
+        return "eager" if backend in ("local", "auto") else None
+    return BACKEND_CORES.get(backend) if impl == "transformer_engine" else None
 
 
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
@@ -151,10 +181,11 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
         problems.append("give one of --bf16 or --fp16: actmem counts 16-bit activations" if precision else
                         "neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
                         "16-bit activations")
-    if settings.get("--attention-backend") != "local" and settings.get("--transformer-impl") != "local":
-        problems.append("Megatron-Core's attention core is Transformer Engine's fused or flash one unless "
-                        "--attention-backend local (or --transformer-impl local) is given, and actmem "
-                        "models only the local core so far")
+    if attention_core(settings) is None:
+        problems.append(f"--transformer-impl {settings.get('--transformer-impl', 'transformer_engine')} with "
+                        f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "
+                        "actmem models local (eager), flash, fused and auto (TE's flash or cuDNN kernels) "
+                        "under transformer_engine, and local under the local implementation")
     shape = {name: settings.get(name) for name in RECOMPUTE_SHAPE}
     if any(shape.values()) and shape != RECOMPUTE_SHAPE:
         problems.append("full recompute is modelled as --recompute-method uniform --recompute-num-layers 1 "

@@ -21,7 +21,8 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
     """
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
     qkv = qkv_width(h, arch, heads)
-    split = h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h + bias * (qkv + width * f)
+    split = (h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h
+             + int(arch.has_qkv_bias) * qkv + bias * width * f)
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
     return split // t + replicated
 
@@ -37,10 +38,12 @@ def qkv_width(h, arch, heads):
 
 def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None):
     """L/p layers, the word embedding split over the vocabulary (v·h/t), the learned
-    position embedding (s·h), and when p = 1 the final norm and, if untied, the output
-    layer's own v·h/t (tied, it shares the word embedding's weights: section 3)."""
+    position embedding (s·h; rotary positions have none), and when p = 1 the final norm
+    and, if untied, the output layer's own v·h/t (tied, it shares the word embedding's
+    weights: section 3)."""
     last = (p == 1) * (arch.norm_parameters * h + (not arch.tied_output) * v * h // t)
-    return L // p * layer_parameters(h, t, arch, heads) + v * h // t + s * h + last
+    positions = s * h if arch.position_embedding == "learned" else 0
+    return L // p * layer_parameters(h, t, arch, heads) + v * h // t + positions + last
 
 
 @dataclass(frozen=True)

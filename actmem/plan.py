@@ -143,7 +143,9 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           sequence_parallel=grid.sequence_parallel,
                           distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
                           global_batch=req.global_batch, d=grid.d, n=grid.n,
-                          ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups)
+                          ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
+                          recompute=grid.recompute,
+                          unmodelled_recompute=req.architecture.unmodelled_recompute(model.heads))
     return grid[rules.valid(values)].reset_index(drop=True)
 
 

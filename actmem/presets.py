@@ -6,6 +6,7 @@ from importlib import resources
 from pathlib import Path
 
 from actmem.errors import SpecError
+from actmem.hf_config import is_hf_config, read_hf_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,6 +24,10 @@ class Preset:
     run: dict
     architecture: dict
     """Optional [architecture] table (dropouts); the paper's GPT where absent."""
+    notes: tuple = ()
+    """What the estimate should repeat about how the file was read (a config.json's)."""
+    seq_len_note: str = ""
+    """Where s came from when the file only gives the longest context (a config.json)."""
 
 
 def preset_dir() -> Path:
@@ -42,6 +47,8 @@ def all_presets() -> list[Preset]:
 def load_preset(name_or_path: str) -> Preset:
     """A shipped preset by name or alias (case-insensitive), or a TOML file by path."""
     path = Path(name_or_path)
+    if is_hf_config(path):
+        return Preset(**read_hf_config(path), description="a Hugging Face config.json", aliases=(), run={})
     if path.suffix == ".toml" or path.is_file():
         return read_preset(path)
     wanted = name_or_path.lower()
@@ -50,7 +57,8 @@ def load_preset(name_or_path: str) -> Preset:
         if wanted == preset.name or wanted in preset.aliases:
             return preset
     known = ", ".join(f"{p.name} ({', '.join(p.aliases)})" if p.aliases else p.name for p in presets)
-    raise SpecError(f"unknown preset {name_or_path!r}; known: {known}; or give a path to a .toml file")
+    raise SpecError(f"unknown preset {name_or_path!r}; known: {known}; or give a path to a .toml file "
+                    "or a Hugging Face config.json")
 
 
 def read_preset(path: Path) -> Preset:

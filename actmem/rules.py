@@ -21,6 +21,15 @@ def _implies(condition, consequence):
     return np.logical_or(np.logical_not(condition), consequence)
 
 
+def _not_in(value, excluded):
+    """value is none of ``excluded``: a plain string, or a numpy array of them."""
+    if isinstance(value, str):
+        return value not in excluded
+    import numpy as np
+
+    return np.logical_not(np.isin(np.asarray(value), list(excluded)))
+
+
 @dataclass(frozen=True)
 class Rule:
     holds: Callable
@@ -63,6 +72,8 @@ RULES = (
     Rule(lambda v: _implies(v.distributed_optimizer, v.d > 1),
          lambda v: f"the distributed optimizer shards over the data-parallel ranks: it needs "
                    f"d = gpus/(t·p) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)")),
+    Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
+         lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
 )
 
 
@@ -90,6 +101,10 @@ class Values:
     """The MLP's hidden size f when given (4h, which t divides with h, when not)."""
     groups: object = None
     """Query groups g when given (a, which t divides, when not)."""
+    recompute: object = None
+    """'none', 'selective' or 'full' (strings, or an array of them)."""
+    unmodelled_recompute: dict = None
+    """{mode: why}: the recompute modes actmem does not model for this architecture."""
 
 
 def _applies(rule: Rule, values: Values) -> bool:

@@ -100,7 +100,8 @@ class Spec:
             sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
             gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
             n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
-            groups=self.architecture.query_groups)
+            groups=self.architecture.query_groups, recompute=run.recompute.value,
+            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads))
 
     @property
     def data_parallel(self) -> int:

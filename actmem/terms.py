@@ -12,7 +12,8 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import PAPER, always, attention_dropout, gelu, hidden_dropout, swiglu
+from actmem.architecture import PAPER, always, eager, eager_with_attention_dropout, flash, gelu, \
+    hidden_dropout, swiglu
 from actmem.symbols import a, b, h, s, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -82,6 +83,17 @@ def _sb_attention(width: int):
     return lambda arch: A16 * width * s * b * arch.attention_width(h, a)
 
 
+def _sb_keys_values(arch):
+    """k and v under flash: 2 x 2sb·gd, g groups not expanded to a heads."""
+    return 2 * A16 * s * b * arch.kv_width(h, a)
+
+
+def _norm_statistics(norms: int):
+    """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
+    LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
+    return lambda arch: norms * F32 * arch.norm_statistics * s * b
+
+
 def _sbf(width: int):
     """An sb x (width·f) 16-bit tensor; f is the architecture's MLP size (4h by default)."""
     return lambda arch: A16 * width * s * b * arch.ffn(h)
@@ -93,21 +105,34 @@ TERMS = (
          "layer norm before attention keeps its input (4.1, layer norm 2sbh)"),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
+    # the eager core (the paper's, Megatron-Core's local DotProductAttention)
     Term("query_key", _sb_attention(2), Region.BLOCK, _STORED, Scope.LAYER,
          "QKᵀ keeps Q and K (4.1, 4sbh; 4sb·ad with head dim d). With query groups Megatron's "
          "local attention expands K to a heads first (dot_product_attention.py: repeat_interleave, "
-         "a copy), so K is as wide as Q"),
+         "a copy), so K is as wide as Q", eager),
     Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "softmax keeps its output (4.1, 2as²b)"),
+         "softmax keeps its output (4.1, 2as²b)", eager),
     Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "attention dropout keeps its 1-byte mask (4.1, as²b)", attention_dropout),
+         "attention dropout keeps its 1-byte mask (4.1, as²b)", eager_with_attention_dropout),
     Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "attention over V keeps the dropout output (4.1, 2as²b); with no attention dropout "
-         "it keeps the softmax output, counted once above", attention_dropout),
+         "it keeps the softmax output, counted once above", eager_with_attention_dropout),
     Term("value", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "attention over V keeps V (4.1, 2sbh), expanded to a heads as K is (2sb·ad)"),
+         "attention over V keeps V (4.1, 2sbh), expanded to a heads as K is (2sb·ad)", eager),
+    # the flash core: TE's cuDNN fused attention (FusedAttnFunc: save_for_backward of q, k, v,
+    # out and aux_ctx_tensors = softmax stats, rng state) and flash-attn
+    # (flash_attn_interface.py, FlashAttnFunc: q, k, v, out, softmax_lse, rng_state)
+    Term("query", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "flash attention keeps q (2sb·ad): after rope, a tensor of its own", flash),
+    Term("key_value", _sb_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
+         "flash attention keeps k and v, g groups wide, never expanded to a heads (2 x 2sb·gd); "
+         "TE makes v contiguous, so the QKV output is freed", flash),
+    Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "flash attention keeps the softmax's fp32 log-sum-exp, one a query row (4bas); with "
+         "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash),
     Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "output projection keeps its input (4.1, 2sbh; 2sb·ad)"),
+         "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
+         "kernel's own output, one storage: TE's sbhd layout makes the reshape a view"),
     Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
@@ -125,6 +150,11 @@ TERMS = (
          "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
+    # -- the norms' statistics: TE's fused norms keep them (layernorm_linear.py,
+    # _LayerNormLinear: mu, rsigma); the paper leaves them out, and so does its eager path
+    Term("norm_statistics", _norm_statistics(2), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the two norms keep fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and 4 B "
+         "for RMSNorm (rsigma); counted on the flash path, beside TE's kernels", flash),
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
     Term("layer_input_checkpoint", A16 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
          "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
@@ -134,6 +164,8 @@ TERMS = (
          hidden_dropout),
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)"),
+    Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "the final norm's fp32 statistics (as norm_statistics; flash path)", flash),
     Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "output layer keeps its input (4.5, 2sbh/t under SP)"),
     Term("logits_fp32", F32 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,

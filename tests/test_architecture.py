@@ -114,17 +114,20 @@ def test_llama_2_70b_parameters_by_hand():
     """Llama 2 70B: h 8192, 64 heads of d 128 in g = 8 groups, f 28672, 80 layers, v 32000,
     SwiGLU, RMSNorm, no biases, untied. A layer: QKV h·(ad + 2gd) = 8192·10240, projection
     ad·h = 8192², MLP 3hf, two norms 2h: 855,654,400. 80 layers + 2vh + h = 68,976,648,192,
-    the published count (plus s·h of learned positions until rotary ones are modelled)."""
+    the published count; learned positions would add s·h, rotary ones add nothing."""
     arch = Architecture(ffn_hidden=28672, activation="swiglu", normalization="rmsnorm", bias=False,
                         tied_output=False, query_groups=8, head_dim=128)
     assert first_stage_parameters(8192, 80, 1, 1, 32000, 4096, arch, heads=64) == 68_976_648_192 + 4096 * 8192
+    rope = Architecture(**{**arch.__dict__, "attention_core": "flash", "position_embedding": "rope"})
+    assert first_stage_parameters(8192, 80, 1, 1, 32000, 4096, rope, heads=64) == 68_976_648_192
 
 
 def test_grouped_query_attention_layer_by_hand(actmem):
-    """530B's dims with g = 16 groups and d = 128 (ad = 16384, not h = 20480), t = 8, SP +
-    selective: Megatron's local attention expands K and V to a heads, so Q and K keep
+    """530B's dims with g = 16 groups and d = 128 (ad = 16384, not h = 20480), t = 8, SP, no
+    recompute: Megatron's local attention expands K and V to a heads, so Q and K keep
     2·2sb·ad/t = 16,777,216 B, V and the projection input 2sb·ad/t = 8,388,608 B each."""
-    out = actmem.json("estimate", "--model", "530b", "--num-query-groups", "16", "--kv-channels", "128")
+    out = actmem.json("estimate", "--model", "530b", "--num-query-groups", "16", "--kv-channels", "128",
+                      "--recompute", "none")
     terms = {term["term"]: term["bytes_each"] for term in out["run_terms"]}
     sb_ad = 2048 * 128 * 128
     assert terms["query_key"] == 2 * 2 * sb_ad // 8 == 16_777_216
@@ -141,6 +144,8 @@ def test_grouped_query_attention_flops():
 
 
 @pytest.mark.parametrize("args, fragments", [
+    (["--query-groups", "16"], ["selective recompute with query groups under the eager core",
+                                "choose none or full"]),
     (["--query-groups", "3"], ["query_groups (3) must divide heads (128)"]),
     (["--query-groups", "4"], ["t (8) must divide query_groups (4)"]),
     (["--head-dim", "0"], ["head_dim must be a positive integer, got 0"]),

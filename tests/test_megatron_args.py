@@ -29,8 +29,9 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--use-flash-attn --frobnicate 3 --turbo",
-     ["not modelled yet: --use-flash-attn", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--context-parallel-size 2 --frobnicate 3 --turbo",
+     ["not modelled yet: --context-parallel-size", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),
 ])
@@ -57,7 +58,8 @@ def test_a_missing_file_is_one_line(actmem):
 
 def test_query_groups_need_megatron_s_switch(actmem):
     """Megatron reads --num-query-groups only with --group-query-attention."""
-    gqa = f"{MODEL} {RUN} --bf16 --attention-backend local --num-query-groups 8 --kv-channels 128"
+    run = RUN.replace("--recompute-activations", "")     # no selective recompute with eager GQA
+    gqa = f"{MODEL} {run} --bf16 --attention-backend local --num-query-groups 8 --kv-channels 128"
     assert_one_line_error(actmem("estimate", "--megatron-args", gqa), "ignores --num-query-groups without")
     out = actmem.json("estimate", "--megatron-args", gqa + " --group-query-attention")
     assert (out["architecture"]["query_groups"], out["architecture"]["head_dim"]) == (8, 128)
@@ -67,7 +69,9 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--attention-backend flash", ["attention core is Transformer Engine's fused or flash one"]),
+    ("--attention-backend unfused", ["--transformer-impl transformer_engine with --attention-backend "
+                                     "unfused is not modelled"]),
+    ("--attention-backend flash", ["selective recompute (Megatron's core_attn) under flash attention"]),
     ("--save --swiglu", ["expects a value: --save"]),
     ("--fp16", ["give one of --bf16 or --fp16"]),
     ("--tp 8", ["unknown to actmem: --tp"]),
@@ -78,7 +82,8 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
 ])
 def test_paste_mistakes_reviewers_found(actmem, extra, fragments):
     """An argument missing its value no longer swallows the next one; actmem's own spellings
-    are not Megatron's; a pasted 0 is a value; the attention core must be the modelled one."""
+    are not Megatron's; a pasted 0 is a value; the attention core must be a modelled one, with a
+    recompute modelled for it."""
     if extra.startswith("--attention-backend"):
         text = BASE.replace("--attention-backend local", extra)
     else:

@@ -1,16 +1,49 @@
-"""SP + TP layers compute what a single-device layer computes (fp32, gloo, t = 2 and 4)."""
+"""SP + TP layers compute what a single-device layer computes (fp32, gloo, t = 2 and 4), and
+the flash core and rope compute what the textbook formulas compute."""
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from actmem_validate.correctness import check_all  # noqa: E402
+from actmem_validate.fused import rotary_frequencies, rotate  # noqa: E402
+from actmem_validate.gpt import flash_core  # noqa: E402
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
-    assert set(worst) == {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
-                          for sp in ("on", "off") for r in ("none", "selective", "full")}
+    expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
+                for sp in ("on", "off") for r in ("none", "selective", "full")}
+    expected |= {f"flash-rope-gqa sp={sp} recompute={r}" for sp in ("on", "off") for r in ("none", "full")}
+    assert set(worst) == expected
     for case, difference in worst.items():
         assert difference < 1e-5, case
+
+
+def test_flash_core_with_query_groups_is_causal_attention_over_expanded_keys():
+    """softmax(QKᵀ/√d + causal mask)·V with each group's K and V repeated for its a/g heads,
+    written out by hand in fp64: the batch folded into the heads must pair head j of
+    sequence i with group j/(a/g) of the same sequence."""
+    s, b, a, g, d = 6, 3, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, n, d, generator=gen) for n in (a, g, g))
+    out = flash_core(q, k, v).view(s, b, a, d)
+    kk, vv = (x.double().repeat_interleave(a // g, dim=2) for x in (k, v))
+    scores = torch.einsum("ibhd,jbhd->bhij", q.double(), kk) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("bhij,jbhd->ibhd", scores.softmax(-1), vv)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_rope_rotates_pairs_by_position_and_its_backward_is_the_transpose():
+    """Position 0 is unrotated; x·cos + rotate_half(x)·sin keeps each pair's norm; and the
+    hand-written backward agrees with autograd's gradcheck in fp64."""
+    s, d = 5, 8
+    freqs = rotary_frequencies(s, d).double()
+    x = torch.randn(s, 2, 3, d, dtype=torch.float64, requires_grad=True)
+    y = rotate(x, freqs)
+    assert torch.allclose(y[0], x[0])
+    pairs = lambda t: t[..., : d // 2] ** 2 + t[..., d // 2:] ** 2     # (x_i, x_{i+d/2}) rotate together
+    assert torch.allclose(pairs(y), pairs(x))
+    assert torch.autograd.gradcheck(lambda t: rotate(t, freqs), (x,))

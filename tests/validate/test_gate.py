@@ -146,3 +146,45 @@ def test_validate_command_exits_1_when_the_gate_fails(monkeypatch):
     assert result.exit_code == 1, result.output
     assert "gate failed" in result.stderr
     assert "softmax_output measured" in result.stderr
+
+
+def measured_flash(technique="tp-sp"):
+    """The flash layer with rope and 4 query groups (grid.FLASH), rank 0 of t = 2, fake."""
+    from actmem_validate.grid import FLASH
+
+    rows = run_fake(configs_for(small_spec(2, 2, name="small-flash", **FLASH), [technique], 1))
+    return rows, judge(rows, 0.0)
+
+
+def test_a_healthy_flash_run_passes_with_the_log_sum_exp_and_statistics_counted():
+    rows, failures = measured_flash()
+    assert failures == []
+    assert row(rows, "softmax_lse")["kind"] == row(rows, "norm_statistics")["kind"] == "paper"
+
+
+def test_flash_output_kept_twice_fails(monkeypatch):
+    """TE's flash backend at b > 1 copies its output into the projection's layout, so both are
+    kept: the projection input must then read twice the formula."""
+    core = gpt.flash_core
+    monkeypatch.setattr(gpt, "flash_core", lambda q, k, v: label(core(q, k, v).clone(), "projection_input"))
+    rows, failures = measured_flash()
+    projection = row(rows, "projection_input")
+    assert projection["measured_bytes"] == 2 * projection["formula_bytes"] and projection["gate"] == "fail"
+    assert failures
+
+
+def test_keys_expanded_to_every_head_under_flash_fails(monkeypatch):
+    """k and v repeated to a heads before the kernel (what the eager core does) keep a/g
+    times the bytes flash keeps."""
+    core = gpt.flash_core
+
+    def expanded(q, k, v):
+        repeat = q.shape[2] // k.shape[2]
+        k, v = (label(x.repeat_interleave(repeat, dim=2), "key_value") for x in (k, v))
+        return core(q, k, v)
+
+    monkeypatch.setattr(gpt, "flash_core", expanded)
+    rows, failures = measured_flash()
+    keys = row(rows, "key_value")
+    assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail"
+    assert failures

@@ -22,7 +22,9 @@ PAPER_TERMS = [term.name for term in TERMS]
 #: tensors PyTorch saves that the paper does not count, and why they are not errors
 RESIDUALS = {
     "norm_statistics": "fp32 mu and rsigma of each LayerNorm (8 B a token), rsigma of each RMSNorm "
-                       "(4 B a token), as TE's fused norms keep them; the paper leaves them out",
+                       "(4 B a token), as TE's fused norms keep them; the paper leaves them out "
+                       "(on the flash path they are a counted term)",
+    "final_norm_statistics": "the same for the final norm, when the stage holds the output layer",
     "token_ids": "the embedding's int64 token indices and its bool out-of-shard mask: 9 B a token, "
                  "for each microbatch whose embedding the stage holds",
     "position_ids": "the position embedding's int64 indices: 8s B a microbatch held",
@@ -36,22 +38,27 @@ INDEX_BYTES, FLAG_BYTES, STATISTIC_BYTES = 8, 1, 4     # int64 indices, bool mas
 
 def expected_residuals(spec, occupancy) -> dict:
     """Bytes of each residual on the first stage at its peak, from what the harness's own
-    code saves (gpt.py, fused.py): per norm held, per microbatch whose embedding is held,
-    and once for the loss when p = 1."""
-    s, b, run = spec.model.seq_len, spec.run.micro_batch, spec.run
+    code saves (gpt.py, fused.py): per norm held (where the formula does not count them),
+    per microbatch whose embedding is held, and once for the loss when p = 1."""
+    s, b, run, arch = spec.model.seq_len, spec.run.micro_batch, spec.run, spec.architecture
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     layer_norms = 0 if run.recompute is Recompute.FULL else 2    # full recompute: inside the checkpoint
-    norms = layer_norms * occupancy.layer_activations + int(occupancy.holds_output_layer)
-    statistics = 1 if spec.architecture.normalization == "rmsnorm" else 2     # rsigma; mu and rsigma
+    per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma
+    counted = arch.attention_core == "flash"      # terms of the table on the flash path
     return {
-        "norm_statistics": norms * tokens_per_norm * statistics * STATISTIC_BYTES,
+        "norm_statistics": 0 if counted else layer_norms * occupancy.layer_activations * per_norm,
+        "final_norm_statistics": 0 if counted else int(occupancy.holds_output_layer) * per_norm,
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
-        "position_ids": occupancy.microbatches * s * INDEX_BYTES,
+        "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,
         "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
     }
 
 
-def _kind(name: str) -> str:
+def _kind(name: str, residuals: dict) -> str:
+    """A residual where the harness expects one (the norms' statistics are residuals on the
+    eager path and terms of the table on the flash path), else a term, else unnamed."""
+    if name in residuals:
+        return "residual"
     if name in PAPER_TERMS:
         return "paper"
     return "residual" if name in RESIDUALS else "unnamed"
@@ -68,7 +75,7 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
     names += sorted((set(measured) | set(residuals)) - set(PAPER_TERMS))
-    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _kind(name))
+    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _kind(name, residuals))
             for name in names]
     rows.append(_row(config, rank, "total", est.activations_bytes + sum(residuals.values()),
                      run.peak_saved_bytes, "total"))

@@ -25,7 +25,16 @@ _SPLIT_DIM = {"attention.qkv.weight": 0, "attention.qkv.bias": 0, "mlp.fc1.weigh
 #: the layer variants checked: the paper's, and a gated one (SwiGLU, RMSNorm, no biases, f = 96)
 VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalization="rmsnorm", bias=False,
                                                 ffn=96),
-            "gqa": dict(query_groups=4, head_dim=16)}    # a = 8 heads of d = 16 in 4 groups; ad = 2h
+            "gqa": dict(query_groups=4, head_dim=16),    # a = 8 heads of d = 16 in 4 groups; ad = 2h
+            # today's layer: flash (SDPA's CPU flash kernel), rope, 4 groups, SwiGLU, RMSNorm
+            "flash-rope-gqa": dict(attention_core="flash", position_embedding="rope", query_groups=4,
+                                   activation="swiglu", normalization="rmsnorm", bias=False, ffn=96)}
+
+
+def recompute_modes(variant: str) -> tuple:
+    """The modes actmem models for a variant: no selective recompute under flash."""
+    flash = VARIANTS[variant].get("attention_core") == "flash"
+    return ("none", "full") if flash else ("none", "selective", "full")
 
 
 def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:
@@ -90,7 +99,7 @@ def _rank(rank: int, t: int, folder: str, port: int) -> None:
     results = {}
     for variant in VARIANTS:
         for sp in (False, True):
-            for recompute in ("none", "selective", "full"):
+            for recompute in recompute_modes(variant):
                 diffs = layer_differences(TensorParallel(t, rank, None, sp), recompute, variant)
                 results[f"{variant} sp={'on' if sp else 'off'} recompute={recompute}"] = max(diffs.values())
     worst = [None] * t if rank == 0 else None

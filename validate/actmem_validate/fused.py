@@ -8,6 +8,10 @@ Transformer Engine keep, so a CPU run measures what a GPU run holds.
   output (ln_out) is saved here by the linear that follows: the same bytes, one storage.
 - SwiGLU: Megatron's fused_bias_swiglu.py, SwiGLUFunction.forward:
   ctx.save_for_backward(input_for_backward), the 2f-wide input only.
+- Rotary embedding: TE's fused RoPE (transformer_engine/pytorch/attention/rope.py,
+  FusedRoPEFunc.forward: ctx.save_for_backward(freqs)), which Megatron-Core applies by
+  default (apply_rope_fusion): it keeps the fp32 frequency table only, a tensor the model
+  caches (RotaryEmbedding.forward is lru_cached), so no activation at all.
 
 The backward passes are the textbook ones; what matters for the measurement is what forward
 saves, and it saves nothing else.
@@ -86,3 +90,42 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """(..., 2f) -> (..., f), keeping what Megatron's fused SwiGLU keeps."""
     return _SwiGLU.apply(x)
+
+
+ROPE_BASE = 10000.0
+
+
+def rotary_frequencies(seq_len: int, dim: int, device=None) -> torch.Tensor:
+    """Megatron-Core's RotaryEmbedding table: angles of each position for each of d/2
+    frequencies, repeated to d ([freqs | freqs]), fp32, shaped (s, 1, 1, d)."""
+    inverse = 1.0 / ROPE_BASE ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inverse)
+    return torch.cat([angles, angles], dim=-1)[:, None, None, :]
+
+
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """x·cos + rotate_half(x)·sin, a new tensor; keeps the frequency table only. The
+    rotation is orthogonal, so backward rotates the gradient back: g·cos - rotate_half(g·sin)."""
+
+    @staticmethod
+    def forward(ctx, x, freqs):
+        ctx.save_for_backward(freqs)
+        cos, sin = freqs.cos(), freqs.sin()
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))        # 16-bit in, fp32 math
+        return (wide * cos + _rotate_half(wide) * sin).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (freqs,) = ctx.saved_tensors
+        g = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        return (g * freqs.cos() - _rotate_half(g * freqs.sin())).to(grad.dtype), None
+
+
+def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """(s, b, n, d) rotated by position, keeping what TE's fused RoPE keeps."""
+    return _Rope.apply(x, freqs)

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from actmem_validate.fused import Norm, swiglu
+from actmem_validate.fused import Norm, rotary_frequencies, rotate, swiglu
 from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
     init_scaled
-from actmem_validate.ledger import label, scope
+from actmem_validate.ledger import label, name_saved_output, scope
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_reduce
@@ -34,9 +34,12 @@ class LayerSpec:
     activation: str = "gelu"          # gelu | swiglu
     normalization: str = "layernorm"  # layernorm | rmsnorm
     bias: bool = True
+    qkv_bias: bool | None = None      # None: as bias
     tied_output: bool = True
     query_groups: int | None = None   # g; None: a
     head_dim: int | None = None       # d; None: h/a
+    attention_core: str = "eager"     # eager | flash
+    position_embedding: str = "learned"   # learned | rope | none
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -44,8 +47,8 @@ class LayerSpec:
         model, arch = spec.model, spec.architecture
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
-                   arch.activation, arch.normalization, arch.bias, arch.tied_output, arch.query_groups,
-                   arch.head_dim)
+                   arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
+                   arch.head_dim, arch.attention_core, arch.position_embedding)
 
     @property
     def ffn_hidden(self) -> int:
@@ -69,8 +72,36 @@ def attention_core(q, k, v, mask_bias, dropout: Dropout):
     scores = torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5   # bmm keeps Q and K
     with scope("softmax_output"):                                    # softmax keeps its output
         probs = torch.softmax(scores + mask_bias, dim=-1)
-    dropped = label(dropout(probs), "softmax_dropout_output")        # its mask: softmax_dropout_mask
+    dropped = dropout(probs)                                         # its mask: softmax_dropout_mask
+    if dropped is not probs:
+        label(dropped, "softmax_dropout_output")
     return torch.bmm(dropped, v)                                     # keeps the dropout output and V
+
+
+def _heads_first(x):
+    """(s, b, n, d) -> (1, b·n, s, d), a view: the batch folded into the heads, so that SDPA
+    writes its output in (s, b, n, d) order, as TE's kernels write the sbhd layout Megatron
+    uses, and the projection's input is that output itself, not a copy. Query head j of
+    sequence i meets key group (i·a + j)/(a/g) = i·g + j/(a/g): the right one."""
+    s, b, n, d = x.shape
+    return x.view(s, b * n, d).unsqueeze(0).transpose(1, 2)
+
+
+def flash_core(q, k, v):
+    """Causal attention by SDPA's flash kernel, which keeps q, k, v, its output and an fp32
+    log-sum-exp of (1, b·a/t, s) (aten's _scaled_dot_product_flash_attention_for_cpu; on a
+    GPU, flash-attn's and cuDNN's keep the same). k and v stay g/t groups wide (enable_gqa).
+    q: (s, b, a/t, d); k, v: (s, b, g/t, d) -> (s, b, a/t·d)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s, b, heads, d = q.shape
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), scope("softmax_lse"):
+        out = nn.functional.scaled_dot_product_attention(
+            _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, enable_gqa=True)
+    if out.grad_fn is not None and "Flash" not in out.grad_fn.name():
+        raise RuntimeError(f"SDPA ran {out.grad_fn.name()}, not its flash kernel")
+    context = out.squeeze(0).transpose(0, 1).view(s, b, heads * d)    # a view of out
+    return name_saved_output(context, "projection_input")
 
 
 class SelfAttention(nn.Module):
@@ -84,12 +115,17 @@ class SelfAttention(nn.Module):
         self.heads, self.groups = spec.heads // tp.size, spec.groups // tp.size
         kw = dict(dtype=spec.dtype, device=spec.device)
         width = (spec.heads + 2 * spec.groups) * spec.dim
-        self.qkv = ColumnParallelLinear(spec.hidden, width, tp, bias=spec.bias, **kw)
+        qkv_bias = spec.bias if spec.qkv_bias is None else spec.qkv_bias
+        self.qkv = ColumnParallelLinear(spec.hidden, width, tp, bias=qkv_bias, **kw)
         self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
-        causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
-        self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
+        if spec.attention_core == "eager":
+            causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
+            self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
+        if spec.position_embedding == "rope":   # model state, as Megatron's cached table is
+            self.register_buffer("freqs", rotary_frequencies(spec.seq_len, spec.dim, spec.device),
+                                 persistent=False)
 
     def forward(self, x):
         qkv = self.qkv(x)                                     # (s, b, (a + 2g)d/t)
@@ -97,6 +133,8 @@ class SelfAttention(nn.Module):
         per_group, d = self.heads // self.groups, self.spec.dim
         qkv = qkv.view(s, b, self.groups, per_group + 2, d)  # (s, b, g/t, a/g + 2, d)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, d)
+        if self.spec.attention_core == "flash":
+            return self.projection(self._flash(q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]))
         # Megatron's local attention expands K and V to a heads (dot_product_attention.py:
         # repeat_interleave makes copies), so both are as wide as Q: 2sb·ad/t each.
         k, v = (qkv[:, :, :, per_group + i].repeat_interleave(per_group, dim=2) for i in (0, 1))
@@ -113,6 +151,18 @@ class SelfAttention(nn.Module):
             context = attention_core(q, k, v, self.mask_bias, self.dropout)
         context = context.view(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.projection(label(context, "projection_input"))
+
+    def _flash(self, q, k, v):
+        """q (s, b, a/t, d), k and v (s, b, g/t, d), views of the QKV output. Rope rotates q and
+        k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
+        Without rope, q, k and v are copied the same way (same bytes)."""
+        if self.spec.position_embedding == "rope":
+            q, k = rotate(q, self.freqs), rotate(k, self.freqs)
+        else:
+            q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
+        v = v.clone(memory_format=torch.contiguous_format)
+        label(q, "query"), label(k, "key_value"), label(v, "key_value")
+        return flash_core(q, k, v)
 
 
 class MLP(nn.Module):
@@ -173,8 +223,11 @@ class Embedding(nn.Module):
         kw = dict(dtype=spec.dtype, device=spec.device)
         self.vocab_start = tp.rank * (vocab // tp.size)
         self.words = nn.Parameter(torch.empty(vocab // tp.size, spec.hidden, **kw))
-        self.positions = nn.Parameter(torch.empty(spec.seq_len, spec.hidden, **kw))
-        nn.init.normal_(self.words, std=0.02), nn.init.normal_(self.positions, std=0.02)
+        nn.init.normal_(self.words, std=0.02)
+        self.positions = None          # rope and none: no learned table
+        if spec.position_embedding == "learned":
+            self.positions = nn.Parameter(torch.empty(spec.seq_len, spec.hidden, **kw))
+            nn.init.normal_(self.positions, std=0.02)
         self.dropout = Dropout(spec.hidden_dropout, "embedding_dropout_mask")
 
     def forward(self, tokens):                                # tokens: (b, s)
@@ -184,9 +237,11 @@ class Embedding(nn.Module):
             words = nn.functional.embedding(local.masked_fill(outside, 0), self.words)
             words = words.masked_fill(outside.unsqueeze(-1), 0)
         words = reduce_from_tensor_parallel_region(words, self.tp)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        with scope("position_ids"):
-            x = (words + nn.functional.embedding(positions, self.positions)).transpose(0, 1).contiguous()
+        if self.positions is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            with scope("position_ids"):
+                words = words + nn.functional.embedding(positions, self.positions)
+        x = words.transpose(0, 1).contiguous()
         if self.tp.sequence_parallel:
             x = clone_scatter_output_in_embedding(scatter_to_sequence_parallel_region(x, self.tp))
         return self.dropout(x)                                # (s or s/t, b, h)
@@ -242,7 +297,7 @@ class OutputHead(nn.Module):
 
     def forward(self, x, targets):                            # targets: (b, s)
         label(x, "final_layernorm_input")
-        with scope("norm_statistics"):
+        with scope("final_norm_statistics"):
             x = label(self.norm(x), "output_layer_input")
         weight = self.embedding.words if self.weight is None else self.weight
         if self.tp.sequence_parallel and self.tp.size > 1:

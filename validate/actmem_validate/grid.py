@@ -46,6 +46,10 @@ GATED = dict(activation="swiglu", ffn_hidden=96, normalization="rmsnorm", bias=F
              attention_dropout=0.0, hidden_dropout=0.0)
 
 
+#: today's Llama-style layer: GATED with flash attention, rope and 4 query groups of 2 heads
+FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_groups=4)
+
+
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                **architecture) -> Spec:
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
@@ -73,10 +77,19 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-gated", **GATED), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", **GATED), ["tp-sp"])
-    # grouped-query attention, a head dim other than h/a: 4 groups of 2 heads, d = 16 (ad = 2h)
+    # grouped-query attention under the eager core, a head dim other than h/a: 4 groups of 2
+    # heads, d = 16 (ad = 2h); selective recompute is not modelled there (g < a)
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-gqa", query_groups=4, head_dim=16),
-                               ["tp", "tp-sp-sel"], 1)
+                               ["tp", "tp-sp-full"], 1)
+    # flash attention with rope (SDPA's CPU flash kernel), g/t = 2 and 1; no selective recompute
+    configs += configs_for(small_spec(2, 1, name="small-flash", **FLASH), ["none"], 1)
+    for t in (2, 4):
+        configs += configs_for(small_spec(2, t, name="small-flash", **FLASH), ["tp", "tp-sp", "tp-sp-full"], 1)
+    configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
+    # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
+    configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
+                                      attention_core="flash"), ["tp", "tp-sp"], 1)
     return configs
 
 

@@ -39,6 +39,15 @@ def label(tensor: torch.Tensor, term: str) -> torch.Tensor:
     return tensor
 
 
+def name_saved_output(tensor: torch.Tensor, term: str) -> torch.Tensor:
+    """Name an output that the op which made it has already saved inside a ``scope``: an op
+    that saves two of its own outputs (flash attention: out and the log-sum-exp) runs in the
+    scope of one, and the other is named after the op. Only a storage the scope filed moves."""
+    for ledger in _active:
+        ledger.name_saved_output(storage_key(tensor), term)
+    return label(tensor, term)
+
+
 @contextmanager
 def scope(term: str):
     """Attribute what the ops inside save, and nobody labelled, to this term."""
@@ -60,6 +69,15 @@ class Ledger:
         self.names: dict = {}
         self.scopes: list = []
         self.saved: dict = {}        # storage key -> (term, bytes)
+        self.by_scope: set = set()   # keys filed under a scope, not a label
+
+    def name_saved_output(self, key, term: str) -> None:
+        """An op that saves two of its own outputs (flash attention: out and the
+        log-sum-exp) runs inside one scope; labelling one output after the op moves it from
+        the scope's name to its own. Only a storage the scope filed moves."""
+        if key in self.by_scope:
+            self.saved[key] = (term, self.saved[key][1])
+            self.by_scope.discard(key)
 
     def _pack(self, tensor):
         key = storage_key(tensor)
@@ -69,6 +87,8 @@ class Ledger:
             if alive is not None and alive() is None:   # a freed tensor's storage was reused
                 term = fallback
             self.saved[key] = (term, tensor.untyped_storage().nbytes())
+            if term == fallback:
+                self.by_scope.add(key)
         return tensor
 
     @contextmanager

@@ -1,0 +1,147 @@
+"""A Hugging Face ``config.json`` as the model: read as JSON, no download, no transformers.
+
+The file says what the model is (its dims and architecture); how it is trained (t, p, the
+recompute) stays a run setting, and the implementation is Megatron-Core's with Transformer
+Engine, so the attention core is flash, as Megatron-Core's default backend runs it. What a
+field means is taken from transformers' own configuration and modelling files
+(``models/<type>/configuration_<type>.py`` and ``modeling_<type>.py``), cited per family.
+"""
+
+import json
+from pathlib import Path
+
+from actmem.errors import SpecError
+
+#: config keys and model types that make a mixture of experts: refused, one line
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED = LLAMA_LIKE + ("gpt2", "gpt_neox")
+
+
+def is_hf_config(path: Path) -> bool:
+    return path.suffix == ".json"
+
+
+def read_hf_config(path: Path) -> dict:
+    """{'name', 'source', 'model', 'architecture', 'notes'} from a config.json."""
+    config = _load(path)
+    kind = config.get("model_type")
+    if kind in MOE_TYPES or any(config.get(key) for key in MOE_KEYS):
+        raise SpecError(f"{path}: a mixture-of-experts model ({kind}) is not supported yet: actmem "
+                        "models dense layers")
+    if kind == "qwen3":
+        raise SpecError(f"{path}: qwen3 normalises q and k per head (q_norm, k_norm; Megatron's "
+                        "--qk-layernorm), which keeps tensors actmem does not count yet")
+    if kind not in SUPPORTED:
+        raise SpecError(f"{path}: model_type {kind!r} is not supported; actmem reads "
+                        f"{', '.join(SUPPORTED)}")
+    model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt2": _gpt2,
+                                  "gpt_neox": _gpt_neox}[kind](config, path)
+    return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
+                architecture={"attention_core": "flash"} | architecture,
+                notes=(f"{path.name}: {kind}, read as Megatron-Core with Transformer Engine would run it "
+                       "(flash attention)",) + notes[1:], seq_len_note=notes[0])
+
+
+def _load(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SpecError(f"{path}: cannot read it ({error.strerror})")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SpecError(f"{path}: not a JSON config ({error})")
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: not a JSON config (an object at the top)")
+    return config
+
+
+def _need(config: dict, path: Path, key: str, kind=int):
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise SpecError(f"{path}: {key} must be {'an integer' if kind is int else kind.__name__}, "
+                        f"got {value!r}")
+    return value
+
+
+def _dims(config, path, heads, hidden, layers, positions) -> dict:
+    """The model: the training sequence defaults to the context the config allows."""
+    return dict(heads=_need(config, path, heads), hidden=_need(config, path, hidden),
+                layers=_need(config, path, layers), vocab=_need(config, path, "vocab_size"),
+                seq_len=_need(config, path, positions))
+
+
+def _seq_note(config, key) -> tuple:
+    return (f"sequence length s = {key} ({config[key]:,}) from the config; give --seq-len for "
+            "the run's own",)
+
+
+def _llama(config, path):
+    """LlamaConfig, MistralConfig, Qwen2Config: a gated MLP of intermediate_size (gate_proj,
+    up_proj, down_proj), RMSNorm, rope; num_key_value_heads groups; head_dim when given;
+    biases: Llama's attention_bias and mlp_bias (default off), Qwen2's q, k, v always
+    (modeling_qwen2.py: q_proj bias=True, o_proj bias=False)."""
+    kind = config["model_type"]
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise SpecError(f"{path}: hidden_act {act!r}: actmem models the gated MLP with silu (SwiGLU) only")
+    model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers",
+                  "max_position_embeddings")
+    groups = config.get("num_key_value_heads") or model["heads"]
+    head_dim = config.get("head_dim") or model["hidden"] // model["heads"]
+    attention_bias = kind == "qwen2" or bool(config.get("attention_bias", False))
+    mlp_bias = bool(config.get("mlp_bias", False))
+    if kind == "llama" and attention_bias != mlp_bias:
+        raise SpecError(f"{path}: attention_bias and mlp_bias differ; actmem models biases on all the "
+                        "linear layers, none, or on the QKV linear only")
+    architecture = dict(
+        ffn_hidden=_need(config, path, "intermediate_size"), activation="swiglu", normalization="rmsnorm",
+        bias=mlp_bias, qkv_bias=attention_bias if attention_bias != mlp_bias else None,
+        tied_output=bool(config.get("tie_word_embeddings", False)),
+        query_groups=None if groups == model["heads"] else groups,
+        head_dim=None if head_dim * model["heads"] == model["hidden"] else head_dim,
+        position_embedding="rope", attention_dropout=float(config.get("attention_dropout", 0.0)),
+        hidden_dropout=0.0)
+    notes = _seq_note(config, "max_position_embeddings")
+    if config.get("sliding_window") and config.get("use_sliding_window", kind == "mistral"):
+        notes += (f"sliding window {config['sliding_window']:,}: flash attention keeps the same "
+                  "tensors with or without it",)
+    return model, architecture, notes
+
+
+def _gpt2(config, path):
+    """GPT2Config: n_embd, n_head, n_layer, n_positions; n_inner (None: 4h); LayerNorm, GeLU,
+    biases, learned positions, output tied to the embedding (GPT2LMHeadModel ties always);
+    attn_pdrop on the probabilities, resid_pdrop and embd_pdrop on the hidden states."""
+    model = _dims(config, path, "n_head", "n_embd", "n_layer", "n_positions")
+    hidden, embedding = config.get("resid_pdrop", 0.1), config.get("embd_pdrop", 0.1)
+    if hidden != embedding:
+        raise SpecError(f"{path}: resid_pdrop ({hidden}) and embd_pdrop ({embedding}) differ; actmem "
+                        "has one hidden dropout")
+    architecture = dict(ffn_hidden=config.get("n_inner") or None, activation="gelu", normalization="layernorm",
+                        bias=True, tied_output=True, position_embedding="learned",
+                        attention_dropout=float(config.get("attn_pdrop", 0.1)), hidden_dropout=float(hidden))
+    return model, architecture, _seq_note(config, "n_positions")
+
+
+def _gpt_neox(config, path):
+    """GPTNeoXConfig: LayerNorm, GeLU MLP of intermediate_size, biases (attention_bias), rope
+    on rotary_pct of each head (the same tensors), untied by default. Its parallel residual
+    (use_parallel_residual, on by default) is not Megatron-Core's sequential layer: refused."""
+    if config.get("use_parallel_residual", True):
+        raise SpecError(f"{path}: use_parallel_residual: attention and MLP side by side keep different "
+                        "tensors from Megatron-Core's sequential layer, and actmem does not model them yet")
+    act = config.get("hidden_act", "gelu")
+    if not str(act).startswith("gelu"):
+        raise SpecError(f"{path}: hidden_act {act!r}: actmem models gelu for gpt_neox")
+    model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers",
+                  "max_position_embeddings")
+    if not config.get("attention_bias", True):
+        raise SpecError(f"{path}: attention_bias false leaves the MLP's biases on; actmem models biases "
+                        "on all the linear layers, none, or on the QKV linear only")
+    architecture = dict(ffn_hidden=_need(config, path, "intermediate_size"), activation="gelu",
+                        normalization="layernorm", bias=True,
+                        tied_output=bool(config.get("tie_word_embeddings", False)), position_embedding="rope",
+                        attention_dropout=float(config.get("attention_dropout", 0.0)),
+                        hidden_dropout=float(config.get("hidden_dropout", 0.0)))
+    return model, architecture, _seq_note(config, "max_position_embeddings")

@@ -1,0 +1,125 @@
+"""Today's Llama-style run, as a user gives it: pasted Megatron arguments. The per-layer
+bytes are derived by hand below from what Transformer Engine's kernels and flash attention
+keep (actmem/terms.py cites the sources)."""
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+
+LLAMA_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
+            "--num-query-groups 8 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm "
+            "--disable-bias-linear --untie-embeddings-and-output-weights --position-embedding-type rope "
+            "--rotary-base 500000 --max-position-embeddings 131072 --seq-length 8192 "
+            "--vocab-size 128256 --attention-dropout 0.0 --hidden-dropout 0.0 "
+            "--tensor-model-parallel-size 8 --sequence-parallel --micro-batch-size 1 --bf16 "
+            "--use-flash-attn")
+
+# s = 8192, b = 1, h = 4096, a = 32, g = 8, d = 128, f = 14336, t = 8, SP on, no recompute.
+SBH_T = 8192 * 4096 // 8                      # 4,194,304 elements: one (s/t, b, h) shard
+LLAMA_8B_LAYER = {
+    "attention_layernorm_input": 2 * SBH_T,   # 2sbh/t, each boundary tensor under SP
+    "qkv_input": 2 * SBH_T,
+    "query": 2 * 8192 * 32 * 128 // 8,        # 2sb·ad/t = 8,388,608 (after rope)
+    "key_value": 2 * 2 * 8192 * 8 * 128 // 8,  # k and v: 2 x 2sb·gd/t = 4,194,304
+    "softmax_lse": 4 * 32 * 8192 // 8,        # fp32, b·(a/t)·s = 131,072
+    "projection_input": 2 * 8192 * 32 * 128 // 8,   # flash's output, 8,388,608
+    "mlp_layernorm_input": 2 * SBH_T,
+    "fc1_input": 2 * SBH_T,
+    "swiglu_input": 2 * 2 * 8192 * 14336 // 8,     # the 2f-wide input: 58,720,256
+    "fc2_input": 2 * 8192 * 14336 // 8,            # 29,360,128
+    "norm_statistics": 2 * 4 * 8192 // 8,          # two RMSNorms' fp32 rsigma: 8,192
+}
+
+
+def test_llama_3_8b_pasted_as_megatron_arguments_gives_the_te_flash_accounting(actmem):
+    out = actmem.json("estimate", "--megatron-args", LLAMA_8B)
+    per_layer = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+    assert per_layer == LLAMA_8B_LAYER
+    run = next(row for row in out["techniques"] if row["technique"] == "tp-sp")
+    assert run["per_layer_bytes"] == sum(LLAMA_8B_LAYER.values()) == 142_745_600
+    assert "softmax_output" not in per_layer                 # flash keeps no s² term
+    assert {row["technique"] for row in out["techniques"]} == {"none", "tp", "tp-sp", "full", "tp-sp-full"}
+
+
+def test_llama_3_8b_backends_that_keep_the_same_tensors_agree(actmem):
+    """TE's cuDNN fused kernel, flash-attn, and auto (which picks one of them) keep the same."""
+    flash = actmem.json("estimate", "--megatron-args", LLAMA_8B)["run_terms"]
+    for backend in ("fused", "auto", "flash"):
+        text = LLAMA_8B.replace("--use-flash-attn", f"--attention-backend {backend}")
+        assert actmem.json("estimate", "--megatron-args", text)["run_terms"] == flash
+
+
+def test_selective_recompute_under_flash_is_refused(actmem):
+    assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --recompute-activations"),
+                          "selective recompute (Megatron's core_attn) under flash attention")
+
+
+def test_rope_under_the_eager_core_is_refused(actmem):
+    text = LLAMA_8B.replace("--use-flash-attn", "--attention-backend local")
+    assert_one_line_error(actmem("estimate", "--megatron-args", text),
+                          "rotary position embedding is modelled under the flash attention core only")
+
+
+HF = "tests/data/hf"
+
+
+def test_the_hugging_face_config_gives_the_same_numbers_as_the_pasted_arguments(actmem):
+    """Llama 3.1 8B's published config.json (rope scaling and theta change no byte) with the
+    same run: the same terms, byte for byte; s defaults to the config's context, so --seq-len."""
+    pasted = actmem.json("estimate", "--megatron-args", LLAMA_8B)
+    config = actmem.json("estimate", "--model", f"{HF}/llama-3.1-8b/config.json", "--seq-len", "8192",
+                         "--tp", "8", "--sp", "--micro-batch", "1")
+    assert config["run_terms"] == pasted["run_terms"]
+    assert config["parameters"] == pasted["parameters"]
+    assert not any("from the config" in note for note in config["assumptions"])
+
+
+def test_a_config_without_a_sequence_length_says_where_s_came_from(actmem):
+    out = actmem.json("estimate", "--model", f"{HF}/mistral-7b/config.json", "--tp", "8", "--sp")
+    assert out["model"]["seq_len"] == 32768
+    assert any("s = max_position_embeddings (32,768) from the config" in note for note in out["assumptions"])
+    assert any("sliding window 4,096" in note for note in out["assumptions"])
+
+
+def test_qwen2_7b_parameters_by_hand():
+    """h 3584, L 28, a 28, g 4, d 128, f 18944, v 152064, untied; q, k, v biases only.
+    A layer: QKV h·(ad + 2gd) = 3584·4608 = 16,515,072 + its bias 4,608; o_proj 3584² =
+    12,845,056; MLP 3hf = 203,685,888; two RMSNorms 7,168: 233,057,792. x 28 = 6,525,618,176;
+    embedding and output 2vh = 1,089,994,752; final norm 3,584: 7,615,616,512, the count
+    Qwen2-7B publishes."""
+    from actmem.estimate import estimate
+    from actmem.presets import load_preset
+    from actmem.spec import build_spec
+
+    preset = load_preset(f"{HF}/qwen2-7b/config.json")
+    spec = build_spec(preset.model, {}, architecture=preset.architecture)
+    assert estimate(spec).parameters.count == 7_615_616_512
+
+
+def test_gpt2_parameters_by_hand(actmem):
+    """12 layers of 12h² + 13h (h 768): 85,054,464; word embedding padded as Megatron pads it,
+    50257 -> 50304 rows: 38,633,472; positions 1024·768 = 786,432; final LayerNorm 1,536:
+    124,475,904 (GPT-2's published 124,439,808 plus the 47 padding rows)."""
+    out = actmem.json("estimate", "--model", f"{HF}/gpt2/config.json")
+    assert out["parameters"]["count"] == 124_475_904
+    assert out["architecture"]["attention_dropout"] == out["architecture"]["hidden_dropout"] == 0.1
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("mixtral", "a mixture-of-experts model (mixtral) is not supported yet"),
+    ("qwen3", "qwen3 normalises q and k per head"),
+    ("pythia", "use_parallel_residual"),
+])
+def test_configs_actmem_cannot_model_are_refused_in_one_line(actmem, name, fragment):
+    assert_one_line_error(actmem("estimate", "--model", f"{HF}/{name}/config.json"), fragment)
+
+
+def test_broken_configs_are_one_line(actmem, tmp_path):
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    assert_one_line_error(actmem("estimate", "--model", str(broken)), "not a JSON config")
+    broken.write_text('{"model_type": "llama", "hidden_size": "4096"}')
+    assert_one_line_error(actmem("estimate", "--model", str(broken)), "num_attention_heads must be an integer, got None")
+    broken.write_text('{"model_type": "t5"}')
+    assert_one_line_error(actmem("estimate", "--model", str(broken)), "model_type 't5' is not supported")
+    assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "missing.json")), "cannot read it")

@@ -92,7 +92,7 @@ class Estimate:
 def estimate(spec: Spec) -> Estimate:
     """Activation, parameter and optimizer bytes on one GPU of the first pipeline stage."""
     occupancy = first_stage_occupancy(spec.model.layers, spec.run.pipeline_parallel,
-                                      spec.run.interleave, spec.microbatches)
+                                      spec.run.interleave, spec.microbatches, spec.stage_layers)
     run = run_technique(spec.run.sequence_parallel, spec.run.recompute)
     arch = spec.architecture
     terms = tuple(_term_row(term, run, occupancy, spec.bindings(), arch) for term in TERMS)
@@ -142,7 +142,7 @@ def _parameters(spec: Spec, t: int) -> ParameterBytes:
     model, run = spec.model, spec.run
     count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
                                    padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
-                                   spec.architecture, model.heads)
+                                   spec.architecture, model.heads, spec.stage_layers)
     return parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)
 
 

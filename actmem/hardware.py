@@ -38,6 +38,17 @@ GPUS = {
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 (900 GB/s both ways) ~360 GB/s bus
     # bandwidth; one 400 Gb/s NDR InfiniBand link a GPU is 50 GB/s.
     "h100": Gpu("H100 SXM 80GB", 80 * 2**30, 989e12, 360e9, 50e9),
+    # H200 SXM: the H100's compute and NVLink with 141 GB of HBM3e (six 24 GiB stacks, 141 GiB
+    # enabled; torch reports about 139.8 GiB after the driver's share).
+    "h200": Gpu("H200 SXM 141GB", 141 * 2**30, 989e12, 360e9, 50e9),
+    # B200 (HGX B200): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity); NVLink 5
+    # (1.8 TB/s both ways), taken at the H100's share of it, ~720 GB/s bus bandwidth; one
+    # 400 Gb/s ConnectX-7 link a GPU.
+    "b200": Gpu("B200 180GB", 180 * 2**30, 2.25e15, 720e9, 50e9),
+    # AMD MI300X: 192 GB HBM3 (eight 24 GiB stacks), 1307.4 TFLOP/s dense bf16; seven
+    # Infinity Fabric links of 64 GB/s, ~300 GB/s all-reduce bus bandwidth in RCCL; 400 Gb/s
+    # a GPU across nodes.
+    "mi300x": Gpu("MI300X 192GB", 192 * 2**30, 1307.4e12, 300e9, 50e9),
 }
 
 

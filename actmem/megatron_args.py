@@ -25,7 +25,8 @@ MEGATRON_NAMES = frozenset({
     "--recompute-granularity", "--recompute-activations", "--make-vocab-size-divisible-by",
     "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
     "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
-    "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias", "--position-embedding-type",
+    "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--position-embedding-type",
     "--use-rotary-position-embeddings",
 })
 MANY = "many"

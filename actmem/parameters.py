@@ -36,14 +36,15 @@ def qkv_width(h, arch, heads):
     return arch.attention_width(h, heads) + 2 * arch.query_groups_or(heads) * arch.head_dim_or(h, heads)
 
 
-def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None):
+def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None):
     """L/p layers, the word embedding split over the vocabulary (v·h/t), the learned
     position embedding (s·h; rotary positions have none), and when p = 1 the final norm
     and, if untied, the output layer's own v·h/t (tied, it shares the word embedding's
-    weights: section 3)."""
+    weights: section 3). stage_layers: the first stage's layers when uneven; L/p if None."""
     last = (p == 1) * (arch.norm_parameters * h + (not arch.tied_output) * v * h // t)
     positions = s * h if arch.position_embedding == "learned" else 0
-    return L // p * layer_parameters(h, t, arch, heads) + v * h // t + positions + last
+    layers = L // p if stage_layers is None else stage_layers
+    return layers * layer_parameters(h, t, arch, heads) + v * h // t + positions + last
 
 
 @dataclass(frozen=True)

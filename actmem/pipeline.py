@@ -49,12 +49,14 @@ def embedding_microbatches(p, m, interleaved: bool):
     return 2 * p if interleaved else p
 
 
-def held_counts(layers, p, m, n):
+def held_counts(layers, p, m, n, stage_layers=None):
     """(layer activations, microbatches) the first stage holds at its peak, for n
     microbatches per iteration: the schedule's warm-up stops when the microbatches run out.
+    stage_layers: the first stage's layers (an uneven pipeline's own count); L/p if None.
     Arithmetic only: runs on ints and on numpy integer arrays (the planner's sweep)."""
     full_chunks = _by_schedule(chunks_in_flight, p, m)
-    return layers // (p * m) * _minimum(full_chunks, n * m), _minimum(_by_schedule(embedding_microbatches, p, m), n)
+    per_chunk = (layers // p if stage_layers is None else stage_layers) // m
+    return per_chunk * _minimum(full_chunks, n * m), _minimum(_by_schedule(embedding_microbatches, p, m), n)
 
 
 def _by_schedule(count, p, m):
@@ -62,13 +64,14 @@ def _by_schedule(count, p, m):
     return count(p, m, True) * (m > 1) + count(p, m, False) * (m == 1)
 
 
-def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None
-                          ) -> StageOccupancy:
-    """The first stage's peak; fewer microbatches than the schedule wants hold less."""
+def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None,
+                          stage_layers: int | None = None) -> StageOccupancy:
+    """The first stage's peak; fewer microbatches than the schedule wants hold less.
+    stage_layers: the first stage's own layer count in an uneven pipeline (m = 1)."""
     n = microbatches_per_iteration
     # Unknown n: 2p microbatches fill either schedule (2pm >= pm + p - 1, and 2p masks).
-    layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n)
-    per_chunk = layers // (p * m)
+    layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n, stage_layers)
+    per_chunk = (layers // p if stage_layers is None else stage_layers) // m
     explanation = _explain(p, m, n, layer_activations // per_chunk, _by_schedule(chunks_in_flight, p, m),
                            per_chunk)
     return StageOccupancy(layer_activations, microbatches, p == 1, explanation)

@@ -30,6 +30,24 @@ def _not_in(value, excluded):
     return np.logical_not(np.isin(np.asarray(value), list(excluded)))
 
 
+def _uneven(v) -> bool:
+    """First or last stage layers are given (one spec; the planner sweeps even pipelines)."""
+    return v.first is not None or v.last is not None
+
+
+def _middle_stages(v) -> int:
+    return v.p - (v.first is not None) - (v.last is not None)
+
+
+def _middle_layers(v) -> int:
+    return v.layers - (v.first or 0) - (v.last or 0)
+
+
+def _even_middle(v) -> bool:
+    stages, layers = _middle_stages(v), _middle_layers(v)
+    return layers == 0 if stages == 0 else layers > 0 and layers % stages == 0
+
+
 @dataclass(frozen=True)
 class Rule:
     holds: Callable
@@ -55,10 +73,17 @@ RULES = (
     Rule(lambda v: _implies(v.sequence_parallel, v.seq_len % v.t == 0),
          lambda v: f"t ({v.t}) must divide seq_len ({v.seq_len}) "
                    f"(sequence parallelism splits the sequence t ways)"),
-    Rule(lambda v: v.layers % v.p == 0, lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
+    Rule(lambda v: _implies(not _uneven(v), v.layers % v.p == 0),
+         lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
+    Rule(lambda v: not _uneven(v) or (v.p > 1 and v.m == 1),
+         lambda v: f"an uneven pipeline (first or last stage layers given) needs p > 1 and no "
+                   f"interleave (p = {v.p}, m = {v.m})"),
+    Rule(lambda v: not _uneven(v) or _even_middle(v),
+         lambda v: f"the stages between the first and last must share the other layers evenly: "
+                   f"{_middle_layers(v)} layers over {_middle_stages(v)} stages"),
     Rule(lambda v: _implies(v.m > 1, v.p > 1),
          lambda v: f"interleave m ({v.m}) needs pipeline parallelism: p must be > 1"),
-    Rule(lambda v: (v.layers // v.p) % v.m == 0,
+    Rule(lambda v: _uneven(v) or (v.layers // v.p) % v.m == 0,
          lambda v: f"interleave m ({v.m}) must divide the layers per stage "
                    f"L/p = {v.layers}/{v.p} = {v.layers // v.p}"),
     Rule(lambda v: v.gpus % (v.t * v.p) == 0,
@@ -103,6 +128,10 @@ class Values:
     """Query groups g when given (a, which t divides, when not)."""
     recompute: object = None
     """'none', 'selective' or 'full' (strings, or an array of them)."""
+    first: object = None
+    """Layers of an uneven pipeline's first stage (Megatron's --decoder-first-pipeline-num-layers)."""
+    last: object = None
+    """... and of its last stage."""
     unmodelled_recompute: dict = None
     """{mode: why}: the recompute modes actmem does not model for this architecture."""
 

@@ -60,6 +60,10 @@ class Run:
     global_batch: int | None = _positive(optional=True, default=None)
     gpus: int | None = _positive(optional=True, default=None)
     distributed_optimizer: bool = False
+    first_stage_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --decoder-first-pipeline-num-layers: an uneven pipeline's first stage."""
+    last_stage_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --decoder-last-pipeline-num-layers; the stages between share the rest."""
 
     def __post_init__(self):
         _require_positive_ints(self)
@@ -101,7 +105,18 @@ class Spec:
             gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
             n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
             groups=self.architecture.query_groups, recompute=run.recompute.value,
+            first=run.first_stage_layers, last=run.last_stage_layers,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads))
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers on the first pipeline stage: L/p, or the uneven pipeline's own count."""
+        run = self.run
+        if run.first_stage_layers is not None:
+            return run.first_stage_layers
+        if run.last_stage_layers is not None:            # the rest share the other stages
+            return (self.model.layers - run.last_stage_layers) // (run.pipeline_parallel - 1)
+        return self.model.layers // run.pipeline_parallel
 
     @property
     def data_parallel(self) -> int:

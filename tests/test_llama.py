@@ -123,3 +123,28 @@ def test_broken_configs_are_one_line(actmem, tmp_path):
     broken.write_text('{"model_type": "t5"}')
     assert_one_line_error(actmem("estimate", "--model", str(broken)), "model_type 't5' is not supported")
     assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "missing.json")), "cannot read it")
+
+
+def test_llama_3_1_405b_on_its_published_run_by_hand(actmem):
+    """Table 4: t 8, p 16 with 7 layers on the first stage, 16 microbatches in flight (1F1B),
+    s 8192, b 1, SP, no recompute. A layer: 2sbh/t = 33,554,432 B for each of the four
+    boundary tensors, q and the projection input; k and v 2·2sb·gd/t = 4,194,304; the
+    log-sum-exp 4·b·(a/t)·s = 524,288; SwiGLU's input 4sbf/t = 218,103,808 and fc2's 2sbf/t =
+    109,051,904; two RMSNorms' rsigma 2·4·sb/t = 8,192: 536,485,888 B. Parameters on the
+    first GPU: 7 layers of (h·(ad + 2gd) + ad·h + 3hf)/t + 2h = 398,491,648, and the word
+    embedding 129,024·16,384/8: 3,053,682,688."""
+    out = actmem.json("estimate", "--model", "llama-3.1-405b")
+    run = next(row for row in out["techniques"] if row["technique"] == "tp-sp")
+    assert run["per_layer_bytes"] == 6 * 33_554_432 + 4_194_304 + 524_288 + 218_103_808 + 109_051_904 + 8_192
+    assert run["layers_bytes"] == 16 * 7 * run["per_layer_bytes"]
+    assert out["parameters"]["count"] == 7 * 398_491_648 + 129_024 * 16_384 // 8 == 3_053_682_688
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--first-stage-layers", "7", "--interleave", "2"], "an uneven pipeline (first or last stage layers given) "
+                                                         "needs p > 1 and no interleave"),
+    (["--first-stage-layers", "6"], "share the other layers evenly: 113 layers over 14 stages"),
+    (["--pp", "1", "--gpus", "1024", "--global-batch", "1024"], "needs p > 1"),
+])
+def test_uneven_pipelines_that_do_not_add_up_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", "--model", "llama-3.1-405b", *args), fragment)

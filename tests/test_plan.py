@@ -149,7 +149,7 @@ def test_nothing_fits_exits_1_and_says_why(actmem):
     (["--model", "gpt3", "--gpus", "0"], ["gpus must be a positive integer, got 0"]),
     (["--model", "gpt3", "--reserve", "90GiB"], ["reserve", "must be less than the GPU memory"]),
     (["--model", "gpt3", "--efficiency", "0"], ["efficiency must be in (0, 1]"]),
-    (["--model", "gpt3", "--gpu", "b200"], ["unknown GPU 'b200'"]),
+    (["--model", "gpt3", "--gpu", "tpu-v5"], ["unknown GPU 'tpu-v5'", "b200", "mi300x"]),
     (["--model", "gpt3", "--explain", "t=8 q=2"], ["cannot read 'q=2'"]),
     (["--model", "gpt3", "--explain", "t=5"], ["t (5) must divide hidden (12288)"]),
     (["--heads", "8", "--hidden", "512", "--layers", "4", "--vocab", "100", "--seq-len", "64"],

@@ -55,11 +55,21 @@ def test_no_dropout_keeps_no_mask_and_no_separate_dropout_output():
 
 @pytest.mark.parametrize("name", ["22b", "530b"])
 def test_paper_scale_fake_runs_match_to_the_byte(name):
-    rows = run_fake(preset_grid(names=(name,)))
+    rows = run_fake(preset_grid(names=(name,), llama=()))
     assert judge(rows, 0.0) == []
     assert worst_error(rows) == 0
     totals = [row for row in rows if row["term"] == "total"]
     assert len(totals) == 2 and all(row["error_percent"] == 0 for row in totals)
+
+
+def test_llama_405b_fake_run_on_its_uneven_pipeline_matches_to_the_byte():
+    """Rank 0 of t = 8 holding 7 layers of 16 in flight under flash: every term exact, the
+    log-sum-exp and the RMSNorm statistics counted, no s² term anywhere."""
+    rows = run_fake(preset_grid(names=(), llama=("llama-3.1-405b",), llama_techniques=("tp-sp",)))
+    assert judge(rows, 0.0) == []
+    terms = {row["term"]: row for row in rows}
+    assert terms["softmax_lse"]["measured_bytes"] == 16 * 7 * 4 * 1 * 16 * 8192      # n·layers·4·b·(a/t)·s
+    assert terms["norm_statistics"]["kind"] == "paper" and "softmax_output" not in terms
 
 
 def test_allocated_and_pytorch_choice_rows():

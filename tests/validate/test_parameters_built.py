@@ -14,14 +14,16 @@ from actmem_validate.schedule import FirstStage  # noqa: E402
 from actmem_validate.torch_compat import fake_tensor_mode  # noqa: E402
 
 
-@pytest.mark.parametrize("name, t", [("22b", 8), ("22b", 1), ("530b", 8), ("175b", 4)])
+@pytest.mark.parametrize("name, t", [("22b", 8), ("22b", 1), ("530b", 8), ("175b", 4), ("llama-3.1-405b", 8),
+                                     ("llama-3.1-8b", 1)])
 def test_first_stage_parameters_equal_the_built_stage(name, t):
     preset = load_preset(name)
-    spec = build_spec(preset.model, preset.run | {"tensor_parallel": t, "gpus": None, "global_batch": None,
-                                                  "sequence_parallel": t > 1})
+    run = {"tensor_parallel": t, "gpus": None, "global_batch": None, "distributed_optimizer": False,
+           "sequence_parallel": t > 1}
+    spec = build_spec(preset.model, preset.run | run, architecture=preset.architecture)
     run = spec.run
     with fake_tensor_mode():                       # paper scale, no memory
         stage = FirstStage(LayerSpec.of(spec), spec.padded_vocab, TensorParallel(size=t),
-                           run.pipeline_parallel, run.interleave)
+                           run.pipeline_parallel, run.interleave, spec.stage_layers)
         built = sum(param.numel() for param in stage.parameters())
     assert estimate(spec).parameters.count == built

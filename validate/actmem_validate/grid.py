@@ -51,9 +51,10 @@ FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_gr
 
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
-               **architecture) -> Spec:
+               first_stage_layers: int | None = None, **architecture) -> Spec:
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
-    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2)
+    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2,
+               first_stage_layers=first_stage_layers)
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
                       architecture=architecture)
@@ -87,19 +88,35 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-flash", **FLASH), ["tp", "tp-sp", "tp-sp-full"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
+    # an uneven pipeline (as Llama 3 405B's): 2 layers on the first stage, 3 on the second
+    configs += configs_for(small_spec(5, 2, 2, name="small-flash", first_stage_layers=2, **FLASH), ["tp-sp"])
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
     return configs
 
 
-def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel")) -> list[Config]:
-    """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's run."""
+#: today's models at full scale: Llama 3.1 405B on its published run; 8B and 70B (model
+#: only) on 8-way tensor parallelism, 70B with a 4-stage pipeline
+LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
+              "llama-3.1-70b": dict(tensor_parallel=8, pipeline_parallel=4),
+              "llama-3.1-405b": {}}
+
+
+def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),
+                llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
+    """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's
+    run; and the Llama 3.1 models, flash attention, with and without full recompute."""
     configs = []
     for name in names:
         preset = load_preset(name)
         spec = build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
         configs += configs_for(spec, techniques)
+    for name in llama:
+        preset = load_preset(name)
+        spec = build_spec(preset.model, preset.run | LLAMA_RUNS[name], name=preset.name,
+                          architecture=preset.architecture)
+        configs += configs_for(spec, llama_techniques)
     return configs
 
 

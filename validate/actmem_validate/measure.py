@@ -54,7 +54,8 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
     layer_spec = LayerSpec.of(spec, device)
     torch.manual_seed(1234 + rank)
     with fake_tensor_mode() if fake else nullcontext():
-        stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave)
+        stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
+                           spec.stage_layers)
         with _PeakMemory(stage, device) as peak:
             result = run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave,
                                      config.microbatches, run.micro_batch, spec.padded_vocab, tp,

@@ -36,9 +36,11 @@ def first_stage_order(p: int, m: int, n: int) -> list[tuple[str, int, int]]:
 
 
 class FirstStage(nn.Module):
-    def __init__(self, spec: LayerSpec, vocab: int, tp: TensorParallel, p: int, m: int):
+    def __init__(self, spec: LayerSpec, vocab: int, tp: TensorParallel, p: int, m: int,
+                 stage_layers: int | None = None):
+        """stage_layers: the first stage's layers in an uneven pipeline (m = 1); L/p if None."""
         super().__init__()
-        per_chunk = spec.layers // (p * m)
+        per_chunk = (spec.layers // p if stage_layers is None else stage_layers) // m
         self.tp = tp
         self.embedding = Embedding(vocab, spec, tp)
         self.chunks = nn.ModuleList(nn.ModuleList(TransformerLayer(spec, tp) for _ in range(per_chunk))

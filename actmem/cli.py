@@ -47,9 +47,9 @@ class _OneLineErrors(click.Group):
 
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
-        return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: "
-                "its attention is the paper's (eager, one key and value a head, learned "
-                "positions), with no context parallelism")
+        return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet "
+                "(not yet: context parallelism, --recompute-modules, mixtures of experts, "
+                "unfused rope)")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 

@@ -8,7 +8,8 @@ from actmem import symbols
 from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_bytes
 from actmem.pipeline import StageOccupancy, first_stage_occupancy
 from actmem.spec import Spec, padded_vocab
-from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, run_technique
+from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, partial_run, run_technique
+from actmem.terms import Recompute
 from actmem.terms import TERMS, Term
 from actmem.units import plural
 from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
@@ -35,7 +36,8 @@ class TechniqueRow:
     """One technique on the first stage of this run."""
 
     technique: Technique
-    per_layer_bytes: int
+    per_layer_bytes: int | float
+    """One layer, one microbatch; with partial full recompute, the chunk's average."""
     layers_bytes: int
     """per layer x layer activations held (Eq 5, with the interleave factor)."""
     extra_bytes: int
@@ -70,7 +72,7 @@ class Estimate:
     @property
     def run_row(self) -> TechniqueRow:
         """The named technique this run is (the row the output marks)."""
-        named = matching(self.run.technique)
+        named = matching(self.run.technique) or partial_run(self.run.technique)
         return next(row for row in self.techniques if row.technique == named)
 
     @property
@@ -93,13 +95,14 @@ def estimate(spec: Spec) -> Estimate:
     """Activation, parameter and optimizer bytes on one GPU of the first pipeline stage."""
     occupancy = first_stage_occupancy(spec.model.layers, spec.run.pipeline_parallel,
                                       spec.run.interleave, spec.microbatches, spec.stage_layers)
-    run = run_technique(spec.run.sequence_parallel, spec.run.recompute)
-    arch = spec.architecture
-    terms = tuple(_term_row(term, run, occupancy, spec.bindings(), arch) for term in TERMS)
+    run = run_technique(spec.run.sequence_parallel, spec.run.recompute, spec.run.recompute_method or "uniform",
+                        spec.run.recompute_layers or 1)
+    terms = _run_terms(spec, run, occupancy)
+    rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
     return Estimate(
         spec=spec,
         occupancy=occupancy,
-        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in modelled_techniques(spec)),
+        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in rows),
         run=_technique_row(spec, run, occupancy),
         run_terms=tuple(row for row in terms if row.total_bytes),
         parameters=_parameters(spec, spec.run.tensor_parallel),
@@ -122,6 +125,32 @@ def _term_row(term, technique, occupancy, bindings, arch) -> TermRow:
     return TermRow(term, engine.exact(engine.term_bytes(term, technique, arch), bindings), count)
 
 
+def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
+    """The run's terms. With partial full recompute, a chunk's checkpoints count the layer
+    input and its whole layers count everything the same run without recompute keeps."""
+    arch, bindings = spec.architecture, spec.bindings()
+    if not run.partial:
+        return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
+    checkpoints, whole = _partial_counts(spec, run, occupancy)
+    kept = replace(run, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
+    rows = []
+    for term in TERMS:
+        row = _term_row(term, run, occupancy, bindings, arch)
+        if term.scope.value == "layer":
+            source, count = (run, checkpoints) if Recompute.FULL in term.kept_under else (kept, whole)
+            row = TermRow(term, engine.exact(engine.term_bytes(term, source, arch), bindings), count)
+        rows.append(row)
+    return tuple(rows)
+
+
+def _partial_counts(spec: Spec, run: Technique, occupancy) -> tuple[int, int]:
+    """(checkpoints, whole layers) the first stage holds: per chunk, times chunks in flight."""
+    per_chunk = spec.chunk_layers
+    chunks = occupancy.layer_activations // per_chunk
+    checkpoints, whole = run.chunk_layers(per_chunk)
+    return chunks * checkpoints, chunks * whole
+
+
 def _technique_t(spec: Spec, technique: Technique) -> int:
     """The t a technique runs at: the run's, or 1 for 'none' (no parallelism)."""
     return spec.run.tensor_parallel if technique.tensor_parallel else 1
@@ -133,8 +162,14 @@ def _technique_row(spec: Spec, technique: Technique, occupancy) -> TechniqueRow:
     bindings = spec.bindings() | {symbols.t: t,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = spec.architecture
-    per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
+    if technique.partial:
+        checkpoints, whole = _partial_counts(spec, technique, occupancy)
+        kept = replace(technique, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
+        layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
+                  + whole * engine.exact(engine.per_layer_bytes(kept, arch), bindings))
+        return TechniqueRow(technique, layers / layer_activations, layers, extra, _parameters(spec, t))
+    per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, _parameters(spec, t))
 
 

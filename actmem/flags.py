@@ -106,6 +106,12 @@ RUN_FLAGS = (
     Flag(("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
     GLOBAL_BATCH,
     GPUS,
+    Flag(("--recompute-method",), "recompute_method",
+         "with full recompute: uniform (groups of N layers, each keeping its input) or block "
+         "(the first N layers of each model chunk; the rest keep everything)",
+         click.Choice(["uniform", "block"])),
+    Flag(("--recompute-num-layers",), "recompute_layers",
+         "N for --recompute-method (default: every layer checkpointed alone, uniform 1)"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
@@ -116,8 +122,7 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--context-parallel-size", "--no-rope-fusion",
-    "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--num-experts",
+    "--context-parallel-size", "--no-rope-fusion", "--recompute-modules", "--num-experts",
     "--expert-model-parallel-size",
 })
 

@@ -26,7 +26,8 @@ MEGATRON_NAMES = frozenset({
     "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
     "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
     "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--position-embedding-type",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
+    "--recompute-num-layers", "--position-embedding-type",
     "--use-rotary-position-embeddings",
 })
 MANY = "many"
@@ -64,8 +65,6 @@ ATTENTION = ("--attention-backend", "--transformer-impl")
 BACKEND_CORES = {"local": "eager", "flash": "flash", "fused": "flash", "auto": "flash"}
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
-#: full recompute, as Megatron spells it: actmem's 'full' is every layer checkpointed alone
-RECOMPUTE_SHAPE = {"--recompute-method": "uniform", "--recompute-num-layers": "1"}
 
 
 def split(text: str) -> list[str]:
@@ -115,7 +114,7 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
             used += [name, *values]
         elif name in IGNORED:
             ignored.append(name)
-        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, *ATTENTION, *RECOMPUTE_SHAPE):
+        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, *ATTENTION):
             settings.setdefault(name, values[0] if values else True)
         else:
             (refused if name in not_modelled else unknown).append(name)
@@ -134,7 +133,7 @@ def _value_count(name: str, takes_value: dict):
         return int(takes_value[name])
     if name in IGNORED:
         return IGNORED[name]
-    return 1 if name in (MAX_POSITIONS, *ATTENTION, *RECOMPUTE_SHAPE) else 0
+    return 1 if name in (MAX_POSITIONS, *ATTENTION) else 0
 
 
 def _implied(words, settings) -> list[str]:
@@ -187,8 +186,4 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
                         f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "
                         "actmem models local (eager), flash, fused and auto (TE's flash or cuDNN kernels) "
                         "under transformer_engine, and local under the local implementation")
-    shape = {name: settings.get(name) for name in RECOMPUTE_SHAPE}
-    if any(shape.values()) and shape != RECOMPUTE_SHAPE:
-        problems.append("full recompute is modelled as --recompute-method uniform --recompute-num-layers 1 "
-                        "(every layer checkpointed alone); other methods are not modelled yet")
     return problems

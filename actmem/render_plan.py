@@ -108,6 +108,8 @@ def _plan_assumptions(req) -> list[str]:
         "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
         "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline; memory is the first stage's "
         "(actmem estimate), which holds the most",
+        "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
+        "checked with actmem estimate --first-stage-layers/--last-stage-layers",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ]

@@ -97,6 +97,9 @@ RULES = (
     Rule(lambda v: _implies(v.distributed_optimizer, v.d > 1),
          lambda v: f"the distributed optimizer shards over the data-parallel ranks: it needs "
                    f"d = gpus/(t·p) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)")),
+    Rule(lambda v: v.recompute_layers <= v.chunk_layers,
+         lambda v: f"--recompute-num-layers ({v.recompute_layers}) must not exceed the layers of a model "
+                   f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
 )
@@ -132,6 +135,10 @@ class Values:
     """Layers of an uneven pipeline's first stage (Megatron's --decoder-first-pipeline-num-layers)."""
     last: object = None
     """... and of its last stage."""
+    recompute_layers: object = None
+    """N of a partial full recompute (--recompute-num-layers), when given."""
+    chunk_layers: object = None
+    """Layers of one model chunk of the first stage, when N is given."""
     unmodelled_recompute: dict = None
     """{mode: why}: the recompute modes actmem does not model for this architecture."""
 

@@ -65,13 +65,33 @@ class Run:
     last_stage_layers: int | None = _positive(optional=True, default=None)
     """Megatron's --decoder-last-pipeline-num-layers; the stages between share the rest."""
 
+    recompute_method: str | None = None
+    """Megatron's --recompute-method, with full recompute: 'uniform' or 'block'."""
+    recompute_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --recompute-num-layers N: layers a checkpoint (uniform) or checkpointed
+    layers a model chunk (block). Neither given: every layer checkpointed alone."""
+
     def __post_init__(self):
         _require_positive_ints(self)
+        _check_recompute_shape(self)
         for name in ("sequence_parallel", "distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
             raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
+
+
+def _check_recompute_shape(run) -> None:
+    shape = (run.recompute_method, run.recompute_layers)
+    if shape == (None, None):
+        return
+    if run.recompute is not Recompute.FULL:
+        raise SpecError("--recompute-method and --recompute-num-layers shape full recompute; "
+                        f"this run's recompute is {getattr(run.recompute, 'value', run.recompute)}")
+    if None in shape:
+        raise SpecError("give --recompute-method and --recompute-num-layers together, as Megatron requires")
+    if run.recompute_method not in ("uniform", "block"):
+        raise SpecError(f"recompute_method must be uniform or block, got {run.recompute_method!r}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +126,14 @@ class Spec:
             n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
             groups=self.architecture.query_groups, recompute=run.recompute.value,
             first=run.first_stage_layers, last=run.last_stage_layers,
+            recompute_layers=run.recompute_layers if run.recompute_method else None,
+            chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads))
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers in one model chunk of the first stage: its layers / m."""
+        return self.stage_layers // self.run.interleave
 
     @property
     def stage_layers(self) -> int:

@@ -1,6 +1,6 @@
 """The six techniques of Table 2, as switches, and full recompute under sequence parallelism."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actmem.terms import Recompute
 
@@ -14,6 +14,26 @@ class Technique:
     """Split the block boundaries along the sequence t ways (Figure 5)."""
     recompute: Recompute
     label: str
+    recompute_method: str = "uniform"
+    """Full recompute as Megatron groups it: 'uniform' checkpoints groups of
+    ``recompute_layers`` layers (each keeps its group's input); 'block' checkpoints the
+    first ``recompute_layers`` layers of each model chunk and keeps everything of the rest."""
+    recompute_layers: int = 1
+    """N of --recompute-num-layers; uniform with N = 1 is every layer alone (the paper's)."""
+
+    @property
+    def partial(self) -> bool:
+        """Full recompute other than every layer checkpointed alone."""
+        return self.recompute is Recompute.FULL and (self.recompute_method, self.recompute_layers) != ("uniform", 1)
+
+    def chunk_layers(self, per_chunk: int) -> tuple[int, int]:
+        """(checkpoints, layers kept whole) in a model chunk of per_chunk layers."""
+        if self.recompute is not Recompute.FULL:
+            return 0, per_chunk
+        if self.recompute_method == "block":
+            recomputed = min(self.recompute_layers, per_chunk)
+            return recomputed, per_chunk - recomputed
+        return -(-per_chunk // self.recompute_layers), 0
 
     def __post_init__(self):
         if self.sequence_parallel and not self.tensor_parallel:
@@ -40,13 +60,25 @@ BY_NAME = {technique.name: technique for technique in TECHNIQUES}
 BASELINE = BY_NAME["tp"]
 
 
-def run_technique(sequence_parallel: bool, recompute: Recompute) -> Technique:
+def run_technique(sequence_parallel: bool, recompute: Recompute, method: str = "uniform",
+                  layers: int = 1) -> Technique:
     """The technique of a user's own run: tensor parallel (t may be 1) with its own flags."""
-    return Technique("run", True, sequence_parallel, recompute, "this run")
+    return Technique("run", True, sequence_parallel, recompute, "this run", method, layers)
 
 
-def matching(technique: Technique) -> Technique:
-    """The named technique with the same switches as a run's (t > 1 or not aside)."""
-    return next(named for named in TECHNIQUES if named.tensor_parallel and
-                (named.sequence_parallel, named.recompute) == (technique.sequence_parallel,
-                                                              technique.recompute))
+def matching(technique: Technique) -> Technique | None:
+    """The named technique with the same switches as a run's (t > 1 or not aside); None for
+    a partial full recompute, which no named row is."""
+    return next((named for named in TECHNIQUES if named.tensor_parallel and
+                 (named.sequence_parallel, named.recompute, named.recompute_method, named.recompute_layers)
+                 == (technique.sequence_parallel, technique.recompute, technique.recompute_method,
+                     technique.recompute_layers)), None)
+
+
+def partial_run(technique: Technique) -> Technique:
+    """A row for a run with partial full recompute: 'tp-sp-full·block 2'."""
+    base = matching(replace(technique, recompute_method="uniform", recompute_layers=1))
+    shape = f"{technique.recompute_method} {technique.recompute_layers}"
+    return replace(technique, name=f"{base.name}·{shape}",
+                   label=f"{base.label}, {shape} (Megatron's --recompute-method "
+                         f"{technique.recompute_method} --recompute-num-layers {technique.recompute_layers})")

@@ -148,3 +148,25 @@ def test_llama_3_1_405b_on_its_published_run_by_hand(actmem):
 ])
 def test_uneven_pipelines_that_do_not_add_up_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", "llama-3.1-405b", *args), fragment)
+
+
+def test_partial_full_recompute_on_22b_by_hand(actmem):
+    """22B (s 2048, b 4, h 6144, a 64), t 8, SP, one stage of 48 layers, one microbatch.
+    sbh/t = 6,291,456. A checkpoint is 2sbh/t = 12,582,912 B; a whole layer sbh/t·(34 + 5as/h)
+    = 6,291,456 · (34 + 320/3) = 884,998,144 B. Block 24: 24 of each = 21,541,945,344 B.
+    Uniform 4: 12 groups, each keeping its input: 150,994,944 B."""
+    base = ("estimate", "--model", "22b", "--recompute", "full", "--recompute-method")
+    block = actmem.json(*base, "block", "--recompute-num-layers", "24")
+    run = next(row for row in block["techniques"] if row["is_run"])
+    assert run["layers_bytes"] == 24 * 12_582_912 + 24 * 884_998_144 == 21_541_945_344
+    uniform = actmem.json(*base, "uniform", "--recompute-num-layers", "4")
+    run = next(row for row in uniform["techniques"] if row["is_run"])
+    assert run["layers_bytes"] == 12 * 12_582_912 == 150_994_944
+    checkpoints = next(row for row in uniform["run_terms"] if row["term"] == "layer_input_checkpoint")
+    assert checkpoints["count"] == 12
+
+
+def test_recompute_shape_needs_full_recompute(actmem):
+    assert_one_line_error(actmem("estimate", "--model", "22b", "--recompute-method", "block",
+                                 "--recompute-num-layers", "2"),
+                          "shape full recompute; this run's recompute is selective")

@@ -77,8 +77,8 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
     ("--tp 8", ["unknown to actmem: --tp"]),
     ("--gpu-memory 40GB", ["unknown to actmem: --gpu-memory"]),
     ("--make-vocab-size-divisible-by 0", ["vocab_divisible_by must be a positive integer, got 0"]),
-    ("--recompute-granularity full --recompute-method block --recompute-num-layers 2",
-     ["other methods are not modelled yet"]),
+    ("--recompute-method block --recompute-num-layers 2",
+     ["shape full recompute; this run's recompute is selective"]),
 ])
 def test_paste_mistakes_reviewers_found(actmem, extra, fragments):
     """An argument missing its value no longer swallows the next one; actmem's own spellings
@@ -104,3 +104,25 @@ def test_paste_forms_that_megatron_reads(actmem, tmp_path):
     binary = tmp_path / "args.bin"
     binary.write_bytes(b"--bf16 \xff\xfe")
     assert_one_line_error(actmem("estimate", "--megatron-args", f"@{binary}"), "not UTF-8 text")
+
+
+def test_partial_full_recompute_as_megatron_spells_it(actmem):
+    """--recompute-method block --recompute-num-layers 8 on Llama-8B-like dims at t = 8 with
+    SP, 32 layers on one stage: 8 layers keep their input (2sbh/t = 8,388,608 B each), the
+    other 24 keep everything the same run without recompute keeps."""
+    base = BASE.replace("--recompute-activations", "")
+    full = actmem.json("estimate", "--megatron-args", base + " --recompute-granularity full")
+    none = actmem.json("estimate", "--megatron-args", base)
+    block = actmem.json("estimate", "--megatron-args", base + " --recompute-granularity full "
+                        "--recompute-method block --recompute-num-layers 8")
+    per_layer = {row["technique"]: row["per_layer_bytes"] for row in none["techniques"]}
+    run = next(row for row in block["techniques"] if row["is_run"])
+    assert run["technique"] == "tp-sp-full·block 8"
+    assert run["layers_bytes"] == 8 * 2 * 8192 * 4096 // 8 + 24 * per_layer["tp-sp"]
+    assert full["run"]["recompute"] == block["run"]["recompute"] == "full"
+    too_many = base + " --recompute-granularity full --recompute-method block --recompute-num-layers 64"
+    assert_one_line_error(actmem("estimate", "--megatron-args", too_many),
+                          "--recompute-num-layers (64) must not exceed the layers of a model chunk on the "
+                          "first stage (32)")
+    assert_one_line_error(actmem("estimate", "--megatron-args", base + " --recompute-granularity full "
+                                 "--recompute-method block"), "give --recompute-method and --recompute-num-layers together")

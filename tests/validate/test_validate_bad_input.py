@@ -28,6 +28,8 @@ SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "-
     ([*SMALL, "--tp", "2", "--no-sp"], ["drop --no-sp"]),
     ([*SMALL, "--gpus", "64", "--global-batch", "512"], ["drop", "--gpus", "--global-batch"]),
     ([*SMALL, "--gpu-memory", "40GiB"], ["drop --gpu-memory"]),
+    ([*SMALL, "--tp", "2", "--techniques", "tp,full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+     ["shape full recompute: measure them with full or tp-sp-full, not tp"]),
 ])
 
 def test_validate_bad_input(actmem, args, fragments):

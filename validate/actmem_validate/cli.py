@@ -119,11 +119,17 @@ def _configs(grid, techniques, microbatches, flags):
     if ignored:
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
-    spec = build_spec_from_flags(flags)
+    shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
+    spec = build_spec_from_flags(dict(flags, recompute="full") if shaped else flags)
     if techniques is None:
         chosen = grids.default_techniques(spec.run.tensor_parallel)
+        chosen = [t for t in chosen if t.recompute.value == "full"] if shaped else chosen
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
+    partial = [t.name for t in chosen if t.recompute.value != "full"] if shaped else []
+    if partial:
+        raise SpecError(f"--recompute-method and --recompute-num-layers shape full recompute: measure them "
+                        f"with full or tp-sp-full, not {', '.join(partial)}")
     return grids.configs_for(spec, chosen, microbatches)
 
 

@@ -42,16 +42,27 @@ def expected_residuals(spec, occupancy) -> dict:
     per microbatch whose embedding is held, and once for the loss when p = 1."""
     s, b, run, arch = spec.model.seq_len, spec.run.micro_batch, spec.run, spec.architecture
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
-    layer_norms = 0 if run.recompute is Recompute.FULL else 2    # full recompute: inside the checkpoint
+    layer_norms = 2 * _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
     per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma
     counted = arch.attention_core == "flash"      # terms of the table on the flash path
     return {
-        "norm_statistics": 0 if counted else layer_norms * occupancy.layer_activations * per_norm,
+        "norm_statistics": 0 if counted else layer_norms * per_norm,
         "final_norm_statistics": 0 if counted else int(occupancy.holds_output_layer) * per_norm,
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,
         "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
     }
+
+
+def _whole_layers(spec, occupancy) -> int:
+    """Layers held whole (not inside a full-recompute checkpoint) on the first stage."""
+    run = spec.run
+    if run.recompute is not Recompute.FULL:
+        return occupancy.layer_activations
+    if run.recompute_method != "block":
+        return 0
+    per_chunk = spec.chunk_layers
+    return occupancy.layer_activations // per_chunk * (per_chunk - min(run.recompute_layers, per_chunk))
 
 
 def _kind(name: str, residuals: dict) -> str:

@@ -40,6 +40,8 @@ class LayerSpec:
     head_dim: int | None = None       # d; None: h/a
     attention_core: str = "eager"     # eager | flash
     position_embedding: str = "learned"   # learned | rope | none
+    recompute_method: str = "uniform"     # with full recompute: uniform | block
+    recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -48,7 +50,8 @@ class LayerSpec:
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
-                   arch.head_dim, arch.attention_core, arch.position_embedding)
+                   arch.head_dim, arch.attention_core, arch.position_embedding,
+                   spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1)
 
     @property
     def ffn_hidden(self) -> int:
@@ -211,6 +214,36 @@ class TransformerLayer(nn.Module):
             label(x, "layer_input_checkpoint")
             return checkpoint(self._forward, x, use_reentrant=True)   # keeps x only
         return self._forward(x)
+
+
+def run_layers(layers, x):
+    """A model chunk's layers, checkpointed as Megatron's TransformerBlock does under full
+    recompute (_checkpointed_forward): 'uniform' checkpoints groups of N layers, each group
+    keeping only its input; 'block' checkpoints the first N layers one by one and runs the
+    rest whole. N = 1, uniform: every layer checkpointed alone (TransformerLayer.forward)."""
+    if not layers:
+        return x
+    spec = layers[0].spec
+    if spec.recompute != "full" or (spec.recompute_method, spec.recompute_layers) == ("uniform", 1):
+        for layer in layers:
+            x = layer(x)
+        return x
+    n = spec.recompute_layers
+    if spec.recompute_method == "block":
+        for index, layer in enumerate(layers):
+            x = layer(x) if index < n else layer._forward(x)
+        return x
+    for start in range(0, len(layers), n):
+        group = layers[start:start + n]
+        label(x, "layer_input_checkpoint")
+        x = checkpoint(_run_group, x, *group, use_reentrant=True)   # keeps the group's input only
+    return x
+
+
+def _run_group(x, *layers):
+    for layer in layers:
+        x = layer._forward(x)
+    return x
 
 
 class Embedding(nn.Module):

@@ -51,10 +51,12 @@ FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_gr
 
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
-               first_stage_layers: int | None = None, **architecture) -> Spec:
+               first_stage_layers: int | None = None, recompute: tuple = (None, None), **architecture) -> Spec:
+    """recompute: (method, N) of a partial full recompute; the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2,
-               first_stage_layers=first_stage_layers)
+               first_stage_layers=first_stage_layers, recompute_method=recompute[0],
+               recompute_layers=recompute[1], recompute="full" if recompute[0] else "none")
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
                       architecture=architecture)
@@ -90,6 +92,10 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
     # an uneven pipeline (as Llama 3 405B's): 2 layers on the first stage, 3 on the second
     configs += configs_for(small_spec(5, 2, 2, name="small-flash", first_stage_layers=2, **FLASH), ["tp-sp"])
+    # partial full recompute (Megatron's --recompute-method): block 1 of 3 layers a chunk
+    # (interleaved), uniform groups of 2 (the last group of 1), eager and flash
+    configs += configs_for(small_spec(12, 2, 2, 2, recompute=("block", 1)), ["tp-sp-full"])
+    configs += configs_for(small_spec(6, 2, 2, recompute=("uniform", 2), name="small-flash", **FLASH), ["tp-sp-full"])
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)

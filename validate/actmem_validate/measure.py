@@ -32,8 +32,9 @@ class Config:
     @property
     def label(self) -> str:
         run = self.spec.run
+        shape = f" {run.recompute_method} {run.recompute_layers}" if run.recompute_method else ""
         return (f"{self.spec.name} t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
-                f"b={run.micro_batch} n={self.microbatches} {self.technique.name}")
+                f"b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
 
 
 def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from actmem_validate.gpt import Embedding, LayerSpec, OutputHead, TransformerLayer
+from actmem_validate.gpt import Embedding, LayerSpec, OutputHead, TransformerLayer, run_layers
 from actmem_validate.ledger import Ledger
 from actmem_validate.parallel import TensorParallel
 
@@ -50,8 +50,7 @@ class FirstStage(nn.Module):
     def forward_chunk(self, chunk: int, x, tokens, targets):
         if chunk == 0:
             x = self.embedding(tokens)
-        for layer in self.chunks[chunk]:
-            x = layer(x)
+        x = run_layers(self.chunks[chunk], x)
         if self.head is not None and chunk == len(self.chunks) - 1:
             return self.head(x, targets)
         return x

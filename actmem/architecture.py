@@ -13,7 +13,7 @@ from actmem.errors import SpecError
 PAPER_DROPOUT = 0.1   # the GPT models of the paper train with dropout 0.1
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
-ATTENTION_CORES = ("eager", "flash")
+ATTENTION_CORES = ("eager", "flash", "flash-attn")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
 
 
@@ -44,9 +44,10 @@ class Architecture:
     head_dim: int | None = None
     """d (Megatron's --kv-channels); None: h/a."""
     attention_core: str = "eager"
-    """'eager' (the paper's: QKᵀ, softmax, dropout, ·V, keeping the s² softmax output) or
-    'flash' (FlashAttention / cuDNN fused attention / SDPA's flash kernel: keeps q, k, v,
-    its output and an fp32 log-sum-exp; no s² term)."""
+    """'eager' (the paper's: QKᵀ, softmax, dropout, ·V, keeping the s² softmax output);
+    'flash' (TE's cuDNN fused attention, Megatron-Core's default on Hopper: keeps q, k, v,
+    its output and an fp32 log-sum-exp; no s² term); 'flash-attn' (the flash-attn package
+    through TE, which at b > 1 also keeps a contiguous copy of its output)."""
     position_embedding: str = "learned"
     """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
     parameters; modelled under the flash core only) or 'none'."""
@@ -72,6 +73,9 @@ class Architecture:
         for name in ("bias", "tied_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.qkv_bias is False and self.bias:
+            raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
+                            "it (its QKV bias is add_bias_linear or add_qkv_bias)")
         if self.position_embedding == "rope" and self.attention_core == "eager":
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
@@ -108,7 +112,7 @@ class Architecture:
 
     def unmodelled_recompute(self, heads=None) -> dict:
         """{recompute mode: why actmem does not model it for this architecture}."""
-        if self.attention_core == "flash":
+        if self.attention_core != "eager":
             return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
                                  "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "
                                  "output that actmem does not count yet: choose none or full"}
@@ -123,9 +127,9 @@ class Architecture:
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
         head = "" if self.head_dim is None else f"d = {self.head_dim} · "
-        core = "" if self.attention_core == "eager" else "flash attention · "
-        rope = "" if self.position_embedding == "learned" else "rope · "
-        return (f"{core}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
+        core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
+        rope = {"learned": "", "rope": "rope · ", "none": "no positions · "}[self.position_embedding]
+        return (f"{core[self.attention_core]}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
                 f"{self.biases} · {'tied' if self.tied_output else 'untied'} output")
 
     @property
@@ -181,7 +185,12 @@ def eager_with_attention_dropout(arch: Architecture) -> bool:
 
 def flash(arch: Architecture) -> bool:
     """the attention core is flash"""
-    return arch.attention_core == "flash"
+    return arch.attention_core in ("flash", "flash-attn")
+
+
+def flash_attn(arch: Architecture) -> bool:
+    """the attention core is flash-attn through TE"""
+    return arch.attention_core == "flash-attn"
 
 
 def learned_positions(arch: Architecture) -> bool:

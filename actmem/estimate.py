@@ -64,6 +64,21 @@ class Estimate:
     run_terms: tuple
     parameters: ParameterBytes
     assumptions: tuple
+    later_stages: tuple = ()
+    """An uneven pipeline's other stages (actmem.stages), each with its own load; empty when
+    the stages are even and the first holds the most."""
+
+    @property
+    def busiest_stage(self):
+        """The later stage that holds more than the first, if any (an uneven pipeline)."""
+        heavier = [stage for stage in self.later_stages if stage.total_bytes > self.total_bytes]
+        return max(heavier, key=lambda stage: stage.total_bytes, default=None)
+
+    @property
+    def verdict_bytes(self) -> int:
+        """What the busiest GPU holds: the first stage's total, or a heavier later stage's."""
+        busiest = self.busiest_stage
+        return self.total_bytes if busiest is None else busiest.total_bytes
 
     @property
     def baseline(self) -> TechniqueRow:
@@ -85,7 +100,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.spec.gpu_memory_bytes
+        return self.verdict_bytes <= self.spec.gpu_memory_bytes
 
     def technique_fits(self, row: TechniqueRow) -> bool:
         return row.total_bytes <= self.spec.gpu_memory_bytes
@@ -99,15 +114,25 @@ def estimate(spec: Spec) -> Estimate:
                         spec.run.recompute_layers or 1)
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
+    run_row = _technique_row(spec, run, occupancy)
     return Estimate(
         spec=spec,
         occupancy=occupancy,
         techniques=tuple(_technique_row(spec, tech, occupancy) for tech in rows),
-        run=_technique_row(spec, run, occupancy),
+        run=run_row,
         run_terms=tuple(row for row in terms if row.total_bytes),
         parameters=_parameters(spec, spec.run.tensor_parallel),
         assumptions=_assumptions(spec, occupancy),
+        later_stages=_later_stages(spec, run, run_row),
     )
+
+
+def _later_stages(spec: Spec, run: Technique, run_row: TechniqueRow) -> tuple:
+    if spec.run.first_stage_layers is None and spec.run.last_stage_layers is None:
+        return ()
+    from actmem.stages import later_stages
+
+    return later_stages(spec, run, run_row.per_layer_bytes, spec.padded_vocab)
 
 
 def modelled_techniques(spec: Spec) -> tuple:
@@ -198,9 +223,12 @@ def _attention_notes(spec: Spec) -> list:
     if arch.attention_core == "eager":
         return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): "
                 "keeps the s² softmax output"]
-    notes = ["attention core: flash (Transformer Engine's cuDNN fused attention or flash-attn; "
-             "Megatron-Core's default): keeps q, k, v, its output and an fp32 log-sum-exp, no s² "
-             "term; its 16-byte RNG state per layer is not counted"]
+    notes = ["attention core: flash (Transformer Engine's cuDNN fused attention, Megatron-Core's default "
+             "on Hopper and newer): keeps q, k, v, its output and an fp32 log-sum-exp, no s² term; its "
+             "16-byte RNG state per layer is not counted" if arch.attention_core == "flash" else
+             "attention core: flash-attn through Transformer Engine: keeps q, k, v, its output and an fp32 "
+             "log-sum-exp, no s² term, and at b > 1 the projection's input is a copy of that output; its "
+             "16-byte RNG state per layer is not counted"]
     if arch.attention_dropout:
         notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
                      "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "

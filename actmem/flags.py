@@ -80,11 +80,11 @@ ARCHITECTURE_FLAGS = (
          "an output layer with weights of its own (Megatron's switch; default: tied to the "
          "word embedding)", constant=False),
     Flag(("--attention-core",), "attention_core",
-         "eager (default, the paper's: keeps the s² softmax output) or flash (FlashAttention / "
-         "cuDNN: keeps q, k, v, its output and an fp32 log-sum-exp)",
-         click.Choice(["eager", "flash"], case_sensitive=False)),
-    Flag(("--use-flash-attn",), "attention_core", "Megatron's switch for --attention-core flash",
-         constant="flash"),
+         "eager (default, the paper's: keeps the s² softmax output), flash (TE's cuDNN kernel: "
+         "keeps q, k, v, its output and an fp32 log-sum-exp) or flash-attn (the same, and at "
+         "b > 1 a copy of its output)", click.Choice(["eager", "flash", "flash-attn"], case_sensitive=False)),
+    Flag(("--use-flash-attn",), "attention_core", "Megatron's switch for --attention-core flash-attn",
+         constant="flash-attn"),
     Flag(("--position-embedding", "--position-embedding-type"), "position_embedding",
          "learned (default, an s·h table), rope (rotary; flash core only) or none; Megatron's "
          "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
@@ -242,6 +242,10 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     notes = preset.notes if preset else ()
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)
+    rows = preset.position_table if preset else None
+    if rows and architecture.get("position_embedding", "learned") == "learned" and model.get("seq_len") != rows:
+        raise SpecError(f"{preset.source}: its learned position table has {rows:,} rows, and actmem sizes it at "
+                        f"the sequence length (--seq-len {model.get('seq_len')}); give --seq-len {rows}")
     return (preset.name if preset else "custom"), model, run, architecture, notes
 
 
@@ -329,8 +333,8 @@ def build_spec_from_flags(flags: dict):
     if flags["vocab_divisible_by"] is not None:
         options["vocab_divisible_by"] = flags["vocab_divisible_by"]
     if pasted.get("ignored"):
-        options["notes"] = (f"Megatron arguments ignored, as they cannot change memory: "
-                            f"{', '.join(pasted['ignored'])}",)
+        options["notes"] = notes + (f"Megatron arguments ignored, as they cannot change memory: "
+                                    f"{', '.join(pasted['ignored'])}",)
     return build_spec(model, run, name=name, architecture=architecture, **options)
 
 

@@ -38,7 +38,9 @@ def read_hf_config(path: Path) -> dict:
                         f"{', '.join(SUPPORTED)}")
     model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt2": _gpt2,
                                   "gpt_neox": _gpt_neox}[kind](config, path)
+    learned_rows = model["seq_len"] if architecture.get("position_embedding") == "learned" else None
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
+                position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
                 notes=(f"{path.name}: {kind}, read as Megatron-Core with Transformer Engine would run it "
                        "(flash attention)",) + notes[1:], seq_len_note=notes[0])
@@ -57,11 +59,29 @@ def _load(path: Path) -> dict:
 
 
 def _need(config: dict, path: Path, key: str, kind=int):
+    """A positive integer the config must give."""
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise SpecError(f"{path}: {key} must be {'an integer' if kind is int else kind.__name__}, "
-                        f"got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise SpecError(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _probability(config: dict, path: Path, key: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SpecError(f"{path}: {key} must be a probability in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _switch(config: dict, path: Path, key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _optional_int(config: dict, path: Path, key: str):
+    return None if config.get(key) is None else _need(config, path, key)
 
 
 def _dims(config, path, heads, hidden, layers, positions) -> dict:
@@ -87,25 +107,25 @@ def _llama(config, path):
         raise SpecError(f"{path}: hidden_act {act!r}: actmem models the gated MLP with silu (SwiGLU) only")
     model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers",
                   "max_position_embeddings")
-    groups = config.get("num_key_value_heads") or model["heads"]
-    head_dim = config.get("head_dim") or model["hidden"] // model["heads"]
-    attention_bias = kind == "qwen2" or bool(config.get("attention_bias", False))
-    mlp_bias = bool(config.get("mlp_bias", False))
+    groups = _optional_int(config, path, "num_key_value_heads") or model["heads"]
+    head_dim = _optional_int(config, path, "head_dim") or model["hidden"] // model["heads"]
+    attention_bias = kind == "qwen2" or _switch(config, path, "attention_bias", False)
+    mlp_bias = _switch(config, path, "mlp_bias", False)
     if kind == "llama" and attention_bias != mlp_bias:
         raise SpecError(f"{path}: attention_bias and mlp_bias differ; actmem models biases on all the "
                         "linear layers, none, or on the QKV linear only")
     architecture = dict(
         ffn_hidden=_need(config, path, "intermediate_size"), activation="swiglu", normalization="rmsnorm",
         bias=mlp_bias, qkv_bias=attention_bias if attention_bias != mlp_bias else None,
-        tied_output=bool(config.get("tie_word_embeddings", False)),
+        tied_output=_switch(config, path, "tie_word_embeddings", False),
         query_groups=None if groups == model["heads"] else groups,
         head_dim=None if head_dim * model["heads"] == model["hidden"] else head_dim,
-        position_embedding="rope", attention_dropout=float(config.get("attention_dropout", 0.0)),
+        position_embedding="rope", attention_dropout=_probability(config, path, "attention_dropout", 0.0),
         hidden_dropout=0.0)
     notes = _seq_note(config, "max_position_embeddings")
-    if config.get("sliding_window") and config.get("use_sliding_window", kind == "mistral"):
-        notes += (f"sliding window {config['sliding_window']:,}: flash attention keeps the same "
-                  "tensors with or without it",)
+    window = _optional_int(config, path, "sliding_window")
+    if window and config.get("use_sliding_window", kind == "mistral"):
+        notes += (f"sliding window {window:,}: flash attention keeps the same tensors with or without it",)
     return model, architecture, notes
 
 
@@ -114,13 +134,18 @@ def _gpt2(config, path):
     biases, learned positions, output tied to the embedding (GPT2LMHeadModel ties always);
     attn_pdrop on the probabilities, resid_pdrop and embd_pdrop on the hidden states."""
     model = _dims(config, path, "n_head", "n_embd", "n_layer", "n_positions")
-    hidden, embedding = config.get("resid_pdrop", 0.1), config.get("embd_pdrop", 0.1)
+    act = config.get("activation_function", "gelu_new")
+    if not str(act).startswith("gelu"):
+        raise SpecError(f"{path}: activation_function {act!r}: actmem models gelu for gpt2")
+    hidden = _probability(config, path, "resid_pdrop", 0.1)
+    embedding = _probability(config, path, "embd_pdrop", 0.1)
     if hidden != embedding:
         raise SpecError(f"{path}: resid_pdrop ({hidden}) and embd_pdrop ({embedding}) differ; actmem "
                         "has one hidden dropout")
-    architecture = dict(ffn_hidden=config.get("n_inner") or None, activation="gelu", normalization="layernorm",
-                        bias=True, tied_output=True, position_embedding="learned",
-                        attention_dropout=float(config.get("attn_pdrop", 0.1)), hidden_dropout=float(hidden))
+    architecture = dict(ffn_hidden=_optional_int(config, path, "n_inner"), activation="gelu",
+                        normalization="layernorm", bias=True,
+                        tied_output=_switch(config, path, "tie_word_embeddings", True), position_embedding="learned",
+                        attention_dropout=_probability(config, path, "attn_pdrop", 0.1), hidden_dropout=hidden)
     return model, architecture, _seq_note(config, "n_positions")
 
 
@@ -128,7 +153,7 @@ def _gpt_neox(config, path):
     """GPTNeoXConfig: LayerNorm, GeLU MLP of intermediate_size, biases (attention_bias), rope
     on rotary_pct of each head (the same tensors), untied by default. Its parallel residual
     (use_parallel_residual, on by default) is not Megatron-Core's sequential layer: refused."""
-    if config.get("use_parallel_residual", True):
+    if _switch(config, path, "use_parallel_residual", True):
         raise SpecError(f"{path}: use_parallel_residual: attention and MLP side by side keep different "
                         "tensors from Megatron-Core's sequential layer, and actmem does not model them yet")
     act = config.get("hidden_act", "gelu")
@@ -136,12 +161,12 @@ def _gpt_neox(config, path):
         raise SpecError(f"{path}: hidden_act {act!r}: actmem models gelu for gpt_neox")
     model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers",
                   "max_position_embeddings")
-    if not config.get("attention_bias", True):
+    if not _switch(config, path, "attention_bias", True):
         raise SpecError(f"{path}: attention_bias false leaves the MLP's biases on; actmem models biases "
                         "on all the linear layers, none, or on the QKV linear only")
     architecture = dict(ffn_hidden=_need(config, path, "intermediate_size"), activation="gelu",
                         normalization="layernorm", bias=True,
-                        tied_output=bool(config.get("tie_word_embeddings", False)), position_embedding="rope",
-                        attention_dropout=float(config.get("attention_dropout", 0.0)),
-                        hidden_dropout=float(config.get("hidden_dropout", 0.0)))
+                        tied_output=_switch(config, path, "tie_word_embeddings", False), position_embedding="rope",
+                        attention_dropout=_probability(config, path, "attention_dropout", 0.0),
+                        hidden_dropout=_probability(config, path, "hidden_dropout", 0.0))
     return model, architecture, _seq_note(config, "max_position_embeddings")

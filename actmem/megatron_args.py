@@ -60,9 +60,11 @@ GQA_SWITCH = "--group-query-attention"
 MAX_POSITIONS = "--max-position-embeddings"
 #: what decides the attention core (Megatron's defaults: auto, transformer_engine)
 ATTENTION = ("--attention-backend", "--transformer-impl")
-#: --attention-backend -> actmem's core: TE's flash and cuDNN fused kernels keep the same
-#: tensors (q, k, v, out, log-sum-exp), and auto picks one of them on a GPU that has them
-BACKEND_CORES = {"local": "eager", "flash": "flash", "fused": "flash", "auto": "flash"}
+#: --attention-backend -> actmem's core: fused is TE's cuDNN kernel, flash the flash-attn
+#: package (a copy of its output at b > 1), auto what TE picks on Hopper and newer: cuDNN
+#: (dot_product_attention/utils.py prefers FusedAttention there; on Ampere it picks
+#: flash-attn: give --attention-backend flash)
+BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "auto": "flash"}
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
 
@@ -138,17 +140,14 @@ def _value_count(name: str, takes_value: dict):
 
 def _implied(words, settings) -> list[str]:
     """What Megatron makes of the settings: --group-query-attention alone means g = 1; the
-    attention backend and implementation choose the core; --no-position-embedding without
-    rope means no positions at all."""
+    attention backend and implementation choose the core."""
     implied = []
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
         implied += ["--num-query-groups", "1"]
     core = attention_core(settings)
-    if core is not None:
+    legacy_switch = "--use-flash-attn" in words and "--attention-backend" not in settings
+    if core is not None and not legacy_switch:      # --use-flash-attn alone: Megatron's flash backend
         implied += ["--attention-core", core]
-    rope = "--use-rotary-position-embeddings" in words or _value_after(words, "--position-embedding-type") == "rope"
-    if NO_POSITION_TABLE in settings and not rope:
-        implied += ["--position-embedding-type", "none"]
     return implied
 
 
@@ -181,6 +180,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
         problems.append("give one of --bf16 or --fp16: actmem counts 16-bit activations" if precision else
                         "neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
                         "16-bit activations")
+    rope = "--use-rotary-position-embeddings" in words or _value_after(words, "--position-embedding-type") == "rope"
+    if NO_POSITION_TABLE in settings and not rope:
+        problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
+                        "(--position-embedding-type rope); for none, give --position-embedding-type none")
     if attention_core(settings) is None:
         problems.append(f"--transformer-impl {settings.get('--transformer-impl', 'transformer_engine')} with "
                         f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "

@@ -28,6 +28,8 @@ class Preset:
     """What the estimate should repeat about how the file was read (a config.json's)."""
     seq_len_note: str = ""
     """Where s came from when the file only gives the longest context (a config.json)."""
+    position_table: int | None = None
+    """Rows of a learned position table the file fixes (gpt2's n_positions): s must equal it."""
 
 
 def preset_dir() -> Path:

@@ -124,11 +124,19 @@ def _memory_table(est: Estimate) -> Table:
 
 def _verdict(est: Estimate) -> Text:
     budget = est.spec.gpu_memory_bytes
-    used = est.total_bytes / budget
-    left = budget - est.total_bytes
-    text = Text("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
+    used = est.verdict_bytes / budget
+    left = budget - est.verdict_bytes
+    text = Text()
+    busiest = est.busiest_stage
+    if busiest is not None:
+        text.append(f"uneven pipeline: stage {busiest.stage} holds more than the first ({busiest.layers} "
+                    f"layers x {busiest.microbatches} microbatches in flight, "
+                    f"{gib(busiest.activations_bytes):,.2f} GiB of activations and "
+                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of parameters and optimizer state); "
+                    f"the verdict is stage {busiest.stage}'s\n", style="yellow")
+    text.append("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
     text.append_text(_bar(used, width=30, style="green" if est.fits else "red"))
-    text.append(f" {gib(est.total_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%), "
+    text.append(f" {gib(est.verdict_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%), "
                 f"{gib(abs(left)):,.2f} GiB {'spare' if left >= 0 else 'over'}\n")
     return text
 

@@ -33,10 +33,20 @@ def records(est: Estimate) -> dict:
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
         "gpu_memory_bytes": spec.gpu_memory_bytes,
-        "headroom_bytes": spec.gpu_memory_bytes - est.total_bytes,
+        "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
+        "busiest_stage": _stage(est.busiest_stage),
         "fits": est.fits,
         "assumptions": list(est.assumptions),
     }
+
+
+def _stage(stage) -> dict | None:
+    """A later stage of an uneven pipeline that holds more than the first (the verdict's)."""
+    if stage is None:
+        return None
+    return {"stage": stage.stage, "layers": stage.layers, "microbatches": stage.microbatches,
+            "activations_bytes": stage.activations_bytes, "parameters_bytes": stage.parameters.total_bytes,
+            "total_bytes": stage.total_bytes}
 
 
 def _technique(row, est: Estimate) -> dict:
@@ -65,6 +75,8 @@ def settings(est: Estimate) -> list[dict]:
     rows += [(key, value) for key, value in rec["model"].items() if key != "name"]
     rows += list(rec["architecture"].items())
     rows += list(rec["run"].items())
+    if rec["busiest_stage"] is not None:
+        rows += [(f"busiest_stage_{key}", value) for key, value in rec["busiest_stage"].items()]
     rows += [("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("fits", rec["fits"])]
     return [{"setting": key, "value": "" if value is None else str(value).lower()
              if isinstance(value, bool) else str(value)} for key, value in rows]
@@ -101,8 +113,10 @@ def to_markdown(est: Estimate) -> str:
     title = {"settings": "Model and run", "techniques": "Table 2 techniques, first pipeline stage",
              "run_terms": "This run, term by term", "memory": "Memory per GPU"}
     verdict = "fits" if est.fits else "does not fit"
-    head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.total_bytes / 2**30:,.2f} of "
-            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of the first stage.\n")
+    busiest = est.busiest_stage
+    where = "the first stage" if busiest is None else f"stage {busiest.stage}, the busiest of an uneven pipeline"
+    head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
+            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of {where}.\n")
     parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in _frames(est).items()]
     notes = "\n".join(f"- {note}" for note in est.assumptions)
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"

@@ -12,8 +12,8 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import PAPER, always, eager, eager_with_attention_dropout, flash, gelu, \
-    hidden_dropout, swiglu
+from actmem.architecture import PAPER, always, eager, eager_with_attention_dropout, flash, flash_attn, \
+    gelu, hidden_dropout, swiglu
 from actmem.symbols import a, b, h, s, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -130,6 +130,11 @@ TERMS = (
     Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "flash attention keeps the softmax's fp32 log-sum-exp, one a query row (4bas); with "
          "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash),
+    Term("flash_output", lambda arch: _sb_attention(1)(arch) * sympy.Min(b - 1, 1), Region.BLOCK,
+         _NOT_RECOMPUTED, Scope.LAYER,
+         "flash-attn keeps its output in its own bshd layout; TE's FlashAttention.forward hands the "
+         "projection output.view(b, s, -1).transpose(0, 1).contiguous(), a second copy when b > 1 "
+         "(2sb·ad, none at b = 1)", flash_attn),
     Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
          "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
          "kernel's own output, one storage: TE's sbhd layout makes the reshape a view"),

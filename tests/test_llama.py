@@ -2,6 +2,9 @@
 bytes are derived by hand below from what Transformer Engine's kernels and flash attention
 keep (actmem/terms.py cites the sources)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import assert_one_line_error
@@ -41,12 +44,20 @@ def test_llama_3_8b_pasted_as_megatron_arguments_gives_the_te_flash_accounting(a
     assert {row["technique"] for row in out["techniques"]} == {"none", "tp", "tp-sp", "full", "tp-sp-full"}
 
 
-def test_llama_3_8b_backends_that_keep_the_same_tensors_agree(actmem):
-    """TE's cuDNN fused kernel, flash-attn, and auto (which picks one of them) keep the same."""
-    flash = actmem.json("estimate", "--megatron-args", LLAMA_8B)["run_terms"]
-    for backend in ("fused", "auto", "flash"):
-        text = LLAMA_8B.replace("--use-flash-attn", f"--attention-backend {backend}")
-        assert actmem.json("estimate", "--megatron-args", text)["run_terms"] == flash
+def test_llama_3_8b_backends(actmem):
+    """TE's cuDNN kernel (fused) and auto (which picks it on Hopper) keep one storage for the
+    output; flash-attn through TE (flash, --use-flash-attn) keeps its own bshd output and
+    hands the projection a contiguous copy, which at b = 1 is the same storage and at b = 2
+    is a second 2sb·ad/t = 2·8192·2·4096/8 = 16,777,216 B a layer."""
+    def layer(text, b):
+        out = actmem.json("estimate", "--megatron-args", text.replace("--micro-batch-size 1", f"--micro-batch-size {b}"))
+        return next(row["per_layer_bytes"] for row in out["techniques"] if row["technique"] == "tp-sp")
+
+    fused, auto = (LLAMA_8B.replace("--use-flash-attn", f"--attention-backend {name}") for name in ("fused", "auto"))
+    flash = LLAMA_8B.replace("--use-flash-attn", "--attention-backend flash")
+    assert layer(fused, 1) == layer(auto, 1) == layer(flash, 1) == layer(LLAMA_8B, 1) == 142_745_600
+    assert layer(flash, 2) == layer(LLAMA_8B, 2) == layer(fused, 2) + 16_777_216
+    assert layer(auto, 2) == layer(fused, 2)
 
 
 def test_selective_recompute_under_flash_is_refused(actmem):
@@ -119,7 +130,7 @@ def test_broken_configs_are_one_line(actmem, tmp_path):
     broken.write_text("{not json")
     assert_one_line_error(actmem("estimate", "--model", str(broken)), "not a JSON config")
     broken.write_text('{"model_type": "llama", "hidden_size": "4096"}')
-    assert_one_line_error(actmem("estimate", "--model", str(broken)), "num_attention_heads must be an integer, got None")
+    assert_one_line_error(actmem("estimate", "--model", str(broken)), "num_attention_heads must be a positive integer, got None")
     broken.write_text('{"model_type": "t5"}')
     assert_one_line_error(actmem("estimate", "--model", str(broken)), "model_type 't5' is not supported")
     assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "missing.json")), "cannot read it")
@@ -130,7 +141,7 @@ def test_llama_3_1_405b_on_its_published_run_by_hand(actmem):
     s 8192, b 1, SP, no recompute. A layer: 2sbh/t = 33,554,432 B for each of the four
     boundary tensors, q and the projection input; k and v 2·2sb·gd/t = 4,194,304; the
     log-sum-exp 4·b·(a/t)·s = 524,288; SwiGLU's input 4sbf/t = 218,103,808 and fc2's 2sbf/t =
-    109,051,904; two RMSNorms' rsigma 2·4·sb/t = 8,192: 536,485,888 B. Parameters on the
+    109,051,904; two RMSNorms' rsigma 2·4·sb/t = 8,192: 533,209,088 B. Parameters on the
     first GPU: 7 layers of (h·(ad + 2gd) + ad·h + 3hf)/t + 2h = 398,491,648, and the word
     embedding 129,024·16,384/8: 3,053,682,688."""
     out = actmem.json("estimate", "--model", "llama-3.1-405b")
@@ -138,6 +149,22 @@ def test_llama_3_1_405b_on_its_published_run_by_hand(actmem):
     assert run["per_layer_bytes"] == 6 * 33_554_432 + 4_194_304 + 524_288 + 218_103_808 + 109_051_904 + 8_192
     assert run["layers_bytes"] == 16 * 7 * run["per_layer_bytes"]
     assert out["parameters"]["count"] == 7 * 398_491_648 + 129_024 * 16_384 // 8 == 3_053_682_688
+
+
+def test_the_busiest_stage_of_an_uneven_pipeline_decides_the_verdict(actmem):
+    """Stage 1 of 405B's run holds 8 layers x 15 microbatches (1F1B: p - 1 in flight) =
+    120 x 533,209,088 = 63,985,090,560 B, and 8 layers of parameters, 3,187,933,184, at
+    2 + 4 + 12/128 B each (distributed optimizer, d = 128): 6,375,866,368 + 12,751,732,736 +
+    298,868,736 = 19,426,467,840 B. 83,411,558,400 B = 77.68 GiB, more than the first
+    stage's 72.95 GiB; the verdict and the headroom are stage 1's (77 GiB: no longer fits)."""
+    out = actmem.json("estimate", "--model", "llama-3.1-405b")
+    assert out["busiest_stage"] == {"stage": 1, "layers": 8, "microbatches": 15,
+                                    "activations_bytes": 120 * 533_209_088, "parameters_bytes": 19_426_467_840,
+                                    "total_bytes": 83_411_558_400}
+    assert out["headroom_bytes"] == 80 * 2**30 - 83_411_558_400 and out["fits"]
+    assert not actmem.json("estimate", "--model", "llama-3.1-405b", "--gpu-memory", "77GiB")["fits"]
+    text = actmem("estimate", "--model", "llama-3.1-405b").output
+    assert "stage 1 holds more than the first" in text and "77.68 of 80.00 GiB" in text
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -170,3 +197,55 @@ def test_recompute_shape_needs_full_recompute(actmem):
     assert_one_line_error(actmem("estimate", "--model", "22b", "--recompute-method", "block",
                                  "--recompute-num-layers", "2"),
                           "shape full recompute; this run's recompute is selective")
+
+
+def test_no_position_embedding_means_what_megatron_says(actmem):
+    """Megatron refuses --no-position-embedding unless the positions are rotary; 'none' is
+    its own position type, shown as such."""
+    assert actmem.json("estimate", "--megatron-args", LLAMA_8B + " --no-position-embedding")["run_terms"] == \
+        actmem.json("estimate", "--megatron-args", LLAMA_8B)["run_terms"]
+    learned = LLAMA_8B.replace("--position-embedding-type rope", "")
+    assert_one_line_error(actmem("estimate", "--megatron-args", learned + " --no-position-embedding"),
+                          "Megatron refuses --no-position-embedding unless the positions are rotary")
+    shown = actmem("estimate", "--model", "llama-3.1-8b", "--position-embedding", "none").output
+    assert "no positions ·" in shown and "rope ·" not in shown
+
+
+def test_config_values_are_checked_not_coerced(actmem, tmp_path):
+    """A string "false" is not a switch, a null dropout not a probability, 0 groups not MHA."""
+    base = json.loads((Path(HF) / "llama-3.1-8b/config.json").read_text())
+    for change, fragment in (({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+                             ({"attention_dropout": None}, "attention_dropout must be a probability"),
+                             ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+                             ({"sliding_window": "4k"}, "sliding_window must be a positive integer"),
+                             ({"attention_bias": True}, "attention_bias and mlp_bias differ")):
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps(base | change))
+        assert_one_line_error(actmem("estimate", "--model", str(config)), fragment)
+
+
+def test_gpt2_position_table_and_tying_follow_the_config(actmem, tmp_path):
+    """GPT-2's learned table has n_positions rows: another --seq-len would change its size, so
+    it is refused; tie_word_embeddings false unties the output layer (+ v·h = 50304·768)."""
+    assert_one_line_error(actmem("estimate", "--model", f"{HF}/gpt2/config.json", "--seq-len", "512"),
+                          "its learned position table has 1,024 rows", "--seq-len 1024")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(json.loads((Path(HF) / "gpt2/config.json").read_text())
+                                 | {"tie_word_embeddings": False}))
+    assert actmem.json("estimate", "--model", str(config))["parameters"]["count"] == 124_475_904 + 50_304 * 768
+
+
+def test_a_paste_keeps_the_config_s_notes(actmem):
+    out = actmem.json("estimate", "--model", f"{HF}/mistral-7b/config.json", "--tp", "8",
+                      "--megatron-args", "--bf16 --lr 3e-4")
+    assert any("from the config" in note for note in out["assumptions"])
+    assert any("ignored" in note and "--lr" in note for note in out["assumptions"])
+
+
+def test_qkv_bias_off_with_other_biases_on_is_refused():
+    """Megatron's QKV bias is add_bias_linear or add_qkv_bias: it cannot be off alone."""
+    from actmem.architecture import Architecture
+    from actmem.errors import SpecError
+
+    with pytest.raises(SpecError, match="Megatron cannot express"):
+        Architecture(qkv_bias=False)

@@ -15,7 +15,8 @@ def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
     expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
                 for sp in ("on", "off") for r in ("none", "selective", "full")}
-    expected |= {f"flash-rope-gqa sp={sp} recompute={r}" for sp in ("on", "off") for r in ("none", "full")}
+    expected |= {f"{variant} sp={sp} recompute={r}" for variant in ("flash-rope-gqa", "flash-attn")
+                 for sp in ("on", "off") for r in ("none", "full")}
     assert set(worst) == expected
     for case, difference in worst.items():
         assert difference < 1e-5, case
@@ -29,6 +30,7 @@ def test_flash_core_with_query_groups_is_causal_attention_over_expanded_keys():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, b, n, d, generator=gen) for n in (a, g, g))
     out = flash_core(q, k, v).view(s, b, a, d)
+    assert torch.allclose(flash_core(q, k, v, copies_output=True).view(s, b, a, d), out, atol=1e-6)  # flash-attn layout
     kk, vv = (x.double().repeat_interleave(a // g, dim=2) for x in (k, v))
     scores = torch.einsum("ibhd,jbhd->bhij", q.double(), kk) / d ** 0.5
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))

@@ -166,7 +166,7 @@ def test_flash_output_kept_twice_fails(monkeypatch):
     """TE's flash backend at b > 1 copies its output into the projection's layout, so both are
     kept: the projection input must then read twice the formula."""
     core = gpt.flash_core
-    monkeypatch.setattr(gpt, "flash_core", lambda q, k, v: label(core(q, k, v).clone(), "projection_input"))
+    monkeypatch.setattr(gpt, "flash_core", lambda q, k, v, **kw: label(core(q, k, v, **kw).clone(), "projection_input"))
     rows, failures = measured_flash()
     projection = row(rows, "projection_input")
     assert projection["measured_bytes"] == 2 * projection["formula_bytes"] and projection["gate"] == "fail"
@@ -178,10 +178,10 @@ def test_keys_expanded_to_every_head_under_flash_fails(monkeypatch):
     times the bytes flash keeps."""
     core = gpt.flash_core
 
-    def expanded(q, k, v):
+    def expanded(q, k, v, **kw):
         repeat = q.shape[2] // k.shape[2]
         k, v = (label(x.repeat_interleave(repeat, dim=2), "key_value") for x in (k, v))
-        return core(q, k, v)
+        return core(q, k, v, **kw)
 
     monkeypatch.setattr(gpt, "flash_core", expanded)
     rows, failures = measured_flash()

@@ -44,7 +44,7 @@ def expected_residuals(spec, occupancy) -> dict:
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     layer_norms = 2 * _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
     per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma
-    counted = arch.attention_core == "flash"      # terms of the table on the flash path
+    counted = arch.attention_core != "eager"      # terms of the table on the flash path
     return {
         "norm_statistics": 0 if counted else layer_norms * per_norm,
         "final_norm_statistics": 0 if counted else int(occupancy.holds_output_layer) * per_norm,

@@ -28,12 +28,13 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
             "gqa": dict(query_groups=4, head_dim=16),    # a = 8 heads of d = 16 in 4 groups; ad = 2h
             # today's layer: flash (SDPA's CPU flash kernel), rope, 4 groups, SwiGLU, RMSNorm
             "flash-rope-gqa": dict(attention_core="flash", position_embedding="rope", query_groups=4,
-                                   activation="swiglu", normalization="rmsnorm", bias=False, ffn=96)}
+                                   activation="swiglu", normalization="rmsnorm", bias=False, ffn=96),
+            "flash-attn": dict(attention_core="flash-attn", position_embedding="rope", query_groups=4)}
 
 
 def recompute_modes(variant: str) -> tuple:
     """The modes actmem models for a variant: no selective recompute under flash."""
-    flash = VARIANTS[variant].get("attention_core") == "flash"
+    flash = VARIANTS[variant].get("attention_core", "eager") != "eager"
     return ("none", "full") if flash else ("none", "selective", "full")
 
 

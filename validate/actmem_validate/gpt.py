@@ -13,10 +13,11 @@ from torch.utils.checkpoint import checkpoint
 from actmem_validate.fused import Norm, rotary_frequencies, rotate, swiglu
 from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
     init_scaled
-from actmem_validate.ledger import label, name_saved_output, scope
+from actmem_validate.ledger import label, name_of, name_saved_output, scope
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_reduce
+from actmem_validate.torch_compat import storage_key
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class LayerSpec:
     tied_output: bool = True
     query_groups: int | None = None   # g; None: a
     head_dim: int | None = None       # d; None: h/a
-    attention_core: str = "eager"     # eager | flash
+    attention_core: str = "eager"     # eager | flash | flash-attn
     position_embedding: str = "learned"   # learned | rope | none
     recompute_method: str = "uniform"     # with full recompute: uniform | block
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
@@ -47,6 +48,12 @@ class LayerSpec:
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
         """The layer an actmem Spec describes."""
         model, arch = spec.model, spec.architecture
+        if arch.attention_core != "eager" and arch.attention_dropout:
+            from actmem.errors import SpecError
+
+            raise SpecError("the harness measures flash attention without attention dropout: SDPA's CPU "
+                            "flash kernel has none (with dropout it falls back to its math kernel); give "
+                            "--attention-dropout 0")
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
@@ -90,21 +97,40 @@ def _heads_first(x):
     return x.view(s, b * n, d).unsqueeze(0).transpose(1, 2)
 
 
-def flash_core(q, k, v):
+def flash_core(q, k, v, copies_output: bool = False):
     """Causal attention by SDPA's flash kernel, which keeps q, k, v, its output and an fp32
-    log-sum-exp of (1, b·a/t, s) (aten's _scaled_dot_product_flash_attention_for_cpu; on a
+    log-sum-exp of (b, a/t, s) (aten's _scaled_dot_product_flash_attention_for_cpu; on a
     GPU, flash-attn's and cuDNN's keep the same). k and v stay g/t groups wide (enable_gqa).
+    copies_output: run as TE runs the flash-attn package, batch first, so the output is
+    stored (b, s, a, d) and the projection gets a contiguous (s, b, a·d) copy when b > 1;
+    otherwise as TE's cuDNN kernel writes sbhd, one storage (the batch folded into the heads).
     q: (s, b, a/t, d); k, v: (s, b, g/t, d) -> (s, b, a/t·d)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     s, b, heads, d = q.shape
+    layout = _batch_first if copies_output else _heads_first
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), scope("softmax_lse"):
-        out = nn.functional.scaled_dot_product_attention(
-            _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, enable_gqa=True)
+        out = nn.functional.scaled_dot_product_attention(layout(q), layout(k), layout(v), is_causal=True,
+                                                         enable_gqa=True)
     if out.grad_fn is not None and "Flash" not in out.grad_fn.name():
         raise RuntimeError(f"SDPA ran {out.grad_fn.name()}, not its flash kernel")
-    context = out.squeeze(0).transpose(0, 1).view(s, b, heads * d)    # a view of out
+    if copies_output:                           # (b, a, s, d) stored (b, s, a, d)
+        context = out.transpose(1, 2).transpose(0, 1).contiguous().view(s, b, heads * d)
+    else:                                       # (1, b·a, s, d) stored (s, b, a, d)
+        context = out.squeeze(0).transpose(0, 1).view(s, b, heads * d)
+    if storage_key(context) != storage_key(out):
+        name_saved_output(out, "flash_output")          # flash-attn's own copy, b > 1
     return name_saved_output(context, "projection_input")
+
+
+def _batch_first(x):
+    """(s, b, n, d) -> (b, n, s, d) stored (b, s, n, d): TE hands flash-attn bshd copies of q, k
+    and v (x.transpose(0, 1).contiguous(); the sbhd tensors are then freed), and flash-attn's
+    output, like SDPA's, takes q's layout. The copies keep the names of the tensors copied."""
+    copy = x.transpose(0, 1).contiguous()
+    if storage_key(copy) != storage_key(x):
+        label(copy, name_of(x))
+    return copy.transpose(1, 2)
 
 
 class SelfAttention(nn.Module):
@@ -136,7 +162,7 @@ class SelfAttention(nn.Module):
         per_group, d = self.heads // self.groups, self.spec.dim
         qkv = qkv.view(s, b, self.groups, per_group + 2, d)  # (s, b, g/t, a/g + 2, d)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, d)
-        if self.spec.attention_core == "flash":
+        if self.spec.attention_core != "eager":
             return self.projection(self._flash(q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]))
         # Megatron's local attention expands K and V to a heads (dot_product_attention.py:
         # repeat_interleave makes copies), so both are as wide as Q: 2sb·ad/t each.
@@ -165,7 +191,7 @@ class SelfAttention(nn.Module):
             q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
         v = v.clone(memory_format=torch.contiguous_format)
         label(q, "query"), label(k, "key_value"), label(v, "key_value")
-        return flash_core(q, k, v)
+        return flash_core(q, k, v, copies_output=self.spec.attention_core == "flash-attn")
 
 
 class MLP(nn.Module):

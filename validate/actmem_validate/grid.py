@@ -90,6 +90,10 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-flash", **FLASH), ["tp", "tp-sp", "tp-sp-full"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
+    # flash-attn through TE: at b = 2 its output and the projection's input are two copies
+    for t in (1, 2):
+        configs += configs_for(small_spec(2, t, name="small-flash-attn", **(FLASH | dict(attention_core="flash-attn"))),
+                               ["none" if t == 1 else "tp-sp"], 1)
     # an uneven pipeline (as Llama 3 405B's): 2 layers on the first stage, 3 on the second
     configs += configs_for(small_spec(5, 2, 2, name="small-flash", first_stage_layers=2, **FLASH), ["tp-sp"])
     # partial full recompute (Megatron's --recompute-method): block 1 of 3 layers a chunk

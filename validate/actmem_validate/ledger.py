@@ -39,6 +39,15 @@ def label(tensor: torch.Tensor, term: str) -> torch.Tensor:
     return tensor
 
 
+def name_of(tensor: torch.Tensor) -> str:
+    """The term a live tensor's storage was labelled with (unattributed if none)."""
+    for ledger in _active:
+        held = ledger.names.get(storage_key(tensor))
+        if held is not None and held[1]() is not None:
+            return held[0]
+    return UNATTRIBUTED
+
+
 def name_saved_output(tensor: torch.Tensor, term: str) -> torch.Tensor:
     """Name an output that the op which made it has already saved inside a ``scope``: an op
     that saves two of its own outputs (flash attention: out and the log-sum-exp) runs in the

@@ -48,8 +48,8 @@ class _OneLineErrors(click.Group):
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
         return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet "
-                "(not yet: context parallelism, --recompute-modules, mixtures of experts, "
-                "unfused rope)")
+                "(not yet: --recompute-modules, mixtures of experts, unfused rope, CP other "
+                "than p2p)")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 

@@ -203,7 +203,7 @@ def _parameters(spec: Spec, t: int) -> ParameterBytes:
     count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
                                    padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
                                    spec.architecture, model.heads, spec.stage_layers)
-    return parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)
+    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)
 
 
 def _layer_formula(arch) -> str:
@@ -237,6 +237,13 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
                      "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
                      "held like a buffer, not counted as activations")
+    c = spec.run.context_parallel
+    if c > 1:
+        notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "
+                     "every sequence, so every term is counted at s/c; its ring attention (TE's "
+                     "AttnFuncWithCPAndKVP2P, Megatron's default p2p) keeps q, its own k and v, its output "
+                     "and the log-sum-exp, not the keys and values it receives (a few small index and RNG "
+                     "tensors a layer are not counted)")
     left_out = arch.unmodelled_recompute(spec.model.heads)
     notes += [f"technique rows left out: {why}" for why in left_out.values()]
     return notes
@@ -273,8 +280,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     ]
     if spec.run.distributed_optimizer:
         notes.append(f"{WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B fp32 gradient + "
-                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / d = "
-                     f"{spec.data_parallel} (the distributed optimizer) a parameter")
+                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / "
+                     + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else
+                        f"d·c = {spec.optimizer_shards}")
+                     + " (the distributed optimizer) a parameter")
     else:
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B "
                      f"fp32 gradient + {OPTIMIZER_BYTES} B fp32 master weight and Adam moments "

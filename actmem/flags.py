@@ -97,6 +97,8 @@ GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
 RUN_FLAGS = (
     Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
     Flag(("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
+    Flag(("--cp", "--context-parallel-size"), "context_parallel",
+         "context-parallel size c: ranks splitting each sequence (ring attention; flash core)"),
     Flag(("--interleave", "--num-virtual-stages-per-pipeline-rank"), "interleave",
          "interleaved schedule: model chunks per pipeline rank m (1 = plain 1F1B)"),
     Flag(("--first-stage-layers", "--decoder-first-pipeline-num-layers"), "first_stage_layers",
@@ -122,7 +124,7 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--context-parallel-size", "--no-rope-fusion", "--recompute-modules", "--num-experts",
+    "--no-rope-fusion", "--recompute-modules", "--num-experts",
     "--expert-model-parallel-size",
 })
 

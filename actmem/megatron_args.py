@@ -27,7 +27,7 @@ MEGATRON_NAMES = frozenset({
     "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
     "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
-    "--recompute-num-layers", "--position-embedding-type",
+    "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings",
 })
 MANY = "many"
@@ -65,6 +65,8 @@ ATTENTION = ("--attention-backend", "--transformer-impl")
 #: (dot_product_attention/utils.py prefers FusedAttention there; on Ampere it picks
 #: flash-attn: give --attention-backend flash)
 BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "auto": "flash"}
+#: how context parallelism communicates; actmem models Megatron's default, the p2p ring
+CP_COMM = "--cp-comm-type"
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
 
@@ -116,7 +118,7 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
             used += [name, *values]
         elif name in IGNORED:
             ignored.append(name)
-        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, *ATTENTION):
+        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, CP_COMM, *ATTENTION):
             settings.setdefault(name, values[0] if values else True)
         else:
             (refused if name in not_modelled else unknown).append(name)
@@ -135,7 +137,7 @@ def _value_count(name: str, takes_value: dict):
         return int(takes_value[name])
     if name in IGNORED:
         return IGNORED[name]
-    return 1 if name in (MAX_POSITIONS, *ATTENTION) else 0
+    return 1 if name in (MAX_POSITIONS, CP_COMM, *ATTENTION) else 0
 
 
 def _implied(words, settings) -> list[str]:
@@ -184,6 +186,9 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if NO_POSITION_TABLE in settings and not rope:
         problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
                         "(--position-embedding-type rope); for none, give --position-embedding-type none")
+    if settings.get(CP_COMM, "p2p") != "p2p":
+        problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
+                        "default")
     if attention_core(settings) is None:
         problems.append(f"--transformer-impl {settings.get('--transformer-impl', 'transformer_engine')} with "
                         f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "

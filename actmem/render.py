@@ -54,7 +54,8 @@ def _header(est: Estimate) -> Text:
     text = Text(f"actmem · {spec.name}\n", style="bold")
     text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
                 f"v={spec.padded_vocab} s={model.seq_len}\n")
-    text.append(f"run    t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
+    cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
+    text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.recompute.value}\n")
     arch = spec.architecture
@@ -110,8 +111,10 @@ def _memory_table(est: Estimate) -> Table:
     for column in ("item", "bytes", "GiB", ""):
         table.add_column(column, justify="right" if column in ("bytes", "GiB") else "left")
     per_param = f"{params.count:,} parameters × "
-    shards = est.spec.data_parallel if est.spec.run.distributed_optimizer else 1
-    optimizer = f"{OPTIMIZER_BYTES} B" + ("" if shards == 1 else f" / d={shards}")
+    shards = est.spec.optimizer_shards if est.spec.run.distributed_optimizer else 1
+    optimizer = f"{OPTIMIZER_BYTES} B" + ("" if shards == 1 else
+                                          f" / d={shards}" if est.spec.run.context_parallel == 1 else
+                                          f" / d·c={shards}")
     rows = (("activations", est.activations_bytes, "the run's terms above"),
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
             ("gradients", params.gradients_bytes, per_param + f"{GRADIENT_BYTES} B (fp32)"),

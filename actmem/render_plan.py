@@ -110,6 +110,8 @@ def _plan_assumptions(req) -> list[str]:
         "(actmem estimate), which holds the most",
         "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
         "checked with actmem estimate --first-stage-layers/--last-stage-layers",
+        "no context parallelism (c = 1) and full recompute of every layer alone: a run with "
+        "--cp or --recompute-method is checked with actmem estimate",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ]

@@ -70,9 +70,17 @@ RULES = (
     Rule(lambda v: _implies(v.sequence_parallel, v.t > 1),
          lambda v: f"sequence parallelism splits the sequence over the tensor-parallel ranks: "
                    f"it needs t > 1 (t = {v.t})"),
-    Rule(lambda v: _implies(v.sequence_parallel, v.seq_len % v.t == 0),
+    Rule(lambda v: _implies(v.sequence_parallel, v.seq_len % (v.t * v.c) == 0),
          lambda v: f"t ({v.t}) must divide seq_len ({v.seq_len}) "
-                   f"(sequence parallelism splits the sequence t ways)"),
+                   f"(sequence parallelism splits the sequence t ways)" if v.c == 1 else
+                   f"t·c ({v.t}·{v.c}) must divide seq_len ({v.seq_len}) (context parallelism splits "
+                   f"the sequence c ways and sequence parallelism each part t ways)"),
+    Rule(lambda v: _implies(v.c > 1, v.seq_len % (2 * v.c) == 0),
+         lambda v: f"2c ({2 * v.c}) must divide seq_len ({v.seq_len}): Megatron splits each sequence into "
+                   f"2c chunks, two a context-parallel rank, to balance the causal mask"),
+    Rule(lambda v: _implies(v.c > 1, v.core == "flash"),
+         lambda v: "context parallelism runs Transformer Engine's attention: actmem models it with the "
+                   "cuDNN flash core (--attention-core flash), which keeps no s² term", ("core",)),
     Rule(lambda v: _implies(not _uneven(v), v.layers % v.p == 0),
          lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
     Rule(lambda v: not _uneven(v) or (v.p > 1 and v.m == 1),
@@ -86,8 +94,9 @@ RULES = (
     Rule(lambda v: _uneven(v) or (v.layers // v.p) % v.m == 0,
          lambda v: f"interleave m ({v.m}) must divide the layers per stage "
                    f"L/p = {v.layers}/{v.p} = {v.layers // v.p}"),
-    Rule(lambda v: v.gpus % (v.t * v.p) == 0,
-         lambda v: f"t·p ({v.t}·{v.p} = {v.t * v.p}) must divide gpus ({v.gpus})", ("gpus",)),
+    Rule(lambda v: v.gpus % (v.t * v.c * v.p) == 0,
+         lambda v: (f"t·p ({v.t}·{v.p} = {v.t * v.p})" if v.c == 1 else
+                    f"t·c·p ({v.t}·{v.c}·{v.p} = {v.t * v.c * v.p})") + f" must divide gpus ({v.gpus})", ("gpus",)),
     Rule(lambda v: v.global_batch % (v.b * v.d) == 0,
          lambda v: f"micro_batch·data_parallel ({v.b}·{v.d} = {v.b * v.d}) must divide "
                    f"global_batch ({v.global_batch})", ("gpus", "global_batch")),
@@ -124,7 +133,11 @@ class Values:
     gpus: object = None
     global_batch: object = None
     d: object = 1
-    """gpus/(t·p); 1 when the GPU count is unknown."""
+    """gpus/(t·c·p); 1 when the GPU count is unknown."""
+    c: object = 1
+    """Context-parallel size."""
+    core: object = None
+    """The attention core (context parallelism needs 'flash')."""
     n: object = None
     """Microbatches per iteration, global_batch/(b·d); None when unknown."""
     ffn: object = None

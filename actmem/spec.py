@@ -53,6 +53,7 @@ class Run:
 
     tensor_parallel: int = _positive(default=1)     # t
     pipeline_parallel: int = _positive(default=1)   # p
+    context_parallel: int = _positive(default=1)    # c: ranks splitting each sequence (ring attention)
     interleave: int = _positive(default=1)          # m, model chunks per pipeline rank
     micro_batch: int = _positive(default=1)         # b
     sequence_parallel: bool = False
@@ -117,7 +118,8 @@ class Spec:
     def rule_values(self) -> rules.Values:
         """This spec in the names ``actmem.rules`` reads."""
         model, run = self.model, self.run
-        exact = run.gpus is not None and run.gpus % (run.tensor_parallel * run.pipeline_parallel) == 0
+        exact = run.gpus is not None and run.gpus % (run.tensor_parallel * run.context_parallel
+                                                     * run.pipeline_parallel) == 0
         return rules.Values(
             heads=model.heads, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
             t=run.tensor_parallel, p=run.pipeline_parallel, m=run.interleave, b=run.micro_batch,
@@ -125,7 +127,8 @@ class Spec:
             gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
             n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
             groups=self.architecture.query_groups, recompute=run.recompute.value,
-            first=run.first_stage_layers, last=run.last_stage_layers,
+            first=run.first_stage_layers, last=run.last_stage_layers, c=run.context_parallel,
+            core=self.architecture.attention_core,
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads))
@@ -147,10 +150,16 @@ class Spec:
 
     @property
     def data_parallel(self) -> int:
-        """d = gpus/(t·p); 1 when the GPU count is not given."""
+        """d = gpus/(t·c·p); 1 when the GPU count is not given."""
         if self.run.gpus is None:
             return 1
-        return self.run.gpus // (self.run.tensor_parallel * self.run.pipeline_parallel)
+        return self.run.gpus // (self.run.tensor_parallel * self.run.context_parallel * self.run.pipeline_parallel)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards over: d·c (Megatron's data-parallel group
+        with context parallelism, which holds the same weights)."""
+        return self.data_parallel * self.run.context_parallel
 
     @property
     def microbatches(self) -> int | None:
@@ -167,7 +176,9 @@ class Spec:
     def bindings(self) -> dict:
         """The paper's symbols bound to this spec's integers."""
         model, run = self.model, self.run
-        values = {"s": model.seq_len, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
+        # context parallelism: every tensor a rank keeps holds s/c of each sequence (the flash
+        # core has no s² term, and c > 1 needs it), so s binds to s/c
+        values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
                   "v": self.padded_vocab, "m": run.interleave}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}

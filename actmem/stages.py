@@ -56,5 +56,5 @@ def later_stages(spec, technique, per_layer_bytes: int, vocab: int) -> tuple:
         last = stage == p - 1
         count = layers * per_layer_parameters + last * head
         loads.append(StageLoad(stage, layers, held, layers * held * per_layer_bytes + last * output,
-                               parameter_bytes(count, spec.data_parallel, run.distributed_optimizer)))
+                               parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)))
     return tuple(loads)

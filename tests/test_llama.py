@@ -249,3 +249,42 @@ def test_qkv_bias_off_with_other_biases_on_is_refused():
 
     with pytest.raises(SpecError, match="Megatron cannot express"):
         Architecture(qkv_bias=False)
+
+
+def test_context_parallelism_by_hand(actmem):
+    """c = 2 beside t = 8 with SP: each rank keeps s/c = 4,096 tokens of every sequence and
+    every term of the flash layer is linear in s, so each halves: 142,745,600 / 2 =
+    71,372,800 B a layer (the log-sum-exp 4·b·(a/t)·(s/c) = 65,536, k and v 2,097,152). The
+    GPUs split as t·c·p·d: 64 = 8·2·1·4; the distributed optimizer shards over d·c = 8."""
+    cudnn = LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused")
+    out = actmem.json("estimate", "--megatron-args", cudnn + " --context-parallel-size 2 --use-distributed-optimizer",
+                      "--gpus", "64", "--global-batch", "64")
+    run = next(row for row in out["techniques"] if row["is_run"])
+    assert run["per_layer_bytes"] == 71_372_800
+    terms = {row["term"]: row["bytes_each"] for row in out["run_terms"]}
+    assert terms["softmax_lse"] == 65_536 and terms["key_value"] == 2_097_152
+    assert out["run"]["data_parallel"] == 4
+    params = out["parameters"]
+    assert params["optimizer_bytes"] == -(-12 * params["count"] // 8)
+
+
+def test_405b_at_128k_on_table_4_s_long_context_run(actmem):
+    """CP 16 at 131,072 tokens leaves each rank 8,192: the same per-rank terms as the 8K run,
+    and d·c = 8·16 = 128 optimizer shards as d = 128 there: the same 83,411,558,400 B on the
+    busiest stage."""
+    long = actmem.json("estimate", "--model", "llama-3.1-405b-128k")
+    short = actmem.json("estimate", "--model", "llama-3.1-405b")
+    assert long["run_terms"] == short["run_terms"]
+    assert long["busiest_stage"] == short["busiest_stage"] and long["busiest_stage"]["total_bytes"] == 83_411_558_400
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "22b", "--recompute", "none", "--cp", "2"], "context parallelism runs Transformer Engine's attention"),
+    (["--model", "llama-3.1-8b", "--attention-core", "flash-attn", "--cp", "2"], "cuDNN flash core"),
+    (["--model", "llama-3.1-8b", "--seq-len", "8194", "--cp", "3"], "2c (6) must divide seq_len (8194)"),
+    (["--model", "llama-3.1-8b", "--tp", "8", "--cp", "2", "--gpus", "24"], "t·c·p (8·2·1 = 16) must divide gpus (24)"),
+    (["--megatron-args", LLAMA_8B.replace("--use-flash-attn", "") + " --context-parallel-size 2 --cp-comm-type a2a"],
+     "--cp-comm-type a2a is not modelled"),
+])
+def test_context_parallel_runs_actmem_cannot_count_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)

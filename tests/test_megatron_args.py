@@ -29,8 +29,8 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--context-parallel-size 2 --frobnicate 3 --turbo",
-     ["not modelled yet: --context-parallel-size", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--recompute-modules core_attn --frobnicate 3 --turbo",
+     ["not modelled yet: --recompute-modules", "unknown to actmem: --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),

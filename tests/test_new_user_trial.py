@@ -225,8 +225,8 @@ def test_one_unit_a_column_and_singular_words(actmem):
 
 
 def test_a_megatron_argument_actmem_does_not_model_says_so(actmem):
-    result = actmem("estimate", "--model", "530b", "--context-parallel-size", "2")
-    assert_one_line_error(result, "--context-parallel-size is a Megatron-LM argument that actmem does not model yet")
+    result = actmem("estimate", "--model", "530b", "--recompute-modules", "core_attn")
+    assert_one_line_error(result, "--recompute-modules is a Megatron-LM argument that actmem does not model yet")
     assert "Did you mean" not in result.stderr
 
 

@@ -49,3 +49,17 @@ def test_rope_rotates_pairs_by_position_and_its_backward_is_the_transpose():
     pairs = lambda t: t[..., : d // 2] ** 2 + t[..., d // 2:] ** 2     # (x_i, x_{i+d/2}) rotate together
     assert torch.allclose(pairs(y), pairs(x))
     assert torch.autograd.gradcheck(lambda t: rotate(t, freqs), (x,))
+
+
+@pytest.mark.parametrize("t, c", [(1, 2), (2, 2)])
+def test_context_parallel_layer_matches_a_single_device_layer(t, c):
+    """c ranks each holding s/c of the sequence (with t-way TP and SP beside them): the output,
+    the input gradient and every weight gradient (summed over the c ranks) equal the
+    single-device layer's."""
+    from actmem_validate.correctness import check_context
+
+    worst = check_context(t, c)
+    assert set(worst) == {f"flash-rope-gqa c={c} sp={sp} recompute={r}" for sp in (("off", "on") if t > 1 else ("off",))
+                          for r in ("none", "full")}
+    for case, difference in worst.items():
+        assert difference < 1e-5, case

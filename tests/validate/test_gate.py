@@ -188,3 +188,21 @@ def test_keys_expanded_to_every_head_under_flash_fails(monkeypatch):
     keys = row(rows, "key_value")
     assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail"
     assert failures
+
+
+def test_context_parallel_keys_received_and_kept_fail(monkeypatch):
+    """Ring attention must not keep the keys it received from the other c - 1 ranks: a layer
+    that does keeps c times the keys, and key_value reads more than the formula."""
+    from actmem_validate.grid import FLASH
+
+    attention = gpt.context_parallel_attention
+
+    def keeps_received(q, k, v, cp):
+        received = label(torch.cat([k] * cp.size), "key_value")       # stands in for the ring's keys
+        return attention(q, k, v, cp) + 0 * torch.sin(received).sum()  # sin saves them
+
+    monkeypatch.setattr(gpt, "context_parallel_attention", keeps_received)
+    rows = run_fake(configs_for(small_spec(2, 2, name="small-flash", c=2, **FLASH), ["tp-sp"], 1))
+    failures = judge(rows, 0.0)
+    keys = row(rows, "key_value")
+    assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail" and failures

@@ -40,7 +40,7 @@ def expected_residuals(spec, occupancy) -> dict:
     """Bytes of each residual on the first stage at its peak, from what the harness's own
     code saves (gpt.py, fused.py): per norm held (where the formula does not count them),
     per microbatch whose embedding is held, and once for the loss when p = 1."""
-    s, b, run, arch = spec.model.seq_len, spec.run.micro_batch, spec.run, spec.architecture
+    s, b, run, arch = spec.model.seq_len // spec.run.context_parallel, spec.run.micro_batch, spec.run, spec.architecture
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     layer_norms = 2 * _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
     per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma

@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 
 from actmem_validate.gpt import LayerSpec, TransformerLayer
 from actmem_validate.layers import allreduce_sequence_parallel_grads
-from actmem_validate.parallel import TensorParallel, all_gather, split_first_dim
+from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, split_first_dim, \
+    tensor_and_context_groups
 
 # How each parameter is split across t ranks: along dim 0 (column-parallel), dim 1
 # (row-parallel), or not at all (replicated).
@@ -49,7 +50,9 @@ def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = Fals
 
 
 def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper", s=16, b=2, h=64, a=8) -> dict:
-    """Largest absolute differences from the reference: output, input grad, parameter grads."""
+    """Largest absolute differences from the reference: output, input grad, parameter grads.
+    With context parallelism (tp.context) each rank takes its s/c slice of the sequence first,
+    and the weight gradients are summed over the context-parallel ranks, as Megatron does."""
     arch = VARIANTS[variant]
     gated = arch.get("activation") == "swiglu"
     spec = LayerSpec(h, a, s, layers=2, attention_dropout=0.0, hidden_dropout=0.0, recompute=recompute,
@@ -66,16 +69,58 @@ def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper"
     expected.backward(grad_out)
 
     sp = tp.sequence_parallel and tp.size > 1
-    x_local = (split_first_dim(x.detach(), tp) if sp else x.detach().clone()).requires_grad_()
+    cp = tp.context if tp.context is not None and tp.context.size > 1 else None
+    local = lambda t: split_first_dim(t, tp) if sp else t.clone()
+    if cp is not None:
+        local = (lambda inner: lambda t: inner(split_first_dim(t, cp)))(local)
+    x_local = local(x.detach()).requires_grad_()
     out = layer(x_local)
-    out.backward(split_first_dim(grad_out, tp) if sp else grad_out)
+    out.backward(local(grad_out))
     allreduce_sequence_parallel_grads(layer, tp)
+    if cp is not None:
+        for param in layer.parameters():
+            param.grad = all_reduce(param.grad, cp)
     gathered = (lambda t: all_gather(t.contiguous(), tp)) if sp else (lambda t: t)
+    if cp is not None:
+        gathered = (lambda inner: lambda t: all_gather(inner(t).contiguous(), cp))(gathered)
     diffs = {"output": (gathered(out.detach()) - expected.detach()).abs().max().item(),
              "input_grad": (gathered(x_local.grad) - x.grad).abs().max().item()}
     for (name, param), full in zip(layer.named_parameters(), reference.parameters()):
         diffs[name] = (param.grad - _shard(full.grad, name, tp, gated)).abs().max().item()
     return diffs
+
+
+def check_context(t: int, c: int) -> dict:
+    """{'flash-rope-gqa c=2 sp=on recompute=none': largest difference, ...} over t·c ranks."""
+    import tempfile
+
+    from actmem_validate.launch import _free_port
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_context_rank, args=(t, c, folder, _free_port()), nprocs=t * c, join=True)
+        with open(os.path.join(folder, "result.json")) as file:
+            return json.load(file)
+
+
+def _context_rank(rank: int, t: int, c: int, folder: str, port: int) -> None:
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=t * c, timeout=timedelta(seconds=120))
+    results = {}
+    for sp in (False, True) if t > 1 else (False,):
+        tp = tensor_and_context_groups(t, c, sp)
+        for recompute in recompute_modes("flash-rope-gqa"):
+            diffs = layer_differences(tp, recompute, "flash-rope-gqa")
+            results[f"flash-rope-gqa c={c} sp={'on' if sp else 'off'} recompute={recompute}"] = max(diffs.values())
+    worst = [None] * (t * c) if rank == 0 else None
+    dist.gather_object(results, worst, dst=0)
+    if rank == 0:
+        with open(os.path.join(folder, "result.json"), "w") as file:
+            json.dump({key: max(r[key] for r in worst) for key in results}, file)
+    dist.destroy_process_group()
 
 
 def check_all(t: int) -> dict:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from actmem_validate.context import context_parallel_attention
 from actmem_validate.fused import Norm, rotary_frequencies, rotate, swiglu
 from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
     init_scaled
@@ -185,12 +186,17 @@ class SelfAttention(nn.Module):
         """q (s, b, a/t, d), k and v (s, b, g/t, d), views of the QKV output. Rope rotates q and
         k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
         Without rope, q, k and v are copied the same way (same bytes)."""
+        context = self.tp.context
         if self.spec.position_embedding == "rope":
-            q, k = rotate(q, self.freqs), rotate(k, self.freqs)
+            start = 0 if context is None else context.offset(q.shape[0])
+            freqs = self.freqs[start:start + q.shape[0]]                # this rank's positions
+            q, k = rotate(q, freqs), rotate(k, freqs)
         else:
             q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
         v = v.clone(memory_format=torch.contiguous_format)
         label(q, "query"), label(k, "key_value"), label(v, "key_value")
+        if context is not None and context.size > 1:
+            return context_parallel_attention(q, k, v, context)
         return flash_core(q, k, v, copies_output=self.spec.attention_core == "flash-attn")
 
 
@@ -297,7 +303,8 @@ class Embedding(nn.Module):
             words = words.masked_fill(outside.unsqueeze(-1), 0)
         words = reduce_from_tensor_parallel_region(words, self.tp)
         if self.positions is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            start = 0 if self.tp.context is None else self.tp.context.offset(tokens.shape[1])
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
             with scope("position_ids"):
                 words = words + nn.functional.embedding(positions, self.positions)
         x = words.transpose(0, 1).contiguous()

@@ -51,10 +51,11 @@ FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_gr
 
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
-               first_stage_layers: int | None = None, recompute: tuple = (None, None), **architecture) -> Spec:
+               first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
+               **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
-    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2,
+    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
                recompute_layers=recompute[1], recompute="full" if recompute[0] else "none")
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
@@ -94,6 +95,10 @@ def small_grid() -> list[Config]:
     for t in (1, 2):
         configs += configs_for(small_spec(2, t, name="small-flash-attn", **(FLASH | dict(attention_core="flash-attn"))),
                                ["none" if t == 1 else "tp-sp"], 1)
+    # context parallelism on real gloo ranks: c = 2 alone, and beside t = 2 with SP (4 ranks)
+    configs += configs_for(small_spec(2, 1, name="small-flash", c=2, **FLASH), ["none"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash", c=2, **FLASH), ["tp-sp", "tp-sp-full"], 1)
+    configs += configs_for(small_spec(4, 2, 2, name="small-flash", c=2, **FLASH), ["tp-sp"])
     # an uneven pipeline (as Llama 3 405B's): 2 layers on the first stage, 3 on the second
     configs += configs_for(small_spec(5, 2, 2, name="small-flash", first_stage_layers=2, **FLASH), ["tp-sp"])
     # partial full recompute (Megatron's --recompute-method): block 1 of 3 layers a chunk
@@ -106,11 +111,12 @@ def small_grid() -> list[Config]:
     return configs
 
 
-#: today's models at full scale: Llama 3.1 405B on its published run; 8B and 70B (model
-#: only) on 8-way tensor parallelism, 70B with a 4-stage pipeline
+#: today's models at full scale: Llama 3.1 405B on its two published runs (the second with
+#: context parallelism 16 at 131,072 tokens); 8B and 70B (model only) on 8-way tensor
+#: parallelism, 70B with a 4-stage pipeline
 LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
               "llama-3.1-70b": dict(tensor_parallel=8, pipeline_parallel=4),
-              "llama-3.1-405b": {}}
+              "llama-3.1-405b": {}, "llama-3.1-405b-128k": {}}
 
 
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),

@@ -10,7 +10,7 @@ from actmem.spec import Spec
 from actmem.techniques import Technique
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
-from actmem_validate.parallel import TensorParallel
+from actmem_validate.parallel import TensorParallel, tensor_and_context_groups
 from actmem_validate.schedule import FirstStage, run_first_stage
 from actmem_validate.torch_compat import device_wide_mem_tracker, fake_tensor_mode, \
     tracker_bytes_above_parameters
@@ -27,13 +27,14 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.spec.run.tensor_parallel
+        return self.spec.run.tensor_parallel * self.spec.run.context_parallel
 
     @property
     def label(self) -> str:
         run = self.spec.run
         shape = f" {run.recompute_method} {run.recompute_layers}" if run.recompute_method else ""
-        return (f"{self.spec.name} t={run.tensor_parallel} p={run.pipeline_parallel} m={run.interleave} "
+        cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
+        return (f"{self.spec.name} t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
 
 
@@ -42,7 +43,7 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     SP and recompute, one data-parallel rank, n microbatches."""
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
-                  recompute=technique.recompute, gpus=t * spec.run.pipeline_parallel,
+                  recompute=technique.recompute, gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel,
                   global_batch=microbatches * spec.run.micro_batch, distributed_optimizer=False)
     return Config(replace(spec, run=run), technique, microbatches)
 
@@ -50,8 +51,12 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
 def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
     """Build the first stage on this rank, run its schedule, compare with the estimate."""
     spec, run = config.spec, config.spec.run
-    tp = (TensorParallel.from_world(run.sequence_parallel) if run.tensor_parallel > 1
-          else TensorParallel(sequence_parallel=run.sequence_parallel))
+    if run.context_parallel > 1:
+        tp = tensor_and_context_groups(run.tensor_parallel, run.context_parallel, run.sequence_parallel)
+    elif run.tensor_parallel > 1:
+        tp = TensorParallel.from_world(run.sequence_parallel)
+    else:
+        tp = TensorParallel(sequence_parallel=run.sequence_parallel)
     layer_spec = LayerSpec.of(spec, device)
     torch.manual_seed(1234 + rank)
     with fake_tensor_mode() if fake else nullcontext():

@@ -48,6 +48,10 @@ class FirstStage(nn.Module):
         self.head = OutputHead(self.embedding, spec, tp) if p == 1 else None
 
     def forward_chunk(self, chunk: int, x, tokens, targets):
+        context = self.tp.context
+        if context is not None and context.size > 1:          # this rank's s/c of each sequence
+            local = tokens.shape[1] // context.size
+            tokens, targets = (ids[:, context.offset(local):context.offset(local) + local] for ids in (tokens, targets))
         if chunk == 0:
             x = self.embedding(tokens)
         x = run_layers(self.chunks[chunk], x)
@@ -68,7 +72,7 @@ class StageRun:
 
 def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, micro_batch: int,
                     vocab: int, tp: TensorParallel, allocated=lambda: 0) -> StageRun:
-    s_local = spec.seq_len // tp.size if tp.sequence_parallel else spec.seq_len
+    s_local = spec.seq_len // tp.context_size // (tp.size if tp.sequence_parallel else 1)
     model_state = [*stage.parameters(), *stage.buffers()]
     in_flight: dict = {}
     result = StageRun()

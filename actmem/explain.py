@@ -6,9 +6,10 @@ from actmem.errors import SpecError
 from actmem.terms import Recompute
 
 #: What a config string may leave out, when the preset's run does not say either.
-DEFAULT_RUN = {"tensor_parallel": 1, "pipeline_parallel": 1, "interleave": 1, "micro_batch": 1,
-               "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
-_KEYS = {"t": "tensor_parallel", "p": "pipeline_parallel", "m": "interleave", "b": "micro_batch"}
+DEFAULT_RUN = {"tensor_parallel": 1, "context_parallel": 1, "pipeline_parallel": 1, "interleave": 1,
+               "micro_batch": 1, "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
+_KEYS = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
+         "b": "micro_batch"}
 _WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False),
           "sel": ("recompute", "selective"), "selective": ("recompute", "selective"),
           "none": ("recompute", "none"), "full": ("recompute", "full"),
@@ -57,7 +58,8 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
         raise SpecError(f"--explain: b ({run.micro_batch}) is above --max-micro-batch ({req.max_micro_batch})")
     probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
                  architecture=req.architecture)          # checks the rules, gives d and n
-    row = pd.DataFrame([{"t": run.tensor_parallel, "p": run.pipeline_parallel, "d": probe.data_parallel,
+    row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
+                         "d": probe.data_parallel,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
                          "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
                          "distributed_optimizer": run.distributed_optimizer}])

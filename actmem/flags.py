@@ -91,7 +91,7 @@ ARCHITECTURE_FLAGS = (
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
 )
-GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·p))")
+GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
                     "global batch: sequences per iteration; with --gpus gives the microbatches")
 RUN_FLAGS = (

@@ -1,7 +1,7 @@
 """A small, transparent model of the time per iteration, each part shown.
 
-    time = (compute + tensor-parallel + pipeline point-to-point communication) x pipeline bubble
-           + data-parallel communication
+    time = (compute + tensor-parallel + context-parallel + pipeline point-to-point communication)
+           x pipeline bubble + data-parallel communication
 
 Arithmetic on numpy arrays (one element per configuration); none of it is overlapped,
 which makes it a ranking model, not a promise.
@@ -30,6 +30,16 @@ def tensor_parallel_seconds(s, b, h, L, p, t, n, recompute, bandwidth):
     all-gather plus a reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
     per_layer = 4 + 2 * (recompute == Recompute.FULL.value)
     volume = n * (L // p) * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
+    return volume / bandwidth
+
+
+def context_parallel_seconds(s, b, L, p, t, c, n, recompute, kv_width, bandwidth):
+    """The p2p ring sends each rank's k and v (2 x 2·s·b·gd/t bytes, s here the rank's own
+    tokens) round the c ranks: c - 1 hops forward, and in backward k, v and their gradients
+    again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
+    the attention here, though TE overlaps it."""
+    passes = 3 + (recompute == Recompute.FULL.value)
+    volume = n * (L // p) * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
     return volume / bandwidth
 
 

@@ -10,7 +10,7 @@ from actmem.errors import SpecError
 class NothingFits:
     usable_t: list
     usable_p: list
-    """The sizes the GPU count allows at all (t·p must divide it, d = gpus/(t·p) the batch)."""
+    """The sizes the GPU count allows at all (t·c·p must divide it, d = gpus/(t·c·p) the batch)."""
     all_p: list
     """The pipeline sizes the model allows (divisors of L)."""
     nearest: list

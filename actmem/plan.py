@@ -1,4 +1,4 @@
-"""Choose t, p, m, b, sequence parallelism, recompute and the distributed optimizer.
+"""Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
 Every valid configuration for a model, a GPU count and a global batch is enumerated as
 one row of a pandas frame; memory (the engine's lambdified term table) and time (the
@@ -97,22 +97,31 @@ def tensor_parallel_sizes(req: PlanRequest) -> list[int]:
     return [t for t in divisors(math.gcd(req.model.heads, req.model.hidden)) if t <= req.gpus_per_node]
 
 
+def context_parallel_sizes(req: PlanRequest) -> list[int]:
+    """c with 2c | s (Megatron's 2c chunks a sequence), under the cuDNN flash core only; 1
+    otherwise (actmem models context parallelism there alone)."""
+    if req.architecture.attention_core != "flash":
+        return [1]
+    return [c for c in divisors(req.model.seq_len) if req.model.seq_len % (2 * c) == 0 or c == 1]
+
+
 def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
-    """(t, p, d) with t | heads, t | hidden, t <= a node, p | layers, d = gpus/(t·p) | batch."""
+    """(t, c, p, d) with t | heads, t | hidden, t <= a node, 2c | s, p | layers and
+    d = gpus/(t·c·p) | batch."""
     model = req.model
-    pairs = [(t, p) for t in tensor_parallel_sizes(req) for p in divisors(model.layers)
-             if req.gpus % (t * p) == 0]
-    if not pairs:
+    triples = [(t, c, p) for t in tensor_parallel_sizes(req) for c in context_parallel_sizes(req)
+               for p in divisors(model.layers) if req.gpus % (t * c * p) == 0]
+    if not triples:
         raise SpecError(f"no t (dividing heads {model.heads} and hidden {model.hidden}, at most "
                         f"{req.gpus_per_node} a node) times p (dividing layers {model.layers}) "
                         f"divides {req.gpus} GPUs")
-    sizes = pd.DataFrame(pairs, columns=["t", "p"])
-    sizes["d"] = req.gpus // (sizes.t * sizes.p)
+    sizes = pd.DataFrame(triples, columns=["t", "c", "p"])
+    sizes["d"] = req.gpus // (sizes.t * sizes.c * sizes.p)
     sizes = sizes[req.global_batch % sizes.d == 0]
     if sizes.empty:
-        ds = sorted({req.gpus // (t * p) for t, p in pairs})
+        ds = sorted({req.gpus // (t * c * p) for t, c, p in triples})
         raise SpecError(f"global batch {req.global_batch} is divisible by none of the data-parallel "
-                        f"sizes d = gpus/(t·p) possible here: {', '.join(map(str, ds))}")
+                        f"sizes d = gpus/(t·c·p) possible here: {', '.join(map(str, ds))}")
     return sizes
 
 
@@ -139,7 +148,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     grid = grid.merge(switches, how="cross")
     grid["n"] = req.global_batch // (grid.b * grid.d)
     values = rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers,
-                          seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b,
+                          seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b, c=grid.c,
+                          core=req.architecture.attention_core,
                           sequence_parallel=grid.sequence_parallel,
                           distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
                           global_batch=req.global_batch, d=grid.d, n=grid.n,
@@ -159,7 +169,7 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["activations_bytes"] = _activations(req, grid)
     params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
                                                     model.heads),
-                             grid.d, grid.distributed_optimizer.astype("int64"))
+                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"))   # shards: d·c
     grid["parameters"] = params.count
     grid["weights_bytes"] = params.weights_bytes
     grid["gradients_bytes"] = params.gradients_bytes
@@ -180,7 +190,8 @@ def _activations(req: PlanRequest, grid: pd.DataFrame) -> pd.Series:
         f = engine.numeric(engine.held_bytes(technique, req.architecture))
         column = lambda name: rows[name].to_numpy(dtype="float64")
         s, h, a, L = dims
-        values = f(s, column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
+        # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
+        values = f(s / column("c"), column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
                    column("layer_activations"), column("microbatches_held"),
                    (rows.p == 1).to_numpy(dtype="float64"))
         values = np.minimum(np.broadcast_to(values, len(rows)), SATURATED_BYTES)
@@ -194,16 +205,21 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, req.efficiency,
                                                   req.architecture, model.heads)
+    s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
-        s, grid.b, h, L, grid.p, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
+        s_rank, grid.b, h, L, grid.p, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
     across_nodes = gpu.inter_node_bandwidth if req.gpus > req.gpus_per_node else gpu.intra_node_bandwidth
-    grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s, grid.b, h, grid.t, grid.p, grid.m,
+    ring = np.where(grid.t * grid.c <= req.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
+    grid["context_parallel_s"] = iteration.context_parallel_seconds(
+        s_rank, grid.b, L, grid.p, grid.t, grid.c, grid.n, grid.recompute,
+        req.architecture.kv_width(h, model.heads), ring)
+    grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s_rank, grid.b, h, grid.t, grid.p, grid.m,
                                                              grid.n, across_nodes)
-    grid["data_parallel_s"] = iteration.data_parallel_seconds(grid.parameters, grid.d,
+    grid["data_parallel_s"] = iteration.data_parallel_seconds(grid.parameters, grid.d * grid.c,
                                                               grid.distributed_optimizer, across_nodes)
-    grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.pipeline_p2p_s) * grid.bubble
-                           + grid.data_parallel_s)
+    grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
+                            + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
     grid["mfu"] = flops / (grid.iteration_s * req.gpus * gpu.peak_flops)
 
@@ -236,8 +252,10 @@ def plan(req: PlanRequest) -> Plan:
 
 
 def config_label(row) -> str:
-    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'): what --explain takes back."""
+    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism): what
+    --explain takes back."""
     short = {"none": "none", "selective": "sel", "full": "full"}[row.recompute]
-    label = (f"t={row.t} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
+    cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
+    label = (f"t={row.t}{cp} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
              f"{short}")
     return label + (" dopt" if row.distributed_optimizer else "")

@@ -25,15 +25,16 @@ def render_plan(plan, top: int, nothing=None) -> None:
     console.print(f"{plural(len(plan.evaluated), 'configuration')}, {len(plan.fitting):,} fit\n")
     table = _table("Fastest that fit (seconds per iteration, estimated)")
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
-    for column in ("config", "GiB", "time", "comp", "tp", "pp", "bubble", "dp", "MFU"):
+    for column in ("config", "GiB", "time", "comp", "tp", "cp", "pp", "bub", "dp", "MFU"):
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for row in _shown(plan.fitting, top).itertuples():
         table.add_row(config_label(row), f"{gib(row.total_bytes):.1f}", f"{row.iteration_s:.2f}",
-                      f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}", f"{row.pipeline_p2p_s:.2f}",
-                      f"+{100 * (row.bubble - 1):.1f}%", f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.1f}%")
-    table.caption = ("time = (comp + tp + pp) × (1 + bubble) + dp: compute; tensor-parallel, "
-                     "pipeline and data-parallel communication; d = gpus/(t·p); --explain CONFIG "
-                     "shows one in full")
+                      f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}", f"{row.context_parallel_s:.2f}",
+                      f"{row.pipeline_p2p_s:.2f}",
+                      f"+{100 * (row.bubble - 1):.0f}%", f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.0f}%")
+    table.caption = ("time = (comp + tp + cp + pp) × (1 + bub) + dp: compute; tensor-parallel, "
+                     "context-parallel, pipeline and data-parallel communication; d = gpus/(t·c·p); "
+                     "--explain CONFIG shows one in full")
     table.caption_justify = "left"
     if not plan.fitting.empty:
         console.print(table)
@@ -79,7 +80,7 @@ def _nothing_fits(plan, nothing) -> Text:
                 f"{config_label(leanest)}, needs {gib(leanest.total_bytes):,.2f} GiB.\n", style="bold red")
     if nothing.usable_p != nothing.all_p:
         text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must divide "
-                    f"layers ({req.model.layers}) and {req.gpus}/t, and d = gpus/(t·p) the batch: that "
+                    f"layers ({req.model.layers}) and {req.gpus}/t, and d = gpus/(t·c·p) the batch: that "
                     f"leaves t in {_listed(nothing.usable_t)} and p in {_listed(nothing.usable_p)} "
                     f"(the model allows p in {_listed(nothing.all_p)}).\n")
     if nothing.nearest:
@@ -110,8 +111,9 @@ def _plan_assumptions(req) -> list[str]:
         "(actmem estimate), which holds the most",
         "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
         "checked with actmem estimate --first-stage-layers/--last-stage-layers",
-        "no context parallelism (c = 1) and full recompute of every layer alone: a run with "
-        "--cp or --recompute-method is checked with actmem estimate",
+        "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
+        "recompute of every layer alone (a run with --recompute-method is checked with actmem "
+        "estimate)",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ]
@@ -124,9 +126,11 @@ def render_explain(est, row) -> None:
     table.add_column("seconds", justify="right")
     for part, value in (("compute (hardware FLOPs)", row.compute_s),
                         ("tensor-parallel communication", row.tensor_parallel_s),
+                        ("context-parallel ring (k, v and their gradients)", row.context_parallel_s),
                         ("pipeline point-to-point communication", row.pipeline_p2p_s),
                         (f"pipeline bubble × {row.bubble:.4f}",
-                         (row.compute_s + row.tensor_parallel_s + row.pipeline_p2p_s) * (row.bubble - 1)),
+                         (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.pipeline_p2p_s)
+                         * (row.bubble - 1)),
                         ("data-parallel gradient reduction", row.data_parallel_s),
                         ("iteration", row.iteration_s)):
         table.add_row(part, f"{value:.3f}")

@@ -46,6 +46,12 @@ def main() -> None:
     count, seconds = timed(request)
     print(f"{'Llama 3.1 405B on 16384 H100s, global batch 2048':58s} {count:7,d} configs {seconds:6.3f} s "
           f"{count / seconds:10,.0f} configs/s")
+    long = load_preset("llama-3.1-405b-128k")
+    request = PlanRequest(model=Model(**long.model), gpus=16384, global_batch=128, gpu=GPUS["h100"],
+                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**long.architecture))
+    count, seconds = timed(request)
+    print(f"{'Llama 3.1 405B at 128K on 16384 H100s, c swept, batch 128':58s} {count:7,d} configs "
+          f"{seconds:6.3f} s {count / seconds:10,.0f} configs/s")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "actmem", "plan", "--model", "1t", "--gpus", "3072",
                     "--global-batch", "3072"], check=True, capture_output=True)

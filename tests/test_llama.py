@@ -288,3 +288,38 @@ def test_405b_at_128k_on_table_4_s_long_context_run(actmem):
 ])
 def test_context_parallel_runs_actmem_cannot_count_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_the_planner_sweeps_context_parallelism_and_agrees_with_the_estimate():
+    """Llama 3.1 70B on 256 H100s: the sweep holds c > 1 rows (2c | s), and one of them
+    evaluated by the planner holds what the estimate of the same run holds, activations at
+    s/c and the optimizer sharded over d·c. The paper's eager core gets c = 1 only."""
+    from actmem.estimate import estimate
+    from actmem.hardware import GPUS
+    from actmem.plan import PlanRequest, plan
+    from actmem.presets import load_preset
+    from actmem.spec import Model, build_spec
+
+    preset = load_preset("llama-3.1-70b")
+    from actmem.architecture import Architecture
+    request = PlanRequest(model=Model(**preset.model), gpus=256, global_batch=256, gpu=GPUS["h100"],
+                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**preset.architecture))
+    rows = plan(request).evaluated
+    assert set(rows.c) >= {1, 2, 4, 8}
+    row = rows[(rows.t == 8) & (rows.c == 2) & (rows.p == 4) & (rows.m == 1) & (rows.b == 1)
+               & rows.sequence_parallel & (rows.recompute == "none") & rows.distributed_optimizer].iloc[0]
+    assert row.d == 256 // (8 * 2 * 4) == 4
+    spec = build_spec(preset.model, dict(tensor_parallel=8, context_parallel=2, pipeline_parallel=4, micro_batch=1,
+                                         sequence_parallel=True, distributed_optimizer=True, gpus=256,
+                                         global_batch=256), architecture=preset.architecture)
+    est = estimate(spec)
+    assert (row.activations_bytes, row.optimizer_bytes) == (est.activations_bytes, est.parameters.optimizer_bytes)
+    paper = plan(PlanRequest(model=Model(**load_preset("22b").model), gpus=8, global_batch=8,
+                             gpu=GPUS["a100"], gpu_memory_bytes=80 * 2**30)).evaluated
+    assert set(paper.c) == {1}
+
+
+def test_explain_takes_the_context_parallel_size_back(actmem):
+    out = actmem("plan", "--model", "llama-3.1-70b", "--gpus", "256", "--global-batch", "256", "--gpu", "h100",
+                 "--explain", "t=8 c=2 p=4 m=1 b=1 sp none dopt")
+    assert out.exit_code == 0 and "t=8 c=2 p=4" in out.output and "context-parallel ring" in out.output

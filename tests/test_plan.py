@@ -101,8 +101,9 @@ def test_constraints_of_the_space():
 
 def test_config_label_round_trip():
     assert parse_config("t=8 p=35 m=3 b=1 sp sel") == {
-        "tensor_parallel": 8, "pipeline_parallel": 35, "interleave": 3, "micro_batch": 1,
+        "tensor_parallel": 8, "context_parallel": 1, "pipeline_parallel": 35, "interleave": 3, "micro_batch": 1,
         "sequence_parallel": True, "recompute": "selective", "distributed_optimizer": False}
+    assert parse_config("t=8 c=4 p=2")["context_parallel"] == 4
     assert parse_config("t=2,p=4,nosp,full,dopt")["distributed_optimizer"] is True
 
 

@@ -14,7 +14,8 @@ import click
 
 from actmem import defaults
 from actmem.errors import SpecError
-from actmem.flags import (GLOBAL_BATCH, GPUS, MEGATRON_NOT_MODELLED, add_flags, build_spec_from_flags,
+from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPUS, MEGATRON_NOT_MODELLED, add_flags,
+                          build_spec_from_flags,
                           model_from_flags, model_options, spec_options)
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE
 
@@ -157,7 +158,8 @@ def _plan_options(command):
     """The flags of `actmem plan` beyond the model's."""
     options = [
         click.option("--gpu", "gpu_name", default="a100", show_default=True,
-                     help="GPU kind: a100 or h100 (peak FLOP/s, memory, bandwidths)."),
+                     help="GPU kind: a100, h100, h200, b200 or mi300x (peak FLOP/s, memory, "
+                          "bandwidths)."),
         click.option("--gpu-memory", default=None, metavar="SIZE",
                      help="Override the GPU's memory, with its unit, e.g. 40GiB."),
         click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, metavar="SIZE",
@@ -184,7 +186,7 @@ def _plan_options(command):
         click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
-    command = _gpus_and_batch(command)
+    command = add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS)
     for option in reversed(options):
         command = option(command)
     return model_options(command)
@@ -193,7 +195,7 @@ def _plan_options(command):
 @cli.command()
 @_plan_options
 def plan(fmt, top, config, **flags):
-    """Choose t, p, m, b, sequence parallelism, recompute and the distributed optimizer.
+    """Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
     Enumerates every valid configuration for the model on --gpus GPUs at --global-batch,
     keeps those whose first pipeline stage fits the GPU less the reserve, and ranks them by
@@ -205,6 +207,7 @@ def plan(fmt, top, config, **flags):
       actmem plan --model 530b
       actmem plan --model 1t --gpus 3072 --global-batch 3072 --gpu h100
       actmem plan --model gpt3 --explain "t=8 p=8 m=3 b=1 sp sel"
+      actmem plan --model llama-3.1-70b --gpus 256 --global-batch 256 --gpu h100
     """
     from actmem import plan as planner
 

@@ -269,7 +269,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     from actmem.presets import load_preset
     from actmem.spec import build_spec
 
-    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH))
+    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS)
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)

@@ -25,16 +25,19 @@ def render_plan(plan, top: int, nothing=None) -> None:
     console.print(f"{plural(len(plan.evaluated), 'configuration')}, {len(plan.fitting):,} fit\n")
     table = _table("Fastest that fit (seconds per iteration, estimated)")
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
-    for column in ("config", "GiB", "time", "comp", "tp", "cp", "pp", "bub", "dp", "MFU"):
+    ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
+    columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + ("pp", "bub", "dp", "MFU")
+    for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for row in _shown(plan.fitting, top).itertuples():
-        table.add_row(config_label(row), f"{gib(row.total_bytes):.1f}", f"{row.iteration_s:.2f}",
-                      f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}", f"{row.context_parallel_s:.2f}",
-                      f"{row.pipeline_p2p_s:.2f}",
-                      f"+{100 * (row.bubble - 1):.0f}%", f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.0f}%")
-    table.caption = ("time = (comp + tp + cp + pp) × (1 + bub) + dp: compute; tensor-parallel, "
-                     "context-parallel, pipeline and data-parallel communication; d = gpus/(t·c·p); "
-                     "--explain CONFIG shows one in full")
+        cells = [config_label(row), f"{gib(row.total_bytes):.1f}", f"{row.iteration_s:.2f}",
+                 f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}"]
+        cells += [f"{row.context_parallel_s:.2f}"] if ring else []
+        table.add_row(*cells, f"{row.pipeline_p2p_s:.2f}", f"+{100 * (row.bubble - 1):.0f}%",
+                      f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.0f}%")
+    table.caption = (f"time = (comp + tp{' + cp' if ring else ''} + pp) × (1 + bub) + dp: compute; "
+                     f"tensor-parallel, {'context-parallel, ' if ring else ''}pipeline and data-parallel "
+                     f"communication; d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
     table.caption_justify = "left"
     if not plan.fitting.empty:
         console.print(table)

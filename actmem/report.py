@@ -122,10 +122,10 @@ def to_markdown(est: Estimate) -> str:
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 
 
-_PLAN_COLUMNS = ["t", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
+_PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
                  "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
                  "optimizer_bytes", "total_bytes", "fits", "compute_s", "tensor_parallel_s",
-                 "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
+                 "context_parallel_s", "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
 
 
 def _plan_rows(frame, top: int) -> list[dict]:

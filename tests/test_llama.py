@@ -323,3 +323,20 @@ def test_explain_takes_the_context_parallel_size_back(actmem):
     out = actmem("plan", "--model", "llama-3.1-70b", "--gpus", "256", "--global-batch", "256", "--gpu", "h100",
                  "--explain", "t=8 c=2 p=4 m=1 b=1 sp none dopt")
     assert out.exit_code == 0 and "t=8 c=2 p=4" in out.output and "context-parallel ring" in out.output
+
+
+def test_plan_takes_the_architecture_flags(actmem):
+    """The planner reads --attention-core and the other architecture flags as estimate does:
+    its best configuration's memory equals the estimate of that run with the same flags."""
+    args = ("--model", "22b", "--attention-core", "flash", "--attention-dropout", "0", "--recompute", "none")
+    out = actmem.json("plan", "--model", "22b", "--gpus", "8", "--global-batch", "8", "--attention-core", "flash",
+                      "--attention-dropout", "0")
+    best = out["best"][0]
+    est = actmem.json("estimate", *args, "--tp", str(best["t"]), "--cp", str(best["c"]), "--pp", str(best["p"]),
+                      "--interleave", str(best["m"]), "--micro-batch", str(best["b"]),
+                      "--sp" if best["sequence_parallel"] else "--no-sp", "--recompute", best["recompute"],
+                      "--gpus", "8", "--global-batch", "8",
+                      *(["--distributed-optimizer"] if best["distributed_optimizer"] else []))
+    assert best["activations_bytes"] == est["activations_bytes"]
+    assert_one_line_error(actmem("plan", "--model", "22b", "--gpus", "8", "--global-batch", "8",
+                                 "--position-embedding", "rope"), "rotary position embedding is modelled under the flash")

@@ -129,7 +129,7 @@ def test_plan_cli_json(actmem):
 def test_plan_cli_rich_csv_and_explain(actmem):
     assert "t=8 p=35 m=3 b=1 sp sel" in actmem("plan", "--model", "530b").stdout
     csv = actmem("plan", "--model", "22b", "--format", "csv", "--top", "0").stdout
-    assert csv.splitlines()[0].startswith("config,t,p,m,b,d,n")
+    assert csv.splitlines()[0].startswith("config,t,c,p,m,b,d,n")
     explained = actmem("plan", "--model", "gpt3", "--explain", "t=8 p=8 m=3 b=1 sp sel")
     assert explained.exit_code == 0
     assert "pipeline bubble" in explained.stdout and "tp-sp-sel" in explained.stdout

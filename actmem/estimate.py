@@ -9,8 +9,7 @@ from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_
 from actmem.pipeline import StageOccupancy, first_stage_occupancy
 from actmem.spec import Spec, padded_vocab
 from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, partial_run, run_technique
-from actmem.terms import Recompute
-from actmem.terms import TERMS, Term
+from actmem.terms import TERMS, Recompute, Scope, Term
 from actmem.units import plural
 from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
                            WEIGHT_BYTES)
@@ -157,11 +156,11 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
     checkpoints, whole = _partial_counts(spec, run, occupancy)
-    kept = replace(run, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
+    kept = run.whole()
     rows = []
     for term in TERMS:
         row = _term_row(term, run, occupancy, bindings, arch)
-        if term.scope.value == "layer":
+        if term.scope is Scope.LAYER:
             source, count = (run, checkpoints) if Recompute.FULL in term.kept_under else (kept, whole)
             row = TermRow(term, engine.exact(engine.term_bytes(term, source, arch), bindings), count)
         rows.append(row)
@@ -190,9 +189,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy) -> TechniqueRow:
     extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
-        kept = replace(technique, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-                  + whole * engine.exact(engine.per_layer_bytes(kept, arch), bindings))
+                  + whole * engine.exact(engine.per_layer_bytes(technique.whole(), arch), bindings))
         return TechniqueRow(technique, layers / layer_activations, layers, extra, _parameters(spec, t))
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, _parameters(spec, t))

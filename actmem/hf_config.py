@@ -58,10 +58,10 @@ def _load(path: Path) -> dict:
     return config
 
 
-def _need(config: dict, path: Path, key: str, kind=int):
+def _need(config: dict, path: Path, key: str) -> int:
     """A positive integer the config must give."""
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SpecError(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
 

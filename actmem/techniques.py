@@ -26,6 +26,10 @@ class Technique:
         """Full recompute other than every layer checkpointed alone."""
         return self.recompute is Recompute.FULL and (self.recompute_method, self.recompute_layers) != ("uniform", 1)
 
+    def whole(self) -> "Technique":
+        """The same switches with nothing recomputed: what a layer kept whole keeps."""
+        return replace(self, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
+
     def chunk_layers(self, per_chunk: int) -> tuple[int, int]:
         """(checkpoints, layers kept whole) in a model chunk of per_chunk layers."""
         if self.recompute is not Recompute.FULL:

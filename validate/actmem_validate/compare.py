@@ -15,7 +15,8 @@ information.
 """
 
 from actmem.estimate import Estimate
-from actmem.terms import TERMS, Recompute
+from actmem.techniques import run_technique
+from actmem.terms import TERMS
 
 PAPER_TERMS = [term.name for term in TERMS]
 
@@ -55,14 +56,13 @@ def expected_residuals(spec, occupancy) -> dict:
 
 
 def _whole_layers(spec, occupancy) -> int:
-    """Layers held whole (not inside a full-recompute checkpoint) on the first stage."""
+    """Layers held whole (not inside a full-recompute checkpoint) on the first stage: per
+    model chunk as the run's technique splits it, times the chunks in flight."""
     run = spec.run
-    if run.recompute is not Recompute.FULL:
-        return occupancy.layer_activations
-    if run.recompute_method != "block":
-        return 0
-    per_chunk = spec.chunk_layers
-    return occupancy.layer_activations // per_chunk * (per_chunk - min(run.recompute_layers, per_chunk))
+    technique = run_technique(run.sequence_parallel, run.recompute, run.recompute_method or "uniform",
+                              run.recompute_layers or 1)
+    _, whole = technique.chunk_layers(spec.chunk_layers)
+    return occupancy.layer_activations // spec.chunk_layers * whole
 
 
 def _kind(name: str, residuals: dict) -> str:

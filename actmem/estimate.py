@@ -6,6 +6,7 @@ from actmem import engine
 from actmem.architecture import PAPER
 from actmem import symbols
 from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_bytes
+from actmem.peak import peak_floor
 from actmem.pipeline import StageOccupancy, first_stage_occupancy
 from actmem.spec import Spec, padded_vocab
 from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, partial_run, run_technique
@@ -66,6 +67,9 @@ class Estimate:
     later_stages: tuple = ()
     """An uneven pipeline's other stages (actmem.stages), each with its own load; empty when
     the stages are even and the first holds the most."""
+    peak: object = None
+    """The first stage's allocator peak from below (actmem.peak.PeakFloor): the model state,
+    the activations in flight and what the first backward reruns, live at one moment."""
 
     @property
     def busiest_stage(self):
@@ -75,9 +79,11 @@ class Estimate:
 
     @property
     def verdict_bytes(self) -> int:
-        """What the busiest GPU holds: the first stage's total, or a heavier later stage's."""
+        """What the busiest GPU holds at least: the first stage's peak floor, or a heavier later
+        stage's total."""
+        first = self.total_bytes if self.peak is None else self.peak.total_bytes
         busiest = self.busiest_stage
-        return self.total_bytes if busiest is None else busiest.total_bytes
+        return first if busiest is None else max(first, busiest.total_bytes)
 
     @property
     def baseline(self) -> TechniqueRow:
@@ -114,7 +120,7 @@ def estimate(spec: Spec) -> Estimate:
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
     run_row = _technique_row(spec, run, occupancy)
-    return Estimate(
+    est = Estimate(
         spec=spec,
         occupancy=occupancy,
         techniques=tuple(_technique_row(spec, tech, occupancy) for tech in rows),
@@ -124,6 +130,7 @@ def estimate(spec: Spec) -> Estimate:
         assumptions=_assumptions(spec, occupancy),
         later_stages=_later_stages(spec, run, run_row),
     )
+    return replace(est, peak=peak_floor(est))
 
 
 def _later_stages(spec: Spec, run: Technique, run_row: TechniqueRow) -> tuple:
@@ -268,8 +275,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
         "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
         "says p)",
-        "not counted: the one layer rematerialised during a recompute backward, "
-        "allocator fragmentation, workspace and communication buffers",
+        "the verdict is the allocator's peak from below: model state, activations in flight and, "
+        "under recompute, what the first backward reruns, all live at one moment (actmem.peak); "
+        "not counted yet: the backward's gradient tensors and gathered inputs, the loss's 16-bit "
+        "logits gradient, allocator fragmentation, workspace and communication buffers",
         f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "
         "over the vocabulary" + (" and tied with the output layer" if arch.tied_output else
                                  "; the output layer's own weights where it is held (p = 1)")

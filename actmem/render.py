@@ -122,6 +122,12 @@ def _memory_table(est: Estimate) -> Table:
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
+    rerun = next((row for row in est.peak.rows if row.name == "rematerialised"), None)
+    if rerun is not None:
+        note = (f"at {est.peak.moment}: {gib(rerun.bytes):,.2f} GiB rerun, "
+                f"{gib(est.total_bytes + rerun.bytes - est.peak.total_bytes):,.2f} GiB already freed")
+        table.add_row(Text("peak, at least", style="bold"), f"{est.peak.total_bytes:,}",
+                      f"{gib(est.peak.total_bytes):,.2f}", Text(note, style="dim"))
     return table
 
 

@@ -32,6 +32,9 @@ def records(est: Estimate) -> dict:
                        "optimizer_bytes": est.parameters.optimizer_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
+        "peak_floor": {"moment": est.peak.moment, "total_bytes": est.peak.total_bytes,
+                       "rows": [{"name": row.name, "bytes": row.bytes, "source": row.source}
+                                for row in est.peak.rows]},
         "gpu_memory_bytes": spec.gpu_memory_bytes,
         "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
         "busiest_stage": _stage(est.busiest_stage),

@@ -133,8 +133,49 @@ def test_judge_on_hand_made_rows():
     assert len(judge([r("total", 107, 108)], 0)) == 1             # a byte unaccounted for
     assert judge([r("paper", 100, 101)], 1.0) == []               # within --max-error 1%
     assert len(judge([r("paper", 100, 102)], 1.0)) == 1
-    rows = [r("peak", 100, 500), r("allocated", 100, 300), r("pytorch_choice", 0, 9)]
+    rows = [r("allocated", 100, 300), r("pytorch_choice", 0, 9)]
     assert judge(rows, 0) == [] and {x["gate"] for x in rows} == {"info"}
+    assert judge([r("floor", 100, 500)], 0) == []                  # the peak above its floor
+    assert len(judge([r("floor", 100, 99)], 50)) == 1              # below it, at any tolerance
+    assert worst_error([r("floor", 100, 500)]) == 0.0              # the gap is not an error
+
+
+def test_a_peak_below_the_floor_fails(monkeypatch):
+    """Megatron's fp32 main-gradient buffer left unallocated: the allocator's peak drops under
+    actmem's floor (main gradients, activations, the rerun layer), and the gate says so."""
+    from actmem_validate import measure
+
+    monkeypatch.setattr(measure, "attach_main_grads", lambda module: None)
+    rows, failures = measured("tp-sp-full")
+    peak = row(rows, "peak")
+    assert peak["measured_bytes"] < peak["formula_bytes"] and peak["gate"] == "fail"
+    assert any("is below actmem's floor" in line for line in failures)
+
+
+def test_the_floor_holds_under_each_recompute_mode():
+    for technique in ("tp-sp", "tp-sp-sel", "tp-sp-full"):
+        rows, failures = measured(technique)
+        assert failures == [], failures
+        peak = row(rows, "peak")
+        assert peak["gate"] == "pass" and peak["measured_bytes"] >= peak["formula_bytes"]
+
+
+def test_the_weight_gradient_accumulated_into_main_grad_is_autograd_s():
+    """Megatron's gradient accumulation fusion puts the same gradient in fp32 main_grad that
+    autograd would return (the harness's linear, with and without a main_grad)."""
+    from actmem_validate.parallel import TensorParallel
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    grad = torch.randn(6, 3, dtype=torch.float64)
+    layers.linear(x, weight, None, TensorParallel()).backward(grad)
+    returned = weight.grad.clone()
+    weight.grad = None
+    layers.attach_main_grads(torch.nn.ParameterList([weight]))
+    layers.linear(x, weight, None, TensorParallel()).backward(grad)
+    assert weight.grad is None
+    assert torch.allclose(weight.main_grad.double(), returned, atol=1e-5)
 
 
 def test_validate_command_exits_1_when_the_gate_fails(monkeypatch):

@@ -46,8 +46,9 @@ def test_validate_at_t_1_measures_the_techniques_that_exist_there(actmem):
 
 
 def test_a_real_run_that_cannot_fit_this_machine_is_refused_with_the_numbers(actmem, monkeypatch):
-    """The full 22B at t = 8: each rank holds 22e9/8 parameters (bf16 weights and gradients,
-    4 B each: about 10 GiB) and twice its ~10 GiB of activations: some 240 GiB in all. (The
+    """The full 22B at t = 8: each rank holds 22e9/8 parameters (bf16 weights and fp32 main
+    gradients, 6 B each: about 15 GiB) and twice its ~10 GiB of activations: some 280 GiB in
+    all. (The
     machine is told to have 24 GiB, so the test means the same on a larger one.)"""
     from actmem_validate import footprint
 

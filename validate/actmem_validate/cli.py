@@ -48,8 +48,9 @@ def validate(techniques, grid, mode, microbatches, max_error, timeout, fmt, outp
     interleaved), records every tensor saved for backward (torch's saved_tensors_hooks,
     deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
     and the error per term and rank. Terms PyTorch keeps that the paper does not count are
-    listed as named residuals; 'peak' is the allocator's peak, for information. Exits 1
-    when a term is off, a saved tensor is unaccounted for, or the total does not add up.
+    listed as named residuals. 'peak' is the allocator's peak against actmem's floor under
+    it (actmem.peak). Exits 1 when a term is off, a saved tensor is unaccounted for, the
+    total does not add up, or the peak is below the floor.
 
     \b
     Examples:

@@ -11,8 +11,8 @@ from actmem.errors import SpecError
 from actmem.estimate import estimate
 from actmem.units import gib
 
-HARNESS_PARAMETER_BYTES = 2 + 2
-"""bf16 weights and their bf16 .grad: the harness keeps no fp32 copies."""
+HARNESS_PARAMETER_BYTES = 2 + 4
+"""bf16 weights and Megatron's fp32 main gradients (layers.attach_main_grads); no optimizer."""
 TRANSIENT_FACTOR = 2
 """Allocator peak over the saved activations: the harness measures up to +49% at paper scale
 (the 175B run); twice the saved bytes covers it with room for the fp32 loss temporaries."""
@@ -21,7 +21,7 @@ PROCESS_BYTES = 512 * 2**20
 
 
 def rank_bytes(config) -> int:
-    """One rank of one configuration: parameters and gradients, twice the saved activations
+    """One rank of one configuration: weights and main gradients, twice the saved activations
     (saved + transients), and the process itself."""
     est = estimate(config.spec)
     return (HARNESS_PARAMETER_BYTES * est.parameters.count + TRANSIENT_FACTOR * est.activations_bytes
@@ -48,7 +48,7 @@ def check_fits_machine(configs, available: int | None = None) -> None:
     need = worst.world_size * rank_bytes(worst)
     if need > available:
         raise SpecError(f"a real run of {worst.label} needs about {gib(need):,.1f} GiB "
-                        f"({worst.world_size} ranks × {gib(rank_bytes(worst)):,.2f} GiB: bf16 weights "
-                        f"and gradients, twice the saved activations, the process), and this machine "
+                        f"({worst.world_size} ranks × {gib(rank_bytes(worst)):,.2f} GiB: bf16 weights, fp32 main "
+                        f"gradients, twice the saved activations, the process), and this machine "
                         f"has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
                         f"fewer --layers")

@@ -13,6 +13,11 @@ Transformer Engine keep, so a CPU run measures what a GPU run holds.
   default (apply_rope_fusion): it keeps the fp32 frequency table only, a tensor the model
   caches (RotaryEmbedding.forward is lru_cached), so no activation at all.
 
+- Scaled, masked softmax: Megatron's FusedScaleMaskSoftmax with the upper-triangular
+  kernel (fused_softmax.py; apex's scaled_upper_triang_masked_softmax_cuda.cu): forward
+  allocates the probabilities only and saves them; backward runs in place on the incoming
+  gradient ("backward pass is completely in-place").
+
 The backward passes are the textbook ones; what matters for the measurement is what forward
 saves, and it saves nothing else.
 """
@@ -51,6 +56,31 @@ class _Norm(torch.autograd.Function):
         grad_weight = (grad.float() * x_hat).sum(tokens).to(weight.dtype)
         grad_bias = grad.float().sum(tokens).to(weight.dtype) if ctx.has_bias else None
         return (grad_x * rsigma).to(x.dtype), grad_weight, grad_bias, None
+
+
+class _ScaledCausalSoftmax(torch.autograd.Function):
+    """softmax(scale·scores, causal) over the last dim; scores: (b·a/t, s, s), the product
+    the core has just made and nobody keeps, so it is scaled and masked in place."""
+
+    @staticmethod
+    def forward(ctx, scores, scale: float):
+        s = scores.shape[-1]
+        above = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)   # s² bytes, transient
+        probs = torch.softmax(scores.mul_(scale).masked_fill_(above, float("-inf")), dim=-1)
+        ctx.scale = scale
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        rows = torch.bmm(probs.view(-1, 1, probs.shape[-1]), grad.reshape(-1, probs.shape[-1], 1))
+        # p·(g - Σ p·g)·scale, written over the incoming gradient
+        return grad.sub_(rows.view(*probs.shape[:-1], 1)).mul_(probs).mul_(ctx.scale), None
+
+
+def scaled_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaledCausalSoftmax.apply(scores, scale)
 
 
 class Norm(nn.Module):

@@ -11,9 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actmem_validate.context import context_parallel_attention
-from actmem_validate.fused import Norm, rotary_frequencies, rotate, swiglu
-from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, _LinearWithSequenceParallel, \
-    init_scaled
+from actmem_validate.fused import Norm, rotary_frequencies, rotate, scaled_causal_softmax, swiglu
+from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, init_scaled, linear
 from actmem_validate.ledger import label, name_of, name_saved_output, scope
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
@@ -78,11 +77,11 @@ def _norm(spec: LayerSpec) -> Norm:
     return Norm(spec.hidden, spec.normalization, dtype=spec.dtype, device=spec.device)
 
 
-def attention_core(q, k, v, mask_bias, dropout: Dropout):
+def attention_core(q, k, v, dropout: Dropout):
     """QKᵀ, softmax, dropout, ·V: the part selective recompute checkpoints. q, k, v: (b·a/t, s, hd)."""
-    scores = torch.bmm(q, k.transpose(1, 2)) * q.shape[-1] ** -0.5   # bmm keeps Q and K
+    scores = torch.bmm(q, k.transpose(1, 2))                         # bmm keeps Q and K
     with scope("softmax_output"):                                    # softmax keeps its output
-        probs = torch.softmax(scores + mask_bias, dim=-1)
+        probs = scaled_causal_softmax(scores, q.shape[-1] ** -0.5)
     dropped = dropout(probs)                                         # its mask: softmax_dropout_mask
     if dropped is not probs:
         label(dropped, "softmax_dropout_output")
@@ -150,9 +149,6 @@ class SelfAttention(nn.Module):
         self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
-        if spec.attention_core == "eager":
-            causal = torch.full((spec.seq_len, spec.seq_len), float("-inf"), **kw).triu(1)
-            self.register_buffer("mask_bias", causal, persistent=False)   # added: nothing saved
         if spec.position_embedding == "rope":   # model state, as Megatron's cached table is
             self.register_buffer("freqs", rotary_frequencies(spec.seq_len, spec.dim, spec.device),
                                  persistent=False)
@@ -175,10 +171,10 @@ class SelfAttention(nn.Module):
                    for t in (q, k, v))                        # (b·a/t, s, d)
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
         if self.spec.recompute == "selective":
-            context = checkpoint(attention_core, q, k, v, self.mask_bias, self.dropout,
+            context = checkpoint(attention_core, q, k, v, self.dropout,
                                  use_reentrant=True)           # keeps q, k, v only
         else:
-            context = attention_core(q, k, v, self.mask_bias, self.dropout)
+            context = attention_core(q, k, v, self.dropout)
         context = context.view(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.projection(label(context, "projection_input"))
 
@@ -367,9 +363,9 @@ class OutputHead(nn.Module):
             x = label(self.norm(x), "output_layer_input")
         weight = self.embedding.words if self.weight is None else self.weight
         if self.tp.sequence_parallel and self.tp.size > 1:
-            logits = _LinearWithSequenceParallel.apply(x, weight, None, self.tp)   # keeps 2sbh/t
+            logits = linear(x, weight, None, self.tp, gather=True)   # keeps 2sbh/t
         else:
-            logits = nn.functional.linear(copy_to_tensor_parallel_region(x, self.tp), weight)
+            logits = linear(copy_to_tensor_parallel_region(x, self.tp), weight, None, self.tp)
         with scope("cross_entropy_targets"):
             losses = _VocabParallelCrossEntropy.apply(logits, targets.t(), self.embedding.vocab_start, self.tp)
         return losses.mean()

@@ -14,27 +14,78 @@ from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from
 from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, reduce_scatter
 
 
-class _LinearWithSequenceParallel(torch.autograd.Function):
-    """y = all-gather(x)·Wᵀ + b, saving only the local sequence shard x (2sbh/t) and
-    all-gathering it again in backward, as Megatron's column-parallel linear does under SP.
-    Saving the gathered input instead would hold t times more."""
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """y = x·Wᵀ + b as Megatron's LinearWithGradAccumulationAndAsyncCommunication runs it.
+
+    Under SP (gather=True) x is the local sequence shard: it is all-gathered for the GEMM and
+    again in backward, and only the shard is saved (2sbh/t; saving the gathered input would
+    hold t times more). With gradient accumulation fusion (Megatron's default where its CUDA
+    extension is built; TE's fuse_wgrad_accumulation) the weight gradient is accumulated
+    straight into the fp32 ``weight.main_grad`` (wgrad_gemm_accum_fp32), so no 16-bit weight
+    gradient is ever allocated; without a main_grad (the correctness check) it is returned."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp):
-        ctx.tp, ctx.has_bias = tp, bias is not None
+    def forward(ctx, x, weight, bias, tp, gather):
+        ctx.tp, ctx.gather, ctx.has_bias = tp, gather, bias is not None
         ctx.save_for_backward(x, weight)
-        total = all_gather(x, tp)                          # (s, b, h)
+        total = all_gather(x, tp) if gather else x         # (s, b, h): a transient
         out = total @ weight.t()
         return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        total = all_gather(x, ctx.tp)                      # re-gathered, not stored
-        grad_input = reduce_scatter(grad @ weight, ctx.tp)  # (s/t, b, h)
-        grad_weight = grad.flatten(0, -2).t() @ total.flatten(0, -2)
+        total = all_gather(x, ctx.tp) if ctx.gather else x  # re-gathered, not stored
+        grad_input = grad @ weight
+        if ctx.gather:
+            grad_input = reduce_scatter(grad_input, ctx.tp)  # (s/t, b, h)
+        grad_weight = accumulate_weight_gradient(weight, grad.flatten(0, -2), total.flatten(0, -2))
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def accumulate_weight_gradient(weight, grad_2d, input_2d):
+    """gradᵀ·input into weight.main_grad (fp32, in place) when it has one; else returned.
+    A 16-bit GEMM that accumulates into fp32 is aten's addmm.dtype_out: CUDA and fake tensors
+    have it; a CPU has none, so there the 16-bit product is made and added (a transient of
+    one weight's size: ``WGRAD_ON_CPU``)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return grad_2d.t() @ input_2d
+    try:
+        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+    except (NotImplementedError, RuntimeError):
+        main_grad.add_(grad_2d.t() @ input_2d)
+    return None
+
+
+def attach_main_grads(module: nn.Module) -> torch.Tensor:
+    """Megatron's DDP gradient buffer: one zeroed fp32 buffer for the module's parameters,
+    allocated once before the step (param_and_grad_buffer.py), each parameter's main_grad a
+    view into it. The linears accumulate into it directly; the parameters whose gradients
+    autograd materialises in 16 bits (norms, biases, the embedding) add them in through a
+    hook and drop them, as DDP's does (param.main_grad.add_(param.grad); param.grad = None).
+    Returns the buffer."""
+    params = [param for param in module.parameters() if param.requires_grad]
+    first = params[0]
+    buffer = torch.zeros(sum(param.numel() for param in params), dtype=torch.float32, device=first.device)
+    offset = 0
+    for param in params:
+        param.main_grad = buffer[offset:offset + param.numel()].view(param.shape)
+        param.register_post_accumulate_grad_hook(_add_to_main_grad)
+        offset += param.numel()
+    return buffer
+
+
+def _add_to_main_grad(param: torch.Tensor) -> None:
+    if param.grad is not None:              # None: a linear accumulated into main_grad itself
+        param.main_grad.add_(param.grad)
+        param.grad = None
+
+
+def linear(x, weight, bias, tp: TensorParallel, gather: bool = False):
+    """The one linear of the harness (see _LinearWithGradAccumulation)."""
+    return _LinearWithGradAccumulation.apply(x, weight, bias, tp, gather)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -50,9 +101,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.tp.sequence_parallel and self.tp.size > 1:
-            return _LinearWithSequenceParallel.apply(x, self.weight, self.bias, self.tp)
+            return linear(x, self.weight, self.bias, self.tp, gather=True)
         x = copy_to_tensor_parallel_region(x, self.tp)
-        return nn.functional.linear(x, self.weight, self.bias)    # saves x: 2sbh
+        return linear(x, self.weight, self.bias, self.tp)        # saves x: 2sbh
 
 
 class RowParallelLinear(nn.Module):
@@ -71,7 +122,7 @@ class RowParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x):
-        partial = nn.functional.linear(x, self.weight)             # saves x: 2sbh/t
+        partial = linear(x, self.weight, None, self.tp)            # saves x: 2sbh/t
         if self.tp.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:
@@ -80,21 +131,23 @@ class RowParallelLinear(nn.Module):
 
 
 class _Dropout(torch.autograd.Function):
-    """Dropout that keeps a 1-byte mask, as Megatron's fused kernels do (PyTorch's own
-    dropout keeps a float mask on CPU)."""
+    """Dropout as CUDA's fused kernel runs it: one 1-byte mask and one output, and one output
+    in backward (PyTorch's own dropout keeps a float mask on CPU, and x·mask·scale in plain
+    ops would allocate two products). aten's native_dropout_backward is that one kernel:
+    grad·mask·scale; forward applies the same product to x."""
 
     @staticmethod
     def forward(ctx, x, p, term):
-        mask = torch.rand_like(x) >= p                    # bool: 1 byte an element
+        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)    # 1 byte an element
         label(mask, term)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(mask)
-        return x * mask * ctx.scale
+        return torch.ops.aten.native_dropout_backward(x, mask, ctx.scale)
 
     @staticmethod
     def backward(ctx, grad):
         (mask,) = ctx.saved_tensors
-        return grad * mask * ctx.scale, None, None
+        return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None, None
 
 
 class Dropout(nn.Module):

@@ -10,6 +10,7 @@ from actmem.spec import Spec
 from actmem.techniques import Technique
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
+from actmem_validate.layers import attach_main_grads
 from actmem_validate.parallel import TensorParallel, tensor_and_context_groups
 from actmem_validate.schedule import FirstStage, run_first_stage
 from actmem_validate.torch_compat import device_wide_mem_tracker, fake_tensor_mode, \
@@ -63,6 +64,7 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
                            spec.stage_layers)
         with _PeakMemory(stage, device) as peak:
+            attach_main_grads(stage)                  # fp32, allocated before the step (counted)
             result = run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave,
                                      config.microbatches, run.micro_batch, spec.padded_vocab, tp,
                                      peak.current)

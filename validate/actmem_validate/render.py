@@ -22,16 +22,20 @@ def render_rows(rows: list[dict]) -> None:
     console.print(Text("error: (measured - formula) / formula. Checked (gate ✓/✗): every term of the "
                        "paper, in both directions; anything saved that no term or named residual "
                        "accounts for (unnamed); and total, every saved byte at the stage's peak "
-                       "against the formula plus the named residuals. Information: residual (saved by "
+                       "against the formula plus the named residuals; peak, the allocator's peak "
+                       "during the schedule (above the parameters, with Megatron's fp32 main "
+                       "gradients), which fails only below actmem's floor (main gradients, activations "
+                       "in flight, the rerun layer): its error is the transients not modelled yet. "
+                       "Information: residual (saved by "
                        "PyTorch, not counted by the paper); allocated, all memory above the parameters "
-                       "at that moment; peak, the allocator's peak during the schedule; "
+                       "at that moment; "
                        "native_dropout_mask_extra, what PyTorch's own dropout, with its wider mask on "
                        "this device, would add (the harness keeps 1-byte masks as Megatron does).",
                        style="dim"))
 
 
 def _term(row) -> Text:
-    style = {"residual": "dim", "total": "bold", "peak": "italic", "allocated": "italic",
+    style = {"residual": "dim", "total": "bold", "floor": "italic", "allocated": "italic",
              "pytorch_choice": "dim", "unnamed": "bold red"}.get(row["kind"], "")
     suffix = {"residual": " (residual)", "unnamed": " (unnamed)"}.get(row["kind"], "")
     return Text(row["term"] + suffix, style=style)

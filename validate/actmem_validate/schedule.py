@@ -15,6 +15,7 @@ from torch import nn
 from actmem_validate.gpt import Embedding, LayerSpec, OutputHead, TransformerLayer, run_layers
 from actmem_validate.ledger import Ledger
 from actmem_validate.parallel import TensorParallel
+from actmem_validate.torch_compat import pipeline_backward
 
 
 def first_stage_order(p: int, m: int, n: int) -> list[tuple[str, int, int]]:
@@ -85,22 +86,37 @@ def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, 
             ledger = Ledger(model_state)
             with ledger.recording():
                 out = stage.forward_chunk(chunk, received, tokens, tokens)
-            in_flight[(microbatch, chunk)] = (out, ledger)
+            shape = deallocate_output_tensor(out)
+            in_flight[(microbatch, chunk)] = (out, shape, ledger)
             if _track_peak(result, in_flight):
                 result.allocated_at_peak = allocated()
         else:
-            out, _ = in_flight.pop((microbatch, chunk))
-            out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+            out, shape, _ = in_flight.pop((microbatch, chunk))
+            if out.dim() == 0:                                 # the loss (p = 1)
+                out.backward()
+            else:                                              # the gradient the next stage sends
+                pipeline_backward(out, torch.ones(shape, dtype=out.dtype, device=out.device))
     return result
+
+
+def deallocate_output_tensor(out: torch.Tensor):
+    """Megatron frees a chunk's output once it is sent (schedules.py, deallocate_output_tensor:
+    out.data = torch.empty((1,)); on in the training path, deallocate_pipeline_outputs): only
+    its autograd node stays for the backward. Returns its shape (None for the loss)."""
+    if out.dim() == 0:
+        return None
+    shape = out.shape
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+    return shape
 
 
 def _track_peak(result: StageRun, in_flight: dict) -> bool:
     """Record the live saved bytes by term if they are a new peak; say whether they were."""
-    live = sum(n_bytes for _, ledger in in_flight.values() for _, n_bytes in ledger.saved.values())
+    live = sum(n_bytes for *_, ledger in in_flight.values() for _, n_bytes in ledger.saved.values())
     if live <= result.peak_saved_bytes:
         return False
     terms: dict = {}
-    for _, ledger in in_flight.values():
+    for *_, ledger in in_flight.values():
         for term, n_bytes in ledger.by_term().items():
             terms[term] = terms.get(term, 0) + n_bytes
     result.peak_saved_bytes, result.terms_at_peak = live, terms

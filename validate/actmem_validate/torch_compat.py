@@ -63,6 +63,26 @@ def tracker_bytes_above_parameters(tracker, which: str) -> int:
                    if kind != "Total" and getattr(kind, "value", "") != "Parameter"))
 
 
+def pipeline_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backward from a pipeline stage's output whose storage was already freed (its .data
+    swapped for one element after the send), with the gradient received for it: Megatron's
+    custom_backward (pipeline_parallel/schedules.py) calls the engine directly, skipping the
+    shape check. Private: Variable._execution_engine.run_backward."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=tuple(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+def _probe_pipeline_backward():
+    x = torch.ones(3, requires_grad=True)
+    out = x * 2
+    out.data = torch.empty((1,))
+    pipeline_backward(out, torch.ones(3))
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
 def _probe_tracker():
     tracker = device_wide_mem_tracker()
     module = torch.nn.Linear(4, 4)
@@ -89,4 +109,5 @@ PROBES = {
     "torch._subclasses.fake_tensor.FakeTensorMode": lambda: fake_tensor_mode().__enter__().__exit__(None, None, None),
     "torch.testing._internal.distributed.fake_pg.FakeStore": _probe_fake_pg,
     "torch.distributed._tools.mem_tracker.MemTracker hooks and snapshot": _probe_tracker,
+    "Variable._execution_engine.run_backward (Megatron's custom_backward)": _probe_pipeline_backward,
 }

@@ -1,6 +1,7 @@
 """One estimate: a spec in, a table of named byte counts out. No terminal here."""
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from actmem import engine
 from actmem.architecture import PAPER
@@ -67,9 +68,12 @@ class Estimate:
     later_stages: tuple = ()
     """An uneven pipeline's other stages (actmem.stages), each with its own load; empty when
     the stages are even and the first holds the most."""
-    peak: object = None
-    """The first stage's allocator peak from below (actmem.peak.PeakFloor): the model state,
-    the activations in flight and what the first backward reruns, live at one moment."""
+
+    @cached_property
+    def peak(self):
+        """The first stage's allocator peak from below (actmem.peak.PeakFloor): the model state,
+        the activations in flight and what the first backward reruns, live at one moment."""
+        return peak_floor(self)
 
     @property
     def busiest_stage(self):
@@ -81,8 +85,8 @@ class Estimate:
     def verdict_bytes(self) -> int:
         """What the busiest GPU holds at least: the first stage's peak floor, or a heavier later
         stage's total."""
-        first = self.total_bytes if self.peak is None else self.peak.total_bytes
         busiest = self.busiest_stage
+        first = self.peak.total_bytes
         return first if busiest is None else max(first, busiest.total_bytes)
 
     @property
@@ -120,7 +124,7 @@ def estimate(spec: Spec) -> Estimate:
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
     run_row = _technique_row(spec, run, occupancy)
-    est = Estimate(
+    return Estimate(
         spec=spec,
         occupancy=occupancy,
         techniques=tuple(_technique_row(spec, tech, occupancy) for tech in rows),
@@ -130,7 +134,6 @@ def estimate(spec: Spec) -> Estimate:
         assumptions=_assumptions(spec, occupancy),
         later_stages=_later_stages(spec, run, run_row),
     )
-    return replace(est, peak=peak_floor(est))
 
 
 def _later_stages(spec: Spec, run: Technique, run_row: TechniqueRow) -> tuple:

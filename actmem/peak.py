@@ -13,8 +13,9 @@ of the first stage's schedule, so their sum is a floor under the peak, not a gue
   which is the checkpoint's own storage (CheckpointFunction.backward detaches it, a view).
   Selective recompute reruns the attention core: the rows it dropped.
 
-That moment is the start of the first backward after the pipeline has filled: the oldest
-microbatch's last layer, with every microbatch of the stage still held. The transients of
+The moment is in the first backward after the pipeline has filled (the oldest microbatch's
+last layer, every microbatch of the stage held): its start, or its rerun done, whichever
+holds more (``peak_floor``). The transients of
 that backward (gradient tensors, gathered inputs, the cross entropy's 16-bit logits
 gradient) come on top and are not modelled yet: the harness measures them, and the floor's
 gap to its measured peak is reported, not hidden.
@@ -25,8 +26,6 @@ from dataclasses import dataclass
 from actmem import engine
 from actmem.techniques import Technique
 from actmem.terms import TERMS, Recompute, Scope
-
-BY_TERM = {term.name: term for term in TERMS}
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,6 @@ class PeakFloor:
 
     def bytes_of(self, *names) -> int:
         return sum(row.bytes for row in self.rows if row.name in names)
-
-
-MODEL_STATE = ("weights", "main_gradients", "optimizer_state")
 
 
 def peak_floor(est) -> PeakFloor:
@@ -88,7 +84,8 @@ def _freed_before_rerun(est) -> int:
     under selective recompute, the last layer's rows after its attention core."""
     freed = sum(row.total_bytes for row in est.run_terms if row.term.scope is Scope.OUTPUT)
     if est.run.technique.recompute is Recompute.SELECTIVE:
-        after_core = TERMS[TERMS.index(BY_TERM["projection_input"]):]
+        core_end = next(i for i, term in enumerate(TERMS) if term.name == "projection_input")
+        after_core = TERMS[core_end:]
         freed += sum(row.bytes_each for row in est.run_terms
                      if row.term in after_core and row.term.scope is Scope.LAYER)
     return freed

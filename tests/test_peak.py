@@ -58,9 +58,10 @@ def test_full_recompute_with_the_output_layer_frees_the_logits_first():
 
 
 def test_uniform_groups_rerun_the_chunks_tail():
-    """Uniform groups of 2 over the 530B chunk of 1 layer: the tail group has 1 layer; over
-    3 layers a chunk (p = 35, no interleave) the tail is 1 again; block checkpointing of a
-    chunk whose last layers are kept whole reruns nothing at the first backward."""
+    """530B without interleave: 3 layers a chunk (105/35). Uniform groups of 2 make groups
+    [0, 1] and [2]; the tail group, 1 layer, is rerun first: the same bytes as one layer
+    alone. Block 1 keeps the chunk's last 2 layers whole, so the first backward reruns
+    nothing and the floor is the total."""
     full = _estimate("530b", recompute="full")
     whole = {row.name: row.bytes for row in full.peak.rows}["rematerialised"]
     grouped = _estimate("530b", recompute="full", interleave=1, recompute_method="uniform", recompute_layers=2)

@@ -85,7 +85,8 @@ def settings(est: Estimate) -> list[dict]:
              if isinstance(value, bool) else str(value)} for key, value in rows]
 
 
-def _frames(est: Estimate) -> dict:
+def frames(est: Estimate) -> dict:
+    """The tables the csv and markdown formats write (and plots draw), by section name."""
     import pandas as pd   # only the csv and markdown formats pay for pandas
 
     rec = records(est)
@@ -106,8 +107,8 @@ def to_csv(est: Estimate) -> str:
     fits verdict; techniques; run_terms; memory)."""
     import pandas as pd
 
-    frames = [df.assign(section=name) for name, df in _frames(est).items()]
-    table = pd.concat(frames, ignore_index=True).convert_dtypes()  # ints stay ints beside blanks
+    parts = [df.assign(section=name) for name, df in frames(est).items()]
+    table = pd.concat(parts, ignore_index=True).convert_dtypes()  # ints stay ints beside blanks
     columns = ["section"] + [c for c in table.columns if c != "section"]
     return table[columns].to_csv(index=False)
 
@@ -120,7 +121,7 @@ def to_markdown(est: Estimate) -> str:
     where = "the first stage" if busiest is None else f"stage {busiest.stage}, the busiest of an uneven pipeline"
     head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
             f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of {where}.\n")
-    parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in _frames(est).items()]
+    parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in frames(est).items()]
     notes = "\n".join(f"- {note}" for note in est.assumptions)
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 

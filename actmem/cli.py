@@ -99,25 +99,33 @@ def cli():
 @spec_options
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
               default="rich", show_default=True, help="Output format.")
-def estimate(fmt, **flags):
-    """Activation, parameter and optimizer memory per GPU of the first pipeline stage.
+@click.option("--stage", "stage_text", default="first", show_default=True, metavar="first|last|N|all",
+              help="The pipeline stage whose techniques, terms and memory are shown (N counts from "
+                   "0); 'all' adds every stage's peak. The verdict is always the busiest stage's.")
+def estimate(fmt, stage_text, **flags):
+    """Activation, parameter and optimizer memory per GPU of a pipeline stage (the first).
 
     Shows the six techniques of Table 2 (and full recompute under SP) on this run, the
-    run's own terms, parameters and optimizer state, and whether the total fits the GPU.
+    run's own terms, parameters and optimizer state, the allocator's peak from below, and
+    whether the busiest stage's peak fits the GPU.
 
     \b
     Examples:
       actmem estimate --model 530b
       actmem estimate --model gpt3 --no-sp --recompute none --format json
+      actmem estimate --model llama-3.1-405b --stage all
       actmem estimate --heads 32 --hidden 4096 --layers 32 --vocab 50257 --seq-len 4096 --tp 4
     """
     from actmem.estimate import estimate as run_estimate
+    from actmem.stages import parse_stage
 
-    result = run_estimate(build_spec_from_flags(flags))
+    spec = build_spec_from_flags(flags)
+    stage = parse_stage(stage_text, spec.run.pipeline_parallel)
+    result = run_estimate(spec, 0 if stage is None else stage)
     if fmt == "rich":
         from actmem.render import render_estimate
 
-        render_estimate(result)
+        render_estimate(result, all_stages=stage is None)
     else:
         from actmem import report
 

@@ -13,7 +13,7 @@ from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
 from actmem.symbols import L, a, b, h, m, p, s, t, v
 from actmem.techniques import Technique
-from actmem.terms import STAGE_TERMS, Region, Scope, Term, layer_terms
+from actmem.terms import STAGE_TERMS, TERMS, Recompute, Region, Scope, Term, layer_terms
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
@@ -73,11 +73,46 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
             + extra_bytes(technique, microbatches_held, holds_output, arch))
 
 
+@cache
+def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group: int = 1) -> sympy.Expr:
+    """What the backward of a stage's last layer reruns while everything else is held (the
+    peak's rerun moment, actmem.peak). Full recompute reruns ``group`` layers from their
+    checkpoint: each as it is kept without recompute, less the group's input, which is the
+    checkpoint's own storage (CheckpointFunction.backward detaches it: a view). Selective
+    recompute reruns the attention core: the rows it dropped. None reruns nothing."""
+    if technique.recompute is Recompute.NONE:
+        return sympy.Integer(0)
+    layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
+    if technique.recompute is Recompute.SELECTIVE:
+        return layer - kept
+    return group * layer - kept if group else sympy.Integer(0)
+
+
+@cache
+def freed_before_rerun(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """What the stage's first backward frees before it reruns anything: the output layer's
+    rows where the stage holds them (the loss runs backward first; ``holds_output``), and
+    under selective recompute the last layer's rows from the attention projection on (its
+    MLP and projection run backward before the core is rerun)."""
+    freed = extra_bytes(technique, 0, holds_output, arch)
+    if technique.recompute is Recompute.SELECTIVE:
+        core_end = next(i for i, term in enumerate(TERMS) if term.name == "projection_input")
+        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[core_end:]
+                             if term.scope is Scope.LAYER))
+    return freed
+
+
 def exact(expr, bindings: dict) -> int:
     """Bind the symbols to integers and return the whole number of bytes."""
-    value = sympy.sympify(expr).subs(bindings)
+    return _exact(sympy.sympify(expr), tuple(bindings.items()))
+
+
+@cache
+def _exact(expr, bindings: tuple) -> int:
+    """Cached: every stage of a pipeline binds the same expressions to the same values."""
+    value = expr.subs(dict(bindings))
     if not value.is_Integer:
-        raise ArithmeticError(f"{expr} is not a whole number of bytes at {bindings}: {value}")
+        raise ArithmeticError(f"{expr} is not a whole number of bytes at {dict(bindings)}: {value}")
     return int(value)
 
 

@@ -6,9 +6,11 @@ from functools import cached_property
 from actmem import engine
 from actmem.architecture import PAPER
 from actmem import symbols
-from actmem.parameters import ParameterBytes, first_stage_parameters, parameter_bytes
-from actmem.peak import peak_floor
-from actmem.pipeline import StageOccupancy, first_stage_occupancy
+from actmem.parameters import ParameterBytes, parameter_bytes, stage_parameters
+from actmem.peak import PeakFloor, peak_floor
+from actmem.pipeline import StageOccupancy, stage_occupancy
+from actmem.stages import StageLoad, stage_layers
+from actmem.errors import SpecError
 from actmem.spec import Spec, padded_vocab
 from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, partial_run, run_technique
 from actmem.terms import TERMS, Recompute, Scope, Term
@@ -34,7 +36,7 @@ class TermRow:
 
 @dataclass(frozen=True)
 class TechniqueRow:
-    """One technique on the first stage of this run."""
+    """One technique on one stage of this run (the first, unless another is asked for)."""
 
     technique: Technique
     per_layer_bytes: int | float
@@ -45,14 +47,25 @@ class TechniqueRow:
     """Section 4.5: embedding dropout mask; output-layer terms when p = 1."""
     parameters: ParameterBytes
     """Weights, gradients and optimizer state at this technique's t ('none' sets t = 1)."""
+    rematerialised_bytes: int = 0
+    """What the stage's first backward reruns (engine.rematerialised_bytes)."""
+    freed_bytes: int = 0
+    """What that backward frees before the rerun (engine.freed_before_rerun)."""
 
     @property
     def first_stage_bytes(self) -> int:
+        """The stage's saved activations (named for the paper's first stage, the default)."""
         return self.layers_bytes + self.extra_bytes
 
     @property
     def total_bytes(self) -> int:
         return self.first_stage_bytes + self.parameters.total_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The stage's allocator peak from below (actmem.peak): the total, and what the rerun
+        holds beyond what it freed."""
+        return self.total_bytes + max(0, self.rematerialised_bytes - self.freed_bytes)
 
 
 @dataclass(frozen=True)
@@ -65,29 +78,31 @@ class Estimate:
     run_terms: tuple
     parameters: ParameterBytes
     assumptions: tuple
-    later_stages: tuple = ()
-    """An uneven pipeline's other stages (actmem.stages), each with its own load; empty when
-    the stages are even and the first holds the most."""
+    stage: int = 0
+    """The pipeline stage the techniques and terms are counted on (0: the first, the paper's)."""
 
     @cached_property
-    def peak(self):
-        """The first stage's allocator peak from below (actmem.peak.PeakFloor): the model state,
-        the activations in flight and what the first backward reruns, live at one moment."""
-        return peak_floor(self)
+    def peak(self) -> PeakFloor:
+        """This stage's allocator peak from below (actmem.peak.PeakFloor): the model state, the
+        activations in flight and what the first backward reruns, live at one moment."""
+        return peak_floor(self.run)
+
+    @cached_property
+    def stages(self) -> tuple:
+        """Every stage of the pipeline (actmem.stages.StageLoad), this one included."""
+        return tuple(StageLoad(i, layers, self.occupancy, self.run) if i == self.stage else
+                     _stage_load(self.spec, self.run.technique, i, layers)
+                     for i, layers in enumerate(stage_layers(self.spec)))
 
     @property
-    def busiest_stage(self):
-        """The later stage that holds more than the first, if any (an uneven pipeline)."""
-        heavier = [stage for stage in self.later_stages if stage.total_bytes > self.total_bytes]
-        return max(heavier, key=lambda stage: stage.total_bytes, default=None)
+    def busiest_stage(self) -> StageLoad:
+        """The stage with the largest peak floor (the first of equals): the verdict's."""
+        return max(self.stages, key=lambda load: load.peak.total_bytes)
 
     @property
     def verdict_bytes(self) -> int:
-        """What the busiest GPU holds at least: the first stage's peak floor, or a heavier later
-        stage's total."""
-        busiest = self.busiest_stage
-        first = self.peak.total_bytes
-        return first if busiest is None else max(first, busiest.total_bytes)
+        """What the busiest GPU holds at least: the largest stage's peak floor."""
+        return self.busiest_stage.peak.total_bytes
 
     @property
     def baseline(self) -> TechniqueRow:
@@ -112,36 +127,42 @@ class Estimate:
         return self.verdict_bytes <= self.spec.gpu_memory_bytes
 
     def technique_fits(self, row: TechniqueRow) -> bool:
-        return row.total_bytes <= self.spec.gpu_memory_bytes
+        """A technique row fits where its peak floor on this stage does."""
+        return row.peak_bytes <= self.spec.gpu_memory_bytes
 
 
-def estimate(spec: Spec) -> Estimate:
-    """Activation, parameter and optimizer bytes on one GPU of the first pipeline stage."""
-    occupancy = first_stage_occupancy(spec.model.layers, spec.run.pipeline_parallel,
-                                      spec.run.interleave, spec.microbatches, spec.stage_layers)
+def estimate(spec: Spec, stage: int = 0) -> Estimate:
+    """Activation, parameter and optimizer bytes on one GPU of a pipeline stage (the first by
+    default), and the peak floor of every stage."""
+    p = spec.run.pipeline_parallel
+    if not 0 <= stage < p:
+        raise SpecError(f"stage {stage} is not one of the pipeline's stages 0 to {p - 1} (p = {p})")
+    layers = stage_layers(spec)[stage]
+    occupancy = _occupancy(spec, stage, layers)
     run = run_technique(spec.run.sequence_parallel, spec.run.recompute, spec.run.recompute_method or "uniform",
                         spec.run.recompute_layers or 1)
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
-    run_row = _technique_row(spec, run, occupancy)
     return Estimate(
         spec=spec,
         occupancy=occupancy,
-        techniques=tuple(_technique_row(spec, tech, occupancy) for tech in rows),
-        run=run_row,
+        techniques=tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows),
+        run=_technique_row(spec, run, occupancy, layers),
         run_terms=tuple(row for row in terms if row.total_bytes),
-        parameters=_parameters(spec, spec.run.tensor_parallel),
+        parameters=_parameters(spec, spec.run.tensor_parallel, stage, layers),
         assumptions=_assumptions(spec, occupancy),
-        later_stages=_later_stages(spec, run, run_row),
+        stage=stage,
     )
 
 
-def _later_stages(spec: Spec, run: Technique, run_row: TechniqueRow) -> tuple:
-    if spec.run.first_stage_layers is None and spec.run.last_stage_layers is None:
-        return ()
-    from actmem.stages import later_stages
+def _occupancy(spec: Spec, stage: int, layers: int) -> StageOccupancy:
+    return stage_occupancy(spec.model.layers, spec.run.pipeline_parallel, spec.run.interleave,
+                           spec.microbatches, layers, stage)
 
-    return later_stages(spec, run, run_row.per_layer_bytes, spec.padded_vocab)
+
+def _stage_load(spec: Spec, run: Technique, stage: int, layers: int) -> StageLoad:
+    occupancy = _occupancy(spec, stage, layers)
+    return StageLoad(stage, layers, occupancy, _technique_row(spec, run, occupancy, layers))
 
 
 def modelled_techniques(spec: Spec) -> tuple:
@@ -178,8 +199,8 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
 
 
 def _partial_counts(spec: Spec, run: Technique, occupancy) -> tuple[int, int]:
-    """(checkpoints, whole layers) the first stage holds: per chunk, times chunks in flight."""
-    per_chunk = spec.chunk_layers
+    """(checkpoints, whole layers) the stage holds: per chunk, times chunks in flight."""
+    per_chunk = occupancy.chunk_layers
     chunks = occupancy.layer_activations // per_chunk
     checkpoints, whole = run.chunk_layers(per_chunk)
     return chunks * checkpoints, chunks * whole
@@ -190,27 +211,31 @@ def _technique_t(spec: Spec, technique: Technique) -> int:
     return spec.run.tensor_parallel if technique.tensor_parallel else 1
 
 
-def _technique_row(spec: Spec, technique: Technique, occupancy) -> TechniqueRow:
+def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int) -> TechniqueRow:
     layer_activations, microbatches, holds_output = _counts(occupancy)
     t = _technique_t(spec, technique)
-    bindings = spec.bindings() | {symbols.t: t,
+    bindings = spec.bindings() | {symbols.t: t, engine.holds_output: holds_output,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = spec.architecture
     extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
+    parameters = _parameters(spec, t, occupancy.stage, stage_layers)
+    rerun = engine.exact(engine.rematerialised_bytes(technique, arch, technique.rerun_layers(occupancy.chunk_layers)),
+                         bindings)
+    freed = engine.exact(engine.freed_before_rerun(technique, arch), bindings)
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
                   + whole * engine.exact(engine.per_layer_bytes(technique.whole(), arch), bindings))
-        return TechniqueRow(technique, layers / layer_activations, layers, extra, _parameters(spec, t))
+        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed)
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, _parameters(spec, t))
+    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed)
 
 
-def _parameters(spec: Spec, t: int) -> ParameterBytes:
+def _parameters(spec: Spec, t: int, stage: int = 0, layers: int | None = None) -> ParameterBytes:
     model, run = spec.model, spec.run
-    count = first_stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
-                                   padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
-                                   spec.architecture, model.heads, spec.stage_layers)
+    count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
+                             padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
+                             spec.architecture, model.heads, spec.stage_layers if layers is None else layers, stage)
     return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)
 
 
@@ -270,16 +295,19 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec),
-        f"first pipeline stage: {occupancy.explanation}"
+        ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
+        + f": {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else
-           "; the output-layer terms of section 4.5 sit on the last stage (p > 1)"),
+           "; the output-layer terms of section 4.5 sit on the last stage (p > 1)")
+        + ("" if occupancy.stage == 0 else "; the embedding sits on the first stage"),
         "the technique rows share this run's pipeline and microbatch and vary only t, SP and "
         "recompute; 'none' sets t = 1, so its parameters are not split either",
         f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
         "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
         "says p)",
-        "the verdict is the allocator's peak from below: model state, activations in flight and, "
-        "under recompute, what the first backward reruns, all live at one moment (actmem.peak); "
+        "the verdict is the allocator's peak from below on the busiest pipeline stage: model state, "
+        "activations in flight and, under recompute, what the first backward reruns, all live at "
+        "one moment (actmem.peak); "
         "not counted yet: the backward's gradient tensors and gathered inputs, the loss's 16-bit "
         "logits gradient, allocator fragmentation, workspace and communication buffers",
         f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "

@@ -37,14 +37,23 @@ def qkv_width(h, arch, heads):
 
 
 def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None):
-    """L/p layers, the word embedding split over the vocabulary (v·h/t), the learned
-    position embedding (s·h; rotary positions have none), and when p = 1 the final norm
-    and, if untied, the output layer's own v·h/t (tied, it shares the word embedding's
-    weights: section 3). stage_layers: the first stage's layers when uneven; L/p if None."""
-    last = (p == 1) * (arch.norm_parameters * h + (not arch.tied_output) * v * h // t)
+    """The first stage's parameters (stage_parameters at stage 0)."""
+    return stage_parameters(h, L, p, t, v, s, arch, heads, stage_layers)
+
+
+def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None, stage=0):
+    """A stage's parameters: its layers (L/p, or stage_layers when uneven); on the first
+    stage the word embedding split over the vocabulary (v·h/t) and the learned position
+    embedding (s·h; rotary positions have none); on the last the final norm and the output
+    layer's v·h/t: its own weights when untied, and when tied a copy of the word embedding
+    if the last stage is not the first (Megatron's word_embeddings_for_head; tied at p = 1
+    they are one tensor: section 3)."""
+    first, last = stage == 0, stage == p - 1          # elementwise where p or stage are arrays
+    own_head = int(not arch.tied_output) + int(arch.tied_output) * (stage != 0)
+    head = last * (arch.norm_parameters * h + own_head * v * h // t)
     positions = s * h if arch.position_embedding == "learned" else 0
     layers = L // p if stage_layers is None else stage_layers
-    return layers * layer_parameters(h, t, arch, heads) + v * h // t + positions + last
+    return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
 
 
 @dataclass(frozen=True)

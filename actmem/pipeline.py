@@ -1,22 +1,26 @@
-"""How much the first pipeline stage holds at its peak (section 4.4).
+"""How much each pipeline stage holds at its peak (section 4.4).
 
 The first stage runs L/p layers and, to keep the pipeline busy, holds the
 activations of several microbatches at once; it also hosts the input embedding.
+Stage i starts its backwards 2i chunk forwards sooner (i under 1F1B), so it holds
+fewer; the last stage hosts the output layer.
 """
 
 from dataclasses import dataclass
 
 
-def chunks_in_flight(p, m, interleaved: bool):
-    """Model chunks of L/(p·m) layers each held by the first stage with the pipeline full.
+def chunks_in_flight(p, m, interleaved: bool, stage=0):
+    """Model chunks of L/(p·m) layers each held by a stage with the pipeline full.
 
-    1F1B (PipeDream-Flush): p microbatches, so p·(L/p) = L layers whatever p is (Eq 5).
-    Megatron's interleaved schedule: on rank 0 the warm-up runs 2(p-1) + (m-1)p chunk
-    forwards and the steady state one more before the first backward, pm + p - 1 in all,
-    so L/(pm)·(pm + p - 1) = L·(1 + (p-1)/(pm)) layers: the paper's interleave factor.
-    Works on ints and on sympy symbols alike.
+    1F1B (PipeDream-Flush): rank i warms up with p - i - 1 forwards and runs one more
+    before its first backward: p - i microbatches; on the first stage p·(L/p) = L layers
+    whatever p is (Eq 5). Megatron's interleaved schedule (schedules.py,
+    num_warmup_microbatches): rank i warms up with 2(p - i - 1) + (m-1)p chunk forwards and
+    the steady state runs one more, pm + p - 1 - 2i in all; on the first stage
+    L/(pm)·(pm + p - 1) = L·(1 + (p-1)/(pm)) layers: the paper's interleave factor.
+    Works on ints, numpy arrays and sympy symbols alike.
     """
-    return p * m + p - 1 if interleaved else p
+    return p * m + p - 1 - 2 * stage if interleaved else p - stage
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,14 @@ class StageOccupancy:
     """Layers x microbatches held (Eq 5: L; interleaved: L·(1 + (p-1)/(pm)))."""
     microbatches: int
     """Microbatches whose embedding dropout mask is held (1F1B: p, as section 4.5 counts;
-    interleaved: 2p at the peak)."""
+    interleaved: 2p at the peak); 0 on a stage after the first, which has no embedding."""
     holds_output_layer: bool
-    """The first stage is also the last (p = 1): it keeps the output-layer terms."""
+    """The stage is the last (the first too when p = 1): it keeps the output-layer terms,
+    of one microbatch (its first backward follows its forward)."""
     explanation: str
+    stage: int = 0
+    chunk_layers: int = 0
+    """Layers in one model chunk of this stage: its layers / m."""
 
 
 def _minimum(x, y):
@@ -49,32 +57,49 @@ def embedding_microbatches(p, m, interleaved: bool):
     return 2 * p if interleaved else p
 
 
-def held_counts(layers, p, m, n, stage_layers=None):
-    """(layer activations, microbatches) the first stage holds at its peak, for n
-    microbatches per iteration: the schedule's warm-up stops when the microbatches run out.
-    stage_layers: the first stage's layers (an uneven pipeline's own count); L/p if None.
-    Arithmetic only: runs on ints and on numpy integer arrays (the planner's sweep)."""
-    full_chunks = _by_schedule(chunks_in_flight, p, m)
+def held_counts(layers, p, m, n, stage_layers=None, stage=0):
+    """(layer activations, microbatches) a stage holds at its peak, for n microbatches per
+    iteration: the schedule's warm-up stops when the microbatches run out. stage_layers:
+    the stage's layers (an uneven pipeline's own count); L/p if None. Microbatches count
+    embedding masks, so they are 0 after the first stage. Arithmetic only: runs on ints and
+    on numpy integer arrays (the planner's sweep)."""
     per_chunk = (layers // p if stage_layers is None else stage_layers) // m
-    return per_chunk * _minimum(full_chunks, n * m), _minimum(_by_schedule(embedding_microbatches, p, m), n)
+    embedding = _minimum(_by_schedule(embedding_microbatches, p, m), n) * (stage == 0)
+    return per_chunk * _chunks_held(p, m, n, stage), embedding
 
 
-def _by_schedule(count, p, m):
+def _chunks_held(p, m, n, stage):
+    """Chunk forwards in flight at the stage's first backward: the full pipeline's count, or
+    all n·m when fewer exist; the interleaved schedule with n = p runs every forward first on
+    every rank (schedules.py: all_warmup_microbatches)."""
+    total = n * m
+    held = _minimum(_by_schedule(chunks_in_flight, p, m, stage), total)
+    return held + (total - held) * ((m > 1) & (n == p))
+
+
+def _by_schedule(count, p, m, *stage):
     """count(p, m, interleaved) with interleaved = m > 1, elementwise on numpy arrays too."""
-    return count(p, m, True) * (m > 1) + count(p, m, False) * (m == 1)
+    return count(p, m, True, *stage) * (m > 1) + count(p, m, False, *stage) * (m == 1)
+
+
+def stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None,
+                    stage_layers: int | None = None, stage: int = 0) -> StageOccupancy:
+    """A stage's peak; fewer microbatches than the schedule wants hold less.
+    stage_layers: the stage's own layer count in an uneven pipeline (m = 1)."""
+    n = microbatches_per_iteration
+    # Unknown n: 2p microbatches fill either schedule (2pm >= pm + p - 1, and 2p masks).
+    layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n, stage_layers,
+                                                  stage)
+    per_chunk = (layers // p if stage_layers is None else stage_layers) // m
+    explanation = _explain(p, m, n, layer_activations // per_chunk,
+                           _by_schedule(chunks_in_flight, p, m, stage), per_chunk)
+    return StageOccupancy(layer_activations, microbatches, stage == p - 1, explanation, stage, per_chunk)
 
 
 def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None,
                           stage_layers: int | None = None) -> StageOccupancy:
-    """The first stage's peak; fewer microbatches than the schedule wants hold less.
-    stage_layers: the first stage's own layer count in an uneven pipeline (m = 1)."""
-    n = microbatches_per_iteration
-    # Unknown n: 2p microbatches fill either schedule (2pm >= pm + p - 1, and 2p masks).
-    layer_activations, microbatches = held_counts(layers, p, m, 2 * p if n is None else n, stage_layers)
-    per_chunk = (layers // p if stage_layers is None else stage_layers) // m
-    explanation = _explain(p, m, n, layer_activations // per_chunk, _by_schedule(chunks_in_flight, p, m),
-                           per_chunk)
-    return StageOccupancy(layer_activations, microbatches, p == 1, explanation)
+    """The first stage's peak (section 4.4)."""
+    return stage_occupancy(layers, p, m, microbatches_per_iteration, stage_layers)
 
 
 def _explain(p, m, n, chunks, full_chunks, layers_per_chunk) -> str:

@@ -17,7 +17,7 @@ from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
-from actmem.parameters import first_stage_parameters, parameter_bytes
+from actmem.parameters import first_stage_parameters, parameter_bytes, stage_parameters
 from actmem.pipeline import held_counts
 from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import run_technique
@@ -25,7 +25,8 @@ from actmem.terms import Recompute
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
-MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes")
+MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "rerun_bytes")
+"""The first stage's peak floor by part (actmem.peak); they add to first_peak_bytes."""
 
 #: The largest inputs the sweep takes. Beyond them int64 parameter counts could overflow,
 #: and the divisor loops and the grid grow past what answers in seconds.
@@ -47,7 +48,7 @@ class PlanRequest:
     gpu: Gpu
     gpu_memory_bytes: int
     reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
-    """Headroom kept free for what the activation count leaves out (see hardware.DEFAULT_RESERVE)."""
+    """Headroom kept free above the modelled peak for what no model knows (hardware.DEFAULT_RESERVE)."""
     gpus_per_node: int = defaults.GPUS_PER_NODE
     """Tensor parallelism stays inside a node: t <= gpus_per_node."""
     efficiency: float = DEFAULT_EFFICIENCY
@@ -160,43 +161,70 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
 
 
 def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
-    """Memory per GPU of the first stage and time per iteration, for every row at once."""
+    """Memory per GPU and time per iteration, for every row at once. Memory is the peak floor
+    (actmem.peak) of the first stage, by part, and of the last, which holds the logits and
+    the output layer's weights; the larger must fit the budget."""
     grid = grid.copy()
-    model = req.model
-    s, h, L = model.seq_len, model.hidden, model.layers
-    grid["vocab"] = padded_vocab(model.vocab, grid.t, req.vocab_divisible_by)
-    grid["layer_activations"], grid["microbatches_held"] = held_counts(L, grid.p, grid.m, grid.n)
-    grid["activations_bytes"] = _activations(req, grid)
-    params = parameter_bytes(first_stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
-                                                    model.heads),
-                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"))   # shards: d·c
-    grid["parameters"] = params.count
-    grid["weights_bytes"] = params.weights_bytes
-    grid["gradients_bytes"] = params.gradients_bytes
-    grid["optimizer_bytes"] = params.optimizer_bytes
-    grid["total_bytes"] = grid[list(MEMORY_PARTS)].sum(axis=1)
-    grid["fits"] = grid.total_bytes <= req.budget_bytes
+    grid["vocab"] = padded_vocab(req.model.vocab, grid.t, req.vocab_divisible_by)
+    first = _stage_memory(req, grid, 0)
+    for part in MEMORY_PARTS:
+        grid[part] = first[part]
+    grid["parameters"] = first["parameters"]
+    grid["total_bytes"] = grid[list(MEMORY_PARTS[:-1])].sum(axis=1)
+    grid["first_peak_bytes"] = grid[list(MEMORY_PARTS)].sum(axis=1)
+    last = _stage_memory(req, grid, grid.p - 1)
+    grid["last_peak_bytes"] = last[list(MEMORY_PARTS)].sum(axis=1)
+    grid["peak_bytes"] = grid[["first_peak_bytes", "last_peak_bytes"]].max(axis=1)
+    grid["fits"] = grid.peak_bytes <= req.budget_bytes
     _add_time(req, grid)
     return grid
 
 
-def _activations(req: PlanRequest, grid: pd.DataFrame) -> pd.Series:
-    """The engine's first-stage expression, lambdified, on float64 columns (no int64 overflow)."""
+def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
+    """One stage's peak floor by part (stage: 0, or the column p - 1 for the last)."""
+    model = req.model
+    s, h, L = model.seq_len, model.hidden, model.layers
+    held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage=stage)
+    counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
+                           "holds_output": (stage == grid.p - 1).astype("int64")}, index=grid.index)
+    memory = pd.DataFrame(index=grid.index)
+    memory["activations_bytes"], memory["rerun_bytes"] = _activations(req, grid, counts)
+    params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
+                                              model.heads, stage=stage),
+                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"))   # shards: d·c
+    memory["parameters"] = params.count
+    memory["weights_bytes"] = params.weights_bytes
+    memory["gradients_bytes"] = params.gradients_bytes
+    memory["optimizer_bytes"] = params.optimizer_bytes
+    return memory
+
+
+def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
+    """(activations, rerun beyond what is freed first): the engine's stage expressions
+    (held_bytes; rematerialised_bytes - freed_before_rerun), lambdified, on float64 columns
+    (no int64 overflow)."""
     model = req.model
     dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
-    result = pd.Series(0, index=grid.index, dtype="int64")
+    held = pd.Series(0, index=grid.index, dtype="int64")
+    rerun = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
         technique = run_technique(bool(sp), Recompute(recompute))
-        f = engine.numeric(engine.held_bytes(technique, req.architecture))
-        column = lambda name: rows[name].to_numpy(dtype="float64")
+        column = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         s, h, a, L = dims
         # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
-        values = f(s / column("c"), column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
-                   column("layer_activations"), column("microbatches_held"),
-                   (rows.p == 1).to_numpy(dtype="float64"))
-        values = np.minimum(np.broadcast_to(values, len(rows)), SATURATED_BYTES)
-        result[rows.index] = np.rint(values).astype("int64")   # exact: whole bytes below 2^53
-    return result
+        args = (s / column("c"), column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
+                column("layer_activations"), column("microbatches_held"), column("holds_output"))
+        held[rows.index] = _whole_bytes(engine.numeric(engine.held_bytes(technique, req.architecture))(*args),
+                                        len(rows))
+        excess = (engine.rematerialised_bytes(technique, req.architecture)
+                  - engine.freed_before_rerun(technique, req.architecture))
+        rerun[rows.index] = _whole_bytes(np.maximum(engine.numeric(excess)(*args), 0), len(rows))
+    return held, rerun
+
+
+def _whole_bytes(values, rows: int) -> np.ndarray:
+    values = np.minimum(np.broadcast_to(values, rows), SATURATED_BYTES)
+    return np.rint(values).astype("int64")   # exact: whole bytes below 2^53
 
 
 def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
@@ -237,8 +265,8 @@ class Plan:
     def why_not(self) -> pd.DataFrame:
         """For each t: its leanest configuration, and for a t where nothing fits, the part of
         the memory that is largest (what broke the budget)."""
-        leanest = self.evaluated.loc[self.evaluated.groupby("t").total_bytes.idxmin()].copy()
-        leanest["over_bytes"] = leanest.total_bytes - self.request.budget_bytes
+        leanest = self.evaluated.loc[self.evaluated.groupby("t").peak_bytes.idxmin()].copy()
+        leanest["over_bytes"] = leanest.peak_bytes - self.request.budget_bytes
         leanest["largest_part"] = leanest[list(MEMORY_PARTS)].idxmax(axis=1).str.removesuffix("_bytes")
         any_fit = self.evaluated.groupby("t").fits.any()
         leanest["t_fits"] = leanest.t.map(any_fit)
@@ -247,7 +275,7 @@ class Plan:
 
 def plan(req: PlanRequest) -> Plan:
     evaluated = evaluate(req, candidates(req))
-    ranked = evaluated.sort_values(["fits", "iteration_s", "total_bytes"], ascending=[False, True, True])
+    ranked = evaluated.sort_values(["fits", "iteration_s", "peak_bytes"], ascending=[False, True, True])
     return Plan(req, ranked.reset_index(drop=True))
 
 

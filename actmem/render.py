@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from actmem.estimate import Estimate
+from actmem.stages import stage_name
 from actmem.units import column_unit, format_in, gib, plural
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -34,12 +35,14 @@ def _bar(fraction: float, width: int = _BAR_WIDTH, style: str = "cyan") -> Text:
     return Text("█" * filled, style=style) + Text("·" * (width - filled), style="dim")
 
 
-def render_estimate(est: Estimate) -> None:
+def render_estimate(est: Estimate, all_stages: bool = False) -> None:
     console = terminal()
     console.print(_header(est))
     console.print(_techniques_table(est))
     console.print(_terms_table(est))
     console.print(_memory_table(est))
+    if all_stages:
+        console.print(_stages_table(est))
     console.print(_verdict(est))
     notes = Table.grid(padding=(0, 1))
     notes.add_column(style="dim")
@@ -68,7 +71,7 @@ def _header(est: Estimate) -> Text:
 
 
 def _techniques_table(est: Estimate) -> Table:
-    table = _table(f"Activations per GPU, first stage, "
+    table = _table(f"Activations per GPU, {_shown(est)}, "
                    f"{plural(est.occupancy.layer_activations, 'layer activation')} held (Table 2)")
     for column in ("technique", "per layer", "first stage", "vs tp", "", "+ params"):
         table.add_column(column, justify="left" if column in ("technique", "") else "right", no_wrap=True)
@@ -87,13 +90,14 @@ def _techniques_table(est: Estimate) -> Table:
                       Text(f"{format_in(row.total_bytes, units['total'])} {'✓' if fits else '✗'}",
                            style="green" if fits else "red"))
     table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
-                     "+ params: with weights, gradients and optimizer state at the row's t; ◀ this run")
+                     "+ params: with weights, gradients and optimizer state at the row's t; ✓ where "
+                     "the row's peak floor on this stage fits; ◀ this run")
     table.caption_justify = "left"
     return table
 
 
 def _terms_table(est: Estimate) -> Table:
-    table = _table("This run, term by term (first stage, one GPU)")
+    table = _table(f"This run, term by term ({_shown(est)}, one GPU)")
     for column in ("term", "region", "each", "× held", "bytes", "share"):
         table.add_column(column, justify="left" if column in ("term", "region") else "right")
     total = est.activations_bytes
@@ -107,7 +111,7 @@ def _terms_table(est: Estimate) -> Table:
 
 def _memory_table(est: Estimate) -> Table:
     params = est.parameters
-    table = _table("Memory per GPU, first stage")
+    table = _table(f"Memory per GPU, {_shown(est)}")
     for column in ("item", "bytes", "GiB", ""):
         table.add_column(column, justify="right" if column in ("bytes", "GiB") else "left")
     per_param = f"{params.count:,} parameters × "
@@ -136,18 +140,47 @@ def _verdict(est: Estimate) -> Text:
     used = est.verdict_bytes / budget
     left = budget - est.verdict_bytes
     text = Text()
-    busiest = est.busiest_stage
-    if busiest is not None:
-        text.append(f"uneven pipeline: stage {busiest.stage} holds more than the first ({busiest.layers} "
-                    f"layers x {busiest.microbatches} microbatches in flight, "
+    busiest, p = est.busiest_stage, est.spec.run.pipeline_parallel
+    where = stage_name(busiest.stage, p, article=True)
+    if busiest.stage != est.stage:
+        text.append(f"{where[0].upper()}{where[1:]} holds the most ({busiest.layers} layers, "
+                    f"{plural(busiest.occupancy.layer_activations, 'layer activation')} in flight, "
                     f"{gib(busiest.activations_bytes):,.2f} GiB of activations and "
-                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of parameters and optimizer state); "
-                    f"the verdict is stage {busiest.stage}'s\n", style="yellow")
+                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of parameters and optimizer state): "
+                    f"the verdict is its peak floor (--stage {_stage_flag(busiest.stage, p)} shows it)\n", style="yellow")
     text.append("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
     text.append_text(_bar(used, width=30, style="green" if est.fits else "red"))
-    text.append(f" {gib(est.verdict_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%), "
-                f"{gib(abs(left)):,.2f} GiB {'spare' if left >= 0 else 'over'}\n")
+    text.append(f" {gib(est.verdict_bytes):,.2f} of {gib(budget):,.2f} GiB ({100 * used:.0f}%) on "
+                f"{where}, {gib(abs(left)):,.2f} GiB {'spare' if left >= 0 else 'over'}\n")
     return text
+
+
+def _stage_flag(stage: int, p: int) -> str:
+    return "first" if stage == 0 else "last" if stage == p - 1 else str(stage)
+
+
+def _shown(est: Estimate) -> str:
+    return stage_name(est.stage, est.spec.run.pipeline_parallel)
+
+
+def _stages_table(est: Estimate) -> Table:
+    """Every stage's peak floor by part, the busiest marked (--stage all)."""
+    table = _table("Peak per GPU, every pipeline stage (at least: actmem.peak)")
+    for column in ("stage", "layers", "held", "activations", "model state", "rerun", "peak"):
+        table.add_column(column, justify="left" if column == "stage" else "right", no_wrap=True)
+    budget, busiest = est.spec.gpu_memory_bytes, est.busiest_stage
+    unit = column_unit([load.peak.total_bytes for load in est.stages])
+    for load in est.stages:
+        peak, mark = load.peak.total_bytes, " ◀" if load is busiest else ""
+        table.add_row(Text(f"{load.stage}{mark}", style="bold" if mark else ""), str(load.layers),
+                      f"{load.occupancy.layer_activations:,}", format_in(load.activations_bytes, unit),
+                      format_in(load.parameters.total_bytes, unit), format_in(peak - load.total_bytes, unit),
+                      Text(format_in(peak, unit), style="green" if peak <= budget else "red"))
+    table.caption = ("held: layer activations in flight at the stage's first backward; model state: "
+                     "weights, fp32 main gradients, optimizer state; rerun: what that backward "
+                     "recomputes beyond what it frees first; the parts add to the peak; ◀ the verdict's")
+    table.caption_justify = "left"
+    return table
 
 
 def inline(expr) -> str:

@@ -30,7 +30,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
     for row in _shown(plan.fitting, top).itertuples():
-        cells = [config_label(row), f"{gib(row.total_bytes):.1f}", f"{row.iteration_s:.2f}",
+        cells = [config_label(row), f"{gib(row.peak_bytes):.1f}", f"{row.iteration_s:.2f}",
                  f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}"]
         cells += [f"{row.context_parallel_s:.2f}"] if ring else []
         table.add_row(*cells, f"{row.pipeline_p2p_s:.2f}", f"+{100 * (row.bubble - 1):.0f}%",
@@ -60,7 +60,7 @@ def _why_not_table(plan) -> Table:
         table.add_column(column, justify="right" if column in ("t", "memory") else "left",
                          no_wrap=column != "verdict")
     why = plan.why_not()
-    unit = column_unit(list(why.total_bytes) + list(why.over_bytes))
+    unit = column_unit(list(why.peak_bytes) + list(why.over_bytes))
     for row in why.itertuples():
         if row.t_fits:
             count = int((plan.fitting.t == row.t).sum())
@@ -69,7 +69,7 @@ def _why_not_table(plan) -> Table:
         else:
             verdict = Text(f"over by {format_in(row.over_bytes, unit)}; largest part: {row.largest_part}",
                            style="red")
-        table.add_row(str(row.t), config_label(row), format_in(row.total_bytes, unit), verdict)
+        table.add_row(str(row.t), config_label(row), format_in(row.peak_bytes, unit), verdict)
     return table
 
 
@@ -78,9 +78,9 @@ def _nothing_fits(plan, nothing) -> Text:
     from actmem.plan import config_label
 
     req = plan.request
-    leanest = plan.evaluated.loc[plan.evaluated.total_bytes.idxmin()]
+    leanest = plan.evaluated.loc[plan.evaluated.peak_bytes.idxmin()]
     text = Text(f"Nothing fits {gib(req.budget_bytes):,.2f} GiB: the leanest configuration, "
-                f"{config_label(leanest)}, needs {gib(leanest.total_bytes):,.2f} GiB.\n", style="bold red")
+                f"{config_label(leanest)}, needs {gib(leanest.peak_bytes):,.2f} GiB.\n", style="bold red")
     if nothing.usable_p != nothing.all_p:
         text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must divide "
                     f"layers ({req.model.layers}) and {req.gpus}/t, and d = gpus/(t·c·p) the batch: that "
@@ -102,16 +102,18 @@ def _listed(values) -> str:
 def _plan_assumptions(req) -> list[str]:
     gpu = req.gpu
     return [
-        f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free for what the activation count "
-        "leaves out: the allocator's peak above the saved activations (the harness measures up "
-        "to 7.1 GiB at the paper's runs), the CUDA context, NCCL and cuBLAS workspaces",
+        "memory (GiB) is the allocator's peak from below (actmem.peak) on the busier of the first "
+        "stage (the most microbatches, the embedding) and the last (the logits, the output layer's "
+        "weights); a stage between holds less in an even pipeline",
+        f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
+        "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
+        "and the backward's transients (gradients, gathered inputs, the loss's logits gradient)",
         f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
         f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
         f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "
         "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
-        "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline; memory is the first stage's "
-        "(actmem estimate), which holds the most",
+        "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
         "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
         "checked with actmem estimate --first-stage-layers/--last-stage-layers",
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "

@@ -19,10 +19,11 @@ def records(est: Estimate) -> dict:
                 "global_batch": run.global_batch, "gpus": run.gpus,
                 "data_parallel": spec.data_parallel, "microbatches_per_iteration": spec.microbatches,
                 "distributed_optimizer": run.distributed_optimizer},
-        "first_stage": {"layer_activations": est.occupancy.layer_activations,
-                        "microbatches_in_flight": est.occupancy.microbatches,
-                        "holds_output_layer": est.occupancy.holds_output_layer,
-                        "schedule": est.occupancy.explanation},
+        "stage": {"index": est.stage, "layers": est.stages[est.stage].layers,
+                  "layer_activations": est.occupancy.layer_activations,
+                  "microbatches_in_flight": est.occupancy.microbatches,
+                  "holds_output_layer": est.occupancy.holds_output_layer,
+                  "schedule": est.occupancy.explanation},
         "techniques": [_technique(row, est) for row in est.techniques],
         "run_terms": [_term(row) for row in est.run_terms],
         "activations_bytes": est.activations_bytes,
@@ -32,24 +33,30 @@ def records(est: Estimate) -> dict:
                        "optimizer_bytes": est.parameters.optimizer_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
-        "peak_floor": {"moment": est.peak.moment, "total_bytes": est.peak.total_bytes,
-                       "rows": [{"name": row.name, "bytes": row.bytes, "source": row.source}
-                                for row in est.peak.rows]},
+        "peak_floor": _floor(est.peak),
+        "stages": [_stage(load) for load in est.stages],
+        "busiest_stage": est.busiest_stage.stage,
+        "verdict_bytes": est.verdict_bytes,
         "gpu_memory_bytes": spec.gpu_memory_bytes,
         "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
-        "busiest_stage": _stage(est.busiest_stage),
         "fits": est.fits,
         "assumptions": list(est.assumptions),
     }
 
 
-def _stage(stage) -> dict | None:
-    """A later stage of an uneven pipeline that holds more than the first (the verdict's)."""
-    if stage is None:
-        return None
-    return {"stage": stage.stage, "layers": stage.layers, "microbatches": stage.microbatches,
-            "activations_bytes": stage.activations_bytes, "parameters_bytes": stage.parameters.total_bytes,
-            "total_bytes": stage.total_bytes}
+def _floor(floor) -> dict:
+    return {"moment": floor.moment, "total_bytes": floor.total_bytes,
+            "rows": [{"name": row.name, "bytes": row.bytes, "source": row.source} for row in floor.rows]}
+
+
+def _stage(load) -> dict:
+    """One pipeline stage: its load and its peak floor by row."""
+    return {"stage": load.stage, "layers": load.layers,
+            "layer_activations": load.occupancy.layer_activations,
+            "embedding_microbatches": load.occupancy.microbatches,
+            "holds_output_layer": load.occupancy.holds_output_layer,
+            "activations_bytes": load.activations_bytes, "parameters_bytes": load.parameters.total_bytes,
+            "total_bytes": load.total_bytes, "peak_floor": _floor(load.peak)}
 
 
 def _technique(row, est: Estimate) -> dict:
@@ -58,7 +65,7 @@ def _technique(row, est: Estimate) -> dict:
             "extra_bytes": row.extra_bytes, "first_stage_bytes": row.first_stage_bytes,
             "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2),
             "parameters_bytes": row.parameters.total_bytes, "total_bytes": row.total_bytes,
-            "fits": est.technique_fits(row), "is_run": row is est.run_row}
+            "peak_bytes": row.peak_bytes, "fits": est.technique_fits(row), "is_run": row is est.run_row}
 
 
 def _term(row) -> dict:
@@ -78,9 +85,9 @@ def settings(est: Estimate) -> list[dict]:
     rows += [(key, value) for key, value in rec["model"].items() if key != "name"]
     rows += list(rec["architecture"].items())
     rows += list(rec["run"].items())
-    if rec["busiest_stage"] is not None:
-        rows += [(f"busiest_stage_{key}", value) for key, value in rec["busiest_stage"].items()]
-    rows += [("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("fits", rec["fits"])]
+    rows += [("stage", est.stage), ("busiest_stage", rec["busiest_stage"]),
+             ("verdict_bytes", rec["verdict_bytes"]), ("gpu_memory_bytes", rec["gpu_memory_bytes"]),
+             ("fits", rec["fits"])]
     return [{"setting": key, "value": "" if value is None else str(value).lower()
              if isinstance(value, bool) else str(value)} for key, value in rows]
 
@@ -94,17 +101,21 @@ def frames(est: Estimate) -> dict:
     memory = [{"item": item, "bytes": n_bytes} for item, n_bytes in (
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
-        ("total", rec["total_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
+        ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
+        ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("headroom", rec["headroom_bytes"]))]
+    stages = [{key: value for key, value in stage.items() if key != "peak_floor"}
+              | {"peak_bytes": stage["peak_floor"]["total_bytes"]} for stage in rec["stages"]]
     return {"settings": pd.DataFrame(settings(est)),
             "techniques": pd.DataFrame(rec["techniques"]),
             "run_terms": pd.DataFrame(rec["run_terms"]).drop(columns="source"),
-            "memory": pd.DataFrame(memory)}
+            "memory": pd.DataFrame(memory),
+            "stages": pd.DataFrame(stages)}
 
 
 def to_csv(est: Estimate) -> str:
     """One long table: a 'section' column says which table a row is from (settings, with the
-    fits verdict; techniques; run_terms; memory)."""
+    fits verdict; techniques; run_terms; memory; stages, each with its peak floor)."""
     import pandas as pd
 
     parts = [df.assign(section=name) for name, df in frames(est).items()]
@@ -114,11 +125,14 @@ def to_csv(est: Estimate) -> str:
 
 
 def to_markdown(est: Estimate) -> str:
-    title = {"settings": "Model and run", "techniques": "Table 2 techniques, first pipeline stage",
-             "run_terms": "This run, term by term", "memory": "Memory per GPU"}
+    from actmem.stages import stage_name
+
+    shown = stage_name(est.stage, est.spec.run.pipeline_parallel)
+    title = {"settings": "Model and run", "techniques": f"Table 2 techniques, {shown}",
+             "run_terms": f"This run, term by term, {shown}", "memory": f"Memory per GPU, {shown}",
+             "stages": "Every pipeline stage, with its peak floor"}
     verdict = "fits" if est.fits else "does not fit"
-    busiest = est.busiest_stage
-    where = "the first stage" if busiest is None else f"stage {busiest.stage}, the busiest of an uneven pipeline"
+    where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"
     head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
             f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of {where}.\n")
     parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in frames(est).items()]
@@ -128,7 +142,8 @@ def to_markdown(est: Estimate) -> str:
 
 _PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
                  "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
-                 "optimizer_bytes", "total_bytes", "fits", "compute_s", "tensor_parallel_s",
+                 "optimizer_bytes", "rerun_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
+                 "peak_bytes", "fits", "compute_s", "tensor_parallel_s",
                  "context_parallel_s", "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
 
 

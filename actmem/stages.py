@@ -1,30 +1,43 @@
-"""Every stage of an uneven pipeline: which one holds the most.
+"""Every pipeline stage: what each holds, and which one holds the most.
 
-With even stages the first holds the most (section 4.4: it has the most microbatches in
-flight, and the embedding). An uneven pipeline moves layers off the first and last stages
-(Llama 3: 7, then 8 on each stage between, then 7), so a stage after the first can hold
-more: stage i runs min(p - i, n) microbatches at once under 1F1B. Each stage here is its
-layers' activations at that count, its parameters, and on the last stage the output layer.
+With even stages the first usually holds the most (section 4.4: it has the most
+microbatches in flight, and the embedding). The last holds the output layer's logits and
+its own copy of the output weights; an uneven pipeline moves layers off the first and last
+stages (Llama 3: 7, then 8 on each stage between, then 7), so a stage in between can hold
+more. Each stage is the same estimate at its own occupancy and parameters; the largest
+peak floor is what must fit.
 """
 
 from dataclasses import dataclass
 
-from actmem import engine, symbols
-from actmem.parameters import ParameterBytes, layer_parameters, parameter_bytes
+from actmem.errors import SpecError
+from actmem.peak import PeakFloor, peak_floor
+from actmem.pipeline import StageOccupancy
 
 
 @dataclass(frozen=True)
 class StageLoad:
     stage: int
     layers: int
-    microbatches: int
-    """Microbatches in flight at the stage's peak (1F1B): min(p - i, n)."""
-    activations_bytes: int
-    parameters: ParameterBytes
+    occupancy: StageOccupancy
+    row: object
+    """The run's estimate.TechniqueRow on this stage."""
+
+    @property
+    def activations_bytes(self) -> int:
+        return self.row.first_stage_bytes
+
+    @property
+    def parameters(self):
+        return self.row.parameters
 
     @property
     def total_bytes(self) -> int:
-        return self.activations_bytes + self.parameters.total_bytes
+        return self.row.total_bytes
+
+    @property
+    def peak(self) -> PeakFloor:
+        return peak_floor(self.row)
 
 
 def stage_layers(spec) -> list[int]:
@@ -41,20 +54,20 @@ def stage_layers(spec) -> list[int]:
     return layers
 
 
-def later_stages(spec, technique, per_layer_bytes: int, vocab: int) -> tuple:
-    """Stages 1 to p-1 of an uneven pipeline (the first is the estimate itself)."""
-    run, model, arch = spec.run, spec.model, spec.architecture
-    p, t = run.pipeline_parallel, run.tensor_parallel
-    n = spec.microbatches if spec.microbatches is not None else p
-    bindings = spec.bindings() | {symbols.t: t, symbols.v: vocab}
-    output = engine.exact(engine.extra_bytes(technique, 0, 1, arch), bindings)
-    per_layer_parameters = layer_parameters(model.hidden, t, arch, model.heads)
-    head = arch.norm_parameters * model.hidden + vocab * model.hidden // t   # tied: a copy of the embedding
-    loads = []
-    for stage, layers in enumerate(stage_layers(spec)[1:], start=1):
-        held = min(p - stage, n)
-        last = stage == p - 1
-        count = layers * per_layer_parameters + last * head
-        loads.append(StageLoad(stage, layers, held, layers * held * per_layer_bytes + last * output,
-                               parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)))
-    return tuple(loads)
+def parse_stage(text: str, p: int) -> int | None:
+    """--stage: 'first' (0), 'last' (p - 1), a stage number from 0, or 'all' (None: every
+    stage's peak beside the first stage's detail)."""
+    named = {"first": 0, "last": p - 1, "all": None}
+    if text in named:
+        return named[text]
+    if text.isdigit() and int(text) < p:
+        return int(text)
+    raise SpecError(f"--stage {text}: give first, last, all or a stage number from 0 to {p - 1} (p = {p})")
+
+
+def stage_name(stage: int, p: int, article: bool = False) -> str:
+    """'first stage', 'last stage' or 'stage 3' (counting from 0, as Megatron's ranks do);
+    with the article: 'the first stage', 'stage 3'."""
+    if 0 < stage < p - 1:
+        return f"stage {stage}"
+    return ("the " if article else "") + ("first stage" if stage == 0 else "last stage")

@@ -39,6 +39,18 @@ class Technique:
             return recomputed, per_chunk - recomputed
         return -(-per_chunk // self.recompute_layers), 0
 
+    def rerun_layers(self, per_chunk: int) -> int:
+        """Layers a chunk's first backward reruns at once under full recompute: N under
+        'uniform' (the chunk's last group may be shorter, and it is the first rerun: the
+        chunk's tail); 1 under 'block' when every layer of the chunk is checkpointed, else 0:
+        its last layers are kept whole, so the first rerun comes after their activations
+        are freed, a moment the peak floor does not take."""
+        if not self.partial:
+            return 1
+        if self.recompute_method == "block":
+            return int(self.recompute_layers >= per_chunk)
+        return per_chunk % self.recompute_layers or self.recompute_layers
+
     def __post_init__(self):
         if self.sequence_parallel and not self.tensor_parallel:
             raise ValueError(f"{self.name}: sequence parallelism runs inside a tensor-parallel group")

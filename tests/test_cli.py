@@ -41,7 +41,7 @@ def test_layers_per_virtual_stage_gives_the_interleave(actmem):
     out = actmem.json("estimate", "--model", "530b", "--pp", "5",
                       "--num-layers-per-virtual-pipeline-stage", "7")
     assert out["run"]["interleave"] == 3
-    assert out["first_stage"]["layer_activations"] == 133
+    assert out["stage"]["layer_activations"] == 133
     both = actmem("estimate", "--model", "530b", "--interleave", "3",
                   "--num-layers-per-virtual-pipeline-stage", "1")
     assert both.exit_code == 2 and "give the interleave once" in both.stderr
@@ -72,15 +72,19 @@ def test_csv_is_one_table_with_a_section_column(actmem):
     result = actmem("estimate", "--model", "gpt3", "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     sections = {row["section"] for row in rows}
-    assert sections == {"settings", "techniques", "run_terms", "memory"}
+    assert sections == {"settings", "techniques", "run_terms", "memory", "stages"}
     sel = next(r for r in rows if r["technique"] == "tp-sp-sel")
     assert sel["per_layer_bytes"] == str(34 * 2048 * 12288 // 8)
+    stages = [r for r in rows if r["section"] == "stages"]
+    assert [r["stage"] for r in stages] == [str(i) for i in range(8)]     # 175B: p = 8
+    memory = {r["item"]: r["bytes"] for r in rows if r["section"] == "memory"}
+    assert stages[0]["peak_bytes"] == memory["peak_floor"] == memory["verdict"]
 
 
 def test_markdown_has_the_three_tables(actmem):
     result = actmem("estimate", "--model", "22b", "--format", "markdown")
     assert result.exit_code == 0
-    assert result.stdout.count("## ") == 5
+    assert result.stdout.count("## ") == 6        # and the assumptions
     assert "| tp-sp-sel" in result.stdout
 
 

@@ -158,13 +158,18 @@ def test_the_busiest_stage_of_an_uneven_pipeline_decides_the_verdict(actmem):
     298,868,736 = 19,426,467,840 B. 83,411,558,400 B = 77.68 GiB, more than the first
     stage's 72.95 GiB; the verdict and the headroom are stage 1's (77 GiB: no longer fits)."""
     out = actmem.json("estimate", "--model", "llama-3.1-405b")
-    assert out["busiest_stage"] == {"stage": 1, "layers": 8, "microbatches": 15,
-                                    "activations_bytes": 120 * 533_209_088, "parameters_bytes": 19_426_467_840,
-                                    "total_bytes": 83_411_558_400}
+    assert out["busiest_stage"] == 1
+    stage = out["stages"][1]
+    assert {key: stage[key] for key in ("stage", "layers", "layer_activations", "activations_bytes",
+                                        "parameters_bytes", "total_bytes")} == {
+        "stage": 1, "layers": 8, "layer_activations": 120, "activations_bytes": 120 * 533_209_088,
+        "parameters_bytes": 19_426_467_840, "total_bytes": 83_411_558_400}
+    assert stage["peak_floor"]["total_bytes"] == 83_411_558_400     # no recompute: nothing rerun
+    assert out["verdict_bytes"] == 83_411_558_400
     assert out["headroom_bytes"] == 80 * 2**30 - 83_411_558_400 and out["fits"]
     assert not actmem.json("estimate", "--model", "llama-3.1-405b", "--gpu-memory", "77GiB")["fits"]
     text = actmem("estimate", "--model", "llama-3.1-405b").output
-    assert "stage 1 holds more than the first" in text and "77.68 of 80.00 GiB" in text
+    assert "Stage 1 holds the most" in text and "77.68 of 80.00 GiB" in text
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -275,7 +280,8 @@ def test_405b_at_128k_on_table_4_s_long_context_run(actmem):
     long = actmem.json("estimate", "--model", "llama-3.1-405b-128k")
     short = actmem.json("estimate", "--model", "llama-3.1-405b")
     assert long["run_terms"] == short["run_terms"]
-    assert long["busiest_stage"] == short["busiest_stage"] and long["busiest_stage"]["total_bytes"] == 83_411_558_400
+    assert long["busiest_stage"] == short["busiest_stage"] == 1
+    assert long["stages"] == short["stages"] and long["verdict_bytes"] == 83_411_558_400
 
 
 @pytest.mark.parametrize("args, fragment", [

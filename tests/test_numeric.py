@@ -25,7 +25,7 @@ def test_numeric_matches_exact_on_a_grid():
 def test_held_bytes_matches_the_estimate(actmem):
     """The planner's vectorised form gives the estimate's bytes for the same run."""
     out = actmem.json("estimate", "--model", "gpt3", "--global-batch", "4", "--interleave", "1")
-    held = out["first_stage"]
+    held = out["stage"]
     spec_args = (2048, 1, 12288, 96, 96, 8, 8, 51200, 1)
     for row in out["techniques"]:
         technique = next(t for t in TECHNIQUES if t.name == row["technique"])

@@ -60,7 +60,7 @@ def test_valid_input_never_crashes_and_matches_table_2(case):
              "tp-sp": sbh / t * (34 + attention), "tp-sel": sbh * (10 + Fraction(24, t)),
              "tp-sp-sel": sbh * 34 / t, "full": 2 * sbh, "tp-sp-full": 2 * sbh / t}
     held = expected_layer_activations(flags)
-    assert out["first_stage"]["layer_activations"] == held
+    assert out["stage"]["layer_activations"] == held
     for row in out["techniques"]:
         assert row["per_layer_bytes"] == paper[row["technique"]]
         assert row["layers_bytes"] == row["per_layer_bytes"] * held

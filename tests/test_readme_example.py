@@ -36,7 +36,7 @@ def test_readme_example_numbers():
     layers_held = L + (P - 1) * L // (P * M)
     assert layers_held == 139
     embedding = SBH * 2 * P // T
-    assert out["first_stage"]["layer_activations"] == 139
+    assert out["stage"]["layer_activations"] == 139
     run = {row["technique"]: row for row in out["techniques"]}["tp-sp-sel"]
     assert run["per_layer_bytes"] == per_layer == 178_257_920
     assert run["layers_bytes"] == per_layer * 139

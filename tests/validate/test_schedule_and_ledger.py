@@ -67,11 +67,11 @@ def test_a_checkpointed_region_shows_the_ledger_only_its_inputs(reentrant):
     out.sum().backward()
 
 
-def _simulated_peak(p, m, n):
+def _simulated_peak(p, m, n, rank=0):
     """(chunks, chunk-0 forwards) in flight at the schedule's fullest moment, from the order
-    rank 0 really runs: the most chunks, and among those moments the most with the embedding."""
+    the rank really runs: the most chunks, and among those moments the most with the embedding."""
     in_flight, best = set(), (0, 0)
-    for kind, microbatch, chunk in first_stage_order(p, m, n):
+    for kind, microbatch, chunk in first_stage_order(p, m, n, rank):
         if kind == "F":
             in_flight.add((microbatch, chunk))
             best = max(best, (len(in_flight), sum(c == 0 for _, c in in_flight)))
@@ -95,3 +95,19 @@ def test_pipeline_closed_forms_match_the_real_schedule_order():
                 assert held_counts(p * m, p, m, n) == _simulated_peak(p, m, n), (p, m, n)
                 checked += 1
     assert checked > 200
+
+
+def test_every_stage_s_chunks_in_flight_match_its_schedule_order():
+    """Every rank, not only the first: the layers held at each rank's fullest moment (its
+    embedding count is 0: only rank 0 has the embedding). Includes the interleaved n = p case,
+    where every rank runs all its forwards first."""
+    from actmem.pipeline import held_counts
+
+    for p in range(2, 7):
+        for m in range(1, 4):
+            for n in range(1, 4 * p + 1):
+                if m > 1 and n % p:
+                    continue
+                for rank in range(1, p):
+                    chunks, _ = _simulated_peak(p, m, n, rank)
+                    assert held_counts(p * m, p, m, n, stage=rank) == (chunks, 0), (p, m, n, rank)

@@ -18,7 +18,7 @@ below the floor, and its gap above is the transients actmem does not model yet.
 """
 
 from actmem.estimate import Estimate
-from actmem.peak import peak_floor
+
 from actmem.techniques import run_technique
 from actmem.terms import TERMS
 
@@ -99,7 +99,7 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
                      run.peak_saved_bytes, "total"))
     rows.append(_row(config, rank, "allocated", est.activations_bytes + est.parameters.gradients_bytes,
                      run.allocated_at_peak, "allocated"))
-    floor = peak_floor(est)
+    floor = est.peak
     rows.append(_row(config, rank, "peak", floor.total_bytes - floor.bytes_of(*HARNESS_LEAVES_OUT),
                      peak_bytes, "floor"))
     masks = sum(n for name, n in measured.items() if name.endswith("dropout_mask"))

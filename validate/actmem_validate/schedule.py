@@ -18,13 +18,14 @@ from actmem_validate.parallel import TensorParallel
 from actmem_validate.torch_compat import pipeline_backward
 
 
-def first_stage_order(p: int, m: int, n: int) -> list[tuple[str, int, int]]:
-    """('F' or 'B', microbatch, chunk) in the order pipeline rank 0 runs them."""
+def first_stage_order(p: int, m: int, n: int, rank: int = 0) -> list[tuple[str, int, int]]:
+    """('F' or 'B', microbatch, chunk) in the order pipeline rank 0 (or ``rank``) runs them:
+    Megatron's schedules.py, whose warm-up alone depends on the rank."""
     total = n * m
     if m == 1:
-        warmup = min(p - 1, n)
+        warmup = min(p - rank - 1, n)
     else:
-        warmup = total if n == p else min(2 * (p - 1) + (m - 1) * p, total)
+        warmup = total if n == p else min(2 * (p - rank - 1) + (m - 1) * p, total)
 
     def step(kind, k):
         chunk = (k % (p * m)) // p

@@ -1,0 +1,111 @@
+"""Every pipeline stage's load and peak floor (actmem.stages, --stage), derived by hand.
+
+The 530B run: a=128, h=20480, s=2048, b=1, t=8, p=35, m=3 (3 layers a stage, 1 a chunk),
+v=51200, SP and selective recompute; sbh/t = 5,242,880.
+The tiny run: a=8, h=1024, L=2, s=2048, v=256000, t=1, p=2, b=1, no recompute, the paper's
+eager layer with dropout; sbh = 2,097,152.
+"""
+
+from actmem.estimate import estimate
+from actmem.hardware import GPUS
+from actmem.plan import PlanRequest, plan
+from actmem.presets import load_preset
+from actmem.spec import Model, build_spec
+from tests.conftest import assert_one_line_error
+from tests.test_plan import request, row_of
+
+TINY = ["--heads", "8", "--hidden", "1024", "--layers", "2", "--vocab", "256000", "--seq-len", "2048",
+        "--tp", "1", "--pp", "2", "--micro-batch", "1", "--recompute", "none"]
+TINY_LAYER = 2_097_152 * (34 + 5 * 8 * 2048 // 1024)   # sbh(34 + 5as/h) = 239,075,328 B, Table 2 with t = 1
+TINY_LAYER_PARAMETERS = 12 * 1024**2 + 13 * 1024       # 12h² + 13h = 12,596,224
+TINY_EMBEDDING = 256_000 * 1024                        # v·h, tied: the last stage keeps a copy
+
+
+def test_530b_last_stage_by_hand(actmem):
+    """Stage 34 of 35, interleaved: pm + p - 1 - 2(p - 1) = 105 - 34 = 71 chunk forwards of
+    one layer in flight at its first backward (schedules.py's warm-up for the last rank, plus
+    one). Activations: 71 x 34sbh/t (178,257,920) = 12,656,312,320, and the output layer's rows
+    of one microbatch: final norm input and output-layer input 2sbh/t each (10,485,760) and
+    fp32 logits 4sbv/t = 4·2048·51200/8 = 52,428,800: 12,729,712,640 B. Parameters: 3 layers
+    of (12h² + 7h)/t + 6h = 629,286,400, the final norm 2h and the tied copy of the embedding
+    v·h/t = 131,072,000: 2,018,972,160. Rerun: the core, 5as²b/t = 335,544,320; freed first,
+    the output layer's rows (73,400,320) and the last layer's after its core, 24 sbh/t
+    (125,829,120): 136,314,880 B above the total."""
+    out = actmem.json("estimate", "--model", "530b", "--stage", "last")
+    assert out["stage"]["index"] == 34 and out["stage"]["layer_activations"] == 71
+    assert out["stage"]["holds_output_layer"] and out["stage"]["microbatches_in_flight"] == 0
+    assert out["activations_bytes"] == 71 * 178_257_920 + 2 * 10_485_760 + 52_428_800 == 12_729_712_640
+    assert out["parameters"]["count"] == 3 * 629_286_400 + 2 * 20480 + 131_072_000 == 2_018_972_160
+    total = 12_729_712_640 + 18 * 2_018_972_160
+    assert out["peak_floor"]["total_bytes"] == total + 335_544_320 - 73_400_320 - 125_829_120
+    assert out["busiest_stage"] == 0 and out["verdict_bytes"] == out["stages"][0]["peak_floor"]["total_bytes"]
+    assert [stage["layer_activations"] for stage in out["stages"][:3]] == [139, 137, 135]
+
+
+def _tiny_loads():
+    """First stage: 2 microbatches x 1 layer, the embedding's masks sbh x 2, and the layer,
+    the embedding v·h and the learned positions s·h. Last: 1 microbatch x 1 layer, the final
+    norm's and output layer's inputs 2sbh each and the fp32 logits 4sbv = 2,097,152,000; the
+    layer, the final norm 2h and the embedding's copy. 18 B a parameter."""
+    first = (2 * TINY_LAYER + 2 * 2_097_152
+             + 18 * (TINY_LAYER_PARAMETERS + TINY_EMBEDDING + 2048 * 1024))
+    last = (TINY_LAYER + 2 * 4_194_304 + 4 * 2048 * 256_000
+            + 18 * (TINY_LAYER_PARAMETERS + 2 * 1024 + TINY_EMBEDDING))
+    return first, last
+
+
+def test_the_last_stage_can_be_the_busiest(actmem):
+    """A huge vocabulary on a short model: the last stage's logits outweigh the first stage's
+    second microbatch, and the verdict is the last stage's."""
+    first, last = _tiny_loads()
+    assert (first, last) == (5_465_417_728, 7_289_976_832)
+    out = actmem.json("estimate", *TINY)
+    assert [stage["peak_floor"]["total_bytes"] for stage in out["stages"]] == [first, last]
+    assert out["busiest_stage"] == 1 and out["verdict_bytes"] == last
+    assert out["peak_floor"]["total_bytes"] == first           # the detail shown: the first stage
+    assert not actmem.json("estimate", *TINY, "--gpu-memory", "6GiB")["fits"]   # first fits, last not
+    text = actmem("estimate", *TINY, "--gpu-memory", "6GiB").output
+    assert "The last stage holds the most" in text and "on the last stage" in text
+
+
+def test_the_planner_fits_on_the_busier_of_first_and_last(actmem):
+    """The same tiny run swept: its row carries both stages' floors, and fits on the larger."""
+    req = PlanRequest(model=Model(heads=8, hidden=1024, layers=2, seq_len=2048, vocab=256000),
+                      gpus=2, global_batch=4, gpu=GPUS["a100"], gpu_memory_bytes=8 * 2**30,
+                      reserve_bytes=2 * 2**30)          # budget 6 GiB = 6,442,450,944 B
+    row = row_of(plan(req).evaluated, 1, 2, 1, 1, False, "none")
+    first, last = _tiny_loads()
+    # n = 4 microbatches: the first stage still holds min(p, n) = 2
+    assert (row.first_peak_bytes, row.last_peak_bytes, row.peak_bytes) == (first, last, last)
+    assert first < req.budget_bytes < last and not row.fits     # the first stage alone would fit
+
+
+def test_planner_peak_equals_the_estimate_s_verdict_for_the_paper_runs():
+    """For every configuration of 530B's paper run family, the sweep's peak is the exact
+    estimate's verdict (the busiest of every stage), not only the first stage's."""
+    for row in plan(request("530b")).evaluated.head(40).itertuples():
+        run = dict(tensor_parallel=row.t, pipeline_parallel=row.p, interleave=row.m, micro_batch=row.b,
+                   sequence_parallel=row.sequence_parallel, recompute=row.recompute,
+                   distributed_optimizer=row.distributed_optimizer, gpus=280, global_batch=280)
+        preset = load_preset("530b")
+        est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
+        assert row.peak_bytes == est.verdict_bytes, row
+
+
+def test_a_technique_row_fits_on_its_peak_not_its_total(actmem):
+    """530B tp-sp-sel: total 57.97 GiB, peak floor 58.16 GiB. Between them the run's row and
+    the verdict agree at 62.3 GB: neither fits (before, the row said ✓ on its total)."""
+    out = actmem.json("estimate", "--model", "530b", "--gpu-memory", "62.3GB")
+    row = next(r for r in out["techniques"] if r["is_run"])
+    assert row["total_bytes"] < 62_300_000_000 < row["peak_bytes"] == out["verdict_bytes"]
+    assert not row["fits"] and not out["fits"]
+
+
+def test_stage_all_lists_every_stage_and_marks_the_busiest(actmem):
+    text = actmem("estimate", *TINY, "--stage", "all").output
+    assert "Peak per GPU, every pipeline stage" in text and "1 ◀" in text
+
+
+def test_a_stage_outside_the_pipeline_is_one_line(actmem):
+    assert_one_line_error(actmem("estimate", "--model", "530b", "--stage", "35"), "0 to 34")
+    assert_one_line_error(actmem("estimate", "--model", "530b", "--stage", "middle"), "first, last, all")

@@ -22,7 +22,7 @@ from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
-class _OneLineErrors(click.Group):
+class OneLineErrors(click.Group):
     """Turn usage and spec errors into one line on stderr and exit code 2."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -54,7 +54,7 @@ def _message(error) -> str:
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 
-class _Commands(_OneLineErrors):
+class _Commands(OneLineErrors):
     """The built-in commands, plus those other packages register under the entry-point group
     'actmem.commands' (the harness registers `validate`): actmem imports none of them."""
 
@@ -162,7 +162,7 @@ def _gpus_and_batch(command):
     return add_flags(command, (GPUS, GLOBAL_BATCH))
 
 
-def _plan_options(command):
+def plan_options(command):
     """The flags of `actmem plan` beyond the model's."""
     options = [
         click.option("--gpu", "gpu_name", default="a100", show_default=True,
@@ -201,7 +201,7 @@ def _plan_options(command):
 
 
 @cli.command()
-@_plan_options
+@plan_options
 def plan(fmt, top, config, **flags):
     """Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
@@ -219,7 +219,7 @@ def plan(fmt, top, config, **flags):
     """
     from actmem import plan as planner
 
-    name, request, preset_run = _plan_request(flags)
+    name, request, preset_run = plan_request(flags)
     if config is not None:
         from actmem.explain import explain
         from actmem.render_plan import render_explain
@@ -245,7 +245,7 @@ def plan(fmt, top, config, **flags):
         sys.exit(1)
 
 
-def _plan_request(flags: dict):
+def plan_request(flags: dict):
     """(model name, PlanRequest, the preset's run values)."""
     from actmem.hardware import gpu_named
     from actmem.plan import PlanRequest

@@ -140,7 +140,7 @@ def to_markdown(est: Estimate) -> str:
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 
 
-_PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
+PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
                  "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
                  "optimizer_bytes", "rerun_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
                  "peak_bytes", "fits", "compute_s", "tensor_parallel_s",
@@ -151,7 +151,7 @@ def _plan_rows(frame, top: int) -> list[dict]:
     from actmem.plan import config_label
 
     rows = frame.head(top) if top > 0 else frame
-    return [{"config": config_label(row), **{k: _plain(getattr(row, k)) for k in _PLAN_COLUMNS}}
+    return [{"config": config_label(row), **{k: _plain(getattr(row, k)) for k in PLAN_COLUMNS}}
             for row in rows.itertuples()]
 
 
@@ -194,7 +194,7 @@ def plan_csv(plan, top: int, nothing=None) -> str:
 
     req = plan.request
     frame = plan.fitting if nothing is None else plan.why_not()
-    table = pd.DataFrame(_plan_rows(frame, top), columns=["config"] + _PLAN_COLUMNS)
+    table = pd.DataFrame(_plan_rows(frame, top), columns=["config"] + PLAN_COLUMNS)
     settings = {"gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
                 "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
                 "budget_bytes": req.budget_bytes}

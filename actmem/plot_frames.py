@@ -1,0 +1,213 @@
+"""The frames the plots draw that no other CSV writes: every number a picture shows is here.
+
+``actmem plot`` draws these frames and nothing else (actmem.plot only converts bytes to
+GiB for the axes), and ``--csv`` writes each one as it is, so a picture can always be
+checked against its table:
+
+- ``memory_frame``: Table 2's techniques on the run, each split into the parts that stack
+  to its peak floor (the estimate's technique rows, the parameters split into weights,
+  gradients and optimizer state, and what the recompute rerun holds above the total).
+- ``growth_frame``: the same rows at a list of sequence lengths (or microbatch sizes), with
+  the s² terms of one layer apart from the rest and where the first overtakes the second.
+- ``map_frame``: the planner's configurations, one row for each (t, c, p): the fastest
+  fitting configuration there, else the leanest.
+- ``validation_frame``: the rows of one measured run of an ``actmem validate`` CSV.
+"""
+
+from dataclasses import replace
+from fractions import Fraction
+from types import SimpleNamespace
+
+import sympy
+
+from actmem import engine, symbols
+from actmem.errors import SpecError
+from actmem.terms import layer_terms
+
+#: The plan column the map colours by and takes the leanest configuration by, when nothing
+#: in a cell fits: the peak floor of the busier of the first and last stage, as plan fits on.
+MAP_MEMORY_COLUMN = "peak_bytes"
+
+#: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``.
+MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+                "rerun_bytes")
+
+#: What ``actmem validate --format csv`` writes (actmem_validate.compare: the row, then its gate).
+VALIDATION_COLUMNS = ("config", "technique", "rank", "term", "kind", "formula_bytes", "measured_bytes",
+                      "error_percent", "gate")
+
+#: The sweep around the model's own s when no values are given: s/8 to 8s, in steps of
+#: about x1.4 (a power of two, then 1.5 times it).
+_SEQ_LEN_STEPS = tuple(Fraction(step) for step in ("1/8", "3/16", "1/4", "3/8", "1/2", "3/4", "1", "3/2",
+                                                    "2", "3", "4", "6", "8"))
+_MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+def run_label(spec) -> str:
+    """'t=8 p=35 m=3 b=1 sp sel', as the planner labels a configuration."""
+    from actmem.plan import config_label
+
+    run = spec.run
+    return config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
+                                        m=run.interleave, b=run.micro_batch,
+                                        sequence_parallel=run.sequence_parallel, recompute=run.recompute.value,
+                                        distributed_optimizer=run.distributed_optimizer))
+
+
+# -- where the memory goes -----------------------------------------------------------------
+
+def memory_frame(spec):
+    """One row a technique of the estimate (Table 2 and full recompute under SP) on the first
+    pipeline stage, with the parts its bar stacks up to its peak floor; shares technique,
+    label, is_run, per_layer_bytes, layers_bytes, extra_bytes, total_bytes, peak_bytes and
+    fits with the techniques section of ``actmem estimate --format csv``."""
+    import pandas as pd
+    from actmem.estimate import estimate
+
+    return pd.DataFrame(_technique_rows(estimate(spec)))
+
+
+def _technique_rows(est) -> list[dict]:
+    spec = est.spec
+    rows = []
+    for row in est.techniques:
+        params = row.parameters
+        s2 = _s_squared_per_layer_bytes(spec, row.technique)
+        rows.append({"model": spec.name, "config": run_label(spec), "technique": row.technique.name,
+                     "label": row.technique.label, "is_run": row is est.run_row, "seq_len": spec.model.seq_len,
+                     "micro_batch": spec.run.micro_batch, "per_layer_bytes": row.per_layer_bytes,
+                     "attention_s2_per_layer_bytes": s2, "other_per_layer_bytes": row.per_layer_bytes - s2,
+                     "layers_bytes": row.layers_bytes, "extra_bytes": row.extra_bytes,
+                     "weights_bytes": params.weights_bytes, "gradients_bytes": params.gradients_bytes,
+                     "optimizer_bytes": params.optimizer_bytes, "total_bytes": row.total_bytes,
+                     "rerun_bytes": row.peak_bytes - row.total_bytes, "peak_bytes": row.peak_bytes,
+                     "gpu_memory_bytes": spec.gpu_memory_bytes, "fits": est.technique_fits(row)})
+    return rows
+
+
+def _s_squared_per_layer_bytes(spec, technique) -> int:
+    """One layer's terms quadratic in s (the attention scores: 5as²b/t in the paper's
+    layer); 0 under recompute that drops them or a flash core that never keeps them."""
+    t = spec.run.tensor_parallel if technique.tensor_parallel else 1     # 'none' is t = 1
+    bindings = spec.bindings() | {symbols.t: t}
+    arch = spec.architecture
+    quadratic = [engine.term_bytes(term, technique, arch) for term in layer_terms(arch)
+                 if sympy.diff(term.size(arch), symbols.s, 2) != 0]
+    return engine.exact(sympy.Add(*quadratic), bindings)
+
+
+# -- how it grows ----------------------------------------------------------------------------
+
+def growth_frame(spec, over: str = "seq_len", values=None, advance=lambda: None):
+    """``memory_frame`` rows at each value of s (over='seq_len') or b (over='micro_batch'),
+    technique by technique, and for each technique the s where its s² terms overtake the
+    rest of a layer (``attention_overtakes_seq_len``; NaN where they never do in the sweep)."""
+    import pandas as pd
+    from actmem.estimate import estimate
+
+    values = sweep_values(spec, over) if values is None else list(values)
+    rows = []
+    for value in values:
+        rows += _technique_rows(estimate(_swept(spec, over, value)))
+        advance()
+    order = list(dict.fromkeys(row["technique"] for row in rows))     # the estimate's order
+    frame = pd.DataFrame(sorted(rows, key=lambda row: (order.index(row["technique"]), row[over])))
+    crossover = {name: attention_overtakes(group) if over == "seq_len" else float("nan")
+                 for name, group in frame.groupby("technique", sort=False)}
+    return frame.assign(attention_overtakes_seq_len=frame.technique.map(crossover))
+
+
+def _swept(spec, over: str, value: int):
+    """The spec at one sweep value; a value the run's rules refuse names itself."""
+    try:
+        if over == "seq_len":
+            return replace(spec, model=replace(spec.model, seq_len=value))
+        return replace(spec, run=replace(spec.run, micro_batch=value))
+    except SpecError as error:
+        raise SpecError(f"the sweep at {over} = {value}: {error}") from None
+
+
+def sweep_values(spec, over: str) -> list[int]:
+    """s/8 to 8s around the model's s, or b = 1 to 16; those the run cannot take left out."""
+    if over == "seq_len":
+        s = spec.model.seq_len
+        candidates = [int(s * step) for step in _SEQ_LEN_STEPS if (s * step).denominator == 1]
+    else:
+        candidates = list(_MICRO_BATCHES)
+    usable = []
+    for value in candidates:
+        try:
+            _swept(spec, over, value)
+            usable.append(value)
+        except SpecError:
+            pass
+    return usable
+
+
+def attention_overtakes(rows) -> float:
+    """The s where one layer's s² terms equal the rest, from a technique's sweep rows: their
+    ratio is linear in s (s² terms over terms linear in s), so it is interpolated exactly
+    between the two rows that straddle 1. For the paper's layer (section 4.1) 5as²b against
+    34sbh, s = 34h/5a, where t splits both alike (no parallelism, TP + SP); NaN where the
+    sweep holds no crossing."""
+    rows = rows.sort_values("seq_len")
+    ratio = (rows.attention_s2_per_layer_bytes / rows.other_per_layer_bytes).to_list()
+    seq = rows.seq_len.to_list()
+    for (s0, r0), (s1, r1) in zip(zip(seq, ratio), zip(seq[1:], ratio[1:])):
+        if r0 <= 1 <= r1 and r1 > r0:
+            return s0 + (1 - r0) * (s1 - s0) / (r1 - r0)
+    return float("nan")
+
+
+# -- which configurations fit ---------------------------------------------------------------
+
+def map_frame(plan, model_name: str):
+    """One row for each (t, c, p) the planner swept: the fastest configuration there that
+    fits, else the leanest by MAP_MEMORY_COLUMN; with how many it tried and how many fit, and
+    ``is_best`` on the plan's overall choice. The plan columns are those of
+    ``actmem plan --format csv``, the request's settings beside them."""
+    from actmem.plan import config_label
+    from actmem.report import PLAN_COLUMNS
+
+    keys = ["t", "c", "p"]
+    cells = plan.evaluated.groupby(keys, sort=True)          # rows keep the plan's order:
+    chosen = [group.index[0] if group.fits.any()             # fitting first, fastest first
+              else group[MAP_MEMORY_COLUMN].idxmin() for _, group in cells]
+    counts = cells.fits.agg(configurations="size", fitting="sum")
+    best = plan.fitting.index[0] if not plan.fitting.empty else None
+    frame = plan.evaluated.loc[chosen]
+    table = frame[PLAN_COLUMNS].assign(is_best=frame.index == best)
+    table = table.merge(counts, left_on=keys, right_index=True).sort_values(["c", "t", "p"])
+    table.insert(0, "config", [config_label(row) for row in table.itertuples()])
+    return table.assign(**_request_settings(plan.request, model_name)).reset_index(drop=True)
+
+
+def _request_settings(req, model_name: str) -> dict:
+    """What ``actmem plan --format csv`` writes beside each row, and the model's name."""
+    return {"model": model_name, "gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
+            "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
+            "budget_bytes": req.budget_bytes}
+
+
+# -- formula against measurement --------------------------------------------------------------
+
+def validation_frame(path: str, config: str | None = None, rank: int = 0):
+    """The rows of one measured run (config and rank) of an ``actmem validate --format csv``
+    file, as written: the first config in the file unless one is named."""
+    import pandas as pd
+
+    try:
+        table = pd.read_csv(path)
+    except (OSError, ValueError) as error:
+        raise SpecError(f"--from {path}: cannot read it as CSV ({error})") from None
+    missing = [column for column in VALIDATION_COLUMNS if column not in table.columns]
+    if missing:
+        raise SpecError(f"--from {path}: not a table of `actmem validate --format csv`, it lacks "
+                        f"{', '.join(missing)}")
+    configs = list(dict.fromkeys(table["config"]))
+    config = configs[0] if config is None and configs else config
+    rows = table[(table["config"] == config) & (table["rank"] == rank)]
+    if rows.empty:
+        raise SpecError(f"--from {path}: no rows for config {config!r} at rank {rank}; it has "
+                        f"{'; '.join(configs) or 'no rows'}")
+    return rows.reset_index(drop=True)

@@ -120,7 +120,7 @@ def estimate(fmt, stage_text, **flags):
     from actmem.stages import parse_stage
 
     spec = build_spec_from_flags(flags)
-    stage = parse_stage(stage_text, spec.run.pipeline_parallel)
+    stage = parse_stage(stage_text, spec.run.pipeline_parallel, fmt)
     result = run_estimate(spec, 0 if stage is None else stage)
     if fmt == "rich":
         from actmem.render import render_estimate
@@ -206,7 +206,8 @@ def plan(fmt, top, config, **flags):
     """Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
     Enumerates every valid configuration for the model on --gpus GPUs at --global-batch,
-    keeps those whose first pipeline stage fits the GPU less the reserve, and ranks them by
+    keeps those whose peak (the busier of the first and last pipeline stage, from below)
+    fits the GPU less the reserve, and ranks them by
     a simple iteration-time model (compute, pipeline bubble, tensor- and data-parallel
     communication, each shown). Exits 1 when nothing fits.
 

@@ -13,7 +13,7 @@ from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
 from actmem.symbols import L, a, b, h, m, p, s, t, v
 from actmem.techniques import Technique
-from actmem.terms import STAGE_TERMS, TERMS, Recompute, Region, Scope, Term, layer_terms
+from actmem.terms import STAGE_TERMS, TERMS, TRANSIENT_TERMS, Recompute, Region, Scope, Term, layer_terms
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
@@ -100,6 +100,13 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER) -> symp
         freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[core_end:]
                              if term.scope is Scope.LAYER))
     return freed
+
+
+@cache
+def loss_backward_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """What the loss's backward allocates while every saved activation is still held, on the
+    stage that holds the output layer (``holds_output``): the 16-bit logits gradient."""
+    return sympy.Add(*(term_bytes(term, technique, arch) * holds_output for term in TRANSIENT_TERMS))
 
 
 def exact(expr, bindings: dict) -> int:

@@ -51,6 +51,8 @@ class TechniqueRow:
     """What the stage's first backward reruns (engine.rematerialised_bytes)."""
     freed_bytes: int = 0
     """What that backward frees before the rerun (engine.freed_before_rerun)."""
+    loss_bytes: int = 0
+    """What the loss's backward allocates with everything held (engine.loss_backward_bytes)."""
 
     @property
     def first_stage_bytes(self) -> int:
@@ -62,10 +64,15 @@ class TechniqueRow:
         return self.first_stage_bytes + self.parameters.total_bytes
 
     @property
+    def transient_bytes(self) -> int:
+        """What the peak moment holds above the total: the rerun beyond what was freed before
+        it, or the loss's 16-bit gradient, whichever is more (actmem.peak)."""
+        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes)
+
+    @property
     def peak_bytes(self) -> int:
-        """The stage's allocator peak from below (actmem.peak): the total, and what the rerun
-        holds beyond what it freed."""
-        return self.total_bytes + max(0, self.rematerialised_bytes - self.freed_bytes)
+        """The stage's allocator peak from below (actmem.peak)."""
+        return self.total_bytes + self.transient_bytes
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,17 @@ class Estimate:
     def fits(self) -> bool:
         return self.verdict_bytes <= self.spec.gpu_memory_bytes
 
+    def busiest_peak_bytes(self, row: TechniqueRow) -> int:
+        """A technique row's largest peak floor over every stage (the run's is the verdict)."""
+        if row is self.run:
+            return self.verdict_bytes
+        return max(row.peak_bytes if load.stage == self.stage else
+                   _technique_row(self.spec, row.technique, load.occupancy, load.layers).peak_bytes
+                   for load in self.stages)
+
     def technique_fits(self, row: TechniqueRow) -> bool:
-        """A technique row fits where its peak floor on this stage does."""
-        return row.peak_bytes <= self.spec.gpu_memory_bytes
+        """A technique row fits where its peak floor fits on every stage."""
+        return self.busiest_peak_bytes(row) <= self.spec.gpu_memory_bytes
 
 
 def estimate(spec: Spec, stage: int = 0) -> Estimate:
@@ -219,16 +234,26 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     arch = spec.architecture
     extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
     parameters = _parameters(spec, t, occupancy.stage, stage_layers)
-    rerun = engine.exact(engine.rematerialised_bytes(technique, arch, technique.rerun_layers(occupancy.chunk_layers)),
-                         bindings)
-    freed = engine.exact(engine.freed_before_rerun(technique, arch), bindings)
+    rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
+    loss = engine.exact(engine.loss_backward_bytes(technique, arch), bindings)
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
                   + whole * engine.exact(engine.per_layer_bytes(technique.whole(), arch), bindings))
-        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed)
+        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss)
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed)
+    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed,
+                        loss)
+
+
+def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[int, int]:
+    """(rematerialised, freed before it) at the rerun that holds the most beyond what it
+    freed (Technique.reruns); (0, freed) when nothing is rerun."""
+    freed = engine.exact(engine.freed_before_rerun(technique, arch), bindings)
+    checkpoint = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
+    moments = [(engine.exact(engine.rematerialised_bytes(technique, arch, layers), bindings),
+                freed + checkpoints * checkpoint) for layers, checkpoints in technique.reruns(per_chunk)]
+    return max(moments, key=lambda moment: moment[0] - moment[1], default=(0, freed))
 
 
 def _parameters(spec: Spec, t: int, stage: int = 0, layers: int | None = None) -> ParameterBytes:
@@ -302,17 +327,18 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         + ("" if occupancy.stage == 0 else "; the embedding sits on the first stage"),
         "the technique rows share this run's pipeline and microbatch and vary only t, SP and "
         "recompute; 'none' sets t = 1, so its parameters are not split either",
-        f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
-        "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
-        "says p)",
+        *([f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
+           "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
+           "says p)"] if occupancy.stage == 0 else []),
         "the verdict is the allocator's peak from below on the busiest pipeline stage: model state, "
         "activations in flight and, under recompute, what the first backward reruns, all live at "
-        "one moment (actmem.peak); "
-        "not counted yet: the backward's gradient tensors and gathered inputs, the loss's 16-bit "
-        "logits gradient, allocator fragmentation, workspace and communication buffers",
+        "one moment (actmem.peak), or on the stage with the output layer the loss's backward "
+        "and its 16-bit logits gradient; not counted yet: the layers' backward gradient tensors "
+        "and gathered inputs, allocator fragmentation, workspace and communication buffers",
         f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "
-        "over the vocabulary" + (" and tied with the output layer" if arch.tied_output else
-                                 "; the output layer's own weights where it is held (p = 1)")
+        "over the vocabulary on the first stage" + (
+            ", tied with the output layer (the last stage keeps a copy when p > 1)" if arch.tied_output
+            else "; the output layer's own weights on the last stage")
         + (", learned position embedding" if arch.position_embedding == "learned" else
            "; rotary positions have no parameters"),
     ]

@@ -9,19 +9,21 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
 - the saved activations of every microbatch in flight (the paper's count, section 4.4);
 - under recompute, what the backward of the stage's last layer rematerialises while all of
   the above is held (``engine.rematerialised_bytes``), less what that backward freed before
-  it (``engine.freed_before_rerun``).
+  it (``engine.freed_before_rerun``);
+- on the stage with the output layer, the loss's 16-bit logits gradient, made while all of
+  the above is held (``engine.loss_backward_bytes``).
 
 The moment is in the stage's first backward after the pipeline has filled (the oldest
 microbatch's last layer, every microbatch of the stage held): its start, or its rerun
-done, whichever holds more. The transients of that backward (gradient tensors, gathered
-inputs, the cross entropy's 16-bit logits gradient) come on top and are not modelled yet:
+done, or the loss's backward, whichever holds more. The other transients of that backward
+(gradient tensors, gathered inputs) come on top and are not modelled yet:
 the harness measures them, and the floor's gap to its measured peak is reported, not hidden.
 """
 
 from dataclasses import dataclass
 
 from actmem.techniques import Technique
-from actmem.terms import Recompute
+from actmem.terms import TRANSIENT_TERMS, Recompute
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class PeakFloor:
 
 
 def peak_floor(row) -> PeakFloor:
-    """The floor for one technique on one stage (an estimate.TechniqueRow): the larger of two
-    moments of its first backward after the pipeline fills. At its start every microbatch's
-    activations are held. Under recompute, when the rerun is done, some of them are already
-    freed (the output layer's on the last stage; under selective recompute the last layer's
-    rows after its attention core) and the rerun's are live."""
+    """The floor for one technique on one stage (an estimate.TechniqueRow): the largest of
+    three moments of its first backward after the pipeline fills. At its start every
+    microbatch's activations are held. On the stage with the output layer, the loss's
+    backward adds its 16-bit logits gradient to all of them. Under recompute, when the rerun
+    is done, some of them are already freed (the output layer's on the last stage; under
+    selective recompute the last layer's rows after its attention core) and the rerun's are
+    live. The first of equal moments is taken."""
     params = row.parameters
     state = (
         PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
@@ -62,21 +66,26 @@ def peak_floor(row) -> PeakFloor:
     )
     held = PeakRow("activations_in_flight", row.first_stage_bytes,
                    "the saved activations of every microbatch in flight (sections 4.4, 4.5)")
-    start = PeakFloor(state + (held,), "the first backward's start, every microbatch held")
-    if row.rematerialised_bytes <= row.freed_bytes:
-        return start
-    return PeakFloor(state + (
-        PeakRow("activations_in_flight", row.first_stage_bytes - row.freed_bytes,
-                "the saved activations in flight, less what the backward freed before the rerun"),
-        PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique))),
-        "the first backward, its recompute done")
+    moments = [PeakFloor(state + (held,), "the first backward's start, every microbatch held")]
+    if row.loss_bytes:
+        moments.append(PeakFloor(state + (held, PeakRow("logits_gradient_16bit", row.loss_bytes,
+                                                        TRANSIENT_TERMS[0].source)),
+                                 "the loss's backward, every microbatch held"))
+    if row.rematerialised_bytes > row.freed_bytes:
+        moments.append(PeakFloor(state + (
+            PeakRow("activations_in_flight", row.first_stage_bytes - row.freed_bytes,
+                    "the saved activations in flight, less what the backward freed before the rerun"),
+            PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique))),
+            "the first backward, its recompute done"))
+    return max(moments, key=lambda floor: floor.total_bytes)
 
 
 def _rematerialised_source(technique: Technique) -> str:
     if technique.recompute is Recompute.SELECTIVE:
         return "selective recompute reruns the last layer's attention core: the rows it dropped"
     if technique.partial and technique.recompute_method == "uniform":
-        return ("full recompute reruns the last checkpointed group of the chunk: its layers as kept "
-                "without recompute, less the group's input (the checkpoint)")
+        return ("full recompute reruns a checkpointed group of the chunk, its tail or the group of N "
+                "before it (with the tail's checkpoint freed), whichever holds more: its layers as "
+                "kept without recompute, less the group's input (the checkpoint)")
     return ("full recompute reruns the last layer from its checkpoint: the layer as kept without "
             "recompute, less its input (the checkpoint's own storage)")

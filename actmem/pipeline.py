@@ -69,12 +69,11 @@ def held_counts(layers, p, m, n, stage_layers=None, stage=0):
 
 
 def _chunks_held(p, m, n, stage):
-    """Chunk forwards in flight at the stage's first backward: the full pipeline's count, or
-    all n·m when fewer exist; the interleaved schedule with n = p runs every forward first on
-    every rank (schedules.py: all_warmup_microbatches)."""
-    total = n * m
-    held = _minimum(_by_schedule(chunks_in_flight, p, m, stage), total)
-    return held + (total - held) * ((m > 1) & (n == p))
+    """Chunk forwards in flight at the stage's first backward: the warm-up and one more, or
+    all n·m when the warm-up would take them all (schedules.py, get_pp_rank_microbatches:
+    are_all_microbatches_in_warmup). Older Megatron also ran every forward first on every
+    rank when n = p; current Megatron-Core does not, and neither does this count."""
+    return _minimum(_by_schedule(chunks_in_flight, p, m, stage), n * m)
 
 
 def _by_schedule(count, p, m, *stage):

@@ -25,8 +25,10 @@ from actmem.terms import Recompute
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
-MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "rerun_bytes")
-"""The first stage's peak floor by part (actmem.peak); they add to first_peak_bytes."""
+MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "transient_bytes")
+"""The first stage's peak floor by part (actmem.peak); they add to first_peak_bytes. Transient:
+what the peak moment holds above the total (the rerun less what was freed, or the loss's
+16-bit gradient where the stage holds the output layer)."""
 
 #: The largest inputs the sweep takes. Beyond them int64 parameter counts could overflow,
 #: and the divisor loops and the grid grow past what answers in seconds.
@@ -173,8 +175,11 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["total_bytes"] = grid[list(MEMORY_PARTS[:-1])].sum(axis=1)
     grid["first_peak_bytes"] = grid[list(MEMORY_PARTS)].sum(axis=1)
     last = _stage_memory(req, grid, grid.p - 1)
+    for part in MEMORY_PARTS:
+        grid[f"last_{part}"] = last[part]
     grid["last_peak_bytes"] = last[list(MEMORY_PARTS)].sum(axis=1)
     grid["peak_bytes"] = grid[["first_peak_bytes", "last_peak_bytes"]].max(axis=1)
+    grid["peak_stage"] = np.where(grid.last_peak_bytes > grid.first_peak_bytes, "last", "first")
     grid["fits"] = grid.peak_bytes <= req.budget_bytes
     _add_time(req, grid)
     return grid
@@ -188,7 +193,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
                            "holds_output": (stage == grid.p - 1).astype("int64")}, index=grid.index)
     memory = pd.DataFrame(index=grid.index)
-    memory["activations_bytes"], memory["rerun_bytes"] = _activations(req, grid, counts)
+    memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
     params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
                                               model.heads, stage=stage),
                              grid.d * grid.c, grid.distributed_optimizer.astype("int64"))   # shards: d·c
@@ -200,13 +205,13 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
 
 
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
-    """(activations, rerun beyond what is freed first): the engine's stage expressions
-    (held_bytes; rematerialised_bytes - freed_before_rerun), lambdified, on float64 columns
-    (no int64 overflow)."""
+    """(activations, transient): the engine's stage expressions (held_bytes; the larger of
+    rematerialised_bytes - freed_before_rerun and loss_backward_bytes), lambdified, on
+    float64 columns (no int64 overflow)."""
     model = req.model
     dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
     held = pd.Series(0, index=grid.index, dtype="int64")
-    rerun = pd.Series(0, index=grid.index, dtype="int64")
+    transient = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
         technique = run_technique(bool(sp), Recompute(recompute))
         column = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
@@ -216,10 +221,12 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
                 column("layer_activations"), column("microbatches_held"), column("holds_output"))
         held[rows.index] = _whole_bytes(engine.numeric(engine.held_bytes(technique, req.architecture))(*args),
                                         len(rows))
-        excess = (engine.rematerialised_bytes(technique, req.architecture)
-                  - engine.freed_before_rerun(technique, req.architecture))
-        rerun[rows.index] = _whole_bytes(np.maximum(engine.numeric(excess)(*args), 0), len(rows))
-    return held, rerun
+        arch = req.architecture
+        rerun = engine.numeric(engine.rematerialised_bytes(technique, arch)
+                               - engine.freed_before_rerun(technique, arch))(*args)
+        loss = engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)
+        transient[rows.index] = _whole_bytes(np.maximum(np.maximum(rerun, loss), 0), len(rows))
+    return held, transient
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:
@@ -267,7 +274,10 @@ class Plan:
         the memory that is largest (what broke the budget)."""
         leanest = self.evaluated.loc[self.evaluated.groupby("t").peak_bytes.idxmin()].copy()
         leanest["over_bytes"] = leanest.peak_bytes - self.request.budget_bytes
-        leanest["largest_part"] = leanest[list(MEMORY_PARTS)].idxmax(axis=1).str.removesuffix("_bytes")
+        first = leanest[list(MEMORY_PARTS)].idxmax(axis=1).str.removesuffix("_bytes")
+        last = leanest[[f"last_{part}" for part in MEMORY_PARTS]].idxmax(axis=1).str.removesuffix("_bytes")
+        last = last.str.removeprefix("last_") + " (last stage)"
+        leanest["largest_part"] = first.where(leanest.peak_stage == "first", last)
         any_fit = self.evaluated.groupby("t").fits.any()
         leanest["t_fits"] = leanest.t.map(any_fit)
         return leanest.reset_index(drop=True)

@@ -22,7 +22,7 @@ _PARTS = {
     "weights_bytes": ("weights (16-bit)", "#2e7d4f"),
     "gradients_bytes": ("gradients (fp32)", "#6fb386"),
     "optimizer_bytes": ("optimizer: fp32 master, Adam", "#b9dcc4"),
-    "rerun_bytes": ("recompute rerun at the peak", "#d9d9d9"),
+    "transient_bytes": ("at the peak: rerun or loss gradient", "#d9d9d9"),
 }
 _GPU_LINE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.2}
 
@@ -65,7 +65,7 @@ def memory_figure(frame, size_in=SIZE_IN, dpi=DPI):
         label, colour = _PARTS[part]
         heights = frame[part].to_numpy(dtype=float) / GIB
         stack.append(ax.bar(positions, heights, 0.65, bottom=bottom, color=colour, label=label, edgecolor="white",
-                            linewidth=0.5, hatch="///" if part == "rerun_bytes" else None))
+                            linewidth=0.5, hatch="///" if part == "transient_bytes" else None))
         bottom += heights
     gpu_gib = frame.gpu_memory_bytes.iloc[0] / GIB
     line = ax.axhline(gpu_gib, **_GPU_LINE, label=f"GPU memory, {gpu_gib:,.0f} GiB")
@@ -108,11 +108,9 @@ def growth_figure(frame, over="seq_len", size_in=SIZE_IN, dpi=DPI):
         run = rows.is_run.iloc[0]
         (line,) = ax.plot(rows[over], rows.peak_bytes / GIB, marker="o", markersize=3,
                           linewidth=2.6 if run else 1.4, label=f"{name} (this run)" if run else name)
-        fitting, over_gpu = rows[rows.fits], rows[~rows.fits]
-        if len(fitting) and len(over_gpu):
-            first = over_gpu.iloc[0]
-            ax.plot(first[over], first.peak_bytes / GIB, marker="X", markersize=9, color=line.get_color(),
-                    markeredgecolor="black", linestyle="none")
+        for first in rows[rows.first_over_gpu].itertuples():
+            ax.plot(getattr(first, over), first.peak_bytes / GIB, marker="X", markersize=9,
+                    color=line.get_color(), markeredgecolor="black", linestyle="none")
     gpu_gib = frame.gpu_memory_bytes.iloc[0] / GIB
     ax.axhline(gpu_gib, **_GPU_LINE, label=f"GPU memory, {gpu_gib:,.0f} GiB")
     ax.plot([], [], marker="X", color="grey", markeredgecolor="black", linestyle="none",

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from actmem.cli import OneLineErrors, plan_options, plan_request
+from actmem.errors import SpecError
 from actmem.flags import build_spec_from_flags, spec_options
 
 IMAGE_SUFFIXES = (".png", ".svg")
@@ -111,7 +112,14 @@ def growth(over, values_text, output, csv_path, size_in, dpi, **flags):
     _check_outputs(output, csv_path)
     from actmem.plot_frames import sweep_values, growth_frame
 
-    spec, column = build_spec_from_flags(flags), _SWEEPS[over]
+    from actmem.flags import MODEL_FLAGS, RUN_FLAGS, resolve
+
+    column = _SWEEPS[over]
+    given = resolve(flags, MODEL_FLAGS + RUN_FLAGS).get(column)
+    if given is not None:
+        raise click.UsageError(f"--{over} is what the plot sweeps: give the values with --values, "
+                               f"not --{over} {given}")
+    spec = build_spec_from_flags(flags)
     values = _parse_values(values_text) if values_text else sweep_values(spec, column)
     with _progress(f"sweeping {over}", len(values) + (output is not None)) as advance:
         frame = growth_frame(spec, column, values, advance)
@@ -176,10 +184,17 @@ def validation(source, config, rank, output, csv_path, size_in, dpi):
 
 
 def _check_outputs(output, csv_path) -> None:
-    """Before any work: something to write, and matplotlib where a picture is asked for."""
+    """Before any work: something to write, no picture setting without a picture to use it,
+    and matplotlib where a picture is asked for."""
     if output is None and csv_path is None:
         raise click.UsageError("give -o FILE.png or FILE.svg for the picture, --csv FILE.csv for its "
                                "frame, or both")
+    given = _given(click.get_current_context(), "size_in", "dpi")
+    if output is None and given:
+        raise click.UsageError(f"--{given[0].removesuffix('_in')} sizes the picture: give -o FILE.png "
+                               "or FILE.svg with it")
+    if output is not None and output.lower().endswith(".svg") and "dpi" in given:
+        raise click.UsageError("--dpi sets a PNG's pixels; an SVG has none (--size sets its inches)")
     if output is not None:
         try:
             import matplotlib  # noqa: F401
@@ -187,22 +202,38 @@ def _check_outputs(output, csv_path) -> None:
             raise click.ClickException(MATPLOTLIB_MISSING) from None
 
 
+def _given(ctx, *names) -> list:
+    """Which of these options the user gave (not their defaults)."""
+    from click.core import ParameterSource
+
+    return [name for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
+
+
 def _write(frame, draw: str, output, csv_path, size_in, dpi, advance=lambda: None, **kw) -> str:
     """The frame to --csv, the picture to -o; returns the line that says where."""
     written = []
     if csv_path is not None:
-        frame.to_csv(csv_path, index=False)
+        _writing(csv_path, lambda: frame.to_csv(csv_path, index=False))
         written.append(csv_path)
     if output is not None:
         from actmem import plot as drawing
 
-        drawing.save(getattr(drawing, draw)(frame, size_in=size_in, dpi=dpi, **kw), output)
+        figure = getattr(drawing, draw)(frame, size_in=size_in, dpi=dpi, **kw)
+        _writing(output, lambda: drawing.save(figure, output))
         advance()
         width, height = size_in
         size = (f"{round(width * dpi)} x {round(height * dpi)} px" if output.lower().endswith(".png")
                 else f"{width:g} x {height:g} in")
         written.insert(0, f"{output} ({size})")
     return f"actmem plot: wrote {' and '.join(written)}"
+
+
+def _writing(path, write) -> None:
+    """A file that cannot be written is one line, not a traceback."""
+    try:
+        write()
+    except OSError as error:
+        raise SpecError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 @contextmanager

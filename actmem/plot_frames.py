@@ -30,7 +30,7 @@ MAP_MEMORY_COLUMN = "peak_bytes"
 
 #: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``.
 MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                "rerun_bytes")
+                "transient_bytes")
 
 #: What ``actmem validate --format csv`` writes (actmem_validate.compare: the row, then its gate).
 VALIDATION_COLUMNS = ("config", "technique", "rank", "term", "kind", "formula_bytes", "measured_bytes",
@@ -80,7 +80,7 @@ def _technique_rows(est) -> list[dict]:
                      "layers_bytes": row.layers_bytes, "extra_bytes": row.extra_bytes,
                      "weights_bytes": params.weights_bytes, "gradients_bytes": params.gradients_bytes,
                      "optimizer_bytes": params.optimizer_bytes, "total_bytes": row.total_bytes,
-                     "rerun_bytes": row.peak_bytes - row.total_bytes, "peak_bytes": row.peak_bytes,
+                     "transient_bytes": row.transient_bytes, "peak_bytes": row.peak_bytes,
                      "gpu_memory_bytes": spec.gpu_memory_bytes, "fits": est.technique_fits(row)})
     return rows
 
@@ -114,7 +114,18 @@ def growth_frame(spec, over: str = "seq_len", values=None, advance=lambda: None)
     frame = pd.DataFrame(sorted(rows, key=lambda row: (order.index(row["technique"]), row[over])))
     crossover = {name: attention_overtakes(group) if over == "seq_len" else float("nan")
                  for name, group in frame.groupby("technique", sort=False)}
-    return frame.assign(attention_overtakes_seq_len=frame.technique.map(crossover))
+    return frame.assign(attention_overtakes_seq_len=frame.technique.map(crossover),
+                        first_over_gpu=_first_over_gpu(frame))
+
+
+def _first_over_gpu(frame):
+    """True where a technique's line stops fitting: its first sweep point over the GPU right
+    after one that fit (the frame is in sweep order within each technique)."""
+    def first_stop(fits):
+        stops = fits.shift(fill_value=False) & ~fits
+        return stops & (stops.cumsum() == 1)
+
+    return frame.groupby("technique", sort=False).fits.transform(first_stop)
 
 
 def _swept(spec, over: str, value: int):

@@ -73,7 +73,8 @@ def _header(est: Estimate) -> Text:
 def _techniques_table(est: Estimate) -> Table:
     table = _table(f"Activations per GPU, {_shown(est)}, "
                    f"{plural(est.occupancy.layer_activations, 'layer activation')} held (Table 2)")
-    for column in ("technique", "per layer", "first stage", "vs tp", "", "+ params"):
+    for column in ("technique", "per layer", "this stage" if est.stage else "first stage", "vs tp", "",
+                   "+ params"):
         table.add_column(column, justify="left" if column in ("technique", "") else "right", no_wrap=True)
     units = {name: column_unit(values) for name, values in (
         ("layer", [row.per_layer_bytes for row in est.techniques]),
@@ -91,7 +92,7 @@ def _techniques_table(est: Estimate) -> Table:
                            style="green" if fits else "red"))
     table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
                      "+ params: with weights, gradients and optimizer state at the row's t; ✓ where "
-                     "the row's peak floor on this stage fits; ◀ this run")
+                     "the row's peak floor fits on every stage; ◀ this run")
     table.caption_justify = "left"
     return table
 
@@ -126,12 +127,14 @@ def _memory_table(est: Estimate) -> Table:
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
-    rerun = next((row for row in est.peak.rows if row.name == "rematerialised"), None)
-    if rerun is not None:
-        note = (f"at {est.peak.moment}: {gib(rerun.bytes):,.2f} GiB rerun, "
-                f"{gib(est.total_bytes + rerun.bytes - est.peak.total_bytes):,.2f} GiB already freed")
-        table.add_row(Text("peak, at least", style="bold"), f"{est.peak.total_bytes:,}",
-                      f"{gib(est.peak.total_bytes):,.2f}", Text(note, style="dim"))
+    peak = est.peak
+    if peak.total_bytes != est.total_bytes:
+        rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit")
+        note = (f"at {peak.moment}: " + (f"{gib(loss):,.2f} GiB 16-bit logits gradient" if loss else
+                f"{gib(rerun):,.2f} GiB rerun, "
+                f"{gib(est.total_bytes + rerun - peak.total_bytes):,.2f} GiB already freed"))
+        table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
+                      f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))
     return table
 
 
@@ -143,7 +146,7 @@ def _verdict(est: Estimate) -> Text:
     busiest, p = est.busiest_stage, est.spec.run.pipeline_parallel
     where = stage_name(busiest.stage, p, article=True)
     if busiest.stage != est.stage:
-        text.append(f"{where[0].upper()}{where[1:]} holds the most ({busiest.layers} layers, "
+        text.append(f"{where[0].upper()}{where[1:]} holds the most ({plural(busiest.layers, 'layer')}, "
                     f"{plural(busiest.occupancy.layer_activations, 'layer activation')} in flight, "
                     f"{gib(busiest.activations_bytes):,.2f} GiB of activations and "
                     f"{gib(busiest.parameters.total_bytes):,.2f} GiB of parameters and optimizer state): "

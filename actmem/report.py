@@ -21,7 +21,7 @@ def records(est: Estimate) -> dict:
                 "distributed_optimizer": run.distributed_optimizer},
         "stage": {"index": est.stage, "layers": est.stages[est.stage].layers,
                   "layer_activations": est.occupancy.layer_activations,
-                  "microbatches_in_flight": est.occupancy.microbatches,
+                  "embedding_microbatches": est.occupancy.microbatches,
                   "holds_output_layer": est.occupancy.holds_output_layer,
                   "schedule": est.occupancy.explanation},
         "techniques": [_technique(row, est) for row in est.techniques],
@@ -65,7 +65,8 @@ def _technique(row, est: Estimate) -> dict:
             "extra_bytes": row.extra_bytes, "first_stage_bytes": row.first_stage_bytes,
             "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2),
             "parameters_bytes": row.parameters.total_bytes, "total_bytes": row.total_bytes,
-            "peak_bytes": row.peak_bytes, "fits": est.technique_fits(row), "is_run": row is est.run_row}
+            "peak_bytes": row.peak_bytes, "busiest_peak_bytes": est.busiest_peak_bytes(row),
+            "fits": est.technique_fits(row), "is_run": row is est.run_row}
 
 
 def _term(row) -> dict:
@@ -142,8 +143,8 @@ def to_markdown(est: Estimate) -> str:
 
 PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
                  "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
-                 "optimizer_bytes", "rerun_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
-                 "peak_bytes", "fits", "compute_s", "tensor_parallel_s",
+                 "optimizer_bytes", "transient_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
+                 "peak_bytes", "peak_stage", "fits", "compute_s", "tensor_parallel_s",
                  "context_parallel_s", "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
 
 

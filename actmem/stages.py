@@ -54,9 +54,12 @@ def stage_layers(spec) -> list[int]:
     return layers
 
 
-def parse_stage(text: str, p: int) -> int | None:
+def parse_stage(text: str, p: int, fmt: str = "rich") -> int | None:
     """--stage: 'first' (0), 'last' (p - 1), a stage number from 0, or 'all' (None: every
-    stage's peak beside the first stage's detail)."""
+    stage's peak beside the first stage's detail; the other formats list every stage always)."""
+    if text == "all" and fmt != "rich":
+        raise SpecError(f"--stage all adds a table to the terminal output; --format {fmt} lists "
+                        "every stage always (its stages section)")
     named = {"first": 0, "last": p - 1, "all": None}
     if text in named:
         return named[text]

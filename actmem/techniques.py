@@ -39,17 +39,21 @@ class Technique:
             return recomputed, per_chunk - recomputed
         return -(-per_chunk // self.recompute_layers), 0
 
-    def rerun_layers(self, per_chunk: int) -> int:
-        """Layers a chunk's first backward reruns at once under full recompute: N under
-        'uniform' (the chunk's last group may be shorter, and it is the first rerun: the
-        chunk's tail); 1 under 'block' when every layer of the chunk is checkpointed, else 0:
-        its last layers are kept whole, so the first rerun comes after their activations
-        are freed, a moment the peak floor does not take."""
+    def reruns(self, per_chunk: int) -> tuple:
+        """The reruns of a chunk's backward the peak floor weighs, as (layers rerun at once,
+        checkpoints freed before it): the first, 1 layer (every layer alone) or under
+        'uniform' the chunk's tail group (its last, perhaps shorter than N); then, where the
+        tail is shorter, the next group of N, with only the tail's checkpoint freed before
+        it. Under 'block' 1 layer when every layer of the chunk is checkpointed, else none:
+        its last layers are kept whole, so the first rerun comes after their activations are
+        freed, a moment the floor does not take."""
         if not self.partial:
-            return 1
+            return ((1, 0),)
+        n = self.recompute_layers
         if self.recompute_method == "block":
-            return int(self.recompute_layers >= per_chunk)
-        return per_chunk % self.recompute_layers or self.recompute_layers
+            return ((1, 0),) if n >= per_chunk else ()
+        tail = per_chunk % n or n
+        return ((tail, 0),) + (((n, 1),) if tail < n else ())
 
     def __post_init__(self):
         if self.sequence_parallel and not self.tensor_parallel:

@@ -185,3 +185,13 @@ def layer_terms(arch) -> tuple:
 LAYER_TERMS = layer_terms(PAPER)
 """The rows of the paper's layer (section 4.1)."""
 STAGE_TERMS = tuple(term for term in TERMS if term.scope is not Scope.LAYER)
+
+#: Tensors the backward allocates, not saved by the forward: each is live at one moment of
+#: a stage's peak (actmem.peak), never in the saved-activation count.
+TRANSIENT_TERMS = (
+    Term("logits_gradient_16bit", A16 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,
+         "the loss's gradient cast back to the 16-bit logits' dtype (2sbv/t), made while its fp32 "
+         "gradient, the saved softmax updated in place, is still live: Megatron's "
+         "VocabParallelCrossEntropy casts the logits to fp32 inside its forward and its backward "
+         "returns fp32, so autograd copies it to the input's dtype (cross_entropy.py)"),
+)

@@ -30,5 +30,5 @@ def test_held_bytes_matches_the_estimate(actmem):
     for row in out["techniques"]:
         technique = next(t for t in TECHNIQUES if t.name == row["technique"])
         f = engine.numeric(engine.held_bytes(technique))
-        assert f(*spec_args, held["layer_activations"], held["microbatches_in_flight"],
+        assert f(*spec_args, held["layer_activations"], held["embedding_microbatches"],
                  int(held["holds_output_layer"])) == row["first_stage_bytes"]

@@ -57,15 +57,43 @@ def test_full_recompute_with_the_output_layer_frees_the_logits_first():
     assert est.peak.total_bytes == est.total_bytes - 234_881_024 + 872_415_232
 
 
-def test_uniform_groups_rerun_the_chunks_tail():
+def test_uniform_groups_rerun_the_chunks_tail_then_a_full_group():
     """530B without interleave: 3 layers a chunk (105/35). Uniform groups of 2 make groups
     [0, 1] and [2]; the tail group, 1 layer, is rerun first: the same bytes as one layer
-    alone. Block 1 keeps the chunk's last 2 layers whole, so the first backward reruns
-    nothing and the floor is the total."""
+    alone, a layer kept whole (34sbh/t + 5as²b/t = 178,257,920 + 335,544,320 = 513,802,240)
+    less its checkpoint 2sbh/t = 10,485,760. Then group [0, 1] reruns 2 layers less its
+    checkpoint, with the tail's checkpoint freed: 2 x 513,802,240 - 2 x 10,485,760 =
+    1,006,632,960 beyond the total, more than the tail's 503,316,480. Block 1 keeps the
+    chunk's last 2 layers whole, so the first backward reruns nothing and the floor is the
+    total."""
     full = _estimate("530b", recompute="full")
-    whole = {row.name: row.bytes for row in full.peak.rows}["rematerialised"]
+    assert full.peak.bytes_of("rematerialised") == 513_802_240 - 10_485_760
     grouped = _estimate("530b", recompute="full", interleave=1, recompute_method="uniform", recompute_layers=2)
-    assert {row.name: row.bytes for row in grouped.peak.rows}["rematerialised"] == whole
+    assert grouped.peak.bytes_of("rematerialised") == 2 * 513_802_240 - 10_485_760
+    assert grouped.peak.total_bytes == grouped.total_bytes + 1_006_632_960
     block = _estimate("530b", recompute="full", interleave=1, recompute_method="block", recompute_layers=1)
     assert "rematerialised" not in {row.name for row in block.peak.rows}
     assert block.peak.total_bytes == block.total_bytes
+
+
+def test_the_loss_backward_adds_the_16bit_logits_gradient_where_the_output_layer_is():
+    """22B at p = 1 without recompute: the stage holds the output layer, and the loss's
+    backward makes the 16-bit logits gradient 2sbv/t = 2·2048·4·51200/8 = 104,857,600 B while
+    every saved activation (the fp32 logits among them, updated in place) is held."""
+    est = _estimate("22b", recompute="none")
+    assert est.peak.moment == "the loss's backward, every microbatch held"
+    assert est.peak.bytes_of("logits_gradient_16bit") == 104_857_600
+    assert est.peak.total_bytes == est.total_bytes + 104_857_600
+    assert _estimate("530b", recompute="none").peak.bytes_of("logits_gradient_16bit") == 0   # p = 35
+
+
+def test_uniform_groups_weigh_the_full_group_after_a_short_tail():
+    """175B tp-sp-full, --recompute-method uniform, N = 3, 4 layers a chunk (96 / (8·3)): the
+    tail group is 1 layer, the next 3. A layer kept whole is sbh(34/t + 5as/ht) = 106,954,752
+    + 251,658,240 = 358,612,992 B (sbh = 25,165,824, t = 8); a checkpoint 2sbh/t = 6,291,456.
+    The tail's rerun holds 358,612,992 - 6,291,456 = 352,321,536 beyond the total; the next
+    group's 3 x 358,612,992 - 6,291,456, less the tail's checkpoint already freed,
+    1,063,256,064: the floor takes the larger."""
+    est = _estimate("175b", recompute="full", recompute_method="uniform", recompute_layers=3)
+    assert est.peak.bytes_of("rematerialised") == 3 * 358_612_992 - 6_291_456
+    assert est.peak.total_bytes == est.total_bytes + 1_063_256_064

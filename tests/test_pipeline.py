@@ -61,7 +61,7 @@ def test_fewer_microbatches_show_in_the_estimate(actmem):
     interleaved schedule, but with 1F1B it holds 4 x 12 layers = 48 layer activations."""
     out = actmem.json("estimate", "--model", "gpt3", "--interleave", "1", "--global-batch", "4")
     assert out["stage"]["layer_activations"] == 48
-    assert out["stage"]["microbatches_in_flight"] == 4
+    assert out["stage"]["embedding_microbatches"] == 4
     sel = {r["technique"]: r for r in out["techniques"]}["tp-sp-sel"]
     assert sel["layers_bytes"] == 48 * 34 * 2048 * 12288 // 8
     assert sel["extra_bytes"] == 4 * 2048 * 12288 // 8

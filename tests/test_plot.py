@@ -73,9 +73,9 @@ def test_memory_bars_by_hand_for_530b(tmp_path):
     s, b, h, a, t = 2048, 1, 20480, 128, 8
     sbh = s * b * h
     assert frame.loc["tp-sp-sel", "layers_bytes"] == 34 * sbh // t * (105 + 34)
-    assert frame.loc["tp-sp-sel", "rerun_bytes"] == 5 * a * s * s * b // t - 24 * sbh // t
-    assert frame.loc["full", "rerun_bytes"] == 21 * sbh - 2 * sbh
-    assert frame.loc["tp", "rerun_bytes"] == 0           # nothing is rerun
+    assert frame.loc["tp-sp-sel", "transient_bytes"] == 5 * a * s * s * b // t - 24 * sbh // t
+    assert frame.loc["full", "transient_bytes"] == 21 * sbh - 2 * sbh
+    assert frame.loc["tp", "transient_bytes"] == 0           # nothing is rerun
     assert bool(frame.loc["tp-sp-sel", "is_run"]) and frame.is_run.sum() == 1
 
 
@@ -108,7 +108,8 @@ def test_growth_frame_is_the_csv_and_meets_the_estimate_at_the_models_s(tmp_path
     frame = growth_frame(spec, "seq_len", [1024, 2048, 4096])
     written = frame_written(tmp_path, "growth", "--model", "22b", "--values", "4096,1024,2048")
     pd.testing.assert_frame_equal(written, frame)
-    at_2048 = frame[frame.seq_len == 2048].drop(columns="attention_overtakes_seq_len").reset_index(drop=True)
+    at_2048 = (frame[frame.seq_len == 2048].drop(columns=["attention_overtakes_seq_len", "first_over_gpu"])
+               .reset_index(drop=True))
     pd.testing.assert_frame_equal(at_2048, memory_frame(spec))
 
 
@@ -301,3 +302,38 @@ def test_plot_help_stays_off_the_heavy_imports():
             "print(sorted(m for m in ('sympy', 'pandas', 'rich', 'matplotlib') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("memory", "--model", "530b", "--csv", "{tmp}/m.csv", "--dpi", "50"), "--dpi sizes the picture"),
+    (("memory", "--model", "530b", "--csv", "{tmp}/m.csv", "--size", "6x4"), "--size sizes the picture"),
+    (("memory", "--model", "530b", "-o", "{tmp}/m.svg", "--dpi", "50"), "an SVG has none"),
+    (("growth", "--model", "22b", "--over", "micro-batch", "--micro-batch", "2", "--csv", "{tmp}/g.csv"),
+     "--micro-batch is what the plot sweeps"),
+    (("growth", "--model", "22b", "--seq-len", "4096", "--csv", "{tmp}/g.csv"), "--seq-len is what the plot sweeps"),
+])
+def test_a_flag_the_plot_would_ignore_is_refused(tmp_path, args, fragment):
+    """No setting is silently dropped: a picture size without a picture, PNG pixels for an
+    SVG, or a fixed value of the very thing the sweep varies."""
+    result = run_plot(*(arg.format(tmp=tmp_path) for arg in args))
+    assert_one_line_error(result, fragment)
+
+
+def test_a_file_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "taken.csv").mkdir()                    # a folder where the file would go
+    result = run_plot("memory", "--model", "530b", "--csv", str(tmp_path / "taken.csv"))
+    assert_one_line_error(result, "cannot write")
+
+
+def test_growth_marks_the_first_point_over_the_gpu_in_its_frame(tmp_path):
+    """The X of each line is a frame column: the first sweep point over the GPU right after
+    one that fit. 530B at its own s = 2048 fits with tp-sp-sel (58.16 GiB, the README's
+    example) and not without recompute at t = 8 (tp: 151.31 GiB), so tp-sp-sel stops fitting
+    above 2048 and tp below it."""
+    frame = frame_written(tmp_path, "growth", "--model", "530b")
+    for name, rows in frame.groupby("technique", sort=False):
+        fits = rows.fits.to_list()
+        stops = [i for i in range(1, len(fits)) if fits[i - 1] and not fits[i]]
+        assert rows.first_over_gpu.to_list() == [i == stops[0] if stops else False for i in range(len(fits))]
+    stop = lambda name: frame[(frame.technique == name) & frame.first_over_gpu].seq_len.item()
+    assert stop("tp-sp-sel") > 2048 >= stop("tp")

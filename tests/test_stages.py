@@ -19,6 +19,7 @@ TINY = ["--heads", "8", "--hidden", "1024", "--layers", "2", "--vocab", "256000"
 TINY_LAYER = 2_097_152 * (34 + 5 * 8 * 2048 // 1024)   # sbh(34 + 5as/h) = 239,075,328 B, Table 2 with t = 1
 TINY_LAYER_PARAMETERS = 12 * 1024**2 + 13 * 1024       # 12h² + 13h = 12,596,224
 TINY_EMBEDDING = 256_000 * 1024                        # v·h, tied: the last stage keeps a copy
+TINY_LOSS_GRADIENT = 2 * 2048 * 256_000                 # the loss's 16-bit logits gradient 2sbv/t
 
 
 def test_530b_last_stage_by_hand(actmem):
@@ -33,7 +34,7 @@ def test_530b_last_stage_by_hand(actmem):
     (125,829,120): 136,314,880 B above the total."""
     out = actmem.json("estimate", "--model", "530b", "--stage", "last")
     assert out["stage"]["index"] == 34 and out["stage"]["layer_activations"] == 71
-    assert out["stage"]["holds_output_layer"] and out["stage"]["microbatches_in_flight"] == 0
+    assert out["stage"]["holds_output_layer"] and out["stage"]["embedding_microbatches"] == 0
     assert out["activations_bytes"] == 71 * 178_257_920 + 2 * 10_485_760 + 52_428_800 == 12_729_712_640
     assert out["parameters"]["count"] == 3 * 629_286_400 + 2 * 20480 + 131_072_000 == 2_018_972_160
     total = 12_729_712_640 + 18 * 2_018_972_160
@@ -43,14 +44,16 @@ def test_530b_last_stage_by_hand(actmem):
 
 
 def _tiny_loads():
-    """First stage: 2 microbatches x 1 layer, the embedding's masks sbh x 2, and the layer,
-    the embedding v·h and the learned positions s·h. Last: 1 microbatch x 1 layer, the final
-    norm's and output layer's inputs 2sbh each and the fp32 logits 4sbv = 2,097,152,000; the
-    layer, the final norm 2h and the embedding's copy. 18 B a parameter."""
+    """Peak floors. First stage: 2 microbatches x 1 layer, the embedding's masks sbh x 2, and
+    the layer, the embedding v·h and the learned positions s·h. Last: 1 microbatch x 1 layer,
+    the final norm's and output layer's inputs 2sbh each and the fp32 logits 4sbv =
+    2,097,152,000; the layer, the final norm 2h and the embedding's copy; and at the loss's
+    backward, with all of it held, the 16-bit logits gradient 2sbv = 1,048,576,000. 18 B a
+    parameter."""
     first = (2 * TINY_LAYER + 2 * 2_097_152
              + 18 * (TINY_LAYER_PARAMETERS + TINY_EMBEDDING + 2048 * 1024))
     last = (TINY_LAYER + 2 * 4_194_304 + 4 * 2048 * 256_000
-            + 18 * (TINY_LAYER_PARAMETERS + 2 * 1024 + TINY_EMBEDDING))
+            + 18 * (TINY_LAYER_PARAMETERS + 2 * 1024 + TINY_EMBEDDING) + TINY_LOSS_GRADIENT)
     return first, last
 
 
@@ -58,12 +61,18 @@ def test_the_last_stage_can_be_the_busiest(actmem):
     """A huge vocabulary on a short model: the last stage's logits outweigh the first stage's
     second microbatch, and the verdict is the last stage's."""
     first, last = _tiny_loads()
-    assert (first, last) == (5_465_417_728, 7_289_976_832)
+    assert (first, last) == (5_465_417_728, 7_289_976_832 + 1_048_576_000)
     out = actmem.json("estimate", *TINY)
     assert [stage["peak_floor"]["total_bytes"] for stage in out["stages"]] == [first, last]
+    assert out["stages"][1]["total_bytes"] == 7_289_976_832
+    assert out["stages"][1]["peak_floor"]["moment"] == "the loss's backward, every microbatch held"
     assert out["busiest_stage"] == 1 and out["verdict_bytes"] == last
     assert out["peak_floor"]["total_bytes"] == first           # the detail shown: the first stage
-    assert not actmem.json("estimate", *TINY, "--gpu-memory", "6GiB")["fits"]   # first fits, last not
+    small = actmem.json("estimate", *TINY, "--gpu-memory", "6GiB")
+    assert not small["fits"]                                     # the first stage fits, the last not
+    run_row = next(row for row in small["techniques"] if row["is_run"])
+    assert run_row["peak_bytes"] == first and run_row["busiest_peak_bytes"] == last
+    assert not run_row["fits"]                                   # the row agrees with the verdict
     text = actmem("estimate", *TINY, "--gpu-memory", "6GiB").output
     assert "The last stage holds the most" in text and "on the last stage" in text
 
@@ -109,3 +118,37 @@ def test_stage_all_lists_every_stage_and_marks_the_busiest(actmem):
 def test_a_stage_outside_the_pipeline_is_one_line(actmem):
     assert_one_line_error(actmem("estimate", "--model", "530b", "--stage", "35"), "0 to 34")
     assert_one_line_error(actmem("estimate", "--model", "530b", "--stage", "middle"), "first, last, all")
+    assert_one_line_error(actmem("estimate", "--model", "530b", "--stage", "all", "--format", "json"),
+                          "lists every stage always")
+
+
+def test_interleaved_later_ranks_hold_their_warm_up_plus_one_even_when_n_is_p(actmem):
+    """Llama 3.1 8B, t = 1, p = 4, m = 2 (4 layers a chunk), n = 4 = p. Megatron-Core's
+    get_pp_rank_microbatches: rank i warms up with 2(p - i - 1) + (m - 1)p chunk forwards and
+    runs one more, capped at n·m = 8: 11, 9, 7, 5 -> 8, 8, 7, 5 chunks, 32, 32, 28, 20 layers.
+    (Older Megatron ran all 8 on every rank when n = p.)"""
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--tp", "1", "--no-sp", "--pp", "4",
+                      "--interleave", "2", "--micro-batch", "1", "--gpus", "4", "--global-batch", "4",
+                      "--recompute", "none")
+    assert [stage["layer_activations"] for stage in out["stages"]] == [32, 32, 28, 20]
+
+
+def test_the_planner_s_peak_is_the_estimate_s_verdict_where_the_last_stage_or_n_equal_to_p_decide():
+    """Llama 3.1 8B on 8 GPUs, global batch 8: a 128K vocabulary puts some configurations'
+    peak on the last stage, and n = p under interleaving occurs; for those rows the sweep's
+    peak is the exact estimate's verdict, every stage sized."""
+    preset = load_preset("llama-3.1-8b")
+    spec = build_spec(preset.model, preset.run, architecture=preset.architecture)
+    req = PlanRequest(model=spec.model, gpus=8, global_batch=8, gpu=GPUS["h100"],
+                      gpu_memory_bytes=80 * 2**30, architecture=spec.architecture)
+    evaluated = plan(req).evaluated
+    last = evaluated[evaluated.peak_stage == "last"].head(8)
+    all_warm = evaluated[(evaluated.m > 1) & (evaluated.n == evaluated.p)].head(8)
+    assert len(last) == 8 and len(all_warm) == 8
+    for row in [*last.itertuples(), *all_warm.itertuples()]:
+        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
+                   micro_batch=row.b, sequence_parallel=row.sequence_parallel, recompute=row.recompute,
+                   distributed_optimizer=row.distributed_optimizer, gpus=8, global_batch=8)
+        est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
+        assert row.peak_bytes == est.verdict_bytes, row
+        assert (row.peak_stage == "last") == (est.busiest_stage.stage == row.p - 1 > 0), row

@@ -99,8 +99,10 @@ def test_pipeline_closed_forms_match_the_real_schedule_order():
 
 def test_every_stage_s_chunks_in_flight_match_its_schedule_order():
     """Every rank, not only the first: the layers held at each rank's fullest moment (its
-    embedding count is 0: only rank 0 has the embedding). Includes the interleaved n = p case,
-    where every rank runs all its forwards first."""
+    embedding count is 0: only rank 0 has the embedding). The closed form takes the warm-up
+    plus one, capped at n·m; the order runs the warm-up, then 1F1B, then the cool-down, and
+    the simulation counts what is really in flight at every step. Includes the interleaved
+    n = p case, where rank 0 runs every forward first and later ranks do not."""
     from actmem.pipeline import held_counts
 
     for p in range(2, 7):
@@ -111,3 +113,5 @@ def test_every_stage_s_chunks_in_flight_match_its_schedule_order():
                 for rank in range(1, p):
                     chunks, _ = _simulated_peak(p, m, n, rank)
                     assert held_counts(p * m, p, m, n, stage=rank) == (chunks, 0), (p, m, n, rank)
+    # p = 4, m = 2, n = 4, rank 3: warm-up 2·0 + 1·4 = 4 of 8, so 5 chunks held, not all 8
+    assert _simulated_peak(4, 2, 4, 3)[0] == 5

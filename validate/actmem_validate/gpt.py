@@ -318,33 +318,36 @@ def clone_scatter_output_in_embedding(x):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross entropy over logits split across the vocabulary, computed in fp32; keeps the
-    fp32 softmax (section 4.5: 4sbv/t) and the small target index tensors."""
+    """Cross entropy over logits split across the vocabulary, as Megatron-Core's
+    VocabParallelCrossEntropy computes it (tensor_parallel/cross_entropy.py): the fp32 copy
+    of the logits is made inside the forward and every later step runs in place on it, so it
+    is the one vocabulary-wide tensor, kept as the softmax (section 4.5: 4sbv/t) with the
+    small target index tensors. The backward updates it in place into the fp32 gradient and
+    returns that; autograd then copies it to the logits' 16-bit dtype (2sbv/t) while it is
+    still live, which is the loss's transient (actmem.terms.TRANSIENT_TERMS)."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, tp):
-        ctx.dtype = logits.dtype
-        logits = logits.float()
-        logits = logits - all_reduce(logits.max(dim=-1, keepdim=True).values, tp, dist.ReduceOp.MAX)
+        logits = logits.float()                                           # (s, b, v/t) fp32
+        logits -= all_reduce(logits.max(dim=-1, keepdim=True).values, tp, dist.ReduceOp.MAX)
         local = targets - vocab_start
         outside = (local < 0) | (local >= logits.shape[-1])
         local = local.masked_fill(outside, 0)
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         picked = all_reduce(picked, tp)
-        exp = logits.exp()
-        total = exp.sum(dim=-1, keepdim=True)
-        total = all_reduce(total, tp)
-        softmax = label(exp / total, "logits_fp32")
+        torch.exp(logits, out=logits)
+        total = all_reduce(logits.sum(dim=-1, keepdim=True), tp)
+        softmax = label(logits.div_(total), "logits_fp32")
         ctx.save_for_backward(softmax, outside, local)
         return torch.log(total.squeeze(-1)) - picked
 
     @staticmethod
     def backward(ctx, grad):
         softmax, outside, local = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        hit = (~outside).to(grad_logits.dtype)
-        grad_logits.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
-        return (grad_logits * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+        grad_input = softmax                                              # in place, as Megatron
+        hit = (~outside).to(grad_input.dtype)
+        grad_input.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
+        return grad_input.mul_(grad.unsqueeze(-1)), None, None, None
 
 
 class OutputHead(nn.Module):

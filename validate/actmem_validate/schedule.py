@@ -20,12 +20,13 @@ from actmem_validate.torch_compat import pipeline_backward
 
 def first_stage_order(p: int, m: int, n: int, rank: int = 0) -> list[tuple[str, int, int]]:
     """('F' or 'B', microbatch, chunk) in the order pipeline rank 0 (or ``rank``) runs them:
-    Megatron's schedules.py, whose warm-up alone depends on the rank."""
+    Megatron-Core's schedules.py, whose warm-up alone depends on the rank
+    (get_pp_rank_microbatches, microbatch groups of p: the default group size)."""
     total = n * m
     if m == 1:
         warmup = min(p - rank - 1, n)
     else:
-        warmup = total if n == p else min(2 * (p - rank - 1) + (m - 1) * p, total)
+        warmup = min(2 * (p - rank - 1) + (m - 1) * p, total)
 
     def step(kind, k):
         chunk = (k % (p * m)) // p

@@ -13,8 +13,7 @@ from actmem_validate.gpt import LayerSpec
 from actmem_validate.layers import attach_main_grads
 from actmem_validate.parallel import TensorParallel, tensor_and_context_groups
 from actmem_validate.schedule import FirstStage, run_first_stage
-from actmem_validate.torch_compat import device_wide_mem_tracker, fake_tensor_mode, \
-    tracker_bytes_above_parameters
+from actmem_validate.torch_compat import LiveStorages, fake_tensor_mode
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,8 @@ def native_dropout_mask_bytes(device: str) -> int:
 
 class _PeakMemory:
     """Peak bytes above the parameters during the schedule: torch.cuda's allocator stats on a
-    GPU, a device-wide MemTracker elsewhere (it follows fake tensors too)."""
+    GPU; elsewhere the live storages every op made (torch_compat.LiveStorages, which follows
+    fake tensors too)."""
 
     def __init__(self, module, device: str):
         self.module, self.device, self.bytes = module, device, 0
@@ -95,16 +95,14 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            self.tracker = device_wide_mem_tracker()
-            self.tracker.track_external(self.module)
-            self.tracker.__enter__()
+            self.tracker = LiveStorages().__enter__()
         return self
 
     def current(self) -> int:
         """Bytes allocated now above the parameters."""
         if self.device.startswith("cuda"):
             return torch.cuda.memory_allocated() - self.base
-        return tracker_bytes_above_parameters(self.tracker, "current")
+        return self.tracker.current
 
     def __exit__(self, *exc):
         if self.device.startswith("cuda"):
@@ -112,5 +110,5 @@ class _PeakMemory:
             self.bytes = torch.cuda.max_memory_allocated() - self.base
             return False
         self.tracker.__exit__(*exc)
-        self.bytes = tracker_bytes_above_parameters(self.tracker, "peak")
+        self.bytes = self.tracker.peak
         return False

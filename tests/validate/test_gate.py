@@ -138,6 +138,11 @@ def test_judge_on_hand_made_rows():
     assert judge([r("floor", 100, 500)], 0) == []                  # the peak above its floor
     assert len(judge([r("floor", 100, 99)], 50)) == 1              # below it, at any tolerance
     assert worst_error([r("floor", 100, 500)]) == 0.0              # the gap is not an error
+    assert judge([r("floor", 100, 104)], 0, max_peak_gap=4.0) == []   # within --max-peak-gap
+    too_far = judge([r("floor", 100, 105)], 0, max_peak_gap=4.0)      # above it by more
+    assert len(too_far) == 1 and "more than --max-peak-gap" in too_far[0]
+    assert judge([r("floor_cp", 100, 500)], 0, max_peak_gap=4.0) == []  # the harness's own CP attention
+    assert len(judge([r("floor_cp", 100, 99)], 0, max_peak_gap=4.0)) == 1   # still a floor
 
 
 def test_a_peak_below_the_floor_fails(monkeypatch):
@@ -247,3 +252,26 @@ def test_context_parallel_keys_received_and_kept_fail(monkeypatch):
     failures = judge(rows, 0.0)
     keys = row(rows, "key_value")
     assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail" and failures
+
+
+def test_a_peak_held_too_long_fails_the_gap_gate(monkeypatch):
+    """The failure MemTracker had, counting tensors after they were freed, turned into a real
+    one: every backward keeps its graph, so no saved tensor is freed and the peak climbs far
+    above actmem's floor. This small run's healthy peak is 11.6% over its floor (its backward
+    transients at h = 64); at --max-peak-gap 30 it is green, and red once the graphs are kept."""
+    from torch.autograd import Variable
+
+    from actmem_validate import schedule
+
+    def rows_at_gap():
+        rows = run_fake(configs_for(small_spec(2, 2, p=2), ["tp-sp"], 4))
+        return rows, judge(rows, 0.0, max_peak_gap=30.0)
+
+    rows, failures = rows_at_gap()
+    assert failures == [], failures
+    monkeypatch.setattr(schedule, "pipeline_backward", lambda out, grad: Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=True, create_graph=False, inputs=tuple(),
+        allow_unreachable=True, accumulate_grad=True))
+    rows, failures = rows_at_gap()
+    peak = row(rows, "peak")
+    assert peak["gate"] == "fail" and any("more than --max-peak-gap" in line for line in failures), peak

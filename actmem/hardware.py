@@ -12,12 +12,11 @@ DEFAULT_EFFICIENCY = 0.6
 
 # Headroom the planner keeps free on every GPU above the modelled peak (actmem.peak), for
 # what that model does not know: the CUDA context and NCCL/cuBLAS workspaces (about 1-2 GiB),
-# allocator fragmentation, and until they are modelled the backward's transients (gradient
-# tensors, gathered inputs, the loss's logits gradient). The harness measures its peak above
-# the floor by 1-9% of the bytes above the parameters at the paper's four runs and Llama 70B
-# and 405B (README, measured table), under 2 GiB at each; 8 GiB covers those with room for
-# fragmentation. Llama 3.1 8B at p = 1 (128K vocabulary) measures 16-30% above: the loss's
-# transients, which a larger reserve must cover until they are modelled.
+# allocator fragmentation and rounding, and until they are modelled the layers' backward
+# transients (gradient tensors, gathered inputs). The harness measures its peak above the
+# floor by 0-3.2% of the bytes above the parameters at the paper's four runs and Llama 3.1
+# 8B, 70B and 405B (README, measured table), under 0.6 GiB at each; 8 GiB covers those
+# with room for fragmentation, which no model here knows.
 DEFAULT_RESERVE = "8GiB"
 
 

@@ -28,34 +28,71 @@ from torch import nn
 EPSILON = 1e-5
 
 
+NORM_BLOCK_ELEMENTS = 2**24
+"""Elements of the fp32 working rows a norm computes at once. TE's fused kernels work row by
+row in registers and allocate only their outputs; the harness works through blocks of
+tokens, so its fp32 temporaries are a few of these blocks (64 MiB each), not of size sbh."""
+
+
+def _blocks(rows: int, hidden: int):
+    step = max(1, NORM_BLOCK_ELEMENTS // hidden)
+    return (slice(start, min(start + step, rows)) for start in range(0, rows, step))
+
+
 class _Norm(torch.autograd.Function):
-    """y = (x - mu)·rsigma·w + b (LayerNorm) or x·rsigma·w (RMSNorm), statistics in fp32."""
+    """y = (x - mu)·rsigma·w + b (LayerNorm) or x·rsigma·w (RMSNorm), statistics in fp32.
+    Forward allocates y, rsigma and mu; backward dx, dw and db: what TE's kernels allocate,
+    the fp32 work done a block of tokens at a time (NORM_BLOCK_ELEMENTS)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rms: bool):
-        x32 = x.float()
-        mu = None if rms else x32.mean(-1, keepdim=True)                     # (..., 1) fp32
-        centred = x32 if rms else x32 - mu
-        rsigma = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPSILON)  # (..., 1) fp32
-        y = centred * rsigma * weight.float()
-        if bias is not None:
-            y = y + bias.float()
+        rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+        work = torch.promote_types(x.dtype, torch.float32)
+        stats = dict(dtype=torch.float32, device=x.device)
+        y, rsigma = torch.empty_like(x), torch.empty(*x.shape[:-1], 1, **stats)   # (..., 1) fp32
+        mu = None if rms else torch.empty(*x.shape[:-1], 1, **stats)
+        x2, y2, r2, m2 = x.view(rows, hidden), y.view(rows, hidden), rsigma.view(rows, 1), \
+            (None if rms else mu.view(rows, 1))
+        for block in _blocks(rows, hidden):             # two fp32 blocks live at most
+            centred = x2[block].to(work, copy=True)
+            if not rms:
+                m2[block] = centred.mean(-1, keepdim=True)
+                centred.sub_(m2[block])
+            r2[block] = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPSILON)
+            out = centred.mul_(r2[block]).mul_(weight.to(work))
+            y2[block] = out if bias is None else out.add_(bias.to(work))
+            del centred, out                            # before the next block's copy
         ctx.rms, ctx.has_bias = rms, bias is not None
         ctx.save_for_backward(x, weight, rsigma, *(() if rms else (mu,)))
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rsigma, *mu = ctx.saved_tensors
-        x_hat = (x.float() - (0 if ctx.rms else mu[0])) * rsigma
-        g = grad.float() * weight.float()
-        grad_x = g - x_hat * (g * x_hat).mean(-1, keepdim=True)
-        if not ctx.rms:
-            grad_x = grad_x - g.mean(-1, keepdim=True)
-        tokens = tuple(range(grad.dim() - 1))
-        grad_weight = (grad.float() * x_hat).sum(tokens).to(weight.dtype)
-        grad_bias = grad.float().sum(tokens).to(weight.dtype) if ctx.has_bias else None
-        return (grad_x * rsigma).to(x.dtype), grad_weight, grad_bias, None
+        rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+        work = torch.promote_types(x.dtype, torch.float32)
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(hidden, dtype=work, device=x.device)
+        grad_bias = torch.zeros(hidden, dtype=work, device=x.device) if ctx.has_bias else None
+        x2, g2, dx2, r2 = x.view(rows, hidden), grad.reshape(rows, hidden), grad_x.view(rows, hidden), \
+            rsigma.view(rows, 1)
+        for block in _blocks(rows, hidden):             # three fp32 blocks live at most
+            x_hat = x2[block].to(work, copy=True)
+            if not ctx.rms:
+                x_hat.sub_(mu[0].view(rows, 1)[block])
+            x_hat.mul_(r2[block])
+            g = g2[block].to(work, copy=True)
+            grad_weight += (g * x_hat).sum(0)
+            if grad_bias is not None:
+                grad_bias += g.sum(0)
+            g.mul_(weight.to(work))
+            projection = (g * x_hat).mean(-1, keepdim=True)
+            if not ctx.rms:
+                g.sub_(g.mean(-1, keepdim=True))
+            dx2[block] = g.sub_(x_hat.mul_(projection)).mul_(r2[block])
+            del x_hat, g                                # before the next block's copies
+        grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
+        return grad_x, grad_weight.to(weight.dtype), grad_bias, None
 
 
 class _ScaledCausalSoftmax(torch.autograd.Function):
@@ -110,11 +147,18 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """Allocates the 2f-wide input gradient only, as the fused kernel does (Megatron's
+        jit-fused swiglu_back writes torch.cat of two fused expressions): each half is
+        computed in place in its part of that one tensor."""
         (x,) = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
-        sigmoid = torch.sigmoid(gate)
-        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
-        return torch.cat([grad_gate, grad * gate * sigmoid], dim=-1)
+        out = torch.empty_like(x)                                  # (..., 2f)
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.sigmoid(gate, out=grad_up)                           # σ
+        grad_gate.copy_(grad_up).neg_().add_(1).mul_(gate).add_(1).mul_(grad_up)   # σ(1 + gate(1 - σ))
+        grad_gate.mul_(up).mul_(grad)
+        grad_up.mul_(gate).mul_(grad)                              # g·silu(gate)
+        return out
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ each rank two of 2c chunks to balance the causal mask, which moves no byte.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from actmem_validate.ledger import label
-from actmem_validate.parallel import all_gather, reduce_scatter
+from actmem_validate.parallel import TensorParallel, all_gather, reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,14 @@ def context_parallel_attention(q, k, v, cp: ContextParallel):
     """(s/c, b, a/t, d), (s/c, b, g/t, d) x 2 -> (s/c, b, a/t·d), keeping what TE's ring keeps."""
     s_local, b, heads, d = q.shape
     return _ContextParallelAttention.apply(q, k, v, cp).view(s_local, b, heads * d)
+
+
+def tensor_and_context_groups(t: int, c: int, sequence_parallel: bool) -> TensorParallel:
+    """This rank's groups when t·c ranks run tensor and context parallelism, in Megatron's
+    order (tensor-parallel ranks adjacent: rank = cp_rank·t + tp_rank). Every rank creates
+    every group, in the same order, as torch.distributed requires."""
+    rank = dist.get_rank()
+    tensor_groups = [dist.new_group([j * t + i for i in range(t)]) for j in range(c)]
+    context_groups = [dist.new_group([j * t + i for j in range(c)]) for i in range(t)]
+    context = ContextParallel(c, rank // t, context_groups[rank % t])
+    return TensorParallel(t, rank % t, tensor_groups[rank // t], sequence_parallel, context)

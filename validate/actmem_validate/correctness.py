@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 
 from actmem_validate.gpt import LayerSpec, TransformerLayer
 from actmem_validate.layers import allreduce_sequence_parallel_grads
-from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, split_first_dim, \
-    tensor_and_context_groups
+from actmem_validate.context import tensor_and_context_groups
+from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, split_first_dim
 
 # How each parameter is split across t ranks: along dim 0 (column-parallel), dim 1
 # (row-parallel), or not at all (replicated).

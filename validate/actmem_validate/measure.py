@@ -11,7 +11,8 @@ from actmem.techniques import Technique
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
 from actmem_validate.layers import attach_main_grads
-from actmem_validate.parallel import TensorParallel, tensor_and_context_groups
+from actmem_validate.context import tensor_and_context_groups
+from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
 from actmem_validate.torch_compat import LiveStorages, fake_tensor_mode
 

@@ -32,19 +32,6 @@ class TensorParallel:
         return cls(dist.get_world_size(), dist.get_rank(), None, sequence_parallel)
 
 
-def tensor_and_context_groups(t: int, c: int, sequence_parallel: bool) -> TensorParallel:
-    """This rank's groups when t·c ranks run tensor and context parallelism, in Megatron's
-    order (tensor-parallel ranks adjacent: rank = cp_rank·t + tp_rank). Every rank creates
-    every group, in the same order, as torch.distributed requires."""
-    from actmem_validate.context import ContextParallel
-
-    rank = dist.get_rank()
-    tensor_groups = [dist.new_group([j * t + i for i in range(t)]) for j in range(c)]
-    context_groups = [dist.new_group([j * t + i for j in range(c)]) for i in range(t)]
-    context = ContextParallel(c, rank // t, context_groups[rank % t])
-    return TensorParallel(t, rank % t, tensor_groups[rank // t], sequence_parallel, context)
-
-
 def all_gather(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     out = x.new_empty((x.shape[0] * tp.size, *x.shape[1:]))
     _all_gather_single(out, x.contiguous(), group=tp.group)

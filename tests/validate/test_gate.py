@@ -275,3 +275,26 @@ def test_a_peak_held_too_long_fails_the_gap_gate(monkeypatch):
     rows, failures = rows_at_gap()
     peak = row(rows, "peak")
     assert peak["gate"] == "fail" and any("more than --max-peak-gap" in line for line in failures), peak
+
+
+def test_the_fp32_accumulating_gemm_is_decided_once_and_real_errors_surface(monkeypatch):
+    """Where addmm.dtype_out is missing (a CPU), the first weight gradient finds out and every
+    later one adds a 16-bit product instead; where it once ran, a later error is raised, not
+    hidden behind the fallback."""
+    weight = torch.nn.Parameter(torch.zeros(3, 4))
+    weight.main_grad = torch.zeros(3, 4)
+    grad, inp = torch.ones(5, 3), torch.ones(5, 4)
+    monkeypatch.setattr(layers, "_FP32_ACCUMULATING_GEMM", {})
+    calls = []
+
+    def missing(*args, **kwargs):
+        calls.append(1)
+        raise NotImplementedError("addmm.dtype_out: no CPU kernel")
+
+    monkeypatch.setattr(torch, "addmm", missing)
+    layers.accumulate_weight_gradient(weight, grad, inp)
+    layers.accumulate_weight_gradient(weight, grad, inp)
+    assert calls == [1] and weight.main_grad.eq(10).all()          # tried once; 5 + 5 added
+    layers._FP32_ACCUMULATING_GEMM[(torch.Tensor, "cpu", torch.float32)] = True   # as if it had run
+    with pytest.raises(NotImplementedError):
+        layers.accumulate_weight_gradient(weight, grad, inp)

@@ -97,7 +97,9 @@ class _Norm(torch.autograd.Function):
 
 class _ScaledCausalSoftmax(torch.autograd.Function):
     """softmax(scale·scores, causal) over the last dim; scores: (b·a/t, s, s), the product
-    the core has just made and nobody keeps, so it is scaled and masked in place."""
+    the core has just made and nobody keeps, so it is scaled and masked in place. Not
+    mark_dirty: scores is not returned. Were it ever saved by another op, its bumped version
+    counter would make that op's backward raise, so the in-place write cannot go unseen."""
 
     @staticmethod
     def forward(ctx, scores, scale: float):

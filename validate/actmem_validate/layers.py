@@ -52,11 +52,23 @@ def accumulate_weight_gradient(weight, grad_2d, input_2d):
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         return grad_2d.t() @ input_2d
-    try:
-        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
-    except (NotImplementedError, RuntimeError):
-        main_grad.add_(grad_2d.t() @ input_2d)
+    kind = (type(main_grad), main_grad.device.type, grad_2d.dtype)
+    if _FP32_ACCUMULATING_GEMM.get(kind, True):
+        try:
+            torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+            _FP32_ACCUMULATING_GEMM[kind] = True
+            return None
+        except (NotImplementedError, RuntimeError):
+            if kind in _FP32_ACCUMULATING_GEMM:        # it ran before: a real error, not a missing kernel
+                raise
+            _FP32_ACCUMULATING_GEMM[kind] = False
+    main_grad.add_(grad_2d.t() @ input_2d)
     return None
+
+
+_FP32_ACCUMULATING_GEMM: dict = {}
+"""Whether addmm.dtype_out runs for (tensor type, device, dtype): tried once, on the first
+weight gradient of that kind; afterwards only an error where it once ran is raised."""
 
 
 def attach_main_grads(module: nn.Module) -> torch.Tensor:

@@ -135,8 +135,6 @@ class Estimate:
 
     def busiest_peak_bytes(self, row: TechniqueRow) -> int:
         """A technique row's largest peak floor over every stage (the run's is the verdict)."""
-        if row is self.run:
-            return self.verdict_bytes
         return max(row.peak_bytes if load.stage == self.stage else
                    _technique_row(self.spec, row.technique, load.occupancy, load.layers).peak_bytes
                    for load in self.stages)

@@ -254,11 +254,11 @@ def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[
     return max(moments, key=lambda moment: moment[0] - moment[1], default=(0, freed))
 
 
-def _parameters(spec: Spec, t: int, stage: int = 0, layers: int | None = None) -> ParameterBytes:
+def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run = spec.model, spec.run
     count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
                              padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
-                             spec.architecture, model.heads, spec.stage_layers if layers is None else layers, stage)
+                             spec.architecture, model.heads, layers, stage)
     return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)
 
 

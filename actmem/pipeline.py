@@ -95,12 +95,6 @@ def stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int
     return StageOccupancy(layer_activations, microbatches, stage == p - 1, explanation, stage, per_chunk)
 
 
-def first_stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None,
-                          stage_layers: int | None = None) -> StageOccupancy:
-    """The first stage's peak (section 4.4)."""
-    return stage_occupancy(layers, p, m, microbatches_per_iteration, stage_layers)
-
-
 def _explain(p, m, n, chunks, full_chunks, layers_per_chunk) -> str:
     if m > 1:
         schedule, unit = f"interleaved schedule (m={m})", "chunks"

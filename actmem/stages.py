@@ -9,6 +9,7 @@ peak floor is what must fit.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from actmem.errors import SpecError
 from actmem.peak import PeakFloor, peak_floor
@@ -35,7 +36,7 @@ class StageLoad:
     def total_bytes(self) -> int:
         return self.row.total_bytes
 
-    @property
+    @cached_property
     def peak(self) -> PeakFloor:
         return peak_floor(self.row)
 

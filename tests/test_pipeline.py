@@ -1,19 +1,19 @@
 """The first stage's peak (section 4.4), including fewer microbatches than p."""
 
-from actmem.pipeline import first_stage_occupancy
+from actmem.pipeline import stage_occupancy
 
 
 def test_1f1b_full_pipeline_holds_L_layers():
     """Eq 5: p microbatches in flight on L/p layers = L, whatever p is."""
     for p in (1, 2, 8, 32):
-        occupancy = first_stage_occupancy(96, p, 1, microbatches_per_iteration=10 * p)
+        occupancy = stage_occupancy(96, p, 1, microbatches_per_iteration=10 * p)
         assert occupancy.layer_activations == 96
         assert occupancy.microbatches == p
 
 
 def test_1f1b_with_fewer_microbatches_than_p_holds_fewer():
     """n = 2 < p = 8: only 2 microbatches ever enter the stage: 2 x 96/8 = 24 layers."""
-    occupancy = first_stage_occupancy(96, 8, 1, microbatches_per_iteration=2)
+    occupancy = stage_occupancy(96, 8, 1, microbatches_per_iteration=2)
     assert occupancy.layer_activations == 24
     assert occupancy.microbatches == 2
     assert "only 2 microbatches" in occupancy.explanation
@@ -21,7 +21,7 @@ def test_1f1b_with_fewer_microbatches_than_p_holds_fewer():
 
 def test_interleaved_full_pipeline_matches_the_paper_factor():
     """GPT-3 run: L = 96, p = 8, m = 3: 96·(1 + 7/24) = 124 layers (31 chunks of 4)."""
-    occupancy = first_stage_occupancy(96, 8, 3, microbatches_per_iteration=64)
+    occupancy = stage_occupancy(96, 8, 3, microbatches_per_iteration=64)
     assert occupancy.layer_activations == 124
     assert "31 chunks x 4 layers" in occupancy.explanation
 
@@ -31,29 +31,29 @@ def test_interleaved_peak_holds_2p_embedding_masks():
     F(mb0,c0) F(mb1,c0) F(mb0,c1) F(mb1,c1) | F(mb2,c0) B(mb0,c1) | F(mb3,c0) B(mb1,c1) | ...
     After F(mb3,c0): chunks in flight mb0c0 mb1c0 mb1c1 mb2c0 mb3c0 = pm + p - 1 = 5, of which
     chunk 0 (with the embedding) for mb0..mb3 = 2p = 4."""
-    occupancy = first_stage_occupancy(4, 2, 2, microbatches_per_iteration=4)
+    occupancy = stage_occupancy(4, 2, 2, microbatches_per_iteration=4)
     assert (occupancy.layer_activations, occupancy.microbatches) == (5, 4)
     # with n = p every forward runs first: p chunk-0 forwards, pm chunks
-    occupancy = first_stage_occupancy(4, 2, 2, microbatches_per_iteration=2)
+    occupancy = stage_occupancy(4, 2, 2, microbatches_per_iteration=2)
     assert (occupancy.layer_activations, occupancy.microbatches) == (4, 2)
 
 
 def test_interleaved_with_n_equal_p_runs_all_forwards_first():
     """n = p = 8, m = 3: the schedule has only n·m = 24 chunk forwards to run, fewer than the
     pm + p - 1 = 31 of a full warm-up, so it holds 24 chunks x 4 layers = 96 = L."""
-    occupancy = first_stage_occupancy(96, 8, 3, microbatches_per_iteration=8)
+    occupancy = stage_occupancy(96, 8, 3, microbatches_per_iteration=8)
     assert occupancy.layer_activations == 96
 
 
 def test_unknown_microbatch_count_assumes_a_full_pipeline():
-    occupancy = first_stage_occupancy(105, 35, 3, microbatches_per_iteration=None)
+    occupancy = stage_occupancy(105, 35, 3, microbatches_per_iteration=None)
     assert occupancy.layer_activations == 139
     assert "assumed full" in occupancy.explanation
 
 
 def test_only_p_equal_1_holds_the_output_layer():
-    assert first_stage_occupancy(48, 1, 1, 1).holds_output_layer
-    assert not first_stage_occupancy(48, 2, 1, 4).holds_output_layer
+    assert stage_occupancy(48, 1, 1, 1).holds_output_layer
+    assert not stage_occupancy(48, 2, 1, 4).holds_output_layer
 
 
 def test_fewer_microbatches_show_in_the_estimate(actmem):

@@ -9,6 +9,7 @@ kernels behind each choice are Megatron-Core's with Transformer Engine (cited in
 from dataclasses import dataclass
 
 from actmem.errors import SpecError
+from actmem.implementation import MEGATRON, implementation
 
 PAPER_DROPOUT = 0.1   # the GPT models of the paper train with dropout 0.1
 ACTIVATIONS = ("gelu", "swiglu")
@@ -51,9 +52,14 @@ class Architecture:
     position_embedding: str = "learned"
     """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
     parameters; modelled under the flash core only) or 'none'."""
+    implementation: str = MEGATRON
+    """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
+    paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it). It travels
+    with the architecture because every term asks both at once; it changes no parameter."""
 
     def __post_init__(self):
-        for name in ("activation", "normalization", "attention_core", "position_embedding"):   # RMSNorm
+        for name in ("activation", "normalization", "attention_core", "position_embedding",
+                     "implementation"):   # RMSNorm
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, getattr(self, name).lower())
         for name in ("attention_dropout", "hidden_dropout"):
@@ -76,6 +82,7 @@ class Architecture:
         if self.qkv_bias is False and self.bias:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
+        self.code.check(self)
         if self.position_embedding == "rope" and self.attention_core == "eager":
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
@@ -110,8 +117,15 @@ class Architecture:
             return self.attention_width(hidden, heads)
         return self.query_groups * (hidden / heads if self.head_dim is None else self.head_dim)
 
+    @property
+    def code(self):
+        """The implementation (actmem.implementation.Implementation) this layer runs under."""
+        return implementation(self.implementation)
+
     def unmodelled_recompute(self, heads=None) -> dict:
         """{recompute mode: why actmem does not model it for this architecture}."""
+        if self.code.selective_recompute is not None:
+            return {"selective": self.code.selective_recompute}
         if self.attention_core != "eager":
             return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
                                  "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "
@@ -186,6 +200,21 @@ def eager_with_attention_dropout(arch: Architecture) -> bool:
 def flash(arch: Architecture) -> bool:
     """the attention core is flash"""
     return arch.attention_core in ("flash", "flash-attn")
+
+
+def flash_repeated_key_value(arch: Architecture) -> bool:
+    """the attention core is flash and the code expands k and v to a heads before it"""
+    return flash(arch) and "repeated_key_value" in arch.code.keeps
+
+
+def flash_grouped_key_value(arch: Architecture) -> bool:
+    """the attention core is flash and keeps k and v g groups wide"""
+    return flash(arch) and not flash_repeated_key_value(arch)
+
+
+def swiglu_keeping_silu_output(arch: Architecture) -> bool:
+    """the MLP is SwiGLU, unfused: silu's output is kept beside its input"""
+    return swiglu(arch) and "silu_output" in arch.code.keeps
 
 
 def flash_attn(arch: Architecture) -> bool:

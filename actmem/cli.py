@@ -95,6 +95,16 @@ def cli():
     """
 
 
+def _vocab_divisible_by(flags: dict, architecture) -> int:
+    """The flag's padding, or Megatron's default; refused where the implementation pads none."""
+    if flags["vocab_divisible_by"] is None:
+        return defaults.VOCAB_DIVISIBLE_BY
+    if not architecture.code.pads_vocab:
+        raise SpecError(f"--make-vocab-size-divisible-by is Megatron's vocabulary padding; "
+                        f"--implementation {architecture.implementation} pads none")
+    return flags["vocab_divisible_by"]
+
+
 @cli.command()
 @spec_options
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
@@ -184,8 +194,8 @@ def plan_options(command):
                      show_default=True,
                      help="Largest b to try."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
-                     default=defaults.VOCAB_DIVISIBLE_BY, show_default=True,
-                     help="Megatron's vocabulary padding (times t)."),
+                     default=None, help=f"Megatron's vocabulary padding (times t; default "
+                                        f"{defaults.VOCAB_DIVISIBLE_BY}; none under torch-native)."),
         click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
         click.option("--explain", "config", metavar="CONFIG", default=None,
@@ -261,7 +271,8 @@ def plan_request(flags: dict):
                           gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           max_micro_batch=flags["max_micro_batch"],
-                          vocab_divisible_by=flags["vocab_divisible_by"], architecture=choice.architecture)
+                          vocab_divisible_by=_vocab_divisible_by(flags, choice.architecture),
+                          architecture=choice.architecture)
     return choice.name, request, choice.preset_run
 
 

@@ -23,9 +23,14 @@ layer_activations, microbatches_held, holds_output = sympy.symbols(
 NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output)
 
 
-def divisor(region: Region, technique: Technique):
-    """How many ways a tensor in this region is split (Figures 4 and 5)."""
-    split = technique.tensor_parallel if region is Region.BLOCK else technique.sequence_parallel
+def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
+    """How many ways a tensor is split (Figures 4 and 5): by its region, unless the
+    implementation keeps it all-gathered under sequence parallelism (placement belongs to the
+    code, actmem.implementation: DTensor's ColwiseParallel keeps the gathered input)."""
+    if term.region is Region.BLOCK:
+        split = technique.tensor_parallel
+    else:
+        split = technique.sequence_parallel and term.name not in arch.code.gathered_under_sp
     return t if split else sympy.Integer(1)
 
 
@@ -35,7 +40,7 @@ def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> 
     the architecture has no such tensor."""
     if technique.recompute not in term.kept_under or not term.present(arch):
         return sympy.Integer(0)
-    return term.size(arch) / divisor(term.region, technique)
+    return term.size(arch) / divisor(term, technique, arch)
 
 
 @cache

@@ -90,6 +90,10 @@ ARCHITECTURE_FLAGS = (
          "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
+    Flag(("--implementation",), "implementation",
+         "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine) or "
+         "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer)",
+         click.Choice(["megatron", "torch-native"], case_sensitive=False)),
 )
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
@@ -318,6 +322,9 @@ def build_spec_from_flags(flags: dict):
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
     name, model, run, architecture, notes = _preset_and_flags(flags)
+    if pasted and architecture.get("implementation", "megatron") != "megatron":
+        raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
+                        f"--implementation {architecture['implementation']}")
     _check_max_positions(pasted, model, architecture)
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
@@ -333,11 +340,22 @@ def build_spec_from_flags(flags: dict):
     if flags["gpu_memory"] is not None:
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:
+        _refuse_for_unpadded(architecture, "--make-vocab-size-divisible-by")
         options["vocab_divisible_by"] = flags["vocab_divisible_by"]
     if pasted.get("ignored"):
         options["notes"] = notes + (f"Megatron arguments ignored, as they cannot change memory: "
                                     f"{', '.join(pasted['ignored'])}",)
     return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+def _refuse_for_unpadded(architecture: dict, flag: str) -> None:
+    """A Megatron setting given with an implementation that has no such thing is an error."""
+    from actmem.implementation import MEGATRON, implementation
+
+    name = architecture.get("implementation", MEGATRON)
+    if not implementation(name).pads_vocab:
+        raise SpecError(f"{flag} is Megatron's vocabulary padding; --implementation {name} pads none "
+                        f"(DTensor shards the vocabulary unevenly)")
 
 
 def _check_max_positions(pasted: dict, model: dict, architecture: dict) -> None:

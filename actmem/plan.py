@@ -63,6 +63,8 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        if not self.architecture.code.pads_vocab:    # DTensor shards the vocabulary unevenly
+            object.__setattr__(self, "vocab_divisible_by", 1)
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)
         for name, limit in LIMITS.items():
             if sizes[name] > limit:
@@ -158,7 +160,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           global_batch=req.global_batch, d=grid.d, n=grid.n,
                           ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
                           recompute=grid.recompute,
-                          unmodelled_recompute=req.architecture.unmodelled_recompute(model.heads))
+                          unmodelled_recompute=req.architecture.unmodelled_recompute(model.heads),
+                          code=req.architecture.code)
     return grid[rules.valid(values)].reset_index(drop=True)
 
 

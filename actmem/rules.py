@@ -111,6 +111,14 @@ RULES = (
     Rule(lambda v: v.recompute_layers <= v.chunk_layers,
          lambda v: f"--recompute-num-layers ({v.recompute_layers}) must not exceed the layers of a model "
                    f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),
+    Rule(lambda v: _implies(v.t > 1, "tensor" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"tensor parallelism (t = {v.t})"), ("code",)),
+    Rule(lambda v: _implies(v.p > 1, "pipeline" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
+    Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"context parallelism (c = {v.c})"), ("code",)),
+    Rule(lambda v: "partial_recompute" in v.code.runs,
+         lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
 )
@@ -156,6 +164,13 @@ class Values:
     """Layers of one model chunk of the first stage, when N is given."""
     unmodelled_recompute: dict = None
     """{mode: why}: the recompute modes actmem does not model for this architecture."""
+    code: object = None
+    """The implementation (actmem.implementation.Implementation): the run shapes it has."""
+
+
+def _unmodelled_run(v, what: str) -> str:
+    return (f"{what} is not modelled for --implementation {v.code.name} ({v.code.label}); "
+            f"actmem models it for megatron")
 
 
 def _applies(rule: Rule, values: Values) -> bool:

@@ -113,6 +113,8 @@ class Spec:
             require_positive_int(name, getattr(self, name))
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
+        if not self.architecture.code.pads_vocab:    # DTensor shards the vocabulary unevenly
+            object.__setattr__(self, "vocab_divisible_by", 1)
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:
@@ -131,7 +133,8 @@ class Spec:
             core=self.architecture.attention_core,
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
-            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads))
+            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads),
+            code=self.architecture.code)
 
     @property
     def chunk_layers(self) -> int:

@@ -13,8 +13,8 @@ from typing import Callable
 import sympy
 
 from actmem.architecture import PAPER, always, eager, eager_with_attention_dropout, flash, flash_attn, \
-    gelu, hidden_dropout, swiglu
-from actmem.symbols import a, b, h, s, v
+    flash_grouped_key_value, flash_repeated_key_value, gelu, hidden_dropout, swiglu, swiglu_keeping_silu_output
+from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
 
@@ -88,6 +88,17 @@ def _sb_keys_values(arch):
     return 2 * A16 * s * b * arch.kv_width(h, a)
 
 
+def _repeated_keys_values(arch):
+    """k and v after torchtitan's repeat_kv (2 x 2sb·ad), unsharded size: unsqueeze, expand
+    and reshape copy them to a heads, except where the reshape is a view: no query groups
+    (n_rep = 1) or one group a rank (t = g: the expanded dim merges with a dim of size 1), and
+    then the g/t-wide rope and wv outputs themselves are kept (2 x 2sb·gd)."""
+    grouped = _sb_keys_values(arch)
+    if arch.query_groups is None:
+        return grouped
+    return sympy.Piecewise((grouped, sympy.Eq(t, arch.query_groups)), (_sb_attention(2)(arch), True))
+
+
 def _norm_statistics(norms: int):
     """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
     LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
@@ -126,7 +137,13 @@ TERMS = (
          "flash attention keeps q (2sb·ad): after rope, a tensor of its own", flash),
     Term("key_value", _sb_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps k and v, g groups wide, never expanded to a heads (2 x 2sb·gd); "
-         "TE makes v contiguous, so the QKV output is freed", flash),
+         "TE makes v contiguous, so the QKV output is freed", flash_grouped_key_value),
+    Term("repeated_key_value", _repeated_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
+         "flash attention keeps k and v expanded to a heads (2 x 2sb·ad): torchtitan's Attention "
+         "calls repeat_kv (expand, then reshape: a copy) before F.scaled_dot_product_attention "
+         "(llama3/model/model.py @018740b7); g groups wide where that reshape is a view (g = t, "
+         "or no query groups). torchtitan's newer GQAttention (common/attention.py) passes "
+         "enable_gqa instead and keeps g groups always: not modelled", flash_repeated_key_value),
     Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "flash attention keeps the softmax's fp32 log-sum-exp, one a query row (4bas); with "
          "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash),
@@ -150,7 +167,11 @@ TERMS = (
          "bias-GeLU saves its input and the bias, a parameter", gelu),
     Term("swiglu_input", _sbf(2), Region.BLOCK, _STORED, Scope.LAYER,
          "SwiGLU keeps only its 2f-wide input (Megatron's fused_bias_swiglu.py: SwiGLUFunction "
-         "saves input_for_backward; 4sbf)", swiglu),
+         "saves input_for_backward; 4sbf); unfused (torchtitan), the same bytes as two f-wide "
+         "tensors, w1 x (silu's input) and w3 x (the product's other factor)", swiglu),
+    Term("silu_output", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "an unfused SwiGLU keeps silu's output too (2sbf): silu(w1 x) * w3 x saves both factors "
+         "of the product, and silu its input (torchtitan's FeedForward.forward)", swiglu_keeping_silu_output),
     Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,

@@ -50,6 +50,10 @@ GATED = dict(activation="swiglu", ffn_hidden=96, normalization="rmsnorm", bias=F
 FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_groups=4)
 
 
+#: FLASH as PyTorch-native DTensor TP/SP runs torchtitan's Llama block
+TORCH_NATIVE = FLASH | dict(implementation="torch-native")
+
+
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
                **architecture) -> Spec:
@@ -105,6 +109,12 @@ def small_grid() -> list[Config]:
     # (interleaved), uniform groups of 2 (the last group of 1), eager and flash
     configs += configs_for(small_spec(12, 2, 2, 2, recompute=("block", 1)), ["tp-sp-full"])
     configs += configs_for(small_spec(6, 2, 2, recompute=("uniform", 2), name="small-flash", **FLASH), ["tp-sp-full"])
+    # torch-native: torchtitan's Llama blocks under DTensor TP (+ SP), g/t = 2 (repeat_kv
+    # copies) and 1 (a view), full activation checkpointing; one microbatch's layers
+    configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none"], 1)
+    for t in (2, 4):
+        configs += configs_for(small_spec(2, t, name="small-torchtitan", **TORCH_NATIVE),
+                               ["tp", "tp-sp", "tp-sp-full"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
@@ -136,4 +146,25 @@ def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-se
     return configs
 
 
-GRIDS = {"small": small_grid, "presets": preset_grid}
+#: the torch-native implementation at full scale: Llama 3.1 8B at t = 8 (g/t = 1) and 70B at
+#: t = 4 (g/t = 2: repeat_kv copies k and v to a/t heads); two layers of one microbatch
+TORCH_NATIVE_RUNS = {"llama-3.1-8b": 8, "llama-3.1-70b": 4}
+
+
+def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
+    configs = []
+    for name, t in TORCH_NATIVE_RUNS.items():
+        preset = load_preset(name)
+        spec = build_spec(preset.model | {"layers": 2}, {"tensor_parallel": t}, name=f"{preset.name}·2 layers",
+                          architecture=preset.architecture | {"implementation": "torch-native"})
+        configs += configs_for(spec, techniques, 1)
+    return configs
+
+
+def presets_grid() -> list[Config]:
+    """What CI measures at full scale: the paper's and the Llama presets under Megatron's
+    code, and the torch-native implementation."""
+    return preset_grid() + torch_native_presets()
+
+
+GRIDS = {"small": small_grid, "presets": presets_grid}

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from actmem_validate.torch_compat import storage_key
+from actmem_validate.torch_compat import local_tensor, storage_key
 
 UNATTRIBUTED = "unattributed"
 _active: list = []
@@ -95,7 +95,7 @@ class Ledger:
             term, alive = self.names.get(key, (fallback, None))
             if alive is not None and alive() is None:   # a freed tensor's storage was reused
                 term = fallback
-            self.saved[key] = (term, tensor.untyped_storage().nbytes())
+            self.saved[key] = (term, local_tensor(tensor).untyped_storage().nbytes())
             if term == fallback:
                 self.by_scope.add(key)
         return tensor

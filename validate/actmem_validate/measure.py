@@ -35,7 +35,9 @@ class Config:
         run = self.spec.run
         shape = f" {run.recompute_method} {run.recompute_layers}" if run.recompute_method else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
-        return (f"{self.spec.name} t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
+        code = self.spec.architecture.implementation
+        code = "" if code == "megatron" else f" · {code}"
+        return (f"{self.spec.name}{code} t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
 
 
@@ -51,6 +53,10 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
 
 def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
     """Build the first stage on this rank, run its schedule, compare with the estimate."""
+    if config.spec.architecture.implementation == "torch-native":
+        from actmem_validate import torch_native
+
+        return torch_native.measure(config, rank, device, fake)
     spec, run = config.spec, config.spec.run
     if run.context_parallel > 1:
         tp = tensor_and_context_groups(run.tensor_parallel, run.context_parallel, run.sequence_parallel)

@@ -8,10 +8,16 @@ somewhere deep. The harness imports these names from here and never from torch's
 import torch
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds a DTensor's memory on this rank (the tensor itself otherwise).
+    Private: DTensor._local_tensor (to_local() would record an autograd node)."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the memory behind a tensor, fake tensors included (the ledger counts each
-    storage once). Private: UntypedStorage._cdata."""
-    return tensor.untyped_storage()._cdata
+    """Identity of the memory behind a tensor, fake tensors and DTensors included (the ledger
+    counts each storage once). Private: UntypedStorage._cdata."""
+    return local_tensor(tensor).untyped_storage()._cdata
 
 
 def fake_tensor_mode():
@@ -113,9 +119,24 @@ def _probe_fake_pg():
         dist.destroy_process_group()
 
 
+def _probe_local_tensor():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=2)
+    try:
+        local = torch.ones(2)
+        dtensor = DTensor.from_local(local, init_device_mesh("cpu", (2,)), [Replicate()])
+        assert local_tensor(dtensor).untyped_storage()._cdata == local.untyped_storage()._cdata
+    finally:
+        dist.destroy_process_group()
+
+
 #: name of the private API -> a call that fails if this torch no longer has it as used
 PROBES = {
     "UntypedStorage._cdata": lambda: storage_key(torch.ones(2)),
+    "DTensor._local_tensor": _probe_local_tensor,
     "torch._subclasses.fake_tensor.FakeTensorMode": lambda: fake_tensor_mode().__enter__().__exit__(None, None, None),
     "torch.testing._internal.distributed.fake_pg.FakeStore": _probe_fake_pg,
     "TorchDispatchMode and storage weakrefs (LiveStorages)": _probe_live_storages,

@@ -1,0 +1,84 @@
+"""Whose code runs the layer: the second axis of the term table, beside the architecture.
+
+The same architecture keeps different tensors under different code. An implementation is
+data read off its source: which of the term table's rows its code keeps beyond Megatron's
+(``terms.py`` asks ``keeps``), which tensors it places differently (PyTorch-native DTensor
+keeps a column-parallel linear's input all-gathered under sequence parallelism, where
+Megatron keeps the local shard), and the architecture and run it is modelled for. Each
+field cites the code it was read from; the harness runs that code and measures it.
+"""
+
+from dataclasses import dataclass
+
+from actmem.errors import SpecError
+
+MEGATRON = "megatron"
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    label: str
+    """One line a person reads: the code, and where it was read."""
+    gathered_under_sp: frozenset = frozenset()
+    """Terms kept whole along the sequence under sequence parallelism (divided by nothing)
+    where Megatron keeps the local shard (divided by t)."""
+    keeps: frozenset = frozenset()
+    """Behaviours that add rows of the term table, by name (terms.py's predicates ask)."""
+    architecture: tuple = ()
+    """(field, allowed values, why): the architecture the implementation is modelled for."""
+    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute"})
+    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method."""
+    selective_recompute: str | None = None
+    """Why its selective recompute is not modelled; None where it is Megatron's."""
+    pads_vocab: bool = True
+    """Megatron pads the vocabulary to a multiple of 128·t (--make-vocab-size-divisible-by);
+    DTensor shards it unevenly instead, rank 0 holding ceil(v/t) rows (as if padded to t)."""
+
+    def check(self, arch) -> None:
+        """Refuse an architecture this implementation is not modelled for, with the reason."""
+        for field, allowed, why in self.architecture:
+            value = getattr(arch, field)
+            if value not in allowed:
+                shown = " or ".join(str(v) for v in allowed)
+                raise SpecError(f"--implementation {self.name} is modelled for {why}: {field} must be "
+                                f"{shown}, got {value}")
+
+
+# torchtitan's Llama 3 block, parallelised by torchtitan's plan (torchtitan/models/llama3/
+# infra/parallelize.py, apply_tp): SequenceParallel norms, PrepareModuleInput all-gathering
+# Shard(1) -> Replicate() before the attention and the feed-forward, ColwiseParallel wq, wk,
+# wv, w1, w3 and RowwiseParallel wo, w2 reduce-scattering to Shard(1).
+_TORCHTITAN_LLAMA = (
+    ("attention_core", ("flash",), "torchtitan's Llama layer, whose attention is "
+                                  "F.scaled_dot_product_attention (a flash kernel)"),
+    ("activation", ("swiglu",), "torchtitan's Llama layer (w2(silu(w1 x) * w3 x))"),
+    ("normalization", ("rmsnorm",), "torchtitan's Llama layer (nn.RMSNorm)"),
+    ("attention_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
+    ("hidden_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
+)
+
+IMPLEMENTATIONS = {
+    MEGATRON: Implementation(
+        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code, and actmem's default)"),
+    "torch-native": Implementation(
+        "torch-native",
+        "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "
+        "(parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel)",
+        gathered_under_sp=frozenset({"qkv_input", "fc1_input"}),
+        keeps=frozenset({"repeated_key_value", "silu_output"}),
+        architecture=_TORCHTITAN_LLAMA,
+        runs=frozenset({"tensor", "pipeline"}),
+        pads_vocab=False,
+        selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
+                            "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
+                            "recompute, and actmem does not model it yet: choose none or full"),
+}
+
+
+def implementation(name: str) -> Implementation:
+    """The implementation of this name, or SpecError naming the known ones."""
+    try:
+        return IMPLEMENTATIONS[name]
+    except (KeyError, TypeError):
+        raise SpecError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {name!r}") from None

@@ -1,0 +1,177 @@
+"""torchtitan's Llama 3 block, plain torch.nn, parallelised by PyTorch's own DTensor tensor and
+sequence parallelism with torchtitan's plan: the torch-native implementation of actmem.
+
+Copied from pytorch/torchtitan at commit 018740b7 (torchtitan/models/llama3/model/model.py:
+apply_rotary_emb, repeat_kv, Attention, FeedForward, TransformerBlock; models/attention.py:
+the SDPA wrapper; llama3/infra/parallelize.py: apply_tp's layer plan), every op on the
+forward path as torchtitan runs it. Two things differ, and both keep the same tensors:
+- each saved tensor is named after its row of actmem's term table (``label``: no op changes);
+- the norms. torchtitan's nn.RMSNorm runs aten::_fused_rms_norm on a GPU, whose autograd
+  formula saves input, rstd and weight (derivatives.yaml); torch 2.13 has no CPU kernel for
+  it, and its CPU decomposition keeps two fp32 copies of the input instead. ``FusedRMSNorm``
+  keeps what the GPU kernel keeps (the harness's TE norm Function, fused.py), over DTensor
+  through local_map, so a CPU run measures what a GPU run holds.
+Everything else (the all-gathers PrepareModuleInput makes, the linears that save DTensors,
+SDPA's flash kernel) is PyTorch's own code.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actmem_validate.fused import _Norm
+from actmem_validate.ledger import label, name_saved_output, scope
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 500000.0) -> torch.Tensor:
+    """complex64 (end, dim/2): the rotary table, a buffer of the model (no activation).
+    Llama 3.1's frequency scaling is left out: it changes values, not shapes."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = torch.outer(torch.arange(end, device=freqs.device), freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    """model.py: the complex rotation; it saves only freqs_cis (the buffer), and its outputs
+    are 16-bit copies (type_as)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[0:xq_.shape[1]].view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """model.py: (b, s, g, d) -> (b, s, g·n_rep, d); a copy, or a view when g = 1."""
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return (torch.unsqueeze(x, dim=3).expand(bs, slen, n_kv_heads, n_rep, head_dim)
+            .reshape(bs, slen, n_kv_heads * n_rep, head_dim))
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm keeping what aten::_fused_rms_norm keeps on a GPU: its 16-bit input and fp32
+    rstd, one a token (and the weight, a parameter). ``term`` names the input's row."""
+
+    def __init__(self, dim: int, term: str, eps: float = 1e-5):
+        super().__init__(dim, eps=eps)
+        self.term = term
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        from torch.distributed.tensor.experimental import local_map
+
+        if not isinstance(x, DTensor):
+            return _rms_norm(x, self.weight, self.term)
+        # SequenceParallel: x is Shard(1), the weight Replicate; the weight's gradient from
+        # this rank's tokens is a partial sum
+        norm = local_map(_rms_norm, out_placements=[Shard(1)], in_placements=([Shard(1)], [Replicate()], None),
+                         in_grad_placements=([Shard(1)], [Partial()], None), device_mesh=x.device_mesh)
+        return norm(x, self.weight, self.term)
+
+
+def _rms_norm(x, weight, term: str):
+    with scope("norm_statistics"):          # rstd, saved inside the Function
+        return _Norm.apply(label(x, term), weight, None, True)
+
+
+class Attention(nn.Module):
+    """model.py Attention, sdpa with is_causal=True (torchtitan's ScaledDotProductAttention
+    wrapper prefers cuDNN, then flash; on a CPU SDPA's flash kernel runs)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.n_rep, self.head_dim = n_heads // n_kv_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        label(x, "qkv_input")                      # under SP: the all-gathered (b, s, h)
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bs, seqlen, -1, self.head_dim)
+        xk = xk.view(bs, seqlen, -1, self.head_dim)
+        xv = xv.view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+        keys, values = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
+        label(xq, "query")
+        label(keys, "repeated_key_value")
+        label(values, "repeated_key_value")
+        output = _sdpa(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        output = output.transpose(1, 2).contiguous()    # a view: the kernel stores (b, s, a/t, d)
+        return self.wo(output.view(bs, seqlen, -1))
+
+
+def _sdpa(q, k, v):
+    with scope("softmax_lse"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if out.grad_fn is not None and "Flash" not in out.grad_fn.name():
+        raise RuntimeError(f"SDPA ran {out.grad_fn.name()}, not a flash kernel")
+    return name_saved_output(out, "projection_input")
+
+
+class FeedForward(nn.Module):
+    """model.py FeedForward: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        label(x, "fc1_input")                      # under SP: the all-gathered (b, s, h)
+        gate, up = label(self.w1(x), "swiglu_input"), label(self.w3(x), "swiglu_input")
+        return self.w2(label(label(F.silu(gate), "silu_output") * up, "fc2_input"))
+
+
+class TransformerBlock(nn.Module):
+    """model.py TransformerBlock: pre-norm residuals around attention and the feed-forward."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden_dim: int):
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads, head_dim)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+        self.attention_norm = FusedRMSNorm(dim, "attention_layernorm_input")
+        self.ffn_norm = FusedRMSNorm(dim, "mlp_layernorm_input")
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def layer_plan(sequence_parallel: bool) -> dict:
+    """apply_tp's plan for one block (infra/parallelize.py @018740b7, bf16, no float8). Without
+    sequence parallelism (not torchtitan's: it always shards the sequence) the norms stay
+    replicated and the linears take and give replicated tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, \
+        SequenceParallel
+
+    if not sequence_parallel:
+        return {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv",
+                                                     "feed_forward.w1", "feed_forward.w3")} | \
+            {name: RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")}
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def parallelize(block: TransformerBlock, mesh, sequence_parallel: bool) -> TransformerBlock:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(block, mesh, layer_plan(sequence_parallel))

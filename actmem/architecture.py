@@ -83,7 +83,7 @@ class Architecture:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
         self.code.check(self)
-        if self.position_embedding == "rope" and self.attention_core == "eager":
+        if self.position_embedding == "rope" and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
                             "alive beside the rotated q and k, which actmem does not count yet")
@@ -124,6 +124,9 @@ class Architecture:
 
     def unmodelled_recompute(self, heads=None) -> dict:
         """{recompute mode: why actmem does not model it for this architecture}."""
+        if self.code.full_recompute is not None:
+            return {"selective": self.code.selective_recompute or self.code.full_recompute,
+                    "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
         if self.attention_core != "eager":
@@ -215,6 +218,33 @@ def flash_grouped_key_value(arch: Architecture) -> bool:
 def swiglu_keeping_silu_output(arch: Architecture) -> bool:
     """the MLP is SwiGLU, unfused: silu's output is kept beside its input"""
     return swiglu(arch) and "silu_output" in arch.code.keeps
+
+
+def hf_rmsnorm(arch: Architecture) -> bool:
+    """the norm is transformers' LlamaRMSNorm: an fp32 copy of its input and a 16-bit
+    normalized tensor are kept, the input itself is not"""
+    return "hf_rmsnorm" in arch.code.keeps
+
+
+def keeps_norm_input(arch: Architecture) -> bool:
+    """the norm keeps its 16-bit input (Megatron's TE kernels, the GPU's fused RMSNorm)"""
+    return not hf_rmsnorm(arch)
+
+
+def counts_norm_statistics(arch: Architecture) -> bool:
+    """the norms' fp32 statistics are terms of the table: on the flash path (beside TE's
+    kernels) and wherever the code is not Megatron's (the paper leaves them out)"""
+    return flash(arch) or arch.implementation != "megatron"
+
+
+def eager_softmax_fp32(arch: Architecture) -> bool:
+    """the eager core keeps an fp32 softmax beside its 16-bit copy (transformers' Llama)"""
+    return eager(arch) and "softmax_fp32" in arch.code.keeps
+
+
+def rotary_tables(arch: Architecture) -> bool:
+    """the model's rotary cos and sin are saved activations (transformers' Llama)"""
+    return "rotary_tables" in arch.code.keeps
 
 
 def flash_attn(arch: Architecture) -> bool:

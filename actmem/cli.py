@@ -112,7 +112,10 @@ def _vocab_divisible_by(flags: dict, architecture) -> int:
 @click.option("--stage", "stage_text", default="first", show_default=True, metavar="first|last|N|all",
               help="The pipeline stage whose techniques, terms and memory are shown (N counts from "
                    "0); 'all' adds every stage's peak. The verdict is always the busiest stage's.")
-def estimate(fmt, stage_text, **flags):
+@click.option("--compare-implementations", "compare", is_flag=True,
+              help="Add the same model and run under each implementation (Megatron, torch-native, "
+                   "transformers eager and sdpa): per layer, per GPU, and whether it fits.")
+def estimate(fmt, stage_text, compare, **flags):
     """Activation, parameter and optimizer memory per GPU of a pipeline stage (the first).
 
     Shows the six techniques of Table 2 (and full recompute under SP) on this run, the
@@ -124,6 +127,7 @@ def estimate(fmt, stage_text, **flags):
       actmem estimate --model 530b
       actmem estimate --model gpt3 --no-sp --recompute none --format json
       actmem estimate --model llama-3.1-405b --stage all
+      actmem estimate --model llama-3.1-8b --tp 8 --sp --compare-implementations
       actmem estimate --heads 32 --hidden 4096 --layers 32 --vocab 50257 --seq-len 4096 --tp 4
     """
     from actmem.estimate import estimate as run_estimate
@@ -132,15 +136,20 @@ def estimate(fmt, stage_text, **flags):
     spec = build_spec_from_flags(flags)
     stage = parse_stage(stage_text, spec.run.pipeline_parallel, fmt)
     result = run_estimate(spec, 0 if stage is None else stage)
+    codes = None
+    if compare:
+        from actmem.side_by_side import side_by_side
+
+        codes = side_by_side(spec)
     if fmt == "rich":
         from actmem.render import render_estimate
 
-        render_estimate(result, all_stages=stage is None)
+        render_estimate(result, all_stages=stage is None, codes=codes)
     else:
         from actmem import report
 
         writer = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}[fmt]
-        click.echo(writer(result), nl=fmt == "json")
+        click.echo(writer(result, codes), nl=fmt == "json")
 
 
 @cli.command()

@@ -179,9 +179,12 @@ def _stage_load(spec: Spec, run: Technique, stage: int, layers: int) -> StageLoa
 
 
 def modelled_techniques(spec: Spec) -> tuple:
-    """The techniques actmem models for this architecture (flash attention: no selective rows)."""
+    """The techniques actmem models for this architecture (flash attention: no selective rows)
+    and implementation (one that runs on one device: no sequence parallelism)."""
     unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
-    return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled)
+    parallel = "tensor" in spec.architecture.code.runs
+    return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
+                 and (parallel or not tech.sequence_parallel))
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -289,7 +292,7 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
                      "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
                      "kernel has no dropout), so it rests on the kernels' source")
-    if arch.position_embedding == "rope":
+    if arch.position_embedding == "rope" and arch.implementation == "megatron":
         notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
                      "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
                      "held like a buffer, not counted as activations")
@@ -333,7 +336,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         "one moment (actmem.peak), or on the stage with the output layer the loss's backward "
         "and its 16-bit logits gradient; not counted yet: the layers' backward gradient tensors "
         "and gathered inputs, allocator fragmentation, workspace and communication buffers",
-        f"parameters: Megatron GPT layers ({_layer_formula(arch)} each), word embedding split "
+        f"parameters: layers of {_layer_formula(arch)} each, word embedding split "
         "over the vocabulary on the first stage" + (
             ", tied with the output layer (the last stage keeps a copy when p > 1)" if arch.tied_output
             else "; the output layer's own weights on the last stage")
@@ -352,7 +355,11 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
                      "(mixed-precision Adam)")
     if spec.run.gpus is None:
         notes.append("GPU count unknown: data parallel size taken as 1")
-    if spec.padded_vocab != spec.model.vocab:
+    if spec.padded_vocab != spec.model.vocab and arch.code.pads_vocab:
         notes.append(f"vocabulary {spec.model.vocab} padded to {spec.padded_vocab} "
                      f"(a multiple of {spec.vocab_divisible_by}·t, as Megatron does)")
-    return tuple(notes) + spec.notes
+    elif spec.padded_vocab != spec.model.vocab:
+        notes.append(f"vocabulary {spec.model.vocab} sharded unevenly over t (DTensor pads none): "
+                     f"rank 0 holds {spec.padded_vocab // spec.run.tensor_parallel:,} rows, counted as if "
+                     f"v were {spec.padded_vocab:,}")
+    return tuple(notes) + arch.code.notes + spec.notes

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import click
 
 from actmem.errors import SpecError
+from actmem.implementation import IMPLEMENTATIONS
 
 
 _NO_CONSTANT = object()
@@ -91,9 +92,11 @@ ARCHITECTURE_FLAGS = (
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
     Flag(("--implementation",), "implementation",
-         "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine) or "
-         "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer)",
-         click.Choice(["megatron", "torch-native"], case_sensitive=False)),
+         "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
+         "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
+         "Face transformers' Llama layer on one device: --attention-core eager is its eager "
+         "attention, flash its sdpa)",
+         click.Choice(list(IMPLEMENTATIONS), case_sensitive=False)),
 )
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",

@@ -31,6 +31,10 @@ class Implementation:
     """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
+    full_recompute: str | None = None
+    """Why its full recompute is not modelled; None where it is."""
+    notes: tuple = ()
+    """What an estimate under this code says about it (its assumptions)."""
     pads_vocab: bool = True
     """Megatron pads the vocabulary to a multiple of 128·t (--make-vocab-size-divisible-by);
     DTensor shards it unevenly instead, rank 0 holding ceil(v/t) rows (as if padded to t)."""
@@ -42,7 +46,7 @@ class Implementation:
             if value not in allowed:
                 shown = " or ".join(str(v) for v in allowed)
                 raise SpecError(f"--implementation {self.name} is modelled for {why}: {field} must be "
-                                f"{shown}, got {value}")
+                                f"{shown}, got {value} (--{field.replace('_', '-')})")
 
 
 # torchtitan's Llama 3 block, parallelised by torchtitan's plan (torchtitan/models/llama3/
@@ -58,6 +62,30 @@ _TORCHTITAN_LLAMA = (
     ("hidden_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
 )
 
+# transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
+# it in training with no padding: RMSNorm in Python, the MLP unfused, eager or SDPA attention.
+_HF_LLAMA = (
+    ("activation", ("swiglu",), "transformers' Llama layer (GPT2Block is not modelled yet)"),
+    ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
+    ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
+    ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
+                                "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
+    ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"),
+)
+_HF = dict(runs=frozenset(), pads_vocab=False,
+           selective_recompute="transformers has no selective recompute: choose none",
+           full_recompute="transformers' activation checkpointing also keeps the rotary tables, the "
+                          "position ids and (eager) the causal mask bound to each layer's call, which actmem "
+                          "does not count yet: choose none",
+           notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
+                  "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
+                  "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
+                  "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
+                  "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward; "
+                  "int64 token ids and shifted labels (8 B a token each) are not counted",
+                  "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
+                  "gradient and the loss's), above this peak floor's loss moment"))
+
 IMPLEMENTATIONS = {
     MEGATRON: Implementation(
         MEGATRON, "Megatron-Core with Transformer Engine (the paper's code, and actmem's default)"),
@@ -65,14 +93,32 @@ IMPLEMENTATIONS = {
         "torch-native",
         "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "
         "(parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel)",
-        gathered_under_sp=frozenset({"qkv_input", "fc1_input"}),
+        gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
         keeps=frozenset({"repeated_key_value", "silu_output"}),
         architecture=_TORCHTITAN_LLAMA,
         runs=frozenset({"tensor", "pipeline"}),
         pads_vocab=False,
+        notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
+               "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
+               "keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "
+               "to a/t heads unless g = t; the unfused SwiGLU keeps silu's output; the rotation keeps only "
+               "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
+               "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
+               "torch-native: the layers' rows are measured by the CI harness; the embedding and output "
+               "rows (the output linear keeps its all-gathered input, the loss its fp32 log-softmax "
+               "shard) follow torchtitan's source and a one-off measurement, not the harness yet; its "
+               "loss_parallel backward holds up to 16sbv/t bytes at once, above this peak floor's loss "
+               "moment"),
         selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
                             "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
                             "recompute, and actmem does not model it yet: choose none or full"),
+    "hf": Implementation(
+        "hf", "Hugging Face transformers 5.23 LlamaDecoderLayer (attn_implementation eager for the "
+              "eager core, sdpa with is_causal and enable_gqa for flash; one device: no tensor, "
+              "pipeline or context parallelism)",
+        keeps=frozenset({"silu_output", "hf_rmsnorm", "softmax_fp32", "rotary_tables"}),
+        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),)
+        + _HF_LLAMA, **_HF),
 }
 
 

@@ -1,7 +1,7 @@
 """All terminal output: rich tables and bars. The only module that knows the terminal."""
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -35,7 +35,7 @@ def _bar(fraction: float, width: int = _BAR_WIDTH, style: str = "cyan") -> Text:
     return Text("█" * filled, style=style) + Text("·" * (width - filled), style="dim")
 
 
-def render_estimate(est: Estimate, all_stages: bool = False) -> None:
+def render_estimate(est: Estimate, all_stages: bool = False, codes=None) -> None:
     console = terminal()
     console.print(_header(est))
     console.print(_techniques_table(est))
@@ -44,12 +44,40 @@ def render_estimate(est: Estimate, all_stages: bool = False) -> None:
     if all_stages:
         console.print(_stages_table(est))
     console.print(_verdict(est))
+    if codes is not None:
+        console.print(_codes_table(est, codes))
     notes = Table.grid(padding=(0, 1))
     notes.add_column(style="dim")
     notes.add_column(style="dim")
     for note in est.assumptions:
         notes.add_row("·", note)
     console.print(Text("Assumptions", style="bold"), notes)
+
+
+def _codes_table(est: Estimate, codes):
+    """The same model and run under each implementation (actmem.side_by_side); why an
+    implementation is not modelled is a line under the table."""
+    table = _table("The same model and run, by implementation (the busiest stage's peak decides)")
+    for name, justify in (("implementation", "left"), ("per layer", "right"), ("activations", "right"),
+                          ("peak, at least", "right"), ("", "left")):
+        table.add_column(name, justify=justify)
+    modelled = [row.estimate for row in codes if row.estimate is not None]
+    layer = column_unit(code.run_row.per_layer_bytes for code in modelled)
+    stage = column_unit(code.verdict_bytes for code in modelled)
+    why = Table.grid(padding=(0, 1))
+    why.add_column(style="dim")
+    why.add_column(style="dim")
+    for row in codes:
+        if row.estimate is None:
+            table.add_row(row.name, "", "", "", Text("not modelled", style="dim"))
+            why.add_row(f"{row.name}:", row.not_modelled)
+            continue
+        code = row.estimate
+        mark = " ◀" if code.spec.architecture == est.spec.architecture else ""
+        table.add_row(row.name + mark, format_in(code.run_row.per_layer_bytes, layer),
+                      format_in(code.activations_bytes, stage), format_in(code.verdict_bytes, stage),
+                      Text("✓ fits", style="green") if code.fits else Text("✗ does not fit", style="red"))
+    return Group(table, why) if why.row_count else table
 
 
 def _header(est: Estimate) -> Text:

@@ -3,11 +3,14 @@
 import json
 
 from actmem.estimate import Estimate
+from actmem.side_by_side import records as code_records
 
 
-def records(est: Estimate) -> dict:
-    """Everything an estimate says, as JSON-ready values; byte counts are integers."""
+def records(est: Estimate, codes=None) -> dict:
+    """Everything an estimate says, as JSON-ready values; byte counts are integers. With
+    ``codes`` (actmem.side_by_side), the same run under each implementation too."""
     spec, run = est.spec, est.spec.run
+    side = {} if codes is None else {"implementations": code_records(codes)}
     return {
         "model": {"name": spec.name, "heads": spec.model.heads, "hidden": spec.model.hidden,
                   "layers": spec.model.layers, "vocab": spec.model.vocab,
@@ -41,7 +44,7 @@ def records(est: Estimate) -> dict:
         "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
         "fits": est.fits,
         "assumptions": list(est.assumptions),
-    }
+    } | side
 
 
 def _floor(floor) -> dict:
@@ -75,8 +78,8 @@ def _term(row) -> dict:
             "source": row.term.source}
 
 
-def to_json(est: Estimate) -> str:
-    return json.dumps(records(est), indent=2)
+def to_json(est: Estimate, codes=None) -> str:
+    return json.dumps(records(est, codes), indent=2)
 
 
 def settings(est: Estimate) -> list[dict]:
@@ -93,11 +96,11 @@ def settings(est: Estimate) -> list[dict]:
              if isinstance(value, bool) else str(value)} for key, value in rows]
 
 
-def frames(est: Estimate) -> dict:
+def frames(est: Estimate, codes=None) -> dict:
     """The tables the csv and markdown formats write (and plots draw), by section name."""
     import pandas as pd   # only the csv and markdown formats pay for pandas
 
-    rec = records(est)
+    rec = records(est, codes)
     params = rec["parameters"]
     memory = [{"item": item, "bytes": n_bytes} for item, n_bytes in (
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
@@ -111,32 +114,36 @@ def frames(est: Estimate) -> dict:
             "techniques": pd.DataFrame(rec["techniques"]),
             "run_terms": pd.DataFrame(rec["run_terms"]).drop(columns="source"),
             "memory": pd.DataFrame(memory),
-            "stages": pd.DataFrame(stages)}
+            "stages": pd.DataFrame(stages)} | \
+        ({} if codes is None else {"implementations": pd.DataFrame(rec["implementations"]).convert_dtypes()})
 
 
-def to_csv(est: Estimate) -> str:
+def to_csv(est: Estimate, codes=None) -> str:
     """One long table: a 'section' column says which table a row is from (settings, with the
-    fits verdict; techniques; run_terms; memory; stages, each with its peak floor)."""
+    fits verdict; techniques; run_terms; memory; stages, each with its peak floor; and with
+    --compare-implementations, implementations)."""
     import pandas as pd
 
-    parts = [df.assign(section=name) for name, df in frames(est).items()]
+    parts = [df.assign(section=name) for name, df in frames(est, codes).items()]
     table = pd.concat(parts, ignore_index=True).convert_dtypes()  # ints stay ints beside blanks
     columns = ["section"] + [c for c in table.columns if c != "section"]
     return table[columns].to_csv(index=False)
 
 
-def to_markdown(est: Estimate) -> str:
+def to_markdown(est: Estimate, codes=None) -> str:
     from actmem.stages import stage_name
 
     shown = stage_name(est.stage, est.spec.run.pipeline_parallel)
     title = {"settings": "Model and run", "techniques": f"Table 2 techniques, {shown}",
              "run_terms": f"This run, term by term, {shown}", "memory": f"Memory per GPU, {shown}",
-             "stages": "Every pipeline stage, with its peak floor"}
+             "stages": "Every pipeline stage, with its peak floor",
+             "implementations": "The same model and run under each implementation"}
     verdict = "fits" if est.fits else "does not fit"
     where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"
     head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
             f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of {where}.\n")
-    parts = [f"## {title[name]}\n\n{df.to_markdown(index=False)}\n" for name, df in frames(est).items()]
+    parts = [f"## {title[name]}\n\n{df.astype(object).fillna('').to_markdown(index=False)}\n"
+             for name, df in frames(est, codes).items()]          # a blank, not <NA>, where none
     notes = "\n".join(f"- {note}" for note in est.assumptions)
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 

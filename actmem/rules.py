@@ -169,8 +169,7 @@ class Values:
 
 
 def _unmodelled_run(v, what: str) -> str:
-    return (f"{what} is not modelled for --implementation {v.code.name} ({v.code.label}); "
-            f"actmem models it for megatron")
+    return f"{what} is not modelled for --implementation {v.code.name}; actmem models it for megatron"
 
 
 def _applies(rule: Rule, values: Values) -> bool:

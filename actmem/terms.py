@@ -12,8 +12,9 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import PAPER, always, eager, eager_with_attention_dropout, flash, flash_attn, \
-    flash_grouped_key_value, flash_repeated_key_value, gelu, hidden_dropout, swiglu, swiglu_keeping_silu_output
+from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
+    eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
+    hf_rmsnorm, hidden_dropout, keeps_norm_input, rotary_tables, swiglu, swiglu_keeping_silu_output
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -113,7 +114,7 @@ def _sbf(width: int):
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "layer norm before attention keeps its input (4.1, layer norm 2sbh)"),
+         "layer norm before attention keeps its input (4.1, layer norm 2sbh)", keeps_norm_input),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
     # the eager core (the paper's, Megatron-Core's local DotProductAttention)
@@ -123,6 +124,10 @@ TERMS = (
          "a copy), so K is as wide as Q", eager),
     Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "softmax keeps its output (4.1, 2as²b)", eager),
+    Term("softmax_output_fp32", F32 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "transformers' Llama eager attention takes the softmax in fp32 and keeps it (4as²b) beside "
+         "the 16-bit copy ·V keeps (modeling_llama.py, eager_attention_forward: softmax(..., "
+         "dtype=torch.float32).to(query.dtype))", eager_softmax_fp32),
     Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
          "attention dropout keeps its 1-byte mask (4.1, as²b)", eager_with_attention_dropout),
     Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
@@ -159,7 +164,7 @@ TERMS = (
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
     Term("mlp_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)"),
+         "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)", keeps_norm_input),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh)"),
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
@@ -180,7 +185,16 @@ TERMS = (
     # _LayerNormLinear: mu, rsigma); the paper leaves them out, and so does its eager path
     Term("norm_statistics", _norm_statistics(2), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the two norms keep fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and 4 B "
-         "for RMSNorm (rsigma); counted on the flash path, beside TE's kernels", flash),
+         "for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
+         "other code", counts_norm_statistics),
+    # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),
+    # pow(2) and the mul by rsqrt keep that fp32 copy; weight * x.to(input_dtype) keeps the
+    # 16-bit normalized tensor; the 16-bit input itself is kept by nothing
+    Term("norm_input_fp32", lambda arch: 2 * F32 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the two norms keep an fp32 copy of their input (2 x 4sbh; LlamaRMSNorm upcasts)", hf_rmsnorm),
+    Term("norm_normalized", lambda arch: 2 * A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the two norms keep their 16-bit normalized tensor, the weight's other factor (2 x 2sbh)",
+         hf_rmsnorm),
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
     Term("layer_input_checkpoint", A16 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
          "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
@@ -188,10 +202,17 @@ TERMS = (
     Term("embedding_dropout_mask", MASK * _sbh, Region.BOUNDARY, _ALWAYS, Scope.EMBEDDING,
          "dropout after the input embedding keeps its 1-byte mask (4.5, sbhp/t under SP)",
          hidden_dropout),
+    Term("rotary_tables", lambda arch: 2 * A16 * s * arch.head_dim_or(h, a), Region.BOUNDARY, _ALWAYS,
+         Scope.EMBEDDING, "the rotary cos and sin, 16-bit (1, s, d) each, made once a forward and kept by "
+         "every layer's q·cos and rotate_half(q)·sin (transformers' LlamaRotaryEmbedding; 4sd)", rotary_tables),
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "final layer norm keeps its input (4.5, 2sbh/t under SP)"),
+         "final layer norm keeps its input (4.5, 2sbh/t under SP)", keeps_norm_input),
+    Term("final_norm_input_fp32", F32 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "the final LlamaRMSNorm keeps an fp32 copy of its input (4sbh)", hf_rmsnorm),
+    Term("final_norm_normalized", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", hf_rmsnorm),
     Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "the final norm's fp32 statistics (as norm_statistics; flash path)", flash),
+         "the final norm's fp32 statistics (as norm_statistics)", counts_norm_statistics),
     Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "output layer keeps its input (4.5, 2sbh/t under SP)"),
     Term("logits_fp32", F32 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,

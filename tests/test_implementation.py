@@ -119,3 +119,74 @@ def test_the_output_names_the_code(actmem):
     assert result.exit_code == 0 and "torchtitan" in result.stdout
     assert "Megatron-Core with Transformer Engine" in actmem("estimate", "--model", "22b").stdout
     assert Architecture().implementation == "megatron" and Run().recompute is Recompute.NONE
+
+
+# transformers' LlamaForCausalLM (5.23.0), Llama 3.1 8B at s = 2048, b = 1, one device. The
+# closed forms were measured term by term on transformers' own code (tests/validate/test_hf.py):
+#   eager: 16sbh + 8sb + 8sb·ad + 6as²b + 8sbf a layer (fp32 softmax 4as²b and its 16-bit
+#          copy; q, k, v repeated to a heads; each RMSNorm an fp32 input copy 4sbh and a
+#          16-bit normalized tensor 2sbh; the unfused SwiGLU four f-wide tensors)
+#   sdpa:  16sbh + 8sb + 4sb·ad + 4sb·gd + 4as·b + 8sbf (k, v in their g groups: enable_gqa)
+#   beside the layers: 8sbh + 4sb + 4sbv + 4sd (the final norm's fp32 copy, normalized tensor
+#   and rstd, lm_head's input, the fp32 log-softmax, the rotary cos and sin)
+S, H, A, D, G, F_ = 2048, 4096, 32, 128, 8, 14336
+HF_EAGER_LAYER = 16 * S * H + 8 * S + 8 * S * A * D + 6 * A * S * S + 8 * S * F_
+HF_SDPA_LAYER = 16 * S * H + 8 * S + 4 * S * A * D + 4 * S * G * D + 4 * A * S + 8 * S * F_
+HF_STAGE = 8 * S * H + 4 * S + 4 * S * 128256 + 4 * S * D
+
+
+@pytest.mark.parametrize("core, layer", [("eager", HF_EAGER_LAYER), ("flash", HF_SDPA_LAYER)])
+def test_transformers_llama_8b_by_hand(actmem, core, layer):
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", "--attention-core", core,
+                      "--seq-len", "2048")
+    run = next(row for row in out["techniques"] if row["technique"] == "none")
+    assert run["per_layer_bytes"] == layer == {"eager": 1_241_530_368, "flash": 411_320_320}[core]
+    stage = sum(row["bytes"] for row in out["run_terms"] if row["scope"] != "layer")
+    assert stage == HF_STAGE
+    assert out["activations_bytes"] == 32 * layer + HF_STAGE
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--tp", "2"), "tensor parallelism (t = 2) is not modelled for --implementation hf"),
+    (("--recompute", "full"), "activation checkpointing also keeps the rotary tables"),
+    (("--attention-core", "flash-attn"), "attention_core must be eager or flash"),
+    (("--attention-dropout", "0.1"), "attention_dropout must be 0"),
+])
+def test_what_hf_does_not_model_is_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", *args), fragment)
+
+
+def test_compare_implementations_in_every_format(actmem):
+    """Llama 3.1 8B at t = 8 with SP: Megatron's layer is 142,745,600 B (tests/test_llama.py),
+    torch-native's 289,546,240 B (above); transformers runs on one device, so at t = 8 its two
+    rows say why they are not modelled instead of showing a number."""
+    args = ("estimate", "--model", "llama-3.1-8b", "--tp", "8", "--sp", "--compare-implementations")
+    rows = {row["implementation"]: row for row in actmem.json(*args)["implementations"]}
+    assert list(rows) == ["megatron", "torch-native", "hf · eager", "hf · sdpa"]
+    assert rows["megatron"]["per_layer_bytes"] == sum(LLAMA_8B_LAYER.values())
+    assert rows["torch-native"]["per_layer_bytes"] == sum(TORCH_NATIVE_LAYER.values())
+    assert rows["hf · sdpa"]["per_layer_bytes"] is None
+    assert "tensor parallelism (t = 8)" in rows["hf · sdpa"]["not_modelled"]
+    csv = actmem(*args, "--format", "csv").stdout
+    assert "implementations,,," in csv or ",implementations" in csv or "\nimplementations," in csv
+    assert "289546240" in csv
+    markdown = actmem(*args, "--format", "markdown").stdout
+    assert "## The same model and run under each implementation" in markdown and "289546240" in markdown
+    rich = actmem(*args).stdout
+    assert "torch-native" in rich and "hf · sdpa:  tensor parallelism (t = 8)" in rich
+
+
+def test_compare_implementations_on_one_device(actmem):
+    """t = 1, s = 2048: every implementation is modelled; the run's own row comes first, and
+    transformers' rows are the by-hand layers above."""
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--seq-len", "2048", "--implementation", "hf",
+                      "--attention-core", "eager", "--compare-implementations")
+    rows = out["implementations"]
+    assert rows[0]["implementation"] == "hf · eager" and rows[0]["per_layer_bytes"] == HF_EAGER_LAYER
+    assert {row["implementation"]: row["per_layer_bytes"] for row in rows}["hf · sdpa"] == HF_SDPA_LAYER
+    megatron = next(row for row in rows if row["implementation"] == "megatron")
+    assert megatron["per_layer_bytes"] < HF_SDPA_LAYER < HF_EAGER_LAYER
+
+
+def test_estimate_without_the_flag_has_no_implementations(actmem):
+    assert "implementations" not in actmem.json("estimate", "--model", "llama-3.1-8b")

@@ -131,7 +131,7 @@ def _configs(grid, techniques, microbatches, flags):
     shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
     spec = build_spec_from_flags(dict(flags, recompute="full") if shaped else flags)
     if techniques is None:
-        chosen = grids.default_techniques(spec.run.tensor_parallel)
+        chosen = grids.default_techniques(spec)
         chosen = [t for t in chosen if t.recompute.value == "full"] if shaped else chosen
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])

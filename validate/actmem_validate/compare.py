@@ -37,7 +37,9 @@ RESIDUALS = {
                  "for each microbatch whose embedding the stage holds",
     "position_ids": "the position embedding's int64 indices: 8s B a microbatch held",
     "cross_entropy_targets": "the loss's int64 target indices and bool out-of-shard mask: 9 B a "
-                             "token, when the stage holds the output layer (p = 1)",
+                             "token, when the stage holds the output layer (p = 1); transformers' "
+                             "loss keeps its shifted int64 labels, 8 B a token",
+    "cross_entropy_total_weight": "transformers' loss (nll_loss) keeps its fp32 total weight, 4 B",
 }
 CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp")
 """The kinds of row the gate judges; the others are information."""

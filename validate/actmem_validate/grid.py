@@ -9,10 +9,18 @@ DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
 """Every technique but 'none' (which runs at t = 1, in a run of its own)."""
 
 
-def default_techniques(t: int) -> list:
-    """What `validate` measures when not told: every tensor-parallel technique, less those
-    with sequence parallelism when t = 1 (they need t > 1)."""
-    return [BY_NAME[name] for name in DEFAULT_TECHNIQUES if t > 1 or not BY_NAME[name].sequence_parallel]
+def default_techniques(spec: Spec) -> list:
+    """What `validate` measures when not told: every tensor-parallel technique actmem models
+    for the spec's architecture and implementation, less those with sequence parallelism
+    when t = 1 (they need t > 1); 'none' alone for an implementation run on one device."""
+    from actmem.estimate import modelled_techniques
+
+    if "tensor" not in spec.architecture.code.runs:
+        return [BY_NAME["none"]]
+    modelled = {technique.name for technique in modelled_techniques(spec)}
+    t = spec.run.tensor_parallel
+    return [BY_NAME[name] for name in DEFAULT_TECHNIQUES
+            if name in modelled and (t > 1 or not BY_NAME[name].sequence_parallel)]
 
 
 def filling_microbatches(p: int, m: int) -> int:
@@ -52,6 +60,9 @@ FLASH = GATED | dict(attention_core="flash", position_embedding="rope", query_gr
 
 #: FLASH as PyTorch-native DTensor TP/SP runs torchtitan's Llama block
 TORCH_NATIVE = FLASH | dict(implementation="torch-native")
+
+#: FLASH as transformers' LlamaForCausalLM runs it (attention_core eager or flash: sdpa)
+HF = FLASH | dict(implementation="hf")
 
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
@@ -115,6 +126,9 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-torchtitan", **TORCH_NATIVE),
                                ["tp", "tp-sp", "tp-sp-full"], 1)
+    # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention
+    for core in ("eager", "flash"):
+        configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))), ["none"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
@@ -151,6 +165,15 @@ def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-se
 TORCH_NATIVE_RUNS = {"llama-3.1-8b": 8, "llama-3.1-70b": 4}
 
 
+def hf_presets() -> list[Config]:
+    """transformers' LlamaForCausalLM at Llama 3.1 8B's dims, two layers, eager and sdpa."""
+    preset = load_preset("llama-3.1-8b")
+    return [config_for(build_spec(preset.model | {"layers": 2}, {}, name=f"{preset.name}·2 layers",
+                                  architecture=preset.architecture | {"implementation": "hf", "attention_core": core}),
+                       BY_NAME["none"], 1)
+            for core in ("eager", "flash")]
+
+
 def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
     configs = []
     for name, t in TORCH_NATIVE_RUNS.items():
@@ -163,8 +186,8 @@ def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
 
 def presets_grid() -> list[Config]:
     """What CI measures at full scale: the paper's and the Llama presets under Megatron's
-    code, and the torch-native implementation."""
-    return preset_grid() + torch_native_presets()
+    code, and the torch-native and hf implementations."""
+    return preset_grid() + torch_native_presets() + hf_presets()
 
 
 GRIDS = {"small": small_grid, "presets": presets_grid}

@@ -30,12 +30,14 @@ def label(tensor: torch.Tensor, term: str) -> torch.Tensor:
     """Name the storage of a tensor after a term of actmem's table, before it is saved (an
     op that saves its own output, like softmax, runs inside ``scope`` instead). The first
     live name sticks (the full-recompute checkpoint names the layer input before the layer
-    does); a name whose tensor has died no longer holds, since its address may be reused."""
+    does); a name whose storage has died no longer holds, since its address may be reused.
+    The weakref is on the storage, which torch keeps one Python object for while it lives,
+    not on the tensor: a view made inside an op (a linear's flattened input) dies at once."""
     for ledger in _active:
         key = storage_key(tensor)
         held = ledger.names.get(key)
         if held is None or held[1]() is None:
-            ledger.names[key] = (term, weakref.ref(tensor))
+            ledger.names[key] = (term, weakref.ref(local_tensor(tensor).untyped_storage()))
     return tensor
 
 

@@ -57,6 +57,10 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
         from actmem_validate import torch_native
 
         return torch_native.measure(config, rank, device, fake)
+    if config.spec.architecture.implementation == "hf":
+        from actmem_validate import hf
+
+        return hf.measure(config, rank, device, fake)
     spec, run = config.spec, config.spec.run
     if run.context_parallel > 1:
         tp = tensor_and_context_groups(run.tensor_parallel, run.context_parallel, run.sequence_parallel)

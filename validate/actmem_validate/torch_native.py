@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from actmem import engine
-from actmem.terms import TERMS, layer_terms
-from actmem_validate.compare import _row
-from actmem_validate.ledger import UNATTRIBUTED, Ledger, label
+from actmem.terms import layer_terms
+from actmem_validate.compare import PAPER_TERMS, _row
+from actmem_validate.ledger import Ledger, label
 from actmem_validate.torch_compat import fake_tensor_mode, local_tensor
 from actmem_validate.torchtitan import TransformerBlock, parallelize, precompute_freqs_cis
 
@@ -100,13 +100,10 @@ def _compare(config, rank: int, measured: dict) -> list[dict]:
     formula = {name: n for name, n in formula.items() if n}
     names = list(formula) + sorted(set(measured) - set(formula))
     rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0),
-                 "unnamed" if name == UNATTRIBUTED or name not in formula and name not in _TERMS else "paper")
-            for name in names]
+                 "paper" if name in PAPER_TERMS else "unnamed") for name in names]
     rows.append(_row(config, rank, "total", sum(formula.values()), sum(measured.values()), "total"))
     return rows
 
-
-_TERMS = {term.name for term in TERMS}
 
 
 def check_against_one_device(spec, rank: int) -> None:

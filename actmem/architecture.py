@@ -54,7 +54,8 @@ class Architecture:
     parameters; modelled under the flash core only) or 'none'."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
-    paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it). It travels
+    paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
+    (transformers' Llama layer; the attention core is its attn_implementation). It travels
     with the architecture because every term asks both at once; it changes no parameter."""
 
     def __post_init__(self):
@@ -220,21 +221,21 @@ def swiglu_keeping_silu_output(arch: Architecture) -> bool:
     return swiglu(arch) and "silu_output" in arch.code.keeps
 
 
-def hf_rmsnorm(arch: Architecture) -> bool:
-    """the norm is transformers' LlamaRMSNorm: an fp32 copy of its input and a 16-bit
-    normalized tensor are kept, the input itself is not"""
-    return "hf_rmsnorm" in arch.code.keeps
+def norm_keeps_fp32_copy(arch: Architecture) -> bool:
+    """the norm keeps an fp32 copy of its input and a 16-bit normalized tensor, not the input
+    itself (transformers' LlamaRMSNorm)"""
+    return "norm_fp32_copy" in arch.code.keeps
 
 
 def keeps_norm_input(arch: Architecture) -> bool:
     """the norm keeps its 16-bit input (Megatron's TE kernels, the GPU's fused RMSNorm)"""
-    return not hf_rmsnorm(arch)
+    return not norm_keeps_fp32_copy(arch)
 
 
 def counts_norm_statistics(arch: Architecture) -> bool:
     """the norms' fp32 statistics are terms of the table: on the flash path (beside TE's
     kernels) and wherever the code is not Megatron's (the paper leaves them out)"""
-    return flash(arch) or arch.implementation != "megatron"
+    return flash(arch) or arch.implementation != MEGATRON
 
 
 def eager_softmax_fp32(arch: Architecture) -> bool:

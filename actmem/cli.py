@@ -95,16 +95,6 @@ def cli():
     """
 
 
-def _vocab_divisible_by(flags: dict, architecture) -> int:
-    """The flag's padding, or Megatron's default; refused where the implementation pads none."""
-    if flags["vocab_divisible_by"] is None:
-        return defaults.VOCAB_DIVISIBLE_BY
-    if not architecture.code.pads_vocab:
-        raise SpecError(f"--make-vocab-size-divisible-by is Megatron's vocabulary padding; "
-                        f"--implementation {architecture.implementation} pads none")
-    return flags["vocab_divisible_by"]
-
-
 @cli.command()
 @spec_options
 @click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
@@ -140,7 +130,7 @@ def estimate(fmt, stage_text, compare, **flags):
     if compare:
         from actmem.side_by_side import side_by_side
 
-        codes = side_by_side(spec)
+        codes = side_by_side(spec, result.stage)
     if fmt == "rich":
         from actmem.render import render_estimate
 
@@ -280,7 +270,8 @@ def plan_request(flags: dict):
                           gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           max_micro_batch=flags["max_micro_batch"],
-                          vocab_divisible_by=_vocab_divisible_by(flags, choice.architecture),
+                          vocab_divisible_by=choice.architecture.code.vocab_divisible_by(
+                              flags["vocab_divisible_by"], defaults.VOCAB_DIVISIBLE_BY),
                           architecture=choice.architecture)
     return choice.name, request, choice.preset_run
 

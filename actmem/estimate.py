@@ -5,6 +5,7 @@ from functools import cached_property
 
 from actmem import engine
 from actmem.architecture import PAPER
+from actmem.implementation import MEGATRON
 from actmem import symbols
 from actmem.parameters import ParameterBytes, parameter_bytes, stage_parameters
 from actmem.peak import PeakFloor, peak_floor
@@ -279,6 +280,8 @@ def _layer_formula(arch) -> str:
 def _attention_notes(spec: Spec) -> list:
     """What the attention core keeps, and the rows it leaves out."""
     arch = spec.architecture
+    if arch.implementation != MEGATRON:            # its notes say what its attention keeps
+        return [f"technique rows left out: {why}" for why in set(arch.unmodelled_recompute(spec.model.heads).values())]
     if arch.attention_core == "eager":
         return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): "
                 "keeps the s² softmax output"]
@@ -292,7 +295,7 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
                      "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
                      "kernel has no dropout), so it rests on the kernels' source")
-    if arch.position_embedding == "rope" and arch.implementation == "megatron":
+    if arch.position_embedding == "rope":
         notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
                      "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
                      "held like a buffer, not counted as activations")
@@ -315,8 +318,9 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
         f"({LOGITS_BYTES} B) (section 4); "
         + ("layer-norm mean/variance and small buffers left out, as in the paper"
-           if arch.attention_core == "eager" else
-           "the norms' fp32 statistics counted (TE's fused norms keep them); small buffers left out"),
+           if arch.attention_core == "eager" and arch.implementation == MEGATRON else
+           "the norms' fp32 statistics counted (TE's fused norms keep them); small buffers left out"
+           if arch.implementation == MEGATRON else "the norms' fp32 statistics counted; small buffers left out"),
         f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import click
 
 from actmem.errors import SpecError
-from actmem.implementation import IMPLEMENTATIONS
+from actmem.defaults import VOCAB_DIVISIBLE_BY
+from actmem.implementation import IMPLEMENTATIONS, MEGATRON, implementation
 
 
 _NO_CONSTANT = object()
@@ -248,6 +249,9 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
+    if preset and preset.family not in (None, "llama") and architecture.get("implementation") == "hf":
+        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM; "
+                        f"{preset.source} is {preset.family}, whose own class actmem has not measured")
     notes = preset.notes if preset else ()
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)
@@ -325,7 +329,7 @@ def build_spec_from_flags(flags: dict):
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
     name, model, run, architecture, notes = _preset_and_flags(flags)
-    if pasted and architecture.get("implementation", "megatron") != "megatron":
+    if pasted and architecture.get("implementation", MEGATRON) != MEGATRON:
         raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
                         f"--implementation {architecture['implementation']}")
     _check_max_positions(pasted, model, architecture)
@@ -343,22 +347,12 @@ def build_spec_from_flags(flags: dict):
     if flags["gpu_memory"] is not None:
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:
-        _refuse_for_unpadded(architecture, "--make-vocab-size-divisible-by")
-        options["vocab_divisible_by"] = flags["vocab_divisible_by"]
+        code = implementation(architecture.get("implementation", MEGATRON))
+        options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
     if pasted.get("ignored"):
         options["notes"] = notes + (f"Megatron arguments ignored, as they cannot change memory: "
                                     f"{', '.join(pasted['ignored'])}",)
     return build_spec(model, run, name=name, architecture=architecture, **options)
-
-
-def _refuse_for_unpadded(architecture: dict, flag: str) -> None:
-    """A Megatron setting given with an implementation that has no such thing is an error."""
-    from actmem.implementation import MEGATRON, implementation
-
-    name = architecture.get("implementation", MEGATRON)
-    if not implementation(name).pads_vocab:
-        raise SpecError(f"{flag} is Megatron's vocabulary padding; --implementation {name} pads none "
-                        f"(DTensor shards the vocabulary unevenly)")
 
 
 def _check_max_positions(pasted: dict, model: dict, architecture: dict) -> None:

@@ -42,8 +42,9 @@ def read_hf_config(path: Path) -> dict:
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
-                notes=(f"{path.name}: {kind}, read as Megatron-Core with Transformer Engine would run it "
-                       "(flash attention)",) + notes[1:], seq_len_note=notes[0])
+                family=kind,
+                notes=(f"{path.name}: {kind}, read as a dense layer with flash attention (the code line "
+                       "says whose kernels count it)",) + notes[1:], seq_len_note=notes[0])
 
 
 def _load(path: Path) -> dict:

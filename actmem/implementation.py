@@ -27,17 +27,33 @@ class Implementation:
     """Behaviours that add rows of the term table, by name (terms.py's predicates ask)."""
     architecture: tuple = ()
     """(field, allowed values, why): the architecture the implementation is modelled for."""
-    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute"})
-    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method."""
+    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer"})
+    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, and the
+    distributed optimizer (model state is counted as Megatron's mixed-precision Adam)."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
     """Why its full recompute is not modelled; None where it is."""
     notes: tuple = ()
     """What an estimate under this code says about it (its assumptions)."""
-    pads_vocab: bool = True
-    """Megatron pads the vocabulary to a multiple of 128·t (--make-vocab-size-divisible-by);
-    DTensor shards it unevenly instead, rank 0 holding ceil(v/t) rows (as if padded to t)."""
+    unpadded_vocab: str | None = None
+    """Why the vocabulary is not padded (None: Megatron pads it to a multiple of 128·t,
+    --make-vocab-size-divisible-by). DTensor shards it unevenly, rank 0 holding ceil(v/t)
+    rows (as if padded to a multiple of t)."""
+
+    @property
+    def pads_vocab(self) -> bool:
+        return self.unpadded_vocab is None
+
+    def vocab_divisible_by(self, requested: int | None, default: int) -> int:
+        """Megatron's padding multiple: the one asked for, or the default; 1 where the code pads
+        none, and a request for padding there is refused."""
+        if self.pads_vocab:
+            return default if requested is None else requested
+        if requested is not None and requested != 1:
+            raise SpecError(f"--make-vocab-size-divisible-by is Megatron's vocabulary padding; "
+                            f"--implementation {self.name} pads none ({self.unpadded_vocab})")
+        return 1
 
     def check(self, arch) -> None:
         """Refuse an architecture this implementation is not modelled for, with the reason."""
@@ -72,7 +88,7 @@ _HF_LLAMA = (
                                 "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
     ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"),
 )
-_HF = dict(runs=frozenset(), pads_vocab=False,
+_HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's vocabulary",
            selective_recompute="transformers has no selective recompute: choose none",
            full_recompute="transformers' activation checkpointing also keeps the rotary tables, the "
                           "position ids and (eager) the causal mask bound to each layer's call, which actmem "
@@ -82,7 +98,8 @@ _HF = dict(runs=frozenset(), pads_vocab=False,
                   "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
                   "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
                   "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward; "
-                  "int64 token ids and shifted labels (8 B a token each) are not counted",
+                  "int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
+                  "counted as mixed-precision Adam on one GPU (DDP), not as DeepSpeed or FSDP shard it",
                   "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
                   "gradient and the loss's), above this peak floor's loss moment"))
 
@@ -96,14 +113,17 @@ IMPLEMENTATIONS = {
         gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
         keeps=frozenset({"repeated_key_value", "silu_output"}),
         architecture=_TORCHTITAN_LLAMA,
-        runs=frozenset({"tensor", "pipeline"}),
-        pads_vocab=False,
+        runs=frozenset({"tensor"}),
+        unpadded_vocab="DTensor shards the vocabulary unevenly",
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
                "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
                "keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "
                "to a/t heads unless g = t; the unfused SwiGLU keeps silu's output; the rotation keeps only "
                "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
                "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
+               "torch-native: with --sp, torchtitan's plan; without, plain DTensor TP (ColwiseParallel and "
+               "RowwiseParallel, the norms replicated), which torchtitan does not use; model state is "
+               "counted as Megatron's mixed-precision Adam split over t, not as FSDP2 shards it",
                "torch-native: the layers' rows are measured by the CI harness; the embedding and output "
                "rows (the output linear keeps its all-gathered input, the loss its fp32 log-softmax "
                "shard) follow torchtitan's source and a one-off measurement, not the harness yet; its "
@@ -116,7 +136,7 @@ IMPLEMENTATIONS = {
         "hf", "Hugging Face transformers 5.23 LlamaDecoderLayer (attn_implementation eager for the "
               "eager core, sdpa with is_causal and enable_gqa for flash; one device: no tensor, "
               "pipeline or context parallelism)",
-        keeps=frozenset({"silu_output", "hf_rmsnorm", "softmax_fp32", "rotary_tables"}),
+        keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
         architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),)
         + _HF_LLAMA, **_HF),
 }

@@ -63,8 +63,11 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
-        if not self.architecture.code.pads_vocab:    # DTensor shards the vocabulary unevenly
-            object.__setattr__(self, "vocab_divisible_by", 1)
+        # 1 where the code pads no vocabulary (the default is read as not asked for; another
+        # value there is refused)
+        asked = None if self.vocab_divisible_by == defaults.VOCAB_DIVISIBLE_BY else self.vocab_divisible_by
+        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.vocab_divisible_by(
+            asked, defaults.VOCAB_DIVISIBLE_BY))
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)
         for name, limit in LIMITS.items():
             if sizes[name] > limit:
@@ -161,7 +164,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
                           recompute=grid.recompute,
                           unmodelled_recompute=req.architecture.unmodelled_recompute(model.heads),
-                          code=req.architecture.code)
+                          code=req.architecture.code,
+                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
     return grid[rules.valid(values)].reset_index(drop=True)
 
 

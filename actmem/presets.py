@@ -30,6 +30,8 @@ class Preset:
     """Where s came from when the file only gives the longest context (a config.json)."""
     position_table: int | None = None
     """Rows of a learned position table the file fixes (gpt2's n_positions): s must equal it."""
+    family: str | None = None
+    """A config.json's model_type (llama, qwen2, ...); None for a preset file."""
 
 
 def preset_dir() -> Path:

@@ -62,8 +62,8 @@ def _codes_table(est: Estimate, codes):
                           ("peak, at least", "right"), ("", "left")):
         table.add_column(name, justify=justify)
     modelled = [row.estimate for row in codes if row.estimate is not None]
-    layer = column_unit(code.run_row.per_layer_bytes for code in modelled)
-    stage = column_unit(code.verdict_bytes for code in modelled)
+    layer = column_unit(other.run_row.per_layer_bytes for other in modelled)
+    stage = column_unit(other.verdict_bytes for other in modelled)
     why = Table.grid(padding=(0, 1))
     why.add_column(style="dim")
     why.add_column(style="dim")
@@ -72,11 +72,11 @@ def _codes_table(est: Estimate, codes):
             table.add_row(row.name, "", "", "", Text("not modelled", style="dim"))
             why.add_row(f"{row.name}:", row.not_modelled)
             continue
-        code = row.estimate
-        mark = " ◀" if code.spec.architecture == est.spec.architecture else ""
-        table.add_row(row.name + mark, format_in(code.run_row.per_layer_bytes, layer),
-                      format_in(code.activations_bytes, stage), format_in(code.verdict_bytes, stage),
-                      Text("✓ fits", style="green") if code.fits else Text("✗ does not fit", style="red"))
+        other = row.estimate
+        mark = " ◀" if other.spec.architecture == est.spec.architecture else ""
+        table.add_row(row.name + mark, format_in(other.run_row.per_layer_bytes, layer),
+                      format_in(other.activations_bytes, stage), format_in(other.verdict_bytes, stage),
+                      Text("✓ fits", style="green") if other.fits else Text("✗ does not fit", style="red"))
     return Group(table, why) if why.row_count else table
 
 

@@ -117,6 +117,12 @@ RULES = (
          lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
     Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),
          lambda v: _unmodelled_run(v, f"context parallelism (c = {v.c})"), ("code",)),
+    Rule(lambda v: _implies(v.distributed_optimizer, "distributed_optimizer" in v.code.runs),
+         lambda v: _unmodelled_run(v, "Megatron's distributed optimizer"), ("code",)),
+    Rule(lambda v: _implies(v.code.name == "hf" and v.core == "flash", v.head_dim <= 256),
+         lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
+                   f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
+                   f"heads, which actmem does not count yet", ("code", "head_dim")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
          lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
@@ -166,6 +172,8 @@ class Values:
     """{mode: why}: the recompute modes actmem does not model for this architecture."""
     code: object = None
     """The implementation (actmem.implementation.Implementation): the run shapes it has."""
+    head_dim: object = None
+    """d, the attention head dim (h/a when not given)."""
 
 
 def _unmodelled_run(v, what: str) -> str:

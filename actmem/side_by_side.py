@@ -33,9 +33,10 @@ class CodeRow:
         return f"hf · {HF_ATTENTION[self.attention_core]}" if self.implementation == "hf" else self.implementation
 
 
-def side_by_side(spec: Spec) -> tuple[CodeRow, ...]:
-    """One row an implementation (two for transformers: eager and sdpa), the spec's own first."""
-    rows = [_row(spec, name, core) for name in IMPLEMENTATIONS for core in _cores(name, spec)]
+def side_by_side(spec: Spec, stage: int = 0) -> tuple[CodeRow, ...]:
+    """One row an implementation (two for transformers: eager and sdpa), the spec's own first;
+    each an estimate of the same pipeline stage (the verdict is always the busiest's)."""
+    rows = [_row(spec, name, core, stage) for name in IMPLEMENTATIONS for core in _cores(name, spec)]
     own = (spec.architecture.implementation, spec.architecture.attention_core)
     return tuple(sorted(rows, key=lambda row: (row.implementation, row.attention_core) != own))
 
@@ -49,11 +50,12 @@ def _cores(name: str, spec: Spec) -> tuple:
     return ("flash",) if spec.architecture.implementation == "hf" else (spec.architecture.attention_core,)
 
 
-def _row(spec: Spec, name: str, core: str) -> CodeRow:
+def _row(spec: Spec, name: str, core: str, stage: int) -> CodeRow:
     try:
         arch = replace(spec.architecture, implementation=name, attention_core=core)
-        padding = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
-        return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding)))
+        own = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
+        padding = own if arch.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY   # default: none asked
+        return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding), stage))
     except SpecError as error:
         return CodeRow(name, core, None, str(error))
 

@@ -113,8 +113,11 @@ class Spec:
             require_positive_int(name, getattr(self, name))
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
-        if not self.architecture.code.pads_vocab:    # DTensor shards the vocabulary unevenly
-            object.__setattr__(self, "vocab_divisible_by", 1)
+        # 1 where the code pads no vocabulary (the default is read as not asked for; another
+        # value there is refused)
+        asked = None if self.vocab_divisible_by == defaults.VOCAB_DIVISIBLE_BY else self.vocab_divisible_by
+        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.vocab_divisible_by(
+            asked, defaults.VOCAB_DIVISIBLE_BY))
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:
@@ -134,7 +137,7 @@ class Spec:
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads),
-            code=self.architecture.code)
+            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads))
 
     @property
     def chunk_layers(self) -> int:

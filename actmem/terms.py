@@ -14,7 +14,7 @@ import sympy
 
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
-    hf_rmsnorm, hidden_dropout, keeps_norm_input, rotary_tables, swiglu, swiglu_keeping_silu_output
+    hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, swiglu, swiglu_keeping_silu_output
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -190,11 +190,11 @@ TERMS = (
     # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),
     # pow(2) and the mul by rsqrt keep that fp32 copy; weight * x.to(input_dtype) keeps the
     # 16-bit normalized tensor; the 16-bit input itself is kept by nothing
-    Term("norm_input_fp32", lambda arch: 2 * F32 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the two norms keep an fp32 copy of their input (2 x 4sbh; LlamaRMSNorm upcasts)", hf_rmsnorm),
-    Term("norm_normalized", lambda arch: 2 * A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("norm_input_fp32", 2 * F32 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the two norms keep an fp32 copy of their input (2 x 4sbh; LlamaRMSNorm upcasts)", norm_keeps_fp32_copy),
+    Term("norm_normalized", 2 * A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the two norms keep their 16-bit normalized tensor, the weight's other factor (2 x 2sbh)",
-         hf_rmsnorm),
+         norm_keeps_fp32_copy),
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
     Term("layer_input_checkpoint", A16 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
          "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
@@ -208,9 +208,9 @@ TERMS = (
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)", keeps_norm_input),
     Term("final_norm_input_fp32", F32 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "the final LlamaRMSNorm keeps an fp32 copy of its input (4sbh)", hf_rmsnorm),
+         "the final LlamaRMSNorm keeps an fp32 copy of its input (4sbh)", norm_keeps_fp32_copy),
     Term("final_norm_normalized", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", hf_rmsnorm),
+         "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", norm_keeps_fp32_copy),
     Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "the final norm's fp32 statistics (as norm_statistics)", counts_norm_statistics),
     Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,

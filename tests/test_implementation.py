@@ -91,6 +91,10 @@ def test_the_vocabulary_is_not_padded_under_dtensor():
      "partial full recompute"),
     (TORCH_NATIVE + ("--make-vocab-size-divisible-by", "64"), "pads none"),
     (("--model", "llama-3.1-8b", "--implementation", "dtensor"), "'dtensor' is not one of"),
+    # torch.distributed.pipelining keeps each microbatch's stage output: not modelled
+    (TORCH_NATIVE + ("--pp", "2"), "pipeline parallelism (p = 2) is not modelled"),
+    # model state is counted as Megatron's; FSDP2 shards it otherwise
+    (TORCH_NATIVE + ("--gpus", "64", "--distributed-optimizer"), "distributed optimizer is not modelled"),
 ])
 def test_what_torch_native_does_not_model_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
@@ -151,6 +155,8 @@ def test_transformers_llama_8b_by_hand(actmem, core, layer):
     (("--recompute", "full"), "activation checkpointing also keeps the rotary tables"),
     (("--attention-core", "flash-attn"), "attention_core must be eager or flash"),
     (("--attention-dropout", "0.1"), "attention_dropout must be 0"),
+    (("--head-dim", "512"), "enable_gqa only for a head dim of at most 256"),
+    (("--make-vocab-size-divisible-by", "64"), "transformers keeps the config's vocabulary"),
 ])
 def test_what_hf_does_not_model_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", *args), fragment)
@@ -190,3 +196,21 @@ def test_compare_implementations_on_one_device(actmem):
 
 def test_estimate_without_the_flag_has_no_implementations(actmem):
     assert "implementations" not in actmem.json("estimate", "--model", "llama-3.1-8b")
+
+
+def test_hf_measures_llama_configs_only(actmem):
+    """transformers' Qwen2 and Mistral are classes of their own (a sliding window, say): the
+    harness measured LlamaForCausalLM, so another family is refused under hf."""
+    assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/qwen2-7b/config.json", "--implementation",
+                                 "hf"), "is qwen2, whose own class actmem has not measured")
+    assert actmem("estimate", "--model", "tests/data/hf/llama-3.1-8b/config.json", "--implementation", "hf",
+                  "--seq-len", "2048").exit_code == 0
+
+
+def test_compare_implementations_shows_the_stage_shown(actmem):
+    """--stage last: every row is the last stage's (the output layer's logits), as the run's."""
+    args = ("estimate", "--model", "llama-3.1-8b", "--tp", "8", "--sp", "--pp", "2", "--stage", "last",
+            "--compare-implementations")
+    out = actmem.json(*args)
+    megatron = next(row for row in out["implementations"] if row["implementation"] == "megatron")
+    assert megatron["activations_bytes"] == out["activations_bytes"]

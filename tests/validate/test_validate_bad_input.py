@@ -28,6 +28,9 @@ SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "-
     ([*SMALL, "--tp", "2", "--no-sp"], ["drop --no-sp"]),
     ([*SMALL, "--gpus", "64", "--global-batch", "512"], ["drop", "--gpus", "--global-batch"]),
     ([*SMALL, "--gpu-memory", "40GiB"], ["drop --gpu-memory"]),
+    # the torch-native and hf backends measure one microbatch's forward
+    (["--model", "llama-3.1-8b", "--layers", "2", "--implementation", "hf", "--mode", "fake", "--microbatches", "2"],
+     ["the hf backend measures one microbatch's forward", "drop --microbatches 2"]),
     ([*SMALL, "--tp", "2", "--techniques", "tp,full", "--recompute-method", "block", "--recompute-num-layers", "1"],
      ["shape full recompute: measure them with full or tp-sp-full, not tp"]),
 ])

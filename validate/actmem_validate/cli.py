@@ -49,7 +49,9 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, timeout, fmt, output, **flags):
     """Measure what real tensor- and sequence-parallel layers save, against the formulas.
 
-    Builds the first pipeline stage as Megatron does, runs its schedule (1F1B or
+    Builds the first pipeline stage as Megatron does (with --implementation torch-native,
+    torchtitan's Llama blocks under PyTorch's parallelize_module; with hf, transformers'
+    LlamaForCausalLM: one microbatch each), runs its schedule (1F1B or
     interleaved), records every tensor saved for backward (torch's saved_tensors_hooks,
     deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
     and the error per term and rank. Terms PyTorch keeps that the paper does not count are
@@ -78,6 +80,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     from actmem_validate.compare import judge
 
     configs = _configs(grid, techniques, microbatches, flags)
+    _check_backends(configs, mode, microbatches)
     if mode == "real" and "LOCAL_RANK" not in os.environ:
         from actmem_validate.footprint import check_fits_machine
 
@@ -92,6 +95,21 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         if len(failures) > 10:
             click.echo(f"actmem validate: ... and {len(failures) - 10} more", err=True)
         sys.exit(1)
+
+
+def _check_backends(configs, mode: str, microbatches) -> None:
+    """The torch-native and hf backends measure one microbatch's forward on the CPU."""
+    import torch
+
+    others = {config.spec.architecture.implementation for config in configs} - {"megatron"}
+    if not others:
+        return
+    if microbatches not in (None, 1):
+        raise SpecError(f"the {', '.join(sorted(others))} backend measures one microbatch's forward: "
+                        f"drop --microbatches {microbatches}")
+    if mode == "real" and torch.cuda.is_available():
+        raise SpecError(f"the {', '.join(sorted(others))} backend runs on the CPU so far; on a GPU "
+                        "measure --implementation megatron, or use --mode fake")
 
 
 def _check_output(output) -> None:

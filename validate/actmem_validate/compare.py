@@ -114,6 +114,16 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
     return rows
 
 
+def term_rows(config, rank: int, formula: dict, measured: dict) -> list[dict]:
+    """The rows of a backend that measures saved tensors only (torch-native, hf): one a term
+    or residual either side has, then the total. A term of the table is checked both ways, a
+    named residual against the size given, anything else is unnamed."""
+    names = list(formula) + sorted(set(measured) - set(formula))
+    kind = lambda name: "paper" if name in PAPER_TERMS else "residual" if name in RESIDUALS else "unnamed"
+    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), kind(name)) for name in names]
+    return rows + [_row(config, rank, "total", sum(formula.values()), sum(measured.values()), "total")]
+
+
 def _row(config, rank, term, formula_bytes, measured_bytes, kind) -> dict:
     error = 100 * (measured_bytes - formula_bytes) / formula_bytes if formula_bytes else None
     return {"config": config.label, "technique": config.technique.name, "rank": rank, "term": term,

@@ -4,7 +4,9 @@ sequence parallelism with torchtitan's plan: the torch-native implementation of 
 Copied from pytorch/torchtitan at commit 018740b7 (torchtitan/models/llama3/model/model.py:
 apply_rotary_emb, repeat_kv, Attention, FeedForward, TransformerBlock; models/attention.py:
 the SDPA wrapper; llama3/infra/parallelize.py: apply_tp's layer plan), every op on the
-forward path as torchtitan runs it. Two things differ, and both keep the same tensors:
+forward path as torchtitan runs it with its defaults (no biases, no QK-norm, the complex
+rotation, sdpa; the dims passed as arguments, not ModelArgs). Two things differ, and both
+keep the same tensors:
 - each saved tensor is named after its row of actmem's term table (``label``: no op changes);
 - the norms. torchtitan's nn.RMSNorm runs aten::_fused_rms_norm on a GPU, whose autograd
   formula saves input, rstd and weight (derivatives.yaml); torch 2.13 has no CPU kernel for

@@ -13,7 +13,7 @@ from actmem.pipeline import StageOccupancy, stage_occupancy
 from actmem.stages import StageLoad, stage_layers
 from actmem.errors import SpecError
 from actmem.spec import Spec, padded_vocab
-from actmem.techniques import BASELINE, TECHNIQUES, Technique, matching, partial_run, run_technique
+from actmem.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, partial_run, run_technique
 from actmem.terms import TERMS, Recompute, Scope, Term
 from actmem.units import plural
 from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
@@ -114,13 +114,16 @@ class Estimate:
 
     @property
     def baseline(self) -> TechniqueRow:
-        return next(row for row in self.techniques if row.technique == BASELINE)
+        """Tensor parallelism, Figure 7's 100%; 'none' for code that runs on one device."""
+        return next((row for row in self.techniques if row.technique == BASELINE), self.techniques[0])
 
     @property
     def run_row(self) -> TechniqueRow:
-        """The named technique this run is (the row the output marks)."""
+        """The named technique this run is (the row the output marks); 'none' for code that
+        runs on one device (its run is t = 1 with no parallelism)."""
         named = matching(self.run.technique) or partial_run(self.run.technique)
-        return next(row for row in self.techniques if row.technique == named)
+        rows = {row.technique: row for row in self.techniques}
+        return rows.get(named) or rows[BY_NAME["none"]]
 
     @property
     def activations_bytes(self) -> int:
@@ -181,11 +184,11 @@ def _stage_load(spec: Spec, run: Technique, stage: int, layers: int) -> StageLoa
 
 def modelled_techniques(spec: Spec) -> tuple:
     """The techniques actmem models for this architecture (flash attention: no selective rows)
-    and implementation (one that runs on one device: no sequence parallelism)."""
+    and implementation (one that runs on one device: 'none' alone)."""
     unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
     parallel = "tensor" in spec.architecture.code.runs
     return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
-                 and (parallel or not tech.sequence_parallel))
+                 and (parallel or not tech.tensor_parallel))
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:

@@ -124,11 +124,10 @@ IMPLEMENTATIONS = {
                "torch-native: with --sp, torchtitan's plan; without, plain DTensor TP (ColwiseParallel and "
                "RowwiseParallel, the norms replicated), which torchtitan does not use; model state is "
                "counted as Megatron's mixed-precision Adam split over t, not as FSDP2 shards it",
-               "torch-native: the layers' rows are measured by the CI harness; the embedding and output "
-               "rows (the output linear keeps its all-gathered input, the loss its fp32 log-softmax "
-               "shard) follow torchtitan's source and a one-off measurement, not the harness yet; its "
-               "loss_parallel backward holds up to 16sbv/t bytes at once, above this peak floor's loss "
-               "moment"),
+               "torch-native: the output layer keeps its all-gathered input too, and the loss (under "
+               "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
+               "(8 B a token each, whole on every rank) are not counted; the loss_parallel backward holds "
+               "up to 16sbv/t bytes at once, above this peak floor's loss moment"),
         selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
                             "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
                             "recompute, and actmem does not model it yet: choose none or full"),

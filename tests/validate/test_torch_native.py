@@ -20,22 +20,31 @@ def _terms(rows, config_label=None):
 
 
 def test_llama_8b_at_paper_scale_keeps_the_gathered_inputs():
-    """Two layers of Llama 3.1 8B at t = 8 with SP, fake tensors on rank 0 of the fake group.
-    Per layer, by hand (s = 8192, b = 1, h = 4096, f = 14336, g = t = 8):
-    the all-gathered inputs of wq/wk/wv and of w1/w3 are 2sbh = 67,108,864 B each, not the
-    shard 2sbh/t; k and v stay g/t = 1 group wide, 2 x 2·8192·128 = 4,194,304 B (repeat_kv's
-    reshape is a view); silu's output is kept, 2sbf/t = 29,360,128 B."""
+    """Two layers of Llama 3.1 8B at t = 8 with SP, with its embedding, output layer and loss,
+    fake tensors on rank 0 of the fake group. Per layer, by hand (s = 8192, b = 1, h = 4096,
+    f = 14336, g = t = 8): the all-gathered inputs of wq/wk/wv and of w1/w3 are 2sbh =
+    67,108,864 B each, not the shard 2sbh/t; k and v stay g/t = 1 group wide, 2 x 2·8192·128 =
+    4,194,304 B (repeat_kv's reshape is a view); silu's output is kept, 2sbf/t = 29,360,128 B.
+    Beside the layers: the output layer keeps its gathered input too (67,108,864 B), and the
+    loss the fp32 log-softmax of rank 0's ceil(v/t) = 16,032 logits a token: 4·8192·16,032."""
     tp_sp, full = torch_native_presets(("tp-sp", "tp-sp-full"))[:2]
     rows = run_fake([tp_sp, full])
     assert judge(rows, 0.0) == []
-    layer = {name: n // 2 for name, n in _terms(rows, tp_sp.label).items() if name != "total"}
+    measured = _terms(rows, tp_sp.label)
+    layer = {name: measured[name] // 2 for name in ("qkv_input", "fc1_input", "repeated_key_value", "silu_output",
+                                                    "attention_layernorm_input", "norm_statistics")}
     assert layer["qkv_input"] == layer["fc1_input"] == 67_108_864
     assert layer["repeated_key_value"] == 4_194_304
     assert layer["silu_output"] == 29_360_128
     assert layer["attention_layernorm_input"] == 2 * 8192 * 4096 // 8
     assert layer["norm_statistics"] == 2 * 4 * 8192 // 8          # two norms' fp32 rstd
-    assert _terms(rows, full.label) == {"layer_input_checkpoint": 2 * 2 * 8192 * 4096 // 8,
-                                        "total": 2 * 2 * 8192 * 4096 // 8}
+    assert measured["output_layer_input"] == 67_108_864
+    assert measured["final_layernorm_input"] == 2 * 8192 * 4096 // 8
+    assert measured["logits_fp32"] == 4 * 8192 * 16_032
+    assert measured["token_ids"] == measured["cross_entropy_targets"] == 8 * 8192   # int64, whole on each rank
+    checkpointed = _terms(rows, full.label)
+    assert checkpointed["layer_input_checkpoint"] == 2 * 2 * 8192 * 4096 // 8
+    assert not {"qkv_input", "silu_output"} & set(checkpointed)
 
 
 def test_llama_70b_at_t_4_copies_k_and_v_to_its_heads():
@@ -74,7 +83,8 @@ def test_a_tensor_no_term_names_turns_the_gate_red(monkeypatch):
 
 def test_megatron_placement_would_turn_the_gate_red(monkeypatch):
     """Were actmem to count torch-native's linear inputs as Megatron's local shards (2sbh/t),
-    the measured all-gathered inputs (2sbh) must fail the gate: t = 2, so twice the formula."""
+    the measured all-gathered inputs (2sbh) must fail the gate: t = 2, so twice the formula,
+    for the layers' two and the output layer's."""
     from dataclasses import replace
 
     from actmem import engine, implementation
@@ -86,10 +96,10 @@ def test_megatron_placement_would_turn_the_gate_red(monkeypatch):
         rows, failures = _small()
     finally:
         engine.term_bytes.cache_clear()
-    for term in ("qkv_input", "fc1_input"):
+    for term in ("qkv_input", "fc1_input", "output_layer_input"):
         row = next(r for r in rows if r["term"] == term)
         assert row["measured_bytes"] == 2 * row["formula_bytes"] and row["gate"] == "fail"
-    assert len(failures) == 3                                     # the two inputs and the total
+    assert len(failures) == 4                                     # the three inputs and the total
 
 
 def test_the_cpu_norm_keeps_what_the_gpu_kernel_keeps():

@@ -15,18 +15,17 @@ import torch
 
 from actmem.estimate import estimate
 from actmem_validate.compare import INDEX_BYTES, STATISTIC_BYTES, term_rows
-from actmem_validate.ledger import Ledger, name_saved_output
+from actmem_validate.ledger import Ledger
+from actmem_validate.naming import naming
 from actmem_validate.torch_compat import fake_tensor_mode
 
 TRANSFORMERS_VERSION = "5.23.0"
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 
-#: (module name ends with, aten op, what of the op: 'in' its tensor inputs, an index into them,
-#: 'out' its outputs, 'out:dtype' those of a dtype, 'outN' the N-th; term). The first rule
-#: that matches names the storage, and the first name a storage gets sticks: the norm's
-#: output is named by the linear that keeps it, the softmax's 16-bit copy before ·V sees it
-#: again. Autograd saves an op's inputs before the op runs, so a rule on inputs re-files
-#: what was just saved unnamed (ledger.name_saved_output), never a storage already named.
+#: Read off modeling_llama.py and loss_utils.py (5.23.0), in actmem_validate.naming's form:
+#: (module name ends with, aten op, which of its tensors, term). The first name a storage
+#: gets sticks: the norm's output is named by the linear that keeps it, the softmax's 16-bit
+#: copy before ·V sees it again.
 RULES = (
     # LlamaRMSNorm.forward: x.to(float32) kept by pow and the mul by rsqrt; rsqrt's result;
     # the 16-bit normalized tensor kept by weight * x
@@ -107,7 +106,7 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
         model = build_model(spec)
         tokens = torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len))
         ledger = Ledger([*model.parameters(), *model.buffers()])
-        with ledger.recording(), naming(model):
+        with ledger.recording(), naming(model, RULES):
             loss = model(input_ids=tokens, labels=tokens).loss
         measured = ledger.by_term()
         loss.backward()
@@ -138,68 +137,6 @@ def _masks_as_in_a_real_run():
         yield
     finally:
         masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa = packed, decide
-
-
-@contextmanager
-def naming(model):
-    """Apply RULES while the model runs: module hooks keep the running module's name, a
-    dispatch mode sees each op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    names = {module: name for name, module in model.named_modules()}
-    stack, counts = [""], {}          # counts: (module, op) -> calls so far (each layer is a module)
-
-    def enter(module, args):
-        stack.append(names.get(module, stack[-1]))
-
-    def leave(module, args, out):
-        stack.pop()
-
-    class _Rules(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            op = str(func).split(".", 1)[-1]          # aten.mm.default -> mm.default
-            key = (stack[-1], op)
-            counts[key] = counts.get(key, -1) + 1
-            inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            for tensor, term in _named(stack[-1], op, counts[key], inputs, outputs):
-                name_saved_output(tensor, term)     # autograd saves an op's inputs before it runs
-            return out
-
-    handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
-               torch.nn.modules.module.register_module_forward_hook(leave)]
-    try:
-        with _Rules():
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _named(module: str, op: str, nth: int, inputs: list, outputs: list) -> list:
-    """(tensor, term) for what every matching rule names in this op."""
-    named = []
-    for suffix, rule_op, what, term in RULES:
-        name, _, index = rule_op.partition("#")
-        if name == op and (not index or int(index) == nth) and _module_matches(module, suffix):
-            named += [(tensor, term) for tensor in _picked(what, inputs, outputs)]
-    return named
-
-
-def _picked(what, inputs: list, outputs: list) -> list:
-    if what == "in":
-        return inputs
-    if isinstance(what, int):
-        return [inputs[what]]
-    if what.startswith("out:"):
-        return [t for t in outputs if t.dtype == getattr(torch, what[4:])]
-    return [outputs[int(what[3:])]] if what[3:] else outputs
-
-
-def _module_matches(module: str, suffix: str) -> bool:
-    return module == suffix if suffix in ("", "model.norm") else module.endswith(suffix)
 
 
 def _compare(config, rank: int, measured: dict) -> list[dict]:

@@ -1,10 +1,11 @@
-"""Measure the torch-native implementation: torchtitan's Llama blocks under DTensor TP/SP.
+"""Measure the torch-native implementation: torchtitan's Llama model under DTensor TP/SP.
 
-One microbatch through the spec's layers on this rank (the layers' activations of one
-microbatch: what actmem's per-layer terms count, times L), saved bytes by term against the
-engine's rows for --implementation torch-native. The embedding, the output layer and the
-peak are not measured here yet. Real runs also check the parallel blocks against the same
-blocks on one device.
+One microbatch through the whole model on this rank (the embedding, the spec's L blocks, the
+final norm, the output layer and torchtitan's loss under loss_parallel: the first stage at
+p = 1), saved bytes by term against the estimate for --implementation torch-native. The
+blocks label their tensors (torchtitan.py); the embedding, the output layer and the loss are
+torch's own code, named by module and op (``RULES``). Real runs also check the parallel
+blocks against the same blocks on one device. The peak is not measured here yet.
 """
 
 import copy
@@ -13,48 +14,44 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from actmem import engine
-from actmem.terms import layer_terms
-from actmem_validate.compare import term_rows
-from actmem_validate.ledger import Ledger, label
-from actmem_validate.torch_compat import fake_tensor_mode, local_tensor
-from actmem_validate.torchtitan import TransformerBlock, parallelize, precompute_freqs_cis
+from actmem.estimate import estimate
+from actmem_validate.compare import INDEX_BYTES, STATISTIC_BYTES, term_rows
+from actmem_validate.ledger import Ledger
+from actmem_validate.naming import naming
+from actmem_validate.torch_compat import fake_tensor_mode
+from actmem_validate.torchtitan import Transformer, cross_entropy_loss, parallelize_model
+
+#: actmem_validate.naming's rules for what torch's own modules keep: the embedding its int64
+#: token ids; the output layer its input (all-gathered under SP); the loss (under
+#: loss_parallel: a vocabulary shard) its fp32 log-softmax, its int64 targets, its total weight
+RULES = (
+    ("tok_embeddings", "embedding.default", 1, "token_ids"),
+    ("output", "mm.default", "in", "output_layer_input"),
+    ("", "_log_softmax.default", "out", "logits_fp32"),
+    ("", "nll_loss_forward.default", 1, "cross_entropy_targets"),
+    ("", "nll_loss_forward.default", "out1", "cross_entropy_total_weight"),
+)
 
 
-def build_blocks(spec) -> torch.nn.ModuleList:
-    """The spec's L blocks in bf16 on the CPU (parameters in bf16, as FSDP2's mixed precision
-    hands them to the blocks)."""
+def build_model(spec, full_recompute: bool = False, dtype=torch.bfloat16) -> Transformer:
+    """The spec's model on the CPU, in bf16 by default (parameters in bf16, as FSDP2's mixed
+    precision hands them to the blocks)."""
     model, arch = spec.model, spec.architecture
-    groups, dim = arch.query_groups_or(model.heads), arch.head_dim_or(model.hidden, model.heads)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)        # made in bf16: fake parameters cannot be cast
+    torch.set_default_dtype(dtype)                 # made in its dtype: fake parameters cannot be cast
     try:
-        return torch.nn.ModuleList(
-            TransformerBlock(model.hidden, model.heads, groups, dim, arch.ffn(model.hidden))
-            for _ in range(model.layers))
+        return Transformer(model.vocab, model.hidden, model.layers, model.heads, arch.query_groups_or(model.heads),
+                           arch.head_dim_or(model.hidden, model.heads), arch.ffn(model.hidden), model.seq_len,
+                           full_recompute)
     finally:
         torch.set_default_dtype(default)
 
 
-def run_blocks(blocks, x, freqs_cis, full_recompute: bool):
-    """torchtitan's forward over the blocks; full activation checkpointing wraps each block
-    (distributed/activation_checkpoint.py: checkpoint_wrapper, non-reentrant,
-    preserve_rng_state=False), which keeps the block's input."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks:
-        if full_recompute:
-            x = checkpoint(block, label(x, "layer_input_checkpoint"), freqs_cis, use_reentrant=False,
-                           preserve_rng_state=False)
-        else:
-            x = block(x, freqs_cis)
-    return x
-
-
 def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
-    """Saved bytes by term of one microbatch's forward on this rank, against actmem; a real
-    run first checks the parallel blocks against one device."""
+    """Saved bytes by term of one microbatch's forward and loss on this rank, against actmem;
+    a real run first checks the parallel blocks against one device."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     spec, run = config.spec, config.spec.run
     t, sp = run.tensor_parallel, run.sequence_parallel
@@ -65,63 +62,60 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
     torch.manual_seed(1234)
     mesh = init_device_mesh("cpu", (t,)) if t > 1 else None      # outside the fake mode: it reads data
     with fake_tensor_mode() if fake else nullcontext():
-        blocks = build_blocks(spec)
+        model = build_model(spec, run.recompute.value == "full")
         if mesh is not None:
-            for block in blocks:
-                parallelize(block, mesh, sp)
-        x, freqs = _inputs(spec, rank)
-        ledger = Ledger([*blocks.parameters(), *blocks.buffers(), freqs])
-        with ledger.recording():
-            out = run_blocks(blocks, x, freqs, run.recompute.value == "full")
+            parallelize_model(model, mesh, sp)
+        tokens, labels = (torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
+        ledger = Ledger([*model.parameters(), *model.buffers()])
+        with ledger.recording(), naming(model, RULES), loss_parallel() if mesh is not None else nullcontext():
+            loss = cross_entropy_loss(model(tokens), labels)
         measured = ledger.by_term()
-        out.float().sum().backward()
+        with loss_parallel() if mesh is not None else nullcontext():
+            loss.backward()
     return _compare(config, rank, measured)
 
 
-def _inputs(spec, rank: int):
-    """This rank's block input, (b, s/t, h) under SP (what the embedding's RowwiseParallel
-    hands the first block), else (b, s, h); and the rotary table."""
-    model, run = spec.model, spec.run
-    tokens = model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
-    x = torch.randn(run.micro_batch, tokens, model.hidden, dtype=torch.bfloat16).requires_grad_()
-    dim = spec.architecture.head_dim_or(model.hidden, model.heads)
-    return x, precompute_freqs_cis(dim, model.seq_len)
-
-
 def _compare(config, rank: int, measured: dict) -> list[dict]:
-    """The engine's bytes a term, times L, against the ledger's; then the total."""
-    spec, technique = config.spec, config.technique
-    arch, bindings = spec.architecture, spec.bindings()
-    formula = {term.name: spec.model.layers * engine.exact(engine.term_bytes(term, technique, arch), bindings)
-               for term in layer_terms(arch)}
-    return term_rows(config, rank, {name: n for name, n in formula.items() if n}, measured)
+    """The estimate's terms (one microbatch, every layer: p = 1) and the residuals torch keeps
+    (int64 token ids and targets, 8 B a token each, whole on every rank; the loss's fp32 total
+    weight), against the ledger's; then the total."""
+    spec = config.spec
+    tokens = spec.model.seq_len * spec.run.micro_batch
+    residuals = {"token_ids": tokens * INDEX_BYTES, "cross_entropy_targets": tokens * INDEX_BYTES,
+                 "cross_entropy_total_weight": STATISTIC_BYTES}
+    return term_rows(config, rank, {row.term.name: row.total_bytes for row in estimate(spec).run_terms} | residuals,
+                     measured)
 
 
 def check_against_one_device(spec, rank: int) -> None:
-    """The parallel blocks give the one-device blocks' output and input gradient (bf16
-    tolerances), on real gloo ranks."""
+    """The parallel model gives the one-device model's loss and gradients, on real gloo ranks:
+    the weights of a block's attention and norm (a partial sum under SP, all-reduced), of the
+    output layer and of the embedding. In fp32, so the tolerance can be tight in each
+    gradient's own scale (bf16 sums of many tokens differ by their order alone)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
-    run = spec.run
-    t, sp = run.tensor_parallel, run.sequence_parallel
     torch.manual_seed(1234)
-    reference = build_blocks(spec)
-    blocks = copy.deepcopy(reference)
-    mesh = init_device_mesh("cpu", (t,))
-    for block in blocks:
-        parallelize(block, mesh, sp)
+    reference = build_model(spec, dtype=torch.float32)
+    parallel = parallelize_model(copy.deepcopy(reference), init_device_mesh("cpu", (spec.run.tensor_parallel,)),
+                                 spec.run.sequence_parallel)
     torch.manual_seed(99)
-    full = torch.randn(run.micro_batch, spec.model.seq_len, spec.model.hidden, dtype=torch.bfloat16)
-    dim = spec.architecture.head_dim_or(spec.model.hidden, spec.model.heads)
-    freqs = precompute_freqs_cis(dim, spec.model.seq_len)
-    mine = (full.chunk(t, dim=1)[rank] if sp else full).clone().requires_grad_()
-    theirs = full.clone().requires_grad_()
-    out, expected = run_blocks(blocks, mine, freqs, False), run_blocks(reference, theirs, freqs, False)
-    out = local_tensor(out)
-    out.float().sum().backward()
-    expected.float().sum().backward()
-    want_out = expected.chunk(t, dim=1)[rank] if sp else expected
-    want_grad = theirs.grad.chunk(t, dim=1)[rank] if sp else theirs.grad
-    torch.testing.assert_close(out, want_out, atol=0.05, rtol=0.05)
-    torch.testing.assert_close(mine.grad, want_grad, atol=0.05, rtol=0.05)
+    tokens, labels = (torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len)) for _ in "tl")
+    expected = cross_entropy_loss(reference(tokens), labels)
+    expected.backward()
+    with loss_parallel():
+        loss = cross_entropy_loss(parallel(tokens), labels)
+        loss.backward()
+    torch.testing.assert_close(_whole(loss), expected, atol=1e-4, rtol=1e-4)
+    grads = dict(parallel.named_parameters())
+    for name, weight in reference.named_parameters():
+        if name.startswith(("layers.0.attention.", "layers.0.attention_norm", "output.", "tok_embeddings.")):
+            scale = weight.grad.abs().max().item()      # gradients are small: tolerances in their scale
+            torch.testing.assert_close(_whole(grads[name].grad), weight.grad, atol=1e-3 * scale, rtol=1e-3,
+                                       msg=lambda text, name=name: f"{name}: {text}")
     dist.barrier()
+
+
+def _whole(tensor):
+    """A DTensor's full value (its shards gathered, partial sums reduced); a tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -11,8 +11,8 @@ keep the same tensors:
 - the norms. torchtitan's nn.RMSNorm runs aten::_fused_rms_norm on a GPU, whose autograd
   formula saves input, rstd and weight (derivatives.yaml); torch 2.13 has no CPU kernel for
   it, and its CPU decomposition keeps two fp32 copies of the input instead. ``FusedRMSNorm``
-  keeps what the GPU kernel keeps (the harness's TE norm Function, fused.py), over DTensor
-  through local_map, so a CPU run measures what a GPU run holds.
+  keeps what the GPU kernel keeps (the harness's TE norm Function, fused.py), on the
+  DTensor's local shard, so a CPU run measures what a GPU run holds.
 Everything else (the all-gathers PrepareModuleInput makes, the linears that save DTensors,
 SDPA's flash kernel) is PyTorch's own code.
 """
@@ -55,27 +55,28 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 class FusedRMSNorm(nn.RMSNorm):
     """nn.RMSNorm keeping what aten::_fused_rms_norm keeps on a GPU: its 16-bit input and fp32
-    rstd, one a token (and the weight, a parameter). ``term`` names the input's row."""
+    rstd, one a token (and the weight, a parameter). ``term`` names the input's row,
+    ``statistics`` the rstd's."""
 
-    def __init__(self, dim: int, term: str, eps: float = 1e-5):
+    def __init__(self, dim: int, term: str, statistics: str = "norm_statistics", eps: float = 1e-5):
         super().__init__(dim, eps=eps)
-        self.term = term
+        self.term, self.statistics = term, statistics
 
     def forward(self, x):
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-        from torch.distributed.tensor.experimental import local_map
+        from torch.distributed.tensor import DTensor, Partial, Shard
 
         if not isinstance(x, DTensor):
-            return _rms_norm(x, self.weight, self.term)
+            return _rms_norm(x, self.weight, self.term, self.statistics)
         # SequenceParallel: x is Shard(1), the weight Replicate; the weight's gradient from
-        # this rank's tokens is a partial sum
-        norm = local_map(_rms_norm, out_placements=[Shard(1)], in_placements=([Shard(1)], [Replicate()], None),
-                         in_grad_placements=([Shard(1)], [Partial()], None), device_mesh=x.device_mesh)
-        return norm(x, self.weight, self.term)
+        # this rank's tokens is a partial sum. (torch 2.13's local_map, which does the same,
+        # cut the gradient to an input made by another op: the embedding's grad was wrong.)
+        y = _rms_norm(x.to_local(grad_placements=[Shard(1)]), self.weight.to_local(grad_placements=[Partial()]),
+                      self.term, self.statistics)
+        return DTensor.from_local(y, x.device_mesh, [Shard(1)], run_check=False)
 
 
-def _rms_norm(x, weight, term: str):
-    with scope("norm_statistics"):          # rstd, saved inside the Function
+def _rms_norm(x, weight, term: str, statistics: str):
+    with scope(statistics):                 # rstd, saved inside the Function
         return _Norm.apply(label(x, term), weight, None, True)
 
 
@@ -146,6 +147,58 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class Transformer(nn.Module):
+    """model.py Transformer: the word embedding, the blocks, the final norm and the untied
+    output layer; freqs_cis a buffer. ``full_recompute`` wraps each block as torchtitan's full
+    activation checkpointing does (distributed/activation_checkpoint.py: checkpoint_wrapper,
+    non-reentrant, preserve_rng_state=False), which keeps the block's input."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 hidden_dim: int, max_seq_len: int, full_recompute: bool = False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, n_kv_heads, head_dim, hidden_dim)
+                                    for _ in range(layers))
+        self.norm = FusedRMSNorm(dim, "final_layernorm_input", "final_norm_statistics")
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seq_len), persistent=False)
+        self.full_recompute = full_recompute
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.tok_embeddings(tokens)
+        for block in self.layers:
+            if self.full_recompute:
+                h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
+                               preserve_rng_state=False)
+            else:
+                h = block(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def cross_entropy_loss(pred, labels):
+    """components/loss.py: the logits in fp32, over (b·s) rows; run under loss_parallel when the
+    output layer is vocabulary-parallel."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def model_plan(sequence_parallel: bool) -> dict:
+    """apply_tp's model-level plan (loss_parallel on): the embedding row-parallel over the
+    vocabulary, its output sharded along the sequence under SP; the final norm sequence-
+    parallel; the output layer column-parallel over the vocabulary, its logits left sharded
+    for loss_parallel. Without SP (not torchtitan's) the embedding's output is replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not sequence_parallel:
+        return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+
+
 def layer_plan(sequence_parallel: bool) -> dict:
     """apply_tp's plan for one block (infra/parallelize.py @018740b7, bf16, no float8). Without
     sequence parallelism (not torchtitan's: it always shards the sequence) the norms stay
@@ -177,3 +230,13 @@ def parallelize(block: TransformerBlock, mesh, sequence_parallel: bool) -> Trans
     from torch.distributed.tensor.parallel import parallelize_module
 
     return parallelize_module(block, mesh, layer_plan(sequence_parallel))
+
+
+def parallelize_model(model: Transformer, mesh, sequence_parallel: bool) -> Transformer:
+    """apply_tp: the model-level plan, then each block's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, model_plan(sequence_parallel))
+    for block in model.layers:
+        parallelize(block, mesh, sequence_parallel)
+    return model

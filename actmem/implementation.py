@@ -105,7 +105,7 @@ _HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's voc
 
 IMPLEMENTATIONS = {
     MEGATRON: Implementation(
-        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code, and actmem's default)"),
+        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code; the default)"),
     "torch-native": Implementation(
         "torch-native",
         "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "

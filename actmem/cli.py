@@ -194,7 +194,7 @@ def plan_options(command):
                      help="Largest b to try."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
                      default=None, help=f"Megatron's vocabulary padding (times t; default "
-                                        f"{defaults.VOCAB_DIVISIBLE_BY}; none under torch-native)."),
+                                        f"{defaults.VOCAB_DIVISIBLE_BY}; none under torch-native or hf)."),
         click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
         click.option("--explain", "config", metavar="CONFIG", default=None,

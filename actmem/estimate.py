@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from actmem import engine
-from actmem.architecture import PAPER
+from actmem.architecture import PAPER, counts_norm_statistics
 from actmem.implementation import MEGATRON
 from actmem import symbols
 from actmem.parameters import ParameterBytes, parameter_bytes, stage_parameters
@@ -284,7 +284,8 @@ def _attention_notes(spec: Spec) -> list:
     """What the attention core keeps, and the rows it leaves out."""
     arch = spec.architecture
     if arch.implementation != MEGATRON:            # its notes say what its attention keeps
-        return [f"technique rows left out: {why}" for why in set(arch.unmodelled_recompute(spec.model.heads).values())]
+        return [f"technique rows left out: {why}"
+                for why in dict.fromkeys(arch.unmodelled_recompute(spec.model.heads).values())]
     if arch.attention_core == "eager":
         return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): "
                 "keeps the s² softmax output"]
@@ -320,10 +321,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     notes = [
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
         f"({LOGITS_BYTES} B) (section 4); "
-        + ("layer-norm mean/variance and small buffers left out, as in the paper"
-           if arch.attention_core == "eager" and arch.implementation == MEGATRON else
-           "the norms' fp32 statistics counted (TE's fused norms keep them); small buffers left out"
-           if arch.implementation == MEGATRON else "the norms' fp32 statistics counted; small buffers left out"),
+        + ("the norms' fp32 statistics counted"
+           + (" (TE's fused norms keep them)" if arch.implementation == MEGATRON else "")
+           if counts_norm_statistics(arch) else "layer-norm mean/variance left out, as in the paper")
+        + "; small buffers left out",
         f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),

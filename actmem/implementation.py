@@ -55,6 +55,11 @@ class Implementation:
                             f"--implementation {self.name} pads none ({self.unpadded_vocab})")
         return 1
 
+    def stored_padding(self, value: int, default: int) -> int:
+        """What a Spec or PlanRequest keeps as its padding multiple: the value given (the
+        default read as not asked for), or 1 where the code pads none."""
+        return self.vocab_divisible_by(None if value == default else value, default)
+
     def check(self, arch) -> None:
         """Refuse an architecture this implementation is not modelled for, with the reason."""
         for field, allowed, why in self.architecture:

@@ -63,11 +63,8 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
-        # 1 where the code pads no vocabulary (the default is read as not asked for; another
-        # value there is refused)
-        asked = None if self.vocab_divisible_by == defaults.VOCAB_DIVISIBLE_BY else self.vocab_divisible_by
-        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.vocab_divisible_by(
-            asked, defaults.VOCAB_DIVISIBLE_BY))
+        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
+            self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)
         for name, limit in LIMITS.items():
             if sizes[name] > limit:

@@ -113,11 +113,8 @@ class Spec:
             require_positive_int(name, getattr(self, name))
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
-        # 1 where the code pads no vocabulary (the default is read as not asked for; another
-        # value there is refused)
-        asked = None if self.vocab_divisible_by == defaults.VOCAB_DIVISIBLE_BY else self.vocab_divisible_by
-        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.vocab_divisible_by(
-            asked, defaults.VOCAB_DIVISIBLE_BY))
+        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
+            self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:

@@ -55,7 +55,7 @@ class Architecture:
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
-    (transformers' Llama layer; the attention core is its attn_implementation). It travels
+    (transformers' Llama or GPT-2; the attention core is its attn_implementation). It travels
     with the architecture because every term asks both at once; it changes no parameter."""
 
     def __post_init__(self):
@@ -117,6 +117,11 @@ class Architecture:
         if self.query_groups is None:
             return self.attention_width(hidden, heads)
         return self.query_groups * (hidden / heads if self.head_dim is None else self.head_dim)
+
+    @property
+    def keeps(self) -> frozenset:
+        """What its code keeps beyond Megatron's rows (its model class's too): terms.py asks."""
+        return self.code.keeps_for(self)
 
     @property
     def code(self):
@@ -208,7 +213,7 @@ def flash(arch: Architecture) -> bool:
 
 def flash_repeated_key_value(arch: Architecture) -> bool:
     """the attention core is flash and the code expands k and v to a heads before it"""
-    return flash(arch) and "repeated_key_value" in arch.code.keeps
+    return flash(arch) and "repeated_key_value" in arch.keeps
 
 
 def flash_grouped_key_value(arch: Architecture) -> bool:
@@ -218,13 +223,18 @@ def flash_grouped_key_value(arch: Architecture) -> bool:
 
 def swiglu_keeping_silu_output(arch: Architecture) -> bool:
     """the MLP is SwiGLU, unfused: silu's output is kept beside its input"""
-    return swiglu(arch) and "silu_output" in arch.code.keeps
+    return swiglu(arch) and "silu_output" in arch.keeps
+
+
+def gelu_keeping_tanh_intermediates(arch: Architecture) -> bool:
+    """the MLP is GeLU's tanh form written in Python, keeping its intermediates (gelu_new)"""
+    return gelu(arch) and "gelu_tanh_intermediates" in arch.keeps
 
 
 def norm_keeps_fp32_copy(arch: Architecture) -> bool:
     """the norm keeps an fp32 copy of its input and a 16-bit normalized tensor, not the input
     itself (transformers' LlamaRMSNorm)"""
-    return "norm_fp32_copy" in arch.code.keeps
+    return "norm_fp32_copy" in arch.keeps
 
 
 def keeps_norm_input(arch: Architecture) -> bool:
@@ -240,12 +250,12 @@ def counts_norm_statistics(arch: Architecture) -> bool:
 
 def eager_softmax_fp32(arch: Architecture) -> bool:
     """the eager core keeps an fp32 softmax beside its 16-bit copy (transformers' Llama)"""
-    return eager(arch) and "softmax_fp32" in arch.code.keeps
+    return eager(arch) and "softmax_fp32" in arch.keeps
 
 
 def rotary_tables(arch: Architecture) -> bool:
     """the model's rotary cos and sin are saved activations (transformers' Llama)"""
-    return "rotary_tables" in arch.code.keeps
+    return "rotary_tables" in arch.keeps
 
 
 def flash_attn(arch: Architecture) -> bool:

@@ -370,4 +370,4 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         notes.append(f"vocabulary {spec.model.vocab} sharded unevenly over t (DTensor pads none): "
                      f"rank 0 holds {spec.padded_vocab // spec.run.tensor_parallel:,} rows, counted as if "
                      f"v were {spec.padded_vocab:,}")
-    return tuple(notes) + arch.code.notes + spec.notes
+    return tuple(notes) + arch.code.notes_for(arch) + spec.notes

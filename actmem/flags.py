@@ -95,8 +95,8 @@ ARCHITECTURE_FLAGS = (
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
-         "Face transformers' Llama layer on one device: --attention-core eager is its eager "
-         "attention, flash its sdpa)",
+         "Face transformers' Llama or GPT-2, by the architecture, on one device: --attention-core "
+         "eager is its eager attention, flash its sdpa)",
          click.Choice(list(IMPLEMENTATIONS), case_sensitive=False)),
 )
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
@@ -249,9 +249,9 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
-    if preset and preset.family not in (None, "llama") and architecture.get("implementation") == "hf":
-        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM; "
-                        f"{preset.source} is {preset.family}, whose own class actmem has not measured")
+    if preset and preset.hf_unmeasured and architecture.get("implementation") == "hf":
+        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM and "
+                        f"GPT2LMHeadModel; {preset.source}: {preset.hf_unmeasured}")
     notes = preset.notes if preset else ()
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)

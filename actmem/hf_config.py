@@ -42,9 +42,25 @@ def read_hf_config(path: Path) -> dict:
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
-                family=kind,
-                notes=(f"{path.name}: {kind}, read as a dense layer with flash attention (the code line "
-                       "says whose kernels count it)",) + notes[1:], seq_len_note=notes[0])
+                hf_unmeasured=_hf_unmeasured(kind, config),
+                notes=(f"{path.name}: {kind}, read as a dense layer, its attention core flash unless --attention-core "
+                       "says otherwise (the code line says whose kernels count it)",) + notes[1:],
+                seq_len_note=notes[0])
+
+
+def _hf_unmeasured(kind: str, config: dict) -> str | None:
+    """Why transformers runs this config with code the harness has not measured: the harness
+    runs LlamaForCausalLM and GPT2LMHeadModel with gelu_new (hf.py); None where it is that."""
+    if kind not in ("llama", "gpt2"):
+        return f"{kind} is a class of its own in transformers, whose own code actmem has not measured"
+    act = config.get("activation_function", "gelu_new")
+    if kind == "gpt2" and act != "gelu_new":
+        return (f"its activation_function is {act}, and only gelu_new, GPT-2's own, is measured "
+                "(F.gelu keeps its input alone, gelu_new three more f-wide tensors)")
+    if kind == "gpt2" and config.get("reorder_and_upcast_attn"):
+        return ("reorder_and_upcast_attn: GPT2Attention then keeps fp32 copies of q and k and an fp32 "
+                "softmax, which actmem has not measured")
+    return None
 
 
 def _load(path: Path) -> dict:

@@ -13,6 +13,22 @@ from dataclasses import dataclass
 from actmem.errors import SpecError
 
 MEGATRON = "megatron"
+HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
+"""transformers' attn_implementation for each attention core the hf code runs."""
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """One model class of a library that runs several (transformers' LlamaForCausalLM and
+    GPT2LMHeadModel): the architecture it has and what its code keeps beyond the library's
+    shared behaviour."""
+    name: str
+    architecture: tuple
+    """(field, allowed values, why), as Implementation.architecture."""
+    keeps: frozenset = frozenset()
+    notes: tuple = ()
+    rules: tuple = ()
+    """(holds: architecture -> bool, why): what a single field's allowed values cannot say."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,9 @@ class Implementation:
     """Why its full recompute is not modelled; None where it is."""
     notes: tuple = ()
     """What an estimate under this code says about it (its assumptions)."""
+    models: tuple = ()
+    """The model classes it is measured for (ModelClass); empty: one layer, the fields above.
+    An architecture must be one of them, and takes its keeps and notes."""
     unpadded_vocab: str | None = None
     """Why the vocabulary is not padded (None: Megatron pads it to a multiple of 128·t,
     --make-vocab-size-divisible-by). DTensor shards it unevenly, rank 0 holding ceil(v/t)
@@ -62,12 +81,51 @@ class Implementation:
 
     def check(self, arch) -> None:
         """Refuse an architecture this implementation is not modelled for, with the reason."""
-        for field, allowed, why in self.architecture:
-            value = getattr(arch, field)
-            if value not in allowed:
-                shown = " or ".join(str(v) for v in allowed)
-                raise SpecError(f"--implementation {self.name} is modelled for {why}: {field} must be "
-                                f"{shown}, got {value} (--{field.replace('_', '-')})")
+        if _broken(self.architecture, arch):
+            raise SpecError(f"--implementation {self.name} is modelled for {_why(self.architecture, arch)}")
+        model = self.model_class(arch)
+        if self.models and model is None:
+            closest = min(self.models, key=lambda model: len(_broken(model.architecture, arch)))
+            raise SpecError(f"--implementation {self.name} is modelled for "
+                            f"{' and '.join(model.name for model in self.models)}; the closest, {closest.name}, "
+                            f"is modelled for {_why(closest.architecture, arch)}")
+        for holds, why in model.rules if model else ():
+            if not holds(arch):
+                raise SpecError(f"--implementation {self.name} is modelled for {why}")
+
+    def model_class(self, arch) -> ModelClass | None:
+        """The model class this architecture is, the first that fits; None where there are none."""
+        return next((model for model in self.models if not _broken(model.architecture, arch)), None)
+
+    def keeps_for(self, arch) -> frozenset:
+        """What this code keeps beyond Megatron's rows, for this architecture."""
+        model = self.model_class(arch)
+        return self.keeps | (model.keeps if model else frozenset())
+
+    def notes_for(self, arch) -> tuple:
+        model = self.model_class(arch)
+        return (model.notes if model else ()) + self.notes
+
+    def label_for(self, arch) -> str:
+        model = self.model_class(arch)
+        return self.label.format(model=model.name if model else "")
+
+
+def _broken(constraints: tuple, arch) -> list:
+    """The (field, allowed, why) constraints ``arch`` breaks."""
+    return [(field, allowed, why) for field, allowed, why in constraints if getattr(arch, field) not in allowed]
+
+
+#: the flag that sets a field, where it is not --field
+_FLAGS = {"bias": "--disable-bias-linear"}
+
+
+def _why(constraints: tuple, arch) -> str:
+    """The first broken constraint, as a person reads it."""
+    field, allowed, why = _broken(constraints, arch)[0]
+    shown = " or ".join("unset" if v is None else str(v) for v in allowed)
+    flag = _FLAGS.get(field, f"--{field.replace('_', '-')}")
+    return f"{why}: {field} must be {shown}, got {getattr(arch, field)} ({flag})"
 
 
 # torchtitan's Llama 3 block, parallelised by torchtitan's plan (torchtitan/models/llama3/
@@ -85,25 +143,52 @@ _TORCHTITAN_LLAMA = (
 
 # transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
 # it in training with no padding: RMSNorm in Python, the MLP unfused, eager or SDPA attention.
-_HF_LLAMA = (
-    ("activation", ("swiglu",), "transformers' Llama layer (GPT2Block is not modelled yet)"),
-    ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
-    ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
-    ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
-                                "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
-    ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"),
-)
+_HF_LLAMA = ModelClass(
+    "LlamaForCausalLM",
+    architecture=(
+        ("activation", ("swiglu",), "transformers' Llama layer (w2(silu(w1 x) * w3 x))"),
+        ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
+        ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
+        ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
+                                    "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
+        ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout")),
+    keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
+    notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
+           "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
+           "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
+           "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
+           "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward",))
+
+# transformers 5.23.0's GPT2Block (models/gpt2/modeling_gpt2.py) in GPT2LMHeadModel: nn.LayerNorm,
+# Conv1D linears (addmm: one fused QKV output), gelu_new (NewGELUActivation, activations.py:
+# 0.5 * x * (1 + tanh(...)) in Python), nn.Dropout, eager or SDPA attention.
+_HF_GPT2 = ModelClass(
+    "GPT2LMHeadModel",
+    architecture=(
+        ("activation", ("gelu",), "transformers' GPT2Block (gelu_new)"),
+        ("normalization", ("layernorm",), "transformers' GPT2Block (nn.LayerNorm)"),
+        ("position_embedding", ("learned",), "transformers' GPT2Model (wpe)"),
+        ("query_groups", (None,), "transformers' GPT2Attention, one key a head"),
+        ("head_dim", (None,), "transformers' GPT2Attention, head dim h/a"),
+        ("bias", (True,), "transformers' Conv1D, which always has a bias")),
+    keeps=frozenset({"gelu_tanh_intermediates"}),
+    rules=((lambda arch: arch.attention_core == "eager" or arch.attention_dropout == 0,
+            "transformers' GPT2 under sdpa with no attention dropout: with dropout a GPU's flash kernel "
+            "keeps only its RNG state, but a CPU's SDPA falls back to its math kernel, so the harness cannot "
+            "measure it (--attention-dropout 0, or --attention-core eager)"),),
+    notes=("hf: transformers 5.23 GPT2LMHeadModel on one device, as measured by the harness: "
+           "nn.LayerNorm keeps its input and fp32 mean and rstd (on a GPU; a CPU keeps them in 16 bits); "
+           "the attention keeps q, k and v as views of the one QKV output (sdpa; eager at b = 1) or as "
+           "copies (eager, b > 1), the same bytes; gelu_new, written in Python, keeps its input and three "
+           "more f-wide tensors; dropout keeps 1-byte masks (torch.native_dropout, as on a GPU); the "
+           "int64 position ids (8s B) are not counted",))
 _HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's vocabulary",
+           models=(_HF_LLAMA, _HF_GPT2),
            selective_recompute="transformers has no selective recompute: choose none",
-           full_recompute="transformers' activation checkpointing also keeps the rotary tables, the "
-                          "position ids and (eager) the causal mask bound to each layer's call, which actmem "
+           full_recompute="transformers' activation checkpointing also keeps what each layer's call "
+                          "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
                           "does not count yet: choose none",
-           notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
-                  "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
-                  "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
-                  "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
-                  "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward; "
-                  "int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
+           notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
                   "counted as mixed-precision Adam on one GPU (DDP), not as DeepSpeed or FSDP shard it",
                   "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
                   "gradient and the loss's), above this peak floor's loss moment"))
@@ -137,12 +222,10 @@ IMPLEMENTATIONS = {
                             "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
                             "recompute, and actmem does not model it yet: choose none or full"),
     "hf": Implementation(
-        "hf", "Hugging Face transformers 5.23 LlamaDecoderLayer (attn_implementation eager for the "
-              "eager core, sdpa with is_causal and enable_gqa for flash; one device: no tensor, "
-              "pipeline or context parallelism)",
-        keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
-        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),)
-        + _HF_LLAMA, **_HF),
+        "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
+              "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
+        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),),
+        **_HF),
 }
 
 

@@ -30,8 +30,9 @@ class Preset:
     """Where s came from when the file only gives the longest context (a config.json)."""
     position_table: int | None = None
     """Rows of a learned position table the file fixes (gpt2's n_positions): s must equal it."""
-    family: str | None = None
-    """A config.json's model_type (llama, qwen2, ...); None for a preset file."""
+    hf_unmeasured: str | None = None
+    """Why transformers' own class for this config.json is not one the harness measured
+    (--implementation hf refuses it); None where it is, and for a preset file."""
 
 
 def preset_dir() -> Path:

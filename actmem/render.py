@@ -92,7 +92,7 @@ def _header(est: Estimate) -> Text:
     arch = spec.architecture
     text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
                 f"hidden {arch.hidden_dropout:g}\n")
-    text.append(f"code   {arch.code.label}\n")
+    text.append(f"code   {arch.code.label_for(arch)}\n")
     if spec.microbatches is not None:
         text.append(f"batch  {plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
                     f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration\n")

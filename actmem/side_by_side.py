@@ -12,11 +12,8 @@ from dataclasses import dataclass, replace
 from actmem import defaults
 from actmem.errors import SpecError
 from actmem.estimate import Estimate, estimate
-from actmem.implementation import IMPLEMENTATIONS
+from actmem.implementation import HF_ATTENTION, IMPLEMENTATIONS
 from actmem.spec import Spec
-
-#: transformers' attention implementations, as actmem's attention cores
-HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
 
 
 @dataclass(frozen=True)

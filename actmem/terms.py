@@ -14,7 +14,7 @@ import sympy
 
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
-    hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, swiglu, swiglu_keeping_silu_output
+    gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, swiglu, swiglu_keeping_silu_output
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -170,6 +170,11 @@ TERMS = (
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
          "bias-GeLU saves its input and the bias, a parameter", gelu),
+    Term("gelu_tanh_intermediates", _sbf(3), Region.BLOCK, _STORED, Scope.LAYER,
+         "GeLU's tanh form written in Python keeps three more f-wide tensors (3 x 2sbf): transformers' "
+         "gelu_new (activations.py, NewGELUActivation: 0.5 * x * (1 + tanh(√(2/π)(x + 0.044715x³)))) "
+         "keeps tanh's output (tanh saves its result) and both factors of the last product, 0.5x and "
+         "1 + tanh; pow keeps x, the GeLU input above", gelu_keeping_tanh_intermediates),
     Term("swiglu_input", _sbf(2), Region.BLOCK, _STORED, Scope.LAYER,
          "SwiGLU keeps only its 2f-wide input (Megatron's fused_bias_swiglu.py: SwiGLUFunction "
          "saves input_for_backward; 4sbf); unfused (torchtitan), the same bytes as two f-wide "

@@ -151,7 +151,7 @@ def test_transformers_llama_8b_by_hand(actmem, core, layer):
 
 @pytest.mark.parametrize("args, fragment", [
     (("--tp", "2"), "tensor parallelism (t = 2) is not modelled for --implementation hf"),
-    (("--recompute", "full"), "activation checkpointing also keeps the rotary tables"),
+    (("--recompute", "full"), "activation checkpointing also keeps what each layer's call is given"),
     (("--attention-core", "flash-attn"), "attention_core must be eager or flash"),
     (("--attention-dropout", "0.1"), "attention_dropout must be 0"),
     (("--head-dim", "512"), "enable_gqa only for a head dim of at most 256"),
@@ -197,11 +197,11 @@ def test_estimate_without_the_flag_has_no_implementations(actmem):
     assert "implementations" not in actmem.json("estimate", "--model", "llama-3.1-8b")
 
 
-def test_hf_measures_llama_configs_only(actmem):
+def test_hf_measures_llama_and_gpt2_configs_only(actmem):
     """transformers' Qwen2 and Mistral are classes of their own (a sliding window, say): the
-    harness measured LlamaForCausalLM, so another family is refused under hf."""
+    harness measured LlamaForCausalLM and GPT2LMHeadModel, so another family is refused under hf."""
     assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/qwen2-7b/config.json", "--implementation",
-                                 "hf"), "is qwen2, whose own class actmem has not measured")
+                                 "hf"), "qwen2 is a class of its own in transformers")
     assert actmem("estimate", "--model", "tests/data/hf/llama-3.1-8b/config.json", "--implementation", "hf",
                   "--seq-len", "2048").exit_code == 0
 
@@ -213,3 +213,83 @@ def test_compare_implementations_shows_the_stage_shown(actmem):
     out = actmem.json(*args)
     megatron = next(row for row in out["implementations"] if row["implementation"] == "megatron")
     assert megatron["activations_bytes"] == out["activations_bytes"]
+
+
+# GPT-2 small's config.json (h = 768, a = 12, s = 1024, f = 4h = 3072, dropout 0.1, b = 1) as
+# transformers' GPT2LMHeadModel keeps it, eager, per layer, by hand (modeling_gpt2.py 5.23;
+# measured term by term at small shapes and 22B's dims in tests/validate/test_hf.py):
+SBH_GPT2 = 2 * 1024 * 768                    # one 16-bit (s, b, h) tensor: 1,572,864 B
+SBF_GPT2 = 2 * 1024 * 3072                   # one 16-bit (s, b, f) tensor: 6,291,456 B
+SOFTMAX_GPT2 = 2 * 12 * 1024 ** 2            # 2·a·s²·b: 25,165,824 B
+GPT2_EAGER_LAYER = {
+    "attention_layernorm_input": SBH_GPT2, "qkv_input": SBH_GPT2,
+    "query_key": 2 * SBH_GPT2, "value": SBH_GPT2,           # q, k, v: views of c_attn's output at b = 1
+    "softmax_output": SOFTMAX_GPT2, "softmax_dropout_mask": SOFTMAX_GPT2 // 2,   # a bool mask
+    "softmax_dropout_output": SOFTMAX_GPT2, "projection_input": SBH_GPT2,
+    "attention_dropout_mask": SBH_GPT2 // 2, "mlp_layernorm_input": SBH_GPT2, "fc1_input": SBH_GPT2,
+    "gelu_input": SBF_GPT2, "gelu_tanh_intermediates": 3 * SBF_GPT2,   # tanh, 0.5x, 1 + tanh
+    "fc2_input": SBF_GPT2, "mlp_dropout_mask": SBH_GPT2 // 2,
+    "norm_statistics": 2 * 2 * 4 * 1024,      # two LayerNorms' fp32 mean and rstd (on a GPU)
+}
+GPT2_CONFIG = "tests/data/hf/gpt2/config.json"
+
+
+def test_gpt2_under_hf_by_hand(actmem):
+    """Eager: the paper's layer, 34sbh + 5as²b = 26,738,688 + 62,914,560 = 89,653,248 B (Eq 1),
+    plus gelu_new's three f-wide tensors (18,874,368 B) and the norms' statistics (16,384 B):
+    108,544,000 B a layer."""
+    out = actmem.json("estimate", "--model", GPT2_CONFIG, "--implementation", "hf", "--attention-core", "eager")
+    layer = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+    assert layer == GPT2_EAGER_LAYER
+    assert sum(layer.values()) == 108_544_000
+    assert "GPT2LMHeadModel" in actmem("estimate", "--model", GPT2_CONFIG, "--implementation", "hf",
+                                       "--attention-core", "eager").stdout
+
+
+def test_gpt2_sdpa_without_attention_dropout_by_hand(actmem):
+    """sdpa with no attention dropout drops the three s² tensors (62,914,560 B) and keeps the
+    fp32 log-sum-exp, 4·a·s = 49,152 B; q and k, v are the same 6sbh: 45,678,592 B a layer."""
+    out = actmem.json("estimate", "--model", GPT2_CONFIG, "--implementation", "hf", "--attention-core", "flash",
+                      "--attention-dropout", "0")
+    layer = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+    assert layer["softmax_lse"] == 49_152 and layer["query"] + layer["key_value"] == 3 * SBH_GPT2   # 6sbh: three 2sbh
+    assert sum(layer.values()) == 45_678_592
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", GPT2_CONFIG, "--implementation", "hf", "--attention-core", "flash"),
+     "a CPU's SDPA falls back to its math kernel"),
+    (("--model", "22b", "--tp", "1", "--no-sp", "--implementation", "hf", "--normalization", "rmsnorm"),
+     "the closest, GPT2LMHeadModel, is modelled for transformers' GPT2Block (nn.LayerNorm): normalization "
+     "must be layernorm"),
+    (("--model", "22b", "--tp", "1", "--no-sp", "--implementation", "hf", "--num-query-groups", "8"),
+     "query_groups must be unset, got 8 (--query-groups)"),
+])
+def test_what_hf_gpt2_does_not_model_is_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_gpt2_with_another_gelu_is_refused_under_hf(actmem, tmp_path):
+    """F.gelu keeps its input only, gelu_new (Python) three more tensors: under hf the config's
+    activation_function decides, and only gelu_new, GPT-2's own, is measured."""
+    import json
+    from pathlib import Path
+
+    config = json.loads(Path(GPT2_CONFIG).read_text()) | {"activation_function": "gelu_pytorch_tanh"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert_one_line_error(actmem("estimate", "--model", str(path), "--implementation", "hf"),
+                          "its activation_function is gelu_pytorch_tanh, and only gelu_new")
+    assert actmem("estimate", "--model", str(path)).exit_code == 0      # Megatron's GeLU: the same tensors
+
+
+def test_gpt2_reordered_upcast_attention_is_refused_under_hf(actmem, tmp_path):
+    """reorder_and_upcast_attn makes GPT2Attention keep fp32 q, k and softmax: not measured."""
+    import json
+    from pathlib import Path
+
+    config = json.loads(Path(GPT2_CONFIG).read_text()) | {"reorder_and_upcast_attn": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert_one_line_error(actmem("estimate", "--model", str(path), "--implementation", "hf",
+                                 "--attention-core", "eager"), "reorder_and_upcast_attn")

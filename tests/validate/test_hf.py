@@ -1,6 +1,9 @@
-"""The hf backend: transformers' own LlamaForCausalLM, unmodified, keeps what actmem's hf rows
-say, to the byte, eager and sdpa, at small shapes for real and at Llama 3.1 8B's dims with
-fake tensors; a saved tensor no rule names turns the gate red. Numbers by hand below."""
+"""The hf backend: transformers' own LlamaForCausalLM and GPT2LMHeadModel, unmodified, keep what
+actmem's hf rows say, to the byte, eager and sdpa, at small shapes for real and at Llama 3.1
+8B's and the paper's 22B dims with fake tensors; a saved tensor no rule names turns the gate
+red. Numbers by hand below."""
+
+from contextlib import contextmanager, nullcontext
 
 import pytest
 
@@ -9,7 +12,7 @@ pytest.importorskip("transformers")
 
 from actmem_validate import hf  # noqa: E402
 from actmem_validate.compare import judge  # noqa: E402
-from actmem_validate.grid import HF, configs_for, hf_presets, small_spec  # noqa: E402
+from actmem_validate.grid import HF, HF_GPT2, configs_for, hf_presets, small_spec  # noqa: E402
 from actmem_validate.launch import run_fake  # noqa: E402
 
 
@@ -45,7 +48,7 @@ def test_llama_8b_dims_with_fake_tensors():
     """Two layers at Llama 3.1 8B's dims (s = 8192, b = 1): sdpa keeps k, v g = 8 groups wide,
     2 x 2·8192·8·128 = 33,554,432 B a layer, and no mask (the fake-tensor shims answer as a
     real run); eager keeps the fp32 softmax, 4·32·8192² = 8,589,934,592 B a layer."""
-    eager, sdpa = hf_presets()
+    eager, sdpa, *_ = hf_presets()
     rows = run_fake([eager, sdpa])
     assert judge(rows, 0.0) == []
     by = {(r["config"], r["term"]): r["measured_bytes"] for r in rows}
@@ -64,15 +67,112 @@ def test_a_tensor_no_rule_names_turns_the_gate_red(monkeypatch):
 
 def test_a_tensor_the_formula_lacks_turns_the_gate_red(monkeypatch):
     """Were actmem to forget the fp32 softmax, the measured one fails against a formula of 0."""
+    with _forgetting(monkeypatch, "LlamaForCausalLM", "softmax_fp32"):
+        rows, failures = _measure("eager")
+    assert rows["softmax_output_fp32"]["formula_bytes"] == 0 and rows["softmax_output_fp32"]["gate"] == "fail"
+
+
+@contextmanager
+def _forgetting(monkeypatch, model_class: str, kept: str):
+    """actmem's hf code with one model class no longer keeping ``kept``."""
     from dataclasses import replace
 
     from actmem import engine, implementation
 
     code = implementation.IMPLEMENTATIONS["hf"]
-    monkeypatch.setitem(implementation.IMPLEMENTATIONS, "hf", replace(code, keeps=code.keeps - {"softmax_fp32"}))
+    models = tuple(replace(model, keeps=model.keeps - {kept}) if model.name == model_class else model
+                   for model in code.models)
+    monkeypatch.setitem(implementation.IMPLEMENTATIONS, "hf", replace(code, models=models))
     engine.term_bytes.cache_clear()
     try:
-        rows, failures = _measure("eager")
+        yield
     finally:
         engine.term_bytes.cache_clear()
-    assert rows["softmax_output_fp32"]["formula_bytes"] == 0 and rows["softmax_output_fp32"]["gate"] == "fail"
+
+
+# GPT2LMHeadModel at small shapes: h = 64, a = 8, s = 32, f = 4h = 256, L = 2, v = 512, dropout
+# 0.1 (none on the attention under sdpa). One (s, b, h) 16-bit tensor is 2·32·b·64 = 4,096b B.
+
+
+def _gpt2(core, b, fake=False):
+    config = configs_for(small_spec(2, 1, name="small-hf-gpt2", b=b, **HF_GPT2[core]), ["none"], 1)[0]
+    rows = hf.measure(config, fake=fake)
+    return {r["term"]: r for r in rows}, judge(rows, 0.0)
+
+
+def test_gpt2_eager_keeps_the_paper_layer_and_gelu_new_intermediates():
+    """b = 2: q and k copied by matmul's reshape, 2 x 4,096·2 B a layer; the softmax and the
+    dropout output 2·a·s²·b = 32,768 B each and a 1-byte mask of 16,384 B (native_dropout, as on
+    a GPU); gelu_new's three f-wide tensors beside its input, 3 x 2·32·2·256 = 98,304 B; the two
+    LayerNorms' mean and rstd, 2 x 2 x 4 B x sb = 1,024 B a layer in fp32, measured at the CPU's
+    16 bits: 512 B a layer."""
+    rows, failures = _gpt2("eager", 2)
+    assert failures == []
+    assert rows["query_key"]["measured_bytes"] == 2 * 16_384
+    assert rows["softmax_output"]["measured_bytes"] == rows["softmax_dropout_output"]["measured_bytes"] == 2 * 32_768
+    assert rows["softmax_dropout_mask"]["measured_bytes"] == 2 * 16_384
+    assert rows["gelu_tanh_intermediates"]["measured_bytes"] == 2 * 98_304
+    stats = next(row for name, row in rows.items() if name.startswith("norm_statistics ("))
+    assert stats["measured_bytes"] == 2 * 512 and "16-bit on a CPU" in stats["term"]
+
+
+@pytest.mark.parametrize("core, joint", [("eager", "query_key+value"), ("flash", "query+key_value")])
+def test_gpt2_keeps_q_k_v_as_views_of_one_qkv_output(core, joint):
+    """sdpa at any b, and eager at b = 1 (the reshape in matmul is a view there), keep q, k, v
+    as views of c_attn's one output: one storage of 6sbh = 6·32·64 = 12,288 B a layer at b = 1,
+    checked against the terms' sum."""
+    rows, failures = _gpt2(core, 1)
+    assert failures == []
+    assert rows[joint]["measured_bytes"] == rows[joint]["formula_bytes"] == 2 * 12_288
+    assert not {"query_key", "value", "query", "key_value"} & set(rows)
+
+
+def test_gpt2_at_the_paper_22b_dims_with_fake_tensors():
+    """Two layers of GPT2LMHeadModel at 22B's dims (h = 6144, a = 64, s = 2048, b = 1, f = 4h):
+    eager keeps the softmax, 2·64·2048² = 536,870,912 B a layer, a 1-byte mask of 268,435,456 B,
+    and gelu_new's 3 x 2·2048·24,576 = 301,989,888 B; sdpa's one QKV storage is 6·2048·6144 =
+    75,497,472 B a layer."""
+    *_, eager, sdpa = hf_presets()
+    rows = run_fake([eager, sdpa])
+    assert judge(rows, 0.0) == []
+    by = {(r["config"], r["term"]): r["measured_bytes"] for r in rows}
+    assert by[(eager.label, "softmax_output")] == 2 * 536_870_912
+    assert by[(eager.label, "softmax_dropout_mask")] == 2 * 268_435_456
+    assert by[(eager.label, "gelu_tanh_intermediates")] == 2 * 301_989_888
+    assert by[(sdpa.label, "query+key_value")] == 2 * 75_497_472
+
+
+def test_a_cpu_dropout_would_turn_the_gate_red(monkeypatch):
+    """Without sending dropout to native_dropout, a CPU multiplies by a 16-bit noise tensor and
+    keeps that: no mask is found where the formula has one, and the noise, 2 B an element, is
+    unattributed (at least the two layers' softmax noise, 2 x 2·a·s²·b = 65,536 B): red."""
+    monkeypatch.setattr(hf, "_dropout_as_on_a_gpu", nullcontext)
+    rows, failures = _gpt2("eager", 2)
+    assert rows["softmax_dropout_mask"]["measured_bytes"] == 0 and rows["softmax_dropout_mask"]["gate"] == "fail"
+    assert rows["mlp_dropout_mask"]["gate"] == "fail"
+    assert rows["unattributed"]["gate"] == "fail" and rows["unattributed"]["measured_bytes"] >= 65_536
+
+
+def test_norm_statistics_at_the_formula_fp32_width_fail_on_a_cpu(monkeypatch):
+    """Checked at the formula's fp32 bytes, the CPU's 16-bit statistics are half: red. The
+    width is named, not hidden."""
+    monkeypatch.setattr(hf, "CPU_WIDTHS", {})
+    rows, failures = _gpt2("eager", 2)
+    assert rows["norm_statistics"]["measured_bytes"] * 2 == rows["norm_statistics"]["formula_bytes"]
+    assert rows["norm_statistics"]["gate"] == "fail"
+
+
+def test_one_storage_named_as_one_term_turns_the_gate_red(monkeypatch):
+    """Without the joint name, b = 1's one QKV storage lands under query_key (6sbh against its
+    4sbh) and value is missing: both fail."""
+    rules = hf.gpt2_rules
+    monkeypatch.setattr(hf, "gpt2_rules", lambda core: tuple(rule for rule in rules(core) if "+" not in rule[3]))
+    rows, failures = _gpt2("eager", 1)
+    assert rows["query_key"]["gate"] == "fail" and rows["value"]["gate"] == "fail"
+
+
+def test_gpt2_formula_forgetting_gelu_new_turns_the_gate_red(monkeypatch):
+    with _forgetting(monkeypatch, "GPT2LMHeadModel", "gelu_tanh_intermediates"):
+        rows, failures = _gpt2("eager", 2)
+    assert rows["gelu_tanh_intermediates"]["formula_bytes"] == 0
+    assert rows["gelu_tanh_intermediates"]["gate"] == "fail"

@@ -114,14 +114,53 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
     return rows
 
 
-def term_rows(config, rank: int, formula: dict, measured: dict) -> list[dict]:
+def term_rows(config, rank: int, formula: dict, measured: dict, widths: dict | None = None) -> list[dict]:
     """The rows of a backend that measures saved tensors only (torch-native, hf): one a term
     or residual either side has, then the total. A term of the table is checked both ways, a
-    named residual against the size given, anything else is unnamed."""
+    named residual against the size given, anything else is unnamed. A storage that holds
+    several terms, measured as 'a+b', is checked against their sum (and they are not checked
+    alone). ``widths``: {term: (factor, why)} for a term the device keeps at another width
+    than the formula's (a CPU's 16-bit LayerNorm statistics): checked at formula x factor,
+    the row saying why."""
+    formula = _joined(formula, [name for name in measured if "+" in name])
+    widths = {name: width for name, width in (widths or {}).items() if name in formula}
+    formula = {name: _at_width(formula[name], widths[name][0]) if name in widths else formula[name]
+               for name in formula}
     names = list(formula) + sorted(set(measured) - set(formula))
-    kind = lambda name: "paper" if name in PAPER_TERMS else "residual" if name in RESIDUALS else "unnamed"
-    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), kind(name)) for name in names]
+    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _backend_kind(name))
+            for name in names]
+    for row in rows:
+        if row["term"] in widths:
+            row["term"] = f"{row['term']} ({widths[row['term']][1]})"
     return rows + [_row(config, rank, "total", sum(formula.values()), sum(measured.values()), "total")]
+
+
+def _at_width(formula_bytes, factor) -> int:
+    """Bytes of a term whose every element is kept at ``factor`` times the formula's width."""
+    scaled = formula_bytes * factor
+    if scaled != int(scaled):
+        raise ValueError(f"{formula_bytes} B at {factor} of its width is not whole bytes")
+    return int(scaled)
+
+
+def _joined(formula: dict, joints: list) -> dict:
+    """The formula with each joint 'a+b' in place of its parts, sized as their sum."""
+    for joint in joints:
+        parts, rows = set(joint.split("+")), {}
+        for name, value in formula.items():
+            if name not in parts:
+                rows[name] = value
+            elif joint not in rows:
+                rows[joint] = sum(formula.get(part, 0) for part in parts)
+        rows.setdefault(joint, 0)
+        formula = rows
+    return formula
+
+
+def _backend_kind(name: str) -> str:
+    if all(part in PAPER_TERMS for part in name.split("+")):
+        return "paper"
+    return "residual" if name in RESIDUALS else "unnamed"
 
 
 def _row(config, rank, term, formula_bytes, measured_bytes, kind) -> dict:

@@ -64,13 +64,18 @@ TORCH_NATIVE = FLASH | dict(implementation="torch-native")
 #: FLASH as transformers' LlamaForCausalLM runs it (attention_core eager or flash: sdpa)
 HF = FLASH | dict(implementation="hf")
 
+#: the paper's layer as transformers' GPT2LMHeadModel runs it, by attention core (sdpa only
+#: without attention dropout: a CPU's SDPA with dropout is its math kernel)
+HF_GPT2 = {"eager": dict(implementation="hf", attention_core="eager"),
+           "flash": dict(implementation="hf", attention_core="flash", attention_dropout=0.0)}
+
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
-               **architecture) -> Spec:
+               b: int = 2, **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
-    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=2, context_parallel=c,
+    run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=b, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
                recompute_layers=recompute[1], recompute="full" if recompute[0] else "none")
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
@@ -129,6 +134,10 @@ def small_grid() -> list[Config]:
     # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))), ["none"], 1)
+    # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
+    # the one QKV output) and b = 2 (copies); sdpa without attention dropout
+    for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):
+        configs += configs_for(small_spec(2, 1, name="small-hf-gpt2", b=b, **HF_GPT2[core]), ["none"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
@@ -166,12 +175,14 @@ TORCH_NATIVE_RUNS = {"llama-3.1-8b": 8, "llama-3.1-70b": 4}
 
 
 def hf_presets() -> list[Config]:
-    """transformers' LlamaForCausalLM at Llama 3.1 8B's dims, two layers, eager and sdpa."""
-    preset = load_preset("llama-3.1-8b")
+    """transformers' LlamaForCausalLM at Llama 3.1 8B's dims and GPT2LMHeadModel at the
+    paper's 22B dims, two layers, eager and sdpa."""
+    llama, gpt = load_preset("llama-3.1-8b"), load_preset("22b")
+    archs = [(llama, {"implementation": "hf", "attention_core": core}) for core in ("eager", "flash")]
+    archs += [(gpt, HF_GPT2[core]) for core in ("eager", "flash")]
     return [config_for(build_spec(preset.model | {"layers": 2}, {}, name=f"{preset.name}·2 layers",
-                                  architecture=preset.architecture | {"implementation": "hf", "attention_core": core}),
-                       BY_NAME["none"], 1)
-            for core in ("eager", "flash")]
+                                  architecture=preset.architecture | arch), BY_NAME["none"], 1)
+            for preset, arch in archs]
 
 
 def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:

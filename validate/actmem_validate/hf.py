@@ -1,15 +1,24 @@
-"""Measure the hf implementation: transformers' own LlamaForCausalLM, unmodified, built from a
-config with random weights, one microbatch forward (labels given, so the loss runs as a
-trainer runs it) on one device.
+"""Measure the hf implementation: transformers' own LlamaForCausalLM or GPT2LMHeadModel (the
+model class the architecture is), unmodified, built from a config with random weights, one
+microbatch forward (labels given, so the loss runs as a trainer runs it) on one device.
 
 transformers' code cannot carry the harness's labels, so each saved tensor is named after
 the term of actmem's table by the module that was running and the aten op that made or
-consumed it: ``RULES`` below, data read off modeling_llama.py (5.23.0). A dispatch mode
-applies them as the ops run; the ledger then files every saved storage under its name, and
-whatever no rule names is 'unattributed', which fails the gate.
+consumed it: ``RULES`` and ``gpt2_rules`` below, data read off modeling_llama.py and
+modeling_gpt2.py (5.23.0). A dispatch mode applies them as the ops run; the ledger then files
+every saved storage under its name, and whatever no rule names is 'unattributed', which
+fails the gate. A storage that holds several terms (GPT-2's one QKV output, which the
+attention keeps as views) is named 'a+b' and compared with the terms' sum.
+
+Two things a CPU does differently from a GPU, and how the harness deals with each: dropout
+(at::dropout runs torch.native_dropout, keeping a bool mask, only on a GPU; a CPU keeps a
+16-bit noise tensor) is sent to native_dropout, the GPU's op (``_dropout_as_on_a_gpu``); and
+nn.LayerNorm's mean and rstd, fp32 on a GPU, are 16-bit on a CPU, so those rows are checked
+at half the formula's fp32 bytes and say so (``CPU_WIDTHS``).
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
+from fractions import Fraction
 
 import torch
 
@@ -26,6 +35,11 @@ _NORMS = ("input_layernorm", "post_attention_layernorm")
 #: (module name ends with, aten op, which of its tensors, term). The first name a storage
 #: gets sticks: the norm's output is named by the linear that keeps it, the softmax's 16-bit
 #: copy before ·V sees it again.
+_LOSS = (        # ForCausalLMLoss (loss_utils.py): its fp32 log-softmax and shifted int64 targets
+    ("", "_log_softmax.default", "out", "logits_fp32"),
+    ("", "nll_loss_forward.default", 1, "cross_entropy_targets"),
+    ("", "nll_loss_forward.default", "out1", "cross_entropy_total_weight"),
+)
 RULES = (
     # LlamaRMSNorm.forward: x.to(float32) kept by pow and the mul by rsqrt; rsqrt's result;
     # the 16-bit normalized tensor kept by weight * x
@@ -58,21 +72,66 @@ RULES = (
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
     # LlamaRotaryEmbedding: cos and sin, made once a forward, kept by every layer's rotation
     ("rotary_emb", "_to_copy.default", "out:bfloat16", "rotary_tables"),
-    # the embedding keeps its int64 token ids; the loss (ForCausalLMLoss) its fp32 log-softmax
-    # and its shifted int64 targets
+    # the embedding keeps its int64 token ids
     ("embed_tokens", "embedding.default", 1, "token_ids"),
-    ("", "_log_softmax.default", "out", "logits_fp32"),
-    ("", "nll_loss_forward.default", 1, "cross_entropy_targets"),
-    ("", "nll_loss_forward.default", "out1", "cross_entropy_total_weight"),
+    *_LOSS,
 )
+
+
+def gpt2_rules(attention_core: str) -> tuple:
+    """GPT2LMHeadModel's rules, read off modeling_gpt2.py, activations.py and pytorch_utils.py
+    (5.23.0). Conv1D is torch.addmm(bias, x.view(-1, h), weight): its input is argument 1."""
+    # the attention keeps q, k, v as views of c_attn's one output: the views sdpa is given;
+    # under eager, matmul's reshape is a view at b = 1 and a copy at b > 1 (then the copies
+    # are named by the two bmm's, and the output is saved by nothing)
+    qkv = "query_key+value" if attention_core == "eager" else "query+key_value"
+    return (
+        *((norm, "native_layer_norm.default", 0, term) for norm, term in (
+            ("ln_1", "attention_layernorm_input"), ("ln_2", "mlp_layernorm_input"), ("ln_f", "final_layernorm_input"))),
+        *((norm, "native_layer_norm.default", which, "norm_statistics") for norm in ("ln_1", "ln_2")
+          for which in ("out1", "out2")),
+        *(("ln_f", "native_layer_norm.default", which, "final_norm_statistics") for which in ("out1", "out2")),
+        ("c_attn", "addmm.default", 1, "qkv_input"),
+        ("c_attn", "addmm.default", "out", qkv),
+        ("attn", "bmm.default#0", "in", "query_key"),
+        ("attn", "_softmax.default", "out", "softmax_output"),
+        ("attn", "native_dropout.default", "out0", "softmax_dropout_output"),
+        ("attn", "native_dropout.default", "out1", "softmax_dropout_mask"),
+        ("attn", "bmm.default#1", "in", "value"),
+        ("attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out0", "projection_input"),
+        ("attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
+        ("attn.c_proj", "addmm.default", 1, "projection_input"),
+        ("resid_dropout", "native_dropout.default", "out1", "attention_dropout_mask"),
+        ("c_fc", "addmm.default", 1, "fc1_input"),
+        ("c_fc", "addmm.default", "out", "gelu_input"),
+        # NewGELUActivation: 0.5 * x (the first mul), tanh's result, 1 + tanh (the second add)
+        ("mlp.act", "mul.Tensor#0", "out", "gelu_tanh_intermediates"),
+        ("mlp.act", "tanh.default", "out", "gelu_tanh_intermediates"),
+        ("mlp.act", "add.Tensor#1", "out", "gelu_tanh_intermediates"),
+        ("mlp.c_proj", "addmm.default", 1, "fc2_input"),
+        ("mlp.dropout", "native_dropout.default", "out1", "mlp_dropout_mask"),
+        ("transformer.drop", "native_dropout.default", "out1", "embedding_dropout_mask"),
+        ("wte", "embedding.default", 1, "token_ids"),
+        ("wpe", "embedding.default", 1, "position_ids"),
+        ("lm_head", "mm.default", "in", "output_layer_input"),
+        *_LOSS,
+    )
+
+
+#: rows a CPU keeps at another width than a GPU: nn.LayerNorm's mean and rstd are the input's
+#: dtype on a CPU (layer_norm.cpp's CPU kernel, param_scalar_type; with fake tensors
+#: torch/_refs native_layer_norm: "if input.device.type == 'cpu'", cast to input.dtype) and
+#: fp32 on a GPU (layer_norm_kernel.cu: acc_type)
+CPU_WIDTHS = {"norm_statistics": (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula"),
+              "final_norm_statistics": (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula")}
 
 
 
 def build_model(spec):
-    """LlamaForCausalLM as the spec describes it, bf16, training mode, no KV cache."""
+    """The spec's model class (LlamaForCausalLM or GPT2LMHeadModel) as it describes it, bf16,
+    training mode, no KV cache."""
     try:
         import transformers
-        from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         raise ImportError("the hf backend runs Hugging Face transformers: pip install 'actmem[hf]' "
                           f"(transformers=={TRANSFORMERS_VERSION})") from None
@@ -80,20 +139,37 @@ def build_model(spec):
         raise ImportError(f"the hf backend's rules are read off transformers {TRANSFORMERS_VERSION}; "
                           f"this is {transformers.__version__}: pip install 'actmem[hf]'")
 
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)        # made in bf16: fake parameters cannot be cast
+    try:
+        return _model(spec).train()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _model(spec):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     model, arch = spec.model, spec.architecture
-    config = LlamaConfig(
+    core = "eager" if arch.attention_core == "eager" else "sdpa"
+    if _is_gpt2(spec):
+        return GPT2LMHeadModel(GPT2Config(
+            vocab_size=model.vocab, n_positions=model.seq_len, n_embd=model.hidden, n_layer=model.layers,
+            n_head=model.heads, n_inner=arch.ffn_hidden, activation_function="gelu_new",
+            attn_pdrop=arch.attention_dropout, resid_pdrop=arch.hidden_dropout, embd_pdrop=arch.hidden_dropout,
+            tie_word_embeddings=arch.tied_output, use_cache=False, attn_implementation=core,
+            bos_token_id=None, eos_token_id=None))          # GPT-2's 50256 is outside a small vocabulary
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=arch.ffn(model.hidden),
         num_hidden_layers=model.layers, num_attention_heads=model.heads,
         num_key_value_heads=arch.query_groups_or(model.heads), head_dim=arch.head_dim_or(model.hidden, model.heads),
         max_position_embeddings=model.seq_len, attention_bias=arch.has_qkv_bias, mlp_bias=False,
         tie_word_embeddings=arch.tied_output, use_cache=False, attention_dropout=0.0,
-        attn_implementation="eager" if arch.attention_core == "eager" else "sdpa")
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)        # made in bf16: fake parameters cannot be cast
-    try:
-        return LlamaForCausalLM(config).train()
-    finally:
-        torch.set_default_dtype(default)
+        attn_implementation=core))
+
+
+def _is_gpt2(spec) -> bool:
+    return spec.architecture.code.model_class(spec.architecture).name == "GPT2LMHeadModel"
 
 
 def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> list[dict]:
@@ -102,15 +178,42 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
     if device != "cpu":          # validate refuses it in one line first (cli._check_backends)
         raise NotImplementedError("the hf backend runs on the CPU only so far")
     torch.manual_seed(1234)
-    with fake_tensor_mode() if fake else nullcontext(), _masks_as_in_a_real_run() if fake else nullcontext():
+    rules = gpt2_rules(spec.architecture.attention_core) if _is_gpt2(spec) else RULES
+    with ExitStack() as stack:
+        if fake:
+            stack.enter_context(fake_tensor_mode())
+            stack.enter_context(_masks_as_in_a_real_run())
+        stack.enter_context(_dropout_as_on_a_gpu())
         model = build_model(spec)
         tokens = torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len))
         ledger = Ledger([*model.parameters(), *model.buffers()])
-        with ledger.recording(), naming(model, RULES):
+        with ledger.recording(), naming(model, rules):
             loss = model(input_ids=tokens, labels=tokens).loss
         measured = ledger.by_term()
         loss.backward()
     return _compare(config, rank, measured)
+
+
+@contextmanager
+def _dropout_as_on_a_gpu():
+    """F.dropout in training with 0 < p < 1 as a GPU runs it: at::dropout calls
+    torch.native_dropout (autograd keeps its bool mask, derivatives.yaml) where
+    is_fused_kernel_acceptable holds, on CUDA only (Dropout.cpp); on a CPU it multiplies by a
+    16-bit noise tensor and keeps that. nn.Dropout and transformers' eager attention both
+    call torch.nn.functional.dropout, so this one name covers them."""
+    functional = torch.nn.functional
+    original = functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    functional.dropout = dropout
+    try:
+        yield
+    finally:
+        functional.dropout = original
 
 
 @contextmanager
@@ -141,7 +244,8 @@ def _masks_as_in_a_real_run():
 
 def _compare(config, rank: int, measured: dict) -> list[dict]:
     """A row a term of the estimate (one microbatch, every layer: p = 1) and a residual (int64
-    token ids and shifted targets; the loss's fp32 total weight), against the ledger's."""
+    token ids, GPT-2's position ids and the shifted targets; the loss's fp32 total weight),
+    against the ledger's; GPT-2's norm statistics at a CPU's width."""
     spec = config.spec
     s, b = spec.model.seq_len, spec.run.micro_batch
     # the shifted targets: pad(labels, (0, 1))[..., 1:].contiguous() copies (b, s), except at
@@ -149,5 +253,8 @@ def _compare(config, rank: int, measured: dict) -> list[dict]:
     targets = s * b if b > 1 else s + 1
     residuals = {"token_ids": s * b * INDEX_BYTES, "cross_entropy_targets": targets * INDEX_BYTES,
                  "cross_entropy_total_weight": STATISTIC_BYTES}
-    return term_rows(config, rank, {row.term.name: row.total_bytes for row in estimate(spec).run_terms} | residuals,
-                     measured)
+    gpt2 = _is_gpt2(spec)
+    if gpt2:
+        residuals["position_ids"] = s * INDEX_BYTES     # torch.arange(s).unsqueeze(0): (1, s)
+    formula = {row.term.name: row.total_bytes for row in estimate(spec).run_terms}
+    return term_rows(config, rank, formula | residuals, measured, CPU_WIDTHS if gpt2 else {})

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from actmem.estimate import estimate
-from actmem.implementation import MEGATRON
+from actmem.implementation import HF_ATTENTION, MEGATRON
 from actmem.spec import Spec
 from actmem.techniques import Technique
 from actmem_validate.compare import compare
@@ -36,8 +36,10 @@ class Config:
         run = self.spec.run
         shape = f" {run.recompute_method} {run.recompute_layers}" if run.recompute_method else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
-        code = self.spec.architecture.implementation
-        code = "" if code == MEGATRON else f" · {code}"
+        arch = self.spec.architecture
+        code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}"
+        if arch.implementation == "hf":                  # its attention core is its attn_implementation
+            code += f" {HF_ATTENTION[arch.attention_core]}"
         return (f"{self.spec.name}{code} t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
 

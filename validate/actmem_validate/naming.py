@@ -2,10 +2,10 @@
 the tensors an aten op makes or takes, in a module, and the ledger files their storages
 under that name (hf.py: transformers' model; torch_native.py: torchtitan's loss).
 
-A rule is (module name ends with, aten op, which of its tensors, term), the op as
-'mm.default', or 'bmm.default#1' for its second call in that module; which: 'in' its tensor
-inputs, an index into them, 'out' its outputs, 'out:dtype' those of a dtype, 'outN' the
-N-th. Every matching rule names; the first name a storage gets sticks. Autograd saves an
+A rule is (module name ends with these whole names, aten op, which of its tensors, term),
+the op as 'mm.default', or 'bmm.default#1' for its second call in that module; which: 'in'
+its tensor inputs, an index into them, 'out' its outputs, 'out:dtype' those of a dtype,
+'outN' the N-th. Every matching rule names; the first name a storage gets sticks. Autograd saves an
 op's inputs before the op runs, so a rule on inputs re-files what was just saved unnamed
 (ledger.name_saved_output), never a storage already named.
 """
@@ -76,5 +76,8 @@ def _picked(what, inputs: list, outputs: list) -> list:
 
 
 def _module_matches(module: str, suffix: str) -> bool:
-    """'' is the root module (a loss computed outside any other); a dotted name is exact."""
-    return module == suffix if suffix == "" or "." in suffix else module.endswith(suffix)
+    """'' is the root module (a loss computed outside any other); a name matches whole
+    trailing names ('mlp.act' is transformer.h.0.mlp.act; 'attn' is not attn.c_attn)."""
+    if suffix == "":
+        return module == ""
+    return module == suffix or module.endswith("." + suffix)

@@ -110,18 +110,22 @@ def frames(est: Estimate, codes=None) -> dict:
         ("headroom", rec["headroom_bytes"]))]
     stages = [{key: value for key, value in stage.items() if key != "peak_floor"}
               | {"peak_bytes": stage["peak_floor"]["total_bytes"]} for stage in rec["stages"]]
+    stage_peaks = [{"stage": stage["stage"], "moment": stage["peak_floor"]["moment"], "term": row["name"],
+                    "bytes": row["bytes"]} for stage in rec["stages"] for row in stage["peak_floor"]["rows"]]
     return {"settings": pd.DataFrame(settings(est)),
             "techniques": pd.DataFrame(rec["techniques"]),
             "run_terms": pd.DataFrame(rec["run_terms"]).drop(columns="source"),
             "memory": pd.DataFrame(memory),
-            "stages": pd.DataFrame(stages)} | \
+            "stages": pd.DataFrame(stages),
+            "stage_peaks": pd.DataFrame(stage_peaks)} | \
         ({} if codes is None else {"implementations": pd.DataFrame(rec["implementations"]).convert_dtypes()})
 
 
 def to_csv(est: Estimate, codes=None) -> str:
     """One long table: a 'section' column says which table a row is from (settings, with the
-    fits verdict; techniques; run_terms; memory; stages, each with its peak floor; and with
-    --compare-implementations, implementations)."""
+    fits verdict; techniques; run_terms; memory; stages, each with its peak floor; stage_peaks,
+    each stage's peak floor by term at its moment; and with --compare-implementations,
+    implementations)."""
     import pandas as pd
 
     parts = [df.assign(section=name) for name, df in frames(est, codes).items()]
@@ -137,6 +141,7 @@ def to_markdown(est: Estimate, codes=None) -> str:
     title = {"settings": "Model and run", "techniques": f"Table 2 techniques, {shown}",
              "run_terms": f"This run, term by term, {shown}", "memory": f"Memory per GPU, {shown}",
              "stages": "Every pipeline stage, with its peak floor",
+             "stage_peaks": "The peak floor of every stage, by term, at its worst moment",
              "implementations": "The same model and run under each implementation"}
     verdict = "fits" if est.fits else "does not fit"
     where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"

@@ -72,7 +72,7 @@ def test_csv_is_one_table_with_a_section_column(actmem):
     result = actmem("estimate", "--model", "gpt3", "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     sections = {row["section"] for row in rows}
-    assert sections == {"settings", "techniques", "run_terms", "memory", "stages"}
+    assert sections == {"settings", "techniques", "run_terms", "memory", "stages", "stage_peaks"}
     sel = next(r for r in rows if r["technique"] == "tp-sp-sel")
     assert sel["per_layer_bytes"] == str(34 * 2048 * 12288 // 8)
     stages = [r for r in rows if r["section"] == "stages"]
@@ -84,7 +84,7 @@ def test_csv_is_one_table_with_a_section_column(actmem):
 def test_markdown_has_the_three_tables(actmem):
     result = actmem("estimate", "--model", "22b", "--format", "markdown")
     assert result.exit_code == 0
-    assert result.stdout.count("## ") == 6        # and the assumptions
+    assert result.stdout.count("## ") == 7        # and the assumptions
     assert "| tp-sp-sel" in result.stdout
 
 

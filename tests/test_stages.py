@@ -6,6 +6,9 @@ The tiny run: a=8, h=1024, L=2, s=2048, v=256000, t=1, p=2, b=1, no recompute, t
 eager layer with dropout; sbh = 2,097,152.
 """
 
+import csv
+import io
+
 from actmem.estimate import estimate
 from actmem.hardware import GPUS
 from actmem.plan import PlanRequest, plan
@@ -152,3 +155,20 @@ def test_the_planner_s_peak_is_the_estimate_s_verdict_where_the_last_stage_or_n_
         est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
         assert row.peak_bytes == est.verdict_bytes, row
         assert (row.peak_stage == "last") == (est.busiest_stage.stage == row.p - 1 > 0), row
+
+
+def test_every_format_shows_each_stage_s_peak_by_term(actmem):
+    """The tiny run's two stages, by term, in CSV and markdown as in JSON: the last stage's
+    loss-backward moment carries the 16-bit logits gradient 2sbv = 1,048,576,000 B, and each
+    stage's rows add up to its peak floor derived by hand above."""
+    first, last = _tiny_loads()
+    rows = list(csv.DictReader(io.StringIO(actmem("estimate", *TINY, "--format", "csv").stdout)))
+    peaks = [row for row in rows if row["section"] == "stage_peaks"]
+    by_stage = {stage: sum(int(row["bytes"]) for row in peaks if row["stage"] == stage) for stage in ("0", "1")}
+    assert by_stage == {"0": first, "1": last}
+    gradient = next(row for row in peaks if row["term"] == "logits_gradient_16bit")
+    assert gradient["stage"] == "1" and int(gradient["bytes"]) == TINY_LOSS_GRADIENT == 1_048_576_000
+    assert gradient["moment"] == "the loss's backward, every microbatch held"
+    markdown = actmem("estimate", *TINY, "--format", "markdown").stdout
+    section = markdown.split("## The peak floor of every stage, by term")[1].split("##")[0]
+    assert "| logits_gradient_16bit |" in section and "1048576000" in section

@@ -132,7 +132,7 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--no-rope-fusion", "--recompute-modules", "--num-experts",
+    "--no-rope-fusion", "--num-experts",
     "--expert-model-parallel-size",
 })
 

@@ -69,6 +69,10 @@ BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "aut
 CP_COMM = "--cp-comm-type"
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
+#: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
+#: --recompute-granularity selective); actmem models its default, core_attn: the paper's
+RECOMPUTE_MODULES = "--recompute-modules"
+MODELLED_MODULES = ("core_attn",)
 
 
 def split(text: str) -> list[str]:
@@ -118,6 +122,8 @@ def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], 
             used += [name, *values]
         elif name in IGNORED:
             ignored.append(name)
+        elif name == RECOMPUTE_MODULES:
+            settings[name] = tuple(values)
         elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, CP_COMM, *ATTENTION):
             settings.setdefault(name, values[0] if values else True)
         else:
@@ -137,6 +143,8 @@ def _value_count(name: str, takes_value: dict):
         return int(takes_value[name])
     if name in IGNORED:
         return IGNORED[name]
+    if name == RECOMPUTE_MODULES:
+        return MANY
     return 1 if name in (MAX_POSITIONS, CP_COMM, *ATTENTION) else 0
 
 
@@ -167,6 +175,20 @@ def attention_core(settings) -> str | None:
     return BACKEND_CORES.get(backend) if impl == "transformer_engine" else None
 
 
+def _recompute_modules(words, modules) -> list[str]:
+    """--recompute-modules: read by Megatron under selective granularity only; core_attn (its
+    default, the paper's selective recompute) is modelled, the other modules not yet."""
+    if modules is None:
+        return []
+    if _value_after(words, "--recompute-granularity") != "selective" and "--recompute-activations" not in words:
+        return [f"{RECOMPUTE_MODULES} is read only with --recompute-granularity selective"]
+    others = [module for module in modules if module not in MODELLED_MODULES]
+    if others:
+        return [f"{RECOMPUTE_MODULES} {' '.join(others)} is not modelled yet: actmem models core_attn "
+                "(the attention core, the paper's selective recompute and Megatron's default)"]
+    return []
+
+
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
     if refused:
@@ -186,6 +208,7 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if NO_POSITION_TABLE in settings and not rope:
         problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
                         "(--position-embedding-type rope); for none, give --position-embedding-type none")
+    problems += _recompute_modules(words, settings.get(RECOMPUTE_MODULES))
     if settings.get(CP_COMM, "p2p") != "p2p":
         problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
                         "default")

@@ -29,8 +29,8 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--recompute-modules core_attn --frobnicate 3 --turbo",
-     ["not modelled yet: --recompute-modules", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--recompute-modules core_attn mlp --frobnicate 3 --turbo",
+     ["--recompute-modules mlp is not modelled yet", "unknown to actmem: --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),
@@ -126,3 +126,21 @@ def test_partial_full_recompute_as_megatron_spells_it(actmem):
                           "first stage (32)")
     assert_one_line_error(actmem("estimate", "--megatron-args", base + " --recompute-granularity full "
                                  "--recompute-method block"), "give --recompute-method and --recompute-num-layers together")
+
+
+def test_recompute_modules_core_attn_is_the_paper_s_selective_recompute(actmem):
+    """Megatron's default --recompute-modules, core_attn, is what --recompute-activations
+    (selective granularity) already recomputes: the same estimate, 155,189,248 B a layer."""
+    plain = actmem.json("estimate", "--megatron-args", f"{MODEL} {RUN} {NOISE}")
+    named = actmem.json("estimate", "--megatron-args", f"{MODEL} {RUN} --recompute-modules core_attn {NOISE}")
+    assert named["run_terms"] == plain["run_terms"] and named["run"]["recompute"] == "selective"
+    assert {r["technique"]: r["per_layer_bytes"] for r in named["techniques"]}["tp-sp-sel"] == 155_189_248
+
+
+def test_recompute_modules_outside_selective_granularity_is_refused(actmem):
+    """Megatron reads --recompute-modules only under selective granularity: beside full it would
+    be silently ignored, so it is refused."""
+    run = RUN.replace("--recompute-activations", "--recompute-granularity full --recompute-method uniform "
+                                                  "--recompute-num-layers 1")
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {run} --recompute-modules core_attn {NOISE}"),
+                          "--recompute-modules is read only with --recompute-granularity selective")

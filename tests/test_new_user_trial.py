@@ -224,9 +224,13 @@ def test_one_unit_a_column_and_singular_words(actmem):
     assert technique_lines and not [line for line in technique_lines if "MiB" in line]
 
 
-def test_a_megatron_argument_actmem_does_not_model_says_so(actmem):
-    result = actmem("estimate", "--model", "530b", "--recompute-modules", "core_attn")
-    assert_one_line_error(result, "--recompute-modules is a Megatron-LM argument that actmem does not model yet")
+@pytest.mark.parametrize("args, fragment", [
+    (("--num-experts", "8"), "--num-experts is a Megatron-LM argument that actmem does not model yet"),
+    (("--recompute-modules", "core_attn"), "its default, core_attn, is --recompute selective here"),
+])
+def test_a_megatron_argument_actmem_does_not_model_says_so(actmem, args, fragment):
+    result = actmem("estimate", "--model", "530b", *args)
+    assert_one_line_error(result, fragment)
     assert "Did you mean" not in result.stderr
 
 

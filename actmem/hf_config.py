@@ -43,8 +43,9 @@ def read_hf_config(path: Path) -> dict:
                 position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
                 hf_unmeasured=_hf_unmeasured(kind, config),
-                notes=(f"{path.name}: {kind}, read as a dense layer, its attention core flash unless --attention-core "
-                       "says otherwise (the code line says whose kernels count it)",) + notes[1:],
+                notes=(f"{path.name}: {kind}, read as a dense layer, its attention core flash unless "
+                       "--attention-core says otherwise (the code line says whose kernels count it)",)
+                + notes[1:],
                 seq_len_note=notes[0])
 
 

@@ -127,11 +127,9 @@ def term_rows(config, rank: int, formula: dict, measured: dict, widths: dict | N
     formula = {name: _at_width(formula[name], widths[name][0]) if name in widths else formula[name]
                for name in formula}
     names = list(formula) + sorted(set(measured) - set(formula))
-    rows = [_row(config, rank, name, formula.get(name, 0), measured.get(name, 0), _backend_kind(name))
+    label = lambda name: f"{name} ({widths[name][1]})" if name in widths else name
+    rows = [_row(config, rank, label(name), formula.get(name, 0), measured.get(name, 0), _backend_kind(name))
             for name in names]
-    for row in rows:
-        if row["term"] in widths:
-            row["term"] = f"{row['term']} ({widths[row['term']][1]})"
     return rows + [_row(config, rank, "total", sum(formula.values()), sum(measured.values()), "total")]
 
 

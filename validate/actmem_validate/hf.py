@@ -31,15 +31,15 @@ from actmem_validate.torch_compat import fake_tensor_mode
 TRANSFORMERS_VERSION = "5.23.0"
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 
-#: Read off modeling_llama.py and loss_utils.py (5.23.0), in actmem_validate.naming's form:
-#: (module name ends with, aten op, which of its tensors, term). The first name a storage
-#: gets sticks: the norm's output is named by the linear that keeps it, the softmax's 16-bit
-#: copy before ·V sees it again.
 _LOSS = (        # ForCausalLMLoss (loss_utils.py): its fp32 log-softmax and shifted int64 targets
     ("", "_log_softmax.default", "out", "logits_fp32"),
     ("", "nll_loss_forward.default", 1, "cross_entropy_targets"),
     ("", "nll_loss_forward.default", "out1", "cross_entropy_total_weight"),
 )
+#: Read off modeling_llama.py and loss_utils.py (5.23.0), in actmem_validate.naming's form:
+#: (trailing module names, aten op, which of its tensors, term). The first name a storage
+#: gets sticks: the norm's output is named by the linear that keeps it, the softmax's 16-bit
+#: copy before ·V sees it again.
 RULES = (
     # LlamaRMSNorm.forward: x.to(float32) kept by pow and the mul by rsqrt; rsqrt's result;
     # the 16-bit normalized tensor kept by weight * x
@@ -50,7 +50,8 @@ RULES = (
     ("model.norm", "rsqrt.default", "out", "final_norm_statistics"),
     ("model.norm", "_to_copy.default", "out:bfloat16", "final_norm_normalized"),
     # the linears keep their inputs; gate_proj and up_proj their outputs too (silu and the product)
-    *((proj, op, "in", "qkv_input") for proj in ("q_proj", "k_proj", "v_proj") for op in ("mm.default", "addmm.default")),
+    *((proj, op, "in", "qkv_input") for proj in ("q_proj", "k_proj", "v_proj")
+      for op in ("mm.default", "addmm.default")),
     ("o_proj", "mm.default", "in", "projection_input"),
     *((proj, "mm.default", "in", "fc1_input") for proj in ("gate_proj", "up_proj")),
     *((proj, "mm.default", "out", "swiglu_input") for proj in ("gate_proj", "up_proj")),
@@ -122,9 +123,8 @@ def gpt2_rules(attention_core: str) -> tuple:
 #: dtype on a CPU (layer_norm.cpp's CPU kernel, param_scalar_type; with fake tensors
 #: torch/_refs native_layer_norm: "if input.device.type == 'cpu'", cast to input.dtype) and
 #: fp32 on a GPU (layer_norm_kernel.cu: acc_type)
-CPU_WIDTHS = {"norm_statistics": (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula"),
-              "final_norm_statistics": (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula")}
-
+_HALF = (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula")
+CPU_WIDTHS = {"norm_statistics": _HALF, "final_norm_statistics": _HALF}
 
 
 def build_model(spec):
@@ -218,13 +218,13 @@ def _dropout_as_on_a_gpu():
 
 @contextmanager
 def _masks_as_in_a_real_run():
-    """The shims for fake tensors, and the only ones. transformers' masking_utils reads the
-    data to decide whether sdpa may run with is_causal and no mask; a fake tensor has no data,
-    so it stops at its tracing checks (import_utils.is_tracing counts a FakeTensor) and builds
-    the mask, which would make sdpa keep it and k, v repeated to a heads. Here both decisions
-    answer as a real run of these inputs does: find_packed_sequence_indices finds no packing
-    (the position ids are 0..s-1), and _ignore_causal_mask_sdpa skips the mask (no padding, as
-    many queries as keys)."""
+    """The shims for fake tensors only (dropout's, above, runs in both modes). transformers'
+    masking_utils reads the data to decide whether sdpa may run with is_causal and no mask; a
+    fake tensor has no data, so it stops at its tracing checks (import_utils.is_tracing counts
+    a FakeTensor) and builds the mask, which would make sdpa keep it and k, v repeated to a
+    heads. Here both decisions answer as a real run of these inputs does:
+    find_packed_sequence_indices finds no packing (the position ids are 0..s-1), and
+    _ignore_causal_mask_sdpa skips the mask (no padding, as many queries as keys)."""
     from transformers import masking_utils
 
     packed, decide = masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa

@@ -128,13 +128,16 @@ class Architecture:
         """The implementation (actmem.implementation.Implementation) this layer runs under."""
         return implementation(self.implementation)
 
-    def unmodelled_recompute(self, heads=None) -> dict:
-        """{recompute mode: why actmem does not model it for this architecture}."""
+    def unmodelled_recompute(self, heads=None, modules=None) -> dict:
+        """{recompute mode: why actmem does not model it for this architecture}; selective
+        recompute of ``modules`` (None: core_attn, Megatron's default)."""
         if self.code.full_recompute is not None:
             return {"selective": self.code.selective_recompute or self.code.full_recompute,
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if modules is not None and "core_attn" not in modules:
+            return {}
         if self.attention_core != "eager":
             return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
                                  "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "

@@ -49,12 +49,7 @@ class OneLineErrors(click.Group):
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
         return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet "
-                "(not yet: mixtures of experts, unfused rope, CP other than p2p, recompute modules "
-                "other than core_attn)")
-    if isinstance(error, click.NoSuchOption) and error.option_name == "--recompute-modules":
-        return ("--recompute-modules is Megatron's; its default, core_attn, is --recompute selective "
-                "here, and inside --megatron-args it is read as Megatron reads it (other modules are "
-                "not modelled yet)")
+                "(not yet: mixtures of experts, unfused rope, CP other than p2p)")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 

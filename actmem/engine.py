@@ -38,7 +38,7 @@ def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
 def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
     the architecture has no such tensor."""
-    if technique.recompute not in term.kept_under or not term.present(arch):
+    if technique.recompute not in term.kept_under or not term.present(arch) or technique.drops(term):
         return sympy.Integer(0)
     return term.size(arch) / divisor(term, technique, arch)
 
@@ -79,32 +79,47 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
 
 
 @cache
-def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group: int = 1) -> sympy.Expr:
+def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group: int = 1,
+                         module: str | None = None) -> sympy.Expr:
     """What the backward of a stage's last layer reruns while everything else is held (the
     peak's rerun moment, actmem.peak). Full recompute reruns ``group`` layers from their
     checkpoint: each as it is kept without recompute, less the group's input, which is the
     checkpoint's own storage (CheckpointFunction.backward detaches it: a view). Selective
-    recompute reruns the attention core: the rows it dropped. None reruns nothing."""
+    recompute reruns one ``module`` at a time: the rows it dropped. None reruns nothing."""
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
-    layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     if technique.recompute is Recompute.SELECTIVE:
-        return layer - kept
+        return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
+                           if term.module == module and technique.drops(term)))
+    layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     return group * layer - kept if group else sympy.Integer(0)
 
 
 @cache
-def freed_before_rerun(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module: str | None = None
+                       ) -> sympy.Expr:
     """What the stage's first backward frees before it reruns anything: the output layer's
     rows where the stage holds them (the loss runs backward first; ``holds_output``), and
-    under selective recompute the last layer's rows from the attention projection on (its
-    MLP and projection run backward before the core is rerun)."""
+    under selective recompute the last layer's rows after the rerun ``module``'s own (the
+    layer's backward runs in reverse: the MLP's bias-dropout-add before the MLP is rerun, the
+    MLP and the attention projection before the attention core is)."""
     freed = extra_bytes(technique, 0, holds_output, arch)
     if technique.recompute is Recompute.SELECTIVE:
-        core_end = next(i for i, term in enumerate(TERMS) if term.name == "projection_input")
-        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[core_end:]
+        end = max((i + 1 for i, term in enumerate(TERMS) if term.module == module), default=len(TERMS))
+        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[end:]
                              if term.scope is Scope.LAYER))
     return freed
+
+
+@cache
+def rerun_beyond_freed(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """What the rerun moment holds above the activations in flight, for the planner's sweep
+    (every layer checkpointed alone under full recompute; the larger of its modules' under
+    selective); may be negative, where the backward freed more than it reruns."""
+    if technique.recompute is not Recompute.SELECTIVE:
+        return rematerialised_bytes(technique, arch) - freed_before_rerun(technique, arch)
+    return sympy.Max(*(rematerialised_bytes(technique, arch, module=module)
+                       - freed_before_rerun(technique, arch, module) for module in technique.modules))
 
 
 @cache

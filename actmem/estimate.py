@@ -13,7 +13,7 @@ from actmem.pipeline import StageOccupancy, stage_occupancy
 from actmem.stages import StageLoad, stage_layers
 from actmem.errors import SpecError
 from actmem.spec import Spec, padded_vocab
-from actmem.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, partial_run, run_technique
+from actmem.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
 from actmem.terms import TERMS, Recompute, Scope, Term
 from actmem.units import plural
 from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
@@ -121,7 +121,7 @@ class Estimate:
     def run_row(self) -> TechniqueRow:
         """The named technique this run is (the row the output marks); 'none' for code that
         runs on one device (its run is t = 1 with no parallelism)."""
-        named = matching(self.run.technique) or partial_run(self.run.technique)
+        named = matching(self.run.technique) or unnamed_run(self.run.technique)
         rows = {row.technique: row for row in self.techniques}
         return rows.get(named) or rows[BY_NAME["none"]]
 
@@ -157,9 +157,9 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
     layers = stage_layers(spec)[stage]
     occupancy = _occupancy(spec, stage, layers)
     run = run_technique(spec.run.sequence_parallel, spec.run.recompute, spec.run.recompute_method or "uniform",
-                        spec.run.recompute_layers or 1)
+                        spec.run.recompute_layers or 1, spec.run.recompute_modules)
     terms = _run_terms(spec, run, occupancy)
-    rows = modelled_techniques(spec) + ((partial_run(run),) if run.partial else ())
+    rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
     return Estimate(
         spec=spec,
         occupancy=occupancy,
@@ -253,7 +253,13 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
 
 def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[int, int]:
     """(rematerialised, freed before it) at the rerun that holds the most beyond what it
-    freed (Technique.reruns); (0, freed) when nothing is rerun."""
+    freed: each group of a full recompute (Technique.reruns), each module of a selective one;
+    (0, freed) when nothing is rerun."""
+    if technique.recompute is Recompute.SELECTIVE:
+        moments = [(engine.exact(engine.rematerialised_bytes(technique, arch, module=module), bindings),
+                    engine.exact(engine.freed_before_rerun(technique, arch, module), bindings))
+                   for module in technique.modules]
+        return max(moments, key=lambda moment: moment[0] - moment[1])
     freed = engine.exact(engine.freed_before_rerun(technique, arch), bindings)
     checkpoint = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     moments = [(engine.exact(engine.rematerialised_bytes(technique, arch, layers), bindings),
@@ -315,6 +321,25 @@ def _attention_notes(spec: Spec) -> list:
     return notes
 
 
+def _recompute_notes(spec: Spec) -> list:
+    """What --recompute-modules other than Megatron's default does to the rows."""
+    modules = spec.run.recompute_modules
+    if modules is None:
+        return []
+    notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
+             + ("" if "core_attn" in modules else ": the attention core is not recomputed, its rows are kept")]
+    if "mlp" in modules:
+        notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
+                     "tensor_parallel.checkpoint(self.mlp, ...)), and Transformer Engine fuses its norm into "
+                     "linear_fc1, so the MLP keeps only the norm's input (mlp_layernorm_input, one storage with "
+                     "the checkpoint's); the mask of the bias-dropout-add after it is kept")
+    if "layernorm" in modules:
+        notes.append("recompute module layernorm changes no byte here: Megatron recomputes only a norm of its "
+                     "own, and Transformer Engine fuses both norms into the next linear (input_layernorm and "
+                     "pre_mlp_layernorm are IdentityOps in its layer spec)")
+    return notes
+
+
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     arch = spec.architecture
     per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
@@ -329,6 +354,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec),
+        *_recompute_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else

@@ -122,6 +122,10 @@ RUN_FLAGS = (
          click.Choice(["uniform", "block"])),
     Flag(("--recompute-num-layers",), "recompute_layers",
          "N for --recompute-method (default: every layer checkpointed alone, uniform 1)"),
+    Flag(("--recompute-modules",), "recompute_modules",
+         "with selective recompute: what it recomputes, from core_attn (the attention core, the "
+         "default and the paper's), mlp (the MLP with its fused norm, keeping its input) and "
+         "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -70,9 +70,11 @@ CP_COMM = "--cp-comm-type"
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
 #: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
-#: --recompute-granularity selective); actmem models its default, core_attn: the paper's
+#: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
 RECOMPUTE_MODULES = "--recompute-modules"
-MODELLED_MODULES = ("core_attn",)
+#: the modules whose checkpoints depend on the norms being fused into the next linear, as
+#: Transformer Engine's spec fuses them: under the local spec they are separate modules
+NORM_DEPENDENT_MODULES = ("layernorm", "mlp")
 
 
 def split(text: str) -> list[str]:
@@ -158,6 +160,8 @@ def _implied(words, settings) -> list[str]:
     legacy_switch = "--use-flash-attn" in words and "--attention-backend" not in settings
     if core is not None and not legacy_switch:      # --use-flash-attn alone: Megatron's flash backend
         implied += ["--attention-core", core]
+    if settings.get(RECOMPUTE_MODULES):
+        implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
     return implied
 
 
@@ -175,17 +179,15 @@ def attention_core(settings) -> str | None:
     return BACKEND_CORES.get(backend) if impl == "transformer_engine" else None
 
 
-def _recompute_modules(words, modules) -> list[str]:
-    """--recompute-modules: read by Megatron under selective granularity only; core_attn (its
-    default, the paper's selective recompute) is modelled, the other modules not yet."""
-    if modules is None:
-        return []
-    if _value_after(words, "--recompute-granularity") != "selective" and "--recompute-activations" not in words:
-        return [f"{RECOMPUTE_MODULES} is read only with --recompute-granularity selective"]
-    others = [module for module in modules if module not in MODELLED_MODULES]
-    if others:
-        return [f"{RECOMPUTE_MODULES} {' '.join(others)} is not modelled yet: actmem models core_attn "
-                "(the attention core, the paper's selective recompute and Megatron's default)"]
+def _recompute_modules(settings) -> list[str]:
+    """--recompute-modules mlp or layernorm under the local implementation: its norms are
+    modules of their own (LNImpl), so the MLP's checkpoint keeps the norm's output and
+    layernorm recomputes it, which actmem does not count; under Transformer Engine both norms
+    are fused into the next linear (TELayerNormColumnParallelLinear; the norms IdentityOps)."""
+    local = [module for module in settings.get(RECOMPUTE_MODULES) or () if module in NORM_DEPENDENT_MODULES]
+    if local and settings.get("--transformer-impl") == "local":
+        return [f"{RECOMPUTE_MODULES} {' '.join(local)} is modelled for --transformer-impl transformer_engine "
+                "(norms fused into the next linear), not local (separate norms)"]
     return []
 
 
@@ -208,7 +210,7 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if NO_POSITION_TABLE in settings and not rope:
         problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
                         "(--position-embedding-type rope); for none, give --position-embedding-type none")
-    problems += _recompute_modules(words, settings.get(RECOMPUTE_MODULES))
+    problems += _recompute_modules(settings)
     if settings.get(CP_COMM, "p2p") != "p2p":
         problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
                         "default")

@@ -226,8 +226,7 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         held[rows.index] = _whole_bytes(engine.numeric(engine.held_bytes(technique, req.architecture))(*args),
                                         len(rows))
         arch = req.architecture
-        rerun = engine.numeric(engine.rematerialised_bytes(technique, arch)
-                               - engine.freed_before_rerun(technique, arch))(*args)
+        rerun = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args)
         loss = engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)
         transient[rows.index] = _whole_bytes(np.maximum(np.maximum(rerun, loss), 0), len(rows))
     return held, transient

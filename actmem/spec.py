@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from actmem import defaults, rules, symbols
 from actmem.architecture import Architecture
 from actmem.errors import SpecError
-from actmem.terms import Recompute
+from actmem.terms import RECOMPUTE_MODULES, Recompute
 from actmem.units import parse_bytes
 
 DEFAULT_GPU_MEMORY = "80GiB"     # A100 80GB, the paper's GPU (Figure 1's dashed line)
@@ -71,10 +71,15 @@ class Run:
     recompute_layers: int | None = _positive(optional=True, default=None)
     """Megatron's --recompute-num-layers N: layers a checkpoint (uniform) or checkpointed
     layers a model chunk (block). Neither given: every layer checkpointed alone."""
+    recompute_modules: tuple | None = None
+    """Megatron's --recompute-modules, with selective recompute: what it recomputes, from
+    core_attn, layernorm and mlp. None: core_attn, Megatron's default and the paper's."""
 
     def __post_init__(self):
         _require_positive_ints(self)
         _check_recompute_shape(self)
+        if self.recompute_modules is not None:
+            object.__setattr__(self, "recompute_modules", _checked_modules(self))
         for name in ("sequence_parallel", "distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -93,6 +98,35 @@ def _check_recompute_shape(run) -> None:
         raise SpecError("give --recompute-method and --recompute-num-layers together, as Megatron requires")
     if run.recompute_method not in ("uniform", "block"):
         raise SpecError(f"recompute_method must be uniform or block, got {run.recompute_method!r}")
+
+
+#: Megatron's recompute modules for layers actmem does not model, and why
+_OTHER_MODULES = {
+    **dict.fromkeys(("moe", "moe_act", "shared_experts"), "applies to mixture-of-experts layers, which "
+                                                          "actmem does not model yet"),
+    "mla_up_proj": "applies to multi-latent attention, which actmem does not model yet",
+}
+
+
+def _checked_modules(run) -> tuple:
+    """--recompute-modules as a tuple in Megatron's order, or the first thing wrong with it."""
+    given = run.recompute_modules
+    if isinstance(given, str) or not isinstance(given, (tuple, list)) or not all(isinstance(m, str) for m in given):
+        raise SpecError(f"recompute_modules must be a list of module names, got {given!r}")
+    if not given:
+        raise SpecError("--recompute-modules names no module: give core_attn, layernorm or mlp "
+                        "(or leave it out for core_attn, Megatron's default)")
+    if run.recompute is not Recompute.SELECTIVE:
+        raise SpecError(f"--recompute-modules chooses what selective recompute recomputes (Megatron reads "
+                        f"it only then); this run's recompute is {getattr(run.recompute, 'value', run.recompute)}")
+    for module in given:
+        if module in _OTHER_MODULES:
+            raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")
+        if module not in RECOMPUTE_MODULES:
+            raise SpecError(f"--recompute-modules {module} is not one of Megatron's modules: actmem models "
+                            f"{', '.join(RECOMPUTE_MODULES)} (and names moe, moe_act, shared_experts, "
+                            "mla_up_proj as not modelled)")
+    return tuple(module for module in RECOMPUTE_MODULES if module in given)
 
 
 @dataclass(frozen=True)
@@ -133,7 +167,7 @@ class Spec:
             core=self.architecture.attention_core,
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
-            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads),
+            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads))
 
     @property
@@ -205,6 +239,8 @@ def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict 
     _check_keys("run", run, Run, required=False)
     _check_keys("architecture", architecture or {}, Architecture, required=False)
     run = dict(run)
+    if isinstance(run.get("recompute_modules"), str):    # a flag: 'core_attn,mlp' or 'core_attn mlp'
+        run["recompute_modules"] = tuple(run["recompute_modules"].replace(",", " ").split())
     if isinstance(run.get("recompute"), str):
         try:
             run["recompute"] = Recompute(run["recompute"])

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, replace
 
-from actmem.terms import Recompute
+from actmem.terms import DEFAULT_MODULES, RECOMPUTE_MODULES, Recompute, Term
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,18 @@ class Technique:
     first ``recompute_layers`` layers of each model chunk and keeps everything of the rest."""
     recompute_layers: int = 1
     """N of --recompute-num-layers; uniform with N = 1 is every layer alone (the paper's)."""
+    recompute_modules: frozenset = DEFAULT_MODULES
+    """Selective recompute as Megatron chooses it (--recompute-modules): the modules whose
+    checkpoints drop their rows (Term.module). core_attn, the default, is the paper's."""
+
+    def drops(self, term: Term) -> bool:
+        """Whether selective recompute recomputes this row rather than keep it."""
+        return self.recompute is Recompute.SELECTIVE and term.module in self.recompute_modules
+
+    @property
+    def modules(self) -> tuple:
+        """The recompute modules in Megatron's order ('core_attn', 'layernorm', 'mlp')."""
+        return tuple(module for module in RECOMPUTE_MODULES if module in self.recompute_modules)
 
     @property
     def partial(self) -> bool:
@@ -28,7 +40,8 @@ class Technique:
 
     def whole(self) -> "Technique":
         """The same switches with nothing recomputed: what a layer kept whole keeps."""
-        return replace(self, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1)
+        return replace(self, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1,
+                       recompute_modules=DEFAULT_MODULES)
 
     def chunk_layers(self, per_chunk: int) -> tuple[int, int]:
         """(checkpoints, layers kept whole) in a model chunk of per_chunk layers."""
@@ -81,24 +94,33 @@ BASELINE = BY_NAME["tp"]
 
 
 def run_technique(sequence_parallel: bool, recompute: Recompute, method: str = "uniform",
-                  layers: int = 1) -> Technique:
+                  layers: int = 1, modules=None) -> Technique:
     """The technique of a user's own run: tensor parallel (t may be 1) with its own flags."""
-    return Technique("run", True, sequence_parallel, recompute, "this run", method, layers)
+    return Technique("run", True, sequence_parallel, recompute, "this run", method, layers,
+                     DEFAULT_MODULES if modules is None else frozenset(modules))
+
+
+def _switches(technique: Technique) -> tuple:
+    return (technique.sequence_parallel, technique.recompute, technique.recompute_method,
+            technique.recompute_layers, technique.recompute_modules)
 
 
 def matching(technique: Technique) -> Technique | None:
     """The named technique with the same switches as a run's (t > 1 or not aside); None for
-    a partial full recompute, which no named row is."""
+    a partial full recompute or recompute modules other than core_attn, which no named row is."""
     return next((named for named in TECHNIQUES if named.tensor_parallel and
-                 (named.sequence_parallel, named.recompute, named.recompute_method, named.recompute_layers)
-                 == (technique.sequence_parallel, technique.recompute, technique.recompute_method,
-                     technique.recompute_layers)), None)
+                 _switches(named) == _switches(technique)), None)
 
 
-def partial_run(technique: Technique) -> Technique:
-    """A row for a run with partial full recompute: 'tp-sp-full·block 2'."""
-    base = matching(replace(technique, recompute_method="uniform", recompute_layers=1))
-    shape = f"{technique.recompute_method} {technique.recompute_layers}"
-    return replace(technique, name=f"{base.name}·{shape}",
-                   label=f"{base.label}, {shape} (Megatron's --recompute-method "
-                         f"{technique.recompute_method} --recompute-num-layers {technique.recompute_layers})")
+def unnamed_run(technique: Technique) -> Technique:
+    """A row for a run no named technique is: partial full recompute, 'tp-sp-full·block 2', or
+    selective recompute of other modules, 'tp-sp-sel·core_attn+mlp'."""
+    base = matching(replace(technique, recompute_method="uniform", recompute_layers=1,
+                            recompute_modules=DEFAULT_MODULES))
+    if technique.recompute is Recompute.SELECTIVE:
+        shape, flags = "+".join(technique.modules), f"--recompute-modules {' '.join(technique.modules)}"
+    else:
+        shape = f"{technique.recompute_method} {technique.recompute_layers}"
+        flags = f"--recompute-method {technique.recompute_method} --recompute-num-layers {technique.recompute_layers}"
+    label = base.label.split(" (Eq")[0]        # the paper's equation is core_attn's alone
+    return replace(technique, name=f"{base.name}·{shape}", label=f"{label}, {shape} (Megatron's {flags})")

@@ -35,7 +35,8 @@ class Recompute(Enum):
 
     NONE = "none"
     SELECTIVE = "selective"
-    """Recompute the attention core (QKᵀ, softmax, dropout, ·V); keep the rest."""
+    """Recompute the modules Megatron's --recompute-modules names (the attention core, QKᵀ,
+    softmax, dropout, ·V, by default: the paper's selective recompute); keep the rest."""
     FULL = "full"
     """Recompute the whole layer; keep only its input (checkpoint)."""
 
@@ -51,8 +52,12 @@ class Scope(Enum):
     """Once, and only when the first stage is also the last (p = 1)."""
 
 
+#: Megatron's --recompute-modules that a dense layer has (TransformerConfig.recompute_modules),
+#: in its order; core_attn is its default and the paper's selective recompute
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+DEFAULT_MODULES = frozenset({"core_attn"})
+
 _STORED = frozenset({Recompute.NONE, Recompute.SELECTIVE})
-_NOT_RECOMPUTED = frozenset({Recompute.NONE})
 _ALWAYS = frozenset(Recompute)
 _CHECKPOINT = frozenset({Recompute.FULL})
 
@@ -71,6 +76,13 @@ class Term:
     """What it is, and where the paper counts it."""
     present: Callable = always
     """architecture -> whether the layer has this tensor at all (dropout 0 keeps no mask)."""
+    module: str | None = None
+    """The recompute module whose checkpoint drops it under selective recompute: 'core_attn'
+    (attention.py, _checkpointed_attention_forward: tensor_parallel.checkpoint of the core
+    attention, keeping q, k and v) or 'mlp' (transformer_layer.py, _forward_mlp:
+    tensor_parallel.checkpoint(self.mlp, False, pre_mlp_layernorm_output), keeping its input).
+    Under Transformer Engine the MLP's norm is fused into linear_fc1 (pre_mlp_layernorm is an
+    IdentityOp), so that checkpoint covers the norm and keeps the norm's input, a row of its own."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
@@ -116,6 +128,12 @@ TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before attention keeps its input (4.1, layer norm 2sbh)", keeps_norm_input),
+    # the norms' statistics: TE's fused norms keep them (layernorm_linear.py, _LayerNormLinear:
+    # mu, rsigma); the paper leaves them out, and so does its eager path
+    Term("attention_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the norm before attention keeps fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and "
+         "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
+         "other code", counts_norm_statistics),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
     # the eager core (the paper's, Megatron-Core's local DotProductAttention)
@@ -123,17 +141,17 @@ TERMS = (
          "QKᵀ keeps Q and K (4.1, 4sbh; 4sb·ad with head dim d). With query groups Megatron's "
          "local attention expands K to a heads first (dot_product_attention.py: repeat_interleave, "
          "a copy), so K is as wide as Q", eager),
-    Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "softmax keeps its output (4.1, 2as²b)", eager),
-    Term("softmax_output_fp32", F32 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+    Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "softmax keeps its output (4.1, 2as²b)", eager, module="core_attn"),
+    Term("softmax_output_fp32", F32 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
          "transformers' Llama eager attention takes the softmax in fp32 and keeps it (4as²b) beside "
          "the 16-bit copy ·V keeps (modeling_llama.py, eager_attention_forward: softmax(..., "
-         "dtype=torch.float32).to(query.dtype))", eager_softmax_fp32),
-    Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
-         "attention dropout keeps its 1-byte mask (4.1, as²b)", eager_with_attention_dropout),
-    Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+         "dtype=torch.float32).to(query.dtype))", eager_softmax_fp32, module="core_attn"),
+    Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "attention dropout keeps its 1-byte mask (4.1, as²b)", eager_with_attention_dropout, module="core_attn"),
+    Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
          "attention over V keeps the dropout output (4.1, 2as²b); with no attention dropout "
-         "it keeps the softmax output, counted once above", eager_with_attention_dropout),
+         "it keeps the softmax output, counted once above", eager_with_attention_dropout, module="core_attn"),
     Term("value", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
          "attention over V keeps V (4.1, 2sbh), expanded to a heads as K is (2sb·ad)", eager),
     # the flash core: TE's cuDNN fused attention (FusedAttnFunc: save_for_backward of q, k, v,
@@ -150,14 +168,15 @@ TERMS = (
          "(llama3/model/model.py @018740b7); g groups wide where that reshape is a view (g = t, "
          "or no query groups). torchtitan's newer GQAttention (common/attention.py) passes "
          "enable_gqa instead and keeps g groups always: not modelled", flash_repeated_key_value),
-    Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _NOT_RECOMPUTED, Scope.LAYER,
+    Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps the softmax's fp32 log-sum-exp, one a query row (4bas); with "
-         "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash),
+         "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash,
+         module="core_attn"),
     Term("flash_output", lambda arch: _sb_attention(1)(arch) * sympy.Min(b - 1, 1), Region.BLOCK,
-         _NOT_RECOMPUTED, Scope.LAYER,
+         _STORED, Scope.LAYER,
          "flash-attn keeps its output in its own bshd layout; TE's FlashAttention.forward hands the "
          "projection output.view(b, s, -1).transpose(0, 1).contiguous(), a second copy when b > 1 "
-         "(2sb·ad, none at b = 1)", flash_attn),
+         "(2sb·ad, none at b = 1)", flash_attn, module="core_attn"),
     Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
          "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
          "kernel's own output, one storage: TE's sbhd layout makes the reshape a view"),
@@ -165,34 +184,33 @@ TERMS = (
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
     Term("mlp_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "layer norm before the MLP keeps its input (4.1, layer norm 2sbh)", keeps_norm_input),
+         "layer norm before the MLP keeps its input (4.1, layer norm 2sbh); with the MLP recomputed "
+         "it is what the MLP's checkpoint keeps, one storage", keeps_norm_input),
+    Term("mlp_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
+         "into linear_fc1, inside the MLP's checkpoint", counts_norm_statistics, module="mlp"),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "h→4h linear keeps its input (4.1, 2sbh)"),
+         "h→4h linear keeps its input (4.1, 2sbh)", module="mlp"),
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
-         "bias-GeLU saves its input and the bias, a parameter", gelu),
+         "bias-GeLU saves its input and the bias, a parameter", gelu, module="mlp"),
     Term("gelu_tanh_intermediates", _sbf(3), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU's tanh form written in Python keeps three more f-wide tensors (3 x 2sbf): transformers' "
          "gelu_new (activations.py, NewGELUActivation: 0.5 * x * (1 + tanh(√(2/π)(x + 0.044715x³)))) "
          "keeps tanh's output (tanh saves its result) and both factors of the last product, 0.5x and "
-         "1 + tanh; pow keeps x, the GeLU input above", gelu_keeping_tanh_intermediates),
+         "1 + tanh; pow keeps x, the GeLU input above", gelu_keeping_tanh_intermediates, module="mlp"),
     Term("swiglu_input", _sbf(2), Region.BLOCK, _STORED, Scope.LAYER,
          "SwiGLU keeps only its 2f-wide input (Megatron's fused_bias_swiglu.py: SwiGLUFunction "
          "saves input_for_backward; 4sbf); unfused (torchtitan), the same bytes as two f-wide "
-         "tensors, w1 x (silu's input) and w3 x (the product's other factor)", swiglu),
+         "tensors, w1 x (silu's input) and w3 x (the product's other factor)", swiglu, module="mlp"),
     Term("silu_output", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "an unfused SwiGLU keeps silu's output too (2sbf): silu(w1 x) * w3 x saves both factors "
-         "of the product, and silu its input (torchtitan's FeedForward.forward)", swiglu_keeping_silu_output),
+         "of the product, and silu its input (torchtitan's FeedForward.forward)", swiglu_keeping_silu_output,
+         module="mlp"),
     Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)"),
+         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)", module="mlp"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
-    # -- the norms' statistics: TE's fused norms keep them (layernorm_linear.py,
-    # _LayerNormLinear: mu, rsigma); the paper leaves them out, and so does its eager path
-    Term("norm_statistics", _norm_statistics(2), Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the two norms keep fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and 4 B "
-         "for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
-         "other code", counts_norm_statistics),
     # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),
     # pow(2) and the mul by rsqrt keep that fp32 copy; weight * x.to(input_dtype) keeps the
     # 16-bit normalized tensor; the 16-bit input itself is kept by nothing

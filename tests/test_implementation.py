@@ -16,13 +16,14 @@ TORCH_NATIVE = ("--model", "llama-3.1-8b", "--implementation", "torch-native", "
 F_T = 2 * 8192 * 14336 // 8                  # one 16-bit (s, b, f/t) tensor: 29,360,128 B
 TORCH_NATIVE_LAYER = {
     "attention_layernorm_input": 2 * SBH_T,  # nn.RMSNorm under SequenceParallel: its shard
-    "norm_statistics": 2 * 4 * 8192 // 8,    # two fused RMSNorms' fp32 rstd of their shard
+    "attention_norm_statistics": 4 * 8192 // 8,   # a fused RMSNorm's fp32 rstd of its shard
     "qkv_input": 2 * 8192 * 4096,            # PrepareModuleInput all-gathers: 2sbh, not 2sbh/t
     "query": 2 * 8192 * 32 * 128 // 8,       # after rope (type_as: a copy), 2sb·ad/t
     "repeated_key_value": 2 * 2 * 8192 * 8 * 128 // 8,    # t = g: repeat_kv is a view, g wide
     "softmax_lse": 4 * 32 * 8192 // 8,
     "projection_input": 2 * 8192 * 32 * 128 // 8,
     "mlp_layernorm_input": 2 * SBH_T,
+    "mlp_norm_statistics": 4 * 8192 // 8,
     "fc1_input": 2 * 8192 * 4096,            # gathered again before w1 and w3
     "swiglu_input": 2 * F_T,                 # w1 x and w3 x
     "silu_output": F_T,                      # silu(w1 x), the product's first factor
@@ -229,7 +230,8 @@ GPT2_EAGER_LAYER = {
     "attention_dropout_mask": SBH_GPT2 // 2, "mlp_layernorm_input": SBH_GPT2, "fc1_input": SBH_GPT2,
     "gelu_input": SBF_GPT2, "gelu_tanh_intermediates": 3 * SBF_GPT2,   # tanh, 0.5x, 1 + tanh
     "fc2_input": SBF_GPT2, "mlp_dropout_mask": SBH_GPT2 // 2,
-    "norm_statistics": 2 * 2 * 4 * 1024,      # two LayerNorms' fp32 mean and rstd (on a GPU)
+    "attention_norm_statistics": 2 * 4 * 1024,    # a LayerNorm's fp32 mean and rstd (on a GPU)
+    "mlp_norm_statistics": 2 * 4 * 1024,
 }
 GPT2_CONFIG = "tests/data/hf/gpt2/config.json"
 

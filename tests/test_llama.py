@@ -30,7 +30,8 @@ LLAMA_8B_LAYER = {
     "fc1_input": 2 * SBH_T,
     "swiglu_input": 2 * 2 * 8192 * 14336 // 8,     # the 2f-wide input: 58,720,256
     "fc2_input": 2 * 8192 * 14336 // 8,            # 29,360,128
-    "norm_statistics": 2 * 4 * 8192 // 8,          # two RMSNorms' fp32 rsigma: 8,192
+    "attention_norm_statistics": 4 * 8192 // 8,    # each RMSNorm's fp32 rsigma: 4,096
+    "mlp_norm_statistics": 4 * 8192 // 8,
 }
 
 

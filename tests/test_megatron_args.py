@@ -29,8 +29,9 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--recompute-modules core_attn mlp --frobnicate 3 --turbo",
-     ["--recompute-modules mlp is not modelled yet", "unknown to actmem: --frobnicate, --turbo"]),
+    ("--recompute-modules core_attn mlp --frobnicate 3 --turbo --transformer-impl local",
+     ["--recompute-modules mlp is modelled for --transformer-impl transformer_engine",
+      "unknown to actmem: --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),
@@ -143,4 +144,5 @@ def test_recompute_modules_outside_selective_granularity_is_refused(actmem):
     run = RUN.replace("--recompute-activations", "--recompute-granularity full --recompute-method uniform "
                                                   "--recompute-num-layers 1")
     assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {run} --recompute-modules core_attn {NOISE}"),
-                          "--recompute-modules is read only with --recompute-granularity selective")
+                          "--recompute-modules chooses what selective recompute recomputes (Megatron reads it "
+                          "only then); this run's recompute is full")

@@ -226,7 +226,7 @@ def test_one_unit_a_column_and_singular_words(actmem):
 
 @pytest.mark.parametrize("args, fragment", [
     (("--num-experts", "8"), "--num-experts is a Megatron-LM argument that actmem does not model yet"),
-    (("--recompute-modules", "core_attn"), "its default, core_attn, is --recompute selective here"),
+    (("--recompute-modules", "moe"), "--recompute-modules moe applies to mixture-of-experts layers"),
 ])
 def test_a_megatron_argument_actmem_does_not_model_says_so(actmem, args, fragment):
     result = actmem("estimate", "--model", "530b", *args)

@@ -168,7 +168,7 @@ def test_fit_takes_the_plan_request_flags_and_not_what_plan_prints(tmp_path):
 _VALIDATION_CSV = """config,technique,rank,term,kind,formula_bytes,measured_bytes,error_percent,gate
 22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,qkv_input,paper,603979776,603979776,0.0,pass
 22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,query_key,paper,1207959552,1207959552,0.0,pass
-22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,norm_statistics,residual,786432,786432,0.0,pass
+22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,attention_norm_statistics,residual,393216,393216,0.0,pass
 22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,total,total,1812725760,1812725760,0.0,pass
 22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,peak,floor,21881454592,22279798792,1.82,pass
 22b t=8 p=1 m=1 b=4 n=1 tp-sp-sel,tp-sp-sel,0,native_dropout_mask_extra (4 B/element),pytorch_choice,0,1830813696,,info

@@ -75,19 +75,19 @@ def test_an_extra_tensor_under_a_paper_name_fails(monkeypatch):
 
 
 def test_a_tensor_hidden_inside_a_residual_scope_fails(monkeypatch):
-    """A fresh activation saved inside the norm's scope would be filed under norm_statistics;
-    the residual's size is checked, so it is red."""
+    """A fresh activation saved inside the norm's scope would be filed under the norm's
+    statistics; the residual's size is checked, so it is red."""
     from actmem_validate.ledger import scope
 
     norm = gpt.Norm.forward
 
     def norm_and_more(self, x):
         out = norm(self, x)
-        with scope("norm_statistics"):
+        with scope("mlp_norm_statistics"):
             return torch.sin(out * 1)              # sin saves a fresh (s, b, h) tensor
     monkeypatch.setattr(gpt.Norm, "forward", norm_and_more)
     rows, failures = measured("tp")
-    stats = row(rows, "norm_statistics")
+    stats = row(rows, "mlp_norm_statistics")
     assert stats["measured_bytes"] > stats["formula_bytes"] and stats["gate"] == "fail"
     assert any("(residual) measured" in line for line in failures)
 
@@ -205,7 +205,8 @@ def measured_flash(technique="tp-sp"):
 def test_a_healthy_flash_run_passes_with_the_log_sum_exp_and_statistics_counted():
     rows, failures = measured_flash()
     assert failures == []
-    assert row(rows, "softmax_lse")["kind"] == row(rows, "norm_statistics")["kind"] == "paper"
+    assert row(rows, "softmax_lse")["kind"] == row(rows, "attention_norm_statistics")["kind"] == "paper"
+    assert row(rows, "mlp_norm_statistics")["kind"] == "paper"
 
 
 def test_flash_output_kept_twice_fails(monkeypatch):
@@ -298,3 +299,64 @@ def test_the_fp32_accumulating_gemm_is_decided_once_and_real_errors_surface(monk
     layers._FP32_ACCUMULATING_GEMM[(torch.Tensor, "cpu", torch.float32)] = True   # as if it had run
     with pytest.raises(NotImplementedError):
         layers.accumulate_weight_gradient(weight, grad, inp)
+
+
+def measured_with_modules(modules, **architecture):
+    """Rank 0 of t = 2, SP and selective recompute of ``modules`` (--recompute-modules), fake."""
+    rows = run_fake(configs_for(small_spec(2, 2, modules=modules, **architecture), ["tp-sp-sel"], 1))
+    return rows, judge(rows, 0.0)
+
+
+def test_mlp_recompute_passes_and_keeps_none_of_the_mlp():
+    """core_attn and mlp: the MLP keeps only its input, the norm's (2sbh/t = 2·16·2·64 B), and
+    nothing of fc1, GeLU or fc2 is measured or counted."""
+    rows, failures = measured_with_modules(("core_attn", "mlp"))
+    assert failures == []
+    assert row(rows, "mlp_layernorm_input")["measured_bytes"] == 2 * 2 * 16 * 2 * 64     # two layers
+    assert not {"fc1_input", "gelu_input", "fc2_input"} & {r["term"] for r in rows}
+    assert {r["config"] for r in rows} == {"small t=2 p=1 m=1 b=2 n=1 tp-sp-sel·core_attn+mlp"}
+
+
+def test_mlp_recompute_missing_from_the_harness_fails(monkeypatch):
+    """The layer forgets to checkpoint its MLP: fc1's, GeLU's and fc2's inputs are measured where
+    the formula has none."""
+    monkeypatch.setattr(gpt.LayerSpec, "recomputes", lambda self, module: module == "core_attn")
+    rows, failures = measured_with_modules(("core_attn", "mlp"))
+    for term in ("fc1_input", "gelu_input", "fc2_input"):
+        assert row(rows, term)["formula_bytes"] == 0 and row(rows, term)["gate"] == "fail"
+    assert any("gelu_input measured" in line for line in failures)
+
+
+def _clear_engine_caches():
+    from actmem import engine
+
+    for value in vars(engine).values():
+        getattr(value, "cache_clear", lambda: None)()
+
+
+def test_mlp_recompute_missing_from_the_formula_fails(monkeypatch):
+    """The engine forgets the MLP module: the formula counts rows the checkpoint never keeps."""
+    from actmem.techniques import Technique
+
+    drops = Technique.drops
+    monkeypatch.setattr(Technique, "drops", lambda self, term: drops(self, term) and term.module != "mlp")
+    _clear_engine_caches()                 # its expressions are cached by technique
+    try:
+        rows, failures = measured_with_modules(("core_attn", "mlp"))
+    finally:
+        monkeypatch.undo()
+        _clear_engine_caches()
+    gelu = row(rows, "gelu_input")
+    assert gelu["measured_bytes"] == 0 and gelu["formula_bytes"] > 0 and gelu["gate"] == "fail"
+    assert failures
+
+
+def test_mlp_recompute_alone_under_flash_keeps_the_attention_core():
+    """mlp without core_attn under flash (grid.FLASH): the core's log-sum-exp is kept and
+    counted, the MLP's rows are neither; the RMSNorm before the MLP keeps no statistics."""
+    from actmem_validate.grid import FLASH
+
+    rows, failures = measured_with_modules(("mlp",), name="small-flash", **FLASH)
+    assert failures == []
+    assert row(rows, "softmax_lse")["measured_bytes"] > 0
+    assert not {"swiglu_input", "fc2_input", "mlp_norm_statistics"} & {r["term"] for r in rows}

@@ -112,8 +112,9 @@ def test_gpt2_eager_keeps_the_paper_layer_and_gelu_new_intermediates():
     assert rows["softmax_output"]["measured_bytes"] == rows["softmax_dropout_output"]["measured_bytes"] == 2 * 32_768
     assert rows["softmax_dropout_mask"]["measured_bytes"] == 2 * 16_384
     assert rows["gelu_tanh_intermediates"]["measured_bytes"] == 2 * 98_304
-    stats = next(row for name, row in rows.items() if name.startswith("norm_statistics ("))
-    assert stats["measured_bytes"] == 2 * 512 and "16-bit on a CPU" in stats["term"]
+    for norm in ("attention", "mlp"):         # 256 B a layer each
+        stats = next(row for name, row in rows.items() if name.startswith(f"{norm}_norm_statistics ("))
+        assert stats["measured_bytes"] == 2 * 256 and "16-bit on a CPU" in stats["term"]
 
 
 @pytest.mark.parametrize("core, joint", [("eager", "query_key+value"), ("flash", "query+key_value")])
@@ -158,8 +159,9 @@ def test_norm_statistics_at_the_formula_fp32_width_fail_on_a_cpu(monkeypatch):
     width is named, not hidden."""
     monkeypatch.setattr(hf, "CPU_WIDTHS", {})
     rows, failures = _gpt2("eager", 2)
-    assert rows["norm_statistics"]["measured_bytes"] * 2 == rows["norm_statistics"]["formula_bytes"]
-    assert rows["norm_statistics"]["gate"] == "fail"
+    for stats in ("attention_norm_statistics", "mlp_norm_statistics"):
+        assert rows[stats]["measured_bytes"] * 2 == rows[stats]["formula_bytes"]
+        assert rows[stats]["gate"] == "fail"
 
 
 def test_one_storage_named_as_one_term_turns_the_gate_red(monkeypatch):

@@ -55,7 +55,7 @@ def test_no_dropout_keeps_no_mask_and_no_separate_dropout_output():
 
 @pytest.mark.parametrize("name", ["22b", "530b"])
 def test_paper_scale_fake_runs_match_to_the_byte(name):
-    rows = run_fake(preset_grid(names=(name,), llama=()))
+    rows = run_fake(preset_grid(names=(name,), llama=(), mlp_recompute=()))
     assert judge(rows, 0.0) == []
     assert worst_error(rows) == 0
     totals = [row for row in rows if row["term"] == "total"]
@@ -69,7 +69,8 @@ def test_llama_405b_fake_run_on_its_uneven_pipeline_matches_to_the_byte():
     assert judge(rows, 0.0) == []
     terms = {row["term"]: row for row in rows}
     assert terms["softmax_lse"]["measured_bytes"] == 16 * 7 * 4 * 1 * 16 * 8192      # n·layers·4·b·(a/t)·s
-    assert terms["norm_statistics"]["kind"] == "paper" and "softmax_output" not in terms
+    assert terms["attention_norm_statistics"]["kind"] == terms["mlp_norm_statistics"]["kind"] == "paper"
+    assert "softmax_output" not in terms
 
 
 def test_allocated_and_pytorch_choice_rows():

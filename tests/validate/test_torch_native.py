@@ -32,12 +32,13 @@ def test_llama_8b_at_paper_scale_keeps_the_gathered_inputs():
     assert judge(rows, 0.0) == []
     measured = _terms(rows, tp_sp.label)
     layer = {name: measured[name] // 2 for name in ("qkv_input", "fc1_input", "repeated_key_value", "silu_output",
-                                                    "attention_layernorm_input", "norm_statistics")}
+                                                    "attention_layernorm_input", "attention_norm_statistics",
+                                                    "mlp_norm_statistics")}
     assert layer["qkv_input"] == layer["fc1_input"] == 67_108_864
     assert layer["repeated_key_value"] == 4_194_304
     assert layer["silu_output"] == 29_360_128
     assert layer["attention_layernorm_input"] == 2 * 8192 * 4096 // 8
-    assert layer["norm_statistics"] == 2 * 4 * 8192 // 8          # two norms' fp32 rstd
+    assert layer["attention_norm_statistics"] == layer["mlp_norm_statistics"] == 4 * 8192 // 8   # fp32 rstd
     assert measured["output_layer_input"] == 67_108_864
     assert measured["final_layernorm_input"] == 2 * 8192 * 4096 // 8
     assert measured["logits_fp32"] == 4 * 8192 * 16_032
@@ -106,7 +107,7 @@ def test_the_cpu_norm_keeps_what_the_gpu_kernel_keeps():
     """torch 2.13's CPU RMSNorm decomposes and keeps two fp32 copies of its input; the GPU's
     aten::_fused_rms_norm keeps the 16-bit input and the fp32 rstd (derivatives.yaml). The
     harness's FusedRMSNorm keeps the latter: 2·(2·16·8) + 4·(2·16) B for a (2, 16, 8) input."""
-    norm = torchtitan.FusedRMSNorm(8, "attention_layernorm_input").to(torch.bfloat16)
+    norm = torchtitan.FusedRMSNorm(8, "attention_layernorm_input", "attention_norm_statistics").to(torch.bfloat16)
     x = torch.randn(2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
     saved = {}
     with torch.autograd.graph.saved_tensors_hooks(

@@ -147,16 +147,20 @@ def _configs(grid, techniques, microbatches, flags):
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
     shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
-    spec = build_spec_from_flags(dict(flags, recompute="full") if shaped else flags)
+    mode = "full" if shaped else "selective" if "--recompute-modules" in given else None
+    spec = build_spec_from_flags(dict(flags, recompute=mode) if mode else flags)
     if techniques is None:
         chosen = grids.default_techniques(spec)
-        chosen = [t for t in chosen if t.recompute.value == "full"] if shaped else chosen
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
-    partial = [t.name for t in chosen if t.recompute.value != "full"] if shaped else []
-    if partial:
-        raise SpecError(f"--recompute-method and --recompute-num-layers shape full recompute: measure them "
-                        f"with full or tp-sp-full, not {', '.join(partial)}")
+    others = [t.name for t in chosen if t.recompute.value != mode] if mode else []
+    if techniques is None:
+        chosen = [t for t in chosen if t.name not in others]
+    elif others:
+        shape = ("--recompute-method and --recompute-num-layers shape full recompute: measure them with full "
+                 "or tp-sp-full" if shaped else "--recompute-modules shapes selective recompute: measure it "
+                 "with tp-sel or tp-sp-sel")
+        raise SpecError(f"{shape}, not {', '.join(others)}")
     return grids.configs_for(spec, chosen, microbatches)
 
 

@@ -29,9 +29,10 @@ PAPER_TERMS = [term.name for term in TERMS]
 
 #: tensors PyTorch saves that the paper does not count, and why they are not errors
 RESIDUALS = {
-    "norm_statistics": "fp32 mu and rsigma of each LayerNorm (8 B a token), rsigma of each RMSNorm "
-                       "(4 B a token), as TE's fused norms keep them; the paper leaves them out "
-                       "(on the flash path they are a counted term)",
+    "attention_norm_statistics": "fp32 mu and rsigma of the LayerNorm before attention (8 B a token), "
+                                 "rsigma of an RMSNorm (4 B a token), as TE's fused norms keep them; "
+                                 "the paper leaves them out (on the flash path they are a counted term)",
+    "mlp_norm_statistics": "the same for the norm before the MLP, unless the MLP is recomputed",
     "final_norm_statistics": "the same for the final norm, when the stage holds the output layer",
     "token_ids": "the embedding's int64 token indices and its bool out-of-shard mask: 9 B a token, "
                  "for each microbatch whose embedding the stage holds",
@@ -55,11 +56,13 @@ def expected_residuals(spec, occupancy) -> dict:
     per microbatch whose embedding is held, and once for the loss when p = 1."""
     s, b, run, arch = spec.model.seq_len // spec.run.context_parallel, spec.run.micro_batch, spec.run, spec.architecture
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
-    layer_norms = 2 * _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
+    layers = _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
     per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma
     counted = arch.attention_core != "eager"      # terms of the table on the flash path
+    mlp_recomputed = "mlp" in (run.recompute_modules or ())   # the norm is inside its checkpoint
     return {
-        "norm_statistics": 0 if counted else layer_norms * per_norm,
+        "attention_norm_statistics": 0 if counted else layers * per_norm,
+        "mlp_norm_statistics": 0 if counted or mlp_recomputed else layers * per_norm,
         "final_norm_statistics": 0 if counted else int(occupancy.holds_output_layer) * per_norm,
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,

@@ -34,9 +34,10 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
 
 
 def recompute_modes(variant: str) -> tuple:
-    """The modes actmem models for a variant: no selective recompute under flash."""
+    """The modes actmem models for a variant, 'selective:mlp' naming --recompute-modules: no
+    recompute of the attention core under flash, of the MLP everywhere."""
     flash = VARIANTS[variant].get("attention_core", "eager") != "eager"
-    return ("none", "full") if flash else ("none", "selective", "full")
+    return ("none", "selective:mlp", "full") if flash else ("none", "selective", "selective:core_attn+mlp", "full")
 
 
 def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:
@@ -55,8 +56,10 @@ def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper"
     and the weight gradients are summed over the context-parallel ranks, as Megatron does."""
     arch = VARIANTS[variant]
     gated = arch.get("activation") == "swiglu"
+    recompute, _, modules = recompute.partition(":")
     spec = LayerSpec(h, a, s, layers=2, attention_dropout=0.0, hidden_dropout=0.0, recompute=recompute,
-                     dtype=torch.float32, **arch)
+                     dtype=torch.float32, recompute_modules=tuple(modules.split("+")) if modules else ("core_attn",),
+                     **arch)
     torch.manual_seed(0)
     reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32, **arch), TensorParallel())
     layer = TransformerLayer(spec, tp)

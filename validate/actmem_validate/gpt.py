@@ -43,6 +43,7 @@ class LayerSpec:
     position_embedding: str = "learned"   # learned | rope | none
     recompute_method: str = "uniform"     # with full recompute: uniform | block
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
+    recompute_modules: tuple = ("core_attn",)   # with selective recompute: core_attn, layernorm, mlp
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -58,7 +59,12 @@ class LayerSpec:
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
                    arch.head_dim, arch.attention_core, arch.position_embedding,
-                   spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1)
+                   spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
+                   spec.run.recompute_modules or ("core_attn",))
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
+        return self.recompute == "selective" and module in self.recompute_modules
 
     @property
     def ffn_hidden(self) -> int:
@@ -170,7 +176,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3).reshape(b * self.heads, s, d).clone(memory_format=torch.contiguous_format)
                    for t in (q, k, v))                        # (b·a/t, s, d)
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
-        if self.spec.recompute == "selective":
+        if self.spec.recomputes("core_attn"):
             context = checkpoint(attention_core, q, k, v, self.dropout,
                                  use_reentrant=True)           # keeps q, k, v only
         else:
@@ -230,12 +236,20 @@ class TransformerLayer(nn.Module):
 
     def _forward(self, x):
         label(x, "attention_layernorm_input")
-        with scope("norm_statistics"):
+        with scope("attention_norm_statistics"):
             normed = label(self.norm1(x), "qkv_input")
         x = label(x + self.dropout1(self.attention(normed)), "mlp_layernorm_input")
-        with scope("norm_statistics"):
+        if self.spec.recomputes("mlp"):       # keeps x only, the norm's input
+            return x + self.dropout2(checkpoint(self._mlp, x, use_reentrant=True))
+        return x + self.dropout2(self._mlp(x))
+
+    def _mlp(self, x):
+        """The norm and the MLP: Megatron-Core's MLP under Transformer Engine, whose linear_fc1
+        is TELayerNormColumnParallelLinear (the norm fused in; pre_mlp_layernorm an IdentityOp),
+        so the MLP checkpoint of --recompute-modules mlp covers the norm too."""
+        with scope("mlp_norm_statistics"):
             normed = label(self.norm2(x), "fc1_input")
-        return x + self.dropout2(self.mlp(normed))
+        return self.mlp(normed)
 
     def forward(self, x):
         if self.spec.recompute == "full":

@@ -1,8 +1,11 @@
 """Which configurations to measure: from a spec and a list of techniques, or a named grid."""
 
+from dataclasses import replace
+
 from actmem.presets import load_preset
 from actmem.spec import Spec, build_spec
 from actmem.techniques import BY_NAME, TECHNIQUES
+from actmem.terms import Recompute
 from actmem_validate.measure import Config, config_for
 
 DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
@@ -12,12 +15,16 @@ DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
 def default_techniques(spec: Spec) -> list:
     """What `validate` measures when not told: every tensor-parallel technique actmem models
     for the spec's architecture and implementation, less those with sequence parallelism
-    when t = 1 (they need t > 1); 'none' alone for an implementation run on one device."""
+    when t = 1 (they need t > 1); 'none' alone for an implementation run on one device. The
+    selective rows recompute the spec's --recompute-modules where it gives them (the spec
+    checked that actmem models them)."""
     from actmem.estimate import modelled_techniques
 
     if "tensor" not in spec.architecture.code.runs:
         return [BY_NAME["none"]]
     modelled = {technique.name for technique in modelled_techniques(spec)}
+    if spec.run.recompute_modules is not None:
+        modelled |= {name for name in DEFAULT_TECHNIQUES if BY_NAME[name].recompute is Recompute.SELECTIVE}
     t = spec.run.tensor_parallel
     return [BY_NAME[name] for name in DEFAULT_TECHNIQUES
             if name in modelled and (t > 1 or not BY_NAME[name].sequence_parallel)]
@@ -72,12 +79,14 @@ HF_GPT2 = {"eager": dict(implementation="hf", attention_core="eager"),
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
-               b: int = 2, **architecture) -> Spec:
-    """recompute: (method, N) of a partial full recompute; the technique sets the mode."""
+               b: int = 2, modules: tuple | None = None, **architecture) -> Spec:
+    """recompute: (method, N) of a partial full recompute; modules: what selective recompute
+    recomputes (--recompute-modules); the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=b, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
-               recompute_layers=recompute[1], recompute="full" if recompute[0] else "none")
+               recompute_layers=recompute[1], recompute_modules=modules,
+               recompute="full" if recompute[0] else "selective" if modules else "none")
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
                       architecture=architecture)
@@ -125,6 +134,12 @@ def small_grid() -> list[Config]:
     # (interleaved), uniform groups of 2 (the last group of 1), eager and flash
     configs += configs_for(small_spec(12, 2, 2, 2, recompute=("block", 1)), ["tp-sp-full"])
     configs += configs_for(small_spec(6, 2, 2, recompute=("uniform", 2), name="small-flash", **FLASH), ["tp-sp-full"])
+    # selective recompute of the MLP too (--recompute-modules core_attn mlp): the paper's layer
+    # with and without SP, the gated one interleaved; and of the MLP alone under flash
+    configs += configs_for(small_spec(2, 2, modules=("core_attn", "mlp")), ["tp-sel", "tp-sp-sel"], 1)
+    configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", modules=("core_attn", "mlp"), **GATED),
+                           ["tp-sp-sel"])
+    configs += configs_for(small_spec(2, 2, name="small-flash", modules=("mlp",), **FLASH), ["tp-sp-sel"], 1)
     # torch-native: torchtitan's Llama blocks under DTensor TP (+ SP), g/t = 2 (repeat_kv
     # copies) and 1 (a view), full activation checkpointing; one microbatch's layers
     configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none"], 1)
@@ -153,19 +168,21 @@ LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
 
 
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),
-                llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
+                llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full"),
+                mlp_recompute=("22b", "llama-3.1-8b")) -> list[Config]:
     """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's
-    run; and the Llama 3.1 models, flash attention, with and without full recompute."""
+    run; the Llama 3.1 models, flash attention, with and without full recompute; and selective
+    recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models."""
     configs = []
-    for name in names:
+    for name in names + llama:
         preset = load_preset(name)
-        spec = build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
-        configs += configs_for(spec, techniques)
-    for name in llama:
-        preset = load_preset(name)
-        spec = build_spec(preset.model, preset.run | LLAMA_RUNS[name], name=preset.name,
+        spec = build_spec(preset.model, preset.run | LLAMA_RUNS.get(name, {}), name=preset.name,
                           architecture=preset.architecture)
-        configs += configs_for(spec, llama_techniques)
+        configs += configs_for(spec, techniques if name in names else llama_techniques)
+        if name in mlp_recompute:
+            modules = ("core_attn", "mlp") if spec.architecture.attention_core == "eager" else ("mlp",)
+            run = replace(spec.run, recompute=Recompute.SELECTIVE, recompute_modules=modules)
+            configs += configs_for(replace(spec, run=run), ["tp-sp-sel"])
     return configs
 
 

@@ -30,6 +30,8 @@ from actmem_validate.torch_compat import fake_tensor_mode
 
 TRANSFORMERS_VERSION = "5.23.0"
 _NORMS = ("input_layernorm", "post_attention_layernorm")
+_STATISTICS = {"input_layernorm": "attention_norm_statistics", "post_attention_layernorm": "mlp_norm_statistics",
+               "ln_1": "attention_norm_statistics", "ln_2": "mlp_norm_statistics"}
 
 _LOSS = (        # ForCausalLMLoss (loss_utils.py): its fp32 log-softmax and shifted int64 targets
     ("", "_log_softmax.default", "out", "logits_fp32"),
@@ -44,7 +46,7 @@ RULES = (
     # LlamaRMSNorm.forward: x.to(float32) kept by pow and the mul by rsqrt; rsqrt's result;
     # the 16-bit normalized tensor kept by weight * x
     *((norm, "_to_copy.default", "out:float32", "norm_input_fp32") for norm in _NORMS),
-    *((norm, "rsqrt.default", "out", "norm_statistics") for norm in _NORMS),
+    *((norm, "rsqrt.default", "out", _STATISTICS[norm]) for norm in _NORMS),
     *((norm, "_to_copy.default", "out:bfloat16", "norm_normalized") for norm in _NORMS),
     ("model.norm", "_to_copy.default", "out:float32", "final_norm_input_fp32"),
     ("model.norm", "rsqrt.default", "out", "final_norm_statistics"),
@@ -89,7 +91,7 @@ def gpt2_rules(attention_core: str) -> tuple:
     return (
         *((norm, "native_layer_norm.default", 0, term) for norm, term in (
             ("ln_1", "attention_layernorm_input"), ("ln_2", "mlp_layernorm_input"), ("ln_f", "final_layernorm_input"))),
-        *((norm, "native_layer_norm.default", which, "norm_statistics") for norm in ("ln_1", "ln_2")
+        *((norm, "native_layer_norm.default", which, _STATISTICS[norm]) for norm in ("ln_1", "ln_2")
           for which in ("out1", "out2")),
         *(("ln_f", "native_layer_norm.default", which, "final_norm_statistics") for which in ("out1", "out2")),
         ("c_attn", "addmm.default", 1, "qkv_input"),
@@ -124,7 +126,7 @@ def gpt2_rules(attention_core: str) -> tuple:
 #: torch/_refs native_layer_norm: "if input.device.type == 'cpu'", cast to input.dtype) and
 #: fp32 on a GPU (layer_norm_kernel.cu: acc_type)
 _HALF = (Fraction(1, 2), "16-bit on a CPU: 1/2 of the fp32 formula")
-CPU_WIDTHS = {"norm_statistics": _HALF, "final_norm_statistics": _HALF}
+CPU_WIDTHS = dict.fromkeys(("attention_norm_statistics", "mlp_norm_statistics", "final_norm_statistics"), _HALF)
 
 
 def build_model(spec):

@@ -8,7 +8,8 @@ import torch
 from actmem.estimate import estimate
 from actmem.implementation import HF_ATTENTION, MEGATRON
 from actmem.spec import Spec
-from actmem.techniques import Technique
+from actmem.techniques import Technique, matching, unnamed_run
+from actmem.terms import Recompute
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
 from actmem_validate.layers import attach_main_grads
@@ -46,10 +47,16 @@ class Config:
 
 def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     """The spec a technique is measured at: t = 1 for 'none' (no parallelism), the technique's
-    SP and recompute, one data-parallel rank, n microbatches."""
+    SP and recompute (selective: of the spec's --recompute-modules, 'tp-sp-sel·mlp'), one
+    data-parallel rank, n microbatches."""
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1
+    modules = spec.run.recompute_modules if technique.recompute is Recompute.SELECTIVE else None
+    if modules is not None:
+        technique = replace(technique, recompute_modules=frozenset(modules))
+        technique = matching(technique) or unnamed_run(technique)
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
-                  recompute=technique.recompute, gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel,
+                  recompute=technique.recompute, recompute_modules=modules,
+                  gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel,
                   global_batch=microbatches * spec.run.micro_batch, distributed_optimizer=False)
     return Config(replace(spec, run=run), technique, microbatches)
 

@@ -58,7 +58,7 @@ class FusedRMSNorm(nn.RMSNorm):
     rstd, one a token (and the weight, a parameter). ``term`` names the input's row,
     ``statistics`` the rstd's."""
 
-    def __init__(self, dim: int, term: str, statistics: str = "norm_statistics", eps: float = 1e-5):
+    def __init__(self, dim: int, term: str, statistics: str, eps: float = 1e-5):
         super().__init__(dim, eps=eps)
         self.term, self.statistics = term, statistics
 
@@ -139,8 +139,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(dim, n_heads, n_kv_heads, head_dim)
         self.feed_forward = FeedForward(dim, hidden_dim)
-        self.attention_norm = FusedRMSNorm(dim, "attention_layernorm_input")
-        self.ffn_norm = FusedRMSNorm(dim, "mlp_layernorm_input")
+        self.attention_norm = FusedRMSNorm(dim, "attention_layernorm_input", "attention_norm_statistics")
+        self.ffn_norm = FusedRMSNorm(dim, "mlp_layernorm_input", "mlp_norm_statistics")
 
     def forward(self, x, freqs_cis):
         h = x + self.attention(self.attention_norm(x), freqs_cis)

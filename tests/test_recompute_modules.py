@@ -1,0 +1,116 @@
+"""Megatron's --recompute-modules: selective recompute of the attention core (core_attn, the
+paper's), the MLP (mlp) and the norms (layernorm). Expected bytes are derived by hand below
+from what each checkpoint keeps (transformer_layer.py, _forward_mlp; attention.py)."""
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+from tests.test_llama import LLAMA_8B, LLAMA_8B_LAYER
+
+# The paper's 22B run (Table 3): s = 2048, b = 4, h = 6144, a = 64, t = 8, SP on.
+SBH_T = 2048 * 4 * 6144 // 8                  # 6,291,456 elements: one (s/t, b, h) shard
+PAPER_22B = ("--model", "22b", "--recompute", "selective")
+
+
+def _per_layer(out) -> dict:
+    return {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+
+
+def _run_row(out) -> dict:
+    return next(row for row in out["techniques"] if row["is_run"])
+
+
+def _rerun(out) -> tuple[int, int]:
+    """(rematerialised, freed before it) at the peak floor's rerun moment."""
+    rows = {row["name"]: row["bytes"] for row in out["peak_floor"]["rows"]}
+    assert out["peak_floor"]["moment"] == "the first backward, its recompute done"
+    return rows["rematerialised"], out["activations_bytes"] - rows["activations_in_flight"]
+
+
+def test_mlp_recompute_keeps_only_the_norm_input_of_the_mlp(actmem):
+    """Eq 6 is 34sbh/t a layer. Recomputing the MLP (its norm fused into linear_fc1 under TE)
+    drops fc1's input 2sbh/t, GeLU's input 8sbh/t and fc2's input 8sbh/t: 18sbh/t. Kept: the
+    MLP's input, the norm's input (2sbh/t), and the mask of the dropout after it (sbh/t).
+    34 - 18 = 16sbh/t = 100,663,296 B."""
+    out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
+    layer = _per_layer(out)
+    assert sum(layer.values()) == 16 * SBH_T == 100_663_296
+    assert layer["mlp_layernorm_input"] == 2 * SBH_T and layer["mlp_dropout_mask"] == SBH_T
+    assert not {"fc1_input", "gelu_input", "fc2_input"} & set(layer)
+    assert out["run"]["technique"] == "tp-sp-sel·core_attn+mlp"
+    assert _run_row(out)["per_layer_bytes"] == 100_663_296
+    # the paper's selective row is still shown, at Eq 6's 34sbh/t
+    assert {r["technique"]: r["per_layer_bytes"] for r in out["techniques"]}["tp-sp-sel"] == 34 * SBH_T
+
+
+def test_the_order_and_spelling_of_the_modules_do_not_matter(actmem):
+    a = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "mlp,core_attn")
+    b = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn mlp")
+    assert a["run_terms"] == b["run_terms"] and a["run"]["technique"] == b["run"]["technique"]
+
+
+def test_layernorm_recompute_changes_no_byte_under_te_and_says_why(actmem):
+    """TE fuses both norms into the next linear (IdentityOp norms), and Megatron recomputes only
+    a norm of its own: the same bytes as core_attn alone, with a note."""
+    plain = actmem.json("estimate", *PAPER_22B)
+    with_norms = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,layernorm")
+    assert with_norms["run_terms"] == plain["run_terms"]
+    assert any("layernorm changes no byte here" in line for line in with_norms["assumptions"])
+
+
+def test_llama_8b_with_mlp_recompute_under_flash(actmem):
+    """Recomputing only the MLP is modelled under flash (the core is not checkpointed). The MLP
+    drops fc1's input (8,388,608), SwiGLU's input (58,720,256), fc2's input (29,360,128) and its
+    norm's rsigma (4,096): 142,745,600 - 96,473,088 = 46,272,512 B a layer."""
+    out = actmem.json("estimate", "--megatron-args",
+                      LLAMA_8B + " --recompute-granularity selective --recompute-modules mlp")
+    dropped = {"fc1_input", "swiglu_input", "fc2_input", "mlp_norm_statistics"}
+    assert _per_layer(out) == {name: n for name, n in LLAMA_8B_LAYER.items() if name not in dropped}
+    assert _run_row(out)["per_layer_bytes"] == 46_272_512
+    assert out["run"]["technique"] == "tp-sp-sel·mlp"
+    assert any("the attention core is not recomputed" in line for line in out["assumptions"])
+
+
+def test_the_mlp_rerun_is_the_peak_moment_on_a_stage_without_the_output_layer(actmem):
+    """Stage 0 of p = 4 holds no output layer and, with no dropout, nothing of the last layer is
+    freed before its MLP is rerun: the rerun adds the MLP's rows, 96,473,088 B."""
+    out = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --pipeline-model-parallel-size 4 "
+                      "--recompute-granularity selective --recompute-modules mlp")
+    assert _rerun(out) == (96_473_088, 0)
+
+
+def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
+    """22B, core_attn and mlp. The core's rerun: 5as²b/t = 5·64·2048²·4/8 = 671,088,640 B,
+    with the output layer's rows freed (fp32 logits 4sbv/t = 209,715,200, the final norm's and
+    the output layer's inputs 2 x 2sbh/t) and the layer's rows after the core (projection input
+    2sbh/t, two masks sbh/t, the MLP's input 2sbh/t): 234,881,024 + 37,748,736 = 272,629,760 B.
+    The MLP's rerun, 18sbh/t = 113,246,208 B, frees as much before it: the smaller moment."""
+    out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
+    assert _rerun(out) == (671_088_640, 272_629_760)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--recompute", "full", "--recompute-modules", "mlp"),
+     "--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then); "
+     "this run's recompute is full"),
+    (("--recompute", "selective", "--recompute-modules", "moe_act"),
+     "--recompute-modules moe_act applies to mixture-of-experts layers"),
+    (("--recompute", "selective", "--recompute-modules", "mla_up_proj"),
+     "--recompute-modules mla_up_proj applies to multi-latent attention"),
+    (("--recompute", "selective", "--recompute-modules", "attention"),
+     "--recompute-modules attention is not one of Megatron's modules"),
+    (("--recompute", "selective", "--recompute-modules", ","), "--recompute-modules names no module"),
+    (("--recompute", "selective", "--recompute-modules", "core_attn", "--attention-core", "flash",
+      "--attention-dropout", "0"), "selective recompute (Megatron's core_attn) under flash attention"),
+])
+def test_bad_recompute_modules_are_one_line(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", "--model", "22b", *args), fragment)
+
+
+def test_a_preset_file_may_name_the_modules(actmem, tmp_path):
+    preset = tmp_path / "mine.toml"
+    preset.write_text('[model]\nheads = 64\nhidden = 6144\nlayers = 48\nvocab = 51200\nseq_len = 2048\n'
+                      '[run]\ntensor_parallel = 8\nsequence_parallel = true\nmicro_batch = 4\n'
+                      'recompute = "selective"\nrecompute_modules = ["mlp", "core_attn"]\n')
+    out = actmem.json("estimate", "--model", str(preset))
+    assert _run_row(out)["per_layer_bytes"] == 16 * SBH_T

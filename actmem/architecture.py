@@ -136,16 +136,23 @@ class Architecture:
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if modules is not None and "layernorm" in modules and not te_layer_spec(self):
+            return {"selective": "--recompute-modules layernorm under the eager core: Megatron runs that core in "
+                                 "its local spec, whose norms are modules of their own, and frees their outputs "
+                                 "(the linears' inputs) until the backward (CheckpointWithoutOutput); not "
+                                 "modelled yet"}
         if modules is not None and "core_attn" not in modules:
             return {}
         if self.attention_core != "eager":
             return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
                                  "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "
-                                 "output that actmem does not count yet: choose none or full"}
+                                 "output that actmem does not count yet: choose none, full, or "
+                                 "--recompute-modules mlp"}
         if self.query_groups is not None and heads is not None and self.query_groups < heads:
             return {"selective": "selective recompute with query groups under the eager core keeps the "
                                  "checkpoint's unexpanded k and v as views of the QKV output (and q as a "
-                                 "copy when t < g), which actmem does not count yet: choose none or full"}
+                                 "copy when t < g), which actmem does not count yet: choose none, full, or "
+                                 "--recompute-modules mlp"}
         return {}
 
     def describe(self) -> str:
@@ -259,6 +266,14 @@ def eager_softmax_fp32(arch: Architecture) -> bool:
 def rotary_tables(arch: Architecture) -> bool:
     """the model's rotary cos and sin are saved activations (transformers' Llama)"""
     return "rotary_tables" in arch.keeps
+
+
+def te_layer_spec(arch: Architecture) -> bool:
+    """Megatron builds Transformer Engine's layer spec, each norm fused into the next linear
+    (TELayerNormColumnParallelLinear; input_layernorm and pre_mlp_layernorm IdentityOps): every
+    core but the eager one, which Megatron runs only in its local spec (--attention-backend
+    local needs --spec local), whose norms are modules of their own (LNImpl)"""
+    return arch.attention_core != "eager"
 
 
 def flash_attn(arch: Architecture) -> bool:

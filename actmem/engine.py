@@ -38,7 +38,7 @@ def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
 def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
     the architecture has no such tensor."""
-    if technique.recompute not in term.kept_under or not term.present(arch) or technique.drops(term):
+    if technique.recompute not in term.kept_under or not term.present(arch) or technique.drops(term, arch):
         return sympy.Integer(0)
     return term.size(arch) / divisor(term, technique, arch)
 
@@ -90,7 +90,7 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         return sympy.Integer(0)
     if technique.recompute is Recompute.SELECTIVE:
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
-                           if term.module == module and technique.drops(term)))
+                           if term.module_of(arch) == module and technique.drops(term, arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     return group * layer - kept if group else sympy.Integer(0)
 
@@ -105,7 +105,7 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     MLP and the attention projection before the attention core is)."""
     freed = extra_bytes(technique, 0, holds_output, arch)
     if technique.recompute is Recompute.SELECTIVE:
-        end = max((i + 1 for i, term in enumerate(TERMS) if term.module == module), default=len(TERMS))
+        end = max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
         freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[end:]
                              if term.scope is Scope.LAYER))
     return freed

@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from actmem import engine
-from actmem.architecture import PAPER, counts_norm_statistics
+from actmem.architecture import PAPER, counts_norm_statistics, te_layer_spec
 from actmem.implementation import MEGATRON
 from actmem import symbols
 from actmem.parameters import ParameterBytes, parameter_bytes, stage_parameters
@@ -328,11 +328,17 @@ def _recompute_notes(spec: Spec) -> list:
         return []
     notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
              + ("" if "core_attn" in modules else ": the attention core is not recomputed, its rows are kept")]
-    if "mlp" in modules:
+    if "mlp" in modules and te_layer_spec(spec.architecture):
         notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
                      "tensor_parallel.checkpoint(self.mlp, ...)), and Transformer Engine fuses its norm into "
                      "linear_fc1, so the MLP keeps only the norm's input (mlp_layernorm_input, one storage with "
                      "the checkpoint's); the mask of the bias-dropout-add after it is kept")
+    elif "mlp" in modules:
+        notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
+                     "tensor_parallel.checkpoint(self.mlp, ...)); the eager core runs in Megatron's local spec, "
+                     "whose norm is a module of its own before the MLP, so the MLP keeps the norm's output "
+                     "(fc1_input, the checkpoint's input) and the norm its input; the mask of the "
+                     "bias-dropout-add after it is kept")
     if "layernorm" in modules:
         notes.append("recompute module layernorm changes no byte here: Megatron recomputes only a norm of its "
                      "own, and Transformer Engine fuses both norms into the next linear (input_layernorm and "

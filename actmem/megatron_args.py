@@ -72,9 +72,6 @@ NO_POSITION_TABLE = "--no-position-embedding"
 #: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
 #: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
 RECOMPUTE_MODULES = "--recompute-modules"
-#: the modules whose checkpoints depend on the norms being fused into the next linear, as
-#: Transformer Engine's spec fuses them: under the local spec they are separate modules
-NORM_DEPENDENT_MODULES = ("layernorm", "mlp")
 
 
 def split(text: str) -> list[str]:
@@ -180,14 +177,12 @@ def attention_core(settings) -> str | None:
 
 
 def _recompute_modules(settings) -> list[str]:
-    """--recompute-modules mlp or layernorm under the local implementation: its norms are
-    modules of their own (LNImpl), so the MLP's checkpoint keeps the norm's output and
-    layernorm recomputes it, which actmem does not count; under Transformer Engine both norms
-    are fused into the next linear (TELayerNormColumnParallelLinear; the norms IdentityOps)."""
-    local = [module for module in settings.get(RECOMPUTE_MODULES) or () if module in NORM_DEPENDENT_MODULES]
-    if local and settings.get("--transformer-impl") == "local":
-        return [f"{RECOMPUTE_MODULES} {' '.join(local)} is modelled for --transformer-impl transformer_engine "
-                "(norms fused into the next linear), not local (separate norms)"]
+    """Megatron takes the modules as words of their own (nargs='*'): 'core_attn,mlp' would be
+    one unknown module to it."""
+    joined = [module for module in settings.get(RECOMPUTE_MODULES) or () if "," in module]
+    if joined:
+        return [f"{RECOMPUTE_MODULES} {' '.join(joined)}: Megatron takes the modules as separate words "
+                f"({RECOMPUTE_MODULES} {' '.join(m for word in joined for m in word.split(',') if m)})"]
     return []
 
 

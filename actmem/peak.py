@@ -84,10 +84,10 @@ def _rematerialised_source(technique: Technique) -> str:
     if technique.recompute is Recompute.SELECTIVE and technique.modules == ("core_attn",):
         return "selective recompute reruns the last layer's attention core: the rows it dropped"
     if technique.recompute is Recompute.SELECTIVE:
-        return (f"selective recompute reruns the last layer's {' and '.join(technique.modules)} one at a "
-                "time (the MLP first, with everything held but its bias-dropout-add's mask; the attention "
-                "core after the MLP and the projection are done): the rows each dropped, at the rerun "
-                "that holds the most")
+        return (f"selective recompute reruns the last layer's modules ({', '.join(technique.modules)}) one at "
+                "a time in the backward's order, each with the rows after it freed (the MLP with all but the "
+                "mask after it held, the attention core after the MLP and the projection are done): the rows "
+                "each dropped, at the rerun that holds the most")
     if technique.partial and technique.recompute_method == "uniform":
         return ("full recompute reruns a checkpointed group of the chunk, its tail or the group of N "
                 "before it (with the tail's checkpoint freed), whichever holds more: its layers as "

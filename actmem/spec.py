@@ -118,7 +118,8 @@ def _checked_modules(run) -> tuple:
                         "(or leave it out for core_attn, Megatron's default)")
     if run.recompute is not Recompute.SELECTIVE:
         raise SpecError(f"--recompute-modules chooses what selective recompute recomputes (Megatron reads "
-                        f"it only then); this run's recompute is {getattr(run.recompute, 'value', run.recompute)}")
+                        f"it only then; a preset names it recompute_modules); this run's recompute is "
+                        f"{getattr(run.recompute, 'value', run.recompute)}")
     for module in given:
         if module in _OTHER_MODULES:
             raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")

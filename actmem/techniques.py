@@ -24,9 +24,9 @@ class Technique:
     """Selective recompute as Megatron chooses it (--recompute-modules): the modules whose
     checkpoints drop their rows (Term.module). core_attn, the default, is the paper's."""
 
-    def drops(self, term: Term) -> bool:
-        """Whether selective recompute recomputes this row rather than keep it."""
-        return self.recompute is Recompute.SELECTIVE and term.module in self.recompute_modules
+    def drops(self, term: Term, arch) -> bool:
+        """Whether selective recompute recomputes this row of this architecture rather than keep it."""
+        return self.recompute is Recompute.SELECTIVE and term.module_of(arch) in self.recompute_modules
 
     @property
     def modules(self) -> tuple:

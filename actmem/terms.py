@@ -15,7 +15,7 @@ import sympy
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
     gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, \
-    swiglu, swiglu_keeping_silu_output
+    swiglu, swiglu_keeping_silu_output, te_layer_spec
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -76,17 +76,20 @@ class Term:
     """What it is, and where the paper counts it."""
     present: Callable = always
     """architecture -> whether the layer has this tensor at all (dropout 0 keeps no mask)."""
-    module: str | None = None
-    """The recompute module whose checkpoint drops it under selective recompute: 'core_attn'
-    (attention.py, _checkpointed_attention_forward: tensor_parallel.checkpoint of the core
-    attention, keeping q, k and v) or 'mlp' (transformer_layer.py, _forward_mlp:
-    tensor_parallel.checkpoint(self.mlp, False, pre_mlp_layernorm_output), keeping its input).
-    Under Transformer Engine the MLP's norm is fused into linear_fc1 (pre_mlp_layernorm is an
-    IdentityOp), so that checkpoint covers the norm and keeps the norm's input, a row of its own."""
+    module: object = None
+    """The recompute module whose checkpoint drops it under selective recompute, or a function
+    of the architecture that returns it: 'core_attn' (attention.py,
+    _checkpointed_attention_forward: tensor_parallel.checkpoint of the core attention, keeping
+    q, k and v) or 'mlp' (transformer_layer.py, _forward_mlp: tensor_parallel.checkpoint(self.mlp,
+    False, pre_mlp_layernorm_output), keeping its input). None: no module drops it."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
         return self.bytes(arch) if callable(self.bytes) else self.bytes
+
+    def module_of(self, arch=PAPER) -> str | None:
+        """The recompute module that drops it in this architecture."""
+        return self.module(arch) if callable(self.module) else self.module
 
 
 _sbh = s * b * h
@@ -117,6 +120,13 @@ def _norm_statistics(norms: int):
     """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
     LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
     return lambda arch: norms * F32 * arch.norm_statistics * s * b
+
+
+def _mlp_with_fused_norm(arch):
+    """'mlp' where the MLP's norm is fused into linear_fc1, inside the MLP's checkpoint (TE's
+    layer spec: the checkpoint keeps the norm's input); under Megatron's local spec (the eager
+    core) the norm is a module of its own, outside, and the checkpoint keeps its output."""
+    return "mlp" if te_layer_spec(arch) else None
 
 
 def _sbf(width: int):
@@ -185,12 +195,13 @@ TERMS = (
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
     Term("mlp_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before the MLP keeps its input (4.1, layer norm 2sbh); with the MLP recomputed "
-         "it is what the MLP's checkpoint keeps, one storage", keeps_norm_input),
+         "under TE's spec it is what the MLP's checkpoint keeps, one storage", keeps_norm_input),
     Term("mlp_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
-         "into linear_fc1, inside the MLP's checkpoint", counts_norm_statistics, module="mlp"),
+         "into linear_fc1, inside the MLP's checkpoint", counts_norm_statistics, module=_mlp_with_fused_norm),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "h→4h linear keeps its input (4.1, 2sbh)", module="mlp"),
+         "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
+         "(the eager core) it is what the MLP's checkpoint keeps", module=_mlp_with_fused_norm),
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
          "bias-GeLU saves its input and the bias, a parameter", gelu, module="mlp"),
@@ -236,7 +247,7 @@ TERMS = (
     Term("final_norm_normalized", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", norm_keeps_fp32_copy),
     Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "the final norm's fp32 statistics (as norm_statistics)", counts_norm_statistics),
+         "the final norm's fp32 statistics (as attention_norm_statistics)", counts_norm_statistics),
     Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "output layer keeps its input (4.5, 2sbh/t under SP)"),
     Term("logits_fp32", F32 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,

@@ -145,7 +145,7 @@ def test_grouped_query_attention_flops():
 
 @pytest.mark.parametrize("args, fragments", [
     (["--query-groups", "16"], ["selective recompute with query groups under the eager core",
-                                "choose none or full"]),
+                                "choose none, full, or --recompute-modules mlp"]),
     (["--query-groups", "3"], ["query_groups (3) must divide heads (128)"]),
     (["--query-groups", "4"], ["t (8) must divide query_groups (4)"]),
     (["--head-dim", "0"], ["head_dim must be a positive integer, got 0"]),

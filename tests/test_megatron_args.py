@@ -29,9 +29,9 @@ def test_equals_signs_and_inline_text_work(actmem):
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    ("--recompute-modules core_attn mlp --frobnicate 3 --turbo --transformer-impl local",
-     ["--recompute-modules mlp is modelled for --transformer-impl transformer_engine",
-      "unknown to actmem: --frobnicate, --turbo"]),
+    ("--recompute-modules core_attn,mlp --frobnicate 3 --turbo",
+     ["--recompute-modules core_attn,mlp: Megatron takes the modules as separate words "
+      "(--recompute-modules core_attn mlp)", "unknown to actmem: --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
     ("stray", ["unknown to actmem: stray"]),
@@ -145,4 +145,4 @@ def test_recompute_modules_outside_selective_granularity_is_refused(actmem):
                                                   "--recompute-num-layers 1")
     assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {run} --recompute-modules core_attn {NOISE}"),
                           "--recompute-modules chooses what selective recompute recomputes (Megatron reads it "
-                          "only then); this run's recompute is full")
+                          "only then; a preset names it recompute_modules); this run's recompute is full")

@@ -23,7 +23,7 @@ def test_selective_recompute_saves_70_and_65_percent(actmem):
 def test_attention_overtakes_structure_near_870_for_gpt3():
     """34sbh = 5as²b at s = 34h/(5a) = 34·12288/480 = 870.4 (Figure 1 of the explainer)."""
     none = BY_NAME["none"]
-    attention = sum(engine.term_bytes(term, none) for term in LAYER_TERMS if term.module == "core_attn")
+    attention = sum(engine.term_bytes(term, none) for term in LAYER_TERMS if term.module_of() == "core_attn")
     structural = engine.per_layer_bytes(none) - attention
     gpt3 = {a: 96, h: 12288, b: 1}
     x = sympy.Symbol("x", positive=True)   # s as a real number: the crossing is not whole

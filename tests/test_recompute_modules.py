@@ -27,18 +27,19 @@ def _rerun(out) -> tuple[int, int]:
     return rows["rematerialised"], out["activations_bytes"] - rows["activations_in_flight"]
 
 
-def test_mlp_recompute_keeps_only_the_norm_input_of_the_mlp(actmem):
-    """Eq 6 is 34sbh/t a layer. Recomputing the MLP (its norm fused into linear_fc1 under TE)
-    drops fc1's input 2sbh/t, GeLU's input 8sbh/t and fc2's input 8sbh/t: 18sbh/t. Kept: the
-    MLP's input, the norm's input (2sbh/t), and the mask of the dropout after it (sbh/t).
-    34 - 18 = 16sbh/t = 100,663,296 B."""
+def test_mlp_recompute_under_the_eager_core_keeps_the_norm_s_output(actmem):
+    """Eq 6 is 34sbh/t a layer. The eager core runs in Megatron's local spec, where the MLP's
+    norm is a module of its own: the MLP's checkpoint keeps its input, the norm's output
+    (fc1_input, 2sbh/t), and drops GeLU's input 8sbh/t and fc2's input 8sbh/t. Kept beside it:
+    the norm's input (2sbh/t) and the mask of the dropout after the MLP (sbh/t).
+    34 - 16 = 18sbh/t = 113,246,208 B."""
     out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
     layer = _per_layer(out)
-    assert sum(layer.values()) == 16 * SBH_T == 100_663_296
-    assert layer["mlp_layernorm_input"] == 2 * SBH_T and layer["mlp_dropout_mask"] == SBH_T
-    assert not {"fc1_input", "gelu_input", "fc2_input"} & set(layer)
+    assert sum(layer.values()) == 18 * SBH_T == 113_246_208
+    assert layer["mlp_layernorm_input"] == layer["fc1_input"] == 2 * SBH_T and layer["mlp_dropout_mask"] == SBH_T
+    assert not {"gelu_input", "fc2_input"} & set(layer)
     assert out["run"]["technique"] == "tp-sp-sel·core_attn+mlp"
-    assert _run_row(out)["per_layer_bytes"] == 100_663_296
+    assert _run_row(out)["per_layer_bytes"] == 113_246_208
     # the paper's selective row is still shown, at Eq 6's 34sbh/t
     assert {r["technique"]: r["per_layer_bytes"] for r in out["techniques"]}["tp-sp-sel"] == 34 * SBH_T
 
@@ -51,9 +52,10 @@ def test_the_order_and_spelling_of_the_modules_do_not_matter(actmem):
 
 def test_layernorm_recompute_changes_no_byte_under_te_and_says_why(actmem):
     """TE fuses both norms into the next linear (IdentityOp norms), and Megatron recomputes only
-    a norm of its own: the same bytes as core_attn alone, with a note."""
-    plain = actmem.json("estimate", *PAPER_22B)
-    with_norms = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,layernorm")
+    a norm that is a module of its own: the same bytes as mlp alone, with a note."""
+    selective = LLAMA_8B + " --recompute-granularity selective --recompute-modules mlp"
+    plain = actmem.json("estimate", "--megatron-args", selective)
+    with_norms = actmem.json("estimate", "--megatron-args", selective + " layernorm")
     assert with_norms["run_terms"] == plain["run_terms"]
     assert any("layernorm changes no byte here" in line for line in with_norms["assumptions"])
 
@@ -83,16 +85,16 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
     """22B, core_attn and mlp. The core's rerun: 5as²b/t = 5·64·2048²·4/8 = 671,088,640 B,
     with the output layer's rows freed (fp32 logits 4sbv/t = 209,715,200, the final norm's and
     the output layer's inputs 2 x 2sbh/t) and the layer's rows after the core (projection input
-    2sbh/t, two masks sbh/t, the MLP's input 2sbh/t): 234,881,024 + 37,748,736 = 272,629,760 B.
-    The MLP's rerun, 18sbh/t = 113,246,208 B, frees as much before it: the smaller moment."""
+    2sbh/t, two masks sbh/t, the norm's input and output 2 x 2sbh/t): 234,881,024 + 50,331,648
+    = 285,212,672 B. The MLP's rerun, 16sbh/t = 100,663,296 B, frees more before it."""
     out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
-    assert _rerun(out) == (671_088_640, 272_629_760)
+    assert _rerun(out) == (671_088_640, 285_212_672)
 
 
 @pytest.mark.parametrize("args, fragment", [
     (("--recompute", "full", "--recompute-modules", "mlp"),
-     "--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then); "
-     "this run's recompute is full"),
+     "--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then; a preset "
+     "names it recompute_modules); this run's recompute is full"),
     (("--recompute", "selective", "--recompute-modules", "moe_act"),
      "--recompute-modules moe_act applies to mixture-of-experts layers"),
     (("--recompute", "selective", "--recompute-modules", "mla_up_proj"),
@@ -100,6 +102,8 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
     (("--recompute", "selective", "--recompute-modules", "attention"),
      "--recompute-modules attention is not one of Megatron's modules"),
     (("--recompute", "selective", "--recompute-modules", ","), "--recompute-modules names no module"),
+    (("--recompute", "selective", "--recompute-modules", "core_attn,layernorm"),
+     "--recompute-modules layernorm under the eager core: Megatron runs that core in its local spec"),
     (("--recompute", "selective", "--recompute-modules", "core_attn", "--attention-core", "flash",
       "--attention-dropout", "0"), "selective recompute (Megatron's core_attn) under flash attention"),
 ])
@@ -113,4 +117,4 @@ def test_a_preset_file_may_name_the_modules(actmem, tmp_path):
                       '[run]\ntensor_parallel = 8\nsequence_parallel = true\nmicro_batch = 4\n'
                       'recompute = "selective"\nrecompute_modules = ["mlp", "core_attn"]\n')
     out = actmem.json("estimate", "--model", str(preset))
-    assert _run_row(out)["per_layer_bytes"] == 16 * SBH_T
+    assert _run_row(out)["per_layer_bytes"] == 18 * SBH_T

@@ -307,22 +307,23 @@ def measured_with_modules(modules, **architecture):
     return rows, judge(rows, 0.0)
 
 
-def test_mlp_recompute_passes_and_keeps_none_of_the_mlp():
-    """core_attn and mlp: the MLP keeps only its input, the norm's (2sbh/t = 2·16·2·64 B), and
-    nothing of fc1, GeLU or fc2 is measured or counted."""
+def test_mlp_recompute_passes_and_keeps_the_checkpoint_input_only():
+    """core_attn and mlp under the eager core (Megatron's local spec, the norm outside the MLP):
+    the MLP keeps only its input, the norm's output (fc1_input, 2sbh/t = 2·16·2·64 B a layer);
+    nothing of GeLU or fc2 is measured or counted."""
     rows, failures = measured_with_modules(("core_attn", "mlp"))
     assert failures == []
-    assert row(rows, "mlp_layernorm_input")["measured_bytes"] == 2 * 2 * 16 * 2 * 64     # two layers
-    assert not {"fc1_input", "gelu_input", "fc2_input"} & {r["term"] for r in rows}
+    assert row(rows, "fc1_input")["measured_bytes"] == 2 * 2 * 16 * 2 * 64     # two layers
+    assert not {"gelu_input", "fc2_input"} & {r["term"] for r in rows}
     assert {r["config"] for r in rows} == {"small t=2 p=1 m=1 b=2 n=1 tp-sp-sel·core_attn+mlp"}
 
 
 def test_mlp_recompute_missing_from_the_harness_fails(monkeypatch):
-    """The layer forgets to checkpoint its MLP: fc1's, GeLU's and fc2's inputs are measured where
-    the formula has none."""
+    """The layer forgets to checkpoint its MLP: GeLU's and fc2's inputs are measured where the
+    formula has none."""
     monkeypatch.setattr(gpt.LayerSpec, "recomputes", lambda self, module: module == "core_attn")
     rows, failures = measured_with_modules(("core_attn", "mlp"))
-    for term in ("fc1_input", "gelu_input", "fc2_input"):
+    for term in ("gelu_input", "fc2_input"):
         assert row(rows, term)["formula_bytes"] == 0 and row(rows, term)["gate"] == "fail"
     assert any("gelu_input measured" in line for line in failures)
 
@@ -339,7 +340,8 @@ def test_mlp_recompute_missing_from_the_formula_fails(monkeypatch):
     from actmem.techniques import Technique
 
     drops = Technique.drops
-    monkeypatch.setattr(Technique, "drops", lambda self, term: drops(self, term) and term.module != "mlp")
+    monkeypatch.setattr(Technique, "drops",
+                        lambda self, term, arch: drops(self, term, arch) and term.module_of(arch) != "mlp")
     _clear_engine_caches()                 # its expressions are cached by technique
     try:
         rows, failures = measured_with_modules(("core_attn", "mlp"))
@@ -352,11 +354,13 @@ def test_mlp_recompute_missing_from_the_formula_fails(monkeypatch):
 
 
 def test_mlp_recompute_alone_under_flash_keeps_the_attention_core():
-    """mlp without core_attn under flash (grid.FLASH): the core's log-sum-exp is kept and
-    counted, the MLP's rows are neither; the RMSNorm before the MLP keeps no statistics."""
+    """mlp without core_attn under flash (grid.FLASH, TE's spec: the norm fused into fc1, inside
+    the checkpoint): the core's log-sum-exp is kept and counted, the MLP's rows are neither,
+    fc1's input and the norm's statistics included; the norm's input is the checkpoint's."""
     from actmem_validate.grid import FLASH
 
     rows, failures = measured_with_modules(("mlp",), name="small-flash", **FLASH)
     assert failures == []
     assert row(rows, "softmax_lse")["measured_bytes"] > 0
-    assert not {"swiglu_input", "fc2_input", "mlp_norm_statistics"} & {r["term"] for r in rows}
+    assert not {"fc1_input", "swiglu_input", "fc2_input", "mlp_norm_statistics"} & {r["term"] for r in rows}
+    assert row(rows, "mlp_layernorm_input")["measured_bytes"] == 2 * 2 * 16 * 2 * 64

@@ -32,7 +32,7 @@ RESIDUALS = {
     "attention_norm_statistics": "fp32 mu and rsigma of the LayerNorm before attention (8 B a token), "
                                  "rsigma of an RMSNorm (4 B a token), as TE's fused norms keep them; "
                                  "the paper leaves them out (on the flash path they are a counted term)",
-    "mlp_norm_statistics": "the same for the norm before the MLP, unless the MLP is recomputed",
+    "mlp_norm_statistics": "the same for the norm before the MLP",
     "final_norm_statistics": "the same for the final norm, when the stage holds the output layer",
     "token_ids": "the embedding's int64 token indices and its bool out-of-shard mask: 9 B a token, "
                  "for each microbatch whose embedding the stage holds",
@@ -59,10 +59,9 @@ def expected_residuals(spec, occupancy) -> dict:
     layers = _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
     per_norm = tokens_per_norm * arch.norm_statistics * STATISTIC_BYTES    # rsigma; mu and rsigma
     counted = arch.attention_core != "eager"      # terms of the table on the flash path
-    mlp_recomputed = "mlp" in (run.recompute_modules or ())   # the norm is inside its checkpoint
-    return {
+    return {                   # (the eager core's MLP norm is outside the MLP's checkpoint: kept)
         "attention_norm_statistics": 0 if counted else layers * per_norm,
-        "mlp_norm_statistics": 0 if counted or mlp_recomputed else layers * per_norm,
+        "mlp_norm_statistics": 0 if counted else layers * per_norm,
         "final_norm_statistics": 0 if counted else int(occupancy.holds_output_layer) * per_norm,
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,

@@ -239,17 +239,20 @@ class TransformerLayer(nn.Module):
         with scope("attention_norm_statistics"):
             normed = label(self.norm1(x), "qkv_input")
         x = label(x + self.dropout1(self.attention(normed)), "mlp_layernorm_input")
-        if self.spec.recomputes("mlp"):       # keeps x only, the norm's input
-            return x + self.dropout2(checkpoint(self._mlp, x, use_reentrant=True))
-        return x + self.dropout2(self._mlp(x))
+        if self.spec.attention_core == "eager":    # Megatron's local spec: the norm a module of its own
+            block, block_input = self.mlp, self._norm2(x)
+        else:             # TE's spec: the norm fused into linear_fc1 (pre_mlp_layernorm an IdentityOp)
+            block, block_input = self._norm_and_mlp, x
+        if self.spec.recomputes("mlp"):       # keeps its input only: the norm's output, or x
+            return x + self.dropout2(checkpoint(block, block_input, use_reentrant=True))
+        return x + self.dropout2(block(block_input))
 
-    def _mlp(self, x):
-        """The norm and the MLP: Megatron-Core's MLP under Transformer Engine, whose linear_fc1
-        is TELayerNormColumnParallelLinear (the norm fused in; pre_mlp_layernorm an IdentityOp),
-        so the MLP checkpoint of --recompute-modules mlp covers the norm too."""
+    def _norm2(self, x):
         with scope("mlp_norm_statistics"):
-            normed = label(self.norm2(x), "fc1_input")
-        return self.mlp(normed)
+            return label(self.norm2(x), "fc1_input")
+
+    def _norm_and_mlp(self, x):
+        return self.mlp(self._norm2(x))
 
     def forward(self, x):
         if self.spec.recompute == "full":

@@ -89,6 +89,8 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
     if technique.recompute is Recompute.SELECTIVE:
+        if module is None:
+            raise ValueError("selective recompute reruns one module at a time: name it")
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
                            if term.module_of(arch) == module and technique.drops(term, arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
@@ -105,6 +107,8 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     MLP and the attention projection before the attention core is)."""
     freed = extra_bytes(technique, 0, holds_output, arch)
     if technique.recompute is Recompute.SELECTIVE:
+        if module is None:
+            raise ValueError("selective recompute reruns one module at a time: name it")
         end = max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
         freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[end:]
                              if term.scope is Scope.LAYER))

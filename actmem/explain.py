@@ -3,6 +3,7 @@
 import pandas as pd
 
 from actmem.errors import SpecError
+from actmem.techniques import PLAN_RECOMPUTE, plan_recompute_name
 from actmem.terms import Recompute
 
 #: What a config string may leave out, when the preset's run does not say either.
@@ -11,13 +12,14 @@ DEFAULT_RUN = {"tensor_parallel": 1, "context_parallel": 1, "pipeline_parallel":
 _KEYS = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
          "b": "micro_batch"}
 _WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False),
-          "sel": ("recompute", "selective"), "selective": ("recompute", "selective"),
-          "none": ("recompute", "none"), "full": ("recompute", "full"),
+          "selective": ("recompute", "selective"),
+          **{choice.word: ("recompute", name) for name, choice in PLAN_RECOMPUTE.items()},
           "dopt": ("distributed_optimizer", True), "nodopt": ("distributed_optimizer", False)}
 
 
 def parse_config(text: str, defaults: dict | None = None) -> dict:
-    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces) -> run values. What the text leaves
+    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces; sel+mlp and mlp for --recompute-modules
+    core_attn mlp and mlp) -> run values (actmem.spec.Run's). What the text leaves
     out comes from ``defaults`` (the preset's run), else t = p = m = b = 1, no SP, no
     recompute, no distributed optimizer. A setting given twice is an error."""
     given: dict = {}
@@ -36,9 +38,11 @@ def parse_config(text: str, defaults: dict | None = None) -> dict:
     if not given:
         raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
     base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
-    if isinstance(base["recompute"], Recompute):
-        base["recompute"] = base["recompute"].value
-    return base | given
+    if "recompute" in (defaults or {}):         # the preset's, with its modules: a sweep's name
+        recompute = Recompute(getattr(base["recompute"], "value", base["recompute"]))
+        base["recompute"] = plan_recompute_name(recompute, defaults.get("recompute_modules")) or recompute.value
+    run = base | given
+    return run | PLAN_RECOMPUTE[run["recompute"]].run_values
 
 
 def explain(req, config: str, name: str = "custom", defaults: dict | None = None):
@@ -49,8 +53,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     from actmem.spec import Run, Spec
 
     run = parse_config(config, defaults)
-    run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus,
-                       "global_batch": req.global_batch})
+    run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus, "global_batch": req.global_batch})
     if run.tensor_parallel > req.gpus_per_node:
         raise SpecError(f"--explain: t ({run.tensor_parallel}) is above --gpus-per-node "
                         f"({req.gpus_per_node}), which the plan keeps tensor parallelism within")
@@ -61,7 +64,8 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
                          "d": probe.data_parallel,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
-                         "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
+                         "sequence_parallel": run.sequence_parallel, "recompute": plan_recompute_name(
+                             run.recompute, run.recompute_modules),
                          "distributed_optimizer": run.distributed_optimizer}])
     evaluated = evaluate(req, row).iloc[0]
     spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",

@@ -4,7 +4,8 @@ Arithmetic only, so it runs on ints, floats and numpy arrays alike.
 """
 
 from actmem.architecture import PAPER
-from actmem.terms import Recompute
+from actmem.techniques import PLAN_RECOMPUTE
+from actmem.terms import DEFAULT_MODULES, Recompute
 
 
 def matmul_weights(h, arch=PAPER, heads=None):
@@ -32,19 +33,28 @@ def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
     return 3 * (layers + scores + logits)
 
 
-def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None):
+def mlp_forward_flops(B, s, L, h, arch=PAPER):
+    """One forward of the MLPs' matmuls: 2·B·s·L·(1 + fc1 width)·h·f (16·B·s·L·h² for the
+    paper's, f = 4h)."""
+    return 2.0 * B * s * L * (arch.fc1_width + 1) * h * arch.ffn(h)
+
+
+def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
     """What the GPUs really compute, recomputation included (the paper's appendix).
 
-    selective: the paper counts the attention-score part again, 12·B·s²·L·h
-    (72BsLh²·s/(6h)), which is how it gets its 2.7% (GPT-3) and 1.6% (530B) overheads and
-    the HFU column of Table 5. full: one more forward of every layer, not of the logits:
-    8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
+    selective of the attention core: the paper counts the attention-score part again,
+    12·B·s²·L·h (72BsLh²·s/(6h)), which is how it gets its 2.7% (GPT-3) and 1.6% (530B)
+    overheads and the HFU column of Table 5; of the MLP (``modules``, --recompute-modules):
+    one more forward of its matmuls, as full recompute counts its rerun. full: one more
+    forward of every layer, not of the logits: 8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the
+    appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
     """
     layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
     if recompute is Recompute.NONE:
         return 3 * (layers + scores + logits)
     if recompute is Recompute.SELECTIVE:
-        return 3 * (layers + scores + logits) + 3 * scores
+        return (3 * (layers + scores + logits) + 3 * scores * ("core_attn" in modules)
+                + mlp_forward_flops(B, s, L, h, arch) * ("mlp" in modules))
     return 4 * (layers + scores) + 3 * logits
 
 
@@ -64,9 +74,9 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
               "iteration_s": seconds, "model_flops": flops, "hardware": []}
     if seconds is not None:
         report["mfu"] = utilization(flops, seconds, gpus, peak_flops)
-    for mode in Recompute:
-        hardware = hardware_flops(**dims, recompute=mode)
-        row = {"recompute": mode.value, "hardware_flops": hardware, "overhead": hardware / flops - 1}
+    for name, choice in PLAN_RECOMPUTE.items():
+        hardware = hardware_flops(**dims, recompute=choice.recompute, modules=choice.modules)
+        row = {"recompute": name, "hardware_flops": hardware, "overhead": hardware / flops - 1}
         if seconds is not None:
             row["hfu"] = utilization(hardware, seconds, gpus, peak_flops)
         report["hardware"].append(row)

@@ -8,14 +8,15 @@ which makes it a ranking model, not a promise.
 """
 
 from actmem.flops import hardware_flops
+from actmem.techniques import PLAN_RECOMPUTE
 from actmem.terms import Recompute
 from actmem.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
 def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads):
     """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak."""
-    flops = sum((recompute == mode.value) * hardware_flops(B, s, L, h, v, mode, arch, heads)
-                for mode in Recompute)
+    flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.recompute, arch, heads, choice.modules)
+                for name, choice in PLAN_RECOMPUTE.items())
     return flops / (gpus * efficiency * peak_flops)
 
 
@@ -25,12 +26,20 @@ def bubble_factor(p, m, n):
 
 
 def tensor_parallel_seconds(s, b, h, L, p, t, n, recompute, bandwidth):
-    """Each layer all-reduces its 2sbh-byte output twice forward and twice backward (three
-    times forward with full recompute); sequence parallelism moves the same bytes as an
+    """Each layer all-reduces its 2sbh-byte output twice forward and twice backward, and again
+    what recompute reruns: both forward ones with full recompute, the MLP's with the MLP
+    recomputed (the attention core has none); sequence parallelism moves the same bytes as an
     all-gather plus a reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
-    per_layer = 4 + 2 * (recompute == Recompute.FULL.value)
+    per_layer = 4 + sum((recompute == name) * _rerun_collectives(choice) for name, choice in PLAN_RECOMPUTE.items())
     volume = n * (L // p) * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
     return volume / bandwidth
+
+
+def _rerun_collectives(choice) -> int:
+    """Forward collectives of a layer that recompute runs again."""
+    if choice.recompute is Recompute.FULL:
+        return 2
+    return int(choice.recompute is Recompute.SELECTIVE and "mlp" in choice.modules)
 
 
 def context_parallel_seconds(s, b, L, p, t, c, n, recompute, kv_width, bandwidth):

@@ -20,8 +20,7 @@ from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.parameters import first_stage_parameters, parameter_bytes, stage_parameters
 from actmem.pipeline import held_counts
 from actmem.spec import Model, padded_vocab, require_positive_int
-from actmem.techniques import run_technique
-from actmem.terms import Recompute
+from actmem.techniques import PLAN_RECOMPUTE, run_technique
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -131,9 +130,9 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
 
 
 def _switches() -> pd.DataFrame:
-    """SP, recompute and the distributed optimizer: 12 combinations."""
+    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations."""
     return (_frame("sequence_parallel", [False, True])
-            .merge(_frame("recompute", [mode.value for mode in Recompute]), how="cross")
+            .merge(_frame("recompute", list(PLAN_RECOMPUTE)), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
 
 
@@ -160,10 +159,20 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           global_batch=req.global_batch, d=grid.d, n=grid.n,
                           ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
                           recompute=grid.recompute,
-                          unmodelled_recompute=req.architecture.unmodelled_recompute(model.heads),
+                          unmodelled_recompute=unmodelled_recompute(req),
                           code=req.architecture.code,
                           head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
     return grid[rules.valid(values)].reset_index(drop=True)
+
+
+def unmodelled_recompute(req: PlanRequest) -> dict:
+    """{recompute choice: why actmem does not model it here}, by the sweep's names."""
+    unmodelled = {}
+    for name, choice in PLAN_RECOMPUTE.items():
+        why = req.architecture.unmodelled_recompute(req.model.heads, choice.modules_setting)
+        if choice.recompute.value in why:
+            unmodelled[name] = why[choice.recompute.value]
+    return unmodelled
 
 
 def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
@@ -217,7 +226,8 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
-        technique = run_technique(bool(sp), Recompute(recompute))
+        choice = PLAN_RECOMPUTE[recompute]
+        technique = run_technique(bool(sp), choice.recompute, modules=choice.modules)
         column = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         s, h, a, L = dims
         # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
@@ -295,7 +305,7 @@ def plan(req: PlanRequest) -> Plan:
 def config_label(row) -> str:
     """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism): what
     --explain takes back."""
-    short = {"none": "none", "selective": "sel", "full": "full"}[row.recompute]
+    short = PLAN_RECOMPUTE[row.recompute].word
     cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
     label = (f"t={row.t}{cp} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
              f"{short}")

@@ -88,7 +88,8 @@ def _header(est: Estimate) -> Text:
     cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
-                f"recompute {run.recompute.value}\n")
+                f"recompute {run.recompute.value}"
+                + ("" if run.recompute_modules is None else f" ({', '.join(run.recompute_modules)})") + "\n")
     arch = spec.architecture
     text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
                 f"hidden {arch.hidden_dropout:g}\n")

@@ -118,7 +118,8 @@ def _plan_assumptions(req) -> list[str]:
         "checked with actmem estimate --first-stage-layers/--last-stage-layers",
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
         "recompute of every layer alone (a run with --recompute-method is checked with actmem "
-        "estimate)",
+        "estimate); selective recompute of the attention core (sel), of it and the MLP (sel+mlp), "
+        "or of the MLP alone (mlp), Megatron's --recompute-modules, where actmem models them",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ]

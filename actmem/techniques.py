@@ -1,6 +1,7 @@
 """The six techniques of Table 2, as switches, and full recompute under sequence parallelism."""
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from actmem.terms import DEFAULT_MODULES, RECOMPUTE_MODULES, Recompute, Term
 
@@ -91,6 +92,47 @@ TECHNIQUES = TABLE_2 + (
 
 BY_NAME = {technique.name: technique for technique in TECHNIQUES}
 BASELINE = BY_NAME["tp"]
+
+
+class PlanRecompute(NamedTuple):
+    """One recompute choice of the planner's sweep."""
+
+    recompute: Recompute
+    modules: frozenset
+    word: str
+    """How a configuration's label writes it ('t=8 p=8 m=3 b=1 sp sel+mlp'); --explain reads it."""
+
+    @property
+    def modules_setting(self) -> tuple | None:
+        """The Run's recompute_modules: None for Megatron's default (core_attn) or no selective."""
+        if self.recompute is not Recompute.SELECTIVE or self.modules == DEFAULT_MODULES:
+            return None
+        return tuple(module for module in RECOMPUTE_MODULES if module in self.modules)
+
+    @property
+    def run_values(self) -> dict:
+        """The Run's settings for this choice (actmem.spec.Run: recompute, recompute_modules)."""
+        return {"recompute": self.recompute.value, "recompute_modules": self.modules_setting}
+
+
+#: The recompute choices the planner sweeps, by the name its tables print: Megatron's three
+#: granularities (selective of the attention core, the paper's), and selective recompute of
+#: the MLP beside the core or alone (--recompute-modules core_attn mlp, or mlp).
+PLAN_RECOMPUTE = {
+    "none": PlanRecompute(Recompute.NONE, DEFAULT_MODULES, "none"),
+    "selective": PlanRecompute(Recompute.SELECTIVE, DEFAULT_MODULES, "sel"),
+    "selective:core_attn+mlp": PlanRecompute(Recompute.SELECTIVE, frozenset({"core_attn", "mlp"}), "sel+mlp"),
+    "selective:mlp": PlanRecompute(Recompute.SELECTIVE, frozenset({"mlp"}), "mlp"),
+    "full": PlanRecompute(Recompute.FULL, DEFAULT_MODULES, "full"),
+}
+
+
+def plan_recompute_name(recompute: Recompute, modules=None) -> str | None:
+    """The planner's name for a run's recompute ('selective:mlp'); None for modules the
+    planner does not sweep (layernorm)."""
+    modules = DEFAULT_MODULES if modules is None or recompute is not Recompute.SELECTIVE else frozenset(modules)
+    return next((name for name, choice in PLAN_RECOMPUTE.items()
+                 if choice.recompute is recompute and choice.modules == modules), None)
 
 
 def run_technique(sequence_parallel: bool, recompute: Recompute, method: str = "uniform",

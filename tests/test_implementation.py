@@ -112,7 +112,7 @@ def test_the_planner_sweeps_what_torch_native_models(actmem):
                       "--global-batch", "256", "--top", "0")
     megatron = actmem.json("plan", "--model", "llama-3.1-8b", "--gpus", "64", "--global-batch", "256", "--top", "0")
     assert any(row["c"] > 1 for row in megatron["best"])        # Megatron's sweep has c = 2, 4, ...
-    assert out["best"] and all(row["c"] == 1 and row["recompute"] != "selective" for row in out["best"])
+    assert out["best"] and all(row["c"] == 1 and not row["recompute"].startswith("selective") for row in out["best"])
     assert_one_line_error(actmem("plan", "--model", "llama-3.1-8b", "--implementation", "torch-native",
                                  "--gpus", "64", "--global-batch", "256", "--make-vocab-size-divisible-by", "64"),
                           "pads none")

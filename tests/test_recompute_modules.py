@@ -118,3 +118,69 @@ def test_a_preset_file_may_name_the_modules(actmem, tmp_path):
                       'recompute = "selective"\nrecompute_modules = ["mlp", "core_attn"]\n')
     out = actmem.json("estimate", "--model", str(preset))
     assert _run_row(out)["per_layer_bytes"] == 18 * SBH_T
+
+
+# -- the planner sweeps the MLP's recompute too ---------------------------------------------
+
+def test_the_mlp_rerun_costs_one_forward_of_its_matmuls():
+    """GPT-3 (B = 1536, s = 2048, L = 96, h = 12288): recomputing the MLP adds one forward of
+    its two matmuls, 2·B·s·L·2·h·4h = 16·B·s·L·h², beside the core or alone; SwiGLU's three
+    (f = 14336, h = 4096): 2·B·s·L·3·h·f."""
+    from actmem.architecture import Architecture
+    from actmem.flops import hardware_flops
+    from actmem.terms import Recompute
+
+    B, s, L, h, v = 1536, 2048, 96, 12288, 51200
+    both, core, mlp = frozenset({"core_attn", "mlp"}), frozenset({"core_attn"}), frozenset({"mlp"})
+    sel = lambda modules, arch=Architecture(): hardware_flops(B, s, L, h, v, Recompute.SELECTIVE, arch, 96, modules)
+    assert sel(both) - sel(core) == pytest.approx(16 * B * s * L * h * h, rel=1e-12)
+    assert sel(mlp) - hardware_flops(B, s, L, h, v, Recompute.NONE) == pytest.approx(16 * B * s * L * h * h, rel=1e-12)
+    gated = Architecture(activation="swiglu", ffn_hidden=14336)
+    none = hardware_flops(B, s, L, 4096, v, Recompute.NONE, gated, 32)
+    assert hardware_flops(B, s, L, 4096, v, Recompute.SELECTIVE, gated, 32, mlp) - none == \
+        pytest.approx(2 * B * s * L * 3 * 4096 * 14336, rel=1e-12)
+
+
+def test_the_mlp_rerun_repeats_its_forward_collective():
+    """A layer's collectives: 2 forward + 2 backward; the MLP's rerun adds its one (5/4), full
+    recompute both forward ones (6/4); the attention core has none (4/4)."""
+    from actmem.iteration import tensor_parallel_seconds
+
+    seconds = {mode: tensor_parallel_seconds(2048, 1, 12288, 96, 8, 8, 64, mode, 230e9)
+               for mode in ("none", "selective", "selective:core_attn+mlp", "selective:mlp", "full")}
+    assert seconds["selective"] == seconds["none"]
+    assert seconds["selective:mlp"] == seconds["selective:core_attn+mlp"] == pytest.approx(seconds["none"] * 5 / 4)
+    assert seconds["full"] == pytest.approx(seconds["none"] * 6 / 4)
+
+
+def test_the_planner_sweeps_mlp_recompute_where_it_is_modelled():
+    """Under flash only the MLP's module is modelled (the core's checkpoint is not): the sweep
+    has mlp rows and no sel rows; its peaks are the exact estimate's verdicts."""
+    from actmem.estimate import estimate
+    from actmem.hardware import GPUS
+    from actmem.plan import PlanRequest, plan
+    from actmem.presets import load_preset
+    from actmem.spec import build_spec
+    from actmem.techniques import PLAN_RECOMPUTE
+
+    preset = load_preset("llama-3.1-70b")
+    spec = build_spec(preset.model, {}, architecture=preset.architecture)
+    req = PlanRequest(model=spec.model, gpus=64, global_batch=64, gpu=GPUS["h100"], gpu_memory_bytes=80 * 2**30,
+                      architecture=spec.architecture)
+    evaluated = plan(req).evaluated
+    assert set(evaluated.recompute) == {"none", "selective:mlp", "full"}
+    for row in evaluated[evaluated.recompute == "selective:mlp"].head(6).itertuples():
+        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
+                   micro_batch=row.b, sequence_parallel=row.sequence_parallel, gpus=64, global_batch=64,
+                   distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[row.recompute].run_values)
+        est = estimate(build_spec(preset.model, run, architecture=preset.architecture))
+        assert row.peak_bytes == est.verdict_bytes, row
+    from tests.test_plan import request
+
+    assert set(plan(request("530b")).evaluated.recompute) == set(PLAN_RECOMPUTE)    # the eager core: all five
+
+
+def test_explain_reads_the_mlp_words_back(actmem):
+    text = actmem("plan", "--model", "530b", "--gpus", "280", "--global-batch", "280", "--explain",
+                  "t=8 p=35 m=3 b=1 sp sel+mlp").output
+    assert "recompute selective (core_attn, mlp)" in text and "sp sel+mlp" in text

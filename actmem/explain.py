@@ -38,9 +38,13 @@ def parse_config(text: str, defaults: dict | None = None) -> dict:
     if not given:
         raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
     base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
-    if "recompute" in (defaults or {}):         # the preset's, with its modules: a sweep's name
+    if "recompute" in (defaults or {}) and "recompute" not in given:   # the preset's, as a sweep's name
         recompute = Recompute(getattr(base["recompute"], "value", base["recompute"]))
-        base["recompute"] = plan_recompute_name(recompute, defaults.get("recompute_modules")) or recompute.value
+        base["recompute"] = plan_recompute_name(recompute, defaults.get("recompute_modules"))
+        if base["recompute"] is None:
+            raise SpecError(f"--explain: the preset's recompute modules ({', '.join(defaults['recompute_modules'])}) "
+                            f"are not among the plan's choices; name one in {text!r}: none, sel, sel+mlp, mlp "
+                            f"or full")
     run = base | given
     return run | PLAN_RECOMPUTE[run["recompute"]].run_values
 

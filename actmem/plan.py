@@ -304,8 +304,9 @@ def plan(req: PlanRequest) -> Plan:
 
 def config_label(row) -> str:
     """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism): what
-    --explain takes back."""
-    short = PLAN_RECOMPUTE[row.recompute].word
+    --explain takes back (a recompute the plan does not sweep is written as given)."""
+    choice = PLAN_RECOMPUTE.get(row.recompute)
+    short = row.recompute if choice is None else choice.word      # a run's own (run_label)
     cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
     label = (f"t={row.t}{cp} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
              f"{short}")

@@ -44,18 +44,18 @@ _MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
 def run_label(spec) -> str:
-    """'t=8 p=35 m=3 b=1 sp sel', as the planner labels a configuration."""
+    """'t=8 p=35 m=3 b=1 sp sel', as the planner labels a configuration ('sel:core_attn+layernorm'
+    for recompute modules the planner does not sweep)."""
     from actmem.plan import config_label
 
     from actmem.techniques import plan_recompute_name
 
     run = spec.run
-    name = plan_recompute_name(run.recompute, run.recompute_modules)
-    label = config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
-                                         m=run.interleave, b=run.micro_batch,
-                                         sequence_parallel=run.sequence_parallel, recompute=name or "selective",
-                                         distributed_optimizer=run.distributed_optimizer))
-    return label if name else label.replace(" sel", f" sel:{'+'.join(run.recompute_modules)}")
+    name = plan_recompute_name(run.recompute, run.recompute_modules) or f"sel:{'+'.join(run.recompute_modules)}"
+    return config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
+                                        m=run.interleave, b=run.micro_batch,
+                                        sequence_parallel=run.sequence_parallel, recompute=name,
+                                        distributed_optimizer=run.distributed_optimizer))
 
 
 # -- where the memory goes -----------------------------------------------------------------

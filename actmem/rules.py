@@ -159,7 +159,8 @@ class Values:
     groups: object = None
     """Query groups g when given (a, which t divides, when not)."""
     recompute: object = None
-    """'none', 'selective' or 'full' (strings, or an array of them)."""
+    """'none', 'selective' or 'full' for one spec; the planner's names (techniques.PLAN_RECOMPUTE,
+    'selective:mlp', ...) in a sweep (strings, or an array of them)."""
     first: object = None
     """Layers of an uneven pipeline's first stage (Megatron's --decoder-first-pipeline-num-layers)."""
     last: object = None

@@ -177,10 +177,36 @@ def test_the_planner_sweeps_mlp_recompute_where_it_is_modelled():
         assert row.peak_bytes == est.verdict_bytes, row
     from tests.test_plan import request
 
-    assert set(plan(request("530b")).evaluated.recompute) == set(PLAN_RECOMPUTE)    # the eager core: all five
+    evaluated = plan(request("530b")).evaluated
+    assert set(evaluated.recompute) == set(PLAN_RECOMPUTE)    # the eager core: all five
+    for name in ("selective:mlp", "selective:core_attn+mlp"):   # the MLP keeps fc1_input there
+        for row in evaluated[evaluated.recompute == name].head(3).itertuples():
+            run = dict(tensor_parallel=row.t, pipeline_parallel=row.p, interleave=row.m, micro_batch=row.b,
+                       sequence_parallel=row.sequence_parallel, gpus=280, global_batch=280,
+                       distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[name].run_values)
+            preset = load_preset("530b")
+            est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
+            assert row.peak_bytes == est.verdict_bytes, row
 
 
 def test_explain_reads_the_mlp_words_back(actmem):
     text = actmem("plan", "--model", "530b", "--gpus", "280", "--global-batch", "280", "--explain",
                   "t=8 p=35 m=3 b=1 sp sel+mlp").output
     assert "recompute selective (core_attn, mlp)" in text and "sp sel+mlp" in text
+
+
+def _llama_8b_preset(tmp_path, modules) -> str:
+    preset = tmp_path / "llama.toml"
+    listed = ", ".join(f'"{module}"' for module in modules)
+    preset.write_text(open("presets/llama-3.1-8b.toml").read()
+                      + f'\n[run]\nrecompute = "selective"\nrecompute_modules = [{listed}]\n')
+    return str(preset)
+
+
+def test_explain_takes_the_preset_s_modules_or_says_it_cannot(actmem, tmp_path):
+    """A preset's mlp recompute is the plan's mlp; layernorm is none of the plan's choices."""
+    args = ("plan", "--gpus", "8", "--global-batch", "8", "--explain", "t=8 p=1 m=1 b=1 sp")
+    text = actmem(*args[:1], "--model", _llama_8b_preset(tmp_path, ["mlp"]), *args[1:]).output
+    assert "recompute selective (mlp)" in text and "sp mlp" in text
+    assert_one_line_error(actmem(*args[:1], "--model", _llama_8b_preset(tmp_path, ["mlp", "layernorm"]), *args[1:]),
+                          "the preset's recompute modules (mlp, layernorm) are not among the plan's choices")

@@ -52,6 +52,9 @@ class Architecture:
     position_embedding: str = "learned"
     """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
     parameters; modelled under the flash core only) or 'none'."""
+    rope_fusion: bool = True
+    """Rotary positions by Transformer Engine's fused kernel (Megatron's default); False is
+    --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -77,13 +80,16 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        for name in ("bias", "tied_output"):
+        for name in ("bias", "tied_output", "rope_fusion"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
         self.code.check(self)
+        if not self.rope_fusion and self.position_embedding != "rope":
+            raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
+                            f"are {self.position_embedding}")
         if self.position_embedding == "rope" and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
@@ -161,7 +167,8 @@ class Architecture:
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
         head = "" if self.head_dim is None else f"d = {self.head_dim} · "
         core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
-        rope = {"learned": "", "rope": "rope · ", "none": "no positions · "}[self.position_embedding]
+        rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
+                "none": "no positions · "}[self.position_embedding]
         return (f"{core[self.attention_core]}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
                 f"{self.biases} · {'tied' if self.tied_output else 'untied'} output")
 
@@ -266,6 +273,11 @@ def eager_softmax_fp32(arch: Architecture) -> bool:
 def rotary_tables(arch: Architecture) -> bool:
     """the model's rotary cos and sin are saved activations (transformers' Llama)"""
     return "rotary_tables" in arch.keeps
+
+
+def unfused_rope(arch: Architecture) -> bool:
+    """rotary positions applied by Megatron's unfused rope_utils.py (--no-rope-fusion)"""
+    return arch.position_embedding == "rope" and not arch.rope_fusion
 
 
 def te_layer_spec(arch: Architecture) -> bool:

@@ -49,7 +49,7 @@ class OneLineErrors(click.Group):
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
         return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet "
-                "(not yet: mixtures of experts, unfused rope, CP other than p2p)")
+                "(not yet: mixtures of experts, CP other than p2p)")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 

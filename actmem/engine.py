@@ -27,7 +27,9 @@ def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
     """How many ways a tensor is split (Figures 4 and 5): by its region, unless the
     implementation keeps it all-gathered under sequence parallelism (placement belongs to the
     code, actmem.implementation: DTensor's ColwiseParallel keeps the gathered input)."""
-    if term.region is Region.BLOCK:
+    if term.region is Region.REPLICATED:
+        split = False
+    elif term.region is Region.BLOCK:
         split = technique.tensor_parallel
     else:
         split = technique.sequence_parallel and term.name not in arch.code.gathered_under_sp

@@ -92,6 +92,9 @@ ARCHITECTURE_FLAGS = (
          "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
+    Flag(("--rope-fusion/--no-rope-fusion",), "rope_fusion",
+         "rotary positions by TE's fused kernel (default), or Megatron's unfused rope_utils.py, "
+         "which keeps a 16-bit cos and sin for q and for k each layer (4 x 2sd)", bool),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
@@ -136,8 +139,7 @@ RUN_FLAGS = (
 #: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
 #: launch script names them, and the user is told plainly rather than offered a look-alike.
 MEGATRON_NOT_MODELLED = frozenset({
-    "--no-rope-fusion", "--num-experts",
-    "--expert-model-parallel-size",
+    "--num-experts", "--expert-model-parallel-size",
 })
 
 

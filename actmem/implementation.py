@@ -139,6 +139,8 @@ _TORCHTITAN_LLAMA = (
     ("normalization", ("rmsnorm",), "torchtitan's Llama layer (nn.RMSNorm)"),
     ("attention_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
     ("hidden_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
+    ("rope_fusion", (True,), "torchtitan's Llama layer, whose rotation is its own (--no-rope-fusion is "
+                             "Megatron's)"),
 )
 
 # transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
@@ -224,7 +226,9 @@ IMPLEMENTATIONS = {
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
               "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
-        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),),
+        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
+                      ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
+                                               "Megatron's)")),
         **_HF),
 }
 

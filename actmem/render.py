@@ -260,7 +260,8 @@ def render_formulas() -> None:
         name = Text(term.name, style="bold") + Text(f"\n{term.source}{when}", style="dim")
         table.add_row(name, inline(term.size()), term.region.value, kept, term.scope.value)
     table.caption = ("kept under recompute none / selective / full; block: split t ways; boundary: "
-                     "replicated under plain TP, split along the sequence under SP")
+                     "replicated under plain TP, split along the sequence under SP; replicated: on "
+                     "every rank")
     table.caption_justify = "left"
     console.print(table)
 

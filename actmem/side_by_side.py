@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from actmem import defaults
 from actmem.errors import SpecError
 from actmem.estimate import Estimate, estimate
-from actmem.implementation import HF_ATTENTION, IMPLEMENTATIONS
+from actmem.implementation import HF_ATTENTION, IMPLEMENTATIONS, MEGATRON
 from actmem.spec import Spec
 
 
@@ -50,7 +50,8 @@ def _cores(name: str, spec: Spec) -> tuple:
 
 def _row(spec: Spec, name: str, core: str, stage: int) -> CodeRow:
     try:
-        arch = replace(spec.architecture, implementation=name, attention_core=core)
+        own_rope = {} if name == MEGATRON else {"rope_fusion": True}    # --no-rope-fusion is Megatron's kernel choice
+        arch = replace(spec.architecture, implementation=name, attention_core=core, **own_rope)
         own = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
         padding = own if arch.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY   # default: none asked
         return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding), stage))

@@ -15,7 +15,7 @@ import sympy
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
     gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, \
-    swiglu, swiglu_keeping_silu_output, te_layer_spec
+    swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -28,6 +28,9 @@ class Region(Enum):
     BOUNDARY = "boundary"
     """On a block boundary (layer norms, dropouts, block inputs): replicated under
     plain tensor parallelism, split along the sequence under sequence parallelism."""
+    REPLICATED = "replicated"
+    """The same on every tensor-parallel rank, SP or not: divides by nothing (the unfused
+    rope's cos and sin, made for the whole sequence the attention sees)."""
 
 
 class Recompute(Enum):
@@ -146,6 +149,12 @@ TERMS = (
          "other code", counts_norm_statistics),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
+    Term("rope_cos_sin", lambda arch: 4 * A16 * s * arch.head_dim_or(h, a), Region.REPLICATED, _STORED,
+         Scope.LAYER,
+         "Megatron's unfused rope (--no-rope-fusion; rope_utils.py, _apply_rotary_pos_emb_bshd) makes "
+         "cos_ = cos(freqs).to(t.dtype) and sin_ at each call, for q and again for k, and t * cos_ and "
+         "rotate_half(t) * sin_ keep them: 4 x 2sd, the whole sequence the attention sees (s/c under "
+         "context parallelism), on every rank", unfused_rope),
     # the eager core (the paper's, Megatron-Core's local DotProductAttention)
     Term("query_key", _sb_attention(2), Region.BLOCK, _STORED, Scope.LAYER,
          "QKᵀ keeps Q and K (4.1, 4sbh; 4sb·ad with head dim d). With query groups Megatron's "

@@ -364,3 +364,18 @@ def test_mlp_recompute_alone_under_flash_keeps_the_attention_core():
     assert row(rows, "softmax_lse")["measured_bytes"] > 0
     assert not {"fc1_input", "swiglu_input", "fc2_input", "mlp_norm_statistics"} & {r["term"] for r in rows}
     assert row(rows, "mlp_layernorm_input")["measured_bytes"] == 2 * 2 * 16 * 2 * 64
+
+
+def test_unfused_rope_measured_as_the_fused_kernel_fails(monkeypatch):
+    """The spec says --no-rope-fusion but the layer rotates with the fused kernel's Function:
+    the formula's cos and sin (4 x 2·s·d = 2,048 B a layer) are measured as nothing."""
+    from actmem_validate.grid import FLASH
+
+    spec = small_spec(2, 2, name="small-flash-unfused-rope", rope_fusion=False, **FLASH)
+    healthy = run_fake(configs_for(spec, ["tp-sp"], 1))
+    assert judge(healthy, 0.0) == [] and row(healthy, "rope_cos_sin")["measured_bytes"] == 2 * 2_048
+    monkeypatch.setattr(gpt, "rotate_unfused", gpt.rotate)
+    rows = run_fake(configs_for(spec, ["tp-sp"], 1))
+    assert judge(rows, 0.0)
+    cos_sin = row(rows, "rope_cos_sin")
+    assert cos_sin["measured_bytes"] == 0 and cos_sin["formula_bytes"] == 2 * 2_048 and cos_sin["gate"] == "fail"

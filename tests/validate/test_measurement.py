@@ -55,7 +55,7 @@ def test_no_dropout_keeps_no_mask_and_no_separate_dropout_output():
 
 @pytest.mark.parametrize("name", ["22b", "530b"])
 def test_paper_scale_fake_runs_match_to_the_byte(name):
-    rows = run_fake(preset_grid(names=(name,), llama=(), mlp_recompute=()))
+    rows = run_fake(preset_grid(names=(name,), llama=(), mlp_recompute=(), unfused_rope=()))
     assert judge(rows, 0.0) == []
     assert worst_error(rows) == 0
     totals = [row for row in rows if row["term"] == "total"]

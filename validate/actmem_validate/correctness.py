@@ -30,7 +30,10 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
             # today's layer: flash (SDPA's CPU flash kernel), rope, 4 groups, SwiGLU, RMSNorm
             "flash-rope-gqa": dict(attention_core="flash", position_embedding="rope", query_groups=4,
                                    activation="swiglu", normalization="rmsnorm", bias=False, ffn=96),
-            "flash-attn": dict(attention_core="flash-attn", position_embedding="rope", query_groups=4)}
+            "flash-attn": dict(attention_core="flash-attn", position_embedding="rope", query_groups=4),
+            # Megatron's unfused rope (--no-rope-fusion): plain ops, autograd's own backward
+            "flash-unfused-rope": dict(attention_core="flash", position_embedding="rope", query_groups=4,
+                                       rope_fusion=False)}
 
 
 def recompute_modes(variant: str) -> tuple:

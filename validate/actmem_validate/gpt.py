@@ -41,6 +41,7 @@ class LayerSpec:
     head_dim: int | None = None       # d; None: h/a
     attention_core: str = "eager"     # eager | flash | flash-attn
     position_embedding: str = "learned"   # learned | rope | none
+    rope_fusion: bool = True              # False: Megatron's unfused rope (--no-rope-fusion)
     recompute_method: str = "uniform"     # with full recompute: uniform | block
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
     recompute_modules: tuple = ("core_attn",)   # with selective recompute: core_attn, layernorm, mlp
@@ -58,7 +59,7 @@ class LayerSpec:
         return cls(model.hidden, model.heads, model.seq_len, model.layers, arch.attention_dropout,
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
-                   arch.head_dim, arch.attention_core, arch.position_embedding,
+                   arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",))
 
@@ -139,6 +140,20 @@ def _batch_first(x):
     return copy.transpose(1, 2)
 
 
+def rotate_unfused(x, freqs, mscale: float = 1.0):
+    """(s, b, n, d) rotated as Megatron-Core's unfused rope does it (--no-rope-fusion;
+    rope_utils.py, _apply_rotary_pos_emb_bshd and _rotate_half, the whole head dim rotated):
+    plain ops, so autograd keeps what they keep, the 16-bit cos_ and sin_ (s, 1, 1, d) made
+    at each call (t * cos_ keeps cos_, rotate_half(t) * sin_ keeps sin_)."""
+    rot_dim = freqs.shape[-1]
+    x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos_ = label((torch.cos(freqs) * mscale).to(x.dtype), "rope_cos_sin")
+    sin_ = label((torch.sin(freqs) * mscale).to(x.dtype), "rope_cos_sin")
+    first, second = torch.chunk(x, 2, dim=-1)
+    x = (x * cos_) + (torch.cat((-second, first), dim=-1) * sin_)
+    return torch.cat((x, x_pass), dim=-1)
+
+
 class SelfAttention(nn.Module):
     """Megatron-Core's self-attention with its local (eager) core. The QKV output is laid out
     group by group, [g, a/g + 2, d] (each group's queries, then its key and value), so a
@@ -192,7 +207,8 @@ class SelfAttention(nn.Module):
         if self.spec.position_embedding == "rope":
             start = 0 if context is None else context.offset(q.shape[0])
             freqs = self.freqs[start:start + q.shape[0]]                # this rank's positions
-            q, k = rotate(q, freqs), rotate(k, freqs)
+            rope = rotate if self.spec.rope_fusion else rotate_unfused
+            q, k = rope(q, freqs), rope(k, freqs)
         else:
             q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
         v = v.clone(memory_format=torch.contiguous_format)

@@ -153,6 +153,9 @@ def small_grid() -> list[Config]:
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout
     for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):
         configs += configs_for(small_spec(2, 1, name="small-hf-gpt2", b=b, **HF_GPT2[core]), ["none"], 1)
+    # Megatron's unfused rope (--no-rope-fusion): its cos and sin, whole on every rank
+    configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope", rope_fusion=False, **FLASH),
+                           ["tp", "tp-sp"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
@@ -169,10 +172,11 @@ LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
 
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),
                 llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full"),
-                mlp_recompute=("22b", "llama-3.1-8b")) -> list[Config]:
+                mlp_recompute=("22b", "llama-3.1-8b"), unfused_rope=("llama-3.1-8b",)) -> list[Config]:
     """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's
     run; the Llama 3.1 models, flash attention, with and without full recompute; and selective
-    recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models."""
+    recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models; and
+    Megatron's unfused rope on the ``unfused_rope`` ones."""
     configs = []
     for name in names + llama:
         preset = load_preset(name)
@@ -183,6 +187,10 @@ def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-se
             modules = ("core_attn", "mlp") if spec.architecture.attention_core == "eager" else ("mlp",)
             run = replace(spec.run, recompute=Recompute.SELECTIVE, recompute_modules=modules)
             configs += configs_for(replace(spec, run=run), ["tp-sp-sel"])
+        if name in unfused_rope:
+            unfused = replace(spec, name=f"{spec.name}-unfused-rope",
+                              architecture=replace(spec.architecture, rope_fusion=False))
+            configs += configs_for(unfused, ["tp-sp"])
     return configs
 
 

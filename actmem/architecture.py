@@ -86,10 +86,10 @@ class Architecture:
         if self.qkv_bias is False and self.bias:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
-        self.code.check(self)
         if not self.rope_fusion and self.position_embedding != "rope":
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
+        self.code.check(self)
         if self.position_embedding == "rope" and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "

@@ -306,10 +306,14 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
                      "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
                      "kernel has no dropout), so it rests on the kernels' source")
-    if arch.position_embedding == "rope":
+    if arch.position_embedding == "rope" and arch.rope_fusion:
         notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
                      "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
                      "held like a buffer, not counted as activations")
+    elif arch.position_embedding == "rope":
+        notes.append("rotary embedding unfused (--no-rope-fusion; Megatron-Core's rope_utils.py): q and k are "
+                     "rotated into tensors of their own, and the 16-bit cos and sin made for each are kept "
+                     "(rope_cos_sin, whole on every rank); the fp32 frequency table is held like a buffer")
     c = spec.run.context_parallel
     if c > 1:
         notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "

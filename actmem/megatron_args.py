@@ -33,7 +33,8 @@ MEGATRON_NAMES = frozenset({
 MANY = "many"
 #: Megatron arguments that cannot change the memory of a training step, and how many values
 #: each takes (1, 0, or MANY: up to the next argument). Numerics of the optimizer, the
-#: schedule, data, checkpoints, logging.
+#: schedule, data, checkpoints, logging. (--rotary-percent changes no byte of TE's fused rope;
+#: beside --no-rope-fusion it is refused in _problems.)
 IGNORED = {
     **dict.fromkeys(("--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction",
                      "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-samples", "--train-iters",
@@ -186,6 +187,13 @@ def _recompute_modules(settings) -> list[str]:
     return []
 
 
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
     if refused:
@@ -206,6 +214,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
         problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
                         "(--position-embedding-type rope); for none, give --position-embedding-type none")
     problems += _recompute_modules(settings)
+    percent = _value_after(words, "--rotary-percent")
+    if "--no-rope-fusion" in words and percent is not None and _number(percent) != 1:
+        problems.append(f"--rotary-percent {percent} with --no-rope-fusion is not modelled: the unfused rope's cos "
+                        "and sin are as wide as the rotated part of each head, and actmem counts whole heads")
     if settings.get(CP_COMM, "p2p") != "p2p":
         problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
                         "default")

@@ -39,11 +39,21 @@ def test_the_flag_and_the_paste_agree(actmem):
                           "rope_fusion is given more than once and the values disagree")
 
 
+def test_a_partial_rotation_is_refused_with_the_unfused_rope(actmem):
+    """The unfused rope's cos and sin are as wide as the rotated part of a head: not modelled."""
+    assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --no-rope-fusion --rotary-percent 0.5"),
+                          "--rotary-percent 0.5 with --no-rope-fusion is not modelled")
+    fused = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --rotary-percent 0.5")
+    assert "--rotary-percent" in fused["assumptions"][-1]          # ignored: TE's fused rope keeps no byte of it
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--model", "22b", "--no-rope-fusion"),
      "--no-rope-fusion chooses how rotary positions are applied; this model's positions are learned"),
     (("--model", "llama-3.1-8b", "--implementation", "hf", "--no-rope-fusion"),
      "transformers' own rotary embedding (--no-rope-fusion is Megatron's)"),
+    (("--model", "22b", "--implementation", "hf", "--no-rope-fusion"),
+     "--no-rope-fusion chooses how rotary positions are applied; this model's positions are learned"),
 ])
 def test_no_rope_fusion_where_it_means_nothing_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)

@@ -156,6 +156,8 @@ def small_grid() -> list[Config]:
     # Megatron's unfused rope (--no-rope-fusion): its cos and sin, whole on every rank
     configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope", rope_fusion=False, **FLASH),
                            ["tp", "tp-sp"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope", c=2, rope_fusion=False, **FLASH),
+                           ["tp-sp"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)

@@ -16,6 +16,8 @@ ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ATTENTION_CORES = ("eager", "flash", "flash-attn")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
+#: Megatron's other spellings of them (--position-embedding-type learned_absolute)
+POSITION_EMBEDDING_ALIASES = {"learned_absolute": "learned"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Architecture:
                      "implementation"):   # RMSNorm
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, getattr(self, name).lower())
+        object.__setattr__(self, "position_embedding",
+                           POSITION_EMBEDDING_ALIASES.get(self.position_embedding, self.position_embedding))
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

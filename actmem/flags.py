@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import click
 
+from actmem.architecture import POSITION_EMBEDDING_ALIASES, POSITION_EMBEDDINGS
 from actmem.errors import SpecError
 from actmem.defaults import VOCAB_DIVISIBLE_BY
 from actmem.implementation import IMPLEMENTATIONS, MEGATRON, implementation
@@ -30,8 +31,7 @@ class _Named(click.Choice):
         return self.names[super().convert(value, param, ctx)]
 
 
-POSITION_EMBEDDING_NAMES = _Named({"learned": "learned", "learned_absolute": "learned", "rope": "rope",
-                                   "none": "none"})
+POSITION_EMBEDDING_NAMES = _Named({name: name for name in POSITION_EMBEDDINGS} | POSITION_EMBEDDING_ALIASES)
 
 
 @dataclass(frozen=True)

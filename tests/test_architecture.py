@@ -152,3 +152,13 @@ def test_grouped_query_attention_flops():
 ])
 def test_bad_attention_flags(actmem, args, fragments):
     assert_one_line_error(actmem("estimate", "--model", "530b", *args), *fragments)
+
+
+def test_megatron_s_learned_absolute_is_learned_in_a_preset_file(actmem, tmp_path):
+    """A preset may spell the learned table as Megatron does (learned_absolute): the same run
+    as the 22B preset's own."""
+    preset = tmp_path / "mine.toml"
+    architecture = '[architecture]\nposition_embedding = "learned_absolute"\n\n[model]'
+    preset.write_text(open("presets/22b.toml").read().replace("[model]", architecture, 1))
+    mine, paper = (actmem.json("estimate", "--model", name) for name in (str(preset), "22b"))
+    assert mine["run_terms"] == paper["run_terms"] and mine["architecture"]["position_embedding"] == "learned"

@@ -333,17 +333,14 @@ def _recompute_notes(spec: Spec) -> list:
         return []
     notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
              + ("" if "core_attn" in modules else ": the attention core is not recomputed, its rows are kept")]
-    if "mlp" in modules and te_layer_spec(spec.architecture):
+    if "mlp" in modules:
+        kept = ("Transformer Engine fuses its norm into linear_fc1, so the MLP keeps only the norm's input "
+                "(mlp_layernorm_input, one storage with the checkpoint's)" if te_layer_spec(spec.architecture) else
+                "the eager core runs in Megatron's local spec, whose norm is a module of its own before the MLP, "
+                "so the MLP keeps the norm's output (fc1_input, the checkpoint's input) and the norm its input")
         notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
-                     "tensor_parallel.checkpoint(self.mlp, ...)), and Transformer Engine fuses its norm into "
-                     "linear_fc1, so the MLP keeps only the norm's input (mlp_layernorm_input, one storage with "
-                     "the checkpoint's); the mask of the bias-dropout-add after it is kept")
-    elif "mlp" in modules:
-        notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
-                     "tensor_parallel.checkpoint(self.mlp, ...)); the eager core runs in Megatron's local spec, "
-                     "whose norm is a module of its own before the MLP, so the MLP keeps the norm's output "
-                     "(fc1_input, the checkpoint's input) and the norm its input; the mask of the "
-                     "bias-dropout-add after it is kept")
+                     f"tensor_parallel.checkpoint(self.mlp, ...)); {kept}; the mask of the bias-dropout-add "
+                     "after it is kept")
     if "layernorm" in modules:
         notes.append("recompute module layernorm changes no byte here: Megatron recomputes only a norm of its "
                      "own, and Transformer Engine fuses both norms into the next linear (input_layernorm and "

@@ -57,6 +57,9 @@ class Architecture:
     rope_fusion: bool = True
     """Rotary positions by Transformer Engine's fused kernel (Megatron's default); False is
     --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
+    qk_norm: bool = False
+    """A norm on each head of q and of k before rope (Megatron's --qk-layernorm; Qwen3's
+    q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -84,7 +87,7 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        for name in ("bias", "tied_output", "rope_fusion"):
+        for name in ("bias", "tied_output", "rope_fusion", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -98,6 +101,10 @@ class Architecture:
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
                             "alive beside the rotated q and k, which actmem does not count yet")
+        if self.qk_norm and self.attention_core == "eager" and self.implementation == MEGATRON:
+            raise SpecError("--qk-layernorm is modelled under the flash attention core only: Megatron runs the "
+                            "eager core in its local spec, whose q and k norms (LNImpl: apex's or torch's) keep "
+                            "what actmem does not count yet")
 
     def ffn(self, hidden):
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""
@@ -169,6 +176,7 @@ class Architecture:
         """One line a person reads: 'gelu MLP (f = 4h) · layernorm · biases · tied output'."""
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
+        groups += "QK norm · " if self.qk_norm else ""
         head = "" if self.head_dim is None else f"d = {self.head_dim} · "
         core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
         rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
@@ -282,6 +290,11 @@ def rotary_tables(arch: Architecture) -> bool:
 def unfused_rope(arch: Architecture) -> bool:
     """rotary positions applied by Megatron's unfused rope_utils.py (--no-rope-fusion)"""
     return arch.position_embedding == "rope" and not arch.rope_fusion
+
+
+def qk_norm(arch: Architecture) -> bool:
+    """q and k are normalised per head before rope (--qk-layernorm)"""
+    return arch.qk_norm
 
 
 def te_layer_spec(arch: Architecture) -> bool:

@@ -279,12 +279,13 @@ def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
                   "implementation")
-    if replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:   # a layer's weights
+    if not arch.qk_norm and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
     return (f"{attention} + {arch.fc1_width + 1}h·{f} weights, {arch.activation}, {arch.normalization}"
-            + ("" if arch.biases == "biases" else f", {arch.biases}"))
+            + ("" if arch.biases == "biases" else f", {arch.biases}")
+            + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))
 
 
 def _attention_notes(spec: Spec) -> list:
@@ -314,6 +315,10 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("rotary embedding unfused (--no-rope-fusion; Megatron-Core's rope_utils.py): q and k are "
                      "rotated into tensors of their own, and the 16-bit cos and sin made for each are kept "
                      "(rope_cos_sin, whole on every rank); the fp32 frequency table is held like a buffer")
+    if arch.qk_norm:
+        notes.append("q and k normalised per head (--qk-layernorm; TENorm, Transformer Engine's op-based "
+                     f"{arch.normalization}, as in TE 2): each keeps its input made contiguous, a copy out of the "
+                     "QKV output, and fp32 statistics a head a token (qk_norm_input, qk_norm_statistics)")
     c = spec.run.context_parallel
     if c > 1:
         notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "

@@ -95,6 +95,9 @@ ARCHITECTURE_FLAGS = (
     Flag(("--rope-fusion/--no-rope-fusion",), "rope_fusion",
          "rotary positions by TE's fused kernel (default), or Megatron's unfused rope_utils.py, "
          "which keeps a 16-bit cos and sin for q and for k each layer (4 x 2sd)", bool),
+    Flag(("--qk-norm/--no-qk-norm", "--qk-layernorm"), "qk_norm",
+         "a norm on each head of q and k before rope, of the model's normalization (Qwen3; Megatron's "
+         "--qk-layernorm; flash core): keeps a contiguous copy of q and k and fp32 statistics a head", bool),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "

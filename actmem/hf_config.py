@@ -15,7 +15,7 @@ from actmem.errors import SpecError
 #: config keys and model types that make a mixture of experts: refused, one line
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = LLAMA_LIKE + ("gpt2", "gpt_neox")
 
 
@@ -30,13 +30,10 @@ def read_hf_config(path: Path) -> dict:
     if kind in MOE_TYPES or any(config.get(key) for key in MOE_KEYS):
         raise SpecError(f"{path}: a mixture-of-experts model ({kind}) is not supported yet: actmem "
                         "models dense layers")
-    if kind == "qwen3":
-        raise SpecError(f"{path}: qwen3 normalises q and k per head (q_norm, k_norm; Megatron's "
-                        "--qk-layernorm), which keeps tensors actmem does not count yet")
     if kind not in SUPPORTED:
         raise SpecError(f"{path}: model_type {kind!r} is not supported; actmem reads "
                         f"{', '.join(SUPPORTED)}")
-    model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "gpt2": _gpt2,
+    model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "gpt2": _gpt2,
                                   "gpt_neox": _gpt_neox}[kind](config, path)
     learned_rows = model["seq_len"] if architecture.get("position_embedding") == "learned" else None
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
@@ -118,7 +115,9 @@ def _llama(config, path):
     """LlamaConfig, MistralConfig, Qwen2Config: a gated MLP of intermediate_size (gate_proj,
     up_proj, down_proj), RMSNorm, rope; num_key_value_heads groups; head_dim when given;
     biases: Llama's attention_bias and mlp_bias (default off), Qwen2's q, k, v always
-    (modeling_qwen2.py: q_proj bias=True, o_proj bias=False)."""
+    (modeling_qwen2.py: q_proj bias=True, o_proj bias=False), Qwen3's on q, k, v and o with
+    attention_bias and never on its MLP. Qwen3Config: q_norm and k_norm, RMSNorms over each
+    head (modeling_qwen3.py, Qwen3Attention.forward: before rope), Megatron's --qk-layernorm."""
     kind = config["model_type"]
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -129,9 +128,9 @@ def _llama(config, path):
     head_dim = _optional_int(config, path, "head_dim") or model["hidden"] // model["heads"]
     attention_bias = kind == "qwen2" or _switch(config, path, "attention_bias", False)
     mlp_bias = _switch(config, path, "mlp_bias", False)
-    if kind == "llama" and attention_bias != mlp_bias:
-        raise SpecError(f"{path}: attention_bias and mlp_bias differ; actmem models biases on all the "
-                        "linear layers, none, or on the QKV linear only")
+    if kind in ("llama", "qwen3") and attention_bias != mlp_bias:
+        raise SpecError(f"{path}: attention_bias and mlp_bias differ ({kind}'s attention_bias is on q, k, v and "
+                        "o); actmem models biases on all the linear layers, none, or on the QKV linear only")
     architecture = dict(
         ffn_hidden=_need(config, path, "intermediate_size"), activation="swiglu", normalization="rmsnorm",
         bias=mlp_bias, qkv_bias=attention_bias if attention_bias != mlp_bias else None,
@@ -139,7 +138,7 @@ def _llama(config, path):
         query_groups=None if groups == model["heads"] else groups,
         head_dim=None if head_dim * model["heads"] == model["hidden"] else head_dim,
         position_embedding="rope", attention_dropout=_probability(config, path, "attention_dropout", 0.0),
-        hidden_dropout=0.0)
+        hidden_dropout=0.0, qk_norm=kind == "qwen3")
     notes = _seq_note(config, "max_position_embeddings")
     window = _optional_int(config, path, "sliding_window")
     if window and config.get("use_sliding_window", kind == "mistral"):

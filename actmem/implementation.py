@@ -141,6 +141,8 @@ _TORCHTITAN_LLAMA = (
     ("hidden_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
     ("rope_fusion", (True,), "torchtitan's Llama layer, whose rotation is its own (--no-rope-fusion is "
                              "Megatron's)"),
+    ("qk_norm", (False,), "torchtitan's Llama layer, which has no q and k norms (its Qwen3 model, "
+                          "which has them, is not measured)"),
 )
 
 # transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
@@ -228,7 +230,9 @@ IMPLEMENTATIONS = {
               "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
         architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
                       ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
-                                               "Megatron's)")),
+                                               "Megatron's)"),
+                      ("qk_norm", (False,), "transformers' Llama and GPT-2, which have no q and k norms "
+                                            "(Qwen3ForCausalLM, which has them, is not measured)")),
         **_HF),
 }
 

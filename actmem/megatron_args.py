@@ -28,7 +28,7 @@ MEGATRON_NAMES = frozenset({
     "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
-    "--use-rotary-position-embeddings", "--no-rope-fusion",
+    "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
 })
 MANY = "many"
 #: Megatron arguments that cannot change the memory of a training step, and how many values

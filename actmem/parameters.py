@@ -14,16 +14,22 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
     """One transformer layer's parameters on one of t GPUs.
 
     QKV h·(ad + 2gd) (+ its bias), projection ad·h (+h), the MLP's first linear h·f, or
-    2h·f gated (+f or 2f), its second f·h (+h), two norms of h or 2h each; ad = h and g = a
-    unless given. The paper's layer (f = 4h, biases, layer norms) is 12h² + 13h. Tensor
-    parallelism splits the weights and the column-parallel biases; the row-parallel biases
-    and the norms are replicated.
+    2h·f gated (+f or 2f), its second f·h (+h), two norms of h or 2h each, and with QK norms
+    two of d or 2d; ad = h and g = a unless given. The paper's layer (f = 4h, biases, layer
+    norms) is 12h² + 13h. Tensor parallelism splits the weights and the column-parallel
+    biases; the row-parallel biases and the norms are replicated (every rank normalises its
+    own heads with the same q and k norms, whose grads Megatron all-reduces over t:
+    finalize_model_grads.py, _allreduce_layernorm_grads).
     """
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
     qkv = qkv_width(h, arch, heads)
     split = (h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h
              + int(arch.has_qkv_bias) * qkv + bias * width * f)
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
+    if arch.qk_norm:
+        if heads is None:
+            raise ValueError("QK norms need the head count")
+        replicated += 2 * arch.norm_parameters * arch.head_dim_or(h, heads)
     return split // t + replicated
 
 

@@ -14,8 +14,8 @@ import sympy
 
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
-    gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, rotary_tables, \
-    swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
+    gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, \
+    rotary_tables, swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -108,6 +108,11 @@ def _sb_keys_values(arch):
     return 2 * A16 * s * b * arch.kv_width(h, a)
 
 
+def _sb_queries_keys(arch):
+    """q and k side by side: 2sb·(ad + gd)."""
+    return A16 * s * b * (arch.attention_width(h, a) + arch.kv_width(h, a))
+
+
 def _repeated_keys_values(arch):
     """k and v after torchtitan's repeat_kv (2 x 2sb·ad), unsharded size: unsqueeze, expand
     and reshape copy them to a heads, except where the reshape is a view: no query groups
@@ -149,6 +154,17 @@ TERMS = (
          "other code", counts_norm_statistics),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
+    # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
+    # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward
+    # (ops/basic/rmsnorm.py, layer_norm.py) saves x = input_.contiguous() and fp32 rstdevs (and
+    # means), one a head a token
+    Term("qk_norm_input", _sb_queries_keys, Region.BLOCK, _STORED, Scope.LAYER,
+         "the q and k norms keep their inputs made contiguous (2sb·(a + g)d): q is copied out of the QKV "
+         "output's groups by its reshape, k is a strided view of it that TE's norm copies", qk_norm),
+    Term("qk_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * (a + arch.query_groups_or(a)),
+         Region.BLOCK, _STORED, Scope.LAYER,
+         "the q and k norms keep fp32 statistics, one (RMSNorm) or two (LayerNorm) a head a token: "
+         "4sb·(a + g) for RMSNorm", qk_norm),
     Term("rope_cos_sin", lambda arch: 4 * A16 * s * arch.head_dim_or(h, a), Region.REPLICATED, _STORED,
          Scope.LAYER,
          "Megatron's unfused rope (--no-rope-fusion; rope_utils.py, _apply_rotary_pos_emb_bshd) makes "

@@ -15,7 +15,7 @@ def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
     expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
                 for sp in ("on", "off") for r in ("none", "selective", "selective:core_attn+mlp", "full")}
-    flash = ("flash-rope-gqa", "flash-attn", "flash-unfused-rope")
+    flash = ("flash-rope-gqa", "flash-attn", "flash-unfused-rope", "flash-qk-norm")
     expected |= {f"{variant} sp={sp} recompute={r}" for variant in flash
                  for sp in ("on", "off") for r in ("none", "selective:mlp", "full")}
     assert set(worst) == expected

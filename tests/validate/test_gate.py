@@ -379,3 +379,38 @@ def test_unfused_rope_measured_as_the_fused_kernel_fails(monkeypatch):
     assert judge(rows, 0.0)
     cos_sin = row(rows, "rope_cos_sin")
     assert cos_sin["measured_bytes"] == 0 and cos_sin["formula_bytes"] == 2 * 2_048 and cos_sin["gate"] == "fail"
+
+
+def test_qk_norms_the_layer_skips_fail(monkeypatch):
+    """The spec says --qk-layernorm but the layer runs no q and k norms: the formula's copies
+    of q and k (2sb·(a + g)d/t = 2·32·2·(8 + 4)·8/2 = 6,144 B a layer) and their statistics
+    (4sb·(a + g)/t = 1,536 B) are measured as nothing."""
+    from actmem_validate.grid import FLASH
+
+    spec = small_spec(2, 2, name="small-flash-qk-norm", qk_norm=True, **FLASH)
+    healthy = run_fake(configs_for(spec, ["tp-sp"], 1))
+    assert judge(healthy, 0.0) == []
+    assert row(healthy, "qk_norm_input")["measured_bytes"] == 2 * 6_144
+    assert row(healthy, "qk_norm_statistics")["measured_bytes"] == 2 * 1_536
+    monkeypatch.setattr(gpt, "_normalise_head", lambda x, norm: x)
+    rows = run_fake(configs_for(spec, ["tp-sp"], 1))
+    assert judge(rows, 0.0)
+    for term, each in (("qk_norm_input", 6_144), ("qk_norm_statistics", 1_536)):
+        missing = row(rows, term)
+        assert missing["measured_bytes"] == 0 and missing["formula_bytes"] == 2 * each and missing["gate"] == "fail"
+
+
+def test_qk_norms_the_formula_leaves_out_fail(monkeypatch):
+    """The layer normalises q and k but the spec has no --qk-layernorm: what the norms keep is
+    measured where the formula has none, and the gate turns red."""
+    from dataclasses import replace
+
+    from actmem_validate.grid import FLASH
+
+    of = gpt.LayerSpec.of
+    monkeypatch.setattr(gpt.LayerSpec, "of", staticmethod(lambda *args, **kw: replace(of(*args, **kw), qk_norm=True)))
+    rows = run_fake(configs_for(small_spec(2, 2, name="small-flash", **FLASH), ["tp-sp"], 1))
+    failures = judge(rows, 0.0)
+    extra = row(rows, "qk_norm_input")
+    assert extra["formula_bytes"] == 0 and extra["measured_bytes"] == 2 * 6_144 and extra["gate"] == "fail"
+    assert any("qk_norm_input measured" in line for line in failures)

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from actmem_validate.gpt import LayerSpec, TransformerLayer
-from actmem_validate.layers import allreduce_sequence_parallel_grads
+from actmem_validate.layers import allreduce_layernorm_grads
 from actmem_validate.context import tensor_and_context_groups
 from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, split_first_dim
 
@@ -33,7 +33,10 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
             "flash-attn": dict(attention_core="flash-attn", position_embedding="rope", query_groups=4),
             # Megatron's unfused rope (--no-rope-fusion): plain ops, autograd's own backward
             "flash-unfused-rope": dict(attention_core="flash", position_embedding="rope", query_groups=4,
-                                       rope_fusion=False)}
+                                       rope_fusion=False),
+            # Qwen3's layer: q and k normalised per head (--qk-layernorm), their grads summed over t
+            "flash-qk-norm": dict(attention_core="flash", position_embedding="rope", query_groups=4, qk_norm=True,
+                                  activation="swiglu", normalization="rmsnorm", bias=False, ffn=96)}
 
 
 def recompute_modes(variant: str) -> tuple:
@@ -82,7 +85,7 @@ def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper"
     x_local = local(x.detach()).requires_grad_()
     out = layer(x_local)
     out.backward(local(grad_out))
-    allreduce_sequence_parallel_grads(layer, tp)
+    allreduce_layernorm_grads(layer, tp)
     if cp is not None:
         for param in layer.parameters():
             param.grad = all_reduce(param.grad, cp)

@@ -125,7 +125,7 @@ def scaled_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
 class Norm(nn.Module):
     """LayerNorm (weight and bias) or RMSNorm (weight), as TE's fused kernels run them."""
 
-    def __init__(self, hidden: int, normalization: str, dtype=None, device=None):
+    def __init__(self, hidden: int, normalization: str, dtype=None, device=None, summed_over_heads=False):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.rms = normalization == "rmsnorm"
@@ -133,6 +133,7 @@ class Norm(nn.Module):
         self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden, **kw))
         for param in self.parameters():
             param.sequence_parallel = True     # replicated; grads all-reduced under SP
+            param.summed_over_heads = summed_over_heads   # a q or k norm: all-reduced under TP too
 
     def forward(self, x):
         return _Norm.apply(x, self.weight, self.bias, self.rms)

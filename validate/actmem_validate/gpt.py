@@ -42,6 +42,7 @@ class LayerSpec:
     attention_core: str = "eager"     # eager | flash | flash-attn
     position_embedding: str = "learned"   # learned | rope | none
     rope_fusion: bool = True              # False: Megatron's unfused rope (--no-rope-fusion)
+    qk_norm: bool = False                 # q and k normalised per head (--qk-layernorm)
     recompute_method: str = "uniform"     # with full recompute: uniform | block
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
     recompute_modules: tuple = ("core_attn",)   # with selective recompute: core_attn, layernorm, mlp
@@ -60,7 +61,7 @@ class LayerSpec:
                    arch.hidden_dropout, spec.run.recompute.value, dtype, device, arch.ffn_hidden,
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
-                   spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
+                   arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",))
 
     def recomputes(self, module: str) -> bool:
@@ -170,6 +171,9 @@ class SelfAttention(nn.Module):
         self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
+        if spec.qk_norm:      # TENorm over d; every rank normalises its own heads with the same weights
+            self.q_norm, self.k_norm = (Norm(spec.dim, spec.normalization, summed_over_heads=True, **kw)
+                                        for _ in range(2))
         if spec.position_embedding == "rope":   # model state, as Megatron's cached table is
             self.register_buffer("freqs", rotary_frequencies(spec.seq_len, spec.dim, spec.device),
                                  persistent=False)
@@ -204,18 +208,31 @@ class SelfAttention(nn.Module):
         k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
         Without rope, q, k and v are copied the same way (same bytes)."""
         context = self.tp.context
+        if self.spec.qk_norm:
+            q, k = _normalise_head(q, self.q_norm), _normalise_head(k, self.k_norm)
         if self.spec.position_embedding == "rope":
             start = 0 if context is None else context.offset(q.shape[0])
             freqs = self.freqs[start:start + q.shape[0]]                # this rank's positions
             rope = rotate if self.spec.rope_fusion else rotate_unfused
             q, k = rope(q, freqs), rope(k, freqs)
-        else:
+        elif not self.spec.qk_norm:         # the norms' outputs are contiguous tensors of their own
             q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
         v = v.clone(memory_format=torch.contiguous_format)
         label(q, "query"), label(k, "key_value"), label(v, "key_value")
         if context is not None and context.size > 1:
             return context_parallel_attention(q, k, v, context)
         return flash_core(q, k, v, copies_output=self.spec.attention_core == "flash-attn")
+
+
+def _normalise_head(x, norm: Norm):
+    """x (s, b, n, d) normalised over d as Megatron's q_layernorm and k_layernorm run it
+    (attention.py, get_query_key_value_tensors; TENorm): TE's op-based norm saves
+    input_.contiguous() and fp32 statistics a row (ops/basic/rmsnorm.py, op_forward). q is
+    already the reshape's copy where a rank holds several groups (a strided view where it
+    holds one); k is always a strided view of the QKV output: each one storage, copied here."""
+    x = label(x.contiguous(), "qk_norm_input")
+    with scope("qk_norm_statistics"):
+        return norm(x)
 
 
 class MLP(nn.Module):

@@ -161,15 +161,26 @@ def small_grid() -> list[Config]:
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
+    # q and k normalised per head (--qk-layernorm, Qwen3): g/t = 2 and 1 (q's reshape a copy and
+    # a view), full recompute, beside c = 2; LayerNorm's two statistics; and with learned
+    # positions, where the norms' outputs go to the kernel as they are
+    configs += configs_for(small_spec(2, 2, name="small-flash-qk-norm", qk_norm=True, **FLASH),
+                           ["tp", "tp-sp", "tp-sp-full"], 1)
+    configs += configs_for(small_spec(2, 4, name="small-flash-qk-norm", qk_norm=True, **FLASH), ["tp-sp"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-qk-norm", c=2, qk_norm=True, **FLASH), ["tp-sp"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-qk-layernorm", qk_norm=True,
+                                      **(FLASH | dict(normalization="layernorm"))), ["tp-sp"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-gelu-qk-norm", attention_dropout=0.0,
+                                      attention_core="flash", qk_norm=True), ["tp-sp"], 1)
     return configs
 
 
 #: today's models at full scale: Llama 3.1 405B on its two published runs (the second with
 #: context parallelism 16 at 131,072 tokens); 8B and 70B (model only) on 8-way tensor
-#: parallelism, 70B with a 4-stage pipeline
+#: parallelism, 70B with a 4-stage pipeline; Qwen3 8B (model only, QK norms) on 8
 LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
               "llama-3.1-70b": dict(tensor_parallel=8, pipeline_parallel=4),
-              "llama-3.1-405b": {}, "llama-3.1-405b-128k": {}}
+              "llama-3.1-405b": {}, "llama-3.1-405b-128k": {}, "qwen3-8b": dict(tensor_parallel=8)}
 
 
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),

@@ -178,11 +178,15 @@ def init_scaled(module: nn.Module, layers: int) -> None:
     nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * layers))
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module, tp: TensorParallel) -> None:
-    """Under SP each rank's layer-norm and row-bias grads cover its own sequence shard;
-    Megatron all-reduces them after backward."""
-    if not (tp.sequence_parallel and tp.size > 1):
+def allreduce_layernorm_grads(module: nn.Module, tp: TensorParallel) -> None:
+    """Under SP each rank's layer-norm and row-bias grads cover its own sequence shard; the q
+    and k norms' grads cover each rank's own heads, SP or not. Megatron all-reduces both over
+    t after backward (finalize_model_grads.py, _allreduce_layernorm_grads)."""
+    if tp.size == 1:
         return
     for name, param in module.named_parameters():
-        if param.grad is not None and getattr(param, "sequence_parallel", False):
+        if param.grad is None:
+            continue
+        if (tp.sequence_parallel and getattr(param, "sequence_parallel", False)) \
+                or getattr(param, "summed_over_heads", False):
             param.grad = all_reduce(param.grad, tp)

@@ -1,0 +1,160 @@
+"""q and k normalised per head (Megatron's --qk-layernorm; Qwen3's q_norm and k_norm), as
+Megatron-Core runs it with Transformer Engine: TENorm after the QKV split, before rope. TE's
+op-based norm saves its input made contiguous and fp32 statistics a row (ops/basic/rmsnorm.py,
+op_forward): a copy of q (its reshape out of the QKV output's groups) and of k (a strided view
+of it), a·d and g·d wide. Bytes derived by hand below."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+from tests.test_llama import HF
+
+# Qwen3 8B (presets/qwen3-8b.toml): s = 4096, b = 1, h = 4096, a = 32, g = 8, d = 128,
+# f = 12288, t = 8 with SP, flash, fused rope, RMSNorm, no biases, no dropout.
+SBH_T = 4096 * 4096 // 8                          # 2,097,152 elements: one (s/t, b, h) shard
+QK_NORM_INPUT = 2 * 4096 * (32 + 8) * 128 // 8    # 2sb·(a + g)d/t = 5,242,880
+QK_NORM_STATISTICS = 4 * 4096 * (32 + 8) // 8     # fp32 rsigma a head a token: 81,920
+QWEN3_8B_LAYER = {
+    "attention_layernorm_input": 2 * SBH_T,       # 4,194,304
+    "attention_norm_statistics": 4 * 4096 // 8,   # 2,048
+    "qkv_input": 2 * SBH_T,
+    "qk_norm_input": QK_NORM_INPUT,
+    "qk_norm_statistics": QK_NORM_STATISTICS,
+    "query": 2 * 4096 * 32 * 128 // 8,            # after rope: 4,194,304
+    "key_value": 2 * 2 * 4096 * 8 * 128 // 8,     # 2,097,152
+    "softmax_lse": 4 * 32 * 4096 // 8,            # 65,536
+    "projection_input": 2 * 4096 * 32 * 128 // 8,
+    "mlp_layernorm_input": 2 * SBH_T,
+    "mlp_norm_statistics": 4 * 4096 // 8,
+    "fc1_input": 2 * SBH_T,
+    "swiglu_input": 2 * 2 * 4096 * 12288 // 8,    # 25,165,824
+    "fc2_input": 2 * 4096 * 12288 // 8,           # 12,582,912
+}
+RUN = ("--tp", "8", "--sp", "--micro-batch", "1")
+
+
+def _per_layer(out) -> dict:
+    return {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+
+
+def test_qwen3_8b_keeps_a_copy_of_q_and_k_and_their_statistics(actmem):
+    out = actmem.json("estimate", "--model", "qwen3-8b", *RUN)
+    assert _per_layer(out) == QWEN3_8B_LAYER
+    assert sum(QWEN3_8B_LAYER.values()) == 70_406_144          # the QK norms: 7.6% of it
+    assert {row["region"] for row in out["run_terms"] if row["term"].startswith("qk_norm")} == {"block"}
+    assert "QK norm" in actmem("estimate", "--model", "qwen3-8b", *RUN).output
+
+
+def test_qwen3_config_json_gives_the_preset_numbers(actmem):
+    """The published config.json (max_position_embeddings 40,960) at the preset's s = 4096."""
+    config = actmem.json("estimate", "--model", f"{HF}/qwen3/config.json", "--seq-len", "4096", *RUN)
+    assert _per_layer(config) == QWEN3_8B_LAYER
+    assert config["architecture"]["qk_norm"] is True
+
+
+def test_qwen3_8b_parameters_match_its_published_non_embedding_count():
+    """A layer: QKV 4096·(4096 + 2·1024) = 25,165,824, projection 16,777,216, SwiGLU's
+    2·4096·12288 + 12288·4096 = 150,994,944, two norms 8,192, the q and k norms 2·128 = 256:
+    192,946,432. 36 layers and the final norm: 6,946,075,648, the 6.95B non-embedding
+    parameters the Qwen3-8B model card gives."""
+    from actmem.parameters import layer_parameters
+    from actmem.presets import load_preset
+    from actmem.spec import build_spec
+
+    spec = build_spec(load_preset("qwen3-8b").model, {}, architecture=load_preset("qwen3-8b").architecture)
+    arch = spec.architecture
+    assert layer_parameters(4096, 1, arch, 32) == 192_946_432
+    assert 36 * layer_parameters(4096, 1, arch, 32) + 4096 == 6_946_075_648
+    # t = 8: the linears' 192,937,984 split, the norms' 8,192 + 256 whole on every rank (each
+    # normalises its own heads with the same q and k norms): 24,117,248 + 8,448
+    assert layer_parameters(4096, 8, arch, 32) == 24_125_696
+
+
+def test_layernorm_keeps_two_statistics_and_a_bias(actmem):
+    """--normalization LayerNorm: mu and rsigma a head a token (8sb·(a + g)/t), and each norm a
+    weight and a bias (2 x 2d parameters)."""
+    rms = actmem.json("estimate", "--model", "qwen3-8b", *RUN)
+    ln = actmem.json("estimate", "--model", "qwen3-8b", "--normalization", "layernorm", *RUN)
+    assert _per_layer(ln)["qk_norm_statistics"] == 2 * QK_NORM_STATISTICS
+    assert _per_layer(ln)["qk_norm_input"] == QK_NORM_INPUT
+    # 36 layers: the hidden norms' biases 2·4096 and the q and k norms' 2·128, and the final
+    # norm's 4096, replicated over t
+    assert ln["parameters"]["count"] - rms["parameters"]["count"] == 36 * (2 * 4096 + 2 * 128) + 4096
+
+
+def test_context_parallelism_halves_and_full_recompute_drops_them(actmem):
+    cp = actmem.json("estimate", "--model", "qwen3-8b", *RUN, "--cp", "2")
+    assert _per_layer(cp)["qk_norm_input"] == QK_NORM_INPUT // 2
+    assert _per_layer(cp)["qk_norm_statistics"] == QK_NORM_STATISTICS // 2
+    full = actmem.json("estimate", "--model", "qwen3-8b", *RUN, "--recompute", "full")
+    assert not {"qk_norm_input", "qk_norm_statistics"} & set(_per_layer(full))
+    mlp = actmem.json("estimate", "--model", "qwen3-8b", *RUN, "--recompute", "selective",
+                      "--recompute-modules", "mlp")
+    assert _per_layer(mlp)["qk_norm_input"] == QK_NORM_INPUT      # outside the MLP's checkpoint
+
+
+def test_the_megatron_switch_the_flag_and_the_preset_agree(actmem):
+    from tests.test_llama import LLAMA_8B
+
+    pasted = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --qk-layernorm")
+    flagged = actmem.json("estimate", "--megatron-args", LLAMA_8B, "--qk-norm")
+    assert pasted["run_terms"] == flagged["run_terms"]
+    # Llama 3 8B's s = 8192, d = 128: 2·8192·(32 + 8)·128/8 = 10,485,760
+    assert _per_layer(pasted)["qk_norm_input"] == 10_485_760
+    assert "qk_norm_input" not in _per_layer(actmem.json("estimate", "--model", "qwen3-8b", *RUN, "--no-qk-norm"))
+    assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --qk-layernorm", "--no-qk-norm"),
+                          "qk_norm is given more than once and the values disagree")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", "22b", "--qk-norm"), "--qk-layernorm is modelled under the flash attention core only"),
+    (("--model", "qwen3-8b", "--implementation", "torch-native"), "which has no q and k norms"),
+    (("--model", "qwen3-8b", "--implementation", "hf"), "Qwen3ForCausalLM, which has them, is not measured"),
+])
+def test_qk_norms_where_they_are_not_modelled_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_a_qwen3_config_with_attention_biases_is_refused(actmem, tmp_path):
+    """Qwen3's attention_bias puts biases on q, k, v and o, never on its MLP: not expressible."""
+    import json
+
+    config = json.loads(Path(HF, "qwen3", "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"attention_bias": True}))
+    assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "config.json")),
+                          "attention_bias and mlp_bias differ (qwen3's attention_bias is on q, k, v and o)")
+
+
+def test_the_planner_counts_the_qk_norms_as_the_estimate_does():
+    """Qwen3 8B on 64 H100s: sampled rows of the sweep (c, SP, every recompute choice) hold at
+    their peak exactly what `actmem estimate` of the same run holds, and the QK norms are in
+    it: the same sweep without them holds less on every row."""
+    from dataclasses import replace
+
+    from actmem.estimate import estimate
+    from actmem.hardware import GPUS
+    from actmem.plan import PlanRequest, plan
+    from actmem.presets import load_preset
+    from actmem.spec import build_spec
+    from actmem.techniques import PLAN_RECOMPUTE
+
+    preset = load_preset("qwen3-8b")
+    spec = build_spec(preset.model, {}, architecture=preset.architecture)
+    req = PlanRequest(model=spec.model, gpus=64, global_batch=64, gpu=GPUS["h100"], gpu_memory_bytes=80 * 2**30,
+                      architecture=spec.architecture)
+    evaluated = plan(req).evaluated
+    for row in evaluated.sample(12, random_state=0).itertuples():
+        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
+                   micro_batch=row.b, sequence_parallel=row.sequence_parallel, gpus=64, global_batch=64,
+                   distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[row.recompute].run_values)
+        est = estimate(build_spec(preset.model, run, architecture=preset.architecture))
+        assert (row.activations_bytes, row.peak_bytes) == (est.activations_bytes, est.verdict_bytes), row
+    without = plan(replace(req, architecture=replace(spec.architecture, qk_norm=False))).evaluated
+    key = ["t", "c", "p", "m", "b", "sequence_parallel", "recompute", "distributed_optimizer"]
+    both = evaluated.merge(without, on=key, suffixes=("", "_without"))
+    assert len(both) == len(evaluated)
+    assert (both.parameters > both.parameters_without).all()
+    stored = both[both.recompute != "full"]
+    assert (stored.activations_bytes > stored.activations_bytes_without).all()

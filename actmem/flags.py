@@ -45,6 +45,9 @@ class Flag:
     type: object = int
     constant: object = _NO_CONSTANT
     """For a switch that sets the key to a fixed value (--swiglu: 'swiglu')."""
+    same: object = None
+    """value -> what two spellings must agree on (None: the value itself); --recompute-modules
+    names a set, so 'mlp,core_attn' and 'core_attn mlp' agree."""
 
     def dest(self, index: int) -> str:
         spelling = self.names[index].partition("/")[0].lstrip("-").replace("-", "_")
@@ -131,7 +134,8 @@ RUN_FLAGS = (
     Flag(("--recompute-modules",), "recompute_modules",
          "with selective recompute: what it recomputes, from core_attn (the attention core, the "
          "default and the paper's), mlp (the MLP with its fused norm, keeping its input) and "
-         "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str),
+         "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str,
+         same=lambda value: frozenset(value.replace(",", " ").split())),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
@@ -198,13 +202,16 @@ def resolve(flags: dict, table) -> dict:
     for key in dict.fromkeys(flag.key for flag in table):
         given = [(flag, index, value) for flag in table if flag.key == key
                  for index in range(len(flag.names)) for value in out.pop(flag.dest(index), ())]
-        values = {value for _, _, value in given}
-        if len(values) > 1:
+        if len({(flag.same or _itself)(value) for flag, _, value in given}) > 1:
             spelled = dict.fromkeys(_spelling(flag, index, value) for flag, index, value in given)
             raise SpecError(f"{key} is given more than once and the values disagree: "
                             f"{' and '.join(spelled)}; give it once")
-        out[key] = values.pop() if values else None
+        out[key] = given[0][2] if given else None
     return out
+
+
+def _itself(value):
+    return value
 
 
 def spec_options(command):

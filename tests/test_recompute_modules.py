@@ -48,6 +48,12 @@ def test_the_order_and_spelling_of_the_modules_do_not_matter(actmem):
     a = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "mlp,core_attn")
     b = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn mlp")
     assert a["run_terms"] == b["run_terms"] and a["run"]["technique"] == b["run"]["technique"]
+    # a flag and a paste that name the same modules in another order agree; other modules do not
+    paste = "--bf16 --transformer-impl local --recompute-granularity selective --recompute-modules core_attn mlp"
+    c = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "mlp,core_attn", "--megatron-args", paste)
+    assert c["run_terms"] == a["run_terms"]
+    assert_one_line_error(actmem("estimate", *PAPER_22B, "--recompute-modules", "mlp", "--megatron-args", paste),
+                          "recompute_modules is given more than once and the values disagree")
 
 
 def test_layernorm_recompute_changes_no_byte_under_te_and_says_why(actmem):

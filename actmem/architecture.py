@@ -63,7 +63,7 @@ class Architecture:
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
-    (transformers' Llama or GPT-2; the attention core is its attn_implementation). It travels
+    (transformers' Llama, Qwen3 or GPT-2; the attention core is its attn_implementation). It travels
     with the architecture because every term asks both at once; it changes no parameter."""
 
     def __post_init__(self):
@@ -290,6 +290,18 @@ def rotary_tables(arch: Architecture) -> bool:
 def unfused_rope(arch: Architecture) -> bool:
     """rotary positions applied by Megatron's unfused rope_utils.py (--no-rope-fusion)"""
     return arch.position_embedding == "rope" and not arch.rope_fusion
+
+
+def qk_norm_keeping_input(arch: Architecture) -> bool:
+    """q and k are normalised per head before rope (--qk-layernorm), by a norm that keeps its
+    16-bit input (TE's)"""
+    return arch.qk_norm and keeps_norm_input(arch)
+
+
+def qk_norm_keeping_fp32_copy(arch: Architecture) -> bool:
+    """q and k are normalised per head by a norm that keeps an fp32 copy of its input and a
+    16-bit normalized tensor (transformers' Qwen3RMSNorm)"""
+    return arch.qk_norm and norm_keeps_fp32_copy(arch)
 
 
 def qk_norm(arch: Architecture) -> bool:

@@ -104,7 +104,7 @@ ARCHITECTURE_FLAGS = (
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
-         "Face transformers' Llama or GPT-2, by the architecture, on one device: --attention-core "
+         "Face transformers' Llama, Qwen3 or GPT-2, by the architecture, on one device: --attention-core "
          "eager is its eager attention, flash its sdpa)",
          click.Choice(list(IMPLEMENTATIONS), case_sensitive=False)),
 )
@@ -266,8 +266,8 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
     if preset and preset.hf_unmeasured and architecture.get("implementation") == "hf":
-        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM and "
-                        f"GPT2LMHeadModel; {preset.source}: {preset.hf_unmeasured}")
+        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM, "
+                        f"Qwen3ForCausalLM and GPT2LMHeadModel; {preset.source}: {preset.hf_unmeasured}")
     notes = preset.notes if preset else ()
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)

@@ -48,8 +48,9 @@ def read_hf_config(path: Path) -> dict:
 
 def _hf_unmeasured(kind: str, config: dict) -> str | None:
     """Why transformers runs this config with code the harness has not measured: the harness
-    runs LlamaForCausalLM and GPT2LMHeadModel with gelu_new (hf.py); None where it is that."""
-    if kind not in ("llama", "gpt2"):
+    runs LlamaForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel with gelu_new (hf.py); None where
+    it is that."""
+    if kind not in ("llama", "qwen3", "gpt2"):
         return f"{kind} is a class of its own in transformers, whose own code actmem has not measured"
     act = config.get("activation_function", "gelu_new")
     if kind == "gpt2" and act != "gelu_new":

@@ -85,10 +85,11 @@ class Implementation:
             raise SpecError(f"--implementation {self.name} is modelled for {_why(self.architecture, arch)}")
         model = self.model_class(arch)
         if self.models and model is None:
-            closest = min(self.models, key=lambda model: len(_broken(model.architecture, arch)))
+            fewest = min(len(_broken(model.architecture, arch)) for model in self.models)
+            closest = [model for model in self.models if len(_broken(model.architecture, arch)) == fewest]
             raise SpecError(f"--implementation {self.name} is modelled for "
-                            f"{' and '.join(model.name for model in self.models)}; the closest, {closest.name}, "
-                            f"is modelled for {_why(closest.architecture, arch)}")
+                            f"{', '.join(model.name for model in self.models)}; the closest: "
+                            + "; ".join(f"{model.name}, for {_why(model.architecture, arch)}" for model in closest))
         for holds, why in model.rules if model else ():
             if not holds(arch):
                 raise SpecError(f"--implementation {self.name} is modelled for {why}")
@@ -117,7 +118,7 @@ def _broken(constraints: tuple, arch) -> list:
 
 
 #: the flag that sets a field, where it is not --field
-_FLAGS = {"bias": "--disable-bias-linear"}
+_FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias"}
 
 
 def _why(constraints: tuple, arch) -> str:
@@ -147,21 +148,39 @@ _TORCHTITAN_LLAMA = (
 
 # transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
 # it in training with no padding: RMSNorm in Python, the MLP unfused, eager or SDPA attention.
+_LLAMA_LAYER = (
+    ("activation", ("swiglu",), "transformers' Llama layer (w2(silu(w1 x) * w3 x))"),
+    ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
+    ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
+    ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
+                                "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
+    ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"))
 _HF_LLAMA = ModelClass(
     "LlamaForCausalLM",
-    architecture=(
-        ("activation", ("swiglu",), "transformers' Llama layer (w2(silu(w1 x) * w3 x))"),
-        ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
-        ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
-        ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
-                                    "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
-        ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout")),
+    architecture=_LLAMA_LAYER + (("qk_norm", (False,), "transformers' Llama layer, which has no q and k "
+                                                       "norms (Qwen3ForCausalLM has them)"),),
     keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
     notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
            "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
            "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
            "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
            "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward",))
+
+# transformers 5.23.0's Qwen3DecoderLayer (models/qwen3/modeling_qwen3.py): Llama's layer with
+# q_norm and k_norm, Qwen3RMSNorms over each head of q_proj's and k_proj's outputs before rope
+# (written as LlamaRMSNorm is), and biases on q, k, v and o alone (attention_bias), never on the MLP.
+_HF_QWEN3 = ModelClass(
+    "Qwen3ForCausalLM",
+    architecture=_LLAMA_LAYER + (
+        ("qk_norm", (True,), "transformers' Qwen3 layer, whose q_norm and k_norm normalise each head"),
+        ("bias", (False,), "transformers' Qwen3 layer, whose MLP has no biases"),
+        ("qkv_bias", (None,), "transformers' Qwen3 layer, whose attention_bias puts biases on q, k, v and o "
+                              "alike, which actmem cannot express: none")),
+    keeps=_HF_LLAMA.keeps,
+    notes=("hf: transformers 5.23 Qwen3ForCausalLM on one device, as measured by the harness: Llama's "
+           "layer (see LlamaForCausalLM), and q_norm and k_norm, Qwen3RMSNorms over each head, keep an "
+           "fp32 copy of q and of k, their fp32 rsqrt and their 16-bit normalized tensors, not q_proj's "
+           "and k_proj's outputs",))
 
 # transformers 5.23.0's GPT2Block (models/gpt2/modeling_gpt2.py) in GPT2LMHeadModel: nn.LayerNorm,
 # Conv1D linears (addmm: one fused QKV output), gelu_new (NewGELUActivation, activations.py:
@@ -174,7 +193,8 @@ _HF_GPT2 = ModelClass(
         ("position_embedding", ("learned",), "transformers' GPT2Model (wpe)"),
         ("query_groups", (None,), "transformers' GPT2Attention, one key a head"),
         ("head_dim", (None,), "transformers' GPT2Attention, head dim h/a"),
-        ("bias", (True,), "transformers' Conv1D, which always has a bias")),
+        ("bias", (True,), "transformers' Conv1D, which always has a bias"),
+        ("qk_norm", (False,), "transformers' GPT2Attention, which has no q and k norms")),
     keeps=frozenset({"gelu_tanh_intermediates"}),
     rules=((lambda arch: arch.attention_core == "eager" or arch.attention_dropout == 0,
             "transformers' GPT2 under sdpa with no attention dropout: with dropout a GPU's flash kernel "
@@ -187,7 +207,7 @@ _HF_GPT2 = ModelClass(
            "more f-wide tensors; dropout keeps 1-byte masks (torch.native_dropout, as on a GPU); the "
            "int64 position ids (8s B) are not counted",))
 _HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's vocabulary",
-           models=(_HF_LLAMA, _HF_GPT2),
+           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2),
            selective_recompute="transformers has no selective recompute: choose none",
            full_recompute="transformers' activation checkpointing also keeps what each layer's call "
                           "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
@@ -230,9 +250,7 @@ IMPLEMENTATIONS = {
               "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
         architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
                       ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
-                                               "Megatron's)"),
-                      ("qk_norm", (False,), "transformers' Llama and GPT-2, which have no q and k norms "
-                                            "(Qwen3ForCausalLM, which has them, is not measured)")),
+                                               "Megatron's)")),
         **_HF),
 }
 

@@ -2,7 +2,7 @@
 change of framework costs before it is made.
 
 Each row is a whole estimate with only the code changed: Megatron's, PyTorch-native DTensor,
-and transformers' model class (Llama or GPT-2) with its eager and its sdpa attention
+and transformers' model class (Llama, Qwen3 or GPT-2) with its eager and its sdpa attention
 (attn_implementation is the attention core there; beside a transformers spec, Megatron and
 torchtitan run flash). Where an implementation is not modelled for this model or run, the
 row says why instead of showing a number.

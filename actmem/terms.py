@@ -15,7 +15,7 @@ import sympy
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
     gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, \
-    rotary_tables, swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
+    qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -160,11 +160,16 @@ TERMS = (
     # means), one a head a token
     Term("qk_norm_input", _sb_queries_keys, Region.BLOCK, _STORED, Scope.LAYER,
          "the q and k norms keep their inputs made contiguous (2sb·(a + g)d): q is copied out of the QKV "
-         "output's groups by its reshape, k is a strided view of it that TE's norm copies", qk_norm),
+         "output's groups by its reshape, k is a strided view of it that TE's norm copies", qk_norm_keeping_input),
+    Term("qk_norm_input_fp32", lambda arch: 2 * _sb_queries_keys(arch), Region.BLOCK, _STORED, Scope.LAYER,
+         "transformers' Qwen3RMSNorm on q and k (modeling_qwen3.py, as LlamaRMSNorm) keeps an fp32 copy of its "
+         "input, not the input (4sb·(a + g)d)", qk_norm_keeping_fp32_copy),
+    Term("qk_norm_normalized", _sb_queries_keys, Region.BLOCK, _STORED, Scope.LAYER,
+         "and its 16-bit normalized tensor, the weight's other factor (2sb·(a + g)d)", qk_norm_keeping_fp32_copy),
     Term("qk_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * (a + arch.query_groups_or(a)),
          Region.BLOCK, _STORED, Scope.LAYER,
          "the q and k norms keep fp32 statistics, one (RMSNorm) or two (LayerNorm) a head a token: "
-         "4sb·(a + g) for RMSNorm", qk_norm),
+         "4sb·(a + g) for RMSNorm (Qwen3RMSNorm's rsqrt, the same)", qk_norm),
     Term("rope_cos_sin", lambda arch: 4 * A16 * s * arch.head_dim_or(h, a), Region.REPLICATED, _STORED,
          Scope.LAYER,
          "Megatron's unfused rope (--no-rope-fusion; rope_utils.py, _apply_rotary_pos_emb_bshd) makes "

@@ -262,7 +262,7 @@ def test_gpt2_sdpa_without_attention_dropout_by_hand(actmem):
     (("--model", GPT2_CONFIG, "--implementation", "hf", "--attention-core", "flash"),
      "a CPU's SDPA falls back to its math kernel"),
     (("--model", "22b", "--tp", "1", "--no-sp", "--implementation", "hf", "--normalization", "rmsnorm"),
-     "the closest, GPT2LMHeadModel, is modelled for transformers' GPT2Block (nn.LayerNorm): normalization "
+     "the closest: GPT2LMHeadModel, for transformers' GPT2Block (nn.LayerNorm): normalization "
      "must be layernorm"),
     (("--model", "22b", "--tp", "1", "--no-sp", "--implementation", "hf", "--num-query-groups", "8"),
      "query_groups must be unset, got 8 (--query-groups)"),

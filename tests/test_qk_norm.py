@@ -111,7 +111,10 @@ def test_the_megatron_switch_the_flag_and_the_preset_agree(actmem):
 @pytest.mark.parametrize("args, fragment", [
     (("--model", "22b", "--qk-norm"), "--qk-layernorm is modelled under the flash attention core only"),
     (("--model", "qwen3-8b", "--implementation", "torch-native"), "which has no q and k norms"),
-    (("--model", "qwen3-8b", "--implementation", "hf"), "Qwen3ForCausalLM, which has them, is not measured"),
+    (("--model", "22b", "--implementation", "hf", "--qk-norm", "--attention-dropout", "0"),
+     "GPT2LMHeadModel, for transformers' GPT2Attention, which has no q and k norms"),
+    (("--model", "qwen3-8b", "--implementation", "hf", "--disable-bias-linear", "--add-qkv-bias"),
+     "Qwen3ForCausalLM, for transformers' Qwen3 layer, whose attention_bias puts biases on q, k, v and o alike"),
 ])
 def test_qk_norms_where_they_are_not_modelled_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
@@ -158,3 +161,18 @@ def test_the_planner_counts_the_qk_norms_as_the_estimate_does():
     assert (both.parameters > both.parameters_without).all()
     stored = both[both.recompute != "full"]
     assert (stored.activations_bytes > stored.activations_bytes_without).all()
+
+
+def test_transformers_qwen3_keeps_an_fp32_copy_and_a_normalized_tensor(actmem):
+    """Qwen3ForCausalLM under hf (one device, s = 4096, b = 1): Qwen3RMSNorm on q and k, written
+    as LlamaRMSNorm is, keeps an fp32 copy of its input, 4sb·(a + g)d = 4·4096·40·128 =
+    83,886,080 B, its 16-bit normalized tensor, half that, and the fp32 rsqrt, 4sb·(a + g) =
+    655,360 B; not q_proj's and k_proj's outputs (tests/validate/test_hf.py measures it)."""
+    out = actmem.json("estimate", "--model", "qwen3-8b", "--implementation", "hf", "--micro-batch", "1")
+    layer = _per_layer(out)
+    assert (layer["qk_norm_input_fp32"], layer["qk_norm_normalized"], layer["qk_norm_statistics"]) == \
+        (83_886_080, 41_943_040, 655_360)
+    assert "qk_norm_input" not in layer
+    config = actmem.json("estimate", "--model", f"{HF}/qwen3/config.json", "--seq-len", "4096",
+                         "--implementation", "hf", "--micro-batch", "1")
+    assert _per_layer(config) == layer

@@ -1,7 +1,7 @@
-"""The hf backend: transformers' own LlamaForCausalLM and GPT2LMHeadModel, unmodified, keep what
-actmem's hf rows say, to the byte, eager and sdpa, at small shapes for real and at Llama 3.1
-8B's and the paper's 22B dims with fake tensors; a saved tensor no rule names turns the gate
-red. Numbers by hand below."""
+"""The hf backend: transformers' own LlamaForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel,
+unmodified, keep what actmem's hf rows say, to the byte, eager and sdpa, at small shapes for
+real and at Llama 3.1 8B's, Qwen3 8B's and the paper's 22B dims with fake tensors; a saved
+tensor no rule names turns the gate red. Numbers by hand below."""
 
 from contextlib import contextmanager, nullcontext
 
@@ -88,6 +88,44 @@ def _forgetting(monkeypatch, model_class: str, kept: str):
         yield
     finally:
         engine.term_bytes.cache_clear()
+
+
+def _qwen3(core):
+    spec = small_spec(2, 1, name="small-hf-qwen3", qk_norm=True, **(HF | dict(attention_core=core)))
+    rows = hf.measure(configs_for(spec, ["none"], 1)[0])
+    return {r["term"]: r for r in rows}, judge(rows, 0.0)
+
+
+@pytest.mark.parametrize("core", ["eager", "flash"])
+def test_qwen3_q_and_k_norms_keep_fp32_copies_not_the_projections(core):
+    """Qwen3ForCausalLM at small shapes (a = 8, g = 4, d = 8, s = 32, b = 2, L = 2): q_norm and
+    k_norm keep an fp32 copy of q and k, 4sb·(a + g)d = 4·32·2·12·8 = 24,576 B a layer, the
+    16-bit normalized tensors, 12,288 B, and the fp32 rsqrt, 4sb·(a + g) = 3,072 B; nothing
+    keeps q_proj's or k_proj's 16-bit outputs (the gate would find them unattributed)."""
+    rows, failures = _qwen3(core)
+    assert failures == []
+    assert rows["qk_norm_input_fp32"]["measured_bytes"] == 2 * 24_576
+    assert rows["qk_norm_normalized"]["measured_bytes"] == 2 * 12_288
+    assert rows["qk_norm_statistics"]["measured_bytes"] == 2 * 3_072
+    assert "unattributed" not in rows
+
+
+def test_qwen3_8b_dims_with_fake_tensors():
+    """Two layers at Qwen3 8B's dims (s = 4096, b = 1, a = 32, g = 8, d = 128): the q and k
+    norms' fp32 copies, 4·4096·40·128 = 83,886,080 B a layer."""
+    configs = [config for config in hf_presets() if config.spec.name.startswith("qwen3-8b")]
+    rows = run_fake(configs)
+    assert len(configs) == 2 and judge(rows, 0.0) == []
+    assert {r["measured_bytes"] for r in rows if r["term"] == "qk_norm_input_fp32"} == {2 * 83_886_080}
+
+
+def test_qwen3_without_its_norm_rules_turns_the_gate_red(monkeypatch):
+    """The rules forget q_norm's fp32 copy: it lands in 'unattributed', and the formula's row is
+    measured as nothing."""
+    monkeypatch.setattr(hf, "QWEN3_RULES", tuple(rule for rule in hf.QWEN3_RULES if rule[3] != "qk_norm_input_fp32"))
+    rows, failures = _qwen3("flash")
+    assert rows["unattributed"]["gate"] == "fail" and rows["qk_norm_input_fp32"]["gate"] == "fail"
+    assert failures
 
 
 # GPT2LMHeadModel at small shapes: h = 64, a = 8, s = 32, f = 4h = 256, L = 2, v = 512, dropout

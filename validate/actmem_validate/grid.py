@@ -149,6 +149,10 @@ def small_grid() -> list[Config]:
     # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))), ["none"], 1)
+    # and its Qwen3ForCausalLM (Llama's layer with q and k norms), eager and sdpa
+    for core in ("eager", "flash"):
+        configs += configs_for(small_spec(2, 1, name="small-hf-qwen3", qk_norm=True,
+                                          **(HF | dict(attention_core=core))), ["none"], 1)
     # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout
     for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):
@@ -213,10 +217,11 @@ TORCH_NATIVE_RUNS = {"llama-3.1-8b": 8, "llama-3.1-70b": 4}
 
 
 def hf_presets() -> list[Config]:
-    """transformers' LlamaForCausalLM at Llama 3.1 8B's dims and GPT2LMHeadModel at the
-    paper's 22B dims, two layers, eager and sdpa."""
-    llama, gpt = load_preset("llama-3.1-8b"), load_preset("22b")
-    archs = [(llama, {"implementation": "hf", "attention_core": core}) for core in ("eager", "flash")]
+    """transformers' LlamaForCausalLM at Llama 3.1 8B's dims, Qwen3ForCausalLM at Qwen3 8B's
+    and GPT2LMHeadModel at the paper's 22B dims, two layers, eager and sdpa."""
+    llama, qwen3, gpt = load_preset("llama-3.1-8b"), load_preset("qwen3-8b"), load_preset("22b")
+    archs = [(model, {"implementation": "hf", "attention_core": core}) for model in (llama, qwen3)
+             for core in ("eager", "flash")]
     archs += [(gpt, HF_GPT2[core]) for core in ("eager", "flash")]
     return [config_for(build_spec(preset.model | {"layers": 2}, {}, name=f"{preset.name}·2 layers",
                                   architecture=preset.architecture | arch), BY_NAME["none"], 1)

@@ -1,11 +1,11 @@
-"""Measure the hf implementation: transformers' own LlamaForCausalLM or GPT2LMHeadModel (the
-model class the architecture is), unmodified, built from a config with random weights, one
+"""Measure the hf implementation: transformers' own LlamaForCausalLM, Qwen3ForCausalLM or
+GPT2LMHeadModel (the model class the architecture is), unmodified, built from a config with random weights, one
 microbatch forward (labels given, so the loss runs as a trainer runs it) on one device.
 
 transformers' code cannot carry the harness's labels, so each saved tensor is named after
 the term of actmem's table by the module that was running and the aten op that made or
-consumed it: ``RULES`` and ``gpt2_rules`` below, data read off modeling_llama.py and
-modeling_gpt2.py (5.23.0). A dispatch mode applies them as the ops run; the ledger then files
+consumed it: ``RULES``, ``QWEN3_RULES`` and ``gpt2_rules`` below, data read off
+modeling_llama.py, modeling_qwen3.py and modeling_gpt2.py (5.23.0). A dispatch mode applies them as the ops run; the ledger then files
 every saved storage under its name, and whatever no rule names is 'unattributed', which
 fails the gate. A storage that holds several terms (GPT-2's one QKV output, which the
 attention keeps as views) is named 'a+b' and compared with the terms' sum.
@@ -81,6 +81,15 @@ RULES = (
 )
 
 
+#: Qwen3's layer is Llama's with q_norm and k_norm (modeling_qwen3.py, Qwen3Attention.forward:
+#: Qwen3RMSNorm over each head of q_proj's and k_proj's outputs, written as LlamaRMSNorm is)
+QWEN3_RULES = RULES + (
+    *((norm, "_to_copy.default", "out:float32", "qk_norm_input_fp32") for norm in ("q_norm", "k_norm")),
+    *((norm, "rsqrt.default", "out", "qk_norm_statistics") for norm in ("q_norm", "k_norm")),
+    *((norm, "_to_copy.default", "out:bfloat16", "qk_norm_normalized") for norm in ("q_norm", "k_norm")),
+)
+
+
 def gpt2_rules(attention_core: str) -> tuple:
     """GPT2LMHeadModel's rules, read off modeling_gpt2.py, activations.py and pytorch_utils.py
     (5.23.0). Conv1D is torch.addmm(bias, x.view(-1, h), weight): its input is argument 1."""
@@ -130,7 +139,7 @@ CPU_WIDTHS = dict.fromkeys(("attention_norm_statistics", "mlp_norm_statistics", 
 
 
 def build_model(spec):
-    """The spec's model class (LlamaForCausalLM or GPT2LMHeadModel) as it describes it, bf16,
+    """The spec's model class (LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel) as it describes it, bf16,
     training mode, no KV cache."""
     try:
         import transformers
@@ -150,10 +159,19 @@ def build_model(spec):
 
 
 def _model(spec):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
+        Qwen3ForCausalLM
 
     model, arch = spec.model, spec.architecture
     core = "eager" if arch.attention_core == "eager" else "sdpa"
+    if _class_name(spec) == "Qwen3ForCausalLM":       # no biases: the model class refuses them
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=arch.ffn(model.hidden),
+            num_hidden_layers=model.layers, num_attention_heads=model.heads,
+            num_key_value_heads=arch.query_groups_or(model.heads),
+            head_dim=arch.head_dim_or(model.hidden, model.heads), max_position_embeddings=model.seq_len,
+            attention_bias=False, tie_word_embeddings=arch.tied_output, use_cache=False, attention_dropout=0.0,
+            attn_implementation=core))
     if _is_gpt2(spec):
         return GPT2LMHeadModel(GPT2Config(
             vocab_size=model.vocab, n_positions=model.seq_len, n_embd=model.hidden, n_layer=model.layers,
@@ -170,8 +188,12 @@ def _model(spec):
         attn_implementation=core))
 
 
+def _class_name(spec) -> str:
+    return spec.architecture.code.model_class(spec.architecture).name
+
+
 def _is_gpt2(spec) -> bool:
-    return spec.architecture.code.model_class(spec.architecture).name == "GPT2LMHeadModel"
+    return _class_name(spec) == "GPT2LMHeadModel"
 
 
 def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> list[dict]:
@@ -180,7 +202,8 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
     if device != "cpu":          # validate refuses it in one line first (cli._check_backends)
         raise NotImplementedError("the hf backend runs on the CPU only so far")
     torch.manual_seed(1234)
-    rules = gpt2_rules(spec.architecture.attention_core) if _is_gpt2(spec) else RULES
+    rules = gpt2_rules(spec.architecture.attention_core) if _is_gpt2(spec) else \
+        QWEN3_RULES if _class_name(spec) == "Qwen3ForCausalLM" else RULES
     with ExitStack() as stack:
         if fake:
             stack.enter_context(fake_tensor_mode())

@@ -126,9 +126,12 @@ def _llama(config, path):
     model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers",
                   "max_position_embeddings")
     groups = _optional_int(config, path, "num_key_value_heads") or model["heads"]
-    head_dim = _optional_int(config, path, "head_dim") or model["hidden"] // model["heads"]
+    # Qwen3Config's head_dim defaults to 128 (configuration_qwen3.py), the others' to h/a
+    default_dim = 128 if kind == "qwen3" else model["hidden"] // model["heads"]
+    head_dim = _optional_int(config, path, "head_dim") or default_dim
     attention_bias = kind == "qwen2" or _switch(config, path, "attention_bias", False)
-    mlp_bias = _switch(config, path, "mlp_bias", False)
+    # Qwen2MLP and Qwen3MLP build gate, up and down with bias=False whatever the config says
+    mlp_bias = kind not in ("qwen2", "qwen3") and _switch(config, path, "mlp_bias", False)
     if kind in ("llama", "qwen3") and attention_bias != mlp_bias:
         raise SpecError(f"{path}: attention_bias and mlp_bias differ ({kind}'s attention_bias is on q, k, v and "
                         "o); actmem models biases on all the linear layers, none, or on the QKV linear only")

@@ -221,7 +221,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if settings.get(CP_COMM, "p2p") != "p2p":
         problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
                         "default")
-    if attention_core(settings) is None:
+    if "--use-flash-attn" in words and settings.get("--transformer-impl") == "local":
+        problems.append("--use-flash-attn with --transformer-impl local is not modelled: the local spec's core is "
+                        "Megatron's own DotProductAttention, and actmem reads --use-flash-attn as TE's flash-attn")
+    elif attention_core(settings) is None:
         problems.append(f"--transformer-impl {settings.get('--transformer-impl', 'transformer_engine')} with "
                         f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "
                         "actmem models local (eager), flash, fused and auto (TE's flash or cuDNN kernels) "

@@ -80,6 +80,8 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
     ("--make-vocab-size-divisible-by 0", ["vocab_divisible_by must be a positive integer, got 0"]),
     ("--recompute-method block --recompute-num-layers 2",
      ["shape full recompute; this run's recompute is selective"]),
+    ("--attention-backend local --transformer-impl local --use-flash-attn",
+     ["--use-flash-attn with --transformer-impl local is not modelled"]),
 ])
 def test_paste_mistakes_reviewers_found(actmem, extra, fragments):
     """An argument missing its value no longer swallows the next one; actmem's own spellings

@@ -176,3 +176,21 @@ def test_transformers_qwen3_keeps_an_fp32_copy_and_a_normalized_tensor(actmem):
     config = actmem.json("estimate", "--model", f"{HF}/qwen3/config.json", "--seq-len", "4096",
                          "--implementation", "hf", "--micro-batch", "1")
     assert _per_layer(config) == layer
+
+
+def test_qwen3_config_defaults_are_transformers_own(actmem, tmp_path):
+    """Qwen3Config's head_dim defaults to 128, not h/a (configuration_qwen3.py): Qwen3 32B's dims
+    (h 5120, a 64, g 8) without it keep q 2sb·64·128/t wide, not 2sb·5120/t. Qwen3MLP has no
+    biases whatever mlp_bias says, so attention_bias alone is still refused."""
+    import json
+
+    config = json.loads(Path(HF, "qwen3", "config.json").read_text())
+    del config["head_dim"]
+    config |= {"hidden_size": 5120, "num_attention_heads": 64, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = actmem.json("estimate", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", *RUN)
+    assert out["architecture"]["head_dim"] == 128
+    assert _per_layer(out)["query"] == 2 * 4096 * 64 * 128 // 8          # 8,388,608, not 5,242,880
+    (tmp_path / "config.json").write_text(json.dumps(config | {"attention_bias": True, "mlp_bias": True}))
+    assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "config.json")),
+                          "attention_bias and mlp_bias differ")

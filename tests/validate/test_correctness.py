@@ -64,3 +64,50 @@ def test_context_parallel_layer_matches_a_single_device_layer(t, c):
                           for r in ("none", "selective:mlp", "full")}
     for case, difference in worst.items():
         assert difference < 1e-5, case
+
+
+def _rank_without_head_grad_allreduce(rank: int, folder: str, port: int) -> None:
+    """One of t = 2 ranks running the Qwen3-like layer with the q and k norms' grads left
+    unsummed (the all-reduce Megatron's finalize_model_grads does skipped)."""
+    import json
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from actmem_validate import correctness, layers
+    from actmem_validate.parallel import TensorParallel
+
+    def sequence_parallel_only(module, tp):
+        for param in module.parameters():
+            param.summed_over_heads = False
+        layers.allreduce_layernorm_grads(module, tp)
+
+    correctness.allreduce_layernorm_grads = sequence_parallel_only
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    diffs = {sp: correctness.layer_differences(TensorParallel(2, rank, None, sp), "none", "flash-qk-norm")
+             for sp in (False, True)}
+    with open(os.path.join(folder, f"{rank}.json"), "w") as file:
+        json.dump({str(sp): {"q_norm": d["attention.q_norm.weight"], "k_norm": d["attention.k_norm.weight"],
+                             "worst": max(d.values())} for sp, d in diffs.items()}, file)
+    dist.destroy_process_group()
+
+
+def test_q_and_k_norm_grads_unsummed_over_t_fail_the_check(tmp_path):
+    """Each rank's q and k norm grads cover its own heads: without the all-reduce over t that
+    Megatron does by their names (finalize_model_grads) the check sees them off under plain
+    TP. Under SP the norms' sequence_parallel mark sums them anyway (TENorm is built with
+    sequence_parallel=config.sequence_parallel), and the layer stays right."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from actmem_validate.launch import _free_port
+
+    mp.spawn(_rank_without_head_grad_allreduce, args=(str(tmp_path), _free_port()), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert result["False"]["q_norm"] > 1e-3 and result["False"]["k_norm"] > 1e-3, (rank, result)
+        assert result["True"]["worst"] < 1e-5, (rank, result)

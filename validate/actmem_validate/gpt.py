@@ -206,7 +206,8 @@ class SelfAttention(nn.Module):
     def _flash(self, q, k, v):
         """q (s, b, a/t, d), k and v (s, b, g/t, d), views of the QKV output. Rope rotates q and
         k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
-        Without rope, q, k and v are copied the same way (same bytes)."""
+        Without rope, TE copies q and k the same way (same bytes), unless the q and k norms
+        (--qk-layernorm) already made them tensors of their own."""
         context = self.tp.context
         if self.spec.qk_norm:
             q, k = _normalise_head(q, self.q_norm), _normalise_head(k, self.k_norm)

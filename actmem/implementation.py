@@ -175,7 +175,7 @@ _HF_QWEN3 = ModelClass(
         ("qk_norm", (True,), "transformers' Qwen3 layer, whose q_norm and k_norm normalise each head"),
         ("bias", (False,), "transformers' Qwen3 layer, whose MLP has no biases"),
         ("qkv_bias", (None,), "transformers' Qwen3 layer, whose attention_bias puts biases on q, k, v and o "
-                              "alike, which actmem cannot express: none")),
+                              "alike, which actmem cannot express")),
     keeps=_HF_LLAMA.keeps,
     notes=("hf: transformers 5.23 Qwen3ForCausalLM on one device, as measured by the harness: Llama's "
            "layer (see LlamaForCausalLM), and q_norm and k_norm, Qwen3RMSNorms over each head, keep an "

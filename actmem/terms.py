@@ -15,7 +15,8 @@ import sympy
 from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
     eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
     gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, \
-    qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_layer_spec, unfused_rope
+    qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, \
+    te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 

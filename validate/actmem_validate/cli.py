@@ -52,8 +52,8 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     Builds the first pipeline stage as Megatron does (with --implementation torch-native,
     torchtitan's Llama blocks under PyTorch's parallelize_module; with hf, transformers'
     LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel: one microbatch each), runs its
-    schedule (1F1B or interleaved), records every tensor saved for backward (torch's saved_tensors_hooks,
-    deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
+    schedule (1F1B or interleaved), records every tensor saved for backward (torch's
+    saved_tensors_hooks, deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
     and the error per term and rank. Terms PyTorch keeps that the paper does not count are
     listed as named residuals. 'peak' is the allocator's peak against actmem's floor under
     it (actmem.peak). Exits 1 when a term is off, a saved tensor is unaccounted for, the

@@ -1,14 +1,16 @@
 """Measure the hf implementation: transformers' own LlamaForCausalLM, Qwen3ForCausalLM or
-GPT2LMHeadModel (the model class the architecture is), unmodified, built from a config with random weights, one
-microbatch forward (labels given, so the loss runs as a trainer runs it) on one device.
+GPT2LMHeadModel (the model class the architecture is), unmodified, built from a config with
+random weights, one microbatch forward (labels given, so the loss runs as a trainer runs it)
+on one device.
 
 transformers' code cannot carry the harness's labels, so each saved tensor is named after
 the term of actmem's table by the module that was running and the aten op that made or
 consumed it: ``RULES``, ``QWEN3_RULES`` and ``gpt2_rules`` below, data read off
-modeling_llama.py, modeling_qwen3.py and modeling_gpt2.py (5.23.0). A dispatch mode applies them as the ops run; the ledger then files
-every saved storage under its name, and whatever no rule names is 'unattributed', which
-fails the gate. A storage that holds several terms (GPT-2's one QKV output, which the
-attention keeps as views) is named 'a+b' and compared with the terms' sum.
+modeling_llama.py, modeling_qwen3.py and modeling_gpt2.py (5.23.0). A dispatch mode applies
+them as the ops run; the ledger then files every saved storage under its name, and whatever
+no rule names is 'unattributed', which fails the gate. A storage that holds several terms
+(GPT-2's one QKV output, which the attention keeps as views) is named 'a+b' and compared
+with the terms' sum.
 
 Two things a CPU does differently from a GPU, and how the harness deals with each: dropout
 (at::dropout runs torch.native_dropout, keeping a bool mask, only on a GPU; a CPU keeps a
@@ -139,8 +141,8 @@ CPU_WIDTHS = dict.fromkeys(("attention_norm_statistics", "mlp_norm_statistics", 
 
 
 def build_model(spec):
-    """The spec's model class (LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel) as it describes it, bf16,
-    training mode, no KV cache."""
+    """The spec's model class (LlamaForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel) as it
+    describes it, bf16, training mode, no KV cache."""
     try:
         import transformers
     except ImportError:

@@ -44,15 +44,17 @@ _LOSS = (        # ForCausalLMLoss (loss_utils.py): its fp32 log-softmax and shi
 #: (trailing module names, aten op, which of its tensors, term). The first name a storage
 #: gets sticks: the norm's output is named by the linear that keeps it, the softmax's 16-bit
 #: copy before ·V sees it again.
+def _rms_norm_rules(norm: str, copy: str, statistics: str, normalized: str) -> tuple:
+    """LlamaRMSNorm.forward (and Qwen3RMSNorm, written the same): x.to(float32) kept by pow and
+    the mul by rsqrt; rsqrt's result; the 16-bit normalized tensor kept by weight * x."""
+    return ((norm, "_to_copy.default", "out:float32", copy), (norm, "rsqrt.default", "out", statistics),
+            (norm, "_to_copy.default", "out:bfloat16", normalized))
+
+
 RULES = (
-    # LlamaRMSNorm.forward: x.to(float32) kept by pow and the mul by rsqrt; rsqrt's result;
-    # the 16-bit normalized tensor kept by weight * x
-    *((norm, "_to_copy.default", "out:float32", "norm_input_fp32") for norm in _NORMS),
-    *((norm, "rsqrt.default", "out", _STATISTICS[norm]) for norm in _NORMS),
-    *((norm, "_to_copy.default", "out:bfloat16", "norm_normalized") for norm in _NORMS),
-    ("model.norm", "_to_copy.default", "out:float32", "final_norm_input_fp32"),
-    ("model.norm", "rsqrt.default", "out", "final_norm_statistics"),
-    ("model.norm", "_to_copy.default", "out:bfloat16", "final_norm_normalized"),
+    *(rule for norm in _NORMS for rule in _rms_norm_rules(norm, "norm_input_fp32", _STATISTICS[norm],
+                                                          "norm_normalized")),
+    *_rms_norm_rules("model.norm", "final_norm_input_fp32", "final_norm_statistics", "final_norm_normalized"),
     # the linears keep their inputs; gate_proj and up_proj their outputs too (silu and the product)
     *((proj, op, "in", "qkv_input") for proj in ("q_proj", "k_proj", "v_proj")
       for op in ("mm.default", "addmm.default")),
@@ -85,11 +87,8 @@ RULES = (
 
 #: Qwen3's layer is Llama's with q_norm and k_norm (modeling_qwen3.py, Qwen3Attention.forward:
 #: Qwen3RMSNorm over each head of q_proj's and k_proj's outputs, written as LlamaRMSNorm is)
-QWEN3_RULES = RULES + (
-    *((norm, "_to_copy.default", "out:float32", "qk_norm_input_fp32") for norm in ("q_norm", "k_norm")),
-    *((norm, "rsqrt.default", "out", "qk_norm_statistics") for norm in ("q_norm", "k_norm")),
-    *((norm, "_to_copy.default", "out:bfloat16", "qk_norm_normalized") for norm in ("q_norm", "k_norm")),
-)
+QWEN3_RULES = RULES + tuple(rule for norm in ("q_norm", "k_norm") for rule in _rms_norm_rules(
+    norm, "qk_norm_input_fp32", "qk_norm_statistics", "qk_norm_normalized"))
 
 
 def gpt2_rules(attention_core: str) -> tuple:

@@ -160,11 +160,14 @@ class Architecture:
                                  "modelled yet"}
         if modules is not None and "core_attn" not in modules:
             return {}
-        if self.attention_core != "eager":
-            return {"selective": "selective recompute (Megatron's core_attn) under flash attention "
-                                 "saves only the log-sum-exp, and its checkpoint keeps views of the QKV "
-                                 "output that actmem does not count yet: choose none, full, or "
-                                 "--recompute-modules mlp"}
+        if self.attention_core != "eager":     # the checkpoint's q and k: rope's or the norms' outputs
+            if self.position_embedding == "rope" or self.qk_norm:
+                return {}
+            return {"selective": "selective recompute of the attention core (Megatron's core_attn) under flash "
+                                 "attention is modelled with rotary positions or q and k norms, which make q and "
+                                 "k tensors of their own; without either its checkpoint keeps q and k as views "
+                                 "or copies of the QKV output, which actmem does not count yet: choose none, "
+                                 "full, or --recompute-modules mlp"}
         if self.query_groups is not None and heads is not None and self.query_groups < heads:
             return {"selective": "selective recompute with query groups under the eager core keeps the "
                                  "checkpoint's unexpanded k and v as views of the QKV output (and q as a "
@@ -248,6 +251,17 @@ def flash_repeated_key_value(arch: Architecture) -> bool:
 def flash_grouped_key_value(arch: Architecture) -> bool:
     """the attention core is flash and keeps k and v g groups wide"""
     return flash(arch) and not flash_repeated_key_value(arch)
+
+
+def eager_or_flash_grouped_value(arch: Architecture) -> bool:
+    """·V keeps V: the eager core's, or flash's g groups wide"""
+    return eager(arch) or flash_grouped_key_value(arch)
+
+
+def te_flash_core(arch: Architecture) -> bool:
+    """the attention core is Transformer Engine's flash core under Megatron-Core, which makes v
+    contiguous inside the core, where Megatron's core_attn checkpoint wraps it"""
+    return flash(arch) and arch.implementation == MEGATRON
 
 
 def swiglu_keeping_silu_output(arch: Architecture) -> bool:

@@ -319,6 +319,14 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("q and k normalised per head (--qk-layernorm; TENorm, Transformer Engine's op-based "
                      f"{arch.normalization}, as in TE 2): each keeps its input made contiguous, a copy out of the "
                      "QKV output, and fp32 statistics a head a token (qk_norm_input, qk_norm_statistics)")
+    if "selective" not in arch.unmodelled_recompute(spec.model.heads, spec.run.recompute_modules) \
+            and "core_attn" in (spec.run.recompute_modules or ("core_attn",)):
+        notes.append("selective recompute of the attention core (core_attn) under flash: Megatron's checkpoint "
+                     "keeps its inputs, the rotated q and k and v, a view of the QKV output, so that whole output "
+                     "(qkv_output); it drops only TE's copy of v, the log-sum-exp and flash-attn's output copy. "
+                     "Against no recompute it keeps 2sb·(a + g)d/t more and 4b·as/t less (2sb·ad/t less again "
+                     "at b > 1 under flash-attn): more at most sizes (compare the sel rows); "
+                     "--recompute-modules mlp saves memory instead")
     c = spec.run.context_parallel
     if c > 1:
         notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "

@@ -26,7 +26,12 @@ class Technique:
     checkpoints drop their rows (Term.module). core_attn, the default, is the paper's."""
 
     def drops(self, term: Term, arch) -> bool:
-        """Whether selective recompute recomputes this row of this architecture rather than keep it."""
+        """Whether selective recompute recomputes this row of this architecture rather than keep
+        it; or the row is one that only a module's checkpoint keeps, and that module is not
+        recomputed (Term.kept_by)."""
+        if term.kept_by is not None and not (self.recompute is Recompute.SELECTIVE
+                                             and term.kept_by in self.recompute_modules):
+            return True
         return self.recompute is Recompute.SELECTIVE and term.module_of(arch) in self.recompute_modules
 
     @property

@@ -12,11 +12,11 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_softmax_fp32, \
-    eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, \
-    gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, \
-    qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, \
-    te_layer_spec, unfused_rope
+from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_or_flash_grouped_value, \
+    eager_softmax_fp32, eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, \
+    flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, \
+    norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, \
+    swiglu_keeping_silu_output, te_flash_core, te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -64,6 +64,7 @@ DEFAULT_MODULES = frozenset({"core_attn"})
 _STORED = frozenset({Recompute.NONE, Recompute.SELECTIVE})
 _ALWAYS = frozenset(Recompute)
 _CHECKPOINT = frozenset({Recompute.FULL})
+_CHECKPOINTED = frozenset({Recompute.SELECTIVE})    # kept only by a module's checkpoint (Term.kept_by)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class Term:
     _checkpointed_attention_forward: tensor_parallel.checkpoint of the core attention, keeping
     q, k and v) or 'mlp' (transformer_layer.py, _forward_mlp: tensor_parallel.checkpoint(self.mlp,
     False, pre_mlp_layernorm_output), keeping its input). None: no module drops it."""
+    kept_by: str | None = None
+    """The recompute module whose checkpoint alone keeps it (the QKV output that core_attn's
+    checkpoint keeps through its view v): kept only under selective recompute of that module."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
@@ -104,9 +108,30 @@ def _sb_attention(width: int):
     return lambda arch: A16 * width * s * b * arch.attention_width(h, a)
 
 
+def _sb_keys(arch):
+    """k (or v) under flash: 2sb·gd, g groups not expanded to a heads."""
+    return A16 * s * b * arch.kv_width(h, a)
+
+
 def _sb_keys_values(arch):
-    """k and v under flash: 2 x 2sb·gd, g groups not expanded to a heads."""
-    return 2 * A16 * s * b * arch.kv_width(h, a)
+    """k and v under flash: 2 x 2sb·gd."""
+    return 2 * _sb_keys(arch)
+
+
+def _value(arch):
+    """V as ·V keeps it: expanded to a heads under the eager core (2sb·ad), g groups wide under flash."""
+    return _sb_attention(1)(arch) if eager(arch) else _sb_keys(arch)
+
+
+def _te_value_copy(arch):
+    """'core_attn' where V is TE's contiguous copy, made inside the core attention (flash under
+    Megatron); under the eager core V is kept by the checkpoint too: no module drops it."""
+    return "core_attn" if te_flash_core(arch) else None
+
+
+def _sb_qkv_output(arch):
+    """The QKV linear's whole output: q, k and v side by side, 2sb·(ad + 2gd)."""
+    return A16 * s * b * (arch.attention_width(h, a) + 2 * arch.kv_width(h, a))
 
 
 def _sb_queries_keys(arch):
@@ -193,16 +218,27 @@ TERMS = (
     Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
          "attention over V keeps the dropout output (4.1, 2as²b); with no attention dropout "
          "it keeps the softmax output, counted once above", eager_with_attention_dropout, module="core_attn"),
-    Term("value", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "attention over V keeps V (4.1, 2sbh), expanded to a heads as K is (2sb·ad)", eager),
     # the flash core: TE's cuDNN fused attention (FusedAttnFunc: save_for_backward of q, k, v,
     # out and aux_ctx_tensors = softmax stats, rng state) and flash-attn
     # (flash_attn_interface.py, FlashAttnFunc: q, k, v, out, softmax_lse, rng_state)
     Term("query", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps q (2sb·ad): after rope, a tensor of its own", flash),
-    Term("key_value", _sb_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
-         "flash attention keeps k and v, g groups wide, never expanded to a heads (2 x 2sb·gd); "
-         "TE makes v contiguous, so the QKV output is freed", flash_grouped_key_value),
+    Term("key", _sb_keys, Region.BLOCK, _STORED, Scope.LAYER,
+         "flash attention keeps k, g groups wide, never expanded to a heads (2sb·gd): after rope (or the "
+         "k norm), a tensor of its own", flash_grouped_key_value),
+    Term("value", _value, Region.BLOCK, _STORED, Scope.LAYER,
+         "attention over V keeps V (4.1, 2sbh): under the eager core expanded to a heads as K is (2sb·ad); "
+         "under flash g groups wide (2sb·gd), TE's contiguous copy of the QKV output's v view, which "
+         "Megatron's core_attn checkpoint drops", eager_or_flash_grouped_value, module=_te_value_copy),
+    # Megatron's core_attn checkpoint (attention.py, _checkpointed_attention_forward:
+    # tensor_parallel.checkpoint(custom_forward, False, query, key, value, ...), whose
+    # CheckpointFunction saves its inputs) keeps the rotated q and k, the rows above, and v,
+    # a view of the QKV output (get_query_key_value_tensors: SplitAlongDim), so that whole
+    # storage; TE's copy of v, the log-sum-exp and the output are made again in the backward
+    Term("qkv_output", _sb_qkv_output, Region.BLOCK, _CHECKPOINTED, Scope.LAYER,
+         "the core_attn checkpoint keeps v as the QKV linear made it, a view of that output, so the whole "
+         "output (2sb·(a + 2g)d) stays: kept only under selective recompute of the attention core",
+         te_flash_core, kept_by="core_attn"),
     Term("repeated_key_value", _repeated_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps k and v expanded to a heads (2 x 2sb·ad): torchtitan's Attention "
          "calls repeat_kv (expand, then reshape: a copy) before F.scaled_dot_product_attention "

@@ -53,7 +53,7 @@ def test_repeat_kv_copies_where_a_rank_holds_several_groups(actmem):
                                    "--tp", "4", "--sp"))
     assert layer["repeated_key_value"] == 33_554_432
     megatron = _per_layer(actmem.json("estimate", "--model", "llama-3.1-8b", "--tp", "4", "--sp"))
-    assert megatron["key_value"] == 8_388_608 and "repeated_key_value" not in megatron
+    assert megatron["key"] + megatron["value"] == 8_388_608 and "repeated_key_value" not in megatron
 
 
 def test_full_recompute_keeps_the_block_input_shard(actmem):
@@ -254,7 +254,7 @@ def test_gpt2_sdpa_without_attention_dropout_by_hand(actmem):
     out = actmem.json("estimate", "--model", GPT2_CONFIG, "--implementation", "hf", "--attention-core", "flash",
                       "--attention-dropout", "0")
     layer = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
-    assert layer["softmax_lse"] == 49_152 and layer["query"] + layer["key_value"] == 3 * SBH_GPT2   # 6sbh: three 2sbh
+    assert layer["softmax_lse"] == 49_152 and layer["query"] + layer["key"] + layer["value"] == 3 * SBH_GPT2   # 6sbh: three 2sbh
     assert sum(layer.values()) == 45_678_592
 
 

@@ -23,7 +23,8 @@ LLAMA_8B_LAYER = {
     "attention_layernorm_input": 2 * SBH_T,   # 2sbh/t, each boundary tensor under SP
     "qkv_input": 2 * SBH_T,
     "query": 2 * 8192 * 32 * 128 // 8,        # 2sb·ad/t = 8,388,608 (after rope)
-    "key_value": 2 * 2 * 8192 * 8 * 128 // 8,  # k and v: 2 x 2sb·gd/t = 4,194,304
+    "key": 2 * 8192 * 8 * 128 // 8,           # k after rope: 2sb·gd/t = 2,097,152
+    "value": 2 * 8192 * 8 * 128 // 8,         # TE's contiguous copy of v: 2,097,152
     "softmax_lse": 4 * 32 * 8192 // 8,        # fp32, b·(a/t)·s = 131,072
     "projection_input": 2 * 8192 * 32 * 128 // 8,   # flash's output, 8,388,608
     "mlp_layernorm_input": 2 * SBH_T,
@@ -42,7 +43,8 @@ def test_llama_3_8b_pasted_as_megatron_arguments_gives_the_te_flash_accounting(a
     run = next(row for row in out["techniques"] if row["technique"] == "tp-sp")
     assert run["per_layer_bytes"] == sum(LLAMA_8B_LAYER.values()) == 142_745_600
     assert "softmax_output" not in per_layer                 # flash keeps no s² term
-    assert {row["technique"] for row in out["techniques"]} == {"none", "tp", "tp-sp", "full", "tp-sp-full"}
+    assert {row["technique"] for row in out["techniques"]} == {"none", "tp", "tp-sp", "tp-sel", "tp-sp-sel",
+                                                               "full", "tp-sp-full"}
 
 
 def test_llama_3_8b_backends(actmem):
@@ -59,11 +61,6 @@ def test_llama_3_8b_backends(actmem):
     assert layer(fused, 1) == layer(auto, 1) == layer(flash, 1) == layer(LLAMA_8B, 1) == 142_745_600
     assert layer(flash, 2) == layer(LLAMA_8B, 2) == layer(fused, 2) + 16_777_216
     assert layer(auto, 2) == layer(fused, 2)
-
-
-def test_selective_recompute_under_flash_is_refused(actmem):
-    assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --recompute-activations"),
-                          "selective recompute (Megatron's core_attn) under flash attention")
 
 
 def test_rope_under_the_eager_core_is_refused(actmem):
@@ -259,7 +256,7 @@ def test_qkv_bias_off_with_other_biases_on_is_refused():
 def test_context_parallelism_by_hand(actmem):
     """c = 2 beside t = 8 with SP: each rank keeps s/c = 4,096 tokens of every sequence and
     every term of the flash layer is linear in s, so each halves: 142,745,600 / 2 =
-    71,372,800 B a layer (the log-sum-exp 4·b·(a/t)·(s/c) = 65,536, k and v 2,097,152). The
+    71,372,800 B a layer (the log-sum-exp 4·b·(a/t)·(s/c) = 65,536, k and v 2 x 1,048,576). The
     GPUs split as t·c·p·d: 64 = 8·2·1·4; the distributed optimizer shards over d·c = 8."""
     cudnn = LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused")
     out = actmem.json("estimate", "--megatron-args", cudnn + " --context-parallel-size 2 --use-distributed-optimizer",
@@ -267,7 +264,7 @@ def test_context_parallelism_by_hand(actmem):
     run = next(row for row in out["techniques"] if row["is_run"])
     assert run["per_layer_bytes"] == 71_372_800
     terms = {row["term"]: row["bytes_each"] for row in out["run_terms"]}
-    assert terms["softmax_lse"] == 65_536 and terms["key_value"] == 2_097_152
+    assert terms["softmax_lse"] == 65_536 and terms["key"] + terms["value"] == 2_097_152
     assert out["run"]["data_parallel"] == 4
     params = out["parameters"]
     assert params["optimizer_bytes"] == -(-12 * params["count"] // 8)

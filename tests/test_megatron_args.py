@@ -72,7 +72,8 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
 @pytest.mark.parametrize("extra, fragments", [
     ("--attention-backend unfused", ["--transformer-impl transformer_engine with --attention-backend "
                                      "unfused is not modelled"]),
-    ("--attention-backend flash", ["selective recompute (Megatron's core_attn) under flash attention"]),
+    ("--attention-backend flash", ["(Megatron's core_attn) under flash attention is modelled with rotary "
+                                   "positions or q and k norms"]),
     ("--save --swiglu", ["expects a value: --save"]),
     ("--fp16", ["give one of --bf16 or --fp16"]),
     ("--tp 8", ["unknown to actmem: --tp"]),

@@ -23,7 +23,8 @@ QWEN3_8B_LAYER = {
     "qk_norm_input": QK_NORM_INPUT,
     "qk_norm_statistics": QK_NORM_STATISTICS,
     "query": 2 * 4096 * 32 * 128 // 8,            # after rope: 4,194,304
-    "key_value": 2 * 2 * 4096 * 8 * 128 // 8,     # 2,097,152
+    "key": 2 * 4096 * 8 * 128 // 8,               # after rope: 1,048,576
+    "value": 2 * 4096 * 8 * 128 // 8,             # TE's copy: 1,048,576
     "softmax_lse": 4 * 32 * 4096 // 8,            # 65,536
     "projection_input": 2 * 4096 * 32 * 128 // 8,
     "mlp_layernorm_input": 2 * SBH_T,

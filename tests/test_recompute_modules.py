@@ -111,7 +111,7 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
     (("--recompute", "selective", "--recompute-modules", "core_attn,layernorm"),
      "--recompute-modules layernorm under the eager core: Megatron runs that core in its local spec"),
     (("--recompute", "selective", "--recompute-modules", "core_attn", "--attention-core", "flash",
-      "--attention-dropout", "0"), "selective recompute (Megatron's core_attn) under flash attention"),
+      "--attention-dropout", "0"), "(Megatron's core_attn) under flash attention is modelled with rotary positions"),
 ])
 def test_bad_recompute_modules_are_one_line(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", "22b", *args), fragment)
@@ -159,9 +159,9 @@ def test_the_mlp_rerun_repeats_its_forward_collective():
     assert seconds["full"] == pytest.approx(seconds["none"] * 6 / 4)
 
 
-def test_the_planner_sweeps_mlp_recompute_where_it_is_modelled():
-    """Under flash only the MLP's module is modelled (the core's checkpoint is not): the sweep
-    has mlp rows and no sel rows; its peaks are the exact estimate's verdicts."""
+def test_the_planner_sweeps_every_recompute_module_under_flash_with_rope():
+    """Under flash with rotary positions both modules are modelled (the core's checkpoint too):
+    the sweep has sel, sel+mlp and mlp rows; their peaks are the exact estimate's verdicts."""
     from actmem.estimate import estimate
     from actmem.hardware import GPUS
     from actmem.plan import PlanRequest, plan
@@ -174,8 +174,8 @@ def test_the_planner_sweeps_mlp_recompute_where_it_is_modelled():
     req = PlanRequest(model=spec.model, gpus=64, global_batch=64, gpu=GPUS["h100"], gpu_memory_bytes=80 * 2**30,
                       architecture=spec.architecture)
     evaluated = plan(req).evaluated
-    assert set(evaluated.recompute) == {"none", "selective:mlp", "full"}
-    for row in evaluated[evaluated.recompute == "selective:mlp"].head(6).itertuples():
+    assert set(evaluated.recompute) == {"none", "selective", "selective:core_attn+mlp", "selective:mlp", "full"}
+    for row in evaluated[evaluated.recompute.str.startswith("selective")].groupby("recompute").head(3).itertuples():
         run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
                    micro_batch=row.b, sequence_parallel=row.sequence_parallel, gpus=64, global_batch=64,
                    distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[row.recompute].run_values)

@@ -227,31 +227,32 @@ def test_keys_expanded_to_every_head_under_flash_fails(monkeypatch):
 
     def expanded(q, k, v, **kw):
         repeat = q.shape[2] // k.shape[2]
-        k, v = (label(x.repeat_interleave(repeat, dim=2), "key_value") for x in (k, v))
+        k, v = (label(x.repeat_interleave(repeat, dim=2), name) for x, name in ((k, "key"), (v, "value")))
         return core(q, k, v, **kw)
 
     monkeypatch.setattr(gpt, "flash_core", expanded)
     rows, failures = measured_flash()
-    keys = row(rows, "key_value")
-    assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail"
+    for name in ("key", "value"):
+        kept = row(rows, name)
+        assert kept["measured_bytes"] > kept["formula_bytes"] and kept["gate"] == "fail"
     assert failures
 
 
 def test_context_parallel_keys_received_and_kept_fail(monkeypatch):
     """Ring attention must not keep the keys it received from the other c - 1 ranks: a layer
-    that does keeps c times the keys, and key_value reads more than the formula."""
+    that does keeps c times the keys, and key reads more than the formula."""
     from actmem_validate.grid import FLASH
 
     attention = gpt.context_parallel_attention
 
     def keeps_received(q, k, v, cp):
-        received = label(torch.cat([k] * cp.size), "key_value")       # stands in for the ring's keys
+        received = label(torch.cat([k] * cp.size), "key")       # stands in for the ring's keys
         return attention(q, k, v, cp) + 0 * torch.sin(received).sum()  # sin saves them
 
     monkeypatch.setattr(gpt, "context_parallel_attention", keeps_received)
     rows = run_fake(configs_for(small_spec(2, 2, name="small-flash", c=2, **FLASH), ["tp-sp"], 1))
     failures = judge(rows, 0.0)
-    keys = row(rows, "key_value")
+    keys = row(rows, "key")
     assert keys["measured_bytes"] > keys["formula_bytes"] and keys["gate"] == "fail" and failures
 
 
@@ -414,3 +415,47 @@ def test_qk_norms_the_formula_leaves_out_fail(monkeypatch):
     extra = row(rows, "qk_norm_input")
     assert extra["formula_bytes"] == 0 and extra["measured_bytes"] == 2 * 6_144 and extra["gate"] == "fail"
     assert any("qk_norm_input measured" in line for line in failures)
+
+
+def test_a_healthy_flash_core_recompute_passes_with_the_qkv_output_counted():
+    """Selective recompute of the core under flash (grid.FLASH, t = 2, SP): the checkpoint keeps
+    the rotated q and k and the view v, so the QKV output, 2sb·(a + 2g)d/t = 2·32·2·16·8/2 =
+    8,192 B a layer; TE's copy of v and the log-sum-exp are made again in the backward."""
+    rows, failures = measured_flash("tp-sp-sel")
+    assert failures == []
+    assert row(rows, "qkv_output")["measured_bytes"] == 2 * 8_192          # 2 layers
+    assert not {"value", "softmax_lse"} & {r["term"] for r in rows}      # neither counted nor measured
+
+
+def test_a_flash_core_checkpoint_given_a_copy_of_v_fails(monkeypatch):
+    """Megatron hands its checkpoint the view v; a harness that hands it a contiguous copy keeps
+    2sb·gd/t of v and none of the QKV output: both rows fail."""
+    checkpoint = gpt.checkpoint
+
+    def given_a_copy(function, q, k, v, **kw):
+        return checkpoint(function, q, k, label(v.clone(memory_format=torch.contiguous_format), "value"), **kw)
+
+    monkeypatch.setattr(gpt, "checkpoint", given_a_copy)
+    rows, failures = measured_flash("tp-sp-sel")
+    qkv, value = row(rows, "qkv_output"), row(rows, "value")
+    assert qkv["measured_bytes"] == 0 < qkv["formula_bytes"] and qkv["gate"] == "fail"
+    assert value["measured_bytes"] > value["formula_bytes"] == 0 and value["gate"] == "fail"
+    assert failures
+
+
+def test_the_qkv_output_missing_from_the_formula_fails(monkeypatch):
+    """The engine forgets that core_attn's checkpoint keeps the QKV output (Term.kept_by): the
+    harness measures it where the formula has none."""
+    from actmem.techniques import Technique
+
+    drops = Technique.drops
+    monkeypatch.setattr(Technique, "drops", lambda self, term, arch: drops(self, term, arch) or term.name == "qkv_output")
+    _clear_engine_caches()
+    try:
+        rows, failures = measured_flash("tp-sp-sel")
+    finally:
+        monkeypatch.undo()
+        _clear_engine_caches()
+    qkv = row(rows, "qkv_output")
+    assert qkv["measured_bytes"] > qkv["formula_bytes"] == 0 and qkv["gate"] == "fail"
+    assert failures

@@ -40,7 +40,7 @@ def test_sdpa_keeps_k_and_v_in_their_groups():
     2 x 2sb·g·d = 2 x 2·32·2·4·8 = 8,192 B a layer; no s² tensor."""
     rows, failures = _measure("flash")
     assert failures == []
-    assert rows["key_value"]["measured_bytes"] == 2 * 8_192
+    assert rows["key"]["measured_bytes"] == rows["value"]["measured_bytes"] == 8_192
     assert not any("softmax_output" in name for name in rows)
 
 
@@ -52,7 +52,7 @@ def test_llama_8b_dims_with_fake_tensors():
     rows = run_fake([eager, sdpa])
     assert judge(rows, 0.0) == []
     by = {(r["config"], r["term"]): r["measured_bytes"] for r in rows}
-    assert by[(sdpa.label, "key_value")] == 2 * 33_554_432
+    assert by[(sdpa.label, "key")] == by[(sdpa.label, "value")] == 33_554_432
     assert by[(eager.label, "softmax_output_fp32")] == 2 * 8_589_934_592
     assert (sdpa.label, "unattributed") not in by
 
@@ -155,7 +155,7 @@ def test_gpt2_eager_keeps_the_paper_layer_and_gelu_new_intermediates():
         assert stats["measured_bytes"] == 2 * 256 and "16-bit on a CPU" in stats["term"]
 
 
-@pytest.mark.parametrize("core, joint", [("eager", "query_key+value"), ("flash", "query+key_value")])
+@pytest.mark.parametrize("core, joint", [("eager", "query_key+value"), ("flash", "query+key+value")])
 def test_gpt2_keeps_q_k_v_as_views_of_one_qkv_output(core, joint):
     """sdpa at any b, and eager at b = 1 (the reshape in matmul is a view there), keep q, k, v
     as views of c_attn's one output: one storage of 6sbh = 6·32·64 = 12,288 B a layer at b = 1,
@@ -163,7 +163,7 @@ def test_gpt2_keeps_q_k_v_as_views_of_one_qkv_output(core, joint):
     rows, failures = _gpt2(core, 1)
     assert failures == []
     assert rows[joint]["measured_bytes"] == rows[joint]["formula_bytes"] == 2 * 12_288
-    assert not {"query_key", "value", "query", "key_value"} & set(rows)
+    assert not {"query_key", "value", "query", "key"} & set(rows)
 
 
 def test_gpt2_at_the_paper_22b_dims_with_fake_tensors():
@@ -178,7 +178,7 @@ def test_gpt2_at_the_paper_22b_dims_with_fake_tensors():
     assert by[(eager.label, "softmax_output")] == 2 * 536_870_912
     assert by[(eager.label, "softmax_dropout_mask")] == 2 * 268_435_456
     assert by[(eager.label, "gelu_tanh_intermediates")] == 2 * 301_989_888
-    assert by[(sdpa.label, "query+key_value")] == 2 * 75_497_472
+    assert by[(sdpa.label, "query+key+value")] == 2 * 75_497_472
 
 
 def test_a_cpu_dropout_would_turn_the_gate_red(monkeypatch):

@@ -40,10 +40,12 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
 
 
 def recompute_modes(variant: str) -> tuple:
-    """The modes actmem models for a variant, 'selective:mlp' naming --recompute-modules: no
-    recompute of the attention core under flash, of the MLP everywhere."""
+    """The modes checked for a variant, 'selective:mlp' naming --recompute-modules: the attention
+    core's checkpoint everywhere (under flash around TE's core, v's copy inside), the MLP's
+    beside it under the eager core and alone under flash."""
     flash = VARIANTS[variant].get("attention_core", "eager") != "eager"
-    return ("none", "selective:mlp", "full") if flash else ("none", "selective", "selective:core_attn+mlp", "full")
+    return ("none", "selective", "selective:mlp", "full") if flash else \
+        ("none", "selective", "selective:core_attn+mlp", "full")
 
 
 def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:

@@ -207,7 +207,9 @@ class SelfAttention(nn.Module):
         """q (s, b, a/t, d), k and v (s, b, g/t, d), views of the QKV output. Rope rotates q and
         k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
         Without rope, TE copies q and k the same way (same bytes), unless the q and k norms
-        (--qk-layernorm) already made them tensors of their own."""
+        (--qk-layernorm) already made them tensors of their own. Selective recompute of the
+        core checkpoints it as Megatron's _checkpointed_attention_forward does, around TE's
+        whole core: the checkpoint saves q, k and the view v, so the QKV output stays."""
         context = self.tp.context
         if self.spec.qk_norm:
             q, k = _normalise_head(q, self.q_norm), _normalise_head(k, self.k_norm)
@@ -218,8 +220,17 @@ class SelfAttention(nn.Module):
             q, k = rope(q, freqs), rope(k, freqs)
         elif not self.spec.qk_norm:         # the norms' outputs are contiguous tensors of their own
             q, k = (t.clone(memory_format=torch.contiguous_format) for t in (q, k))
-        v = v.clone(memory_format=torch.contiguous_format)
-        label(q, "query"), label(k, "key_value"), label(v, "key_value")
+        label(q, "query"), label(k, "key")
+        if self.spec.recomputes("core_attn"):
+            label(v, "qkv_output")                   # v's storage: the whole QKV output
+            return checkpoint(self._te_core, q, k, v, use_reentrant=True)    # keeps q, k, v only
+        return self._te_core(q, k, v)
+
+    def _te_core(self, q, k, v):
+        """TE's DotProductAttention: v made contiguous (a copy of the view), then the flash
+        kernel, or under context parallelism the ring. (s, b, a/t, d) -> (s, b, a/t·d)"""
+        v = label(v.clone(memory_format=torch.contiguous_format), "value")
+        context = self.tp.context
         if context is not None and context.size > 1:
             return context_parallel_attention(q, k, v, context)
         return flash_core(q, k, v, copies_output=self.spec.attention_core == "flash-attn")

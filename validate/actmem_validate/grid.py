@@ -115,10 +115,24 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-gqa", query_groups=4, head_dim=16),
                                ["tp", "tp-sp-full"], 1)
-    # flash attention with rope (SDPA's CPU flash kernel), g/t = 2 and 1; no selective recompute
+    # flash attention with rope (SDPA's CPU flash kernel), g/t = 2 and 1
     configs += configs_for(small_spec(2, 1, name="small-flash", **FLASH), ["none"], 1)
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-flash", **FLASH), ["tp", "tp-sp", "tp-sp-full"], 1)
+    # selective recompute of the attention core under flash: the checkpoint keeps q and k after
+    # rope and v, a view that holds the QKV output; with and without SP, g/t = 1, interleaved,
+    # beside c = 2 and the MLP's checkpoint; flash-attn at b = 2 (its output copy dropped); and
+    # q and k norms with learned positions (the norms' outputs are the checkpoint's q and k)
+    configs += configs_for(small_spec(2, 2, name="small-flash", **FLASH), ["tp-sel", "tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 4, name="small-flash", **FLASH), ["tp-sp-sel"], 1)
+    configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp-sel"])
+    configs += configs_for(small_spec(2, 2, name="small-flash", c=2, **FLASH), ["tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash", modules=("core_attn", "mlp"), **FLASH),
+                           ["tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-attn", **(FLASH | dict(attention_core="flash-attn"))),
+                           ["tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-gelu-qk-norm", attention_dropout=0.0,
+                                      attention_core="flash", qk_norm=True), ["tp-sp-sel"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
     # flash-attn through TE: at b = 2 its output and the projection's input are two copies
     for t in (1, 2):
@@ -189,9 +203,11 @@ LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
 
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),
                 llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full"),
-                mlp_recompute=("22b", "llama-3.1-8b"), unfused_rope=("llama-3.1-8b",)) -> list[Config]:
+                mlp_recompute=("22b", "llama-3.1-8b"), unfused_rope=("llama-3.1-8b",),
+                core_recompute=("llama-3.1-8b", "llama-3.1-405b-128k", "qwen3-8b")) -> list[Config]:
     """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's
-    run; the Llama 3.1 models, flash attention, with and without full recompute; and selective
+    run; the Llama 3.1 models, flash attention, with and without full recompute, and with
+    selective recompute of the attention core on the ``core_recompute`` ones; selective
     recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models; and
     Megatron's unfused rope on the ``unfused_rope`` ones."""
     configs = []
@@ -200,6 +216,8 @@ def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-se
         spec = build_spec(preset.model, preset.run | LLAMA_RUNS.get(name, {}), name=preset.name,
                           architecture=preset.architecture)
         configs += configs_for(spec, techniques if name in names else llama_techniques)
+        if name in core_recompute:
+            configs += configs_for(spec, ["tp-sp-sel"])
         if name in mlp_recompute:
             modules = ("core_attn", "mlp") if spec.architecture.attention_core == "eager" else ("mlp",)
             run = replace(spec.run, recompute=Recompute.SELECTIVE, recompute_modules=modules)

@@ -73,8 +73,8 @@ RULES = (
     # sdpa_attention_forward: SDPA's flash kernel keeps q, k, v (g groups: enable_gqa), its
     # output (the o_proj input, one storage) and the fp32 log-sum-exp
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 0, "query"),
-    ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 1, "key_value"),
-    ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 2, "key_value"),
+    ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 1, "key"),
+    ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 2, "value"),
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out0", "projection_input"),
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
     # LlamaRotaryEmbedding: cos and sin, made once a forward, kept by every layer's rotation
@@ -97,7 +97,7 @@ def gpt2_rules(attention_core: str) -> tuple:
     # the attention keeps q, k, v as views of c_attn's one output: the views sdpa is given;
     # under eager, matmul's reshape is a view at b = 1 and a copy at b > 1 (then the copies
     # are named by the two bmm's, and the output is saved by nothing)
-    qkv = "query_key+value" if attention_core == "eager" else "query+key_value"
+    qkv = "query_key+value" if attention_core == "eager" else "query+key+value"
     return (
         *((norm, "native_layer_norm.default", 0, term) for norm, term in (
             ("ln_1", "attention_layernorm_input"), ("ln_2", "mlp_layernorm_input"), ("ln_f", "final_layernorm_input"))),

@@ -115,7 +115,7 @@ def _seq_note(config, key) -> tuple:
 def _llama(config, path):
     """LlamaConfig, MistralConfig, Qwen2Config: a gated MLP of intermediate_size (gate_proj,
     up_proj, down_proj), RMSNorm, rope; num_key_value_heads groups; head_dim when given;
-    biases: Llama's attention_bias and mlp_bias (default off), Qwen2's q, k, v always
+    biases: Llama's attention_bias and mlp_bias (default off), Mistral's none, Qwen2's q, k, v always
     (modeling_qwen2.py: q_proj bias=True, o_proj bias=False), Qwen3's on q, k, v and o with
     attention_bias and never on its MLP. Qwen3Config: q_norm and k_norm, RMSNorms over each
     head (modeling_qwen3.py, Qwen3Attention.forward: before rope), Megatron's --qk-layernorm."""
@@ -129,9 +129,11 @@ def _llama(config, path):
     # Qwen3Config's head_dim defaults to 128 (configuration_qwen3.py), the others' to h/a
     default_dim = 128 if kind == "qwen3" else model["hidden"] // model["heads"]
     head_dim = _optional_int(config, path, "head_dim") or default_dim
-    attention_bias = kind == "qwen2" or _switch(config, path, "attention_bias", False)
-    # Qwen2MLP and Qwen3MLP build gate, up and down with bias=False whatever the config says
-    mlp_bias = kind not in ("qwen2", "qwen3") and _switch(config, path, "mlp_bias", False)
+    # Qwen2's q, k and v have biases always; Mistral's linears and Qwen2's and Qwen3's MLPs
+    # have none whatever the config says (bias=False in modeling_mistral.py, MistralAttention
+    # and MistralMLP; modeling_qwen2.py and modeling_qwen3.py, the MLPs)
+    attention_bias = kind == "qwen2" or (kind != "mistral" and _switch(config, path, "attention_bias", False))
+    mlp_bias = kind == "llama" and _switch(config, path, "mlp_bias", False)
     if kind in ("llama", "qwen3") and attention_bias != mlp_bias:
         raise SpecError(f"{path}: attention_bias and mlp_bias differ ({kind}'s attention_bias is on q, k, v and "
                         "o); actmem models biases on all the linear layers, none, or on the QKV linear only")

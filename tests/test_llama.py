@@ -105,6 +105,21 @@ def test_qwen2_7b_parameters_by_hand():
     assert estimate(spec).parameters.count == 7_615_616_512
 
 
+def test_mistral_7b_has_no_biases_whatever_its_config_says(actmem, tmp_path):
+    """MistralAttention and MistralMLP build every linear with bias=False, and MistralConfig has
+    no attention_bias or mlp_bias. h 4096, L 32, a 32, g 8, d 128, f 14336, v 32000, untied. A
+    layer: QKV h·(ad + 2gd) = 4096·6144 = 25,165,824; o 4096² = 16,777,216; MLP 3hf =
+    176,160,768; two RMSNorms 8,192: 218,112,000. x 32 = 6,979,584,000; embedding and output
+    2vh = 262,144,000; final norm 4,096: 7,241,732,096, Mistral 7B's published count."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(json.loads((Path(HF) / "mistral-7b/config.json").read_text())
+                                 | {"attention_bias": True, "mlp_bias": True}))
+    for path in (f"{HF}/mistral-7b/config.json", str(config)):
+        out = actmem.json("estimate", "--model", path)
+        assert out["parameters"]["count"] == 7_241_732_096
+        assert out["architecture"]["bias"] is False and out["architecture"]["qkv_bias"] is None
+
+
 def test_gpt2_parameters_by_hand(actmem):
     """12 layers of 12h² + 13h (h 768): 85,054,464; word embedding padded as Megatron pads it,
     50257 -> 50304 rows: 38,633,472; positions 1024·768 = 786,432; final LayerNorm 1,536:

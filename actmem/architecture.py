@@ -60,6 +60,12 @@ class Architecture:
     qk_norm: bool = False
     """A norm on each head of q and of k before rope (Megatron's --qk-layernorm; Qwen3's
     q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it."""
+    attention_mask: bool = False
+    """Megatron's dataloader builds a causal mask for each microbatch, [b, 1, s, s] of bool, and
+    hands it to every layer of the first and last stages (create_attention_mask_in_dataloader:
+    Megatron's default; --no-create-attention-mask-in-dataloader turns it off). TE's causal
+    kernels never read it, but the recompute checkpoints save it with their other arguments.
+    False (the paper's count, and the flags' default): not counted."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -87,7 +93,7 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        for name in ("bias", "tied_output", "rope_fusion", "qk_norm"):
+        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -101,6 +107,9 @@ class Architecture:
             raise SpecError("rotary position embedding is modelled under the flash attention core only: "
                             "under Megatron's eager (local) core the value view keeps the whole QKV output "
                             "alive beside the rotated q and k, which actmem does not count yet")
+        if self.attention_mask and self.implementation != MEGATRON:
+            raise SpecError(f"the dataloader's attention mask is Megatron's (create_attention_mask_in_dataloader); "
+                            f"--implementation {self.implementation} builds no such mask: give --no-attention-mask")
         if self.qk_norm and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("--qk-layernorm is modelled under the flash attention core only: Megatron runs the "
                             "eager core in its local spec, whose q and k norms (LNImpl: apex's or torch's) keep "
@@ -256,6 +265,11 @@ def flash_grouped_key_value(arch: Architecture) -> bool:
 def eager_or_flash_grouped_value(arch: Architecture) -> bool:
     """·V keeps V: the eager core's, or flash's g groups wide"""
     return eager(arch) or flash_grouped_key_value(arch)
+
+
+def dataloader_mask(arch: Architecture) -> bool:
+    """Megatron's dataloader makes a b·s² attention mask (create_attention_mask_in_dataloader)"""
+    return arch.attention_mask
 
 
 def te_flash_core(arch: Architecture) -> bool:

@@ -52,7 +52,12 @@ def per_layer_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.E
 
 
 def stage_count(term: Term, layer_activations, microbatches, holds_output):
-    """How many instances of a term the first stage holds (sections 4.4 and 4.5)."""
+    """How many instances of a term the stage holds (sections 4.4 and 4.5): a batch's are the
+    first stage's microbatches, or the last stage's one (the same one when p = 1)."""
+    if term.scope is Scope.BATCH:
+        if isinstance(microbatches, int) and isinstance(holds_output, int):
+            return max(microbatches, holds_output)
+        return (microbatches + holds_output + sympy.Abs(microbatches - holds_output)) / 2   # max, vectorised
     return {Scope.LAYER: layer_activations, Scope.EMBEDDING: microbatches,
             Scope.OUTPUT: holds_output}[term.scope]
 
@@ -80,6 +85,11 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
             + extra_bytes(technique, microbatches_held, holds_output, arch))
 
 
+#: what a module's rerun makes again beyond the rows it dropped: the attention core's output,
+#: which the projection kept as its input and freed before the rerun (freed_before_rerun)
+_RERUN_OUTPUT = {"core_attn": "projection_input"}
+
+
 @cache
 def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group: int = 1,
                          module: str | None = None) -> sympy.Expr:
@@ -87,14 +97,16 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     peak's rerun moment, actmem.peak). Full recompute reruns ``group`` layers from their
     checkpoint: each as it is kept without recompute, less the group's input, which is the
     checkpoint's own storage (CheckpointFunction.backward detaches it: a view). Selective
-    recompute reruns one ``module`` at a time: the rows it dropped. None reruns nothing."""
+    recompute reruns one ``module`` at a time: the rows it dropped, and for the attention core
+    its output again. None reruns nothing."""
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
-                           if term.module_of(arch) == module and technique.drops(term, arch)))
+                           if term.module_of(arch) == module and technique.drops(term, arch)
+                           or term.name == _RERUN_OUTPUT.get(module)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     return group * layer - kept if group else sympy.Integer(0)
 
@@ -107,7 +119,8 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     under selective recompute the last layer's rows after the rerun ``module``'s own (the
     layer's backward runs in reverse: the MLP's bias-dropout-add before the MLP is rerun, the
     MLP and the attention projection before the attention core is)."""
-    freed = extra_bytes(technique, 0, holds_output, arch)
+    freed = sympy.Add(*(term_bytes(term, technique, arch) * holds_output for term in STAGE_TERMS
+                        if term.scope is Scope.OUTPUT))
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")

@@ -324,9 +324,9 @@ def _attention_notes(spec: Spec) -> list:
         notes.append("selective recompute of the attention core (core_attn) under flash: Megatron's checkpoint "
                      "keeps its inputs, the rotated q and k and v, a view of the QKV output, so that whole output "
                      "(qkv_output); it drops only TE's copy of v, the log-sum-exp and flash-attn's output copy. "
-                     "Against no recompute it keeps 2sb·(a + g)d/t more and 4b·as/t less (2sb·ad/t less again "
-                     "at b > 1 under flash-attn): more at most sizes (compare the sel rows); "
-                     "--recompute-modules mlp saves memory instead")
+                     "Against no recompute it keeps 2sb·(a + g)d/t more and 4b·as/t less: more at every size "
+                     "under TE's cuDNN core; under flash-attn at b > 1 also 2sb·ad/t less, so more unless "
+                     "g·d < 2a. --recompute-modules mlp saves memory instead")
     c = spec.run.context_parallel
     if c > 1:
         notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "
@@ -361,6 +361,20 @@ def _recompute_notes(spec: Spec) -> list:
     return notes
 
 
+def _mask_notes(spec: Spec) -> list:
+    """Whether the dataloader's attention mask is counted, under Megatron's code."""
+    if spec.architecture.implementation != MEGATRON:
+        return []
+    if spec.architecture.attention_mask:
+        return ["the dataloader's causal attention mask (Megatron's default, create_attention_mask_in_dataloader): "
+                "b·s² bytes of bool a microbatch, whole on every tensor-parallel rank of the first and last "
+                "stages; the recompute checkpoints (core_attn's, full recompute's) save it, so it is held while "
+                "its microbatch is in flight (attention_mask); without recompute it lives only during the forward"]
+    return ["no dataloader attention mask counted: Megatron makes one, b·s² bytes of bool a microbatch kept "
+            "by the recompute checkpoints, unless --no-create-attention-mask-in-dataloader; --attention-mask "
+            "counts it (a pasted argument list without that switch has it)"]
+
+
 def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
     arch = spec.architecture
     per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
@@ -376,6 +390,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec),
         *_recompute_notes(spec),
+        *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else

@@ -101,6 +101,12 @@ ARCHITECTURE_FLAGS = (
     Flag(("--qk-norm/--no-qk-norm", "--qk-layernorm"), "qk_norm",
          "a norm on each head of q and k before rope, of the model's normalization (Qwen3; Megatron's "
          "--qk-layernorm; flash core): keeps a contiguous copy of q and k and fp32 statistics a head", bool),
+    Flag(("--attention-mask/--no-attention-mask",), "attention_mask",
+         "count the causal mask Megatron's dataloader makes for each microbatch, b·s² bytes of bool, "
+         "which the recompute checkpoints keep (Megatron's default; a pasted argument list without "
+         "--no-create-attention-mask-in-dataloader has it); default: not counted, as the paper", bool),
+    Flag(("--no-create-attention-mask-in-dataloader",), "attention_mask",
+         "Megatron's switch for --no-attention-mask", constant=False),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "

@@ -29,6 +29,7 @@ MEGATRON_NAMES = frozenset({
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
+    "--no-create-attention-mask-in-dataloader",
 })
 MANY = "many"
 #: Megatron arguments that cannot change the memory of a training step, and how many values
@@ -70,6 +71,9 @@ BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "aut
 CP_COMM = "--cp-comm-type"
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
 NO_POSITION_TABLE = "--no-position-embedding"
+#: Megatron's dataloader makes a causal attention mask unless told not to (arguments.py:
+#: create_attention_mask_in_dataloader, store_false)
+NO_MASK = "--no-create-attention-mask-in-dataloader"
 #: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
 #: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
 RECOMPUTE_MODULES = "--recompute-modules"
@@ -150,7 +154,8 @@ def _value_count(name: str, takes_value: dict):
 
 def _implied(words, settings) -> list[str]:
     """What Megatron makes of the settings: --group-query-attention alone means g = 1; the
-    attention backend and implementation choose the core."""
+    attention backend and implementation choose the core; the dataloader makes an attention
+    mask unless told not to."""
     implied = []
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
         implied += ["--num-query-groups", "1"]
@@ -160,6 +165,8 @@ def _implied(words, settings) -> list[str]:
         implied += ["--attention-core", core]
     if settings.get(RECOMPUTE_MODULES):
         implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
+    if NO_MASK not in words:                         # Megatron's dataloader makes one by default
+        implied += ["--attention-mask"]
     return implied
 
 

@@ -161,7 +161,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           recompute=grid.recompute,
                           unmodelled_recompute=unmodelled_recompute(req),
                           code=req.architecture.code,
-                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
+                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
+                          mask=req.architecture.attention_mask)
     return grid[rules.valid(values)].reset_index(drop=True)
 
 

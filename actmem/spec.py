@@ -169,7 +169,8 @@ class Spec:
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
-            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads))
+            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
+            mask=self.architecture.attention_mask)
 
     @property
     def chunk_layers(self) -> int:

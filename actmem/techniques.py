@@ -27,12 +27,13 @@ class Technique:
 
     def drops(self, term: Term, arch) -> bool:
         """Whether selective recompute recomputes this row of this architecture rather than keep
-        it; or the row is one that only a module's checkpoint keeps, and that module is not
-        recomputed (Term.kept_by)."""
-        if term.kept_by is not None and not (self.recompute is Recompute.SELECTIVE
-                                             and term.kept_by in self.recompute_modules):
+        it, or leaves out a row that only a module's checkpoint keeps (Term.kept_by) because
+        that module is not recomputed."""
+        if self.recompute is not Recompute.SELECTIVE:
+            return False
+        if term.kept_by is not None and term.kept_by not in self.recompute_modules:
             return True
-        return self.recompute is Recompute.SELECTIVE and term.module_of(arch) in self.recompute_modules
+        return term.module_of(arch) in self.recompute_modules
 
     @property
     def modules(self) -> tuple:

@@ -12,11 +12,11 @@ from typing import Callable
 
 import sympy
 
-from actmem.architecture import PAPER, always, counts_norm_statistics, eager, eager_or_flash_grouped_value, \
-    eager_softmax_fp32, eager_with_attention_dropout, flash, flash_attn, flash_grouped_key_value, \
-    flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, hidden_dropout, keeps_norm_input, \
-    norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, qk_norm_keeping_input, rotary_tables, swiglu, \
-    swiglu_keeping_silu_output, te_flash_core, te_layer_spec, unfused_rope
+from actmem.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, eager, \
+    eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, flash, flash_attn, \
+    flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, hidden_dropout, \
+    keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, qk_norm_keeping_input, \
+    rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, unfused_rope
 from actmem.symbols import a, b, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -54,6 +54,9 @@ class Scope(Enum):
     """Once per microbatch in flight (the input embedding sits on the first stage)."""
     OUTPUT = "output"
     """Once, and only when the first stage is also the last (p = 1)."""
+    BATCH = "batch"
+    """Once per microbatch in flight on the stages that receive the batch: the first (as
+    EMBEDDING counts them) and the last (one, as OUTPUT); none in between."""
 
 
 #: Megatron's --recompute-modules that a dense layer has (TransformerConfig.recompute_modules),
@@ -88,8 +91,9 @@ class Term:
     q, k and v) or 'mlp' (transformer_layer.py, _forward_mlp: tensor_parallel.checkpoint(self.mlp,
     False, pre_mlp_layernorm_output), keeping its input). None: no module drops it."""
     kept_by: str | None = None
-    """The recompute module whose checkpoint alone keeps it (the QKV output that core_attn's
-    checkpoint keeps through its view v): kept only under selective recompute of that module."""
+    """The recompute module whose checkpoint alone keeps it under selective recompute (the QKV
+    output that core_attn's checkpoint keeps through its view v): kept there only when that
+    module is recomputed."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
@@ -307,6 +311,14 @@ TERMS = (
     Term("rotary_tables", lambda arch: 2 * A16 * s * arch.head_dim_or(h, a), Region.BOUNDARY, _ALWAYS,
          Scope.EMBEDDING, "the rotary cos and sin, 16-bit (1, s, d) each, made once a forward and kept by "
          "every layer's q·cos and rotate_half(q)·sin (transformers' LlamaRotaryEmbedding; 4sd)", rotary_tables),
+    # Megatron's dataloader mask (gpt_dataset.py, _get_ltor_masks_and_position_ids: [1, s, s] bool,
+    # batched to [b, 1, s, s]; utils.py, get_batch_on_this_tp_rank: on the GPU of every tensor-
+    # parallel rank of the first and last stages): every layer's core_attn checkpoint, and full
+    # recompute's, takes it as an argument, and CheckpointFunction saves its arguments
+    Term("attention_mask", MASK * b * s**2, Region.REPLICATED, frozenset({Recompute.SELECTIVE, Recompute.FULL}),
+         Scope.BATCH, "the dataloader's causal mask, b·s² bytes of bool, whole on every tensor-parallel rank: "
+         "kept by the recompute checkpoints (core_attn's and full recompute's) while its microbatch is in "
+         "flight; TE's causal kernels never read it", dataloader_mask, kept_by="core_attn"),
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)", keeps_norm_input),
     Term("final_norm_input_fp32", F32 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,

@@ -40,9 +40,11 @@ def test_llama_3_8b_pasted_with_recompute_activations_keeps_the_qkv_output(actme
 
 
 def test_the_granularity_flag_and_the_config_json_agree(actmem):
+    """The paste has Megatron's dataloader mask (no --no-create-attention-mask-in-dataloader);
+    the config, a model alone, says so with --attention-mask."""
     pasted = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --recompute-granularity selective")
     config = actmem.json("estimate", "--model", "tests/data/hf/llama-3.1-8b/config.json", "--seq-len", "8192",
-                         "--tp", "8", "--sp", "--micro-batch", "1", "--recompute", "selective")
+                         "--tp", "8", "--sp", "--micro-batch", "1", "--recompute", "selective", "--attention-mask")
     assert _layer(pasted) == _layer(config) == SELECTIVE_LAYER
     assert config["run_terms"] == pasted["run_terms"]
 
@@ -60,8 +62,9 @@ def test_flash_attn_at_b_2_drops_its_output_copy_too(actmem):
 
 
 def test_the_rerun_makes_what_the_checkpoint_dropped():
-    """The peak's rerun moment: the last layer's core rerun makes v's copy and the log-sum-exp
-    again, 2,097,152 + 131,072 = 2,228,224 B (its output, the projection's input, is kept)."""
+    """The peak's rerun moment: the last layer's core rerun makes v's copy, the log-sum-exp and
+    its output again (the projection freed the first output before), 2,097,152 + 131,072 +
+    2sb·ad/t = 8,388,608: 10,616,832 B."""
     from actmem.presets import load_preset
     from actmem.spec import build_spec
 
@@ -69,7 +72,7 @@ def test_the_rerun_makes_what_the_checkpoint_dropped():
     spec = build_spec(preset.model, {"tensor_parallel": 8, "sequence_parallel": True, "micro_batch": 1},
                       architecture=preset.architecture)
     rerun = engine.rematerialised_bytes(BY_NAME["tp-sp-sel"], spec.architecture, module="core_attn")
-    assert engine.exact(rerun, spec.bindings()) == VALUE_COPY + LSE
+    assert engine.exact(rerun, spec.bindings()) == VALUE_COPY + LSE + 8_388_608 == 10_616_832
 
 
 def test_q_and_k_norms_without_rope_make_the_checkpoint_s_q_and_k(actmem):

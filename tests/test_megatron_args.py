@@ -12,11 +12,12 @@ NOISE = "--bf16 --lr 3e-4 --save /ckpt --log-interval 10 --use-mcore-models --at
 
 
 def test_a_pasted_script_gives_the_same_estimate_as_the_flags(actmem, tmp_path):
-    """The same run as tests/test_architecture.py's hand-derived layer: 155,189,248 B."""
+    """The same run as tests/test_architecture.py's hand-derived layer: 155,189,248 B; the paste
+    has Megatron's dataloader mask, which the flags count with --attention-mask."""
     script = tmp_path / "args.txt"
     script.write_text(f"# launch\n{MODEL} \\\n  {RUN} \\\n  --max-position-embeddings 8192 {NOISE}\n")
     pasted = actmem.json("estimate", "--megatron-args", f"@{script}")
-    flags = actmem.json("estimate", *MODEL.split(), *RUN.split())
+    flags = actmem.json("estimate", *MODEL.split(), *RUN.split(), "--attention-mask")
     assert pasted["techniques"] == flags["techniques"] and pasted["run_terms"] == flags["run_terms"]
     assert {r["technique"]: r["per_layer_bytes"] for r in pasted["techniques"]}["tp-sp-sel"] == 155_189_248
     assert pasted["assumptions"][-1] == ("Megatron arguments ignored, as they cannot change memory: "

@@ -15,9 +15,9 @@ def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
     expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
                 for sp in ("on", "off") for r in ("none", "selective", "selective:core_attn+mlp", "full")}
-    flash = ("flash-rope-gqa", "flash-attn", "flash-unfused-rope", "flash-qk-norm")
-    expected |= {f"{variant} sp={sp} recompute={r}" for variant in flash
-                 for sp in ("on", "off") for r in ("none", "selective", "selective:mlp", "full")}
+    flash = ("flash-rope-gqa", "flash-attn", "flash-unfused-rope", "flash-qk-norm", "flash-qk-norm-learned")
+    expected |= {f"{variant} sp={sp} recompute={r}" for variant in flash for sp in ("on", "off")
+                 for r in ("none", "selective", "selective:core_attn+mlp", "selective:mlp", "full")}
     assert set(worst) == expected
     for case, difference in worst.items():
         assert difference < 1e-5, case
@@ -61,7 +61,7 @@ def test_context_parallel_layer_matches_a_single_device_layer(t, c):
 
     worst = check_context(t, c)
     assert set(worst) == {f"flash-rope-gqa c={c} sp={sp} recompute={r}" for sp in (("off", "on") if t > 1 else ("off",))
-                          for r in ("none", "selective", "selective:mlp", "full")}
+                          for r in ("none", "selective", "selective:core_attn+mlp", "selective:mlp", "full")}
     for case, difference in worst.items():
         assert difference < 1e-5, case
 

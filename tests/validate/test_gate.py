@@ -432,8 +432,8 @@ def test_a_flash_core_checkpoint_given_a_copy_of_v_fails(monkeypatch):
     2sb·gd/t of v and none of the QKV output: both rows fail."""
     checkpoint = gpt.checkpoint
 
-    def given_a_copy(function, q, k, v, **kw):
-        return checkpoint(function, q, k, label(v.clone(memory_format=torch.contiguous_format), "value"), **kw)
+    def given_a_copy(function, q, k, v, *rest, **kw):
+        return checkpoint(function, q, k, label(v.clone(memory_format=torch.contiguous_format), "value"), *rest, **kw)
 
     monkeypatch.setattr(gpt, "checkpoint", given_a_copy)
     rows, failures = measured_flash("tp-sp-sel")
@@ -459,3 +459,45 @@ def test_the_qkv_output_missing_from_the_formula_fails(monkeypatch):
     qkv = row(rows, "qkv_output")
     assert qkv["measured_bytes"] > qkv["formula_bytes"] == 0 and qkv["gate"] == "fail"
     assert failures
+
+
+def measured_with_mask(technique="tp-sp-full"):
+    """The flash layer (grid.FLASH) with Megatron's dataloader mask, 1F1B over p = 2 (two
+    masks in flight), rank 0 of t = 2, fake."""
+    from actmem_validate.grid import FLASH
+
+    rows = run_fake(configs_for(small_spec(4, 2, 2, name="small-flash", attention_mask=True, **FLASH), [technique]))
+    return rows, judge(rows, 0.0)
+
+
+def test_a_healthy_run_with_the_dataloader_mask_passes():
+    """Two microbatches in flight, each mask b·s² = 2·32² = 2,048 B: 4,096."""
+    rows, failures = measured_with_mask()
+    assert failures == [] and row(rows, "attention_mask")["measured_bytes"] == 4_096
+
+
+def test_a_mask_the_checkpoints_never_get_fails(monkeypatch):
+    """A harness whose layers are not handed the mask keeps none: the formula's mask fails."""
+    from actmem_validate import schedule
+
+    monkeypatch.setattr(schedule, "run_layers", lambda layers, x, mask=None: gpt.run_layers(layers, x))
+    rows, failures = measured_with_mask()
+    mask = row(rows, "attention_mask")
+    assert mask["measured_bytes"] == 0 < mask["formula_bytes"] and mask["gate"] == "fail" and failures
+
+
+def test_the_mask_missing_from_the_formula_fails(monkeypatch):
+    """The engine forgets the mask the checkpoints save: measured where the formula has none."""
+    from actmem import engine
+
+    term_bytes = engine.term_bytes
+    monkeypatch.setattr(engine, "term_bytes", lambda term, technique, arch=None: 0 if term.name == "attention_mask"
+                        else term_bytes(term, technique, arch))
+    _clear_engine_caches()
+    try:
+        rows, failures = measured_with_mask()
+    finally:
+        monkeypatch.undo()
+        _clear_engine_caches()
+    mask = row(rows, "attention_mask")
+    assert mask["measured_bytes"] > mask["formula_bytes"] == 0 and mask["gate"] == "fail" and failures

@@ -36,16 +36,17 @@ VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalizati
                                        rope_fusion=False),
             # Qwen3's layer: q and k normalised per head (--qk-layernorm), their grads summed over t
             "flash-qk-norm": dict(attention_core="flash", position_embedding="rope", query_groups=4, qk_norm=True,
-                                  activation="swiglu", normalization="rmsnorm", bias=False, ffn=96)}
+                                  activation="swiglu", normalization="rmsnorm", bias=False, ffn=96),
+            # the q and k norms with learned positions: their outputs go to the kernel as they are
+            "flash-qk-norm-learned": dict(attention_core="flash", qk_norm=True)}
 
 
 def recompute_modes(variant: str) -> tuple:
     """The modes checked for a variant, 'selective:mlp' naming --recompute-modules: the attention
     core's checkpoint everywhere (under flash around TE's core, v's copy inside), the MLP's
-    beside it under the eager core and alone under flash."""
+    beside it, and under flash the MLP's alone."""
     flash = VARIANTS[variant].get("attention_core", "eager") != "eager"
-    return ("none", "selective", "selective:mlp", "full") if flash else \
-        ("none", "selective", "selective:core_attn+mlp", "full")
+    return ("none", "selective", "selective:core_attn+mlp") + (("selective:mlp",) if flash else ()) + ("full",)
 
 
 def _shard(full: torch.Tensor, name: str, tp: TensorParallel, gated: bool = False) -> torch.Tensor:

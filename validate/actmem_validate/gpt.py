@@ -46,6 +46,7 @@ class LayerSpec:
     recompute_method: str = "uniform"     # with full recompute: uniform | block
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
     recompute_modules: tuple = ("core_attn",)   # with selective recompute: core_attn, layernorm, mlp
+    attention_mask: bool = False          # the dataloader's [b, 1, s, s] bool mask, into each layer
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -62,7 +63,7 @@ class LayerSpec:
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
-                   spec.run.recompute_modules or ("core_attn",))
+                   spec.run.recompute_modules or ("core_attn",), arch.attention_mask)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -85,8 +86,9 @@ def _norm(spec: LayerSpec) -> Norm:
     return Norm(spec.hidden, spec.normalization, dtype=spec.dtype, device=spec.device)
 
 
-def attention_core(q, k, v, dropout: Dropout):
-    """QKᵀ, softmax, dropout, ·V: the part selective recompute checkpoints. q, k, v: (b·a/t, s, hd)."""
+def attention_core(q, k, v, dropout: Dropout, mask=None):
+    """QKᵀ, softmax, dropout, ·V: the part selective recompute checkpoints. q, k, v: (b·a/t, s, hd).
+    mask: the dataloader's, handed in as Megatron hands it and never read (the causal softmax)."""
     scores = torch.bmm(q, k.transpose(1, 2))                         # bmm keeps Q and K
     with scope("softmax_output"):                                    # softmax keeps its output
         probs = scaled_causal_softmax(scores, q.shape[-1] ** -0.5)
@@ -178,14 +180,14 @@ class SelfAttention(nn.Module):
             self.register_buffer("freqs", rotary_frequencies(spec.seq_len, spec.dim, spec.device),
                                  persistent=False)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         qkv = self.qkv(x)                                     # (s, b, (a + 2g)d/t)
         s, b, _ = qkv.shape
         per_group, d = self.heads // self.groups, self.spec.dim
         qkv = qkv.view(s, b, self.groups, per_group + 2, d)  # (s, b, g/t, a/g + 2, d)
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, d)
         if self.spec.attention_core != "eager":
-            return self.projection(self._flash(q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]))
+            return self.projection(self._flash(q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1], mask))
         # Megatron's local attention expands K and V to a heads (dot_product_attention.py:
         # repeat_interleave makes copies), so both are as wide as Q: 2sb·ad/t each.
         k, v = (qkv[:, :, :, per_group + i].repeat_interleave(per_group, dim=2) for i in (0, 1))
@@ -196,14 +198,14 @@ class SelfAttention(nn.Module):
                    for t in (q, k, v))                        # (b·a/t, s, d)
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
         if self.spec.recomputes("core_attn"):
-            context = checkpoint(attention_core, q, k, v, self.dropout,
-                                 use_reentrant=True)           # keeps q, k, v only
+            context = checkpoint(attention_core, q, k, v, self.dropout, mask,
+                                 use_reentrant=True)           # keeps q, k, v (and the mask) only
         else:
             context = attention_core(q, k, v, self.dropout)
         context = context.view(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.projection(label(context, "projection_input"))
 
-    def _flash(self, q, k, v):
+    def _flash(self, q, k, v, mask=None):
         """q (s, b, a/t, d), k and v (s, b, g/t, d), views of the QKV output. Rope rotates q and
         k into tensors of their own; TE makes v contiguous; so nothing keeps the QKV output.
         Without rope, TE copies q and k the same way (same bytes), unless the q and k norms
@@ -223,12 +225,13 @@ class SelfAttention(nn.Module):
         label(q, "query"), label(k, "key")
         if self.spec.recomputes("core_attn"):
             label(v, "qkv_output")                   # v's storage: the whole QKV output
-            return checkpoint(self._te_core, q, k, v, use_reentrant=True)    # keeps q, k, v only
+            return checkpoint(self._te_core, q, k, v, mask, use_reentrant=True)   # keeps q, k, v, the mask
         return self._te_core(q, k, v)
 
-    def _te_core(self, q, k, v):
+    def _te_core(self, q, k, v, mask=None):
         """TE's DotProductAttention: v made contiguous (a copy of the view), then the flash
-        kernel, or under context parallelism the ring. (s, b, a/t, d) -> (s, b, a/t·d)"""
+        kernel, or under context parallelism the ring; a causal kernel never reads the mask.
+        (s, b, a/t, d) -> (s, b, a/t·d)"""
         v = label(v.clone(memory_format=torch.contiguous_format), "value")
         context = self.tp.context
         if context is not None and context.size > 1:
@@ -279,11 +282,11 @@ class TransformerLayer(nn.Module):
         self.dropout1 = Dropout(spec.hidden_dropout, "attention_dropout_mask")
         self.dropout2 = Dropout(spec.hidden_dropout, "mlp_dropout_mask")
 
-    def _forward(self, x):
+    def _forward(self, x, mask=None):
         label(x, "attention_layernorm_input")
         with scope("attention_norm_statistics"):
             normed = label(self.norm1(x), "qkv_input")
-        x = label(x + self.dropout1(self.attention(normed)), "mlp_layernorm_input")
+        x = label(x + self.dropout1(self.attention(normed, mask)), "mlp_layernorm_input")
         if self.spec.attention_core == "eager":    # Megatron's local spec: the norm a module of its own
             block, block_input = self.mlp, self._norm2(x)
         else:             # TE's spec: the norm fused into linear_fc1 (pre_mlp_layernorm an IdentityOp)
@@ -299,14 +302,16 @@ class TransformerLayer(nn.Module):
     def _norm_and_mlp(self, x):
         return self.mlp(self._norm2(x))
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
+        """mask: the dataloader's attention mask, which Megatron hands every layer (and its
+        checkpoints save), or None."""
         if self.spec.recompute == "full":
             label(x, "layer_input_checkpoint")
-            return checkpoint(self._forward, x, use_reentrant=True)   # keeps x only
-        return self._forward(x)
+            return checkpoint(self._forward, x, mask, use_reentrant=True)   # keeps x (and the mask) only
+        return self._forward(x, mask)
 
 
-def run_layers(layers, x):
+def run_layers(layers, x, mask=None):
     """A model chunk's layers, checkpointed as Megatron's TransformerBlock does under full
     recompute (_checkpointed_forward): 'uniform' checkpoints groups of N layers, each group
     keeping only its input; 'block' checkpoints the first N layers one by one and runs the
@@ -316,23 +321,23 @@ def run_layers(layers, x):
     spec = layers[0].spec
     if spec.recompute != "full" or (spec.recompute_method, spec.recompute_layers) == ("uniform", 1):
         for layer in layers:
-            x = layer(x)
+            x = layer(x, mask)
         return x
     n = spec.recompute_layers
     if spec.recompute_method == "block":
         for index, layer in enumerate(layers):
-            x = layer(x) if index < n else layer._forward(x)
+            x = layer(x, mask) if index < n else layer._forward(x, mask)
         return x
     for start in range(0, len(layers), n):
         group = layers[start:start + n]
         label(x, "layer_input_checkpoint")
-        x = checkpoint(_run_group, x, *group, use_reentrant=True)   # keeps the group's input only
+        x = checkpoint(_run_group, x, mask, *group, use_reentrant=True)   # keeps the group's input only
     return x
 
 
-def _run_group(x, *layers):
+def _run_group(x, mask, *layers):
     for layer in layers:
-        x = layer._forward(x)
+        x = layer._forward(x, mask)
     return x
 
 

@@ -154,6 +154,15 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", modules=("core_attn", "mlp"), **GATED),
                            ["tp-sp-sel"])
     configs += configs_for(small_spec(2, 2, name="small-flash", modules=("mlp",), **FLASH), ["tp-sp-sel"], 1)
+    # Megatron's dataloader mask, handed to every layer of the first stage's chunk 0 and saved by
+    # the recompute checkpoints: 1F1B (p masks, eager core), interleaved (2p, full recompute),
+    # p = 1 under flash; and the MLP's checkpoint alone, which does not take it
+    configs += configs_for(small_spec(4, 2, 2, name="small-mask", attention_mask=True), ["tp-sp-sel"])
+    for p, m, technique in ((2, 2, "tp-sp-full"), (1, 1, "tp-sp-sel")):
+        configs += configs_for(small_spec(2 * p, 2, p, m, name="small-flash-mask", attention_mask=True, **FLASH),
+                               [technique])
+    configs += configs_for(small_spec(2, 2, name="small-flash-mask", modules=("mlp",), attention_mask=True, **FLASH),
+                           ["tp-sp-sel"], 1)
     # torch-native: torchtitan's Llama blocks under DTensor TP (+ SP), g/t = 2 (repeat_kv
     # copies) and 1 (a view), full activation checkpointing; one microbatch's layers
     configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none"], 1)
@@ -204,12 +213,14 @@ LLAMA_RUNS = {"llama-3.1-8b": dict(tensor_parallel=8),
 def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-sel"),
                 llama=tuple(LLAMA_RUNS), llama_techniques=("tp-sp", "tp-sp-full"),
                 mlp_recompute=("22b", "llama-3.1-8b"), unfused_rope=("llama-3.1-8b",),
-                core_recompute=("llama-3.1-8b", "llama-3.1-405b-128k", "qwen3-8b")) -> list[Config]:
+                core_recompute=("llama-3.1-8b", "llama-3.1-405b-128k", "qwen3-8b"),
+                attention_mask=("llama-3.1-70b",)) -> list[Config]:
     """The paper's Table 3 models at full scale, for fake mode: the baseline and the paper's
     run; the Llama 3.1 models, flash attention, with and without full recompute, and with
     selective recompute of the attention core on the ``core_recompute`` ones; selective
-    recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models; and
-    Megatron's unfused rope on the ``unfused_rope`` ones."""
+    recompute of the MLP too (of it alone under flash) on the ``mlp_recompute`` models;
+    Megatron's unfused rope on the ``unfused_rope`` ones; and full recompute with Megatron's
+    dataloader mask on the ``attention_mask`` ones."""
     configs = []
     for name in names + llama:
         preset = load_preset(name)
@@ -226,6 +237,10 @@ def preset_grid(names=("22b", "175b", "530b", "1t"), techniques=("tp", "tp-sp-se
             unfused = replace(spec, name=f"{spec.name}-unfused-rope",
                               architecture=replace(spec.architecture, rope_fusion=False))
             configs += configs_for(unfused, ["tp-sp"])
+        if name in attention_mask:
+            masked = replace(spec, name=f"{spec.name}-attention-mask",
+                             architecture=replace(spec.architecture, attention_mask=True))
+            configs += configs_for(masked, ["tp-sp-full"])
     return configs
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from actmem_validate.gpt import Embedding, LayerSpec, OutputHead, TransformerLayer, run_layers
-from actmem_validate.ledger import Ledger
+from actmem_validate.ledger import Ledger, label
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.torch_compat import pipeline_backward
 
@@ -44,7 +44,7 @@ class FirstStage(nn.Module):
         """stage_layers: the first stage's layers in an uneven pipeline (m = 1); L/p if None."""
         super().__init__()
         per_chunk = (spec.layers // p if stage_layers is None else stage_layers) // m
-        self.tp = tp
+        self.tp, self.spec = tp, spec
         self.embedding = Embedding(vocab, spec, tp)
         self.chunks = nn.ModuleList(nn.ModuleList(TransformerLayer(spec, tp) for _ in range(per_chunk))
                                     for _ in range(m))
@@ -55,12 +55,23 @@ class FirstStage(nn.Module):
         if context is not None and context.size > 1:          # this rank's s/c of each sequence
             local = tokens.shape[1] // context.size
             tokens, targets = (ids[:, context.offset(local):context.offset(local) + local] for ids in (tokens, targets))
-        if chunk == 0:
+        mask = None
+        if chunk == 0:          # the chunk the batch arrives with (get_batch: first and last stages)
             x = self.embedding(tokens)
-        x = run_layers(self.chunks[chunk], x)
+            mask = causal_mask(tokens) if self.spec.attention_mask else None
+        x = run_layers(self.chunks[chunk], x, mask)
         if self.head is not None and chunk == len(self.chunks) - 1:
             return self.head(x, targets)
         return x
+
+
+def causal_mask(tokens):
+    """Megatron's dataloader mask for a microbatch (gpt_dataset.py,
+    _get_ltor_masks_and_position_ids: tril(ones(s, s)) < 0.5, batched to [b, 1, s, s] bool):
+    True where a position may not attend. Made with the batch and handed to every layer."""
+    b, s = tokens.shape
+    ones = torch.ones(b, 1, s, s, dtype=torch.bool, device=tokens.device)
+    return label(torch.tril(ones).logical_not(), "attention_mask")
 
 
 @dataclass

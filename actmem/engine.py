@@ -86,7 +86,8 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
 
 
 #: what a module's rerun makes again beyond the rows it dropped: the attention core's output,
-#: which the projection kept as its input and freed before the rerun (freed_before_rerun)
+#: which the projection kept as its input and freed before the rerun (freed_before_rerun).
+#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor)
 _RERUN_OUTPUT = {"core_attn": "projection_input"}
 
 

@@ -331,7 +331,11 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
                    for name in param.opts + param.secondary_opts if name in megatron_args.MEGATRON_NAMES}
     used, ignored, checks = megatron_args.sort(megatron_args.split(flags["megatron_args"]), takes_value,
                                                MEGATRON_NOT_MODELLED)
+    default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)
     pasted = command.make_context("--megatron-args", used).params
+    if default_mask and any(flags.get(key) for key in flags if key.startswith("attention_mask__")):
+        # the paste's mask is only Megatron's default: a flag given beside it says otherwise
+        pasted = {key: value for key, value in pasted.items() if not key.startswith("attention_mask__")}
     merged = dict(flags, megatron_args=None)
     for key, value in pasted.items():
         if isinstance(value, tuple):

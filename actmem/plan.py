@@ -103,8 +103,9 @@ def tensor_parallel_sizes(req: PlanRequest) -> list[int]:
 
 def context_parallel_sizes(req: PlanRequest) -> list[int]:
     """c with 2c | s (Megatron's 2c chunks a sequence), under the cuDNN flash core only; 1
-    otherwise (actmem models context parallelism there alone)."""
-    if req.architecture.attention_core != "flash":
+    otherwise (actmem models context parallelism there alone), and 1 with the dataloader's
+    attention mask (its s/c x s slice is not modelled)."""
+    if req.architecture.attention_core != "flash" or req.architecture.attention_mask:
         return [1]
     return [c for c in divisors(req.model.seq_len) if req.model.seq_len % (2 * c) == 0 or c == 1]
 

@@ -115,8 +115,8 @@ RULES = (
          lambda v: _unmodelled_run(v, f"tensor parallelism (t = {v.t})"), ("code",)),
     Rule(lambda v: _implies(v.c > 1, not v.mask),
          lambda v: f"the dataloader's attention mask under context parallelism (c = {v.c}) is not modelled: "
-                   "Megatron slices it to [b, 1, s/c, s] on each rank; give --no-attention-mask (Megatron: "
-                   "--no-create-attention-mask-in-dataloader)", ("mask",)),
+                   "Megatron slices it to [b, 1, s/c, s] on each rank; give --no-attention-mask (in a pasted "
+                   "argument list, --no-create-attention-mask-in-dataloader)", ("mask",)),
     Rule(lambda v: _implies(v.p > 1, "pipeline" in v.code.runs),
          lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
     Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),

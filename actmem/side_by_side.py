@@ -4,8 +4,9 @@ change of framework costs before it is made.
 Each row is a whole estimate with only the code changed: Megatron's, PyTorch-native DTensor,
 and transformers' model class (Llama, Qwen3 or GPT-2) with its eager and its sdpa attention
 (attn_implementation is the attention core there; beside a transformers spec, Megatron and
-torchtitan run flash). Where an implementation is not modelled for this model or run, the
-row says why instead of showing a number.
+torchtitan run flash; Megatron's unfused rope and its dataloader's attention mask stay
+Megatron's). Where an implementation is not modelled for this model or run, the row says why
+instead of showing a number.
 """
 
 from dataclasses import dataclass, replace
@@ -50,8 +51,9 @@ def _cores(name: str, spec: Spec) -> tuple:
 
 def _row(spec: Spec, name: str, core: str, stage: int) -> CodeRow:
     try:
-        own_rope = {} if name == MEGATRON else {"rope_fusion": True}    # --no-rope-fusion is Megatron's kernel choice
-        arch = replace(spec.architecture, implementation=name, attention_core=core, **own_rope)
+        # --no-rope-fusion is Megatron's kernel choice, the attention mask its dataloader's
+        megatrons = {} if name == MEGATRON else {"rope_fusion": True, "attention_mask": False}
+        arch = replace(spec.architecture, implementation=name, attention_core=core, **megatrons)
         own = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
         padding = own if arch.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY   # default: none asked
         return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding), stage))

@@ -93,3 +93,24 @@ def test_the_planner_counts_it_as_the_estimate_does():
 ])
 def test_what_actmem_cannot_count_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_a_flag_beside_a_paste_decides_over_megatron_s_default(actmem):
+    """The paste's mask is only Megatron's default: --no-attention-mask (or Megatron's own
+    switch) given beside it turns it off, so the context-parallel refusal's advice works."""
+    cp = LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused") + " --context-parallel-size 2"
+    for flag in ("--no-attention-mask", "--no-create-attention-mask-in-dataloader"):
+        out = actmem.json("estimate", "--megatron-args", cp, flag)
+        assert out["architecture"]["attention_mask"] is False and not any(
+            row["term"] == "attention_mask" for row in out["run_terms"])
+
+
+def test_interleaved_stages_by_hand(actmem):
+    """Llama 3.1 70B, t = 8, p = 4, m = 2 (10 layers a chunk), 16 microbatches, full recompute:
+    the first stage holds the masks of 2p = 8 microbatches (its chunk-0 forwards in flight, as
+    the embedding's dropout masks are counted), the last one, those between none."""
+    args = ("--model", "llama-3.1-70b", "--tp", "8", "--sp", "--pp", "4", "--interleave", "2", "--recompute",
+            "full", "--gpus", "32", "--global-batch", "16")
+    with_mask, without = (actmem.json("estimate", *args, *flag) for flag in (("--attention-mask",), ()))
+    extra = [a["activations_bytes"] - b["activations_bytes"] for a, b in zip(with_mask["stages"], without["stages"])]
+    assert extra == [8 * MASK_8K, 0, 0, MASK_8K]

@@ -194,6 +194,23 @@ def test_compare_implementations_on_one_device(actmem):
     assert megatron["per_layer_bytes"] < HF_SDPA_LAYER < HF_EAGER_LAYER
 
 
+def test_a_pasted_megatron_run_keeps_its_dataloader_mask_to_itself(actmem):
+    """A paste has Megatron's dataloader mask (actmem.side_by_side): torchtitan and transformers
+    build none, so their rows are the same model without it, not refusals. s = 2048, t = 1,
+    full recompute: Megatron's first stage holds the mask, b·s² = 4,194,304 B."""
+    from tests.test_llama import LLAMA_8B
+
+    paste = (LLAMA_8B.replace("--seq-length 8192", "--seq-length 2048").replace("--tensor-model-parallel-size 8", "")
+             .replace("--sequence-parallel", "").replace("--use-flash-attn", "--attention-backend fused")
+             + " --recompute-granularity full")
+    out = actmem.json("estimate", "--megatron-args", paste, "--compare-implementations")
+    rows = {row["implementation"]: row for row in out["implementations"]}
+    assert rows["torch-native"]["not_modelled"] is None
+    assert "dataloader" not in (rows["hf · sdpa"]["not_modelled"] or "")
+    masks = [row for row in out["run_terms"] if row["term"] == "attention_mask"]
+    assert [(row["bytes_each"], row["count"]) for row in masks] == [(2048 * 2048, 1)]
+
+
 def test_estimate_without_the_flag_has_no_implementations(actmem):
     assert "implementations" not in actmem.json("estimate", "--model", "llama-3.1-8b")
 

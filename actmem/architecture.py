@@ -62,7 +62,8 @@ class Architecture:
     q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it."""
     attention_mask: bool = False
     """Megatron's dataloader builds a causal mask for each microbatch, [b, 1, s, s] of bool, and
-    hands it to every layer of the first and last stages (create_attention_mask_in_dataloader:
+    hands it to every layer of the first and last stages (under context parallelism a rank's
+    s/c rows of it; create_attention_mask_in_dataloader:
     Megatron's default; --no-create-attention-mask-in-dataloader turns it off). TE's causal
     kernels never read it, but the recompute checkpoints save it with their other arguments.
     False (the paper's count, and the flags' default): not counted."""

@@ -11,7 +11,7 @@ import sympy
 
 from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
-from actmem.symbols import L, a, b, h, m, p, s, t, v
+from actmem.symbols import L, a, b, c, h, m, p, s, t, v
 from actmem.techniques import Technique
 from actmem.terms import STAGE_TERMS, TERMS, TRANSIENT_TERMS, Recompute, Region, Scope, Term, layer_terms
 
@@ -20,7 +20,7 @@ layer_activations, microbatches_held, holds_output = sympy.symbols(
     "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
 
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c)
 
 
 def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):

@@ -367,8 +367,8 @@ def _mask_notes(spec: Spec) -> list:
         return []
     if spec.architecture.attention_mask:
         return ["the dataloader's causal attention mask (Megatron's default, create_attention_mask_in_dataloader): "
-                "b·s² bytes of bool a microbatch, whole on every tensor-parallel rank of the first and last "
-                "stages; the recompute checkpoints (core_attn's, full recompute's) save it, so it is held while "
+                "b·s² bytes of bool a microbatch (under context parallelism a rank's s/c rows of it), whole on "
+                "every tensor-parallel rank of the first and last stages; the recompute checkpoints (core_attn's, full recompute's) save it, so it is held while "
                 "its microbatch is in flight (attention_mask); without recompute it lives only during the forward"]
     return ["no dataloader attention mask counted: Megatron makes one, b·s² bytes of bool a microbatch kept "
             "by the recompute checkpoints, unless --no-create-attention-mask-in-dataloader; --attention-mask "

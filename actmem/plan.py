@@ -103,9 +103,8 @@ def tensor_parallel_sizes(req: PlanRequest) -> list[int]:
 
 def context_parallel_sizes(req: PlanRequest) -> list[int]:
     """c with 2c | s (Megatron's 2c chunks a sequence), under the cuDNN flash core only; 1
-    otherwise (actmem models context parallelism there alone), and 1 with the dataloader's
-    attention mask (its s/c x s slice is not modelled)."""
-    if req.architecture.attention_core != "flash" or req.architecture.attention_mask:
+    otherwise (actmem models context parallelism there alone)."""
+    if req.architecture.attention_core != "flash":
         return [1]
     return [c for c in divisors(req.model.seq_len) if req.model.seq_len % (2 * c) == 0 or c == 1]
 
@@ -162,8 +161,7 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           recompute=grid.recompute,
                           unmodelled_recompute=unmodelled_recompute(req),
                           code=req.architecture.code,
-                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
-                          mask=req.architecture.attention_mask)
+                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
     return grid[rules.valid(values)].reset_index(drop=True)
 
 
@@ -234,7 +232,7 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         s, h, a, L = dims
         # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
         args = (s / column("c"), column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
-                column("layer_activations"), column("microbatches_held"), column("holds_output"))
+                column("layer_activations"), column("microbatches_held"), column("holds_output"), column("c"))
         held[rows.index] = _whole_bytes(engine.numeric(engine.held_bytes(technique, req.architecture))(*args),
                                         len(rows))
         arch = req.architecture

@@ -18,7 +18,7 @@ DPI = 100
 #: the parts of a bar: activations in blues, the model state in greens, the transient hatched
 _PARTS = {
     "layers_bytes": ("activations: layers (Eq 5)", "#3b6fb6"),
-    "extra_bytes": ("activations: embedding, output (4.5), attention masks", "#9dbde6"),
+    "extra_bytes": ("activations: embedding, output, masks", "#9dbde6"),
     "weights_bytes": ("weights (16-bit)", "#2e7d4f"),
     "gradients_bytes": ("gradients (fp32)", "#6fb386"),
     "optimizer_bytes": ("optimizer: fp32 master, Adam", "#b9dcc4"),

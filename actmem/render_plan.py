@@ -116,9 +116,7 @@ def _plan_assumptions(req) -> list[str]:
         "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
         "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
         "checked with actmem estimate --first-stage-layers/--last-stage-layers",
-        "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped"
-        + (" (none swept: the dataloader's attention mask, --attention-mask, is not modelled beside it)"
-           if req.architecture.attention_mask else "") + "; full "
+        "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
         "recompute of every layer alone (a run with --recompute-method is checked with actmem "
         "estimate); selective recompute of the attention core (sel), of it and the MLP (sel+mlp), "
         "or of the MLP alone (mlp), Megatron's --recompute-modules, where actmem models them",

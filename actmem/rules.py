@@ -113,10 +113,6 @@ RULES = (
                    f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),
     Rule(lambda v: _implies(v.t > 1, "tensor" in v.code.runs),
          lambda v: _unmodelled_run(v, f"tensor parallelism (t = {v.t})"), ("code",)),
-    Rule(lambda v: _implies(v.c > 1, not v.mask),
-         lambda v: f"the dataloader's attention mask under context parallelism (c = {v.c}) is not modelled: "
-                   "Megatron slices it to [b, 1, s/c, s] on each rank; give --no-attention-mask (in a pasted "
-                   "argument list, --no-create-attention-mask-in-dataloader)", ("mask",)),
     Rule(lambda v: _implies(v.p > 1, "pipeline" in v.code.runs),
          lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
     Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),
@@ -179,8 +175,6 @@ class Values:
     """The implementation (actmem.implementation.Implementation): the run shapes it has."""
     head_dim: object = None
     """d, the attention head dim (h/a when not given)."""
-    mask: object = None
-    """Whether the dataloader makes an attention mask (Architecture.attention_mask)."""
 
 
 def _unmodelled_run(v, what: str) -> str:

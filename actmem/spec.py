@@ -169,8 +169,7 @@ class Spec:
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
-            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
-            mask=self.architecture.attention_mask)
+            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads))
 
     @property
     def chunk_layers(self) -> int:
@@ -219,7 +218,7 @@ class Spec:
         # core has no s² term, and c > 1 needs it), so s binds to s/c
         values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
-                  "v": self.padded_vocab, "m": run.interleave}
+                  "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
 
 

@@ -17,7 +17,7 @@ from actmem.architecture import PAPER, always, counts_norm_statistics, dataloade
     flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, hidden_dropout, \
     keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, qk_norm_keeping_input, \
     rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, unfused_rope
-from actmem.symbols import a, b, h, s, t, v
+from actmem.symbols import a, b, c, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
 
@@ -314,11 +314,14 @@ TERMS = (
     # Megatron's dataloader mask (gpt_dataset.py, _get_ltor_masks_and_position_ids: [1, s, s] bool,
     # batched to [b, 1, s, s]; utils.py, get_batch_on_this_tp_rank: on the GPU of every tensor-
     # parallel rank of the first and last stages): every layer's core_attn checkpoint, and full
-    # recompute's, takes it as an argument, and CheckpointFunction saves its arguments
-    Term("attention_mask", MASK * b * s**2, Region.REPLICATED, frozenset({Recompute.SELECTIVE, Recompute.FULL}),
-         Scope.BATCH, "the dataloader's causal mask, b·s² bytes of bool, whole on every tensor-parallel rank: "
-         "kept by the recompute checkpoints (core_attn's and full recompute's) while its microbatch is in "
-         "flight; TE's causal kernels never read it", dataloader_mask, kept_by="core_attn"),
+    # recompute's, takes it as an argument, and CheckpointFunction saves its arguments. Under
+    # context parallelism get_batch_on_this_cp_rank keeps a rank's s/c rows (index_select: a
+    # copy) of all s columns; s binds to s/c, so the whole sequence is c·s
+    Term("attention_mask", MASK * b * s * (c * s), Region.REPLICATED, frozenset({Recompute.SELECTIVE, Recompute.FULL}),
+         Scope.BATCH, "the dataloader's causal mask, b·s² bytes of bool (b·(s/c)·s under context parallelism), "
+         "whole on every tensor-parallel rank: kept by the recompute checkpoints (core_attn's and full "
+         "recompute's) while its microbatch is in flight; the causal kernels never read it", dataloader_mask,
+         kept_by="core_attn"),
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)", keeps_norm_input),
     Term("final_norm_input_fp32", F32 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,

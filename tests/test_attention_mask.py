@@ -73,8 +73,8 @@ def test_the_planner_counts_it_as_the_estimate_does():
     req = PlanRequest(model=spec.model, gpus=64, global_batch=64, gpu=GPUS["h100"], gpu_memory_bytes=80 * 2**30,
                       architecture=spec.architecture)
     evaluated = plan(req).evaluated
-    assert (evaluated.c == 1).all()                 # context parallelism with the mask is refused
-    sample = evaluated[evaluated.recompute != "none"].groupby(["recompute", "p"]).head(2)
+    assert (evaluated.c > 1).any()                  # under context parallelism each rank keeps s/c rows
+    sample = evaluated[evaluated.recompute != "none"].groupby(["recompute", "p", "c"]).head(1)
     assert len(sample) > 8
     for row in sample.itertuples():
         run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
@@ -84,8 +84,6 @@ def test_the_planner_counts_it_as_the_estimate_does():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--megatron-args", LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused") + " --context-parallel-size 2"],
-     "the dataloader's attention mask under context parallelism (c = 2) is not modelled"),
     (["--model", "llama-3.1-8b", "--implementation", "torch-native", "--attention-mask"],
      "--implementation torch-native builds no such mask"),
     (["--megatron-args", LLAMA_8B + NO_MASK, "--attention-mask"],
@@ -97,7 +95,7 @@ def test_what_actmem_cannot_count_is_refused(actmem, args, fragment):
 
 def test_a_flag_beside_a_paste_decides_over_megatron_s_default(actmem):
     """The paste's mask is only Megatron's default: --no-attention-mask (or Megatron's own
-    switch) given beside it turns it off, so the context-parallel refusal's advice works."""
+    switch) given beside it turns it off."""
     cp = LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused") + " --context-parallel-size 2"
     for flag in ("--no-attention-mask", "--no-create-attention-mask-in-dataloader"):
         out = actmem.json("estimate", "--megatron-args", cp, flag)
@@ -114,3 +112,12 @@ def test_interleaved_stages_by_hand(actmem):
     with_mask, without = (actmem.json("estimate", *args, *flag) for flag in (("--attention-mask",), ()))
     extra = [a["activations_bytes"] - b["activations_bytes"] for a, b in zip(with_mask["stages"], without["stages"])]
     assert extra == [8 * MASK_8K, 0, 0, MASK_8K]
+
+
+def test_under_context_parallelism_each_rank_keeps_its_rows_of_the_mask(actmem):
+    """c = 2: get_batch_on_this_cp_rank keeps a rank's s/c = 4,096 rows of all 8,192 columns
+    (index_select, a copy): b·(s/c)·s = 33,554,432 B a microbatch, half of c = 1's."""
+    cp = LLAMA_8B.replace("--use-flash-attn", "--attention-backend fused") + " --context-parallel-size 2"
+    out = actmem.json("estimate", "--megatron-args", cp + " --recompute-activations")
+    mask = next(row for row in out["run_terms"] if row["term"] == "attention_mask")
+    assert (mask["bytes_each"], mask["count"]) == (4096 * 8192, 1) == (MASK_8K // 2, 1)

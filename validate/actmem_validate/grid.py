@@ -156,13 +156,15 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(2, 2, name="small-flash", modules=("mlp",), **FLASH), ["tp-sp-sel"], 1)
     # Megatron's dataloader mask, handed to every layer of the first stage's chunk 0 and saved by
     # the recompute checkpoints: 1F1B (p masks, eager core), interleaved (2p, full recompute),
-    # p = 1 under flash; and the MLP's checkpoint alone, which does not take it
+    # p = 1 under flash; the MLP's checkpoint alone, which does not take it; and beside c = 2,
+    # each rank keeping its s/c rows of it
     configs += configs_for(small_spec(4, 2, 2, name="small-mask", attention_mask=True), ["tp-sp-sel"])
     for p, m, technique in ((2, 2, "tp-sp-full"), (1, 1, "tp-sp-sel")):
         configs += configs_for(small_spec(2 * p, 2, p, m, name="small-flash-mask", attention_mask=True, **FLASH),
                                [technique])
     configs += configs_for(small_spec(2, 2, name="small-flash-mask", modules=("mlp",), attention_mask=True, **FLASH),
                            ["tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-mask", c=2, attention_mask=True, **FLASH), ["tp-sp-full"], 1)
     # torch-native: torchtitan's Llama blocks under DTensor TP (+ SP), g/t = 2 (repeat_kv
     # copies) and 1 (a view), full activation checkpointing; one microbatch's layers
     configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none"], 1)

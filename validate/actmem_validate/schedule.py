@@ -51,14 +51,17 @@ class FirstStage(nn.Module):
         self.head = OutputHead(self.embedding, spec, tp) if p == 1 else None
 
     def forward_chunk(self, chunk: int, x, tokens, targets):
+        # the chunk the batch arrives with carries the dataloader's mask (get_batch: first and last stages)
+        mask = causal_mask(tokens) if chunk == 0 and self.spec.attention_mask else None
         context = self.tp.context
         if context is not None and context.size > 1:          # this rank's s/c of each sequence
             local = tokens.shape[1] // context.size
-            tokens, targets = (ids[:, context.offset(local):context.offset(local) + local] for ids in (tokens, targets))
-        mask = None
-        if chunk == 0:          # the chunk the batch arrives with (get_batch: first and last stages)
+            rows = slice(context.offset(local), context.offset(local) + local)
+            tokens, targets = (ids[:, rows] for ids in (tokens, targets))
+            if mask is not None:   # get_batch_on_this_cp_rank: its rows of every column, a copy
+                mask = label(mask[:, :, rows].clone(), "attention_mask")
+        if chunk == 0:
             x = self.embedding(tokens)
-            mask = causal_mask(tokens) if self.spec.attention_mask else None
         x = run_layers(self.chunks[chunk], x, mask)
         if self.head is not None and chunk == len(self.chunks) - 1:
             return self.head(x, targets)

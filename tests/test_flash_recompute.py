@@ -79,12 +79,14 @@ def test_q_and_k_norms_without_rope_make_the_checkpoint_s_q_and_k(actmem):
     """Learned positions with --qk-layernorm: the norms' outputs are q and k, tensors of their
     own; 22B's dims (h 6144, a 64, s 2048, d 96) at t = 8 with SP, b = 1: the QKV output is
     2sb·3h/t = 2·2048·18432/8 = 9,437,184 B a layer, v's copy 2sbh/t = 3,145,728, the
-    log-sum-exp 4b·as/t = 65,536."""
+    log-sum-exp 4b·as/t = 65,536. The norms run before the checkpoint, so their inputs stay:
+    2sb·(a + a)d/t = 2·2048·128·96/8 = 6,291,456."""
     args = ("--model", "22b", "--tp", "8", "--sp", "--micro-batch", "1", "--attention-core", "flash",
             "--attention-dropout", "0", "--qk-norm")
     none, sel = (actmem.json("estimate", *args, "--recompute", mode) for mode in ("none", "selective"))
-    assert _run_layer_terms(sel)["qkv_output"] == 9_437_184
-    assert _layer(sel) - _layer(none, "tp-sp-sel") == 0                # the same row either way
+    terms = _run_layer_terms(sel)
+    assert (terms["qkv_output"], terms["qk_norm_input"]) == (9_437_184, 6_291_456)
+    assert "value" not in terms and "value" in _run_layer_terms(none)
     assert _layer(sel) - _layer(sel, "tp-sp") == 9_437_184 - 3_145_728 - 65_536
 
 

@@ -106,7 +106,7 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
-                           if term.module_of(arch) == module and technique.drops(term, arch)
+                           if (term.module_of(arch) == module and technique.drops(term, arch))
                            or term.name == _RERUN_OUTPUT.get(module)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     return group * layer - kept if group else sympy.Integer(0)

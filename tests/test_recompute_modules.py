@@ -90,10 +90,10 @@ def test_the_mlp_rerun_is_the_peak_moment_on_a_stage_without_the_output_layer(ac
 
 def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
     """22B, core_attn and mlp. The core's rerun: 5as²b/t = 5·64·2048²·4/8 = 671,088,640 B and
-    its output again, 2sbh/t = 12,582,912: 683,671,552 B, with the output layer's rows freed (fp32 logits 4sbv/t = 209,715,200, the final norm's and
-    the output layer's inputs 2 x 2sbh/t) and the layer's rows after the core (projection input
-    2sbh/t, two masks sbh/t, the norm's input and output 2 x 2sbh/t): 234,881,024 + 50,331,648
-    = 285,212,672 B. The MLP's rerun, 16sbh/t = 100,663,296 B, frees more before it."""
+    its output again, 2sbh/t = 12,582,912: 683,671,552 B, with the output layer's rows freed
+    (fp32 logits 4sbv/t = 209,715,200, the final norm's and the output layer's inputs 2 x 2sbh/t)
+    and the layer's rows after the core (projection input 2sbh/t, two masks sbh/t, the norm's
+    input and output 2 x 2sbh/t): 234,881,024 + 50,331,648 = 285,212,672 B. The MLP's rerun, 16sbh/t = 100,663,296 B, frees more before it."""
     out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
     assert _rerun(out) == (671_088_640 + 12_582_912, 285_212_672)
 

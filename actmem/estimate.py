@@ -295,8 +295,9 @@ def _attention_notes(spec: Spec) -> list:
         return [f"technique rows left out: {why}"
                 for why in dict.fromkeys(arch.unmodelled_recompute(spec.model.heads).values())]
     if arch.attention_core == "eager":
-        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): "
-                "keeps the s² softmax output"]
+        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): keeps the s² "
+                "softmax output of its fused causal softmax, which runs here (16 < s <= 4096, 4 | s, b·a/t a "
+                "multiple of the kernel's rows a block; elsewhere actmem refuses Megatron's torch fallback)"]
     notes = ["attention core: flash (Transformer Engine's cuDNN fused attention, Megatron-Core's default "
              "on Hopper and newer): keeps q, k, v, its output and an fp32 log-sum-exp, no s² term; its "
              "16-byte RNG state per layer is not counted" if arch.attention_core == "flash" else

@@ -32,6 +32,9 @@ MEGATRON_NAMES = frozenset({
     "--no-create-attention-mask-in-dataloader",
 })
 MANY = "many"
+#: Megatron's switch off its fused softmax: nothing under TE's kernels, torch's softmax under
+#: the local core (refused there)
+NO_SOFTMAX_FUSION = "--no-masked-softmax-fusion"
 #: Megatron arguments that cannot change the memory of a training step, and how many values
 #: each takes (1, 0, or MANY: up to the next argument). Numerics of the optimizer, the
 #: schedule, data, checkpoints, logging. (--rotary-percent changes no byte of TE's fused rope;
@@ -53,6 +56,11 @@ IGNORED = {
                      "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
                      "--no-async-tensor-model-parallel-allreduce", "--use-checkpoint-args",
                      "--no-save-optim", "--no-save-rng", "--use-rope-scaling"), 0),
+    # softmax switches: TE's attention kernels take their softmax inside and keep no copy of it
+    # (TE's TransformerLayer marks attention_softmax_in_fp32 unused); the local core's fused
+    # kernel runs in 16 bits whatever softmax_in_fp32 says (fused_softmax.py,
+    # forward_fused_softmax). Turning the fusion off under the local core is refused in _problems.
+    **dict.fromkeys(("--attention-softmax-in-fp32", NO_SOFTMAX_FUSION), 0),
 }
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
@@ -228,6 +236,9 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if settings.get(CP_COMM, "p2p") != "p2p":
         problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
                         "default")
+    if NO_SOFTMAX_FUSION in words and attention_core(settings) == "eager":
+        problems.append(f"{NO_SOFTMAX_FUSION} under Megatron's local attention core runs torch's softmax, which "
+                        "keeps other tensors than the fused kernel actmem counts: not modelled")
     if "--use-flash-attn" in words and settings.get("--transformer-impl") == "local":
         problems.append("--use-flash-attn with --transformer-impl local is not modelled: the local spec's core is "
                         "Megatron's own DotProductAttention, and actmem reads --use-flash-attn as TE's flash-attn")

@@ -120,11 +120,15 @@ def growth(over, values_text, output, csv_path, size_in, dpi, **flags):
         raise click.UsageError(f"--{over} is what the plot sweeps: give the values with --values, "
                                f"not --{over} {given}")
     spec = build_spec_from_flags(flags)
-    values = _parse_values(values_text) if values_text else sweep_values(spec, column)
+    values, refused = (_parse_values(values_text), {}) if values_text else sweep_values(spec, column)
     with _progress(f"sweeping {over}", len(values) + (output is not None)) as advance:
         frame = growth_frame(spec, column, values, advance)
         written = _write(frame, "growth_figure", output, csv_path, size_in, dpi, advance, over=column)
     click.echo(written)
+    if refused:
+        first, why = next(iter(refused.items()))
+        click.echo(f"left out {over} = {', '.join(map(str, refused))}, which the run refuses; at {first}: "
+                   f"{why.split(': ', 1)[-1]}")
 
 
 def _parse_values(text: str) -> list[int]:

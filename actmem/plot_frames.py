@@ -109,7 +109,7 @@ def growth_frame(spec, over: str = "seq_len", values=None, advance=lambda: None)
     import pandas as pd
     from actmem.estimate import estimate
 
-    values = sweep_values(spec, over) if values is None else list(values)
+    values = sweep_values(spec, over)[0] if values is None else list(values)
     rows = []
     for value in values:
         rows += _technique_rows(estimate(_swept(spec, over, value)))
@@ -142,21 +142,22 @@ def _swept(spec, over: str, value: int):
         raise SpecError(f"the sweep at {over} = {value}: {error}") from None
 
 
-def sweep_values(spec, over: str) -> list[int]:
-    """s/8 to 8s around the model's s, or b = 1 to 16; those the run cannot take left out."""
+def sweep_values(spec, over: str) -> tuple[list[int], dict[int, str]]:
+    """s/8 to 8s around the model's s, or b = 1 to 16: those the run can take, and {value:
+    why} for those it cannot (the caller says so: a line that stops early is not silent)."""
     if over == "seq_len":
         s = spec.model.seq_len
         candidates = [int(s * step) for step in _SEQ_LEN_STEPS if (s * step).denominator == 1]
     else:
         candidates = list(_MICRO_BATCHES)
-    usable = []
+    usable, refused = [], {}
     for value in candidates:
         try:
             _swept(spec, over, value)
             usable.append(value)
-        except SpecError:
-            pass
-    return usable
+        except SpecError as error:
+            refused[value] = str(error)
+    return usable, refused
 
 
 def attention_overtakes(rows) -> float:

@@ -48,6 +48,49 @@ def _even_middle(v) -> bool:
     return layers == 0 if stages == 0 else layers > 0 and layers % stages == 0
 
 
+#: Megatron's fused causal softmax (megatron/core/fusions/fused_softmax.py,
+#: FusedScaleMaskSoftmax.is_kernel_available) runs only for 16 < sk <= 4096: Megatron-Core's
+#: bound (the older megatron/model/fused_softmax.py had 2048; some copies elsewhere 16384)
+FUSED_SOFTMAX_MAX_SEQ_LEN = 4096
+
+
+def _batches_per_block(s: int) -> int:
+    """scaled_masked_softmax.h, get_batch_per_block: 128 threads a block in warps of
+    min(2^⌈log2 sk⌉, 32) lanes, two rows a warp while 2^⌈log2 sk⌉ <= 128: 8 rows for
+    16 < sk <= 128, else 4 (CUDA's 32-lane warps; ROCm's 64 make blocks no larger)."""
+    return 8 if s <= 128 else 4
+
+
+def fused_softmax_runs(v):
+    """Megatron's local (eager) core runs its fused causal softmax, for sq = sk = s and b·a/t
+    attention batches a rank: 16 < s <= 4096, 4 | s and batches_per_block | b·a/t (its
+    ``attn_batches % 4`` follows). Elsewhere it falls back to forward_torch_softmax, which
+    keeps other tensors (and differs between releases): actmem refuses that rather than
+    count the fused kernel's bytes for it."""
+    s = v.seq_len
+    if not (16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN and s % 4 == 0):
+        return False
+    return v.b * (v.heads // v.t) % _batches_per_block(s) == 0
+
+
+def _megatron_eager(v):
+    return v.core == "eager" and v.code.name == "megatron"
+
+
+def _unfused_softmax(v) -> str:
+    s, per_block = v.seq_len, _batches_per_block(v.seq_len)
+    if not 16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN:
+        why = f"it needs 16 < s <= {FUSED_SOFTMAX_MAX_SEQ_LEN} (s = {s})"
+    elif s % 4:
+        why = f"it needs s a multiple of 4 (s = {s})"
+    else:
+        why = (f"it needs b·a/t a multiple of {per_block} at s = {s} "
+               f"(b·a/t = {v.b}·{v.heads}/{v.t} = {v.b * (v.heads // v.t)} attention batches a rank)")
+    return (f"Megatron's local attention core runs its fused softmax only where the kernel allows: {why}. "
+            f"Elsewhere it falls back to torch's softmax, which keeps other tensors and is not modelled; "
+            f"--attention-core flash models TE's kernels")
+
+
 @dataclass(frozen=True)
 class Rule:
     holds: Callable
@@ -123,6 +166,7 @@ RULES = (
          lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                    f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
                    f"heads, which actmem does not count yet", ("code", "head_dim")),
+    Rule(lambda v: _implies(_megatron_eager(v), fused_softmax_runs(v)), _unfused_softmax, ("core", "code")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
          lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),

@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import assert_one_line_error
 
-MODEL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 8192 "
+MODEL = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 "
          "--vocab-size 128256 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm "
          "--disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0")
 RUN = "--tensor-model-parallel-size 8 --sequence-parallel --recompute-activations --micro-batch-size 1"
@@ -12,14 +12,14 @@ NOISE = "--bf16 --lr 3e-4 --save /ckpt --log-interval 10 --use-mcore-models --at
 
 
 def test_a_pasted_script_gives_the_same_estimate_as_the_flags(actmem, tmp_path):
-    """The same run as tests/test_architecture.py's hand-derived layer: 155,189,248 B; the paste
+    """The same run as tests/test_architecture.py's hand-derived layer: 77,594,624 B; the paste
     has Megatron's dataloader mask, which the flags count with --attention-mask."""
     script = tmp_path / "args.txt"
-    script.write_text(f"# launch\n{MODEL} \\\n  {RUN} \\\n  --max-position-embeddings 8192 {NOISE}\n")
+    script.write_text(f"# launch\n{MODEL} \\\n  {RUN} \\\n  --max-position-embeddings 4096 {NOISE}\n")
     pasted = actmem.json("estimate", "--megatron-args", f"@{script}")
     flags = actmem.json("estimate", *MODEL.split(), *RUN.split(), "--attention-mask")
     assert pasted["techniques"] == flags["techniques"] and pasted["run_terms"] == flags["run_terms"]
-    assert {r["technique"]: r["per_layer_bytes"] for r in pasted["techniques"]}["tp-sp-sel"] == 155_189_248
+    assert {r["technique"]: r["per_layer_bytes"] for r in pasted["techniques"]}["tp-sp-sel"] == 77_594_624
     assert pasted["assumptions"][-1] == ("Megatron arguments ignored, as they cannot change memory: "
                                          "--lr, --save, --log-interval, --use-mcore-models")
 
@@ -34,7 +34,7 @@ def test_equals_signs_and_inline_text_work(actmem):
      ["--recompute-modules core_attn,mlp: Megatron takes the modules as separate words "
       "(--recompute-modules core_attn mlp)", "unknown to actmem: --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
-    ("--max-position-embeddings 4096", ["--max-position-embeddings (4096) differs from the sequence length (8192)"]),
+    ("--max-position-embeddings 8192", ["--max-position-embeddings (8192) differs from the sequence length (4096)"]),
     ("stray", ["unknown to actmem: stray"]),
 ])
 def test_what_cannot_be_used_is_refused_in_one_message(actmem, extra, fragments):
@@ -113,7 +113,7 @@ def test_paste_forms_that_megatron_reads(actmem, tmp_path):
 
 def test_partial_full_recompute_as_megatron_spells_it(actmem):
     """--recompute-method block --recompute-num-layers 8 on Llama-8B-like dims at t = 8 with
-    SP, 32 layers on one stage: 8 layers keep their input (2sbh/t = 8,388,608 B each), the
+    SP, 32 layers on one stage: 8 layers keep their input (2sbh/t = 4,194,304 B each), the
     other 24 keep everything the same run without recompute keeps."""
     base = BASE.replace("--recompute-activations", "")
     full = actmem.json("estimate", "--megatron-args", base + " --recompute-granularity full")
@@ -123,7 +123,7 @@ def test_partial_full_recompute_as_megatron_spells_it(actmem):
     per_layer = {row["technique"]: row["per_layer_bytes"] for row in none["techniques"]}
     run = next(row for row in block["techniques"] if row["is_run"])
     assert run["technique"] == "tp-sp-full·block 8"
-    assert run["layers_bytes"] == 8 * 2 * 8192 * 4096 // 8 + 24 * per_layer["tp-sp"]
+    assert run["layers_bytes"] == 8 * 2 * 4096 * 4096 // 8 + 24 * per_layer["tp-sp"]
     assert full["run"]["recompute"] == block["run"]["recompute"] == "full"
     too_many = base + " --recompute-granularity full --recompute-method block --recompute-num-layers 64"
     assert_one_line_error(actmem("estimate", "--megatron-args", too_many),
@@ -135,11 +135,11 @@ def test_partial_full_recompute_as_megatron_spells_it(actmem):
 
 def test_recompute_modules_core_attn_is_the_paper_s_selective_recompute(actmem):
     """Megatron's default --recompute-modules, core_attn, is what --recompute-activations
-    (selective granularity) already recomputes: the same estimate, 155,189,248 B a layer."""
+    (selective granularity) already recomputes: the same estimate, 77,594,624 B a layer."""
     plain = actmem.json("estimate", "--megatron-args", f"{MODEL} {RUN} {NOISE}")
     named = actmem.json("estimate", "--megatron-args", f"{MODEL} {RUN} --recompute-modules core_attn {NOISE}")
     assert named["run_terms"] == plain["run_terms"] and named["run"]["recompute"] == "selective"
-    assert {r["technique"]: r["per_layer_bytes"] for r in named["techniques"]}["tp-sp-sel"] == 155_189_248
+    assert {r["technique"]: r["per_layer_bytes"] for r in named["techniques"]}["tp-sp-sel"] == 77_594_624
 
 
 def test_recompute_modules_outside_selective_granularity_is_refused(actmem):

@@ -30,7 +30,7 @@ def frame_written(tmp_path, *args) -> pd.DataFrame:
     path = tmp_path / "frame.csv"
     result = run_plot(*args, "--csv", str(path))
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"actmem plot: wrote {path}\n"
+    assert result.stdout.splitlines()[0] == f"actmem plot: wrote {path}"   # then what a sweep left out
     return pd.read_csv(path)
 
 
@@ -118,6 +118,9 @@ def test_growth_over_the_microbatch(tmp_path):
     """22B's run has global batch 4 on one data-parallel rank: b can be 1, 2 or 4."""
     frame = frame_written(tmp_path, "growth", "--model", "22b", "--over", "micro-batch")
     assert sorted(frame.micro_batch.unique()) == [1, 2, 4]
+    said = run_plot("growth", "--model", "22b", "--over", "micro-batch", "--csv", str(tmp_path / "b.csv"))
+    assert said.stdout.splitlines()[1] == ("left out micro-batch = 8, 16, which the run refuses; at 8: "
+                                           "micro_batch·data_parallel (8·1 = 8) must divide global_batch (4)")
     assert frame.attention_overtakes_seq_len.isna().all()
 
 

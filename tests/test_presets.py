@@ -43,11 +43,12 @@ def test_unknown_preset_lists_the_known_ones():
 
 def test_preset_file_by_path(tmp_path, actmem):
     path = tmp_path / "tiny.toml"
-    path.write_text('name = "tiny"\n[model]\nheads = 4\nhidden = 256\nlayers = 4\n'
+    path.write_text('name = "tiny"\n[model]\nheads = 16\nhidden = 256\nlayers = 4\n'
                     'vocab = 1000\nseq_len = 128\n[run]\ntensor_parallel = 2\n')
     out = actmem.json("estimate", "--model", str(path))
     assert out["model"]["name"] == "tiny"
     assert out["model"]["padded_vocab"] == 1024   # 1000 up to a multiple of 128·t = 256
     tp = {r["technique"]: r for r in out["techniques"]}["tp"]
-    # sbh(10 + 24/t + 5as/(ht)) with s=128, b=1, h=256, a=4, t=2
-    assert tp["per_layer_bytes"] == 128 * 256 * (10 + 12) + 5 * 4 * 128 * 128 // 2
+    # sbh(10 + 24/t + 5as/(ht)) with s=128, b=1, h=256, a=16, t=2 (b·a/t = 8: the fused softmax's
+    # 8 rows a block at s <= 128)
+    assert tp["per_layer_bytes"] == 128 * 256 * (10 + 12) + 5 * 16 * 128 * 128 // 2

@@ -1,6 +1,7 @@
 """Property tests: no valid input crashes the CLI, and no invalid one passes silently."""
 
 import json
+import math
 from fractions import Fraction
 
 from hypothesis import HealthCheck, given, settings
@@ -12,17 +13,30 @@ _SETTINGS = settings(max_examples=120, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def fused_softmax_runs(s, b, heads_per_rank):
+    """Megatron's fused causal softmax runs (fused_softmax.py, is_kernel_available; the
+    kernel's get_batch_per_block: 8 rows a block up to 128 keys, 4 above), written out
+    independently of actmem.rules."""
+    return 16 < s <= 4096 and s % 4 == 0 and (b * heads_per_rank) % (8 if s <= 128 else 4) == 0
+
+
 @st.composite
 def valid_runs(draw):
     t = draw(st.sampled_from([1, 2, 4, 8]))
-    heads = t * draw(st.integers(1, 8))
+    unit = math.lcm(4, t)                       # s: a multiple of 4 and of t, 16 < s <= 4096
+    s = unit * draw(st.integers(16 // unit + 1, 4096 // unit))
+    micro_batch = draw(st.integers(1, 4))
+    per_rank = draw(st.integers(1, 8))
+    if not fused_softmax_runs(s, micro_batch, per_rank):
+        per_rank *= 8                           # b·a/t a multiple of the kernel's rows a block
+    heads = t * per_rank
     hidden = heads * draw(st.sampled_from([8, 16, 64, 128]))
     p = draw(st.integers(1, 4))
     m = 1 if p == 1 else draw(st.integers(1, 3))
     layers = p * m * draw(st.integers(1, 3))
     flags = {"--heads": heads, "--hidden": hidden, "--layers": layers, "--tp": t, "--pp": p,
-             "--interleave": m, "--seq-len": t * draw(st.integers(1, 256)),
-             "--micro-batch": draw(st.integers(1, 4)), "--vocab": draw(st.integers(1, 60000)),
+             "--interleave": m, "--seq-len": s,
+             "--micro-batch": micro_batch, "--vocab": draw(st.integers(1, 60000)),
              "--recompute": draw(st.sampled_from(["none", "selective", "full"]))}
     if draw(st.booleans()):
         d = draw(st.integers(1, 4))
@@ -70,23 +84,24 @@ def test_valid_input_never_crashes_and_matches_table_2(case):
 
 
 def is_valid(heads, hidden, layers, t, p, m, s, sp):
-    """The constraints of the estimator issue, written out independently of actmem.spec."""
+    """The constraints of the estimator issue, written out independently of actmem.spec, and
+    the fused softmax of Megatron's local core (the paper's eager core) at b = 1."""
     if min(heads, hidden, layers, t, p, m, s) <= 0:
         return False
     return (hidden % heads == 0 and hidden % t == 0 and heads % t == 0
             and (not sp or (t > 1 and s % t == 0)) and layers % p == 0 and (layers // p) % m == 0
-            and (m == 1 or p > 1))
+            and (m == 1 or p > 1) and fused_softmax_runs(s, 1, heads // t))
 
 
 @st.composite
 def perhaps_invalid_runs(draw):
     """A valid run with, half the time, one dim or size replaced by any small integer."""
     t = draw(st.sampled_from([1, 2, 4]))
-    heads = t * draw(st.integers(1, 4))
+    heads = t * 8 * draw(st.integers(1, 2))         # 8 or 16 heads a rank: the fused softmax runs
     p = draw(st.integers(1, 3))
     m = 1 if p == 1 else draw(st.integers(1, 2))
     dims = {"heads": heads, "hidden": heads * 16, "layers": p * m * draw(st.integers(1, 3)),
-            "t": t, "p": p, "m": m, "s": t * draw(st.integers(1, 8)), "sp": draw(st.booleans())}
+            "t": t, "p": p, "m": m, "s": 4 * t * draw(st.integers(2, 8)), "sp": draw(st.booleans())}
     if draw(st.booleans()):
         key = draw(st.sampled_from(["heads", "hidden", "layers", "t", "p", "m", "s"]))
         dims[key] = draw(st.integers(-3, 40))

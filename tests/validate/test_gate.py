@@ -186,7 +186,7 @@ def test_the_weight_gradient_accumulated_into_main_grad_is_autograd_s():
 def test_validate_command_exits_1_when_the_gate_fails(monkeypatch):
     monkeypatch.setattr(gpt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
     result = CliRunner().invoke(cli, ["validate", "--heads", "8", "--hidden", "64", "--layers", "2",
-                                      "--vocab", "512", "--seq-len", "32", "--tp", "2",
+                                      "--vocab", "512", "--seq-len", "32", "--tp", "2", "--micro-batch", "2",
                                       "--techniques", "tp-sp-sel",
                                       "--mode", "fake", "--format", "json"])
     assert result.exit_code == 1, result.output

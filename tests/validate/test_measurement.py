@@ -97,7 +97,8 @@ def actmem(*args, env=None, timeout=300):
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
-SMALL = ["--heads", "8", "--hidden", "64", "--layers", "4", "--vocab", "512", "--seq-len", "32"]
+SMALL = ["--heads", "8", "--hidden", "64", "--layers", "4", "--vocab", "512", "--seq-len", "32",
+         "--micro-batch", "2"]   # b·a/t = 8 at t = 2: the fused softmax runs (8 rows a block up to s = 128)
 
 
 def test_validate_cli_json_rows():

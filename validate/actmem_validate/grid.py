@@ -77,6 +77,11 @@ HF_GPT2 = {"eager": dict(implementation="hf", attention_core="eager"),
            "flash": dict(implementation="hf", attention_core="flash", attention_dropout=0.0)}
 
 
+#: (t, b) of the eager small configs: 8 heads over t, times b, a multiple of the fused softmax's
+#: 8 rows a block at s = 32
+EAGER_BATCHES = ((2, 2), (4, 4))
+
+
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
                b: int = 2, modules: tuple | None = None, **architecture) -> Spec:
@@ -96,10 +101,12 @@ def small_grid() -> list[Config]:
     """Small shapes a 2-core CPU runs for real in minutes: t = 1, 2, 4; SP on and off; the
     three recompute modes; 1F1B and interleaved; the output layer (p = 1); and no dropout."""
     configs = []
-    for t in (2, 4):
-        configs += configs_for(small_spec(2, t), DEFAULT_TECHNIQUES, 1)
+    # under Megatron's eager core b·a/t = 8 at t = 2 and 4: its fused softmax runs 8 rows a
+    # block up to s = 128 (actmem refuses the torch fallback elsewhere; rules.fused_softmax_runs)
+    for t, b in EAGER_BATCHES:
+        configs += configs_for(small_spec(2, t, b=b), DEFAULT_TECHNIQUES, 1)
         for technique, p, m in (("tp-sp-sel", 2, 1), ("tp-sel", 2, 2), ("tp-sp", 2, 2), ("tp-sp-full", 4, 1)):
-            configs += configs_for(small_spec(4, t, p, m), [technique])
+            configs += configs_for(small_spec(4, t, p, m, b=b), [technique])
     configs += configs_for(small_spec(2, 1), ["none"], 1)
     configs += configs_for(small_spec(4, 1, 2, 2), ["none"], 4)
     # no dropout: no masks, no separate attention dropout output, and under SP the embedding's
@@ -107,13 +114,13 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(2, 2, dropout=0.0), ["tp", "tp-sp", "tp-sp-sel"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, dropout=0.0), ["tp-sp"])
     # SwiGLU, RMSNorm, no biases, untied output (p = 1 holds it), no dropout
-    for t in (2, 4):
-        configs += configs_for(small_spec(2, t, name="small-gated", **GATED), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
+    for t, b in EAGER_BATCHES:
+        configs += configs_for(small_spec(2, t, b=b, name="small-gated", **GATED), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-gated", **GATED), ["tp-sp"])
     # grouped-query attention under the eager core, a head dim other than h/a: 4 groups of 2
     # heads, d = 16 (ad = 2h); selective recompute is not modelled there (g < a)
-    for t in (2, 4):
-        configs += configs_for(small_spec(2, t, name="small-gqa", query_groups=4, head_dim=16),
+    for t, b in EAGER_BATCHES:
+        configs += configs_for(small_spec(2, t, b=b, name="small-gqa", query_groups=4, head_dim=16),
                                ["tp", "tp-sp-full"], 1)
     # flash attention with rope (SDPA's CPU flash kernel), g/t = 2 and 1
     configs += configs_for(small_spec(2, 1, name="small-flash", **FLASH), ["none"], 1)

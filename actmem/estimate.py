@@ -54,6 +54,19 @@ class TechniqueRow:
     """What that backward frees before the rerun (engine.freed_before_rerun)."""
     loss_bytes: int = 0
     """What the loss's backward allocates with everything held (engine.loss_backward_bytes)."""
+    fc1_transient_bytes: int = 0
+    """What the last layer's fc1 backward holds at its weight gradient (engine.fc1_transient_bytes);
+    0 where that moment is not modelled."""
+    fc1_freed_bytes: int = 0
+    """What the backward has freed by then (engine.fc1_freed_bytes)."""
+
+    @property
+    def fc1_beyond_total_bytes(self) -> int | None:
+        """The fc1 moment above the total (the full rerun, its transients, less what was freed)."""
+        if not self.fc1_transient_bytes:
+            return None
+        rerun = self.rematerialised_bytes if self.technique.recompute is Recompute.FULL else 0
+        return rerun + self.fc1_transient_bytes - self.fc1_freed_bytes
 
     @property
     def first_stage_bytes(self) -> int:
@@ -67,8 +80,9 @@ class TechniqueRow:
     @property
     def transient_bytes(self) -> int:
         """What the peak moment holds above the total: the rerun beyond what was freed before
-        it, or the loss's 16-bit gradient, whichever is more (actmem.peak)."""
-        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes)
+        it, the loss's 16-bit gradient, or the fc1 moment, whichever is more (actmem.peak)."""
+        fc1 = self.fc1_beyond_total_bytes or 0
+        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes, fc1)
 
     @property
     def peak_bytes(self) -> int:
@@ -241,6 +255,10 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     parameters = _parameters(spec, t, occupancy.stage, stage_layers)
     rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
     loss = engine.exact(engine.loss_backward_bytes(technique, arch), bindings)
+    fc1 = (0, 0)
+    if stage_layers and engine.fc1_moment_modelled(technique, arch):
+        fc1 = (engine.exact(engine.fc1_transient_bytes(technique, arch), bindings),
+               engine.exact(engine.fc1_freed_bytes(technique, arch), bindings))
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
@@ -248,7 +266,7 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
         return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss)
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed,
-                        loss)
+                        loss, *fc1)
 
 
 def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[int, int]:

@@ -307,7 +307,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
     name, model, run, architecture, _ = _preset_and_flags(flags, preset)
-    spec = build_spec(model, {}, architecture=architecture)   # checks the dims, names what is missing
+    spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
     return ModelChoice(name, spec.model, spec.architecture, dict(preset.run) if preset else {},
                        pick("gpus"), pick("global_batch"))

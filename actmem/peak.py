@@ -11,12 +11,15 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
   the above is held (``engine.rematerialised_bytes``), less what that backward freed before
   it (``engine.freed_before_rerun``);
 - on the stage with the output layer, the loss's 16-bit logits gradient, made while all of
-  the above is held (``engine.loss_backward_bytes``).
+  the above is held (``engine.loss_backward_bytes``);
+- at the weight gradient of the last layer's first MLP linear (fc1), its gradients and
+  gathered input (``terms.MLP_BACKWARD_TERMS``), less the MLP rows its backward has freed
+  (``engine.fc1_freed_bytes``): Megatron's layer, kept whole or rerun alone.
 
 The moment is in the stage's first backward after the pipeline has filled (the oldest
-microbatch's last layer, every microbatch of the stage held): its start, or its rerun
-done, or the loss's backward, whichever holds more. The other transients of that backward
-(gradient tensors, gathered inputs) come on top and are not modelled yet:
+microbatch's last layer, every microbatch of the stage held): its start, its rerun done,
+the loss's backward, or fc1's, whichever holds more. The other transients of that backward
+(the attention's gradients, a selective rerun's) come on top and are not modelled yet:
 the harness measures them, and the floor's gap to its measured peak is reported, not hidden.
 """
 
@@ -50,12 +53,13 @@ class PeakFloor:
 
 def peak_floor(row) -> PeakFloor:
     """The floor for one technique on one stage (an estimate.TechniqueRow): the largest of
-    three moments of its first backward after the pipeline fills. At its start every
+    four moments of its first backward after the pipeline fills. At its start every
     microbatch's activations are held. On the stage with the output layer, the loss's
     backward adds its 16-bit logits gradient to all of them. Under recompute, when the rerun
     is done, some of them are already freed (the output layer's on the last stage; under
     selective recompute the last layer's rows after its attention core) and the rerun's are
-    live. The first of equal moments is taken."""
+    live. At fc1's weight gradient the MLP's later rows are freed and its gradients live.
+    The first of equal moments is taken."""
     params = row.parameters
     state = (
         PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
@@ -77,7 +81,32 @@ def peak_floor(row) -> PeakFloor:
                     "the saved activations in flight, less what the backward freed before the rerun"),
             PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique))),
             "the first backward, its recompute done"))
+    if row.fc1_transient_bytes:
+        moments.append(_fc1_moment(row, state))
     return max(moments, key=lambda floor: floor.total_bytes)
+
+
+def _fc1_moment(row, state: tuple) -> PeakFloor:
+    """The last layer's MLP backward at fc1's weight gradient: the activation's and fc2's
+    inputs freed (and the output layer's rows), fc1's gathered input, input gradient and its
+    shard, its output gradient and the gradient at the layer's output live (MLP_BACKWARD_TERMS);
+    under full recompute the rerun layer too."""
+    rerun = ()
+    if row.technique.recompute is Recompute.FULL:
+        rerun = (PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique)),)
+    return PeakFloor(state + (
+        PeakRow("activations_in_flight", row.first_stage_bytes - row.fc1_freed_bytes,
+                "the saved activations in flight, less what the backward freed before fc1's: the output "
+                "layer's where the stage has it, the last layer's MLP rows after fc1"),
+        *rerun,
+        PeakRow("fc1_backward", row.fc1_transient_bytes, _FC1_SOURCE)),
+        "the last layer's MLP backward, at fc1's weight gradient")
+
+
+_FC1_SOURCE = ("fc1's backward at its weight gradient (TE's _LayerNormLinear.backward, Megatron's "
+               "LinearWithGradAccumulationAndAsyncCommunication): its output gradient, its input gradient for "
+               "the whole sequence, under SP the input all-gathered again and the gradient's reduce-scattered "
+               "shard, and the gradient at the layer's output held for the residual branch")
 
 
 def _rematerialised_source(technique: Technique) -> str:

@@ -162,7 +162,22 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                           unmodelled_recompute=unmodelled_recompute(req),
                           code=req.architecture.code,
                           head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
-    return grid[rules.valid(values)].reset_index(drop=True)
+    valid = rules.valid(values)
+    if len(grid) and not valid.any():
+        _refuse_the_sweep(grid, values)
+    return grid[valid].reset_index(drop=True)
+
+
+def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
+    """Every row broke a rule: say which, for the sweep's first row (one SpecError)."""
+    first = {name: value.iloc[0] if isinstance(value, pd.Series) else value
+             for name, value in vars(values).items()}
+    row = grid.iloc[0]
+    try:
+        rules.check(rules.Values(**first))
+    except SpecError as error:
+        raise SpecError(f"no configuration of the sweep is one actmem models; the first, t={row.t} "
+                        f"p={row.p} b={row.b}: {error}") from None
 
 
 def unmodelled_recompute(req: PlanRequest) -> dict:
@@ -218,8 +233,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
 
 
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
-    """(activations, transient): the engine's stage expressions (held_bytes; the larger of
-    rematerialised_bytes - freed_before_rerun and loss_backward_bytes), lambdified, on
+    """(activations, transient): the engine's stage expressions (held_bytes; the largest of
+    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and fc1_beyond_held), lambdified, on
     float64 columns (no int64 overflow)."""
     model = req.model
     dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
@@ -238,7 +253,10 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         arch = req.architecture
         rerun = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args)
         loss = engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)
-        transient[rows.index] = _whole_bytes(np.maximum(np.maximum(rerun, loss), 0), len(rows))
+        moments = np.maximum(np.maximum(rerun, loss), 0)
+        if engine.fc1_moment_modelled(technique, arch):
+            moments = np.maximum(moments, engine.numeric(engine.fc1_beyond_held(technique, arch))(*args))
+        transient[rows.index] = _whole_bytes(moments, len(rows))
     return held, transient
 
 

@@ -125,10 +125,20 @@ def growth(over, values_text, output, csv_path, size_in, dpi, **flags):
         frame = growth_frame(spec, column, values, advance)
         written = _write(frame, "growth_figure", output, csv_path, size_in, dpi, advance, over=column)
     click.echo(written)
-    if refused:
-        first, why = next(iter(refused.items()))
-        click.echo(f"left out {over} = {', '.join(map(str, refused))}, which the run refuses; at {first}: "
-                   f"{why.split(': ', 1)[-1]}")
+    for skipped in _by_reason(refused):
+        why = refused[skipped[0]].split(": ", 1)[-1]
+        click.echo(f"left out {over} = {', '.join(map(str, skipped))}, which the run refuses; at {skipped[0]}: {why}")
+
+
+def _by_reason(refused: dict) -> list[list[int]]:
+    """The refused values grouped by the rule that refused them: their messages alike but for
+    the numbers in them."""
+    import re
+
+    groups = {}
+    for value, why in refused.items():
+        groups.setdefault(re.sub(r"\d[\d,]*", "#", why.split(": ", 1)[-1]), []).append(value)
+    return list(groups.values())
 
 
 def _parse_values(text: str) -> list[int]:

@@ -107,7 +107,8 @@ def _plan_assumptions(req) -> list[str]:
         "weights); a stage between holds less in an even pipeline",
         f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
         "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
-        "and the backward's transients (gradients, gathered inputs, the loss's logits gradient)",
+        "and the backward's transients other than those it counts (the rerun, the loss's logits "
+        "gradient, the last layer's fc1 backward)",
         f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
         f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
@@ -122,7 +123,13 @@ def _plan_assumptions(req) -> list[str]:
         "or of the MLP alone (mlp), Megatron's --recompute-modules, where actmem models them",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
-    ]
+    ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
+         req.architecture.code.name == "megatron" else [])
+
+
+_FUSED_SOFTMAX = ("Megatron's local attention core only where its fused softmax runs (16 < s ≤ 4096, b·a/t "
+                  "a multiple of 8 up to s = 128, else 4): t and b where it falls back to torch's softmax "
+                  "are left out")
 
 
 def render_explain(est, row) -> None:

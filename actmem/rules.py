@@ -166,7 +166,8 @@ RULES = (
          lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                    f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
                    f"heads, which actmem does not count yet", ("code", "head_dim")),
-    Rule(lambda v: _implies(_megatron_eager(v), fused_softmax_runs(v)), _unfused_softmax, ("core", "code")),
+    Rule(lambda v: _implies(_megatron_eager(v), fused_softmax_runs(v)), _unfused_softmax,
+         ("core", "code", "run_known")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
          lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
@@ -219,6 +220,9 @@ class Values:
     """The implementation (actmem.implementation.Implementation): the run shapes it has."""
     head_dim: object = None
     """d, the attention head dim (h/a when not given)."""
+    run_known: object = True
+    """None where only the model's dims are checked (Spec.dims_only): the run's b and t are not
+    known yet, so rules of its kernels wait."""
 
 
 def _unmodelled_run(v, what: str) -> str:

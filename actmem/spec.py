@@ -142,6 +142,9 @@ class Spec:
     architecture: Architecture = Architecture()
     notes: tuple = ()
     """What the input said that the estimate should repeat (pasted arguments it ignored)."""
+    dims_only: bool = False
+    """Only the model's dims are checked (its run is the defaults, unknown yet): rules of the run's
+    kernels (Megatron's fused softmax at this b and t) wait for the run (rules.Values.run_known)."""
 
     def __post_init__(self):
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
@@ -169,7 +172,8 @@ class Spec:
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
-            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads))
+            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
+            run_known=None if self.dims_only else True)
 
     @property
     def chunk_layers(self) -> int:

@@ -345,6 +345,38 @@ LAYER_TERMS = layer_terms(PAPER)
 """The rows of the paper's layer (section 4.1)."""
 STAGE_TERMS = tuple(term for term in TERMS if term.scope is not Scope.LAYER)
 
+#: The backward of the MLP's first linear (fc1) at its weight gradient, the transients live
+#: beside the saved rows it has not freed yet (actmem.peak's fc1 moment). TE's
+#: _LayerNormLinear.backward (layernorm_linear.py) all-gathers the saved input shard under SP
+#: for the weight gradient, makes the input gradient of the whole sequence (dgrad), starts its
+#: reduce-scatter into a fresh shard, then runs the wgrad GEMM into main_grad with all of them
+#: and its output gradient live; Megatron's LinearWithGradAccumulationAndAsyncCommunication
+#: (tensor_parallel/layers.py, the local spec) does the same. Without SP nothing is gathered
+#: and dgrad is all-reduced in place: the two SP_ONLY rows are 0.
+MLP_BACKWARD_TERMS = (
+    Term("fc1_output_gradient", lambda arch: A16 * arch.fc1_width * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS,
+         Scope.LAYER, "the gradient fc1's backward starts from: the activation's input gradient (2sbf/t; "
+         "4sbf/t for SwiGLU's 2f-wide input)"),
+    Term("fc1_input_gathered", A16 * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
+         "under SP, fc1's saved input shard all-gathered again for its weight gradient (2sbh)"),
+    Term("fc1_input_gradient", A16 * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
+         "fc1's input gradient for the whole sequence (dgrad, 2sbh), before its reduce-scatter (SP) or "
+         "all-reduce (in place)"),
+    Term("fc1_input_gradient_shard", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
+         "under SP, the reduce-scatter's output, this rank's shard of that gradient (2sbh/t)"),
+    Term("layer_output_gradient", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
+         "the gradient that reached the layer's output (received from the next stage, or the final "
+         "norm's), held for the residual branch until the MLP's gradient is added to it (2sbh/t under SP)"),
+)
+#: the MLP_BACKWARD_TERMS that exist only under sequence parallelism
+SP_ONLY = frozenset({"fc1_input_gathered", "fc1_input_gradient_shard"})
+
+#: A layer rerun from its checkpoint makes its output again: CheckpointFunction.backward
+#: (tensor_parallel/random.py) holds the rerun's outputs while it runs backward from them.
+RERUN_OUTPUT = Term("layer_rerun_output", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
+                    "full recompute's rerun makes the layer's output again (2sbh/t under SP), held while "
+                    "the backward runs from it")
+
 #: Tensors the backward allocates, not saved by the forward: each is live at one moment of
 #: a stage's peak (actmem.peak), never in the saved-activation count.
 TRANSIENT_TERMS = (

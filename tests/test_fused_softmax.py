@@ -45,9 +45,10 @@ def test_where_megatron_falls_back_to_torch_s_softmax_the_estimate_is_refused(ac
 
 
 def test_the_rule_is_megatron_s_local_core_s_alone(actmem):
-    """TE's flash core and transformers' eager attention (no fused softmax) are not bound by it."""
+    """TE's flash cores and transformers' eager attention (no fused softmax) are not bound by it."""
     common = [*SMALL, "--seq-len", "8192"]
-    assert actmem("estimate", *common, "--attention-core", "flash", "--attention-dropout", "0").exit_code == 0
+    for core in ("flash", "flash-attn"):
+        assert actmem("estimate", *common, "--attention-core", core, "--attention-dropout", "0").exit_code == 0
     hf = actmem("estimate", *SMALL[:-2], "--seq-len", "8192", "--implementation", "hf",
                 "--attention-core", "eager")
     assert hf.exit_code == 0, hf.output
@@ -95,3 +96,21 @@ def test_softmax_switches_that_cannot_change_memory_are_listed_as_ignored(actmem
         assert switched["techniques"] == plain["techniques"]
         assert switched["assumptions"][-1] == ("Megatron arguments ignored, as they cannot change memory: "
                                                + ", ".join(switches.split()))
+
+
+def test_commands_that_only_read_the_model_s_dims_are_not_bound_by_it(actmem):
+    """FLOPs do not depend on the softmax kernel, and the planner sweeps b and t itself: 25 heads
+    at t = 1 run the kernel from b = 4 on (b·a = 100)."""
+    assert actmem("flops", "--model", "22b", "--seq-len", "8192").exit_code == 0
+    planned = actmem.json("plan", "--heads", "25", "--hidden", "1600", "--layers", "48", "--vocab", "50257",
+                          "--seq-len", "1024", "--gpus", "8", "--global-batch", "32")
+    assert planned["evaluated"] > 0 and planned["best"]      # t = 1 or 5: b·25 or b·5, so b = 4, 8, ...
+    assert all(row["b"] % 4 == 0 for row in planned["best"])
+
+
+def test_a_sweep_the_kernel_refuses_whole_is_one_line(actmem):
+    """4 heads at s = 2048 over t = 2 or 4 at b = 1 (global batch 4 on 8 GPUs: d = 4, b = 1):
+    never a multiple of 4 attention batches a rank."""
+    assert_one_line_error(actmem("plan", "--heads", "4", "--hidden", "512", "--layers", "3", "--vocab", "512",
+                                 "--seq-len", "2048", "--gpus", "8", "--global-batch", "4"),
+                          "no configuration of the sweep is one actmem models", "fused softmax")

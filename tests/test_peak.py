@@ -15,12 +15,32 @@ def _estimate(name, **run):
     return estimate(build_spec(preset.model, preset.run | run, name=name, architecture=preset.architecture))
 
 
-def test_no_recompute_floor_is_the_total():
-    """Nothing is rerun: the first backward's start holds the model state and every activation."""
+#: 530B tp-sp at its last layer's fc1 weight gradient, in sbh/t = 5,242,880 B: GeLU's input
+#: gradient 2sbf/t = 8, fc1's input all-gathered again 2sbh = 16, its input gradient 2sbh = 16,
+#: that gradient's shard 2 and the gradient at the layer's output 2: 44 sbh/t made; GeLU's input
+#: 8, fc2's 8 and the MLP's dropout mask 1 freed: 17 sbh/t.
+FC1_MADE_530B, FC1_FREED_530B = 44 * 5_242_880, 17 * 5_242_880
+
+
+def test_no_recompute_floor_is_the_fc1_moment():
+    """Nothing is rerun: the largest moment is the last layer's fc1 backward, 27 sbh/t =
+    141,557,760 B above the model state and every activation."""
     est = _estimate("530b", recompute="none")
-    assert est.peak.total_bytes == est.total_bytes
+    assert est.peak.moment == "the last layer's MLP backward, at fc1's weight gradient"
+    assert est.peak.total_bytes == est.total_bytes + FC1_MADE_530B - FC1_FREED_530B == est.total_bytes + 141_557_760
     assert [row.name for row in est.peak.rows] == ["weights", "main_gradients", "optimizer_state",
-                                                  "activations_in_flight"]
+                                                  "activations_in_flight", "fc1_backward"]
+    assert est.peak.bytes_of("fc1_backward") == 230_686_720
+
+
+def test_without_sequence_parallelism_nothing_is_gathered():
+    """530B tp (t = 8, no SP): fc1's saved input is whole, and its input gradient is all-reduced
+    in place: GeLU's input gradient 2sbf/t = sbh, the input gradient 2sbh and the gradient at
+    the layer's output 2sbh (whole without SP): 5sbh made; GeLU's and fc2's inputs sbh each and
+    the mask sbh freed: 2sbh net, with sbh = 41,943,040."""
+    est = _estimate("530b", recompute="none", sequence_parallel=False)
+    assert est.peak.bytes_of("fc1_backward") == 5 * 41_943_040
+    assert est.peak.total_bytes == est.total_bytes + 2 * 41_943_040
 
 
 def test_selective_reruns_the_core_after_the_mlp_is_freed():
@@ -39,23 +59,28 @@ def test_selective_reruns_the_core_after_the_mlp_is_freed():
 
 def test_full_recompute_reruns_a_layer_less_its_checkpoint():
     """530B tp-sp-full: the layer as tp-sp keeps it (Eq 4), sbh/t·(34 + 5as/h) = 5,242,880 ·
-    (34 + 64) = 513,802,240 B, less the checkpoint 2sbh/t = 10,485,760 B. p = 35: the first
-    stage has no output layer, so nothing is freed before the rerun."""
+    (34 + 64) = 513,802,240 B, less the checkpoint 2sbh/t = 10,485,760 B, and its output made
+    again, 2sbh/t: 513,802,240 B. p = 35: the first stage has no output layer, so nothing is
+    freed before the rerun; then the rerun layer's fc1 backward adds 44 sbh/t and frees 17."""
     est = _estimate("530b", recompute="full")
     rows = {row.name: row.bytes for row in est.peak.rows}
-    assert rows["rematerialised"] == 503_316_480
-    assert rows["activations_in_flight"] == est.activations_bytes
+    assert rows["rematerialised"] == 513_802_240
+    assert rows["activations_in_flight"] == est.activations_bytes - FC1_FREED_530B
+    assert rows["fc1_backward"] == FC1_MADE_530B
+    assert est.peak.total_bytes == est.total_bytes + 513_802_240 + 141_557_760
 
 
 def test_full_recompute_with_the_output_layer_frees_the_logits_first():
-    """22B (p = 1) tp-sp-full: the loss's backward frees the final norm's input 2sbh/t, the
-    output layer's input 2sbh/t and the fp32 logits 4sbv/t = 4·2048·4·51200/8 = 209,715,200 B
-    before the last layer is rerun: 234,881,024 B in all. The rerun: sbh/t·34 + 5as²b/t =
-    213,909,504 + 671,088,640, less the checkpoint 12,582,912 = 872,415,232 B."""
+    """22B (p = 1) tp-sp-full, sbh/t = 6,291,456: the loss's backward frees the final norm's
+    input 2sbh/t, the output layer's input 2sbh/t and the fp32 logits 4sbv/t = 4·2048·4·51200/8
+    = 209,715,200 B before the last layer is rerun: 234,881,024 B in all. The rerun: sbh/t·34
+    + 5as²b/t = 213,909,504 + 671,088,640, less the checkpoint 12,582,912, and its output again
+    12,582,912: 884,998,144 B. At its fc1 backward 44 sbh/t = 276,824,064 made and 17 sbh/t =
+    106,954,752 freed: above the rerun moment and the loss's (2sbv/t = 104,857,600)."""
     est = _estimate("22b", recompute="full")
     rows = {row.name: row.bytes for row in est.peak.rows}
-    assert rows["rematerialised"] == 872_415_232
-    assert est.peak.total_bytes == est.total_bytes - 234_881_024 + 872_415_232
+    assert rows["rematerialised"] == 884_998_144
+    assert est.peak.total_bytes == est.total_bytes - 234_881_024 - 106_954_752 + 884_998_144 + 276_824_064
 
 
 def test_uniform_groups_rerun_the_chunks_tail_then_a_full_group():
@@ -64,14 +89,13 @@ def test_uniform_groups_rerun_the_chunks_tail_then_a_full_group():
     alone, a layer kept whole (34sbh/t + 5as²b/t = 178,257,920 + 335,544,320 = 513,802,240)
     less its checkpoint 2sbh/t = 10,485,760. Then group [0, 1] reruns 2 layers less its
     checkpoint, with the tail's checkpoint freed: 2 x 513,802,240 - 2 x 10,485,760 =
-    1,006,632,960 beyond the total, more than the tail's 503,316,480. Block 1 keeps the
-    chunk's last 2 layers whole, so the first backward reruns nothing and the floor is the
-    total."""
-    full = _estimate("530b", recompute="full")
-    assert full.peak.bytes_of("rematerialised") == 513_802_240 - 10_485_760
+    1,006,632,960 beyond the total, more than the tail's 503,316,480; each rerun also makes its
+    output again, 2sbh/t = 10,485,760. Block 1 keeps the chunk's last 2 layers whole, so the
+    first backward reruns nothing and the floor is the total (the fc1 moment is not modelled
+    under partial recompute)."""
     grouped = _estimate("530b", recompute="full", interleave=1, recompute_method="uniform", recompute_layers=2)
-    assert grouped.peak.bytes_of("rematerialised") == 2 * 513_802_240 - 10_485_760
-    assert grouped.peak.total_bytes == grouped.total_bytes + 1_006_632_960
+    assert grouped.peak.bytes_of("rematerialised") == 2 * 513_802_240 - 10_485_760 + 10_485_760
+    assert grouped.peak.total_bytes == grouped.total_bytes + 1_006_632_960 + 10_485_760
     block = _estimate("530b", recompute="full", interleave=1, recompute_method="block", recompute_layers=1)
     assert "rematerialised" not in {row.name for row in block.peak.rows}
     assert block.peak.total_bytes == block.total_bytes
@@ -94,7 +118,8 @@ def test_uniform_groups_weigh_the_full_group_after_a_short_tail():
     + 251,658,240 = 358,612,992 B (sbh = 25,165,824, t = 8); a checkpoint 2sbh/t = 6,291,456.
     The tail's rerun holds 358,612,992 - 6,291,456 = 352,321,536 beyond the total; the next
     group's 3 x 358,612,992 - 6,291,456, less the tail's checkpoint already freed,
-    1,063,256,064: the floor takes the larger."""
+    1,063,256,064: the floor takes the larger. Each rerun makes its output again, 2sbh/t =
+    6,291,456."""
     est = _estimate("175b", recompute="full", recompute_method="uniform", recompute_layers=3)
-    assert est.peak.bytes_of("rematerialised") == 3 * 358_612_992 - 6_291_456
-    assert est.peak.total_bytes == est.total_bytes + 1_063_256_064
+    assert est.peak.bytes_of("rematerialised") == 3 * 358_612_992 - 6_291_456 + 6_291_456
+    assert est.peak.total_bytes == est.total_bytes + 1_063_256_064 + 6_291_456

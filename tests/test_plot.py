@@ -68,15 +68,18 @@ def test_memory_bars_by_hand_for_530b(tmp_path):
     """Eq 6 per layer 34sbh/t, held over L(1 + (p-1)/(pm)) = 105(1 + 34/105) = 139 layers
     (section 4.4's interleave factor); the rerun on top: selective, the attention
     core 5as²b/t and its output again 2sbh/t, less the 24sbh/t the last layer freed first;
-    full, the layer without
-    recompute sbh(10 + 24/t + 5as/ht) = 21sbh less its 2sbh checkpoint."""
+    full (t = 8, no SP), the layer without recompute sbh(10 + 24/t + 5as/ht) = 21sbh less its
+    2sbh checkpoint, with its output made again (2sbh), then its fc1 backward: GeLU's input
+    gradient 2sbf/t = sbh, fc1's input gradient 2sbh and the gradient at the layer's output
+    2sbh made, GeLU's and fc2's inputs (sbh each) and the mask sbh freed: 21sbh + 5sbh - 3sbh
+    = 23sbh; tp, nothing rerun, its fc1 backward alone: 5sbh - 3sbh = 2sbh."""
     frame = frame_written(tmp_path, "memory", "--model", "530b").set_index("technique")
     s, b, h, a, t = 2048, 1, 20480, 128, 8
     sbh = s * b * h
     assert frame.loc["tp-sp-sel", "layers_bytes"] == 34 * sbh // t * (105 + 34)
     assert frame.loc["tp-sp-sel", "transient_bytes"] == 5 * a * s * s * b // t + 2 * sbh // t - 24 * sbh // t
-    assert frame.loc["full", "transient_bytes"] == 21 * sbh - 2 * sbh
-    assert frame.loc["tp", "transient_bytes"] == 0           # nothing is rerun
+    assert frame.loc["full", "transient_bytes"] == 21 * sbh - 2 * sbh + 2 * sbh + 5 * sbh - 3 * sbh
+    assert frame.loc["tp", "transient_bytes"] == 5 * sbh - 3 * sbh
     assert bool(frame.loc["tp-sp-sel", "is_run"]) and frame.is_run.sum() == 1
 
 

@@ -63,10 +63,11 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     \b
     Examples:
       actmem validate --model 530b --mode fake
-      actmem validate --heads 8 --hidden 64 --layers 4 --vocab 512 --seq-len 32 --tp 2 --pp 2
+      actmem validate --heads 8 --hidden 64 --layers 4 --vocab 512 --seq-len 32 --tp 2 --pp 2 \\
+          --micro-batch 2
       actmem validate --grid small
       torchrun --nproc-per-node 4 -m actmem_validate --heads 8 --hidden 64 --layers 2 \\
-          --vocab 512 --seq-len 32 --tp 4
+          --vocab 512 --seq-len 32 --tp 4 --micro-batch 4
     """
     if not (math.isfinite(max_error) and max_error >= 0):
         raise SpecError(f"--max-error must be a finite percentage >= 0, got {max_error}")

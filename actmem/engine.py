@@ -13,8 +13,8 @@ from actmem.architecture import PAPER, Architecture
 from actmem.pipeline import chunks_in_flight
 from actmem.symbols import L, a, b, c, h, m, p, s, t, v
 from actmem.techniques import Technique
-from actmem.terms import MLP_BACKWARD_TERMS, RERUN_OUTPUT, SP_ONLY, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Recompute, \
-    Region, Scope, Term, layer_terms
+from actmem.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Recompute, Region, Scope, Term, \
+    layer_terms
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
@@ -122,7 +122,7 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     under selective recompute the last layer's rows after the rerun ``module``'s own (the
     layer's backward runs in reverse: the MLP's bias-dropout-add before the MLP is rerun, the
     MLP and the attention projection before the attention core is)."""
-    freed = _output_rows(technique, arch)
+    freed = output_rows(technique, arch)
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
@@ -132,7 +132,7 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     return freed
 
 
-def _output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:
+def output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:
     """The output layer's rows, where the stage holds them: the loss's backward frees them first."""
     return sympy.Add(*(term_bytes(term, technique, arch) * holds_output for term in STAGE_TERMS
                        if term.scope is Scope.OUTPUT))
@@ -147,52 +147,6 @@ def rerun_beyond_freed(technique: Technique, arch: Architecture = PAPER) -> symp
         return rematerialised_bytes(technique, arch) - freed_before_rerun(technique, arch)
     return sympy.Max(*(rematerialised_bytes(technique, arch, module=module)
                        - freed_before_rerun(technique, arch, module) for module in technique.modules))
-
-
-def fc1_moment_modelled(technique: Technique, arch: Architecture = PAPER) -> bool:
-    """The fc1 moment is modelled for Megatron's layer where the stage's last layer reaches its
-    MLP's backward whole: kept (no recompute, or a selective one that leaves the MLP), or
-    rerun alone from its checkpoint (full recompute of every layer)."""
-    if arch.code.name != "megatron" or technique.partial:
-        return False
-    if technique.recompute is Recompute.SELECTIVE:
-        return "mlp" not in technique.modules
-    return True
-
-
-_AFTER_FC1 = TERMS[[term.name for term in TERMS].index("fc1_input") + 1:]
-
-
-def _freed_by_fc1(term: Term, arch: Architecture) -> bool:
-    """The last layer's rows its backward has freed when it reaches fc1: the MLP's own after
-    fc1 (the activation's and fc2's inputs) and the dropout mask after the MLP; not fc1's
-    input nor the norm's rows, which fc1's backward and the norm's still need."""
-    return term in _AFTER_FC1 and (term.module_of(arch) == "mlp" or term.name == "mlp_dropout_mask")
-
-
-@cache
-def fc1_freed_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
-    """What the stage's first backward has freed when its last layer's fc1 computes its weight
-    gradient: the output layer's rows where the stage holds them (the loss ran first), and the
-    last layer's MLP rows after fc1 (as the layer holds them: kept, or rerun)."""
-    layer = sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
-                        if _freed_by_fc1(term, arch)))
-    return _output_rows(technique, arch) + layer
-
-
-@cache
-def fc1_transient_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
-    """What fc1's backward holds at its weight gradient beyond saved rows (MLP_BACKWARD_TERMS)."""
-    return sympy.Add(*(term_bytes(term, technique, arch) for term in MLP_BACKWARD_TERMS
-                       if technique.sequence_parallel or term.name not in SP_ONLY))
-
-
-@cache
-def fc1_beyond_held(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
-    """The fc1 moment above the activations in flight, for the planner's sweep: under full
-    recompute the rerun layer too; may be negative (more freed than made)."""
-    rerun = rematerialised_bytes(technique, arch) if technique.recompute is Recompute.FULL else 0
-    return rerun + fc1_transient_bytes(technique, arch) - fc1_freed_bytes(technique, arch)
 
 
 @cache

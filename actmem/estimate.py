@@ -1,9 +1,9 @@
 """One estimate: a spec in, a table of named byte counts out. No terminal here."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
-from actmem import engine
+from actmem import backward, engine
 from actmem.architecture import PAPER, counts_norm_statistics, te_layer_spec
 from actmem.implementation import MEGATRON
 from actmem import symbols
@@ -54,19 +54,9 @@ class TechniqueRow:
     """What that backward frees before the rerun (engine.freed_before_rerun)."""
     loss_bytes: int = 0
     """What the loss's backward allocates with everything held (engine.loss_backward_bytes)."""
-    fc1_transient_bytes: int = 0
-    """What the last layer's fc1 backward holds at its weight gradient (engine.fc1_transient_bytes);
-    0 where that moment is not modelled."""
-    fc1_freed_bytes: int = 0
-    """What the backward has freed by then (engine.fc1_freed_bytes)."""
-
-    @property
-    def fc1_beyond_total_bytes(self) -> int | None:
-        """The fc1 moment above the total (the full rerun, its transients, less what was freed)."""
-        if not self.fc1_transient_bytes:
-            return None
-        rerun = self.rematerialised_bytes if self.technique.recompute is Recompute.FULL else 0
-        return rerun + self.fc1_transient_bytes - self.fc1_freed_bytes
+    moments: tuple = ()
+    """(name, backward.Moment in bytes) for each moment of the last layer's backward modelled
+    here (actmem.backward: 'fc1', 'core')."""
 
     @property
     def first_stage_bytes(self) -> int:
@@ -80,9 +70,10 @@ class TechniqueRow:
     @property
     def transient_bytes(self) -> int:
         """What the peak moment holds above the total: the rerun beyond what was freed before
-        it, the loss's 16-bit gradient, or the fc1 moment, whichever is more (actmem.peak)."""
-        fc1 = self.fc1_beyond_total_bytes or 0
-        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes, fc1)
+        it, the loss's 16-bit gradient, or a moment of the last layer's backward, whichever is
+        more (actmem.peak)."""
+        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes,
+                   *(moment.beyond_held for _, moment in self.moments))
 
     @property
     def peak_bytes(self) -> int:
@@ -255,10 +246,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     parameters = _parameters(spec, t, occupancy.stage, stage_layers)
     rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
     loss = engine.exact(engine.loss_backward_bytes(technique, arch), bindings)
-    fc1 = (0, 0)
-    if stage_layers and engine.fc1_moment_modelled(technique, arch):
-        fc1 = (engine.exact(engine.fc1_transient_bytes(technique, arch), bindings),
-               engine.exact(engine.fc1_freed_bytes(technique, arch), bindings))
+    moments = tuple((name, _bound(backward.moment_bytes(name, technique, arch), bindings))
+                    for name in backward.MOMENTS if stage_layers and backward.modelled(name, technique, arch))
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
@@ -266,7 +255,11 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
         return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss)
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed,
-                        loss, *fc1)
+                        loss, moments)
+
+
+def _bound(moment: backward.Moment, bindings: dict) -> backward.Moment:
+    return backward.Moment(*(engine.exact(getattr(moment, field.name), bindings) for field in fields(moment)))
 
 
 def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[int, int]:
@@ -423,8 +416,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         "the verdict is the allocator's peak from below on the busiest pipeline stage: model state, "
         "activations in flight and, under recompute, what the first backward reruns, all live at "
         "one moment (actmem.peak), or on the stage with the output layer the loss's backward "
-        "and its 16-bit logits gradient; not counted yet: the layers' backward gradient tensors "
-        "and gathered inputs, allocator fragmentation, workspace and communication buffers",
+        "and its 16-bit logits gradient, or inside the last layer's backward its fc1's and its eager "
+        "core's gradients (actmem.backward); not counted yet: the other ops' backward transients "
+        "(the flash core's, the QKV and projection linears', fc2's, a recomputed MLP's), allocator "
+        "fragmentation, workspace and communication buffers",
         f"parameters: layers of {_layer_formula(arch)} each, word embedding split "
         "over the vocabulary on the first stage" + (
             ", tied with the output layer (the last stage keeps a copy when p > 1)" if arch.tied_output

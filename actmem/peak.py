@@ -53,12 +53,13 @@ class PeakFloor:
 
 def peak_floor(row) -> PeakFloor:
     """The floor for one technique on one stage (an estimate.TechniqueRow): the largest of
-    four moments of its first backward after the pipeline fills. At its start every
+    the moments of its first backward after the pipeline fills. At its start every
     microbatch's activations are held. On the stage with the output layer, the loss's
     backward adds its 16-bit logits gradient to all of them. Under recompute, when the rerun
     is done, some of them are already freed (the output layer's on the last stage; under
     selective recompute the last layer's rows after its attention core) and the rerun's are
-    live. At fc1's weight gradient the MLP's later rows are freed and its gradients live.
+    live. Inside the last layer's backward (actmem.backward), at fc1's weight gradient or the
+    eager core's softmax backward, the rows after the op are freed and its gradients live.
     The first of equal moments is taken."""
     params = row.parameters
     state = (
@@ -81,32 +82,38 @@ def peak_floor(row) -> PeakFloor:
                     "the saved activations in flight, less what the backward freed before the rerun"),
             PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique))),
             "the first backward, its recompute done"))
-    if row.fc1_transient_bytes:
-        moments.append(_fc1_moment(row, state))
+    moments += [_layer_moment(name, moment, row, state) for name, moment in row.moments]
     return max(moments, key=lambda floor: floor.total_bytes)
 
 
-def _fc1_moment(row, state: tuple) -> PeakFloor:
-    """The last layer's MLP backward at fc1's weight gradient: the activation's and fc2's
-    inputs freed (and the output layer's rows), fc1's gathered input, input gradient and its
-    shard, its output gradient and the gradient at the layer's output live (MLP_BACKWARD_TERMS);
-    under full recompute the rerun layer too."""
+#: each moment of the last layer's backward (actmem.backward): when, and what its row holds
+_MOMENTS = {
+    "fc1": ("the last layer's fc1 backward", "fc1_backward",
+            "fc1's backward at its weight gradient (TE's _LayerNormLinear.backward, Megatron's "
+            "LinearWithGradAccumulationAndAsyncCommunication): its output gradient, its input gradient for "
+            "the whole sequence, under SP the input all-gathered again and the gradient's reduce-scattered "
+            "shard, and the gradient on the residual stream"),
+    "core": ("the last layer's attention core backward", "core_backward",
+             "the eager core's backward at its softmax's (or dropout's): the gradient of the probabilities "
+             "·V saw and, with dropout, the softmax output's, v's gradient, the gradient on the residual "
+             "stream and, under the core's checkpoint, its output's"),
+}
+
+
+def _layer_moment(name: str, moment, row, state: tuple) -> PeakFloor:
+    """A moment inside the last layer's backward: the rows after the op freed (and the output
+    layer's), what the backward has rerun by then, the op's gradients."""
+    when, label, source = _MOMENTS[name]
     rerun = ()
-    if row.technique.recompute is Recompute.FULL:
-        rerun = (PeakRow("rematerialised", row.rematerialised_bytes, _rematerialised_source(row.technique)),)
+    if moment.rerun:
+        rerun = (PeakRow("rematerialised", moment.rerun - moment.freed_rerun,
+                         _rematerialised_source(row.technique) + ", less its rows after this op, already freed"),)
     return PeakFloor(state + (
-        PeakRow("activations_in_flight", row.first_stage_bytes - row.fc1_freed_bytes,
-                "the saved activations in flight, less what the backward freed before fc1's: the output "
-                "layer's where the stage has it, the last layer's MLP rows after fc1"),
+        PeakRow("activations_in_flight", row.first_stage_bytes - moment.freed_held,
+                "the saved activations in flight, less what the backward freed before this op: the output "
+                "layer's where the stage has it, the last layer's rows after the op"),
         *rerun,
-        PeakRow("fc1_backward", row.fc1_transient_bytes, _FC1_SOURCE)),
-        "the last layer's MLP backward, at fc1's weight gradient")
-
-
-_FC1_SOURCE = ("fc1's backward at its weight gradient (TE's _LayerNormLinear.backward, Megatron's "
-               "LinearWithGradAccumulationAndAsyncCommunication): its output gradient, its input gradient for "
-               "the whole sequence, under SP the input all-gathered again and the gradient's reduce-scattered "
-               "shard, and the gradient at the layer's output held for the residual branch")
+        PeakRow(label, moment.transient, source)), when)
 
 
 def _rematerialised_source(technique: Technique) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from actmem import defaults, engine, iteration, rules
+from actmem import backward, defaults, engine, iteration, rules
 from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
@@ -234,7 +234,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
 
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
     """(activations, transient): the engine's stage expressions (held_bytes; the largest of
-    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and fc1_beyond_held), lambdified, on
+    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's backward
+    moments, actmem.backward), lambdified, on
     float64 columns (no int64 overflow)."""
     model = req.model
     dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
@@ -254,8 +255,10 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         rerun = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args)
         loss = engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)
         moments = np.maximum(np.maximum(rerun, loss), 0)
-        if engine.fc1_moment_modelled(technique, arch):
-            moments = np.maximum(moments, engine.numeric(engine.fc1_beyond_held(technique, arch))(*args))
+        for name in backward.MOMENTS:
+            if backward.modelled(name, technique, arch):
+                beyond = backward.moment_bytes(name, technique, arch).beyond_held
+                moments = np.maximum(moments, engine.numeric(beyond)(*args))
         transient[rows.index] = _whole_bytes(moments, len(rows))
     return held, transient
 

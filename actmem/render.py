@@ -160,11 +160,13 @@ def _memory_table(est: Estimate) -> Table:
     peak = est.peak
     if peak.total_bytes != est.total_bytes:
         rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit")
-        made = rerun + peak.bytes_of("fc1_backward")
-        fc1 = f"{gib(peak.bytes_of('fc1_backward')):,.2f} GiB of fc1's backward, " if made > rerun else ""
-        rerun_part = f"{gib(rerun):,.2f} GiB rerun, " if rerun else ""
+        op = peak.bytes_of("fc1_backward", "core_backward")
+        made = rerun + op
+        parts = (f"{gib(rerun):,.2f} GiB rerun, " if rerun else "") + (f"{gib(op):,.2f} GiB of its gradients, "
+                                                                       if op else "")
+        freed = est.total_bytes + made - peak.total_bytes
         note = (f"at {peak.moment}: " + (f"{gib(loss):,.2f} GiB 16-bit logits gradient" if loss else
-                f"{rerun_part}{fc1}{gib(est.total_bytes + made - peak.total_bytes):,.2f} GiB already freed"))
+                (f"{parts}{gib(freed):,.2f} GiB already freed" if freed else parts.rstrip(", "))))
         table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
                       f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))
     return table

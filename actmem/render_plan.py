@@ -108,7 +108,7 @@ def _plan_assumptions(req) -> list[str]:
         f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
         "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
         "and the backward's transients other than those it counts (the rerun, the loss's logits "
-        "gradient, the last layer's fc1 backward)",
+        "gradient, the last layer's fc1 and eager core backward)",
         f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
         f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "

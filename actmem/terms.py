@@ -345,14 +345,20 @@ LAYER_TERMS = layer_terms(PAPER)
 """The rows of the paper's layer (section 4.1)."""
 STAGE_TERMS = tuple(term for term in TERMS if term.scope is not Scope.LAYER)
 
-#: The backward of the MLP's first linear (fc1) at its weight gradient, the transients live
-#: beside the saved rows it has not freed yet (actmem.peak's fc1 moment). TE's
-#: _LayerNormLinear.backward (layernorm_linear.py) all-gathers the saved input shard under SP
-#: for the weight gradient, makes the input gradient of the whole sequence (dgrad), starts its
-#: reduce-scatter into a fresh shard, then runs the wgrad GEMM into main_grad with all of them
-#: and its output gradient live; Megatron's LinearWithGradAccumulationAndAsyncCommunication
-#: (tensor_parallel/layers.py, the local spec) does the same. Without SP nothing is gathered
-#: and dgrad is all-reduced in place: the two SP_ONLY rows are 0.
+LAYER_OUTPUT_GRADIENT = Term(
+    "layer_output_gradient", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
+    "the gradient on the layer's residual stream (received from the next stage, or the final norm's), "
+    "held for the residual branch until the block's own gradient is added (2sbh/t under SP)")
+
+#: The backward of the MLP's first linear (fc1), the transients live beside the saved rows it
+#: has not freed yet (actmem.backward's fc1 moment). TE's _LayerNormLinear.backward
+#: (layernorm_linear.py) all-gathers the saved input shard under SP for the weight gradient,
+#: makes the input gradient of the whole sequence (dgrad) and allocates its reduce-scatter's
+#: shard: when that shard is allocated, all of them and the output gradient are live (the
+#: wgrad GEMM follows; TE may release dgrad's storage to the collective's stream before it).
+#: Megatron's LinearWithGradAccumulationAndAsyncCommunication (tensor_parallel/layers.py, the
+#: local spec) holds them through its wgrad. Without SP nothing is gathered and dgrad is
+#: all-reduced in place: the two SP_ONLY rows are 0, and at t = 1 too.
 MLP_BACKWARD_TERMS = (
     Term("fc1_output_gradient", lambda arch: A16 * arch.fc1_width * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS,
          Scope.LAYER, "the gradient fc1's backward starts from: the activation's input gradient (2sbf/t; "
@@ -364,12 +370,32 @@ MLP_BACKWARD_TERMS = (
          "all-reduce (in place)"),
     Term("fc1_input_gradient_shard", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
          "under SP, the reduce-scatter's output, this rank's shard of that gradient (2sbh/t)"),
-    Term("layer_output_gradient", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
-         "the gradient that reached the layer's output (received from the next stage, or the final "
-         "norm's), held for the residual branch until the MLP's gradient is added to it (2sbh/t under SP)"),
+    LAYER_OUTPUT_GRADIENT,
 )
 #: the MLP_BACKWARD_TERMS that exist only under sequence parallelism
 SP_ONLY = frozenset({"fc1_input_gathered", "fc1_input_gradient_shard"})
+
+#: The eager core's backward at its softmax's (Megatron's fused kernel works in place on its
+#: input gradient) or, with attention dropout, at the dropout's: the gradient ·V's backward
+#: made for the probabilities it saw, and the dropout's input gradient made from it, live
+#: beside the softmax output and the mask the core keeps, while ·V's saved dropout output is
+#: freed (its backward has run); v's gradient from ·V's backward waits for q's and k's, and
+#: the residual stream's gradient for the block's. Under the core's checkpoint (selective
+#: recompute) CheckpointFunction.backward also holds the gradient it was handed, the core
+#: output's.
+CORE_BACKWARD_TERMS = (
+    Term("probabilities_gradient", A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "·V's backward: the gradient of the probabilities it multiplied (2as²b/t)", eager),
+    Term("softmax_output_gradient", A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "the attention dropout's backward: the softmax output's gradient, a new tensor (2as²b/t)",
+         eager_with_attention_dropout),
+    Term("value_gradient", _sb_attention(1), Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "·V's backward: v's gradient, a heads wide as ·V saw it (2sb·ad/t)", eager),
+    Term("core_output_gradient", _sb_attention(1), Region.BLOCK, frozenset({Recompute.SELECTIVE}), Scope.LAYER,
+         "the gradient of the core's output, held by the core's checkpoint while it runs backward (2sb·ad/t)",
+         eager, kept_by="core_attn"),
+    LAYER_OUTPUT_GRADIENT,
+)
 
 #: A layer rerun from its checkpoint makes its output again: CheckpointFunction.backward
 #: (tensor_parallel/random.py) holds the rerun's outputs while it runs backward from them.

@@ -26,7 +26,7 @@ def test_no_recompute_floor_is_the_fc1_moment():
     """Nothing is rerun: the largest moment is the last layer's fc1 backward, 27 sbh/t =
     141,557,760 B above the model state and every activation."""
     est = _estimate("530b", recompute="none")
-    assert est.peak.moment == "the last layer's MLP backward, at fc1's weight gradient"
+    assert est.peak.moment == "the last layer's fc1 backward"
     assert est.peak.total_bytes == est.total_bytes + FC1_MADE_530B - FC1_FREED_530B == est.total_bytes + 141_557_760
     assert [row.name for row in est.peak.rows] == ["weights", "main_gradients", "optimizer_state",
                                                   "activations_in_flight", "fc1_backward"]
@@ -48,12 +48,19 @@ def test_selective_reruns_the_core_after_the_mlp_is_freed():
     5·128·2048²/8 = 335,544,320 B, and the core's output again (the projection freed its input
     first), 2sbh/t = 10,485,760: 346,030,080 B. Freed first, the last layer's rows after its core:
     projection input 2, attention dropout mask 1, MLP norm input 2, fc1 input 2, GeLU input 8,
-    fc2 input 8, MLP mask 1: 24 sbh/t = 125,829,120 B."""
+    fc2 input 8, MLP mask 1: 24 sbh/t = 125,829,120 B. That is the rerun moment; the core's own
+    backward holds more: at the dropout's backward ·V has freed the rerun's dropout output
+    (2as²b/t = 134,217,728) and made the probabilities' gradient and v's (2as²b/t + 2sbh/t), the
+    dropout the softmax output's gradient (2as²b/t), and the checkpoint holds the core output's
+    gradient and the residual stream its own (2sbh/t each): 2 x 134,217,728 + 3 x 10,485,760 =
+    299,892,736 B."""
     est = _estimate("530b")
     rows = {row.name: row.bytes for row in est.peak.rows}
-    assert rows["rematerialised"] == 346_030_080
+    assert est.peak.moment == "the last layer's attention core backward"
+    assert rows["rematerialised"] == 346_030_080 - 134_217_728
     assert rows["activations_in_flight"] == est.activations_bytes - 125_829_120
-    assert est.peak.total_bytes == est.total_bytes + 346_030_080 - 125_829_120
+    assert rows["core_backward"] == 299_892_736
+    assert est.peak.total_bytes == est.total_bytes + 346_030_080 - 125_829_120 + 299_892_736 - 134_217_728
     assert est.verdict_bytes == est.peak.total_bytes
 
 
@@ -61,13 +68,19 @@ def test_full_recompute_reruns_a_layer_less_its_checkpoint():
     """530B tp-sp-full: the layer as tp-sp keeps it (Eq 4), sbh/t·(34 + 5as/h) = 5,242,880 ·
     (34 + 64) = 513,802,240 B, less the checkpoint 2sbh/t = 10,485,760 B, and its output made
     again, 2sbh/t: 513,802,240 B. p = 35: the first stage has no output layer, so nothing is
-    freed before the rerun; then the rerun layer's fc1 backward adds 44 sbh/t and frees 17."""
+    freed before the rerun; then the rerun layer's fc1 backward adds 44 sbh/t and frees 17 of
+    the rerun's rows (the core's backward, later, holds less: 543,162,368 above the total)."""
     est = _estimate("530b", recompute="full")
     rows = {row.name: row.bytes for row in est.peak.rows}
-    assert rows["rematerialised"] == 513_802_240
-    assert rows["activations_in_flight"] == est.activations_bytes - FC1_FREED_530B
+    assert rows["rematerialised"] == 513_802_240 - FC1_FREED_530B
+    assert rows["activations_in_flight"] == est.activations_bytes
     assert rows["fc1_backward"] == FC1_MADE_530B
     assert est.peak.total_bytes == est.total_bytes + 513_802_240 + 141_557_760
+    # the core's: the rerun less its rows after the core (24 sbh/t) and its dropout output
+    # (2as²b/t = 134,217,728), with the two s² gradients, v's and the residual stream's
+    core = dict(est.run_row.moments)["core"]
+    assert core.beyond_held == 513_802_240 - 125_829_120 - 134_217_728 + 2 * 134_217_728 + 2 * 10_485_760
+    assert core.beyond_held == 543_162_368
 
 
 def test_full_recompute_with_the_output_layer_frees_the_logits_first():
@@ -79,7 +92,7 @@ def test_full_recompute_with_the_output_layer_frees_the_logits_first():
     106,954,752 freed: above the rerun moment and the loss's (2sbv/t = 104,857,600)."""
     est = _estimate("22b", recompute="full")
     rows = {row.name: row.bytes for row in est.peak.rows}
-    assert rows["rematerialised"] == 884_998_144
+    assert rows["rematerialised"] == 884_998_144 - 106_954_752
     assert est.peak.total_bytes == est.total_bytes - 234_881_024 - 106_954_752 + 884_998_144 + 276_824_064
 
 
@@ -123,3 +136,69 @@ def test_uniform_groups_weigh_the_full_group_after_a_short_tail():
     est = _estimate("175b", recompute="full", recompute_method="uniform", recompute_layers=3)
     assert est.peak.bytes_of("rematerialised") == 3 * 358_612_992 - 6_291_456 + 6_291_456
     assert est.peak.total_bytes == est.total_bytes + 1_063_256_064 + 6_291_456
+
+
+def _moments(est, technique="") -> dict:
+    row = est.run_row if not technique else next(r for r in est.techniques if r.technique.name == technique)
+    return {name: moment.beyond_held for name, moment in row.moments}
+
+
+def test_the_none_row_peaks_in_its_core_backward():
+    """530B's 'none' row (t = 1, no SP), in sbh = 41,943,040 B; 2as²b = 2·128·2048/20480 sbh =
+    25.6 sbh. fc1: GeLU's input gradient 8, the input gradient 2, the residual stream's 2 made,
+    GeLU's and fc2's inputs 8 each and the mask 1 freed: -5 sbh, below the start. The core: the
+    probabilities' and the softmax output's gradients 25.6 each, v's 2 and the residual
+    stream's 2 made; the 24 sbh after the core and the dropout output 25.6 freed: +5.6 sbh."""
+    est = _estimate("530b")
+    moments = _moments(est, "none")
+    assert moments["fc1"] == -5 * 41_943_040
+    assert moments["core"] * 5 == 28 * 41_943_040
+    none = next(r for r in est.techniques if r.technique.name == "none")
+    assert none.peak_bytes == none.total_bytes + 234_881_024
+
+
+def test_at_t_1_sequence_parallelism_gathers_nothing():
+    """At t = 1 TE turns SP off (sequence_parallel = tp_size > 1 and ...): the tp-sp row of a
+    t = 1 run holds no gathered input and no shard, and peaks where tp does."""
+    est = _estimate("llama-3.1-8b", tensor_parallel=1)
+    peaks = {row.technique.name: row.peak_bytes for row in est.techniques}
+    assert peaks["tp-sp"] == peaks["tp"] and peaks["tp-sp-full"] == peaks["full"]
+
+
+def test_without_sp_under_te_fc1_makes_three_gradients():
+    """Llama 3.1 8B at t = 8 without SP (s 8192, b 1, h 4096, f 14336): SwiGLU's input gradient
+    4sbf/t = 58,720,256, fc1's input gradient 2sbh = 67,108,864 and the residual stream's 2sbh
+    (whole without SP): 192,937,984 B; nothing gathered, dgrad all-reduced in place."""
+    est = _estimate("llama-3.1-8b", tensor_parallel=8, sequence_parallel=False, recompute="none")
+    fc1 = dict(est.run_row.moments)["fc1"]
+    assert fc1.transient == 58_720_256 + 2 * 67_108_864 == 192_937_984
+
+
+def test_the_moments_are_not_modelled_where_their_op_is_recomputed_or_absent():
+    """fc1's with the MLP recomputed (its own rerun is not modelled), the core's under flash
+    (its backward is TE's kernel's), neither under partial full recompute."""
+    assert "fc1" not in _moments(_estimate("22b", recompute_modules=("core_attn", "mlp")))
+    assert "fc1" not in _moments(_estimate("22b", recompute_modules=("mlp",)))
+    assert set(_moments(_estimate("llama-3.1-8b", tensor_parallel=8))) == {"fc1"}
+    assert _moments(_estimate("530b", recompute="full", interleave=1, recompute_method="block",
+                              recompute_layers=1)) == {}
+
+
+def test_a_full_recompute_stage_names_its_rows_without_a_negative_one():
+    """The last of 4 stages (1 layer each, a = 8, h = 1024, s = 2048, t = 2 with SP, v = 256),
+    one microbatch, full recompute; sbh/t = 1,048,576, as²b/t = 16,777,216. Held: the
+    checkpoint 2sbh/t and the output layer's rows (final norm and output inputs 2sbh/t each,
+    fp32 logits 4sbv/t = 1,048,576): 7,340,032 B. The rerun: the layer, sbh/t·(34 + 5as/h) =
+    114 sbh/t, less its checkpoint, with its output again: 119,537,664. At the core's backward
+    the output layer's rows (5,242,880) were freed from what is held, and from the rerun its
+    24 sbh/t after the core and its dropout output 2as²b/t (58,720,256); made: 2 x 2as²b/t,
+    v's and the residual stream's gradients 2sbh/t each (71,303,168)."""
+    from actmem.spec import build_spec
+
+    spec = build_spec(dict(heads=8, hidden=1024, layers=4, vocab=256, seq_len=2048),
+                      dict(tensor_parallel=2, sequence_parallel=True, pipeline_parallel=4, recompute="full",
+                           gpus=8, global_batch=1))
+    rows = {row.name: row.bytes for row in estimate(spec, 3).peak.rows}
+    assert rows["activations_in_flight"] == 7_340_032 - 5_242_880
+    assert rows["rematerialised"] == 119_537_664 - 58_720_256
+    assert rows["core_backward"] == 71_303_168

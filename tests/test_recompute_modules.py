@@ -93,9 +93,16 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
     its output again, 2sbh/t = 12,582,912: 683,671,552 B, with the output layer's rows freed
     (fp32 logits 4sbv/t = 209,715,200, the final norm's and the output layer's inputs 2 x 2sbh/t)
     and the layer's rows after the core (projection input 2sbh/t, two masks sbh/t, the norm's
-    input and output 2 x 2sbh/t): 234,881,024 + 50,331,648 = 285,212,672 B. The MLP's rerun, 16sbh/t = 100,663,296 B, frees more before it."""
+    input and output 2 x 2sbh/t): 234,881,024 + 50,331,648 = 285,212,672 B. The MLP's rerun, 16sbh/t = 100,663,296 B, frees more before it.
+    Then the core's backward, at its dropout's: the rerun's dropout output 2as²b/t = 268,435,456
+    freed, the probabilities' and the softmax output's gradients (2as²b/t each), v's, the core
+    output's and the residual stream's (2sbh/t = 12,582,912 each) live."""
     out = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "core_attn,mlp")
-    assert _rerun(out) == (671_088_640 + 12_582_912, 285_212_672)
+    rows = {row["name"]: row["bytes"] for row in out["peak_floor"]["rows"]}
+    assert out["peak_floor"]["moment"] == "the last layer's attention core backward"
+    assert rows["rematerialised"] == 671_088_640 + 12_582_912 - 268_435_456
+    assert out["activations_bytes"] - rows["activations_in_flight"] == 285_212_672
+    assert rows["core_backward"] == 2 * 268_435_456 + 3 * 12_582_912
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -21,7 +21,7 @@ import sympy
 
 from actmem.architecture import PAPER, Architecture, eager
 from actmem.engine import output_rows, rematerialised_bytes, term_bytes
-from actmem.symbols import t
+from actmem.symbols import a, t
 from actmem.techniques import Technique
 from actmem.terms import CORE_BACKWARD_TERMS, MLP_BACKWARD_TERMS, SP_ONLY, TERMS, Recompute, Term, layer_terms
 
@@ -30,9 +30,7 @@ MOMENTS = ("fc1", "core")
 #: the SP-only rows of a technique row shown at t = 1 are 0
 _SPLIT = sympy.Piecewise((0, sympy.Eq(t, 1)), (1, True))
 
-_NAMES = [term.name for term in TERMS]
-_AFTER_FC1 = TERMS[_NAMES.index("fc1_input") + 1:]
-_AFTER_CORE = TERMS[max(i for i, term in enumerate(TERMS) if term.module == "core_attn") + 1:]
+_AFTER_FC1 = TERMS[[term.name for term in TERMS].index("fc1_input") + 1:]
 
 
 @dataclass(frozen=True)
@@ -63,15 +61,25 @@ def modelled(moment: str, technique: Technique, arch: Architecture = PAPER) -> b
     return eager(arch)
 
 
-def _freed(moment: str, term: Term, arch: Architecture) -> bool:
-    """The layer's rows its backward has freed at the moment. fc1: the MLP's rows after fc1's
-    input (the activation's and fc2's inputs) and the mask after the MLP, not the norm's rows
-    nor fc1's input, which are still needed. core: every row after the core (the projection's
-    input on; not full recompute's checkpoint, held until its backward ends), and the dropout
-    output ·V kept."""
+def _freed(moment: str, term: Term, arch: Architecture):
+    """How much of a layer row its backward has freed at the moment (1, 0, or a Piecewise of
+    the heads). fc1: the MLP's rows after fc1's input (the activation's and fc2's inputs) and
+    the mask after the MLP, not the norm's rows nor fc1's input, which are still needed. core:
+    every row after the core (the projection's input on; not full recompute's checkpoint,
+    held until its backward ends), the dropout output ·V kept, and with fewer query groups
+    than heads v too: Megatron's repeat_interleave copy, which only ·V kept (without groups v
+    is a view of the QKV output, which the q and k views keep)."""
     if moment == "fc1":
-        return term in _AFTER_FC1 and (term.module_of(arch) == "mlp" or term.name == "mlp_dropout_mask")
-    return (term in _AFTER_CORE and term.name != "layer_input_checkpoint") or term.name == "softmax_dropout_output"
+        return int(term in _AFTER_FC1 and (term.module_of(arch) == "mlp" or term.name == "mlp_dropout_mask"))
+    if term.name == "value" and arch.query_groups is not None:
+        return sympy.Piecewise((1, a > arch.query_groups), (0, True))
+    after_core = TERMS.index(term) >= _core_end(arch) and term.name != "layer_input_checkpoint"
+    return int(after_core or term.name == "softmax_dropout_output")
+
+
+def _core_end(arch: Architecture) -> int:
+    """Where the rows after the attention core begin (engine.freed_before_rerun's end)."""
+    return max(i for i, term in enumerate(TERMS) if term.module_of(arch) == "core_attn") + 1
 
 
 def _rerun_scope(moment: str, technique: Technique, arch: Architecture):
@@ -87,10 +95,10 @@ def _rerun_scope(moment: str, technique: Technique, arch: Architecture):
 @cache
 def moment_bytes(moment: str, technique: Technique, arch: Architecture = PAPER) -> Moment:
     rerun, made_by_rerun = _rerun_scope(moment, technique, arch)
-    freed = [term for term in layer_terms(arch) if _freed(moment, term, arch)]
-    held = sympy.Add(*(term_bytes(term, technique, arch) for term in freed))
-    rerun_freed = sympy.Add(*(term_bytes(term, technique.whole(), arch) - term_bytes(term, technique, arch)
-                              for term in freed if made_by_rerun(term)))
+    freed = [(term, _freed(moment, term, arch)) for term in layer_terms(arch)]
+    held = sympy.Add(*(share * term_bytes(term, technique, arch) for term, share in freed))
+    rerun_freed = sympy.Add(*(share * (term_bytes(term, technique.whole(), arch) - term_bytes(term, technique, arch))
+                              for term, share in freed if made_by_rerun(term)))
     terms = MLP_BACKWARD_TERMS if moment == "fc1" else CORE_BACKWARD_TERMS
     transient = sympy.Add(*(term_bytes(term, technique, arch) * (_SPLIT if term.name in SP_ONLY else 1)
                             for term in terms if technique.sequence_parallel or term.name not in SP_ONLY))

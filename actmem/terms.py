@@ -379,7 +379,8 @@ SP_ONLY = frozenset({"fc1_input_gathered", "fc1_input_gradient_shard"})
 #: input gradient) or, with attention dropout, at the dropout's: the gradient ·V's backward
 #: made for the probabilities it saw, and the dropout's input gradient made from it, live
 #: beside the softmax output and the mask the core keeps, while ·V's saved dropout output is
-#: freed (its backward has run); v's gradient from ·V's backward waits for q's and k's, and
+#: freed (its backward has run), and with query groups v's repeat_interleave copy too (without
+#: them v is a view the q and k views hold); v's gradient from ·V's backward waits for q's and k's, and
 #: the residual stream's gradient for the block's. Under the core's checkpoint (selective
 #: recompute) CheckpointFunction.backward also holds the gradient it was handed, the core
 #: output's.

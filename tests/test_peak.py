@@ -202,3 +202,23 @@ def test_a_full_recompute_stage_names_its_rows_without_a_negative_one():
     assert rows["activations_in_flight"] == 7_340_032 - 5_242_880
     assert rows["rematerialised"] == 119_537_664 - 58_720_256
     assert rows["core_backward"] == 71_303_168
+
+
+def test_with_query_groups_the_core_backward_has_freed_v_s_copy():
+    """530B tp-sp with 16 query groups of d = 128 (ad = 16,384): Megatron's eager core expands v
+    to a heads with repeat_interleave, a copy only ·V keeps, freed once ·V's backward ran.
+    Freed at the core's softmax backward, with sbh/t = 5,242,880: the rows after the core
+    (projection input 2sb·ad/t = 8,388,608, the two masks sbh/t each, the MLP norm's and fc1's
+    inputs 2sbh/t each, GeLU's and fc2's 8sbh/t each: 123,731,968), the dropout output 2as²b/t
+    = 134,217,728 and v's copy 2sb·ad/t = 8,388,608: 266,338,304 B. With g = a, v is a view of
+    the QKV output, which the q and k views still hold: 8,388,608 B less."""
+    from actmem.spec import build_spec
+
+    preset = load_preset("530b")
+
+    def core(**architecture):
+        spec = build_spec(preset.model, preset.run | dict(recompute="none"), architecture=architecture)
+        return dict(estimate(spec).run_row.moments)["core"]
+
+    assert core(query_groups=16, head_dim=128).freed_held == 123_731_968 + 134_217_728 + 8_388_608
+    assert core(head_dim=128).freed_held == 123_731_968 + 134_217_728

@@ -3,7 +3,8 @@
 The first backward after the pipeline fills runs the stage's last layer backward with every
 microbatch held. Two of its moments are modelled, op by op from the kernels' source:
 
-- ``fc1``: the MLP's first linear at its weight gradient (terms.MLP_BACKWARD_TERMS);
+- ``fc1``: the MLP's first linear, its gradients and gathered input all live once its input
+  gradient's reduce-scatter has its shard (terms.MLP_BACKWARD_TERMS);
 - ``core``: Megatron's eager attention core at its softmax's or dropout's backward
   (terms.CORE_BACKWARD_TERMS).
 
@@ -94,6 +95,7 @@ def _rerun_scope(moment: str, technique: Technique, arch: Architecture):
 
 @cache
 def moment_bytes(moment: str, technique: Technique, arch: Architecture = PAPER) -> Moment:
+    """One moment ('fc1' or 'core') of the stage's last layer's backward, for a technique row."""
     rerun, made_by_rerun = _rerun_scope(moment, technique, arch)
     freed = [(term, _freed(moment, term, arch)) for term in layer_terms(arch)]
     held = sympy.Add(*(share * term_bytes(term, technique, arch) for term, share in freed))

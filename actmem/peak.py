@@ -12,15 +12,16 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
   it (``engine.freed_before_rerun``);
 - on the stage with the output layer, the loss's 16-bit logits gradient, made while all of
   the above is held (``engine.loss_backward_bytes``);
-- at the weight gradient of the last layer's first MLP linear (fc1), its gradients and
-  gathered input (``terms.MLP_BACKWARD_TERMS``), less the MLP rows its backward has freed
-  (``engine.fc1_freed_bytes``): Megatron's layer, kept whole or rerun alone.
+- inside the last layer's backward (``actmem.backward``), at its first MLP linear (fc1) and
+  at the eager core's softmax: the op's gradients and gathered input, less the rows the
+  backward has freed by then; Megatron's layer, kept whole or rerun alone.
 
 The moment is in the stage's first backward after the pipeline has filled (the oldest
 microbatch's last layer, every microbatch of the stage held): its start, its rerun done,
-the loss's backward, or fc1's, whichever holds more. The other transients of that backward
-(the attention's gradients, a selective rerun's) come on top and are not modelled yet:
-the harness measures them, and the floor's gap to its measured peak is reported, not hidden.
+the loss's backward, fc1's or the core's, whichever holds more. The other transients of that
+backward (the flash core's, the other linears', a recomputed MLP's) come on top and are not
+modelled yet: the harness measures them, and the floor's gap to its measured peak is
+reported, not hidden.
 """
 
 from dataclasses import dataclass
@@ -58,8 +59,8 @@ def peak_floor(row) -> PeakFloor:
     backward adds its 16-bit logits gradient to all of them. Under recompute, when the rerun
     is done, some of them are already freed (the output layer's on the last stage; under
     selective recompute the last layer's rows after its attention core) and the rerun's are
-    live. Inside the last layer's backward (actmem.backward), at fc1's weight gradient or the
-    eager core's softmax backward, the rows after the op are freed and its gradients live.
+    live. Inside the last layer's backward (actmem.backward), at fc1's or the eager core's
+    softmax's, the rows after the op are freed and its gradients live.
     The first of equal moments is taken."""
     params = row.parameters
     state = (
@@ -89,7 +90,7 @@ def peak_floor(row) -> PeakFloor:
 #: each moment of the last layer's backward (actmem.backward): when, and what its row holds
 _MOMENTS = {
     "fc1": ("the last layer's fc1 backward", "fc1_backward",
-            "fc1's backward at its weight gradient (TE's _LayerNormLinear.backward, Megatron's "
+            "fc1's backward (TE's _LayerNormLinear.backward, Megatron's "
             "LinearWithGradAccumulationAndAsyncCommunication): its output gradient, its input gradient for "
             "the whole sequence, under SP the input all-gathered again and the gradient's reduce-scattered "
             "shard, and the gradient on the residual stream"),

@@ -234,9 +234,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
 
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
     """(activations, transient): the engine's stage expressions (held_bytes; the largest of
-    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's backward
-    moments, actmem.backward), lambdified, on
-    float64 columns (no int64 overflow)."""
+    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's
+    backward moments, actmem.backward), lambdified, on float64 columns (no int64 overflow)."""
     model = req.model
     dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
     held = pd.Series(0, index=grid.index, dtype="int64")

@@ -21,7 +21,7 @@ from functools import cache
 import sympy
 
 from actmem.architecture import PAPER, Architecture, eager
-from actmem.engine import output_rows, rematerialised_bytes, term_bytes
+from actmem.engine import output_rows, rematerialised_bytes, rows_after, term_bytes
 from actmem.symbols import a, t
 from actmem.techniques import Technique
 from actmem.terms import CORE_BACKWARD_TERMS, MLP_BACKWARD_TERMS, SP_ONLY, TERMS, Recompute, Term, layer_terms
@@ -74,13 +74,8 @@ def _freed(moment: str, term: Term, arch: Architecture):
         return int(term in _AFTER_FC1 and (term.module_of(arch) == "mlp" or term.name == "mlp_dropout_mask"))
     if term.name == "value" and arch.query_groups is not None:
         return sympy.Piecewise((1, a > arch.query_groups), (0, True))
-    after_core = TERMS.index(term) >= _core_end(arch) and term.name != "layer_input_checkpoint"
+    after_core = TERMS.index(term) >= rows_after("core_attn", arch) and term.name != "layer_input_checkpoint"
     return int(after_core or term.name == "softmax_dropout_output")
-
-
-def _core_end(arch: Architecture) -> int:
-    """Where the rows after the attention core begin (engine.freed_before_rerun's end)."""
-    return max(i for i, term in enumerate(TERMS) if term.module_of(arch) == "core_attn") + 1
 
 
 def _rerun_scope(moment: str, technique: Technique, arch: Architecture):

@@ -126,10 +126,14 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
-        end = max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
-        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[end:]
+        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[rows_after(module, arch):]
                              if term.scope is Scope.LAYER))
     return freed
+
+
+def rows_after(module: str, arch: Architecture) -> int:
+    """Where the term table's rows after a recompute module's own begin."""
+    return max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
 
 
 def output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:

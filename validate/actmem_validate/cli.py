@@ -27,9 +27,13 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake). "
                    "A grid sets the model, run and techniques itself.")
-@click.option("--mode", type=click.Choice(["real", "fake"]), default="real", show_default=True,
+@click.option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
-                   "process with FakeTensorMode, any scale, no memory used.")
+                   "process with FakeTensorMode, any scale, no memory used; rank0: rank 0 of t "
+                   "in one process with real tensors, on the GPU where there is one, the other "
+                   "ranks a fake process group (collectives allocate, fill nothing): one GPU "
+                   "measures any t with torch.cuda's allocator, values unchecked. A grid on a "
+                   "GPU measures the runs that fit it and names the others.")
 @click.option("--microbatches", type=click.IntRange(min=1, max=1024), default=None,
               help="Microbatches per iteration (default: the fewest that fill the schedule).")
 @click.option("--max-error", type=float, default=0.0, show_default=True,
@@ -81,6 +85,8 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     from actmem_validate.compare import judge
 
     configs = _configs(grid, techniques, microbatches, flags)
+    if mode == "rank0":
+        configs = _rank0_runs(configs, grid)
     _check_backends(configs, mode, microbatches)
     if mode == "real" and "LOCAL_RANK" not in os.environ:
         from actmem_validate.footprint import check_fits_machine
@@ -98,6 +104,23 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         sys.exit(1)
 
 
+def _rank0_runs(configs, grid):
+    """--mode rank0: a grid keeps the runs it measures and names the rest on stderr; one
+    spec it cannot measure is refused (footprint.rank0_runs)."""
+    import torch
+
+    from actmem_validate.footprint import rank0_runs
+
+    kept, left_out = rank0_runs(configs, torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None)
+    if left_out and grid is None:
+        raise SpecError(f"--mode rank0: {left_out[0]}")
+    for line in left_out:
+        click.echo(f"actmem validate: left out: {line}", err=True)
+    if not kept:
+        raise SpecError(f"--grid {grid} --mode rank0: no run of the grid can be measured here")
+    return kept
+
+
 def _check_backends(configs, mode: str, microbatches) -> None:
     """The torch-native and hf backends measure one microbatch's forward on the CPU."""
     import torch
@@ -108,7 +131,7 @@ def _check_backends(configs, mode: str, microbatches) -> None:
     if microbatches not in (None, 1):
         raise SpecError(f"the {', '.join(sorted(others))} backend measures one microbatch's forward: "
                         f"drop --microbatches {microbatches}")
-    if mode == "real" and torch.cuda.is_available():
+    if mode in ("real", "rank0") and torch.cuda.is_available():
         raise SpecError(f"the {', '.join(sorted(others))} backend runs on the CPU so far; on a GPU "
                         "measure --implementation megatron, or use --mode fake")
 
@@ -168,7 +191,7 @@ def _configs(grid, techniques, microbatches, flags):
 def _run(configs, mode, timeout):
     from rich.progress import Progress
 
-    from actmem_validate.launch import HarnessError, run_fake, run_rank, run_real
+    from actmem_validate.launch import HarnessError, run_fake, run_rank, run_rank0, run_real
 
     if "LOCAL_RANK" in os.environ and mode == "real":              # under torchrun
         return _run_under_torchrun(configs, timeout, run_rank)
@@ -176,7 +199,9 @@ def _run(configs, mode, timeout):
         task = progress.add_task(f"measuring ({mode})", total=len(configs))
         advance = lambda config: progress.advance(task)
         try:
-            return run_fake(configs, advance) if mode == "fake" else run_real(configs, timeout, advance)
+            if mode == "real":
+                return run_real(configs, timeout, advance)
+            return (run_fake if mode == "fake" else run_rank0)(configs, advance)
         except HarnessError as error:
             raise click.ClickException(str(error))
 

@@ -17,13 +17,13 @@ below the floor, and above it by more than a gap the run allows (``--max-peak-ga
 transients actmem does not model yet). Under context parallelism the row is ``floor_cp``,
 judged from below only: the harness's context-parallel attention all-gathers k and v and
 computes fp32 s/c x s scores, its own peak, not Transformer Engine's ring.
-``allocated`` and ``pytorch_choice`` rows are information.
+``allocated``, ``pytorch_choice`` and ``reserve`` rows are information.
 """
 
 from actmem.estimate import Estimate
 
 from actmem.techniques import run_technique
-from actmem.terms import TERMS
+from actmem.terms import TERMS, Recompute
 
 PAPER_TERMS = [term.name for term in TERMS]
 
@@ -41,7 +41,13 @@ RESIDUALS = {
                              "token, when the stage holds the output layer (p = 1); transformers' "
                              "loss keeps its shifted int64 labels, 8 B a token",
     "cross_entropy_total_weight": "transformers' loss (nll_loss) keeps its fp32 total weight, 4 B",
+    "flash_rng_state": "on a GPU, SDPA's flash kernel keeps its philox state for the backward, 24 B a "
+                       "call: rng_state, 2 uint64, and an unused uint64 scalar (PyTorch's flash_api.cpp, "
+                       "mha_fwd); TE's and flash-attn's kernels keep a like 16-byte rng_state",
 }
+FLASH_RNG_STATE_BYTES = {"cuda": 2 * 8 + 8, "cpu": 0}
+"""The flash kernel's saved philox state by device type: none on the CPU's kernel
+(_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
 CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp")
 """The kinds of row the gate judges; the others are information."""
 HARNESS_LEAVES_OUT = ("weights", "optimizer_state")
@@ -50,10 +56,11 @@ parameters, and it runs no optimizer step."""
 INDEX_BYTES, FLAG_BYTES, STATISTIC_BYTES = 8, 1, 4     # int64 indices, bool masks, fp32 statistics
 
 
-def expected_residuals(spec, occupancy) -> dict:
+def expected_residuals(spec, occupancy, device: str = "cpu") -> dict:
     """Bytes of each residual on the first stage at its peak, from what the harness's own
     code saves (gpt.py, fused.py): per norm held (where the formula does not count them),
-    per microbatch whose embedding is held, and once for the loss when p = 1."""
+    per microbatch whose embedding is held, once for the loss when p = 1, and per flash
+    core held on a GPU."""
     s, b, run, arch = spec.model.seq_len // spec.run.context_parallel, spec.run.micro_batch, spec.run, spec.architecture
     tokens_per_norm = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     layers = _whole_layers(spec, occupancy)            # full recompute: inside the checkpoint
@@ -66,7 +73,18 @@ def expected_residuals(spec, occupancy) -> dict:
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,
         "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
+        "flash_rng_state": _flash_cores_held(spec, layers) * FLASH_RNG_STATE_BYTES[device.split(":")[0]],
     }
+
+
+def _flash_cores_held(spec, layers: int) -> int:
+    """SDPA flash cores whose saved tensors are held: one a whole layer; none where selective
+    recompute reruns the core (Megatron's core_attn checkpoint keeps only its inputs), nor
+    under context parallelism (the harness's own ring-less attention, context.py)."""
+    run = spec.run
+    rerun = run.recompute is Recompute.SELECTIVE and "core_attn" in (run.recompute_modules or ("core_attn",))
+    sdpa = spec.architecture.attention_core != "eager" and run.context_parallel == 1
+    return layers if sdpa and not rerun else 0
 
 
 def _whole_layers(spec, occupancy) -> int:
@@ -89,13 +107,16 @@ def _kind(name: str, residuals: dict) -> str:
     return "residual" if name in RESIDUALS else "unnamed"
 
 
-def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_bytes: int = 1) -> list[dict]:
+def compare(config, est: Estimate, run, rank: int, peak_bytes: int, device: str = "cpu",
+            native_mask_bytes: int = 1, kept_for_the_process: int = 0) -> list[dict]:
     """One row a term the formula or the measurement has, and one a residual the harness
     expects or measures; then 'total'; 'allocated' (above the parameters right after the
     forward that made the peak) and 'peak' (the allocator's peak during the schedule); and,
     where PyTorch's own dropout keeps a wider mask than 1 byte, what that choice would add
-    ('pytorch_choice'). A residual row's formula_bytes are the harness's expected size."""
-    residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy).items() if n}
+    ('pytorch_choice'); on a GPU, what its warm-up pass left allocated for the process
+    ('reserve': cuBLAS's workspaces, measure._warm_up). A residual row's formula_bytes are
+    the harness's expected size."""
+    residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy, device).items() if n}
     formula = {row.term.name: row.total_bytes for row in est.run_terms} | residuals
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
@@ -109,6 +130,9 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, native_mask_
     floor = est.peak
     rows.append(_row(config, rank, "peak", floor.total_bytes - floor.bytes_of(*HARNESS_LEAVES_OUT),
                      peak_bytes, "floor_cp" if config.spec.run.context_parallel > 1 else "floor"))
+    if kept_for_the_process:
+        rows.append(_row(config, rank, "kept_for_the_process", 0,
+                         kept_for_the_process, "reserve"))
     masks = sum(n for name, n in measured.items() if name.endswith("dropout_mask"))
     if native_mask_bytes > 1 and masks:
         rows.append(_row(config, rank, f"native_dropout_mask_extra ({native_mask_bytes} B/element)", 0,

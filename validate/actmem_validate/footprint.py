@@ -52,3 +52,42 @@ def check_fits_machine(configs, available: int | None = None) -> None:
                         f"gradients, twice the saved activations, the process), and this machine "
                         f"has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
                         f"fewer --layers")
+
+
+GPU_MARGIN = 0.02, 2 * 2**30
+"""Room a GPU run leaves above actmem's floor: 2% for what the floor does not model (the
+harness's peak sits at most 0.9% above it at paper scale) and 2 GiB for the allocator's
+rounding, cuBLAS's workspaces and the CUDA context's own growth."""
+
+
+def gpu_bytes(config) -> int:
+    """Rank 0 on a GPU (--mode rank0): actmem's peak floor (weights, main gradients, the
+    activations in flight, the modelled transients) less the optimizer state the harness
+    never makes, with GPU_MARGIN."""
+    floor = estimate(config.spec).peak
+    need = floor.total_bytes - floor.bytes_of("optimizer_state")
+    return int(need * (1 + GPU_MARGIN[0])) + GPU_MARGIN[1]
+
+
+def rank0_runs(configs, gpu_free: int | None) -> tuple[list, list[str]]:
+    """The configurations --mode rank0 measures, and one line a configuration it leaves out:
+    the megatron backend only (torch-native checks its values against one device, which the
+    fake ranks do not compute; hf runs on one device: --mode real measures both); on a GPU
+    (gpu_free: its free bytes) no context parallelism (the harness's attention all-gathers k
+    and v: not TE's ring, and larger than actmem's floor) and a floor, with GPU_MARGIN,
+    within its free memory."""
+    kept, left_out = [], []
+    for config in configs:
+        run, implementation = config.spec.run, config.spec.architecture.implementation
+        if implementation != "megatron":
+            left_out.append(f"{config.label}: --mode rank0 measures the megatron backend; "
+                            f"{implementation} runs with --mode real")
+        elif gpu_free is not None and run.context_parallel > 1:
+            left_out.append(f"{config.label}: context parallelism on a GPU (the harness's attention "
+                            f"is not TE's ring, and needs more than actmem's floor)")
+        elif gpu_free is not None and gpu_bytes(config) > gpu_free:
+            left_out.append(f"{config.label}: needs about {gib(gpu_bytes(config)):,.1f} GiB, "
+                            f"{gib(gpu_free):,.1f} GiB free on this GPU")
+        else:
+            kept.append(config)
+    return kept, left_out

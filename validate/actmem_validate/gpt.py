@@ -17,7 +17,7 @@ from actmem_validate.ledger import label, name_of, name_saved_output, scope
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_reduce
-from actmem_validate.torch_compat import storage_key
+from actmem_validate.torch_compat import flash_rng_state, storage_key
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,8 @@ def flash_core(q, k, v, copies_output: bool = False):
         context = out.transpose(1, 2).transpose(0, 1).contiguous().view(s, b, heads * d)
     else:                                       # (1, b·a, s, d) stored (s, b, a, d)
         context = out.squeeze(0).transpose(0, 1).view(s, b, heads * d)
+    for rng in flash_rng_state(out):                    # on a GPU (compare.FLASH_RNG_STATE_BYTES)
+        name_saved_output(rng, "flash_rng_state")
     if storage_key(context) != storage_key(out):
         name_saved_output(out, "flash_output")          # flash-attn's own copy, b > 1
     return name_saved_output(context, "projection_input")

@@ -1,4 +1,5 @@
-"""Run measurements: fake ranks in this process, or t real ranks (spawned, or torchrun).
+"""Run measurements: rank 0 of t in this process (fake tensors, or real ones beside a fake
+process group), or t real ranks (spawned, or torchrun).
 
 Real runs use gloo on CPU and NCCL on GPUs. A rank that raises ends the whole job: the
 spawner terminates the other ranks, and every collective has a timeout, so CI never hangs.
@@ -32,6 +33,22 @@ def _by_world_size(configs):
 def run_fake(configs: list[Config], on_done=lambda config: None) -> list[dict]:
     """Rank 0 of t, one process: FakeTensorMode for shapes without data, the fake process
     group for collectives that return at once. Paper-scale shapes cost no memory."""
+    return _rank0(configs, on_done, "cpu", fake=True)
+
+
+def run_rank0(configs: list[Config], on_done=lambda config: None) -> list[dict]:
+    """Rank 0 of t, one process, real tensors on this machine's GPU (else its CPU): the fake
+    process group stands in for the other ranks, so a collective allocates its output, as
+    rank 0 of a real run does, and fills nothing. What is allocated and saved is a real
+    run's rank 0's (NCCL's own buffers are outside torch's allocator either way; gloo's
+    temporaries are not made); the values are not, so no result is checked."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    return _rank0(configs, on_done, device, fake=False)
+
+
+def _rank0(configs, on_done, device: str, fake: bool) -> list[dict]:
     from actmem_validate.torch_compat import fake_store
 
     rows = []
@@ -39,11 +56,20 @@ def run_fake(configs: list[Config], on_done=lambda config: None) -> list[dict]:
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=t)
         try:
             for config in group:
-                rows += measure(config, rank=0, fake=True)
+                rows += _measured(config, device, fake)
                 on_done(config)
         finally:
             dist.destroy_process_group()
     return rows
+
+
+def _measured(config: Config, device: str, fake: bool) -> list[dict]:
+    try:
+        return measure(config, rank=0, device=device, fake=fake)
+    except torch.cuda.OutOfMemoryError:
+        free, total = torch.cuda.mem_get_info()
+        raise HarnessError(f"{config.label} ran out of this GPU's memory ({total / 2**30:,.1f} GiB); "
+                           f"measure it with --mode fake") from None
 
 
 def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config: None) -> list[dict]:

@@ -22,12 +22,17 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     hold t times more). With gradient accumulation fusion (Megatron's default where its CUDA
     extension is built; TE's fuse_wgrad_accumulation) the weight gradient is accumulated
     straight into the fp32 ``weight.main_grad`` (wgrad_gemm_accum_fp32), so no 16-bit weight
-    gradient is ever allocated; without a main_grad (the correctness check) it is returned."""
+    gradient is ever allocated; without a main_grad (the correctness check) it is returned.
+    The main_grad is looked up on the parameter kept in ctx: under saved_tensors_hooks (the
+    ledger's) ctx.saved_tensors returns a new tensor for a saved leaf, which has no main_grad,
+    and the harness would make the 16-bit weight gradient Megatron never makes (it did until
+    a GPU's allocator trace showed it live at 530B's peak, 400 MiB)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp, gather):
         ctx.tp, ctx.gather, ctx.has_bias = tp, gather, bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.parameter = weight         # saved_tensors hands back a new tensor, without main_grad
         total = all_gather(x, tp) if gather else x         # (s, b, h): a transient
         out = total @ weight.t()
         return out if bias is None else out + bias
@@ -39,7 +44,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         grad_input = grad @ weight
         if ctx.gather:
             grad_input = reduce_scatter(grad_input, ctx.tp)  # (s/t, b, h)
-        grad_weight = accumulate_weight_gradient(weight, grad.flatten(0, -2), total.flatten(0, -2))
+        grad_weight = accumulate_weight_gradient(ctx.parameter, grad.flatten(0, -2), total.flatten(0, -2))
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None
 
@@ -47,8 +52,8 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 def accumulate_weight_gradient(weight, grad_2d, input_2d):
     """gradᵀ·input into weight.main_grad (fp32, in place) when it has one; else returned.
     A 16-bit GEMM that accumulates into fp32 is aten's addmm.dtype_out: CUDA and fake tensors
-    have it; a CPU has none, so there the 16-bit product is made and added (a transient of
-    one weight's size: ``WGRAD_ON_CPU``)."""
+    have it (with no transient: measured on an H100, torch 2.11); a CPU has none, so there the
+    16-bit product is made and added, a transient of one weight's size."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         return grad_2d.t() @ input_2d
@@ -58,7 +63,7 @@ def accumulate_weight_gradient(weight, grad_2d, input_2d):
             torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
             _FP32_ACCUMULATING_GEMM[kind] = True
             return None
-        except (NotImplementedError, RuntimeError):
+        except (NotImplementedError, RuntimeError, TypeError):    # TypeError: torch 2.11's fake kernel
             if kind in _FP32_ACCUMULATING_GEMM:        # it ran before: a real error, not a missing kernel
                 raise
             _FP32_ACCUMULATING_GEMM[kind] = False
@@ -83,10 +88,19 @@ def attach_main_grads(module: nn.Module) -> torch.Tensor:
     buffer = torch.zeros(sum(param.numel() for param in params), dtype=torch.float32, device=first.device)
     offset = 0
     for param in params:
+        if not hasattr(param, "main_grad"):            # attached again after free_main_grads
+            param.register_post_accumulate_grad_hook(_add_to_main_grad)
         param.main_grad = buffer[offset:offset + param.numel()].view(param.shape)
-        param.register_post_accumulate_grad_hook(_add_to_main_grad)
         offset += param.numel()
     return buffer
+
+
+def free_main_grads(module: nn.Module) -> None:
+    """Release the buffer attach_main_grads made (its views are its only references); the
+    hooks stay, for the next attach_main_grads."""
+    for param in module.parameters():
+        if hasattr(param, "main_grad"):
+            param.main_grad = None
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from actmem.techniques import Technique, matching, unnamed_run
 from actmem.terms import Recompute
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec
-from actmem_validate.layers import attach_main_grads
+from actmem_validate.layers import attach_main_grads, free_main_grads
 from actmem_validate.context import tensor_and_context_groups
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
@@ -83,13 +83,33 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
     with fake_tensor_mode() if fake else nullcontext():
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
                            spec.stage_layers)
+        schedule = lambda allocated=lambda: 0: run_first_stage(
+            stage, layer_spec, run.pipeline_parallel, run.interleave, config.microbatches, run.micro_batch,
+            spec.padded_vocab, tp, allocated)
+        kept_for_the_process = _warm_up(stage, schedule) if device.startswith("cuda") else 0
         with _PeakMemory(stage, device) as peak:
             attach_main_grads(stage)                  # fp32, allocated before the step (counted)
-            result = run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave,
-                                     config.microbatches, run.micro_batch, spec.padded_vocab, tp,
-                                     peak.current)
+            result = schedule(peak.current)
     mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
-    return compare(config, estimate(spec), result, rank, peak.bytes, mask_bytes)
+    return compare(config, estimate(spec), result, rank, peak.bytes, device, mask_bytes, kept_for_the_process)
+
+
+def _warm_up(stage, schedule) -> int:
+    """On a GPU, one unmeasured pass of the schedule before the measured one. cuBLAS and
+    cuBLASLt take their workspaces from the caching allocator at their first GEMM on a
+    stream and keep them for the life of the process (torch's CUDABlasHandlePool), so a
+    measured first pass would count them in the first configuration's peak only. They are
+    what --reserve covers, not activations: returns the bytes the pass left allocated for
+    good, which the rows report ('kept_for_the_process')."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    attach_main_grads(stage)
+    schedule()
+    free_main_grads(stage)
+    for param in stage.parameters():
+        param.grad = None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
 
 
 def native_dropout_mask_bytes(device: str) -> int:

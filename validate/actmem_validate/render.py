@@ -30,13 +30,15 @@ def render_rows(rows: list[dict]) -> None:
                        "PyTorch, not counted by the paper); allocated, all memory above the parameters "
                        "at that moment; "
                        "native_dropout_mask_extra, what PyTorch's own dropout, with its wider mask on "
-                       "this device, would add (the harness keeps 1-byte masks as Megatron does).",
+                       "this device, would add (the harness keeps 1-byte masks as Megatron does); "
+                       "kept_for_the_process, on a GPU, what an unmeasured first pass left allocated "
+                       "for the life of the process (cuBLAS's workspaces), which --reserve covers.",
                        style="dim"))
 
 
 def _term(row) -> Text:
     style = {"residual": "dim", "total": "bold", "floor": "italic", "allocated": "italic",
-             "pytorch_choice": "dim", "unnamed": "bold red"}.get(row["kind"], "")
+             "pytorch_choice": "dim", "reserve": "dim", "unnamed": "bold red"}.get(row["kind"], "")
     suffix = {"residual": " (residual)", "unnamed": " (unnamed)"}.get(row["kind"], "")
     return Text(row["term"] + suffix, style=style)
 

@@ -80,6 +80,30 @@ class LiveStorages:
         return _Mode()
 
 
+def flash_rng_state(out: torch.Tensor) -> list:
+    """The philox state SDPA's flash kernel saved for the backward of ``out``: on a GPU,
+    flash_api.cpp's rng_state and its unused scalar (saved as rng_state and unused by torch
+    2.11, as philox_seed and philox_offset by older releases); none from the CPU's kernel. Private:
+    the backward node's _saved_* attributes."""
+    node = out.grad_fn
+    names = ("_saved_rng_state", "_saved_unused", "_saved_philox_seed", "_saved_philox_offset")
+    return [tensor for tensor in (getattr(node, name, None) for name in names) if isinstance(tensor, torch.Tensor)]
+
+
+def _probe_flash_rng_state():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.ones(1, 1, 4, 8, requires_grad=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert "Flash" in out.grad_fn.name() and flash_rng_state(out) == []     # the CPU kernel keeps none
+    if torch.cuda.is_available():
+        q = q.detach().to("cuda", torch.bfloat16).requires_grad_()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert sum(t.untyped_storage().nbytes() for t in flash_rng_state(out)) == 24
+
+
 def pipeline_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
     """Backward from a pipeline stage's output whose storage was already freed (its .data
     swapped for one element after the send), with the gradient received for it: Megatron's
@@ -141,4 +165,5 @@ PROBES = {
     "torch.testing._internal.distributed.fake_pg.FakeStore": _probe_fake_pg,
     "TorchDispatchMode and storage weakrefs (LiveStorages)": _probe_live_storages,
     "Variable._execution_engine.run_backward (Megatron's custom_backward)": _probe_pipeline_backward,
+    "SDPA flash backward node's _saved_philox_* (flash_rng_state)": _probe_flash_rng_state,
 }

@@ -1,0 +1,141 @@
+"""--mode rank0 (rank 0 of t with real tensors beside a fake process group), and what a GPU
+run adds: the warm-up's one-time buffers and the flash kernel's saved RNG state. The GPU
+itself is exercised by test_measurement.test_gpu_run_matches_on_cuda; these run anywhere."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from actmem.cli import cli  # noqa: E402
+from actmem.estimate import estimate  # noqa: E402
+from actmem_validate import layers  # noqa: E402
+from actmem_validate.compare import compare, expected_residuals, judge  # noqa: E402
+from actmem_validate.footprint import gpu_bytes, rank0_runs  # noqa: E402
+from actmem_validate.grid import FLASH, configs_for, small_spec  # noqa: E402
+from actmem_validate.launch import run_rank0, run_real  # noqa: E402
+from actmem_validate.ledger import Ledger  # noqa: E402
+from actmem_validate.parallel import TensorParallel  # noqa: E402
+from actmem_validate.schedule import StageRun  # noqa: E402
+from actmem_validate.torch_compat import LiveStorages, fake_tensor_mode  # noqa: E402
+
+SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "--seq-len", "32",
+         "--micro-batch", "2"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a real t = 2 run needs a CPU or two GPUs")
+def test_rank0_measures_what_rank_0_of_a_real_run_saves():
+    """The same t = 2 run, twice: real gloo ranks, and rank 0 alone beside the fake process
+    group. Every saved-tensor row is the same to the byte; the peak is not above the real
+    one (gloo's own temporaries are not made), and both pass the gate."""
+    configs = configs_for(small_spec(2, 2), ["tp-sp", "tp-sp-sel"], 1)
+    alone = run_rank0(configs)
+    real = [row for row in run_real(configs) if row["rank"] == 0]
+    key = lambda row: (row["config"], row["term"])
+    saved = lambda rows: {key(row): row["measured_bytes"] for row in rows
+                          if row["kind"] in ("paper", "residual", "total")}
+    assert saved(alone) == saved(real) and len(saved(alone)) > 10
+    peaks = lambda rows: {key(row): row["measured_bytes"] for row in rows if row["term"] == "peak"}
+    assert all(peaks(alone)[k] <= peaks(real)[k] for k in peaks(real))
+    assert judge(alone, 0.0) == []
+
+
+def test_rank0_leaves_out_what_it_cannot_measure():
+    megatron = configs_for(small_spec(2, 2), ["tp-sp"], 1)[0]
+    native = configs_for(small_spec(2, 2, **FLASH, implementation="torch-native"), ["tp-sp"], 1)[0]
+    cp = configs_for(small_spec(2, 2, c=2, **FLASH),
+                     ["tp-sp"], 1)[0]
+    kept, left_out = rank0_runs([megatron, native, cp], gpu_free=None)      # on a CPU
+    assert kept == [megatron, cp] and "measures the megatron backend" in left_out[0]
+    need = gpu_bytes(megatron)
+    kept, left_out = rank0_runs([megatron, cp], gpu_free=need)              # a GPU it just fits
+    assert kept == [megatron] and "context parallelism" in left_out[0]
+    kept, left_out = rank0_runs([megatron], gpu_free=need - 1)              # one byte short
+    assert kept == [] and "free on this GPU" in left_out[0]
+
+
+def test_gpu_bytes_is_the_floor_without_the_optimizer_with_the_margin():
+    """gpu_bytes = (floor - optimizer state) x 1.02 + 2 GiB (footprint.GPU_MARGIN)."""
+    config = configs_for(small_spec(2, 2), ["tp-sp"], 1)[0]
+    floor = estimate(config.spec).peak
+    weights, gradients = floor.bytes_of("weights"), floor.bytes_of("gradients")
+    rest = floor.total_bytes - weights - gradients - floor.bytes_of("optimizer_state")
+    assert gpu_bytes(config) == int((weights + gradients + rest) * 1.02) + 2 * 2**30
+
+
+def test_rank0_refuses_one_spec_it_cannot_measure():
+    result = CliRunner().invoke(cli, ["validate", *SMALL, "--mode", "rank0", "--techniques", "none",
+                                      "--implementation", "hf"])
+    assert result.exit_code == 2
+    assert "--mode rank0" in result.stderr and "measures the megatron backend" in result.stderr
+
+
+def test_the_weight_gradient_goes_into_main_grad_under_the_ledger():
+    """Under the ledger's saved_tensors_hooks, ctx.saved_tensors hands back a new tensor for
+    the saved weight, without main_grad: the linear must find main_grad on the parameter,
+    or it makes the 16-bit weight gradient Megatron never makes. With fake tensors (which
+    have addmm.dtype_out) the backward then allocates only the input's gradient: 8 x 512
+    x 2 B = 8 KiB, against 512 KiB for a [512, 512] bf16 weight gradient."""
+    with fake_tensor_mode():
+        weight = torch.nn.Parameter(torch.empty(512, 512, dtype=torch.bfloat16))
+        layers.attach_main_grads(torch.nn.ParameterList([weight]))
+        x = torch.empty(8, 512, dtype=torch.bfloat16, requires_grad=True)
+        with Ledger([weight]).recording():
+            out = layers.linear(x, weight, None, TensorParallel())
+        grad = torch.empty(8, 512, dtype=torch.bfloat16)
+        with LiveStorages() as live:
+            out.backward(grad)
+    assert live.peak == 8 * 512 * 2
+
+
+def test_main_grads_freed_and_attached_again_accumulate_once():
+    """The GPU warm-up frees the main-gradient buffer and attaches a new one: the hook that
+    adds autograd's gradients must not be registered twice."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))        # its gradient goes through the hook
+    module = torch.nn.ParameterList([weight, bias])
+    x, grad = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    layers.attach_main_grads(module)
+    layers.free_main_grads(module)
+    assert weight.main_grad is None
+    layers.attach_main_grads(module)
+    layers.linear(x, weight, bias, TensorParallel()).backward(grad)
+    assert torch.allclose(bias.main_grad.double(), grad.sum(0), atol=1e-6)   # once, not twice
+
+
+def test_the_flash_kernel_rng_state_is_expected_on_a_gpu_only():
+    """24 B a flash core held on a GPU (flash_api.cpp: rng_state, 2 uint64, and an unused
+    uint64): 2 layers x 24 B = 48 B at p = 1, n = 1; none on a CPU, none for the eager core,
+    none where selective recompute reruns the core."""
+    flash = dict(FLASH, attention_dropout=0.0, hidden_dropout=0.0)
+    for technique, cuda_bytes in (("tp-sp", 48), ("tp-sp-full", 0), ("tp-sp-sel", 0)):
+        config = configs_for(small_spec(2, 2, **flash), [technique], 1)[0]
+        occupancy = estimate(config.spec).occupancy
+        assert expected_residuals(config.spec, occupancy, "cuda:0")["flash_rng_state"] == cuda_bytes
+        assert expected_residuals(config.spec, occupancy, "cpu")["flash_rng_state"] == 0
+    eager = configs_for(small_spec(2, 2), ["tp-sp"], 1)[0]
+    assert expected_residuals(eager.spec, estimate(eager.spec).occupancy, "cuda:0")["flash_rng_state"] == 0
+
+
+def test_a_gpu_without_the_flash_rng_state_fails_the_gate():
+    """Expected on a GPU and not measured (a kernel that stopped keeping it, or a name that
+    no longer finds it): the residual row is one-sided, and the gate says so."""
+    config = configs_for(small_spec(2, 2, **dict(FLASH, attention_dropout=0.0, hidden_dropout=0.0)),
+                         ["tp-sp"], 1)[0]
+    est = estimate(config.spec)
+    run = StageRun(peak_saved_bytes=0, terms_at_peak={})
+    rows = compare(config, est, run, 0, peak_bytes=10**12, device="cuda:0")
+    rng = next(row for row in rows if row["term"] == "flash_rng_state")
+    assert (rng["formula_bytes"], rng["measured_bytes"]) == (48, 0)
+    failures = judge(rows, 0.0)
+    assert any("flash_rng_state" in line for line in failures)
+
+
+def test_the_one_time_buffers_are_reported_not_judged():
+    config = configs_for(small_spec(2, 2), ["tp-sp"], 1)[0]
+    rows = compare(config, estimate(config.spec), StageRun(), 0, peak_bytes=0, kept_for_the_process=64 * 2**20)
+    kept = next(row for row in rows if row["term"] == "kept_for_the_process")
+    judge(rows, 0.0)
+    assert kept["measured_bytes"] == 64 * 2**20 and kept["gate"] == "info"

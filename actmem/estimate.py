@@ -7,7 +7,7 @@ from actmem import backward, engine
 from actmem.architecture import PAPER, counts_norm_statistics, te_layer_spec
 from actmem.implementation import MEGATRON
 from actmem import symbols
-from actmem.parameters import ParameterBytes, parameter_bytes, stage_parameters
+from actmem.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
 from actmem.peak import PeakFloor, peak_floor
 from actmem.pipeline import StageOccupancy, stage_occupancy
 from actmem.stages import StageLoad, stage_layers
@@ -280,10 +280,12 @@ def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run = spec.model, spec.run
-    count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t,
-                             padded_vocab(model.vocab, t, spec.vocab_divisible_by), model.seq_len,
+    vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
+    count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
                              spec.architecture, model.heads, layers, stage)
-    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer)
+    dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
+                                   holds_output=int(stage == run.pipeline_parallel - 1))
+    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies)
 
 
 def _layer_formula(arch) -> str:
@@ -437,6 +439,11 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B "
                      f"fp32 gradient + {OPTIMIZER_BYTES} B fp32 master weight and Adam moments "
                      "(mixed-precision Adam)")
+    if arch.implementation == "megatron":
+        notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "
+                     "hands autograd an uncomputed 16-bit tensor of its weight's shape, and Transformer Engine "
+                     "(get_dummy_wgrad, since its PR #1651, 2025) keeps one a shape for the process; older releases make one at "
+                     "each weight gradient instead, a transient not modelled")
     if spec.run.gpus is None:
         notes.append("GPU count unknown: data parallel size taken as 1")
     if spec.padded_vocab != spec.model.vocab and arch.code.pads_vocab:

@@ -1,4 +1,5 @@
-"""Parameters, gradients and optimizer state on one GPU of the first stage.
+"""Parameters, gradients and optimizer state on one GPU of the first stage (and the dummy
+weight gradients Megatron's linears hand autograd).
 
 Figure 1 of the paper sets these beside the activations. The count follows
 Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike.
@@ -62,22 +63,51 @@ def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None
     return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
 
 
+def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
+    """Elements of the 16-bit dummy weight gradients a stage keeps for the process. Under
+    Megatron's DDP a linear that accumulates its weight gradient into main_grad (gradient
+    accumulation fusion) still returns a tensor of the weight's shape, uncomputed, so that
+    the DDP hooks run on the main backward thread; TE's get_dummy_wgrad
+    (transformer_engine/pytorch/module/base.py; TE PR #1651, 2025) caches one per distinct
+    (shape, dtype) for the life of the process, and Megatron's own ColumnParallelLinear
+    (tensor_parallel/layers.py) takes it from TE too. The shapes: QKV [(ad + 2gd)/t, h],
+    the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
+    with the output layer [v/t, h]; shapes that coincide are one tensor. Megatron's layer
+    only (the other implementations compute real gradients). Arithmetic only."""
+    if arch.implementation != "megatron":
+        return 0
+    f = arch.ffn(h)
+    shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
+              (arch.fc1_width * f // t, h, 1), (h, f // t, 1), (v // t, h, holds_output))
+    total = 0
+    for i, (rows, cols, here) in enumerate(shapes):
+        seen = 0                              # an earlier shape on the stage equal to this one
+        for earlier_rows, earlier_cols, there in shapes[:i]:
+            seen = seen + (rows == earlier_rows) * (cols == earlier_cols) * there
+        total = total + rows * cols * here * (seen == 0)
+    return total
+
+
 @dataclass(frozen=True)
 class ParameterBytes:
     count: int
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
+    dummy_wgrads_bytes: int = 0
+    """TE's cached 16-bit dummy weight gradients (dummy_wgrad_elements): model state too,
+    allocated at the first backward and kept."""
 
     @property
     def total_bytes(self):
-        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
 
 
-def parameter_bytes(count, data_parallel, distributed_optimizer) -> ParameterBytes:
+def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0) -> ParameterBytes:
     """18 bytes a parameter, or 6 + 12/d with the distributed optimizer (rounded up: the
-    largest shard). Arithmetic only: the planner passes numpy arrays, one element a
-    configuration."""
+    largest shard); and 2 bytes a dummy weight-gradient element (dummy_wgrad_elements).
+    Arithmetic only: the planner passes numpy arrays, one element a configuration."""
     shards = 1 + (data_parallel - 1) * distributed_optimizer
     optimizer = -(-OPTIMIZER_BYTES * count // shards)
-    return ParameterBytes(count, WEIGHT_BYTES * count, GRADIENT_BYTES * count, optimizer)
+    return ParameterBytes(count, WEIGHT_BYTES * count, GRADIENT_BYTES * count, optimizer,
+                          WEIGHT_BYTES * dummy_wgrads)

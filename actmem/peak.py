@@ -5,7 +5,8 @@ which holds more. This module names the rows that are all live at one and the sa
 of a stage's schedule, so their sum is a floor under the peak, not a guess:
 
 - the model state: 16-bit weights, fp32 main gradients (Megatron's DDP allocates its grad
-  buffer once, before the first step: param_and_grad_buffer.py) and the optimizer state;
+  buffer once, before the first step: param_and_grad_buffer.py), the optimizer state, and
+  the dummy 16-bit weight gradients TE caches, one a weight shape (parameters.py);
 - the saved activations of every microbatch in flight (the paper's count, section 4.4);
 - under recompute, what the backward of the stage's last layer rematerialises while all of
   the above is held (``engine.rematerialised_bytes``), less what that backward freed before
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 
 from actmem.techniques import Technique
 from actmem.terms import TRANSIENT_TERMS, Recompute
+
+
+DUMMY_WGRADS_SOURCE = ("16-bit tensors of the linears' weight shapes, one per distinct shape, that Megatron's "
+                       "fused-wgrad linears return uncomputed and TE's get_dummy_wgrad caches for the process "
+                       "(transformer_engine/pytorch/module/base.py): QKV, projection, fc1, fc2, the output layer")
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ def peak_floor(row) -> PeakFloor:
                 "fp32 main gradients: one buffer, allocated before the first step (Megatron's DDP)"),
         PeakRow("optimizer_state", params.optimizer_bytes,
                 "fp32 master weights and Adam's two moments (or this rank's shard of them)"),
-    )
+    ) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
+         if params.dummy_wgrads_bytes else ())
     held = PeakRow("activations_in_flight", row.first_stage_bytes,
                    "the saved activations of every microbatch in flight (sections 4.4, 4.5)")
     moments = [PeakFloor(state + (held,), "the first backward's start, every microbatch held")]

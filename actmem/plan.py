@@ -17,14 +17,15 @@ from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
-from actmem.parameters import first_stage_parameters, parameter_bytes, stage_parameters
+from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
 from actmem.pipeline import held_counts
 from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import PLAN_RECOMPUTE, run_technique
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
-MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "transient_bytes")
+MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes",
+                "transient_bytes")
 """The first stage's peak floor by part (actmem.peak); they add to first_peak_bytes. Transient:
 what the peak moment holds above the total (the rerun less what was freed, or the loss's
 16-bit gradient where the stage holds the output layer)."""
@@ -222,13 +223,16 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
                            "holds_output": (stage == grid.p - 1).astype("int64")}, index=grid.index)
     memory = pd.DataFrame(index=grid.index)
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
+    dummies = dummy_wgrad_elements(h, grid.t, grid.vocab, req.architecture, model.heads,
+                                   holds_output=(stage == grid.p - 1).astype("int64"))
     params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
                                               model.heads, stage=stage),
-                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"))   # shards: d·c
+                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies)   # shards: d·c
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
     memory["optimizer_bytes"] = params.optimizer_bytes
+    memory["dummy_wgrads_bytes"] = params.dummy_wgrads_bytes
     return memory
 
 

@@ -22,6 +22,7 @@ _PARTS = {
     "weights_bytes": ("weights (16-bit)", "#2e7d4f"),
     "gradients_bytes": ("gradients (fp32)", "#6fb386"),
     "optimizer_bytes": ("optimizer: fp32 master, Adam", "#b9dcc4"),
+    "dummy_wgrads_bytes": ("dummy weight gradients (16-bit, TE's)", "#c9d98c"),
     "transient_bytes": ("at the peak: rerun, gradients", "#d9d9d9"),
 }
 _GPU_LINE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.2}

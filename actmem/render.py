@@ -121,7 +121,7 @@ def _techniques_table(est: Estimate) -> Table:
                       Text(f"{format_in(row.total_bytes, units['total'])} {'✓' if fits else '✗'}",
                            style="green" if fits else "red"))
     table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
-                     "+ params: with weights, gradients and optimizer state at the row's t; ✓ where "
+                     "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's t; ✓ where "
                      "the row's peak floor fits on every stage; ◀ this run")
     table.caption_justify = "left"
     return table
@@ -154,6 +154,9 @@ def _memory_table(est: Estimate) -> Table:
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
             ("gradients", params.gradients_bytes, per_param + f"{GRADIENT_BYTES} B (fp32)"),
             ("optimizer state", params.optimizer_bytes, per_param + optimizer))
+    if params.dummy_wgrads_bytes:
+        rows += (("dummy weight gradients", params.dummy_wgrads_bytes,
+                  "16-bit, one a linear's weight shape, kept by TE (get_dummy_wgrad)"),)
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
@@ -183,7 +186,7 @@ def _verdict(est: Estimate) -> Text:
         text.append(f"{where[0].upper()}{where[1:]} holds the most ({plural(busiest.layers, 'layer')}, "
                     f"{plural(busiest.occupancy.layer_activations, 'layer activation')} in flight, "
                     f"{gib(busiest.activations_bytes):,.2f} GiB of activations and "
-                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of parameters and optimizer state): "
+                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of model state): "
                     f"the verdict is its peak floor (--stage {_stage_flag(busiest.stage, p)} shows it)\n", style="yellow")
     text.append("fits " if est.fits else "does not fit ", style="bold green" if est.fits else "bold red")
     text.append_text(_bar(used, width=30, style="green" if est.fits else "red"))
@@ -214,7 +217,7 @@ def _stages_table(est: Estimate) -> Table:
                       format_in(load.parameters.total_bytes, unit), format_in(peak - load.total_bytes, unit),
                       Text(format_in(peak, unit), style="green" if peak <= budget else "red"))
     table.caption = ("held: layer activations in flight at the stage's first backward; model state: "
-                     "weights, fp32 main gradients, optimizer state; rerun: what that backward "
+                     "weights, fp32 main gradients, optimizer state, TE's dummy weight gradients; rerun: what that backward "
                      "recomputes beyond what it frees first; the parts add to the peak; ◀ the verdict's")
     table.caption_justify = "left"
     return table

@@ -37,6 +37,7 @@ def records(est: Estimate, codes=None) -> dict:
                        "weights_bytes": est.parameters.weights_bytes,
                        "gradients_bytes": est.parameters.gradients_bytes,
                        "optimizer_bytes": est.parameters.optimizer_bytes,
+                       "dummy_wgrads_bytes": est.parameters.dummy_wgrads_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
         "peak_floor": _floor(est.peak),
@@ -108,6 +109,7 @@ def frames(est: Estimate, codes=None) -> dict:
     memory = [{"item": item, "bytes": n_bytes} for item, n_bytes in (
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
+        ("dummy_wgrads", params["dummy_wgrads_bytes"]),
         ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("headroom", rec["headroom_bytes"]))]
@@ -158,7 +160,7 @@ def to_markdown(est: Estimate, codes=None) -> str:
 
 PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
                  "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
-                 "optimizer_bytes", "transient_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
+                 "optimizer_bytes", "dummy_wgrads_bytes", "transient_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
                  "peak_bytes", "peak_stage", "fits", "compute_s", "tensor_parallel_s",
                  "context_parallel_s", "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
 

@@ -167,27 +167,31 @@ def test_the_busiest_stage_of_an_uneven_pipeline_decides_the_verdict(actmem):
     """Stage 1 of 405B's run holds 8 layers x 15 microbatches (1F1B: p - 1 in flight) =
     120 x 533,209,088 = 63,985,090,560 B, and 8 layers of parameters, 3,187,933,184, at
     2 + 4 + 12/128 B each (distributed optimizer, d = 128): 6,375,866,368 + 12,751,732,736 +
-    298,868,736 = 19,426,467,840 B: 83,411,558,400 B. Its peak floor is the last layer's fc1
+    298,868,736 = 19,426,467,840 B, and TE's 16-bit dummy weight gradients, one a weight
+    shape: QKV [(ad + 2gd)/t, h] = 2304 x 16384, projection [h, ad/t] = 16384 x 2048, fc1
+    [2f/t, h] = 13312 x 16384, fc2 [h, f/t] = 16384 x 6656: 398,458,880 elements,
+    796,917,760 B; model state 20,223,385,600 B: 84,208,476,160 B. Its peak floor is the last layer's fc1
     backward (no recompute, nothing rerun): with sbh/t = 16,777,216 and sbf/t = 54,525,952, it
     makes SwiGLU's input gradient 4sbf/t = 218,103,808, fc1's input gathered again and its input
     gradient, 2sbh each = 268,435,456 x 2, that gradient's shard 2sbh/t and the gradient at the
     layer's output 2sbh/t, 33,554,432 each: 822,083,584; it has freed SwiGLU's input 4sbf/t and
-    fc2's 2sbf/t, 327,155,712 (no dropout, no mask): 83,906,486,272 B = 78.14 GiB, more than
-    the first stage's; the verdict and the headroom are stage 1's (77 GiB: no longer fits)."""
+    fc2's 2sbf/t, 327,155,712 (no dropout, no mask): 84,703,404,032 B = 78.89 GiB, more than
+    the first stage's; the verdict and the headroom are stage 1's (78 GiB: no longer fits)."""
     out = actmem.json("estimate", "--model", "llama-3.1-405b")
     assert out["busiest_stage"] == 1
     stage = out["stages"][1]
     assert {key: stage[key] for key in ("stage", "layers", "layer_activations", "activations_bytes",
                                         "parameters_bytes", "total_bytes")} == {
         "stage": 1, "layers": 8, "layer_activations": 120, "activations_bytes": 120 * 533_209_088,
-        "parameters_bytes": 19_426_467_840, "total_bytes": 83_411_558_400}
-    assert stage["peak_floor"]["total_bytes"] == 83_411_558_400 + 822_083_584 - 327_155_712 == 83_906_486_272
+        "parameters_bytes": 19_426_467_840 + 796_917_760, "total_bytes": 84_208_476_160}
+    assert 2304 * 16384 + 16384 * 2048 + 13312 * 16384 + 16384 * 6656 == 398_458_880
+    assert stage["peak_floor"]["total_bytes"] == 84_208_476_160 + 822_083_584 - 327_155_712 == 84_703_404_032
     assert stage["peak_floor"]["moment"] == "the last layer's fc1 backward"
-    assert out["verdict_bytes"] == 83_906_486_272
-    assert out["headroom_bytes"] == 80 * 2**30 - 83_906_486_272 and out["fits"]
-    assert not actmem.json("estimate", "--model", "llama-3.1-405b", "--gpu-memory", "77GiB")["fits"]
+    assert out["verdict_bytes"] == 84_703_404_032
+    assert out["headroom_bytes"] == 80 * 2**30 - 84_703_404_032 and out["fits"]
+    assert not actmem.json("estimate", "--model", "llama-3.1-405b", "--gpu-memory", "78GiB")["fits"]
     text = actmem("estimate", "--model", "llama-3.1-405b").output
-    assert "Stage 1 holds the most" in text and "78.14 of 80.00 GiB" in text
+    assert "Stage 1 holds the most" in text and "78.89 of 80.00 GiB" in text
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -294,13 +298,13 @@ def test_context_parallelism_by_hand(actmem):
 
 def test_405b_at_128k_on_table_4_s_long_context_run(actmem):
     """CP 16 at 131,072 tokens leaves each rank 8,192: the same per-rank terms as the 8K run,
-    and d·c = 8·16 = 128 optimizer shards as d = 128 there: the same 83,906,486,272 B at the
+    and d·c = 8·16 = 128 optimizer shards as d = 128 there: the same 84,703,404,032 B at the
     busiest stage's peak (test_the_busiest_stage_of_an_uneven_pipeline_decides_the_verdict)."""
     long = actmem.json("estimate", "--model", "llama-3.1-405b-128k")
     short = actmem.json("estimate", "--model", "llama-3.1-405b")
     assert long["run_terms"] == short["run_terms"]
     assert long["busiest_stage"] == short["busiest_stage"] == 1
-    assert long["stages"] == short["stages"] and long["verdict_bytes"] == 83_906_486_272
+    assert long["stages"] == short["stages"] and long["verdict_bytes"] == 84_703_404_032
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -29,9 +29,28 @@ def test_no_recompute_floor_is_the_fc1_moment():
     assert est.peak.moment == "the last layer's fc1 backward"
     assert est.peak.total_bytes == est.total_bytes + FC1_MADE_530B - FC1_FREED_530B == est.total_bytes + 141_557_760
     assert [row.name for row in est.peak.rows] == ["weights", "main_gradients", "optimizer_state",
-                                                  "activations_in_flight", "fc1_backward"]
+                                                  "dummy_weight_gradients", "activations_in_flight",
+                                                  "fc1_backward"]
     assert est.peak.bytes_of("fc1_backward") == 230_686_720
 
+
+def test_the_dummy_weight_gradients_are_one_a_weight_shape():
+    """TE's get_dummy_wgrad keeps one 16-bit tensor a distinct weight shape. 530B at t = 8:
+    QKV [3h/t, h], projection [h, h/t], fc1 [4h/t, h], fc2 [h, 4h/t]: 12h²/t = 629,145,600
+    elements, 1,258,291,200 B; the last stage adds the output layer's [v/t, h] = 6400 x 20480
+    = 131,072,000 elements, 262,144,000 B. Shapes that coincide are one tensor: with v = 3h
+    the output layer's [v/t, h] is QKV's [3h/t, h], kept once."""
+    from actmem.architecture import PAPER
+    from actmem.parameters import dummy_wgrad_elements
+
+    preset = load_preset("530b")
+    spec = build_spec(preset.model, preset.run, name="530b", architecture=preset.architecture)
+    first, last = estimate(spec), estimate(spec, stage=34)
+    h = 20480
+    assert first.parameters.dummy_wgrads_bytes == 2 * 12 * h * h // 8 == 1_258_291_200
+    assert last.parameters.dummy_wgrads_bytes == 1_258_291_200 + 2 * 6400 * h == 1_258_291_200 + 262_144_000
+    assert dummy_wgrad_elements(h, 8, 3 * h, PAPER, 128, holds_output=1) == 12 * h * h // 8
+    assert dummy_wgrad_elements(h, 8, 3 * h + 8192, PAPER, 128, holds_output=1) == (12 * h * h + (3 * h + 8192) * h) // 8
 
 def test_without_sequence_parallelism_nothing_is_gathered():
     """530B tp (t = 8, no SP): fc1's saved input is whole, and its input gradient is all-reduced

@@ -125,7 +125,8 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, device: str 
             for name in names]
     rows.append(_row(config, rank, "total", est.activations_bytes + sum(residuals.values()),
                      run.peak_saved_bytes, "total"))
-    rows.append(_row(config, rank, "allocated", est.activations_bytes + est.parameters.gradients_bytes,
+    rows.append(_row(config, rank, "allocated", est.activations_bytes + est.parameters.gradients_bytes
+                     + est.parameters.dummy_wgrads_bytes,
                      run.allocated_at_peak, "allocated"))
     floor = est.peak
     rows.append(_row(config, rank, "peak", floor.total_bytes - floor.bytes_of(*HARNESS_LEAVES_OUT),

@@ -441,3 +441,12 @@ class OutputHead(nn.Module):
         with scope("cross_entropy_targets"):
             losses = _VocabParallelCrossEntropy.apply(logits, targets.t(), self.embedding.vocab_start, self.tp)
         return losses.mean()
+
+
+def fused_wgrad_weights(stage: nn.Module) -> list:
+    """The weights whose gradients the harness's linear accumulates into main_grad, each
+    with a dummy of its shape (layers.dummy_wgrad): the column- and row-parallel linears',
+    and the output layer's (the word embedding's when tied)."""
+    weights = [m.weight for m in stage.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    heads = [m for m in stage.modules() if isinstance(m, OutputHead)]
+    return weights + [head.embedding.words if head.weight is None else head.weight for head in heads]

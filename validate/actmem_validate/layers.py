@@ -12,6 +12,7 @@ from actmem_validate.ledger import label
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     reduce_scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, reduce_scatter
+from actmem_validate.torch_compat import storage_key
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):
@@ -21,12 +22,13 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     again in backward, and only the shard is saved (2sbh/t; saving the gathered input would
     hold t times more). With gradient accumulation fusion (Megatron's default where its CUDA
     extension is built; TE's fuse_wgrad_accumulation) the weight gradient is accumulated
-    straight into the fp32 ``weight.main_grad`` (wgrad_gemm_accum_fp32), so no 16-bit weight
-    gradient is ever allocated; without a main_grad (the correctness check) it is returned.
+    straight into the fp32 ``weight.main_grad`` (wgrad_gemm_accum_fp32), and what backward
+    returns for the weight is TE's cached dummy of its shape (``dummy_wgrad``), which DDP's
+    hook drops; without a main_grad (the correctness check) the gradient is returned.
     The main_grad is looked up on the parameter kept in ctx: under saved_tensors_hooks (the
     ledger's) ctx.saved_tensors returns a new tensor for a saved leaf, which has no main_grad,
-    and the harness would make the 16-bit weight gradient Megatron never makes (it did until
-    a GPU's allocator trace showed it live at 530B's peak, 400 MiB)."""
+    and the harness would compute a 16-bit weight gradient, which Megatron's fused wgrad does
+    not (it did until a GPU's allocator trace showed one live at 530B's peak, 400 MiB)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp, gather):
@@ -45,6 +47,8 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         if ctx.gather:
             grad_input = reduce_scatter(grad_input, ctx.tp)  # (s/t, b, h)
         grad_weight = accumulate_weight_gradient(ctx.parameter, grad.flatten(0, -2), total.flatten(0, -2))
+        if grad_weight is None:                # accumulated into main_grad: hand autograd the dummy
+            grad_weight = dummy_wgrad(ctx.parameter)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None
 
@@ -104,9 +108,39 @@ def free_main_grads(module: nn.Module) -> None:
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:
-    if param.grad is not None:              # None: a linear accumulated into main_grad itself
+    """DDP's hook: add autograd's gradient in and drop it; a linear that accumulated into
+    main_grad itself handed autograd a dummy, which is only dropped."""
+    if param.grad is not None and storage_key(param.grad) not in _DUMMY_KEYS:
         param.main_grad.add_(param.grad)
-        param.grad = None
+    param.grad = None
+
+
+_DUMMY_WGRADS: dict = {}
+_DUMMY_KEYS: set = set()
+
+
+def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """TE's get_dummy_wgrad (transformer_engine/pytorch/module/base.py; Megatron's own
+    ColumnParallelLinear takes it from TE): under Megatron's DDP a linear with fused wgrad
+    accumulation returns an uncomputed 16-bit tensor of its weight's shape, so that DDP's
+    hooks run on the main backward thread; one is cached per (shape, dtype) for the process
+    and handed out detached (AccumulateGrad takes it over as .grad, without a copy)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        _DUMMY_KEYS.add(storage_key(_DUMMY_WGRADS[key]))
+    return _DUMMY_WGRADS[key].detach()
+
+
+def make_dummy_wgrads(weights) -> None:
+    """A new cache, made now for these weights: from the second iteration on, a run holds
+    every dummy before its step starts (the harness measures one step, and makes them
+    inside it so that its peak, like Megatron's, holds them)."""
+    _DUMMY_WGRADS.clear()
+    _DUMMY_KEYS.clear()
+    for weight in weights:
+        dummy_wgrad(weight)
+
 
 
 def linear(x, weight, bias, tp: TensorParallel, gather: bool = False):

@@ -11,8 +11,8 @@ from actmem.spec import Spec
 from actmem.techniques import Technique, matching, unnamed_run
 from actmem.terms import Recompute
 from actmem_validate.compare import compare
-from actmem_validate.gpt import LayerSpec
-from actmem_validate.layers import attach_main_grads, free_main_grads
+from actmem_validate.gpt import LayerSpec, fused_wgrad_weights
+from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads
 from actmem_validate.context import tensor_and_context_groups
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
@@ -86,10 +86,14 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
         schedule = lambda allocated=lambda: 0: run_first_stage(
             stage, layer_spec, run.pipeline_parallel, run.interleave, config.microbatches, run.micro_batch,
             spec.padded_vocab, tp, allocated)
-        kept_for_the_process = _warm_up(stage, schedule) if device.startswith("cuda") else 0
-        with _PeakMemory(stage, device) as peak:
-            attach_main_grads(stage)                  # fp32, allocated before the step (counted)
-            result = schedule(peak.current)
+        try:
+            kept_for_the_process = _warm_up(stage, schedule) if device.startswith("cuda") else 0
+            with _PeakMemory(stage, device) as peak:
+                attach_main_grads(stage)                  # fp32, allocated before the step (counted)
+                make_dummy_wgrads(fused_wgrad_weights(stage))     # TE's cache, made by the first step
+                result = schedule(peak.current)
+        finally:
+            make_dummy_wgrads([])                 # they go with the stage
     mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
     return compare(config, estimate(spec), result, rank, peak.bytes, device, mask_bytes, kept_for_the_process)
 
@@ -103,9 +107,10 @@ def _warm_up(stage, schedule) -> int:
     good, which the rows report ('kept_for_the_process')."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    attach_main_grads(stage)
+    attach_main_grads(stage)                  # the pass makes its own dummies, dropped after it
     schedule()
     free_main_grads(stage)
+    make_dummy_wgrads([])                     # the measured pass makes its own
     for param in stage.parameters():
         param.grad = None
     torch.cuda.synchronize()

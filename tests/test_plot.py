@@ -337,8 +337,8 @@ def test_a_file_that_cannot_be_written_is_one_line(tmp_path):
 
 def test_growth_marks_the_first_point_over_the_gpu_in_its_frame(tmp_path):
     """The X of each line is a frame column: the first sweep point over the GPU right after
-    one that fit. 530B at its own s = 2048 fits with tp-sp-sel (58.33 GiB, the README's
-    example) and not without recompute at t = 8 (tp: 151.31 GiB), so tp-sp-sel stops fitting
+    one that fit. 530B at its own s = 2048 fits with tp-sp-sel (59.50 GiB, the README's
+    example) and not without recompute at t = 8 (tp: 152.48 GiB), so tp-sp-sel stops fitting
     above 2048 and tp below it."""
     frame = frame_written(tmp_path, "growth", "--model", "530b")
     for name, rows in frame.groupby("technique", sort=False):

@@ -78,31 +78,22 @@ def test_the_weight_gradient_goes_into_main_grad_under_the_ledger():
     addmm.dtype_out) and TE's dummy already made (from the second step on), the backward
     allocates only the input's gradient: 8 x 512 x 2 B = 8 KiB, against 512 KiB for a
     [512, 512] bf16 weight gradient; the dummy it hands autograd is dropped."""
-    with fake_tensor_mode():
-        weight = torch.nn.Parameter(torch.empty(512, 512, dtype=torch.bfloat16))
-        layers.attach_main_grads(torch.nn.ParameterList([weight]))
-        layers.make_dummy_wgrads([weight])
-        x = torch.empty(8, 512, dtype=torch.bfloat16, requires_grad=True)
-        with Ledger([weight]).recording():
-            out = layers.linear(x, weight, None, TensorParallel())
-        grad = torch.empty(8, 512, dtype=torch.bfloat16)
-        with LiveStorages() as live:
-            out.backward(grad)
+    try:
+        with fake_tensor_mode():
+            weight = torch.nn.Parameter(torch.empty(512, 512, dtype=torch.bfloat16))
+            layers.attach_main_grads(torch.nn.ParameterList([weight]))
+            layers.make_dummy_wgrads([weight])
+            x = torch.empty(8, 512, dtype=torch.bfloat16, requires_grad=True)
+            with Ledger([weight]).recording():
+                out = layers.linear(x, weight, None, TensorParallel())
+            grad = torch.empty(8, 512, dtype=torch.bfloat16)
+            with LiveStorages() as live:
+                out.backward(grad)
+    finally:
+        layers.make_dummy_wgrads([])
     if not layers._FP32_ACCUMULATING_GEMM[(type(weight.main_grad), "cpu", torch.bfloat16)]:
         pytest.skip("this torch's fake tensors have no addmm.dtype_out (torch 2.11's raises TypeError)")
     assert live.peak == 8 * 512 * 2 and weight.grad is None
-
-
-def test_one_dummy_a_weight_shape_as_te_caches_them():
-    """Two weights of one shape share a dummy; a third shape has its own; the dummy handed
-    out is a new tensor on the cached storage (AccumulateGrad takes it over, no copy)."""
-    a, b = torch.nn.Parameter(torch.ones(4, 8)), torch.nn.Parameter(torch.ones(4, 8))
-    c = torch.nn.Parameter(torch.ones(8, 4))
-    layers.make_dummy_wgrads([a, b, c])
-    assert len(layers._DUMMY_WGRADS) == 2
-    first, second = layers.dummy_wgrad(a), layers.dummy_wgrad(b)
-    assert first is not second and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-    assert layers.dummy_wgrad(c).shape == (8, 4)
 
 
 def test_main_grads_freed_and_attached_again_accumulate_once():
@@ -155,3 +146,16 @@ def test_the_one_time_buffers_are_reported_not_judged():
     kept = next(row for row in rows if row["term"] == "kept_for_the_process")
     judge(rows, 0.0)
     assert kept["measured_bytes"] == 64 * 2**20 and kept["gate"] == "info"
+
+
+def test_rank0_on_a_cpu_is_refused_where_the_machine_cannot_hold_it():
+    """One process whatever t: rank_bytes of the largest configuration, not t times it."""
+    from actmem.errors import SpecError
+    from actmem_validate.footprint import check_fits_machine, rank_bytes
+
+    config = configs_for(small_spec(2, 4, b=4), ["tp-sp"], 1)[0]
+    check_fits_machine([config], available=rank_bytes(config), one_rank=True)      # one rank fits
+    with pytest.raises(SpecError, match="--mode fake"):
+        check_fits_machine([config], available=rank_bytes(config), one_rank=False)  # four do not
+    with pytest.raises(SpecError, match="rank 0 of .* in one process needs about"):
+        check_fits_machine([config], available=rank_bytes(config) - 1, one_rank=True)

@@ -79,7 +79,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         raise SpecError(f"--max-peak-gap must be a finite percentage >= 0, got {max_peak_gap}")
     _check_output(output)
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise click.ClickException(_TORCH_MISSING)
     from actmem_validate.compare import judge
@@ -88,10 +88,10 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     if mode == "rank0":
         configs = _rank0_runs(configs, grid)
     _check_backends(configs, mode, microbatches)
-    if mode == "real" and "LOCAL_RANK" not in os.environ:
+    if (mode == "real" and "LOCAL_RANK" not in os.environ) or (mode == "rank0" and not torch.cuda.is_available()):
         from actmem_validate.footprint import check_fits_machine
 
-        check_fits_machine(configs)
+        check_fits_machine(configs, one_rank=mode == "rank0")
     rows = _run(configs, mode, timeout)
     failures = judge(rows, max_error, max_peak_gap)
     _emit(rows, fmt, output)

@@ -73,7 +73,7 @@ def expected_residuals(spec, occupancy, device: str = "cpu") -> dict:
         "token_ids": occupancy.microbatches * s * b * (INDEX_BYTES + FLAG_BYTES),
         "position_ids": (arch.position_embedding == "learned") * occupancy.microbatches * s * INDEX_BYTES,
         "cross_entropy_targets": int(occupancy.holds_output_layer) * s * b * (INDEX_BYTES + FLAG_BYTES),
-        "flash_rng_state": _flash_cores_held(spec, layers) * FLASH_RNG_STATE_BYTES[device.split(":")[0]],
+        "flash_rng_state": _flash_cores_held(spec, layers) * FLASH_RNG_STATE_BYTES.get(device.split(":")[0], 0),
     }
 
 

@@ -21,11 +21,11 @@ PROCESS_BYTES = 512 * 2**20
 
 
 def rank_bytes(config) -> int:
-    """One rank of one configuration: weights and main gradients, twice the saved activations
-    (saved + transients), and the process itself."""
+    """One rank of one configuration: weights, main gradients and TE's dummy weight
+    gradients, twice the saved activations (saved + transients), and the process itself."""
     est = estimate(config.spec)
-    return (HARNESS_PARAMETER_BYTES * est.parameters.count + TRANSIENT_FACTOR * est.activations_bytes
-            + PROCESS_BYTES)
+    return (HARNESS_PARAMETER_BYTES * est.parameters.count + est.parameters.dummy_wgrads_bytes
+            + TRANSIENT_FACTOR * est.activations_bytes + PROCESS_BYTES)
 
 
 def available_bytes() -> int:
@@ -40,17 +40,21 @@ def available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits_machine(configs, available: int | None = None) -> None:
+def check_fits_machine(configs, available: int | None = None, one_rank: bool = False) -> None:
     """Refuse a real run whose largest configuration needs more than this machine has
-    (configurations of one world size run one after another in the same t processes)."""
+    (configurations of one world size run one after another in the same t processes);
+    one_rank: --mode rank0 on a CPU, one process whatever t."""
     available = available_bytes() if available is None else available
-    worst = max(configs, key=lambda config: config.world_size * rank_bytes(config))
-    need = worst.world_size * rank_bytes(worst)
+    ranks = (lambda config: 1) if one_rank else (lambda config: config.world_size)
+    worst = max(configs, key=lambda config: ranks(config) * rank_bytes(config))
+    need = ranks(worst) * rank_bytes(worst)
     if need > available:
-        raise SpecError(f"a real run of {worst.label} needs about {gib(need):,.1f} GiB "
-                        f"({worst.world_size} ranks × {gib(rank_bytes(worst)):,.2f} GiB: bf16 weights, fp32 main "
-                        f"gradients, twice the saved activations, the process), and this machine "
-                        f"has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
+        what = (f"rank 0 of {worst.label} in one process needs about {gib(need):,.1f} GiB (bf16 weights"
+                if one_rank else
+                f"a real run of {worst.label} needs about {gib(need):,.1f} GiB ({worst.world_size} ranks × "
+                f"{gib(rank_bytes(worst)):,.2f} GiB: bf16 weights")
+        raise SpecError(f"{what}, fp32 main gradients, twice the saved activations, the process), and this "
+                        f"machine has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
                         f"fewer --layers")
 
 

@@ -428,6 +428,8 @@ class OutputHead(nn.Module):
         self.tp, self.embedding = tp, embedding
         self.norm = _norm(spec)
         self.weight = None if spec.tied_output else nn.Parameter(torch.empty_like(embedding.words).normal_(std=0.02))
+        if spec.tied_output:             # Megatron zeroes the dummy wgrad of a shared embedding
+            embedding.words.zero_out_wgrad = True
 
     def forward(self, x, targets):                            # targets: (b, s)
         label(x, "final_layernorm_input")

@@ -124,11 +124,15 @@ def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
     ColumnParallelLinear takes it from TE): under Megatron's DDP a linear with fused wgrad
     accumulation returns an uncomputed 16-bit tensor of its weight's shape, so that DDP's
     hooks run on the main backward thread; one is cached per (shape, dtype) for the process
-    and handed out detached (AccumulateGrad takes it over as .grad, without a copy)."""
+    and handed out detached (AccumulateGrad takes it over as .grad, without a copy). A weight
+    marked zero_out_wgrad (the word embedding tied to the output layer, as Megatron marks
+    it) gets it zeroed, since autograd adds the embedding's real gradient to it."""
     key = (tuple(weight.shape), weight.dtype, weight.device)
     if key not in _DUMMY_WGRADS:
         _DUMMY_WGRADS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         _DUMMY_KEYS.add(storage_key(_DUMMY_WGRADS[key]))
+    if getattr(weight, "zero_out_wgrad", False):
+        _DUMMY_WGRADS[key].zero_()
     return _DUMMY_WGRADS[key].detach()
 
 

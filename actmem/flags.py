@@ -347,8 +347,9 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     return merged, dict(checks, ignored=ignored)
 
 
-def build_spec_from_flags(flags: dict):
-    """Merge a preset with the flags into a validated Spec (raises SpecError)."""
+def build_spec_from_flags(flags: dict, dims_only: bool = False):
+    """Merge a preset with the flags into a validated Spec (raises SpecError); dims_only:
+    the run's kernel rules wait (Spec.dims_only), for a caller that checks each run it makes."""
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
     from actmem.units import parse_bytes
 
@@ -370,6 +371,8 @@ def build_spec_from_flags(flags: dict):
     if recompute is not None:
         run["recompute"] = recompute
     options = {"notes": notes} if notes else {}
+    if dims_only:
+        options["dims_only"] = True
     if flags["gpu_memory"] is not None:
         options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
     if flags["vocab_divisible_by"] is not None:

@@ -134,11 +134,13 @@ def _first_over_gpu(frame):
 
 
 def _swept(spec, over: str, value: int):
-    """The spec at one sweep value; a value the run's rules refuse names itself."""
+    """The spec at one sweep value, its run checked whole (the base spec may be dims_only, so
+    that a run refused at its own b or s still sweeps the values it allows); a value the
+    run's rules refuse names itself."""
     try:
         if over == "seq_len":
-            return replace(spec, model=replace(spec.model, seq_len=value))
-        return replace(spec, run=replace(spec.run, micro_batch=value))
+            return replace(spec, model=replace(spec.model, seq_len=value), dims_only=False)
+        return replace(spec, run=replace(spec.run, micro_batch=value), dims_only=False)
     except SpecError as error:
         raise SpecError(f"the sweep at {over} = {value}: {error}") from None
 

@@ -130,6 +130,21 @@ def test_growth_over_the_microbatch(tmp_path):
     assert frame.attention_overtakes_seq_len.isna().all()
 
 
+def test_growth_over_the_microbatch_from_a_run_refused_at_b_1(tmp_path):
+    """6 heads at t = 1, s = 512, the eager core: Megatron's fused softmax needs b·a/t a
+    multiple of 4, so b = 1 (6) is refused and b = 2, 4, 8, 16 (12 ... 96) run. The sweep
+    starts from the model's dims, not from a run at b = 1, and says what it left out."""
+    dims = ("--heads", "6", "--hidden", "384", "--layers", "2", "--vocab", "512", "--seq-len", "512",
+            "--global-batch", "16")
+    frame = frame_written(tmp_path, "growth", *dims, "--over", "micro-batch")
+    assert sorted(frame.micro_batch.unique()) == [2, 4, 8, 16]
+    said = run_plot("growth", *dims, "--over", "micro-batch", "--csv", str(tmp_path / "b.csv"))
+    assert said.stdout.splitlines()[1].startswith("left out micro-batch = 1, which the run refuses")
+    assert "b·a/t = 1·6/1 = 6" in said.stdout
+    assert_one_line_error(run_plot("growth", *dims, "--over", "micro-batch", "--values", "1,2",
+                                   "--csv", str(tmp_path / "c.csv")), "micro_batch = 1", "b·a/t = 1·6/1 = 6")
+
+
 def test_a_sweep_value_the_run_refuses_is_one_line(tmp_path):
     result = run_plot("growth", "--model", "22b", "--values", "1000,1001", "--csv", str(tmp_path / "g.csv"))
     assert_one_line_error(result, "seq_len = 1001", "must divide seq_len (1001)")

@@ -25,7 +25,8 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                    "[default: all but none].")
 @click.option("--grid", type=click.Choice(["small", "presets"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
-                   "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake). "
+                   "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake, or "
+                   "--mode rank0 on a GPU). "
                    "A grid sets the model, run and techniques itself.")
 @click.option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
@@ -70,6 +71,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
       actmem validate --heads 8 --hidden 64 --layers 4 --vocab 512 --seq-len 32 --tp 2 --pp 2 \\
           --micro-batch 2
       actmem validate --grid small
+      actmem validate --grid presets --mode rank0        # one GPU, paper scale, its allocator
       torchrun --nproc-per-node 4 -m actmem_validate --heads 8 --hidden 64 --layers 2 \\
           --vocab 512 --seq-len 32 --tp 4 --micro-batch 4
     """

@@ -122,7 +122,7 @@ def growth(over, values_text, output, csv_path, size_in, dpi, **flags):
     spec = build_spec_from_flags(flags, dims_only=True)      # each swept run is checked whole
     values, refused = (_parse_values(values_text), {}) if values_text else sweep_values(spec, column)
     if not values:
-        raise SpecError(f"no {over} in the sweep can run: {next(iter(refused.values()))}")
+        raise SpecError(f"nothing in the sweep can run: {next(iter(refused.values()))}")
     with _progress(f"sweeping {over}", len(values) + (output is not None)) as advance:
         frame = growth_frame(spec, column, values, advance)
         written = _write(frame, "growth_figure", output, csv_path, size_in, dpi, advance, over=column)

@@ -148,14 +148,34 @@ def test_the_one_time_buffers_are_reported_not_judged():
     assert kept["measured_bytes"] == 64 * 2**20 and kept["gate"] == "info"
 
 
-def test_rank0_on_a_cpu_is_refused_where_the_machine_cannot_hold_it():
-    """One process whatever t: rank_bytes of the largest configuration, not t times it."""
-    from actmem.errors import SpecError
-    from actmem_validate.footprint import check_fits_machine, rank_bytes
+def test_rank0_on_a_cpu_leaves_out_what_one_process_cannot_hold():
+    """One process whatever t: a run is kept where one rank's rank_bytes fit the memory
+    available, left out and named where they do not (one spec alone is then refused)."""
+    from actmem_validate.footprint import rank_bytes
 
     config = configs_for(small_spec(2, 4, b=4), ["tp-sp"], 1)[0]
-    check_fits_machine([config], available=rank_bytes(config), one_rank=True)      # one rank fits
-    with pytest.raises(SpecError, match="--mode fake"):
-        check_fits_machine([config], available=rank_bytes(config), one_rank=False)  # four do not
-    with pytest.raises(SpecError, match="rank 0 of .* in one process needs about"):
-        check_fits_machine([config], available=rank_bytes(config) - 1, one_rank=True)
+    assert rank0_runs([config], gpu_free=None, host_free=rank_bytes(config)) == ([config], [])
+    kept, left_out = rank0_runs([config], gpu_free=None, host_free=rank_bytes(config) - 1)
+    assert kept == [] and "one process needs about" in left_out[0] and "--mode fake" in left_out[0]
+
+
+def test_rank0_refuses_a_spec_too_large_for_this_machine(monkeypatch):
+    from actmem_validate import footprint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 2**20)        # 1 MiB
+    result = CliRunner().invoke(cli, ["validate", *SMALL, "--mode", "rank0", "--techniques", "none"])
+    assert result.exit_code == 2
+    assert "--mode rank0" in result.stderr and "one process needs about" in result.stderr
+
+
+def test_only_a_tied_output_layer_marks_the_embedding_zero_out_wgrad():
+    """Megatron zeroes the shared embedding's dummy at p = 1 (the output layer's dummy and the
+    embedding's gradient meet in one .grad); an untied embedding's dummy is never added."""
+    from actmem_validate.gpt import LayerSpec
+    from actmem_validate.schedule import FirstStage
+
+    for tied in (True, False):
+        spec = small_spec(2, 1, tied_output=tied)
+        stage = FirstStage(LayerSpec.of(spec), spec.padded_vocab, TensorParallel(), 1, 1, spec.stage_layers)
+        assert getattr(stage.embedding.words, "zero_out_wgrad", False) is tied

@@ -90,10 +90,10 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     if mode == "rank0":
         configs = _rank0_runs(configs, grid)
     _check_backends(configs, mode, microbatches)
-    if (mode == "real" and "LOCAL_RANK" not in os.environ) or (mode == "rank0" and not torch.cuda.is_available()):
-        from actmem_validate.footprint import check_fits_machine
+    if mode == "real" and "LOCAL_RANK" not in os.environ and not torch.cuda.is_available():
+        from actmem_validate.footprint import check_fits_machine       # on a GPU the tensors are not here
 
-        check_fits_machine(configs, one_rank=mode == "rank0")
+        check_fits_machine(configs)
     rows = _run(configs, mode, timeout)
     failures = judge(rows, max_error, max_peak_gap)
     _emit(rows, fmt, output)
@@ -111,9 +111,12 @@ def _rank0_runs(configs, grid):
     spec it cannot measure is refused (footprint.rank0_runs)."""
     import torch
 
-    from actmem_validate.footprint import rank0_runs
+    from actmem_validate.footprint import available_bytes, rank0_runs
 
-    kept, left_out = rank0_runs(configs, torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None)
+    if torch.cuda.is_available():
+        kept, left_out = rank0_runs(configs, gpu_free=torch.cuda.mem_get_info()[0])
+    else:
+        kept, left_out = rank0_runs(configs, gpu_free=None, host_free=available_bytes())
     if left_out and grid is None:
         raise SpecError(f"--mode rank0: {left_out[0]}")
     for line in left_out:

@@ -40,22 +40,20 @@ def available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits_machine(configs, available: int | None = None, one_rank: bool = False) -> None:
+def check_fits_machine(configs, available: int | None = None) -> None:
     """Refuse a real run whose largest configuration needs more than this machine has
-    (configurations of one world size run one after another in the same t processes);
-    one_rank: --mode rank0 on a CPU, one process whatever t."""
+    (configurations of one world size run one after another in the same t processes)."""
     available = available_bytes() if available is None else available
-    ranks = (lambda config: 1) if one_rank else (lambda config: config.world_size)
-    worst = max(configs, key=lambda config: ranks(config) * rank_bytes(config))
-    need = ranks(worst) * rank_bytes(worst)
+    worst = max(configs, key=lambda config: config.world_size * rank_bytes(config))
+    need = worst.world_size * rank_bytes(worst)
     if need > available:
-        what = (f"rank 0 of {worst.label} in one process needs about {gib(need):,.1f} GiB (bf16 weights"
-                if one_rank else
-                f"a real run of {worst.label} needs about {gib(need):,.1f} GiB ({worst.world_size} ranks × "
-                f"{gib(rank_bytes(worst)):,.2f} GiB: bf16 weights")
-        raise SpecError(f"{what}, fp32 main gradients, twice the saved activations, the process), and this "
-                        f"machine has {gib(available):,.1f} GiB available; measure it with --mode fake, or "
-                        f"fewer --layers")
+        raise SpecError(f"a real run of {worst.label} needs about {gib(need):,.1f} GiB "
+                        f"({worst.world_size} ranks × {gib(rank_bytes(worst)):,.2f} GiB: {RANK_PARTS}), and "
+                        f"this machine has {gib(available):,.1f} GiB available; measure it with --mode fake, "
+                        f"or fewer --layers")
+
+
+RANK_PARTS = "bf16 weights, fp32 main gradients, dummy weight gradients, twice the saved activations, the process"
 
 
 GPU_MARGIN = 0.02, 2 * 2**30
@@ -73,13 +71,14 @@ def gpu_bytes(config) -> int:
     return int(need * (1 + GPU_MARGIN[0])) + GPU_MARGIN[1]
 
 
-def rank0_runs(configs, gpu_free: int | None) -> tuple[list, list[str]]:
+def rank0_runs(configs, gpu_free: int | None, host_free: int | None = None) -> tuple[list, list[str]]:
     """The configurations --mode rank0 measures, and one line a configuration it leaves out:
     the megatron backend only (torch-native checks its values against one device, which the
     fake ranks do not compute; hf runs on one device: --mode real measures both); on a GPU
     (gpu_free: its free bytes) no context parallelism (the harness's attention all-gathers k
     and v: not TE's ring, and larger than actmem's floor) and a floor, with GPU_MARGIN,
-    within its free memory."""
+    within its free memory; on a CPU (host_free: the memory available) one rank's
+    rank_bytes within it."""
     kept, left_out = [], []
     for config in configs:
         run, implementation = config.spec.run, config.spec.architecture.implementation
@@ -92,6 +91,10 @@ def rank0_runs(configs, gpu_free: int | None) -> tuple[list, list[str]]:
         elif gpu_free is not None and gpu_bytes(config) > gpu_free:
             left_out.append(f"{config.label}: needs about {gib(gpu_bytes(config)):,.1f} GiB, "
                             f"{gib(gpu_free):,.1f} GiB free on this GPU")
+        elif host_free is not None and rank_bytes(config) > host_free:
+            left_out.append(f"{config.label}: one process needs about {gib(rank_bytes(config)):,.1f} GiB "
+                            f"({RANK_PARTS}), {gib(host_free):,.1f} GiB available on this machine; "
+                            f"measure it with --mode fake")
         else:
             kept.append(config)
     return kept, left_out

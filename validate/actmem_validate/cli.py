@@ -31,10 +31,11 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @click.option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
                    "process with FakeTensorMode, any scale, no memory used; rank0: rank 0 of t "
-                   "in one process with real tensors, on the GPU where there is one, the other "
-                   "ranks a fake process group (collectives allocate, fill nothing): one GPU "
-                   "measures any t with torch.cuda's allocator, values unchecked. A grid on a "
-                   "GPU measures the runs that fit it and names the others.")
+                   "in one process (one a configuration) with real tensors, on the GPU where there "
+                   "is one, the other ranks a fake process group (collectives allocate, fill "
+                   "nothing): one GPU measures any t with torch.cuda's allocator, values "
+                   "unchecked. A grid measures the runs that fit this machine and names the "
+                   "others.")
 @click.option("--microbatches", type=click.IntRange(min=1, max=1024), default=None,
               help="Microbatches per iteration (default: the fewest that fill the schedule).")
 @click.option("--max-error", type=float, default=0.0, show_default=True,

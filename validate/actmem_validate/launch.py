@@ -1,5 +1,5 @@
-"""Run measurements: rank 0 of t in this process (fake tensors, or real ones beside a fake
-process group), or t real ranks (spawned, or torchrun).
+"""Run measurements: rank 0 of t alone (fake tensors in this process, or real ones beside a
+fake process group in a process a configuration), or t real ranks (spawned, or torchrun).
 
 Real runs use gloo on CPU and NCCL on GPUs. A rank that raises ends the whole job: the
 spawner terminates the other ranks, and every collective has a timeout, so CI never hangs.

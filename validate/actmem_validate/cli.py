@@ -137,7 +137,7 @@ def _check_backends(configs, mode: str, microbatches) -> None:
     if microbatches not in (None, 1):
         raise SpecError(f"the {', '.join(sorted(others))} backend measures one microbatch's forward: "
                         f"drop --microbatches {microbatches}")
-    if mode in ("real", "rank0") and torch.cuda.is_available():
+    if mode == "real" and torch.cuda.is_available():
         raise SpecError(f"the {', '.join(sorted(others))} backend runs on the CPU so far; on a GPU "
                         "measure --implementation megatron, or use --mode fake")
 

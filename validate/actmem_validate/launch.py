@@ -46,26 +46,16 @@ def run_rank0(configs: list[Config], on_done=lambda config: None) -> list[dict]:
     others in one process peaked up to 105 MB higher (175B after 22B) than alone."""
     rows = []
     for config in configs:
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                mp.spawn(_rank0_process, args=(config, folder), nprocs=1, join=True)
-            except mp.ProcessRaisedException as error:
-                raise HarnessError(str(error).strip().splitlines()[-1]) from None
-            except mp.ProcessExitedException as error:
-                raise HarnessError(f"the rank0 process of {config.label} exited: {error}") from None
-            with open(os.path.join(folder, "rank0.json")) as file:
-                rows += json.load(file)
+        rows += _spawned(_rank0_process, (config,), 1, f"the rank0 process of {config.label}")
         on_done(config)
     return rows
 
 
-def _rank0_process(_, config: Config, folder: str) -> None:
+def _rank0_process(rank: int, folder: str, config: Config) -> None:
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         torch.cuda.set_device(device)
-    rows = _rank0([config], lambda config: None, device, fake=False)
-    with open(os.path.join(folder, "rank0.json"), "w") as file:
-        json.dump(rows, file)
+    _write_rows(folder, rank, _rank0([config], lambda config: None, device, fake=False))
 
 
 def _rank0(configs, on_done, device: str, fake: bool) -> list[dict]:
@@ -96,20 +86,33 @@ def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config:
     """t processes for each world size, each measuring its own rank."""
     rows = []
     for t, group in _by_world_size(configs):
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                mp.spawn(_spawned_rank, args=(t, group, folder, _free_port(), timeout_s), nprocs=t, join=True)
-            except mp.ProcessRaisedException as error:
-                last = str(error).strip().splitlines()[-1]
-                raise HarnessError(f"a rank of the t={t} run failed: {last}") from None
-            except mp.ProcessExitedException as error:
-                raise HarnessError(f"a rank of the t={t} run exited: {error}") from None
-            for rank in range(t):
-                with open(os.path.join(folder, f"rank{rank}.json")) as file:
-                    rows += json.load(file)
+        rows += _spawned(_spawned_rank, (t, group, _free_port(), timeout_s), t, f"a rank of the t={t} run")
         for config in group:
             on_done(config)
     return rows
+
+
+def _spawned(worker, args: tuple, processes: int, who: str) -> list[dict]:
+    """Run worker(rank, folder, *args) in `processes` processes and gather the rows each
+    wrote (_write_rows); a process that raises or dies ends them all, in one line."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            mp.spawn(worker, args=(folder, *args), nprocs=processes, join=True)
+        except mp.ProcessRaisedException as error:
+            last = str(error).strip().splitlines()[-1]
+            raise HarnessError(f"{who} failed: {last}") from None
+        except mp.ProcessExitedException as error:
+            raise HarnessError(f"{who} exited: {error}") from None
+        rows = []
+        for rank in range(processes):
+            with open(os.path.join(folder, f"rank{rank}.json")) as file:
+                rows += json.load(file)
+        return rows
+
+
+def _write_rows(folder: str, rank: int, rows: list[dict]) -> None:
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as file:
+        json.dump(rows, file)
 
 
 def _free_port() -> int:
@@ -118,11 +121,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawned_rank(rank: int, world: int, configs, folder: str, port: int, timeout_s: int) -> None:
+def _spawned_rank(rank: int, folder: str, world: int, configs, port: int, timeout_s: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rows = run_rank(rank, world, configs, timeout_s)
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as file:
-        json.dump(rows, file)
+    _write_rows(folder, rank, run_rank(rank, world, configs, timeout_s))
 
 
 def run_rank(rank: int, world: int, configs, timeout_s: int, gather: bool = False) -> list[dict]:

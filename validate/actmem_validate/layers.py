@@ -110,13 +110,13 @@ def free_main_grads(module: nn.Module) -> None:
 def _add_to_main_grad(param: torch.Tensor) -> None:
     """DDP's hook: add autograd's gradient in and drop it; a linear that accumulated into
     main_grad itself handed autograd a dummy, which is only dropped."""
-    if param.grad is not None and storage_key(param.grad) not in _DUMMY_KEYS:
+    dummies = {storage_key(dummy) for dummy in _DUMMY_WGRADS.values()}
+    if param.grad is not None and storage_key(param.grad) not in dummies:
         param.main_grad.add_(param.grad)
     param.grad = None
 
 
 _DUMMY_WGRADS: dict = {}
-_DUMMY_KEYS: set = set()
 
 
 def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,6 @@ def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
     key = (tuple(weight.shape), weight.dtype, weight.device)
     if key not in _DUMMY_WGRADS:
         _DUMMY_WGRADS[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        _DUMMY_KEYS.add(storage_key(_DUMMY_WGRADS[key]))
     if getattr(weight, "zero_out_wgrad", False):
         _DUMMY_WGRADS[key].zero_()
     return _DUMMY_WGRADS[key].detach()
@@ -141,7 +140,6 @@ def make_dummy_wgrads(weights) -> None:
     every dummy before its step starts (the harness measures one step, and makes them
     inside it so that its peak, like Megatron's, holds them)."""
     _DUMMY_WGRADS.clear()
-    _DUMMY_KEYS.clear()
     for weight in weights:
         dummy_wgrad(weight)
 

@@ -83,9 +83,10 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
     with fake_tensor_mode() if fake else nullcontext():
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
                            spec.stage_layers)
-        schedule = lambda allocated=lambda: 0: run_first_stage(
-            stage, layer_spec, run.pipeline_parallel, run.interleave, config.microbatches, run.micro_batch,
-            spec.padded_vocab, tp, allocated)
+        def schedule(allocated=lambda: 0):
+            return run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave, config.microbatches,
+                                   run.micro_batch, spec.padded_vocab, tp, allocated)
+
         try:
             kept_for_the_process = _warm_up(stage, schedule) if device.startswith("cuda") else 0
             with _PeakMemory(stage, device) as peak:

@@ -165,5 +165,5 @@ PROBES = {
     "torch.testing._internal.distributed.fake_pg.FakeStore": _probe_fake_pg,
     "TorchDispatchMode and storage weakrefs (LiveStorages)": _probe_live_storages,
     "Variable._execution_engine.run_backward (Megatron's custom_backward)": _probe_pipeline_backward,
-    "SDPA flash backward node's _saved_philox_* (flash_rng_state)": _probe_flash_rng_state,
+    "SDPA flash backward node's _saved_rng_state / _saved_philox_* (flash_rng_state)": _probe_flash_rng_state,
 }

@@ -179,10 +179,10 @@ def plan_options(command):
         click.option("--gpu-memory", default=None, metavar="SIZE",
                      help="Override the GPU's memory, with its unit, e.g. 40GiB."),
         click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, metavar="SIZE",
-                     help="Headroom kept free on each GPU for what the activation count leaves "
-                          "out: the allocator's peak above the saved activations (the harness "
-                          "measures up to 7.1 GiB at the paper's runs), the CUDA context, NCCL "
-                          "and cuBLAS workspaces."),
+                     help="Headroom kept free on each GPU above the modelled peak, for what no "
+                          "model knows: the CUDA context, NCCL and cuBLAS workspaces, allocator "
+                          "fragmentation, and the kernels' own backward buffers (an H100 "
+                          "measured them at up to 0.9% of the peak at the paper's runs)."),
         click.option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
                      show_default=True,
                      help="Tensor parallelism stays inside a node: t <= this."),
@@ -214,11 +214,11 @@ def plan_options(command):
 def plan(fmt, top, config, **flags):
     """Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
-    Enumerates every valid configuration for the model on --gpus GPUs at --global-batch,
-    keeps those whose peak (the busier of the first and last pipeline stage, from below)
-    fits the GPU less the reserve, and ranks them by
-    a simple iteration-time model (compute, pipeline bubble, tensor- and data-parallel
-    communication, each shown). Exits 1 when nothing fits.
+    Enumerates every valid configuration for the model on --gpus GPUs at --global-batch
+    (pipelines even, or where p does not divide the layers split as Llama 3's 7+8x14+7),
+    keeps those whose peak (the busiest pipeline stage's, from below) fits the GPU less the
+    reserve, and ranks them by a simple iteration-time model (compute, pipeline bubble,
+    tensor- and data-parallel communication, each shown). Exits 1 when nothing fits.
 
     \b
     Examples:
@@ -226,6 +226,7 @@ def plan(fmt, top, config, **flags):
       actmem plan --model 1t --gpus 3072 --global-batch 3072 --gpu h100
       actmem plan --model gpt3 --explain "t=8 p=8 m=3 b=1 sp sel"
       actmem plan --model llama-3.1-70b --gpus 256 --global-batch 256 --gpu h100
+      actmem plan --model llama-3.1-405b --gpu h100 --explain "t=8 p=7+8x14+7 b=1 sp none dopt"
     """
     from actmem import plan as planner
 

@@ -1,5 +1,7 @@
 """`actmem plan --explain CONFIG`: one configuration, as the plan prints it, in full."""
 
+import re
+
 import pandas as pd
 
 from actmem.errors import SpecError
@@ -11,30 +13,40 @@ DEFAULT_RUN = {"tensor_parallel": 1, "context_parallel": 1, "pipeline_parallel":
                "micro_batch": 1, "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
 _KEYS = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
          "b": "micro_batch"}
+#: an uneven pipeline's split, which a preset's p brings along and a p of the text's own drops
+_SPLIT = ("first_stage_layers", "last_stage_layers")
+#: p as an uneven pipeline's layers, as config_label writes it: first + between x stages + last
+#: ('7+8x14+7': p = 16), or with no stage between, first + last
+_SPLIT_FORM = re.compile(r"(\d+)\+(\d+)x(\d+)\+(\d+)|(\d+)\+(\d+)")
 _WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False),
           "selective": ("recompute", "selective"),
           **{choice.word: ("recompute", name) for name, choice in PLAN_RECOMPUTE.items()},
           "dopt": ("distributed_optimizer", True), "nodopt": ("distributed_optimizer", False)}
 
 
-def parse_config(text: str, defaults: dict | None = None) -> dict:
+def parse_config(text: str, defaults: dict | None = None, layers: int | None = None) -> dict:
     """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces; sel+mlp and mlp for --recompute-modules
-    core_attn mlp and mlp) -> run values (actmem.spec.Run's). What the text leaves
-    out comes from ``defaults`` (the preset's run), else t = p = m = b = 1, no SP, no
-    recompute, no distributed optimizer. A setting given twice is an error."""
+    core_attn mlp and mlp; 'p=7+8x14+7' for an uneven pipeline, whose layers must add up to
+    ``layers`` where given) -> run values (actmem.spec.Run's). What the text leaves out comes
+    from ``defaults`` (the preset's run; its uneven split only where the text names no p; m = 1
+    where the text gives a split), else t = p = m = b = 1, no SP, no recompute, no distributed
+    optimizer. A setting given twice is an error."""
     given: dict = {}
     for token in text.replace(",", " ").split():
         key, _, value = token.partition("=")
-        if key in _KEYS and value.isdecimal() and value.isascii():
-            setting, parsed = _KEYS[key], int(value)
+        if key == "p" and _SPLIT_FORM.fullmatch(value) and value.isascii():
+            settings = _split(value, layers, text)
+        elif key in _KEYS and value.isdecimal() and value.isascii():
+            settings = {_KEYS[key]: int(value)}
         elif token in _WORDS:
-            setting, parsed = _WORDS[token]
+            settings = dict([_WORDS[token]])
         else:
             raise SpecError(f"--explain: cannot read {token!r} in {text!r}; write it as the plan "
-                            f"prints it, e.g. 't=8 p=8 m=3 b=1 sp sel'")
-        if setting in given:
-            raise SpecError(f"--explain: {setting} is given twice in {text!r}")
-        given[setting] = parsed
+                            f"prints it, e.g. 't=8 p=8 m=3 b=1 sp sel' or 't=8 p=7+8x14+7 b=1 sp sel'")
+        for setting, parsed in settings.items():
+            if setting in given:
+                raise SpecError(f"--explain: {setting} is given twice in {text!r}")
+            given[setting] = parsed
     if not given:
         raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
     base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
@@ -45,8 +57,28 @@ def parse_config(text: str, defaults: dict | None = None) -> dict:
             raise SpecError(f"--explain: the preset's recompute modules ({', '.join(defaults['recompute_modules'])}) "
                             f"are not among the plan's choices; name one in {text!r}: none, sel, sel+mlp, mlp "
                             f"or full")
+    if "pipeline_parallel" not in given:
+        base |= {key: defaults[key] for key in _SPLIT if (defaults or {}).get(key) is not None}
+    if _SPLIT[0] in given:
+        base["interleave"] = 1                       # an uneven pipeline is not interleaved
     run = base | given
     return run | PLAN_RECOMPUTE[run["recompute"]].run_values
+
+
+def _split(value: str, layers: int | None, text: str) -> dict:
+    """'7+8x14+7' -> p = 16, first 7, last 7; the stages between must hold what they say."""
+    groups = _SPLIT_FORM.fullmatch(value).groups()
+    if groups[0] is not None:
+        first, between, stages, last = map(int, groups[:4])
+    else:
+        (first, last), between, stages = map(int, groups[4:]), 0, 0
+    if groups[0] is not None and stages == 0:
+        raise SpecError(f"--explain: {value!r} in {text!r} has no stage between the first and last; "
+                        f"write it {first}+{last}")
+    total = first + between * stages + last
+    if layers is not None and total != layers:
+        raise SpecError(f"--explain: the pipeline p={value} holds {total} layers, the model {layers}")
+    return {"pipeline_parallel": stages + 2, "first_stage_layers": first, "last_stage_layers": last}
 
 
 def explain(req, config: str, name: str = "custom", defaults: dict | None = None):
@@ -55,8 +87,9 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     from actmem.estimate import estimate
     from actmem.plan import config_label, evaluate
     from actmem.spec import Run, Spec
+    from actmem.stages import stage_layers
 
-    run = parse_config(config, defaults)
+    run = parse_config(config, defaults, req.model.layers)
     run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus, "global_batch": req.global_batch})
     if run.tensor_parallel > req.gpus_per_node:
         raise SpecError(f"--explain: t ({run.tensor_parallel}) is above --gpus-per-node "
@@ -65,7 +98,11 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
         raise SpecError(f"--explain: b ({run.micro_batch}) is above --max-micro-batch ({req.max_micro_batch})")
     probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
                  architecture=req.architecture)          # checks the rules, gives d and n
+    layers = stage_layers(probe)
+    between = layers[1] if len(layers) >= 3 else layers[0]      # with no stage between, the first's
     row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
+                         "first_stage_layers": layers[0], "stage_layers": between,
+                         "last_stage_layers": layers[-1],
                          "d": probe.data_parallel,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
                          "sequence_parallel": run.sequence_parallel, "recompute": plan_recompute_name(

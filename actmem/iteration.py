@@ -14,7 +14,8 @@ from actmem.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
 def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads):
-    """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak."""
+    """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak (an even
+    pipeline's stage; the planner scales an uneven one's by its slowest stage)."""
     flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.recompute, arch, heads, choice.modules)
                 for name, choice in PLAN_RECOMPUTE.items())
     return flops / (gpus * efficiency * peak_flops)
@@ -25,13 +26,14 @@ def bubble_factor(p, m, n):
     return 1 + (p - 1) / (m * n)
 
 
-def tensor_parallel_seconds(s, b, h, L, p, t, n, recompute, bandwidth):
-    """Each layer all-reduces its 2sbh-byte output twice forward and twice backward, and again
-    what recompute reruns: both forward ones with full recompute, the MLP's with the MLP
-    recomputed (the attention core has none); sequence parallelism moves the same bytes as an
-    all-gather plus a reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
+def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth):
+    """Each layer of a stage (stage_layers: the slowest's, L/p when even) all-reduces its
+    2sbh-byte output twice forward and twice backward, and again what recompute reruns: both
+    forward ones with full recompute, the MLP's with the MLP recomputed (the attention core
+    has none); sequence parallelism moves the same bytes as an all-gather plus a
+    reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
     per_layer = 4 + sum((recompute == name) * _rerun_collectives(choice) for name, choice in PLAN_RECOMPUTE.items())
-    volume = n * (L // p) * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
+    volume = n * stage_layers * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
     return volume / bandwidth
 
 
@@ -42,13 +44,13 @@ def _rerun_collectives(choice) -> int:
     return int(choice.recompute is Recompute.SELECTIVE and "mlp" in choice.modules)
 
 
-def context_parallel_seconds(s, b, L, p, t, c, n, recompute, kv_width, bandwidth):
+def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth):
     """The p2p ring sends each rank's k and v (2 x 2·s·b·gd/t bytes, s here the rank's own
     tokens) round the c ranks: c - 1 hops forward, and in backward k, v and their gradients
     again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
     the attention here, though TE overlaps it."""
     passes = 3 + (recompute == Recompute.FULL.value)
-    volume = n * (L // p) * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
+    volume = n * stage_layers * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
     return volume / bandwidth
 
 

@@ -12,7 +12,7 @@ class NothingFits:
     usable_p: list
     """The sizes the GPU count allows at all (t·c·p must divide it, d = gpus/(t·c·p) the batch)."""
     all_p: list
-    """The pipeline sizes the model allows (divisors of L)."""
+    """The pipeline sizes the model allows: those that split its layers (plan.pipeline_sizes)."""
     nearest: list
     """(gpus, label of the fastest configuration that fits there): the nearest count below
     and the nearest above that fit, where the search found them, nearest first."""
@@ -21,7 +21,7 @@ class NothingFits:
 def nothing_fits(plan, searched: int = 24) -> NothingFits:
     """Explain an empty plan: the parallel sizes this GPU count allows, and the nearest GPU
     counts (below and above) where a configuration fits, trying at most ``searched``."""
-    from actmem.plan import candidates, config_label, divisors, plan as run_plan
+    from actmem.plan import candidates, config_label, pipeline_sizes, plan as run_plan
 
     req = plan.request
     frame = candidates(req)
@@ -39,30 +39,34 @@ def nothing_fits(plan, searched: int = 24) -> NothingFits:
             if len(found) == 2:
                 break
     nearest = sorted(found.values(), key=lambda item: abs(item[0] - req.gpus))
-    return NothingFits(sorted(set(frame.t)), sorted(set(frame.p)), divisors(req.model.layers), nearest)
+    return NothingFits(sorted(set(frame.t)), sorted(set(frame.p)), pipeline_sizes(req.model.layers), nearest)
 
 
 def _nearby_counts(req) -> list[int]:
     """GPU counts t·p·d the model and batch allow where the parameters alone could fit,
     nearest to the request first."""
-    from actmem.plan import LIMITS, divisors, tensor_parallel_sizes
+    from actmem.plan import LIMITS, divisors, pipeline_sizes, tensor_parallel_sizes
+    from actmem.pipeline import stage_split
 
     counts: dict = {}
+    sizes = pipeline_sizes(req.model.layers)
     for t in tensor_parallel_sizes(req):
-        for p in divisors(req.model.layers):
+        for p in sizes:
             for d in divisors(req.global_batch):
-                if t * p * d <= LIMITS["gpus"] and _parameters_could_fit(req, t, p, d):
+                if t * p * d <= LIMITS["gpus"] and _parameters_could_fit(req, t, p, d,
+                                                                         stage_split(req.model.layers, p)[0]):
                     counts[t * p * d] = True
     return sorted((n for n in counts if n != req.gpus), key=lambda n: (abs(n - req.gpus), n))
 
 
-def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
-    """A lower bound: weights, gradients and (sharded, where d > 1) optimizer state alone fit."""
+def _parameters_could_fit(req, t: int, p: int, d: int, first_layers: int) -> bool:
+    """A lower bound: the first stage's weights, gradients and (sharded, where d > 1)
+    optimizer state alone fit (first_layers: its layers, pipeline.stage_split)."""
     from actmem.parameters import first_stage_parameters, parameter_bytes
     from actmem.spec import padded_vocab
 
     model = req.model
     count = first_stage_parameters(model.hidden, model.layers, p, t,
                                    padded_vocab(model.vocab, t, req.vocab_divisible_by), model.seq_len,
-                                   req.architecture, model.heads)
+                                   req.architecture, model.heads, stage_layers=first_layers)
     return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

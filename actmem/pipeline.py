@@ -81,6 +81,32 @@ def _by_schedule(count, p, m, *stage):
     return count(p, m, True, *stage) * (m > 1) + count(p, m, False, *stage) * (m == 1)
 
 
+def stage_split(layers: int, p: int) -> tuple[int, int, int] | None:
+    """(first, between, last): the layers of the first stage, of each stage between and of the
+    last, in the pipelines the planner sweeps. Even where p divides L (L/p each). Otherwise,
+    for p >= 3, Llama 3's shape (section 3.3.2: 126 layers on 16 stages as 7 + 8 x 14 + 7):
+    each stage between takes k = ⌈L/p⌉ layers, the fewest the slowest stage can have, and the
+    first and last share the rest, r = L - (p-2)·k, the first the smaller half; at least a
+    layer each, so r >= 2 (r <= 2k holds as L <= p·k). None where no such split exists
+    (p = 2 with L odd; k so large that r < 2). Megatron's --decoder-first/last-pipeline-num-layers
+    take it as given (the stages between share the rest evenly)."""
+    if layers % p == 0:
+        return layers // p, layers // p, layers // p
+    if p < 3:
+        return None
+    between = -(-layers // p)
+    rest = layers - (p - 2) * between
+    if rest < 2:
+        return None
+    return rest // 2, between, rest - rest // 2
+
+
+def split_text(first: int, between: int, last: int, p: int) -> str:
+    """An uneven pipeline's layers as the Llama 3 paper counts them: '7+8x14+7' (first, each
+    stage between x their count, last); '60+66' with no stage between."""
+    return f"{first}+{between}x{p - 2}+{last}" if p > 2 else f"{first}+{last}"
+
+
 def stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int | None,
                     stage_layers: int | None = None, stage: int = 0) -> StageOccupancy:
     """A stage's peak; fewer microbatches than the schedule wants hold less.

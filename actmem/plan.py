@@ -18,7 +18,7 @@ from actmem.errors import SpecError
 from actmem.flops import model_flops
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
-from actmem.pipeline import held_counts
+from actmem.pipeline import held_counts, split_text, stage_split
 from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.techniques import PLAN_RECOMPUTE, run_technique
 from actmem.units import parse_bytes
@@ -110,17 +110,33 @@ def context_parallel_sizes(req: PlanRequest) -> list[int]:
     return [c for c in divisors(req.model.seq_len) if req.model.seq_len % (2 * c) == 0 or c == 1]
 
 
+STAGE_LAYERS = ("first_stage_layers", "stage_layers", "last_stage_layers")
+"""A configuration's pipeline (pipeline.stage_split): the layers of its first stage, of each
+stage between, and of its last; all L/p in an even pipeline."""
+
+
+def pipeline_sizes(layers: int) -> list[int]:
+    """The p the planner sweeps for L layers: those that split them (pipeline.stage_split),
+    evenly (p | L) or as Llama 3 does."""
+    return [p for p in range(1, layers + 1) if stage_split(layers, p) is not None]
+
+
 def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
-    """(t, c, p, d) with t | heads, t | hidden, t <= a node, 2c | s, p | layers and
-    d = gpus/(t·c·p) | batch."""
+    """(t, c, p, d) with t | heads, t | hidden, t <= a node, 2c | s, p splitting the layers
+    (evenly, or uneven for p >= 3: pipeline.stage_split) and d = gpus/(t·c·p) | batch; with
+    each p's stage layers."""
     model = req.model
     triples = [(t, c, p) for t in tensor_parallel_sizes(req) for c in context_parallel_sizes(req)
-               for p in divisors(model.layers) if req.gpus % (t * c * p) == 0]
+               for p in divisors(req.gpus // (t * c)) if req.gpus % (t * c) == 0 and p <= model.layers
+               and stage_split(model.layers, p) is not None]
     if not triples:
         raise SpecError(f"no t (dividing heads {model.heads} and hidden {model.hidden}, at most "
-                        f"{req.gpus_per_node} a node) times p (dividing layers {model.layers}) "
+                        f"{req.gpus_per_node} a node) times p (splitting the {model.layers} layers) "
                         f"divides {req.gpus} GPUs")
     sizes = pd.DataFrame(triples, columns=["t", "c", "p"])
+    splits = {p: stage_split(model.layers, p) for p in set(sizes.p)}
+    for i, column in enumerate(STAGE_LAYERS):
+        sizes[column] = sizes.p.map(lambda p: splits[p][i])
     sizes["d"] = req.gpus // (sizes.t * sizes.c * sizes.p)
     sizes = sizes[req.global_batch % sizes.d == 0]
     if sizes.empty:
@@ -144,7 +160,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     grid = _parallel_sizes(req).merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
     grid = grid[req.global_batch % (grid.b * grid.d) == 0]
     grid = grid.merge(_frame("m", divisors(model.layers)), how="cross")
-    grid = grid[(model.layers // grid.p) % grid.m == 0]
+    # interleaving in even pipelines only (Megatron's uneven split takes m = 1: rules.py)
+    grid = grid[(grid.stage_layers % grid.m == 0) & ((grid.m == 1) | ~_uneven(grid))]
     switches = _switches()
     if len(grid) * len(switches) > MAX_CONFIGURATIONS:
         raise SpecError(f"the sweep would hold {len(grid) * len(switches):,} configurations, more "
@@ -152,21 +169,41 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                         f"--max-micro-batch ({req.max_micro_batch})")
     grid = grid.merge(switches, how="cross")
     grid["n"] = req.global_batch // (grid.b * grid.d)
-    values = rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers,
-                          seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b, c=grid.c,
-                          core=req.architecture.attention_core,
-                          sequence_parallel=grid.sequence_parallel,
-                          distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
-                          global_batch=req.global_batch, d=grid.d, n=grid.n,
-                          ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
-                          recompute=grid.recompute,
-                          unmodelled_recompute=unmodelled_recompute(req),
-                          code=req.architecture.code,
-                          head_dim=req.architecture.head_dim_or(model.hidden, model.heads))
-    valid = rules.valid(values)
+    uneven = _uneven(grid).to_numpy()
+    valid = np.zeros(len(grid), dtype=bool)
+    checked = []
+    for rows, given in ((~uneven, False), (uneven, True)):   # the rules read an uneven split as
+        if rows.any():                                      # given first and last stage layers
+            values = _values(req, grid[rows], given)
+            valid[rows] = rules.valid(values)
+            checked.append((grid[rows], values))
     if len(grid) and not valid.any():
-        _refuse_the_sweep(grid, values)
+        _refuse_the_sweep(*checked[0])
     return grid[valid].reset_index(drop=True)
+
+
+def _uneven(grid: pd.DataFrame) -> pd.Series:
+    """Rows whose pipeline is not split evenly (p does not divide L)."""
+    return (grid.first_stage_layers != grid.stage_layers) | (grid.last_stage_layers != grid.stage_layers)
+
+
+def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
+    """What the rules read, for rows of the sweep all even or all uneven (whose first and last
+    stage layers are then given, as --first-stage-layers/--last-stage-layers give them)."""
+    model = req.model
+    return rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers,
+                        seq_len=model.seq_len, t=grid.t, p=grid.p, m=grid.m, b=grid.b, c=grid.c,
+                        core=req.architecture.attention_core,
+                        sequence_parallel=grid.sequence_parallel,
+                        distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
+                        global_batch=req.global_batch, d=grid.d, n=grid.n,
+                        ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
+                        recompute=grid.recompute,
+                        unmodelled_recompute=unmodelled_recompute(req),
+                        code=req.architecture.code,
+                        head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
+                        first=grid.first_stage_layers if uneven else None,
+                        last=grid.last_stage_layers if uneven else None)
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -191,34 +228,45 @@ def unmodelled_recompute(req: PlanRequest) -> dict:
     return unmodelled
 
 
+STAGES = (("first", 0), ("middle", 1), ("last", None))
+"""The stages whose peak the sweep sizes, by their columns' prefix ('' for the first), and
+where each is (None: p - 1). Stage 1 holds the most of the stages between the first and the
+last (one microbatch more than stage 2, the same layers); in an even pipeline it holds less
+than the first (fewer microbatches, no embedding), so it decides only in an uneven one."""
+
+
 def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     """Memory per GPU and time per iteration, for every row at once. Memory is the peak floor
-    (actmem.peak) of the first stage, by part, and of the last, which holds the logits and
-    the output layer's weights; the larger must fit the budget."""
+    (actmem.peak) by part of the first stage, of the last, which holds the logits and the
+    output layer's weights, and where p >= 3 of stage 1; the largest must fit the budget."""
     grid = grid.copy()
     grid["vocab"] = padded_vocab(req.model.vocab, grid.t, req.vocab_divisible_by)
-    first = _stage_memory(req, grid, 0)
-    for part in MEMORY_PARTS:
-        grid[part] = first[part]
-    grid["parameters"] = first["parameters"]
+    peaks = {}
+    for name, stage in STAGES:
+        memory = _stage_memory(req, grid, name, stage)
+        prefix = "" if name == "first" else f"{name}_"
+        for part in MEMORY_PARTS:
+            grid[prefix + part] = memory[part]
+        grid[f"{prefix}parameters"] = memory["parameters"]
+        peaks[name] = memory[list(MEMORY_PARTS)].sum(axis=1)
+        grid[f"{name}_peak_bytes"] = peaks[name]
     grid["total_bytes"] = grid[list(MEMORY_PARTS[:-1])].sum(axis=1)
-    grid["first_peak_bytes"] = grid[list(MEMORY_PARTS)].sum(axis=1)
-    last = _stage_memory(req, grid, grid.p - 1)
-    for part in MEMORY_PARTS:
-        grid[f"last_{part}"] = last[part]
-    grid["last_peak_bytes"] = last[list(MEMORY_PARTS)].sum(axis=1)
-    grid["peak_bytes"] = grid[["first_peak_bytes", "last_peak_bytes"]].max(axis=1)
-    grid["peak_stage"] = np.where(grid.last_peak_bytes > grid.first_peak_bytes, "last", "first")
+    grid["peak_bytes"] = grid[[f"{name}_peak_bytes" for name, _ in STAGES]].max(axis=1)
+    grid["peak_stage"] = np.select([peaks["first"] == grid.peak_bytes, peaks["middle"] == grid.peak_bytes],
+                                   ["first", "stage 1"], "last")
     grid["fits"] = grid.peak_bytes <= req.budget_bytes
     _add_time(req, grid)
     return grid
 
 
-def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
-    """One stage's peak floor by part (stage: 0, or the column p - 1 for the last)."""
+def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.DataFrame:
+    """One stage's peak floor by part: the first (0), stage 1 (0 bytes where p < 3: no stage
+    between) or the last (p - 1), each with its own layers (STAGE_LAYERS)."""
     model = req.model
     s, h, L = model.seq_len, model.hidden, model.layers
-    held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage=stage)
+    layers = grid[{"first": "first_stage_layers", "middle": "stage_layers", "last": "last_stage_layers"}[name]]
+    stage = grid.p - 1 if stage is None else stage
+    held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
                            "holds_output": (stage == grid.p - 1).astype("int64")}, index=grid.index)
     memory = pd.DataFrame(index=grid.index)
@@ -226,13 +274,15 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, stage) -> pd.DataFrame:
     dummies = dummy_wgrad_elements(h, grid.t, grid.vocab, req.architecture, model.heads,
                                    holds_output=(stage == grid.p - 1).astype("int64"))
     params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
-                                              model.heads, stage=stage),
+                                              model.heads, stage_layers=layers, stage=stage),
                              grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies)   # shards: d·c
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
     memory["optimizer_bytes"] = params.optimizer_bytes
     memory["dummy_wgrads_bytes"] = params.dummy_wgrads_bytes
+    if name == "middle":
+        memory = memory.mul(grid.p >= 3, axis=0)
     return memory
 
 
@@ -274,21 +324,25 @@ def _whole_bytes(values, rows: int) -> np.ndarray:
 def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     model, gpu = req.model, req.gpu
     s, h, L = model.seq_len, model.hidden, model.layers
+    # the pipeline goes at its slowest stage's pace: the most layers a stage has (L/p when even)
+    paced = grid[list(STAGE_LAYERS)].max(axis=1)
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, req.efficiency,
-                                                  req.architecture, model.heads)
+                                                  req.architecture, model.heads) * (grid.p * paced / L)
     s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
-        s_rank, grid.b, h, L, grid.p, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
+        s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
     across_nodes = gpu.inter_node_bandwidth if req.gpus > req.gpus_per_node else gpu.intra_node_bandwidth
     ring = np.where(grid.t * grid.c <= req.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
     grid["context_parallel_s"] = iteration.context_parallel_seconds(
-        s_rank, grid.b, L, grid.p, grid.t, grid.c, grid.n, grid.recompute,
+        s_rank, grid.b, paced, grid.t, grid.c, grid.n, grid.recompute,
         req.architecture.kv_width(h, model.heads), ring)
     grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s_rank, grid.b, h, grid.t, grid.p, grid.m,
                                                              grid.n, across_nodes)
-    grid["data_parallel_s"] = iteration.data_parallel_seconds(grid.parameters, grid.d * grid.c,
+    # each stage reduces its own gradients at once: the one with the most parameters finishes last
+    reduced = grid[["parameters", "middle_parameters", "last_parameters"]].max(axis=1)
+    grid["data_parallel_s"] = iteration.data_parallel_seconds(reduced, grid.d * grid.c,
                                                               grid.distributed_optimizer, across_nodes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
@@ -311,10 +365,14 @@ class Plan:
         the memory that is largest (what broke the budget)."""
         leanest = self.evaluated.loc[self.evaluated.groupby("t").peak_bytes.idxmin()].copy()
         leanest["over_bytes"] = leanest.peak_bytes - self.request.budget_bytes
-        first = leanest[list(MEMORY_PARTS)].idxmax(axis=1).str.removesuffix("_bytes")
-        last = leanest[[f"last_{part}" for part in MEMORY_PARTS]].idxmax(axis=1).str.removesuffix("_bytes")
-        last = last.str.removeprefix("last_") + " (last stage)"
-        leanest["largest_part"] = first.where(leanest.peak_stage == "first", last)
+        largest = {}
+        for name, _ in STAGES:
+            prefix = "" if name == "first" else f"{name}_"
+            part = leanest[[prefix + part for part in MEMORY_PARTS]].idxmax(axis=1)
+            largest[name] = part.str.removeprefix(prefix).str.removesuffix("_bytes")
+        leanest["largest_part"] = np.select(
+            [leanest.peak_stage == "first", leanest.peak_stage == "stage 1"],
+            [largest["first"], largest["middle"] + " (stage 1)"], largest["last"] + " (last stage)")
         any_fit = self.evaluated.groupby("t").fits.any()
         leanest["t_fits"] = leanest.t.map(any_fit)
         return leanest.reset_index(drop=True)
@@ -327,11 +385,16 @@ def plan(req: PlanRequest) -> Plan:
 
 
 def config_label(row) -> str:
-    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism): what
-    --explain takes back (a recompute the plan does not sweep is written as given)."""
+    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism; an uneven
+    pipeline's layers as p, 'p=7+8x14+7', and no m): what --explain takes back (a recompute
+    the plan does not sweep is written as given)."""
     choice = PLAN_RECOMPUTE.get(row.recompute)
     short = row.recompute if choice is None else choice.word      # a run's own (run_label)
     cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
-    label = (f"t={row.t}{cp} p={row.p} m={row.m} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} "
-             f"{short}")
+    pipeline = f"p={row.p} m={row.m}"
+    between = getattr(row, "stage_layers", None)
+    first, last = getattr(row, "first_stage_layers", between), getattr(row, "last_stage_layers", between)
+    if (first, last) != (between, between):                 # uneven, so m = 1: Llama 3's 7+8x14+7
+        pipeline = f"p={split_text(first, between, last, row.p)}"
+    label = f"t={row.t}{cp} {pipeline} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} {short}"
     return label + (" dopt" if row.distributed_optimizer else "")

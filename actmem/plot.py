@@ -8,6 +8,7 @@ global state is touched and ``import actmem.plot`` works without it.
 
 from pathlib import Path
 
+from actmem.pipeline import split_text
 from actmem.plot_frames import MAP_MEMORY_COLUMN, MEMORY_PARTS
 from actmem.units import column_unit
 
@@ -209,7 +210,7 @@ def _map_panel(ax, cells, norm, c):
                                    linewidth=2.5))
         ax.text(x, y, _cell_text(cell), ha="center", va="center", fontsize=6.5,
                 fontweight="bold" if cell.is_best else None)
-    ax.set_xticks(range(len(columns)), [str(p) for p in columns])
+    ax.set_xticks(range(len(columns)), [_pipeline_tick(cells[cells.p == p].iloc[0]) for p in columns])
     ax.set_yticks(range(len(rows)), [str(t) for t in rows])
     ax.set_xlabel("pipeline-parallel size p", fontsize=9)
     ax.set_ylabel("tensor-parallel size t", fontsize=9)
@@ -227,11 +228,20 @@ def _budget_colours():
 
 
 def _cell_text(cell) -> str:
-    """'40.6 GiB / m=3 b=1 sp sel dopt / 44 of 144 fit'."""
-    rest = " ".join(word for word in cell.config.split() if not word.startswith(("t=", "c=", "p=")))
+    """'40.6 GiB / m=3 b=1 / sp sel dopt / 44 of 144 fit'."""
+    words = [word for word in cell.config.split() if not word.startswith(("t=", "c=", "p="))]
+    sizes, switches = (" ".join(word for word in words if ("=" in word) == named) for named in (True, False))
     tried = cell.configurations
     verdict = f"{cell.fitting} of {tried} fit" if cell.fits else f"none of {tried} fits"
-    return f"{getattr(cell, MAP_MEMORY_COLUMN) / GIB:,.1f} GiB\n{rest}\n{verdict}"
+    return f"{getattr(cell, MAP_MEMORY_COLUMN) / GIB:,.1f} GiB\n{sizes}\n{switches}\n{verdict}"
+
+
+def _pipeline_tick(cell) -> str:
+    """'35', or an uneven pipeline's p over its split: '16' / '3+7x14+4'."""
+    layers = (cell.first_stage_layers, cell.stage_layers, cell.last_stage_layers)
+    if len(set(layers)) == 1:
+        return str(cell.p)
+    return f"{cell.p}\n{split_text(*layers, cell.p)}"
 
 
 # -- formula against measurement --------------------------------------------------------------

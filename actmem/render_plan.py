@@ -82,8 +82,8 @@ def _nothing_fits(plan, nothing) -> Text:
     text = Text(f"Nothing fits {gib(req.budget_bytes):,.2f} GiB: the leanest configuration, "
                 f"{config_label(leanest)}, needs {gib(leanest.peak_bytes):,.2f} GiB.\n", style="bold red")
     if nothing.usable_p != nothing.all_p:
-        text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must divide "
-                    f"layers ({req.model.layers}) and {req.gpus}/t, and d = gpus/(t·c·p) the batch: that "
+        text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must split the "
+                    f"{req.model.layers} layers and divide {req.gpus}/t, and d = gpus/(t·c·p) the batch: that "
                     f"leaves t in {_listed(nothing.usable_t)} and p in {_listed(nothing.usable_p)} "
                     f"(the model allows p in {_listed(nothing.all_p)}).\n")
     if nothing.nearest:
@@ -102,9 +102,10 @@ def _listed(values) -> str:
 def _plan_assumptions(req) -> list[str]:
     gpu = req.gpu
     return [
-        "memory (GiB) is the allocator's peak from below (actmem.peak) on the busier of the first "
-        "stage (the most microbatches, the embedding) and the last (the logits, the output layer's "
-        "weights); a stage between holds less in an even pipeline",
+        "memory (GiB) is the allocator's peak from below (actmem.peak) on the busiest of the first "
+        "stage (the most microbatches, the embedding), the last (the logits, the output layer's "
+        "weights) and, in an uneven pipeline, stage 1 (the most layers and microbatches of the "
+        "stages between, which hold less than the first in an even one)",
         f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
         "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
         "and the backward's transients other than those it counts (the rerun, the loss's logits "
@@ -115,8 +116,11 @@ def _plan_assumptions(req) -> list[str]:
         f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "
         "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
         "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
-        "even pipelines only (p divides L); an uneven one, such as Llama 3's 7 + 8 x 14 + 7, is "
-        "checked with actmem estimate --first-stage-layers/--last-stage-layers",
+        "pipelines even where p divides L, else (p ≥ 3) as Llama 3 splits its 126 layers on 16 "
+        "stages, 7 + 8 x 14 + 7: ⌈L/p⌉ layers on each stage between and the rest on the first and "
+        "last ('first=7 last=7'; interleaving in even pipelines only); the pipeline goes at the pace "
+        "of its fullest stage; another split is checked with actmem estimate "
+        "--first-stage-layers/--last-stage-layers",
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
         "recompute of every layer alone (a run with --recompute-method is checked with actmem "
         "estimate); selective recompute of the attention core (sel), of it and the MLP (sel+mlp), "

@@ -158,11 +158,15 @@ def to_markdown(est: Estimate, codes=None) -> str:
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 
 
-PLAN_COLUMNS = ["t", "c", "p", "m", "b", "d", "n", "sequence_parallel", "recompute",
-                 "distributed_optimizer", "activations_bytes", "weights_bytes", "gradients_bytes",
-                 "optimizer_bytes", "dummy_wgrads_bytes", "transient_bytes", "total_bytes", "first_peak_bytes", "last_peak_bytes",
-                 "peak_bytes", "peak_stage", "fits", "compute_s", "tensor_parallel_s",
-                 "context_parallel_s", "pipeline_p2p_s", "bubble", "data_parallel_s", "iteration_s", "mfu"]
+PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage_layers", "m", "b", "d", "n",
+                "sequence_parallel", "recompute", "distributed_optimizer", "activations_bytes", "weights_bytes",
+                "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "transient_bytes", "total_bytes",
+                "first_peak_bytes", "middle_peak_bytes", "last_peak_bytes", "peak_bytes", "peak_stage", "fits",
+                "compute_s", "tensor_parallel_s", "context_parallel_s", "pipeline_p2p_s", "bubble",
+                "data_parallel_s", "iteration_s", "mfu"]
+"""A plan row as JSON and CSV write it: the split of its pipeline (plan.STAGE_LAYERS), the
+first stage's peak floor by part, each sized stage's peak (middle: stage 1, 0 where p < 3),
+the busiest, and the time model's parts."""
 
 
 def _plan_rows(frame, top: int) -> list[dict]:

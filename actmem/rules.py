@@ -31,21 +31,24 @@ def _not_in(value, excluded):
 
 
 def _uneven(v) -> bool:
-    """First or last stage layers are given (one spec; the planner sweeps even pipelines)."""
+    """First or last stage layers are given (one spec; in the planner's sweep, its uneven
+    rows, which it checks apart from the even ones)."""
     return v.first is not None or v.last is not None
 
 
-def _middle_stages(v) -> int:
+def _middle_stages(v):
     return v.p - (v.first is not None) - (v.last is not None)
 
 
-def _middle_layers(v) -> int:
-    return v.layers - (v.first or 0) - (v.last or 0)
+def _middle_layers(v):
+    return v.layers - (0 if v.first is None else v.first) - (0 if v.last is None else v.last)
 
 
-def _even_middle(v) -> bool:
+def _even_middle(v):
+    """The stages between share their layers evenly (none when there is no stage between);
+    arithmetic and & only, so it runs on ints and on the sweep's arrays alike."""
     stages, layers = _middle_stages(v), _middle_layers(v)
-    return layers == 0 if stages == 0 else layers > 0 and layers % stages == 0
+    return ((layers > 0) == (stages > 0)) & (layers % (stages + (stages == 0)) == 0)
 
 
 #: Megatron's fused causal softmax (megatron/core/fusions/fused_softmax.py,
@@ -126,7 +129,7 @@ RULES = (
                    "cuDNN flash core (--attention-core flash), which keeps no s² term", ("core",)),
     Rule(lambda v: _implies(not _uneven(v), v.layers % v.p == 0),
          lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
-    Rule(lambda v: not _uneven(v) or (v.p > 1 and v.m == 1),
+    Rule(lambda v: not _uneven(v) or (v.p > 1) & (v.m == 1),
          lambda v: f"an uneven pipeline (first or last stage layers given) needs p > 1 and no "
                    f"interleave (p = {v.p}, m = {v.m})"),
     Rule(lambda v: not _uneven(v) or _even_middle(v),

@@ -178,20 +178,28 @@ def test_plan_keeps_a_stated_reserve_by_default(actmem):
 
 
 def test_nothing_fits_for_structural_reasons_says_why_and_where_to_go(actmem):
-    """530B on 64 GPUs: p must divide 105 (odd) and 64/t (a power of 2), so p = 1; with the
-    batch of 280, d = 64/t must divide 280: only t = 8 (d = 8). The whole model on 8 GPUs
-    does not fit. 140 GPUs (t = 4, p = 35) no longer fits since TE's dummy weight gradients
-    count (12h²/4 16-bit elements, 2.34 GiB at t = 4: its leanest row needs 73.41 GiB of 72);
-    168 GPUs (t = 8, p = 21, d = 1) is the nearest count where something fits."""
+    """530B on 64 GPUs: p must divide 64/t (a power of 2) and split the 105 layers: 1, or
+    unevenly (⌈105/p⌉ = k on each stage between, the rest r = 105 - (p-2)k >= 2 on the first
+    and last) 4 (r = 51), 8 (r = 21), 16 (r = 7); not 2 (105 is odd), 32 or 64 (r < 0).
+    With the batch of 280 = 8·35, d = 64/(t·p) must be 1, 2, 4 or 8. Every stage's parameters
+    are too many: at the leanest, t = 8 p = 8, stage 1's 14 layers hold 14 x (12h² + 13h)/8
+    = 8.81e9 of them, 18 B each (d = 1: no distributed optimizer), 147.7 GiB.
+    The nearest count that fits is 144 = 8 x 18 (d = 1): p = 18 gives 4 + 6 x 16 + 5, and
+    stage 1's 6 layers of 629,178,880 parameters at 18 B are 63.28 GiB, under the 72 GiB
+    budget with the rest (the row's peak from the sweep); 128 = 8 x 16 (3 + 7 x 14 + 4)
+    does not: 7 layers are 73.83 GiB of parameter bytes alone."""
     result = actmem("plan", "--model", "530b", "--gpus", "64")
     assert result.exit_code == 1
     out = " ".join(result.stdout.split())
-    assert "leaves t in {8} and p in {1}" in out
-    assert "the model allows p in {1, 3, 5, 7, 15, 21, 35, 105}" in out
-    assert "168 GPUs: t=8 p=21" in out and "140 GPUs" not in out
+    assert "leaves t in {1, 2, 4, 8} and p in {1, 4, 8, 16}" in out
+    assert "the model allows p in {1, 3, 4, 5," in out and ", 35, 36, 53, 105}" in out
+    assert "144 GPUs: t=8 p=4+6x16+5" in out
     data = json.loads(actmem("plan", "--model", "530b", "--gpus", "64", "--format", "json").stdout)
-    assert data["nothing_fits"]["usable_p"] == [1]
-    assert data["nothing_fits"]["nearest_fitting"][0]["gpus"] == 168
+    assert data["nothing_fits"]["usable_p"] == [1, 4, 8, 16]
+    assert data["nothing_fits"]["nearest_fitting"][0]["gpus"] == 144
+    h = 20480
+    assert 7 * (12 * h * h + 13 * h) // 8 * 18 > 72 * 2**30 > 6 * (12 * h * h + 13 * h) // 8 * 18
+    assert json.loads(actmem("plan", "--model", "530b", "--gpus", "128", "--format", "json").stdout)["fitting"] == 0
 
 
 # -- 6. output polish ---------------------------------------------------------------------

@@ -133,7 +133,7 @@ def test_plan_cli_json(actmem):
 def test_plan_cli_rich_csv_and_explain(actmem):
     assert "t=8 p=35 m=3 b=1 sp sel" in actmem("plan", "--model", "530b").stdout
     csv = actmem("plan", "--model", "22b", "--format", "csv", "--top", "0").stdout
-    assert csv.splitlines()[0].startswith("config,t,c,p,m,b,d,n")
+    assert csv.splitlines()[0].startswith("config,t,c,p,first_stage_layers,stage_layers,last_stage_layers,m,b,d,n")
     explained = actmem("plan", "--model", "gpt3", "--explain", "t=8 p=8 m=3 b=1 sp sel")
     assert explained.exit_code == 0
     assert "pipeline bubble" in explained.stdout and "tp-sp-sel" in explained.stdout
@@ -142,15 +142,20 @@ def test_plan_cli_rich_csv_and_explain(actmem):
 def test_nothing_fits_exits_1_and_says_why(actmem):
     result = actmem("plan", "--model", "530b", "--gpus", "8", "--global-batch", "8")
     assert result.exit_code == 1
-    assert "Nothing fits" in result.stdout and "largest part: optimizer" in result.stdout
+    text = " ".join(result.stdout.split())          # rich wraps the verdict column
+    assert "Nothing fits" in text and "largest part: optimizer" in text
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--model", "1t", "--gpus", "13", "--global-batch", "64"],
-     ["divisible by none of the data-parallel sizes", "13"]),
-    # 530B: p | 105 is odd, so on 16 GPUs p = 1 and d is 2, 4, 8 or 16: none divides 7
-    (["--model", "530b", "--gpus", "16", "--global-batch", "7"],
-     ["global batch 7 is divisible by none", "2, 4, 8, 16"]),
+    # 131 is prime and above 1T's 128 layers: t = p = 1, d = 131
+    (["--model", "1t", "--gpus", "131", "--global-batch", "64"],
+     ["divisible by none of the data-parallel sizes", "131"]),
+    # 530B, 105 layers: on 1024 GPUs p is a power of 2 that splits them: 1, 2 (no: 105 is odd),
+    # 4 (25 + 27 x 2 + 26), 8 (10 + 14 x 6 + 11), 16 (3 + 7 x 14 + 4); p = 32 leaves
+    # 105 - 30 x 4 < 2 for the first and last. So t·p <= 8 x 16 and d = 1024/(t·p) is 8 to
+    # 1024, even: none divides 7
+    (["--model", "530b", "--gpus", "1024", "--global-batch", "7"],
+     ["global batch 7 is divisible by none", "8, 16, 32, 64, 128, 256, 512, 1024"]),
     (["--model", "gpt3", "--gpus", "0"], ["gpus must be a positive integer, got 0"]),
     (["--model", "gpt3", "--reserve", "90GiB"], ["reserve", "must be less than the GPU memory"]),
     (["--model", "gpt3", "--efficiency", "0"], ["efficiency must be in (0, 1]"]),
@@ -166,10 +171,15 @@ def test_plan_bad_input(actmem, args, fragments):
 
 
 def test_a_prime_gpu_count_larger_than_a_node():
-    """13 GPUs: only t = p = 1 divides 13, so d = 13 must divide the global batch."""
+    """13 GPUs: t = 1 (13 is prime, above a node); p = 1, d = 13, or p = 13 splitting 1T's
+    128 layers as Llama 3 does: ⌈128/13⌉ = 10 on each of the 11 stages between and
+    128 - 110 = 18 shared by the first and last, 9 + 10 x 11 + 9; d = 1."""
     req = request("1t", gpus=13, global_batch=13 * 4)
     frame = candidates(req)
-    assert set(zip(frame.t, frame.p, frame.d)) == {(1, 1, 13)}
+    assert set(zip(frame.t, frame.p, frame.d)) == {(1, 1, 13), (1, 13, 1)}
+    split = frame[frame.p == 13]
+    assert set(zip(split.first_stage_layers, split.stage_layers, split.last_stage_layers)) == {(9, 10, 9)}
+    assert set(split.m) == {1}
 
 
 def test_a_trillion_parameter_sweep_counts_flops_without_overflow():

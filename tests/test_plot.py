@@ -153,11 +153,16 @@ def test_a_sweep_value_the_run_refuses_is_one_line(tmp_path):
 # -- which configurations fit ---------------------------------------------------------------
 
 def test_fit_map_has_a_cell_for_each_t_and_p_and_the_plans_choice(tmp_path, actmem):
-    """530B on 2,240 GPUs: t | gcd(128, 20480) up to a node (1, 2, 4, 8) and p | 105 dividing
-    2240/t, so p | gcd(105, 2240) = 35: 16 cells. The choice is the first row of
-    `actmem plan --format csv`: t = 8, p = 35, as the paper trained it (Table 3)."""
+    """530B on 2,240 = 2^6·5·7 GPUs: t | gcd(128, 20480) up to a node (1, 2, 4, 8) and p
+    dividing 2240/t and splitting the 105 layers: evenly, p | gcd(105, 2240) = 35 (1, 5, 7,
+    35), or as Llama 3 does (⌈105/p⌉ = k on each stage between, r = 105 - (p-2)k >= 2 on the
+    first and last): 4 (25 + 27 x 2 + 26), 8 (10 + 14 x 6 + 11), 10 (8 + 11 x 8 + 9),
+    14 (4 + 8 x 12 + 5), 16 (3 + 7 x 14 + 4; 16 does not divide 2240/8 = 280). Not 2 (105
+    is odd), 20 (r = 105 - 18 x 6 < 0), 28 (r = 105 - 26 x 4 = 1). The choice is the first row
+    of `actmem plan --format csv`: t = 8, p = 35, as the paper trained it (Table 3)."""
     frame = frame_written(tmp_path, "fit", *PLAN_530B)
-    assert sorted(zip(frame.t, frame.p)) == [(t, p) for t in (1, 2, 4, 8) for p in (1, 5, 7, 35)]
+    sizes = {t: (1, 4, 5, 7, 8, 10, 14, 35) + ((16,) if t < 8 else ()) for t in (1, 2, 4, 8)}
+    assert sorted(zip(frame.t, frame.p)) == sorted((t, p) for t in sizes for p in sizes[t])
     planned = actmem("plan", *PLAN_530B, "--format", "csv", "--top", "1")
     assert planned.exit_code == 0, planned.output
     first = pd.read_csv(io.StringIO(planned.stdout))

@@ -160,7 +160,7 @@ def test_the_mlp_rerun_repeats_its_forward_collective():
     recompute both forward ones (6/4); the attention core has none (4/4)."""
     from actmem.iteration import tensor_parallel_seconds
 
-    seconds = {mode: tensor_parallel_seconds(2048, 1, 12288, 96, 8, 8, 64, mode, 230e9)
+    seconds = {mode: tensor_parallel_seconds(2048, 1, 12288, 96 // 8, 8, 64, mode, 230e9)
                for mode in ("none", "selective", "selective:core_attn+mlp", "selective:mlp", "full")}
     assert seconds["selective"] == seconds["none"]
     assert seconds["selective:mlp"] == seconds["selective:core_attn+mlp"] == pytest.approx(seconds["none"] * 5 / 4)

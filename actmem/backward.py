@@ -53,8 +53,9 @@ class Moment:
 
 
 def modelled(moment: str, technique: Technique, arch: Architecture = PAPER) -> bool:
-    """Megatron's layer only, kept whole or rerun alone (not partial full recompute). fc1:
-    not with the MLP recomputed (its own rerun is not modelled yet); core: the eager core."""
+    """Megatron's layer only, kept whole or rerun alone (not partial full recompute: callers
+    pass the technique a chunk's last layer runs under, Technique.last_layer). fc1: not with
+    the MLP recomputed (its own rerun is not modelled yet); core: the eager core."""
     if arch.code.name != "megatron" or technique.partial:
         return False
     if moment == "fc1":

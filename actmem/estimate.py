@@ -246,13 +246,16 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     parameters = _parameters(spec, t, occupancy.stage, stage_layers)
     rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
     loss = engine.exact(engine.loss_backward_bytes(technique, arch), bindings)
-    moments = tuple((name, _bound(backward.moment_bytes(name, technique, arch), bindings))
-                    for name in backward.MOMENTS if stage_layers and backward.modelled(name, technique, arch))
+    last = technique.last_layer(occupancy.chunk_layers)        # block: the chunk ends with whole layers
+    moments = () if last is None else tuple(
+        (name, _bound(backward.moment_bytes(name, last, arch), bindings))
+        for name in backward.MOMENTS if stage_layers and backward.modelled(name, last, arch))
     if technique.partial:
         checkpoints, whole = _partial_counts(spec, technique, occupancy)
         layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
                   + whole * engine.exact(engine.per_layer_bytes(technique.whole(), arch), bindings))
-        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss)
+        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss,
+                            moments)
     per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
     return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed,
                         loss, moments)

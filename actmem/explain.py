@@ -5,7 +5,8 @@ import re
 import pandas as pd
 
 from actmem.errors import SpecError
-from actmem.techniques import PLAN_RECOMPUTE, plan_recompute_name
+from actmem.pipeline import split_text, stage_split
+from actmem.techniques import PLAN_BLOCK, PLAN_RECOMPUTE, plan_recompute_name
 from actmem.terms import Recompute
 
 #: What a config string may leave out, when the preset's run does not say either.
@@ -26,7 +27,8 @@ _WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False
 
 def parse_config(text: str, defaults: dict | None = None, layers: int | None = None) -> dict:
     """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces; sel+mlp and mlp for --recompute-modules
-    core_attn mlp and mlp; 'p=7+8x14+7' for an uneven pipeline, whose layers must add up to
+    core_attn mlp and mlp; block=N for --recompute-method block --recompute-num-layers N;
+    'p=7+8x14+7' for an uneven pipeline, whose layers must add up to
     ``layers`` where given) -> run values (actmem.spec.Run's). What the text leaves out comes
     from ``defaults`` (the preset's run; its uneven split only where the text names no p; m = 1
     where the text gives a split), else t = p = m = b = 1, no SP, no recompute, no distributed
@@ -38,6 +40,8 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
             settings = _split(value, layers, text)
         elif key in _KEYS and value.isdecimal() and value.isascii():
             settings = {_KEYS[key]: int(value)}
+        elif key == "block" and value.isdecimal() and value.isascii():     # full recompute of N a chunk
+            settings = {"recompute": "full", "recompute_method": "block", "recompute_layers": int(value)}
         elif token in _WORDS:
             settings = dict([_WORDS[token]])
         else:
@@ -63,6 +67,23 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
         base["interleave"] = 1                       # an uneven pipeline is not interleaved
     run = base | given
     return run | PLAN_RECOMPUTE[run["recompute"]].run_values
+
+
+def _name_the_split(run, layers: int) -> None:
+    """A p that does not divide the layers, with no split given: say the one the plan sweeps."""
+    p = run.pipeline_parallel
+    split = stage_split(layers, p)
+    if run.first_stage_layers is None and run.last_stage_layers is None and layers % p and split:
+        raise SpecError(f"--explain: p ({p}) does not divide the {layers} layers; the plan splits them "
+                        f"as p={split_text(*split, p)} (first + between x stages + last): write that")
+
+
+def _block_layers(run, per_chunk: int) -> int:
+    """The plan's recompute_layers: N of the block method where it keeps layers whole (a
+    PLAN_BLOCK row), else 0 (N equal to the chunk's layers is plain full recompute)."""
+    if run.recompute_method == "block" and run.recompute_layers < per_chunk:
+        return run.recompute_layers
+    return 0
 
 
 def _split(value: str, layers: int | None, text: str) -> dict:
@@ -96,17 +117,20 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                         f"({req.gpus_per_node}), which the plan keeps tensor parallelism within")
     if run.micro_batch > req.max_micro_batch:
         raise SpecError(f"--explain: b ({run.micro_batch}) is above --max-micro-batch ({req.max_micro_batch})")
+    _name_the_split(run, req.model.layers)
     probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
                  architecture=req.architecture)          # checks the rules, gives d and n
     layers = stage_layers(probe)
     between = layers[1] if len(layers) >= 3 else layers[0]      # with no stage between, the first's
+    block = _block_layers(run, probe.chunk_layers)
     row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
                          "first_stage_layers": layers[0], "stage_layers": between,
                          "last_stage_layers": layers[-1],
                          "d": probe.data_parallel,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
-                         "sequence_parallel": run.sequence_parallel, "recompute": plan_recompute_name(
-                             run.recompute, run.recompute_modules),
+                         "sequence_parallel": run.sequence_parallel,
+                         "recompute": PLAN_BLOCK if block else plan_recompute_name(run.recompute, run.recompute_modules),
+                         "recompute_layers": block,
                          "distributed_optimizer": run.distributed_optimizer}])
     evaluated = evaluate(req, row).iloc[0]
     spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",

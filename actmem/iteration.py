@@ -8,17 +8,20 @@ which makes it a ranking model, not a promise.
 """
 
 from actmem.flops import hardware_flops
-from actmem.techniques import PLAN_RECOMPUTE
+from actmem.techniques import PLAN_CHOICES
 from actmem.terms import Recompute
 from actmem.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
-def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads):
+def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads, share=1):
     """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak (an even
-    pipeline's stage; the planner scales an uneven one's by its slowest stage)."""
+    pipeline's stage; the planner scales an uneven one's by its slowest stage). share: of
+    what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
+    layers)."""
+    plain = hardware_flops(B, s, L, h, v, Recompute.NONE, arch, heads)
     flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.recompute, arch, heads, choice.modules)
-                for name, choice in PLAN_RECOMPUTE.items())
-    return flops / (gpus * efficiency * peak_flops)
+                for name, choice in PLAN_CHOICES.items())
+    return (plain + share * (flops - plain)) / (gpus * efficiency * peak_flops)
 
 
 def bubble_factor(p, m, n):
@@ -26,13 +29,15 @@ def bubble_factor(p, m, n):
     return 1 + (p - 1) / (m * n)
 
 
-def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth):
+def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, share=1):
     """Each layer of a stage (stage_layers: the slowest's, L/p when even) all-reduces its
     2sbh-byte output twice forward and twice backward, and again what recompute reruns: both
     forward ones with full recompute, the MLP's with the MLP recomputed (the attention core
     has none); sequence parallelism moves the same bytes as an all-gather plus a
-    reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU."""
-    per_layer = 4 + sum((recompute == name) * _rerun_collectives(choice) for name, choice in PLAN_RECOMPUTE.items())
+    reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU. share: of the rerun, the part
+    run (compute_seconds)."""
+    per_layer = 4 + share * sum((recompute == name) * _rerun_collectives(choice)
+                                for name, choice in PLAN_CHOICES.items())
     volume = n * stage_layers * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
     return volume / bandwidth
 
@@ -44,12 +49,13 @@ def _rerun_collectives(choice) -> int:
     return int(choice.recompute is Recompute.SELECTIVE and "mlp" in choice.modules)
 
 
-def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth):
+def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth, share=1):
     """The p2p ring sends each rank's k and v (2 x 2·s·b·gd/t bytes, s here the rank's own
     tokens) round the c ranks: c - 1 hops forward, and in backward k, v and their gradients
     again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
     the attention here, though TE overlaps it."""
-    passes = 3 + (recompute == Recompute.FULL.value)
+    passes = 3 + share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
+                             if choice.recompute is Recompute.FULL)
     volume = n * stage_layers * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
     return volume / bandwidth
 

@@ -46,27 +46,29 @@ def _nearby_counts(req) -> list[int]:
     """GPU counts t·p·d the model and batch allow where the parameters alone could fit,
     nearest to the request first."""
     from actmem.plan import LIMITS, divisors, pipeline_sizes, tensor_parallel_sizes
-    from actmem.pipeline import stage_split
 
     counts: dict = {}
     sizes = pipeline_sizes(req.model.layers)
     for t in tensor_parallel_sizes(req):
         for p in sizes:
             for d in divisors(req.global_batch):
-                if t * p * d <= LIMITS["gpus"] and _parameters_could_fit(req, t, p, d,
-                                                                         stage_split(req.model.layers, p)[0]):
+                if t * p * d <= LIMITS["gpus"] and _parameters_could_fit(req, t, p, d):
                     counts[t * p * d] = True
     return sorted((n for n in counts if n != req.gpus), key=lambda n: (abs(n - req.gpus), n))
 
 
-def _parameters_could_fit(req, t: int, p: int, d: int, first_layers: int) -> bool:
-    """A lower bound: the first stage's weights, gradients and (sharded, where d > 1)
-    optimizer state alone fit (first_layers: its layers, pipeline.stage_split)."""
-    from actmem.parameters import first_stage_parameters, parameter_bytes
+def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
+    """A lower bound: the weights, gradients and (sharded, where d > 1) optimizer state of
+    the first stage, and of stage 1 (in an uneven split it has the most layers,
+    pipeline.stage_split), alone fit."""
+    from actmem.parameters import parameter_bytes, stage_parameters
+    from actmem.pipeline import stage_split
     from actmem.spec import padded_vocab
 
     model = req.model
-    count = first_stage_parameters(model.hidden, model.layers, p, t,
-                                   padded_vocab(model.vocab, t, req.vocab_divisible_by), model.seq_len,
-                                   req.architecture, model.heads, stage_layers=first_layers)
+    first, between, _ = stage_split(model.layers, p)
+    vocab = padded_vocab(model.vocab, t, req.vocab_divisible_by)
+    count = max(stage_parameters(model.hidden, model.layers, p, t, vocab, model.seq_len, req.architecture,
+                                 model.heads, stage_layers=layers, stage=stage)
+                for stage, layers in ((0, first), (min(1, p - 1), between)))
     return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

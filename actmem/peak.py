@@ -15,7 +15,8 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
   the above is held (``engine.loss_backward_bytes``);
 - inside the last layer's backward (``actmem.backward``), at its first MLP linear (fc1) and
   at the eager core's softmax: the op's gradients and gathered input, less the rows the
-  backward has freed by then; Megatron's layer, kept whole or rerun alone.
+  backward has freed by then; Megatron's layer, kept whole or rerun alone (under the block
+  method, a chunk's last layer is kept whole).
 
 The moment is in the stage's first backward after the pipeline has filled (the oldest
 microbatch's last layer, every microbatch of the stage held): its start, its rerun done,

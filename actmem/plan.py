@@ -20,7 +20,8 @@ from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
 from actmem.pipeline import held_counts, split_text, stage_split
 from actmem.spec import Model, padded_vocab, require_positive_int
-from actmem.techniques import PLAN_RECOMPUTE, run_technique
+from actmem.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, run_technique
+from actmem.terms import Recompute
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -235,19 +236,25 @@ last (one microbatch more than stage 2, the same layers); in an even pipeline it
 than the first (fewer microbatches, no embedding), so it decides only in an uneven one."""
 
 
+def stage_column(stage: str, part: str) -> str:
+    """A stage's column of a part: the first stage's unprefixed ('weights_bytes'), the others'
+    with their name ('last_weights_bytes', 'middle_weights_bytes')."""
+    return part if stage == "first" else f"{stage}_{part}"
+
+
 def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     """Memory per GPU and time per iteration, for every row at once. Memory is the peak floor
     (actmem.peak) by part of the first stage, of the last, which holds the logits and the
     output layer's weights, and where p >= 3 of stage 1; the largest must fit the budget."""
     grid = grid.copy()
+    if "recompute_layers" not in grid:
+        grid["recompute_layers"] = 0                 # N of PLAN_BLOCK's rows; 0 on the others
     grid["vocab"] = padded_vocab(req.model.vocab, grid.t, req.vocab_divisible_by)
     peaks = {}
     for name, stage in STAGES:
         memory = _stage_memory(req, grid, name, stage)
-        prefix = "" if name == "first" else f"{name}_"
-        for part in MEMORY_PARTS:
-            grid[prefix + part] = memory[part]
-        grid[f"{prefix}parameters"] = memory["parameters"]
+        for part in MEMORY_PARTS + ("parameters", "layer_activations"):
+            grid[stage_column(name, part)] = memory[part]
         peaks[name] = memory[list(MEMORY_PARTS)].sum(axis=1)
         grid[f"{name}_peak_bytes"] = peaks[name]
     grid["total_bytes"] = grid[list(MEMORY_PARTS[:-1])].sum(axis=1)
@@ -268,8 +275,10 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     stage = grid.p - 1 if stage is None else stage
     held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
-                           "holds_output": (stage == grid.p - 1).astype("int64")}, index=grid.index)
+                           "holds_output": (stage == grid.p - 1).astype("int64"),
+                           "chunk_layers": layers // grid.m}, index=grid.index)
     memory = pd.DataFrame(index=grid.index)
+    memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
     dummies = dummy_wgrad_elements(h, grid.t, grid.vocab, req.architecture, model.heads,
                                    holds_output=(stage == grid.p - 1).astype("int64"))
@@ -289,31 +298,48 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
     """(activations, transient): the engine's stage expressions (held_bytes; the largest of
     rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's
-    backward moments, actmem.backward), lambdified, on float64 columns (no int64 overflow)."""
-    model = req.model
-    dims = [float(x) for x in (model.seq_len, model.hidden, model.heads, model.layers)]
+    backward moments, actmem.backward), lambdified, on float64 columns (no int64 overflow).
+    Rows of PLAN_BLOCK, with recompute_layers N < the chunk's layers, are Megatron's block method: each chunk in flight keeps N checkpoints and its other layers whole, reruns
+    nothing before those are freed, and its last layer's moments are a whole layer's."""
+    arch = req.architecture
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
-        choice = PLAN_RECOMPUTE[recompute]
-        technique = run_technique(bool(sp), choice.recompute, modules=choice.modules)
-        column = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
-        s, h, a, L = dims
-        # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
-        args = (s / column("c"), column("b"), h, a, L, column("t"), column("p"), column("vocab"), column("m"),
-                column("layer_activations"), column("microbatches_held"), column("holds_output"), column("c"))
-        held[rows.index] = _whole_bytes(engine.numeric(engine.held_bytes(technique, req.architecture))(*args),
-                                        len(rows))
-        arch = req.architecture
-        rerun = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args)
-        loss = engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)
-        moments = np.maximum(np.maximum(rerun, loss), 0)
+        choice, block = PLAN_CHOICES[recompute], recompute == PLAN_BLOCK
+        technique = run_technique(bool(sp), choice.recompute, choice.method or "uniform", 1, choice.modules)
+        values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
+        args = _numeric_args(req, values)
+        if block:
+            chunks = values("layer_activations") / values("chunk_layers")
+            checkpoints, whole = chunks * values("recompute_layers"), chunks * (values("chunk_layers") - values("recompute_layers"))
+            kept = (engine.numeric(engine.held_bytes(technique, arch))(*_with_layers(args, checkpoints))
+                    + engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args) * whole)
+            rerun, last = 0, technique.whole()
+        else:
+            kept = engine.numeric(engine.held_bytes(technique, arch))(*args)
+            rerun, last = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args), technique
+        held[rows.index] = _whole_bytes(kept, len(rows))
+        moments = np.maximum(np.maximum(rerun, engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)), 0)
         for name in backward.MOMENTS:
-            if backward.modelled(name, technique, arch):
-                beyond = backward.moment_bytes(name, technique, arch).beyond_held
+            if backward.modelled(name, last, arch):
+                beyond = backward.moment_bytes(name, last, arch).beyond_held
                 moments = np.maximum(moments, engine.numeric(beyond)(*args))
         transient[rows.index] = _whole_bytes(moments, len(rows))
     return held, transient
+
+
+def _numeric_args(req: PlanRequest, values) -> tuple:
+    """engine.NUMERIC_ARGS for rows of the sweep (values: a column by name, as float64)."""
+    s, h, a, L = (float(x) for x in (req.model.seq_len, req.model.hidden, req.model.heads, req.model.layers))
+    # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
+    return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
+            values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"))
+
+
+def _with_layers(args: tuple, layer_activations) -> tuple:
+    """The same arguments with another count of layer activations."""
+    i = engine.NUMERIC_ARGS.index(engine.layer_activations)
+    return args[:i] + (layer_activations,) + args[i + 1:]
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:
@@ -326,18 +352,20 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     s, h, L = model.seq_len, model.hidden, model.layers
     # the pipeline goes at its slowest stage's pace: the most layers a stage has (L/p when even)
     paced = grid[list(STAGE_LAYERS)].max(axis=1)
+    # block N reruns N of a chunk's L/(pm) layers; every other choice all it recomputes
+    share = np.where(grid.recompute == PLAN_BLOCK, grid.recompute_layers / (grid.stage_layers // grid.m), 1.0)
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, req.efficiency,
-                                                  req.architecture, model.heads) * (grid.p * paced / L)
+                                                  req.architecture, model.heads, share) * (grid.p * paced / L)
     s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
-        s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth)
+        s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth, share)
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
     across_nodes = gpu.inter_node_bandwidth if req.gpus > req.gpus_per_node else gpu.intra_node_bandwidth
     ring = np.where(grid.t * grid.c <= req.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
     grid["context_parallel_s"] = iteration.context_parallel_seconds(
         s_rank, grid.b, paced, grid.t, grid.c, grid.n, grid.recompute,
-        req.architecture.kv_width(h, model.heads), ring)
+        req.architecture.kv_width(h, model.heads), ring, share)
     grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s_rank, grid.b, h, grid.t, grid.p, grid.m,
                                                              grid.n, across_nodes)
     # each stage reduces its own gradients at once: the one with the most parameters finishes last
@@ -367,9 +395,8 @@ class Plan:
         leanest["over_bytes"] = leanest.peak_bytes - self.request.budget_bytes
         largest = {}
         for name, _ in STAGES:
-            prefix = "" if name == "first" else f"{name}_"
-            part = leanest[[prefix + part for part in MEMORY_PARTS]].idxmax(axis=1)
-            largest[name] = part.str.removeprefix(prefix).str.removesuffix("_bytes")
+            part = leanest[[stage_column(name, part) for part in MEMORY_PARTS]].idxmax(axis=1)
+            largest[name] = part.str.removeprefix(stage_column(name, "")).str.removesuffix("_bytes")
         leanest["largest_part"] = np.select(
             [leanest.peak_stage == "first", leanest.peak_stage == "stage 1"],
             [largest["first"], largest["middle"] + " (stage 1)"], largest["last"] + " (last stage)")
@@ -380,16 +407,77 @@ class Plan:
 
 def plan(req: PlanRequest) -> Plan:
     evaluated = evaluate(req, candidates(req))
+    evaluated = pd.concat([evaluated, block_recompute(req, evaluated)], ignore_index=True)
     ranked = evaluated.sort_values(["fits", "iteration_s", "peak_bytes"], ascending=[False, True, True])
     return Plan(req, ranked.reset_index(drop=True))
 
 
+#: what a configuration is, beside its recompute: the columns its rows share
+_CONFIGURATION = ["t", "c", "p", "m", "b", "sequence_parallel", "distributed_optimizer"]
+CANDIDATE_COLUMNS = ["t", "c", "p", *STAGE_LAYERS, "d", "b", "m", "sequence_parallel", "recompute",
+                     "distributed_optimizer", "n"]
+"""A configuration as candidates() gives it, before evaluate()."""
+
+
+def _per_layer_bytes(req: PlanRequest, rows: pd.DataFrame) -> tuple:
+    """(a layer kept whole, its checkpoint) of one microbatch, by row, under full recompute."""
+    layer = pd.Series(0.0, index=rows.index)
+    checkpoint = pd.Series(0.0, index=rows.index)
+    for sp, group in rows.groupby("sequence_parallel"):
+        technique = run_technique(bool(sp), Recompute.FULL)
+        counts = {"layer_activations", "microbatches_held", "holds_output"}     # a layer's bytes use none
+        args = _numeric_args(req, lambda name: 0.0 if name in counts else group[name].to_numpy(dtype="float64"))
+        checkpoint[group.index] = engine.numeric(engine.per_layer_bytes(technique, req.architecture))(*args)
+        layer[group.index] = engine.numeric(engine.per_layer_bytes(technique.whole(), req.architecture))(*args)
+    return layer, checkpoint
+
+
+def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
+    """Megatron's partial full recompute (--recompute-method block --recompute-num-layers N),
+    one row a configuration: the least N that fits, where nothing recomputed does not fit and
+    full recompute does, in an even pipeline with at least 2 layers a chunk. On each stage
+    its floor is full recompute's with the chunks in flight keeping L/(pm) - N layers whole
+    rather than as checkpoints, and, as nothing is rerun before those are freed and the last
+    layer is a whole one, the transient of the run without recompute (actmem.peak). Each
+    layer more recomputed saves a stage its chunks in flight times a whole layer less its
+    checkpoint; so N = ⌈(floor with every layer whole - budget) / saving⌉, the larger of the
+    first and last stage's. A larger N fits too but recomputes more, which the time model
+    charges."""
+    if "partial_recompute" not in req.architecture.code.runs:
+        return evaluated.iloc[:0]
+    stages = ("first", "last")                      # stage 1 holds less than the first: even
+    transients = [stage_column(name, "transient_bytes") for name in stages]
+    none = evaluated.loc[evaluated.recompute == "none", _CONFIGURATION + ["fits"] + transients]
+    full = evaluated[(evaluated.recompute == "full") & evaluated.fits & ~_uneven(evaluated)
+                     & (evaluated.stage_layers // evaluated.m >= 2)]
+    full = full.merge(none, on=_CONFIGURATION, suffixes=("", "_none"))
+    full = full[~full.fits_none]
+    layer, checkpoint = (np.rint(part).astype("int64") for part in _per_layer_bytes(req, full))
+    per_chunk = full.stage_layers // full.m
+    needed = pd.Series(1, index=full.index)
+    for name, transient in zip(stages, transients):
+        saved = full[stage_column(name, "layer_activations")] // per_chunk * (layer - checkpoint)
+        every_layer_whole = (full[f"{name}_peak_bytes"] - full[transient] + full[f"{transient}_none"]
+                             + per_chunk * saved)
+        over = every_layer_whole - req.budget_bytes
+        needed = np.maximum(needed, np.where(saved > 0, -(-over // saved.clip(lower=1)), per_chunk))
+    rows = full.loc[needed < per_chunk, CANDIDATE_COLUMNS].assign(recompute=PLAN_BLOCK,
+                                                                   recompute_layers=needed[needed < per_chunk])
+    if rows.empty:
+        return evaluated.iloc[:0]
+    block = evaluate(req, rows)
+    return block[block.fits]
+
+
 def config_label(row) -> str:
     """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism; an uneven
-    pipeline's layers as p, 'p=7+8x14+7', and no m): what --explain takes back (a recompute
-    the plan does not sweep is written as given)."""
-    choice = PLAN_RECOMPUTE.get(row.recompute)
+    pipeline's layers as p, 'p=7+8x14+7', and no m; full recompute of N layers a chunk by
+    Megatron's block method as 'block=N'): what --explain takes back (a recompute the plan
+    does not sweep is written as given)."""
+    choice = PLAN_CHOICES.get(row.recompute)
     short = row.recompute if choice is None else choice.word      # a run's own (run_label)
+    if row.recompute == PLAN_BLOCK:                                 # Megatron's block method, N layers
+        short = f"block={row.recompute_layers}"
     cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
     pipeline = f"p={row.p} m={row.m}"
     between = getattr(row, "stage_layers", None)

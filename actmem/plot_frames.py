@@ -25,7 +25,7 @@ from actmem.errors import SpecError
 from actmem.terms import layer_terms
 
 #: The plan column the map colours by and takes the leanest configuration by, when nothing
-#: in a cell fits: the peak floor of the busier of the first and last stage, as plan fits on.
+#: in a cell fits: the peak floor of the busiest stage, as plan fits on.
 MAP_MEMORY_COLUMN = "peak_bytes"
 
 #: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``.
@@ -45,16 +45,25 @@ _MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 def run_label(spec) -> str:
     """'t=8 p=35 m=3 b=1 sp sel', as the planner labels a configuration ('sel:core_attn+layernorm'
-    for recompute modules the planner does not sweep)."""
+    for recompute modules the planner does not sweep, 'uniform=2' for Megatron's uniform groups)."""
     from actmem.plan import config_label
-
-    from actmem.techniques import plan_recompute_name
+    from actmem.stages import stage_layers
+    from actmem.techniques import PLAN_BLOCK, plan_recompute_name
 
     run = spec.run
     name = plan_recompute_name(run.recompute, run.recompute_modules) or f"sel:{'+'.join(run.recompute_modules)}"
+    block = run.recompute_method == "block" and run.recompute_layers < spec.chunk_layers
+    if block:
+        name = PLAN_BLOCK
+    if run.recompute_method == "uniform" and run.recompute_layers > 1:
+        name = f"uniform={run.recompute_layers}"
+    layers = stage_layers(spec)
     return config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
                                         m=run.interleave, b=run.micro_batch,
+                                        first_stage_layers=layers[0], last_stage_layers=layers[-1],
+                                        stage_layers=layers[1] if len(layers) > 2 else layers[0],
                                         sequence_parallel=run.sequence_parallel, recompute=name,
+                                        recompute_layers=run.recompute_layers if block else 0,
                                         distributed_optimizer=run.distributed_optimizer))
 
 

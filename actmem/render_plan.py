@@ -118,13 +118,16 @@ def _plan_assumptions(req) -> list[str]:
         "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
         "pipelines even where p divides L, else (p ≥ 3) as Llama 3 splits its 126 layers on 16 "
         "stages, 7 + 8 x 14 + 7: ⌈L/p⌉ layers on each stage between and the rest on the first and "
-        "last ('first=7 last=7'; interleaving in even pipelines only); the pipeline goes at the pace "
+        "last (written as p, 'p=7+8x14+7'; interleaving in even pipelines only); the pipeline goes at the pace "
         "of its fullest stage; another split is checked with actmem estimate "
         "--first-stage-layers/--last-stage-layers",
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
-        "recompute of every layer alone (a run with --recompute-method is checked with actmem "
-        "estimate); selective recompute of the attention core (sel), of it and the MLP (sel+mlp), "
-        "or of the MLP alone (mlp), Megatron's --recompute-modules, where actmem models them",
+        "recompute of every layer alone, or of the first N layers of each chunk (block=N, "
+        "Megatron's --recompute-method block --recompute-num-layers N: the least N that fits, "
+        "offered where nothing recomputed does not fit and full recompute does, in even pipelines; "
+        "uniform groups are checked with actmem estimate); selective recompute of the attention "
+        "core (sel), of it and the MLP (sel+mlp), or of the MLP alone (mlp), Megatron's "
+        "--recompute-modules, where actmem models them",
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and

@@ -48,7 +48,15 @@ def _even_middle(v):
     """The stages between share their layers evenly (none when there is no stage between);
     arithmetic and & only, so it runs on ints and on the sweep's arrays alike."""
     stages, layers = _middle_stages(v), _middle_layers(v)
-    return ((layers > 0) == (stages > 0)) & (layers % (stages + (stages == 0)) == 0)
+    return ((layers > 0) == (stages > 0)) & (layers >= 0) & (layers % (stages + (stages == 0)) == 0)
+
+
+def _uneven_message(v) -> str:
+    if _middle_layers(v) < 0:
+        return (f"the first and last stages' layers ({v.layers - _middle_layers(v)}) are more than the "
+                f"model's {v.layers}")
+    return (f"the stages between the first and last must share the other layers evenly: "
+            f"{_middle_layers(v)} layers over {_middle_stages(v)} stages")
 
 
 #: Megatron's fused causal softmax (megatron/core/fusions/fused_softmax.py,
@@ -132,9 +140,7 @@ RULES = (
     Rule(lambda v: not _uneven(v) or (v.p > 1) & (v.m == 1),
          lambda v: f"an uneven pipeline (first or last stage layers given) needs p > 1 and no "
                    f"interleave (p = {v.p}, m = {v.m})"),
-    Rule(lambda v: not _uneven(v) or _even_middle(v),
-         lambda v: f"the stages between the first and last must share the other layers evenly: "
-                   f"{_middle_layers(v)} layers over {_middle_stages(v)} stages"),
+    Rule(lambda v: not _uneven(v) or _even_middle(v), lambda v: _uneven_message(v)),
     Rule(lambda v: _implies(v.m > 1, v.p > 1),
          lambda v: f"interleave m ({v.m}) needs pipeline parallelism: p must be > 1"),
     Rule(lambda v: _uneven(v) or (v.layers // v.p) % v.m == 0,

@@ -75,6 +75,18 @@ class Technique:
         tail = per_chunk % n or n
         return ((tail, 0),) + (((n, 1),) if tail < n else ())
 
+    def last_layer(self, per_chunk: int) -> "Technique | None":
+        """How a chunk's last layer is kept, for the moments of its backward (actmem.backward):
+        as every layer is; under 'block', whole when the chunk keeps layers whole at its end
+        (N < per_chunk), else checkpointed alone as under plain full recompute; None under
+        'uniform' groups of N > 1, whose rerun moments inside a group are not modelled."""
+        if not self.partial:
+            return self
+        if self.recompute_method == "block":
+            alone = replace(self, recompute_method="uniform", recompute_layers=1)
+            return self.whole() if self.recompute_layers < per_chunk else alone
+        return None
+
     def __post_init__(self):
         if self.sequence_parallel and not self.tensor_parallel:
             raise ValueError(f"{self.name}: sequence parallelism runs inside a tensor-parallel group")
@@ -107,6 +119,8 @@ class PlanRecompute(NamedTuple):
     modules: frozenset
     word: str
     """How a configuration's label writes it ('t=8 p=8 m=3 b=1 sp sel+mlp'); --explain reads it."""
+    method: str | None = None
+    """Megatron's --recompute-method, where the choice is partial full recompute ('block')."""
 
     @property
     def modules_setting(self) -> tuple | None:
@@ -117,8 +131,10 @@ class PlanRecompute(NamedTuple):
 
     @property
     def run_values(self) -> dict:
-        """The Run's settings for this choice (actmem.spec.Run: recompute, recompute_modules)."""
-        return {"recompute": self.recompute.value, "recompute_modules": self.modules_setting}
+        """The Run's settings for this choice (actmem.spec.Run: recompute, recompute_modules, and
+        recompute_method for block, whose N a row carries: a Run without it is refused)."""
+        method = {} if self.method is None else {"recompute_method": self.method}
+        return {"recompute": self.recompute.value, "recompute_modules": self.modules_setting} | method
 
 
 #: The recompute choices the planner sweeps, by the name its tables print: Megatron's three
@@ -131,6 +147,14 @@ PLAN_RECOMPUTE = {
     "selective:mlp": PlanRecompute(Recompute.SELECTIVE, frozenset({"mlp"}), "mlp"),
     "full": PlanRecompute(Recompute.FULL, DEFAULT_MODULES, "full"),
 }
+
+
+#: The planner's name for full recompute of the first N layers of each chunk (Megatron's
+#: --recompute-method block; N is the row's recompute_layers): not swept as the others are,
+#: but derived from full recompute's rows (plan.block_recompute)
+PLAN_BLOCK = "full:block"
+PLAN_CHOICES = PLAN_RECOMPUTE | {PLAN_BLOCK: PlanRecompute(Recompute.FULL, DEFAULT_MODULES, "block", "block")}
+"""Every recompute a plan row may carry, by name."""
 
 
 def plan_recompute_name(recompute: Recompute, modules=None) -> str | None:

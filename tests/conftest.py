@@ -36,3 +36,12 @@ def assert_one_line_error(result, *fragments):
         assert fragment in lines[0], (fragment, lines[0])
     assert "Traceback" not in result.output
     assert result.stdout == ""
+
+
+def plan_row_run(row, **settings) -> dict:
+    """The run values a plan row is, read back from its label as --explain reads it (an
+    uneven split and block=N included), with ``settings`` (gpus, global_batch) added."""
+    from actmem.explain import parse_config
+    from actmem.plan import config_label
+
+    return parse_config(config_label(row)) | settings

@@ -10,7 +10,7 @@ below are derived by hand.
 
 import pytest
 
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, plan_row_run
 from tests.test_llama import LLAMA_8B
 
 MASK_8K = 8192 * 8192                  # b·s² bytes of bool at s = 8192, b = 1: 67,108,864
@@ -65,7 +65,6 @@ def test_the_planner_counts_it_as_the_estimate_does():
     from actmem.plan import PlanRequest, plan
     from actmem.presets import load_preset
     from actmem.spec import build_spec
-    from actmem.techniques import PLAN_RECOMPUTE
 
     preset = load_preset("llama-3.1-70b")
     architecture = preset.architecture | {"attention_mask": True}
@@ -77,9 +76,7 @@ def test_the_planner_counts_it_as_the_estimate_does():
     sample = evaluated[evaluated.recompute != "none"].groupby(["recompute", "p", "c"]).head(1)
     assert len(sample) > 8
     for row in sample.itertuples():
-        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
-                   micro_batch=row.b, sequence_parallel=row.sequence_parallel, gpus=64, global_batch=64,
-                   distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[row.recompute].run_values)
+        run = plan_row_run(row, gpus=64, global_batch=64)
         assert row.peak_bytes == estimate(build_spec(preset.model, run, architecture=architecture)).verdict_bytes, row
 
 

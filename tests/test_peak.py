@@ -123,14 +123,15 @@ def test_uniform_groups_rerun_the_chunks_tail_then_a_full_group():
     checkpoint, with the tail's checkpoint freed: 2 x 513,802,240 - 2 x 10,485,760 =
     1,006,632,960 beyond the total, more than the tail's 503,316,480; each rerun also makes its
     output again, 2sbh/t = 10,485,760. Block 1 keeps the chunk's last 2 layers whole, so the
-    first backward reruns nothing and the floor is the total (the fc1 moment is not modelled
-    under partial recompute)."""
+    first backward reruns nothing, and its last layer's backward is a whole layer's: the floor
+    is the fc1 moment of a run without recompute, 27 sbh/t = 141,557,760 above the total."""
     grouped = _estimate("530b", recompute="full", interleave=1, recompute_method="uniform", recompute_layers=2)
     assert grouped.peak.bytes_of("rematerialised") == 2 * 513_802_240 - 10_485_760 + 10_485_760
     assert grouped.peak.total_bytes == grouped.total_bytes + 1_006_632_960 + 10_485_760
     block = _estimate("530b", recompute="full", interleave=1, recompute_method="block", recompute_layers=1)
     assert "rematerialised" not in {row.name for row in block.peak.rows}
-    assert block.peak.total_bytes == block.total_bytes
+    assert block.peak.total_bytes == block.total_bytes + FC1_MADE_530B - FC1_FREED_530B == block.total_bytes + 141_557_760
+    assert block.peak.moment == "the last layer's fc1 backward"
 
 
 def test_the_loss_backward_adds_the_16bit_logits_gradient_where_the_output_layer_is():
@@ -195,12 +196,19 @@ def test_without_sp_under_te_fc1_makes_three_gradients():
 
 def test_the_moments_are_not_modelled_where_their_op_is_recomputed_or_absent():
     """fc1's with the MLP recomputed (its own rerun is not modelled), the core's under flash
-    (its backward is TE's kernel's), neither under partial full recompute."""
+    (its backward is TE's kernel's), neither inside uniform groups of N > 1 layers; under
+    block N < 3 (530B: 3 layers a chunk) the chunk ends with whole layers, whose moments are
+    those of a run without recompute, and block 3 is plain full recompute's."""
     assert "fc1" not in _moments(_estimate("22b", recompute_modules=("core_attn", "mlp")))
     assert "fc1" not in _moments(_estimate("22b", recompute_modules=("mlp",)))
     assert set(_moments(_estimate("llama-3.1-8b", tensor_parallel=8))) == {"fc1"}
-    assert _moments(_estimate("530b", recompute="full", interleave=1, recompute_method="block",
-                              recompute_layers=1)) == {}
+    assert _moments(_estimate("530b", recompute="full", interleave=1, recompute_method="uniform",
+                              recompute_layers=2)) == {}
+    block = _moments(_estimate("530b", recompute="full", interleave=1, recompute_method="block", recompute_layers=1))
+    assert block == _moments(_estimate("530b", recompute="none", interleave=1)) and set(block) == {"fc1", "core"}
+    every_layer = _moments(_estimate("530b", recompute="full", interleave=1, recompute_method="block",
+                                     recompute_layers=3))            # N = 3: every layer checkpointed
+    assert every_layer == _moments(_estimate("530b", recompute="full", interleave=1)) and "fc1" in every_layer
 
 
 def test_a_full_recompute_stage_names_its_rows_without_a_negative_one():

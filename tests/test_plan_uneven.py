@@ -69,17 +69,26 @@ def test_the_llama_3_run_is_swept_and_sized_as_the_estimate_sizes_it(llama_plan)
     assert row.first_peak_bytes < row.peak_bytes and row.last_peak_bytes < row.peak_bytes
 
 
-def test_uneven_rows_are_the_estimate_s_verdict_on_the_stage_it_names(llama_plan):
-    """A sample of uneven rows of every p and recompute: the sweep's peak is the exact estimate's
-    (every stage sized), and the stage it names is the estimate's busiest."""
-    uneven = llama_plan[llama_plan.first_stage_layers != llama_plan.stage_layers]
-    assert set(uneven.m) == {1} and len(set(uneven.p)) >= 5
-    for row in uneven.sample(30, random_state=1).itertuples():
-        run = parse_config(config_label(row), layers=126) | {"gpus": 16384, "global_batch": 2048}
-        est = estimate(build_spec(LLAMA.model, LLAMA.run | run, architecture=LLAMA.architecture))
-        assert row.peak_bytes == est.verdict_bytes, config_label(row)
-        busiest = {"first": 0, "stage 1": 1, "last": row.p - 1}[row.peak_stage]
-        assert est.busiest_stage.stage == busiest, config_label(row)
+@pytest.mark.parametrize("name, gpus, batch", [("llama-3.1-405b", 16384, 2048), ("llama-3.1-8b", 96, 96)])
+def test_uneven_rows_are_the_estimate_s_verdict_on_the_stage_it_names(name, gpus, batch):
+    """Uneven rows of every p and recompute, sampled on each stage the sweep can name (the
+    first, stage 1, the last): the sweep's peak is the exact estimate's (every stage sized),
+    and the stage it names is the estimate's busiest."""
+    preset = load_preset(name)
+    req = llama_request(model=Model(**preset.model), gpus=gpus, global_batch=batch,
+                        architecture=Architecture(**preset.architecture))
+    evaluated = plan(req).evaluated
+    uneven = evaluated[evaluated.first_stage_layers != evaluated.stage_layers]
+    assert set(uneven.m) == {1} and len(set(uneven.p)) >= 3
+    for stage, rows in uneven.groupby("peak_stage"):
+        for row in rows.sample(min(len(rows), 8), random_state=1).itertuples():
+            run = parse_config(config_label(row), layers=preset.model["layers"]) | {"gpus": gpus, "global_batch": batch}
+            est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
+            assert row.peak_bytes == est.verdict_bytes, config_label(row)
+            busiest = {"first": 0, "stage 1": 1, "last": row.p - 1}[stage]
+            assert est.busiest_stage.stage == busiest, config_label(row)
+    if name == "llama-3.1-8b":                                    # the 128K vocabulary: the last decides
+        assert set(uneven.peak_stage) == {"first", "stage 1", "last"}
 
 
 def test_an_uneven_pipeline_goes_at_its_fullest_stage_s_pace(llama_plan):
@@ -103,7 +112,8 @@ def test_an_uneven_pipeline_goes_at_its_fullest_stage_s_pace(llama_plan):
 
 def test_even_rows_keep_their_numbers():
     """Where p divides L the split is L/p everywhere, the pace factor is 1 and stage 1 holds
-    less than the first: GPT-3's paper run is as test_plan's hand derivation has it."""
+    less than the first: GPT-3's paper run is as test_plan's hand derivation has it
+    (test_time_parts_by_hand checks its time parts)."""
     req = PlanRequest(model=Model(**load_preset("175b").model), gpus=64, global_batch=64, gpu=GPUS["a100"],
                       gpu_memory_bytes=80 * 2**30)
     row = _row(plan(req).evaluated, t=8, p=8, m=3, b=1, sequence_parallel=True, recompute="selective",
@@ -113,11 +123,29 @@ def test_even_rows_keep_their_numbers():
     assert config_label(row) == "t=8 p=8 m=3 b=1 sp sel"
 
 
+def test_an_untied_output_layer_makes_the_last_stage_reduce_the_most():
+    """Llama 3.1 8B (untied) at p = 4: the last stage holds the final RMSNorm's h = 4096
+    weights beside an output layer the size of the first stage's embedding, so its
+    gradients are the ones the data-parallel reduction waits for: 4 B x (d-1)/d each."""
+    preset = load_preset("llama-3.1-8b")
+    req = llama_request(model=Model(**preset.model), gpus=64, global_batch=64,
+                        architecture=Architecture(**preset.architecture))
+    row = _row(plan(req).evaluated, t=8, c=1, p=4, m=1, b=1, sequence_parallel=True, recompute="none",
+               distributed_optimizer=False)
+    assert row.last_parameters == row.parameters + 4096
+    assert row.data_parallel_s == pytest.approx(row.last_parameters * 2 * 4 * (1 / 2) / 50e9)     # d = 2
+
+
 def test_the_planner_s_json_and_csv_carry_the_split(actmem):
-    out = actmem.json("plan", "--model", "llama-3.1-405b", "--gpu", "h100", "--top", "3", "--format", "json")
-    best = out["best"][0]
-    assert {"first_stage_layers", "stage_layers", "last_stage_layers", "middle_peak_bytes"} <= set(best)
-    assert best["peak_bytes"] == max(best["first_peak_bytes"], best["middle_peak_bytes"], best["last_peak_bytes"])
+    """The published run's row, each stage's peak as `estimate` sizes that stage."""
+    out = actmem.json("plan", "--model", "llama-3.1-405b", "--gpu", "h100", "--top", "0", "--format", "json",
+                      "--reserve", "0GiB")
+    row = next(r for r in out["best"] if r["config"] == "t=8 p=7+8x14+7 b=1 sp none dopt")
+    assert (row["first_stage_layers"], row["stage_layers"], row["last_stage_layers"]) == (7, 8, 7)
+    stages = actmem.json("estimate", "--model", "llama-3.1-405b", "--format", "json")["stages"]
+    peaks = [stage["peak_floor"]["total_bytes"] for stage in stages]
+    assert (row["first_peak_bytes"], row["middle_peak_bytes"], row["last_peak_bytes"]) == (peaks[0], peaks[1], peaks[-1])
+    assert row["peak_stage"] == "stage 1" and row["peak_bytes"] == max(peaks)
     csv = actmem("plan", "--model", "llama-3.1-405b", "--gpu", "h100", "--top", "3", "--format", "csv")
     assert csv.exit_code == 0 and "first_stage_layers,stage_layers,last_stage_layers" in csv.stdout
 
@@ -140,6 +168,8 @@ def test_explain_reads_the_split_and_the_preset_s(actmem):
 
 
 @pytest.mark.parametrize("config, fragment", [
+    ("t=8 p=16 b=1", "p (16) does not divide the 126 layers; the plan splits them as p=7+8x14+7"),
+    ("t=8 p=7+8x14+7 m=2 b=1", "needs p > 1 and no interleave (p = 16, m = 2)"),
     ("t=8 p=7+9x14+7 b=1", "p=7+9x14+7 holds 140 layers, the model 126"),
     ("t=8 p=7+8x0+7 b=1", "has no stage between the first and last; write it 7+7"),
     ("t=8 p=7+8x14+7 p=16", "pipeline_parallel is given twice"),
@@ -153,4 +183,44 @@ def test_uneven_pipelines_bring_the_nearest_fitting_count_down(actmem):
     """530B on 64 GPUs, nothing fits (tests/test_new_user_trial.py derives why); the nearest
     count is now 144 = 8 x 18 with 4 + 6 x 16 + 5, where it was 168 = 8 x 21 with p | 105."""
     data = json.loads(actmem("plan", "--model", "530b", "--gpus", "64", "--format", "json").stdout)
-    assert data["nothing_fits"]["nearest_fitting"][0] == {"gpus": 144, "config": "t=8 p=4+6x16+5 b=1 sp full"}
+    nearest = data["nothing_fits"]["nearest_fitting"][0]
+    assert nearest["gpus"] == 144 and nearest["config"].startswith("t=8 p=4+6x16+5 b=1")
+
+
+def test_the_nearest_search_bounds_the_fullest_stage_s_parameters(actmem):
+    """1T on 128 GPUs: the search skips counts where some stage's parameters alone are over
+    the budget. An uneven split's first stage is its lightest (p = 27: 1 + 5 x 25 + 2), so
+    bounding by it alone let 24 counts that cannot fit use up the search; bounding by stage
+    1 too, the search reaches a count that fits, and that count's plan agrees."""
+    data = json.loads(actmem("plan", "--model", "1t", "--gpus", "128", "--global-batch", "3072",
+                             "--format", "json").stdout)
+    nearest = data["nothing_fits"]["nearest_fitting"]
+    assert nearest and all(place["gpus"] > 128 for place in nearest)
+    there = json.loads(actmem("plan", "--model", "1t", "--gpus", str(nearest[0]["gpus"]), "--global-batch", "3072",
+                              "--format", "json").stdout)
+    assert there["fitting"] > 0 and there["best"][0]["config"] == nearest[0]["config"]
+
+
+def test_the_rule_for_a_split_is_the_same_on_ints_and_on_the_sweep_s_arrays():
+    """rules._even_middle: 126 layers as 7 + 8 x 14 + 7 share evenly, 7 + ... + 6 does not; with
+    no stage between (p = 2) first + last must be L exactly, over it (100 + 100) is refused."""
+    import numpy as np
+
+    from actmem import rules
+
+    cases = [(16, 7, 7, True), (16, 7, 6, False), (2, 60, 66, True), (2, 100, 100, False), (2, 60, 60, False)]
+    for p, first, last, expected in cases:
+        one = rules.Values(heads=128, hidden=16384, layers=126, seq_len=8192, t=8, p=p, m=1, b=1,
+                           sequence_parallel=True, distributed_optimizer=False, first=first, last=last)
+        assert bool(rules._even_middle(one)) is expected, (p, first, last)
+    p, first, last, expected = (np.array(column) for column in zip(*cases))
+    many = rules.Values(heads=128, hidden=16384, layers=126, seq_len=8192, t=8, p=p, m=1, b=1,
+                        sequence_parallel=True, distributed_optimizer=False, first=first, last=last)
+    assert (rules._even_middle(many) == expected).all()
+
+
+def test_a_split_over_the_model_s_layers_is_refused(actmem):
+    """p = 2 has no stage between: 100 + 100 layers of a 126-layer model is one line, exit 2."""
+    result = actmem("estimate", "--model", "llama-3.1-405b", "--pp", "2", "--first-stage-layers", "100",
+                    "--last-stage-layers", "100")
+    assert_one_line_error(result, "the first and last stages' layers (200) are more than the model's 126")

@@ -4,7 +4,7 @@ from what each checkpoint keeps (transformer_layer.py, _forward_mlp; attention.p
 
 import pytest
 
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, plan_row_run
 from tests.test_llama import LLAMA_8B, LLAMA_8B_LAYER
 
 # The paper's 22B run (Table 3): s = 2048, b = 4, h = 6144, a = 64, t = 8, SP on.
@@ -182,17 +182,17 @@ def test_the_planner_sweeps_every_recompute_module_under_flash_with_rope():
     req = PlanRequest(model=spec.model, gpus=64, global_batch=64, gpu=GPUS["h100"], gpu_memory_bytes=80 * 2**30,
                       architecture=spec.architecture)
     evaluated = plan(req).evaluated
-    assert set(evaluated.recompute) == {"none", "selective", "selective:core_attn+mlp", "selective:mlp", "full"}
+    # and block=N (plan.block_recompute) where full recompute fits and none does not
+    assert set(evaluated.recompute) == {"none", "selective", "selective:core_attn+mlp", "selective:mlp", "full",
+                                        "full:block"}
     for row in evaluated[evaluated.recompute.str.startswith("selective")].groupby("recompute").head(3).itertuples():
-        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
-                   micro_batch=row.b, sequence_parallel=row.sequence_parallel, gpus=64, global_batch=64,
-                   distributed_optimizer=row.distributed_optimizer, **PLAN_RECOMPUTE[row.recompute].run_values)
+        run = plan_row_run(row, gpus=64, global_batch=64)
         est = estimate(build_spec(preset.model, run, architecture=preset.architecture))
         assert row.peak_bytes == est.verdict_bytes, row
     from tests.test_plan import request
 
     evaluated = plan(request("530b")).evaluated
-    assert set(evaluated.recompute) == set(PLAN_RECOMPUTE)    # the eager core: all five
+    assert set(evaluated.recompute) == set(PLAN_RECOMPUTE) | {"full:block"}    # the eager core: all five
     for name in ("selective:mlp", "selective:core_attn+mlp"):   # the MLP keeps fc1_input there
         for row in evaluated[evaluated.recompute == name].head(3).itertuples():
             run = dict(tensor_parallel=row.t, pipeline_parallel=row.p, interleave=row.m, micro_batch=row.b,

@@ -15,8 +15,7 @@ from actmem.hardware import GPUS
 from actmem.plan import PlanRequest, plan
 from actmem.presets import load_preset
 from actmem.spec import Model, build_spec
-from actmem.techniques import PLAN_RECOMPUTE
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, plan_row_run
 from tests.test_plan import request, row_of
 
 TINY = ["--heads", "8", "--hidden", "1024", "--layers", "2", "--vocab", "256000", "--seq-len", "2048",
@@ -112,9 +111,7 @@ def test_planner_peak_equals_the_estimate_s_verdict_for_the_paper_runs():
     """For every configuration of 530B's paper run family, the sweep's peak is the exact
     estimate's verdict (the busiest of every stage), not only the first stage's."""
     for row in plan(request("530b")).evaluated.head(40).itertuples():
-        run = dict(tensor_parallel=row.t, pipeline_parallel=row.p, interleave=row.m, micro_batch=row.b,
-                   sequence_parallel=row.sequence_parallel, **PLAN_RECOMPUTE[row.recompute].run_values,
-                   distributed_optimizer=row.distributed_optimizer, gpus=280, global_batch=280)
+        run = plan_row_run(row, gpus=280, global_batch=280)
         preset = load_preset("530b")
         est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
         assert row.peak_bytes == est.verdict_bytes, row
@@ -166,10 +163,7 @@ def test_the_planner_s_peak_is_the_estimate_s_verdict_where_the_last_stage_or_n_
     all_warm = evaluated[(evaluated.m > 1) & (evaluated.n == evaluated.p)].head(8)
     assert len(last) == 8 and len(all_warm) == 8
     for row in [*last.itertuples(), *all_warm.itertuples()]:
-        run = dict(tensor_parallel=row.t, context_parallel=row.c, pipeline_parallel=row.p, interleave=row.m,
-                   micro_batch=row.b, sequence_parallel=row.sequence_parallel,
-                   **PLAN_RECOMPUTE[row.recompute].run_values,
-                   distributed_optimizer=row.distributed_optimizer, gpus=8, global_batch=8)
+        run = plan_row_run(row, gpus=8, global_batch=8)
         est = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture))
         assert row.peak_bytes == est.verdict_bytes, row
         assert (row.peak_stage == "last") == (est.busiest_stage.stage == row.p - 1 > 0), row

@@ -1,0 +1,133 @@
+"""The planner's partial full recompute: Megatron's block method with the least N that fits,
+sized and timed as the estimate sizes it, offered only where it is the answer."""
+
+from dataclasses import replace
+
+import pytest
+
+from actmem.architecture import Architecture
+from actmem.estimate import estimate
+from actmem.explain import parse_config
+from actmem.hardware import GPUS
+from actmem.plan import PlanRequest, config_label, plan
+from actmem.presets import load_preset
+from actmem.spec import Model, build_spec
+from tests.conftest import assert_one_line_error
+
+#: 530B, t = 8 with SP, s = 2048, b = 1, in bytes (tests/test_peak.py derives them): a layer
+#: kept whole 34sbh/t + 5as²b/t, its checkpoint 2sbh/t, and the fc1 moment of a whole last
+#: layer, 27 sbh/t above everything held
+WHOLE, CHECKPOINT, FC1 = 513_802_240, 10_485_760, 141_557_760
+
+
+def request(name, **overrides) -> PlanRequest:
+    preset = load_preset(name)
+    values = dict(model=Model(**preset.model), gpus=preset.run.get("gpus"), global_batch=preset.run.get("global_batch"),
+                  gpu=GPUS["a100"], gpu_memory_bytes=80 * 2**30, architecture=Architecture(**preset.architecture))
+    return PlanRequest(**values | overrides)
+
+
+@pytest.fixture(scope="module")
+def plan_530b():
+    return plan(request("530b")).evaluated
+
+
+def _row(frame, recompute, recompute_layers=0, **config):
+    config = dict(t=8, c=1, p=35, m=1, b=1, sequence_parallel=True, distributed_optimizer=False) | config
+    match = frame[(frame.recompute == recompute) & (frame.recompute_layers == recompute_layers)]
+    for name, value in config.items():
+        match = match[match[name] == value]
+    assert len(match) == 1, (recompute, recompute_layers, config)
+    return match.iloc[0]
+
+
+def test_block_1_is_full_recompute_with_two_thirds_of_each_chunk_kept_whole(plan_530b):
+    """530B on 280 A100s, t = 8 p = 35 m = 1 b = 1 with SP: 3 layers a chunk, 35 microbatches
+    in flight on the first stage. Nothing recomputed needs more than the budget; full
+    recompute fits. Block 1 keeps 2 of each chunk's 3 layers whole: 35 x 2 layers holding
+    WHOLE - CHECKPOINT more each, and where full recompute's floor is its rerun (the layer
+    less its checkpoint, its output again: WHOLE, then its fc1 moment, FC1), block's reruns
+    nothing first and its last layer's fc1 moment is FC1."""
+    none, full = _row(plan_530b, "none"), _row(plan_530b, "full")
+    block = _row(plan_530b, "full:block", 1)
+    assert not none.fits and full.fits and block.fits
+    assert config_label(block) == "t=8 p=35 m=1 b=1 sp block=1"
+    assert block.peak_bytes - full.peak_bytes == 35 * 2 * (WHOLE - CHECKPOINT) + FC1 - (WHOLE + FC1)
+    assert block.peak_stage == full.peak_stage == "first"
+
+
+def test_block_time_reruns_its_share_of_each_chunk(plan_530b):
+    """Block 1 of 3 layers a chunk reruns a third of what full recompute reruns: compute
+    none + (full - none)/3, and of the two forward all-reduces a layer full recompute repeats,
+    a third: 4 + 2/3 collectives a layer where none has 4."""
+    none, full, block = (_row(plan_530b, "none"), _row(plan_530b, "full"), _row(plan_530b, "full:block", 1))
+    assert block.compute_s == pytest.approx(none.compute_s + (full.compute_s - none.compute_s) / 3)
+    assert block.tensor_parallel_s == pytest.approx(none.tensor_parallel_s * (4 + 2 / 3) / 4)
+    assert none.iteration_s < block.iteration_s < full.iteration_s
+
+
+@pytest.mark.parametrize("name, gpus, memory_gib", [("530b", 280, 80), ("1t", 512, 80), ("llama-3.1-70b", 64, 80)])
+def test_each_block_row_is_the_estimate_s_verdict_and_the_least_n_that_fits(name, gpus, memory_gib):
+    """The sweep's block rows against `actmem estimate` with --recompute-method block: the peak
+    to the byte, within the budget, and with N - 1 layers recomputed over it; only where
+    nothing recomputed does not fit."""
+    req = request(name, gpus=gpus, global_batch=gpus, gpu_memory_bytes=memory_gib * 2**30)
+    evaluated = plan(req).evaluated
+    block = evaluated[evaluated.recompute_layers > 0]
+    assert len(block) > 0
+    preset = load_preset(name)
+    for row in block.sample(min(len(block), 12), random_state=0).itertuples():
+        run = parse_config(config_label(row), layers=req.model.layers) | {"gpus": gpus, "global_batch": gpus}
+        assert (run["recompute"], run["recompute_method"], run["recompute_layers"]) == ("full", "block",
+                                                                                       row.recompute_layers)
+        verdict = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture)).verdict_bytes
+        assert row.peak_bytes == verdict <= req.budget_bytes, config_label(row)
+        none = evaluated[(evaluated.recompute == "none") & (evaluated.t == row.t) & (evaluated.c == row.c)
+                         & (evaluated.p == row.p) & (evaluated.m == row.m) & (evaluated.b == row.b)
+                         & (evaluated.sequence_parallel == row.sequence_parallel)
+                         & (evaluated.distributed_optimizer == row.distributed_optimizer)]
+        assert not none.fits.any(), config_label(row)
+        if row.recompute_layers > 1:
+            fewer = run | {"recompute_layers": row.recompute_layers - 1}
+            assert estimate(build_spec(preset.model, preset.run | fewer,
+                                       architecture=preset.architecture)).verdict_bytes > req.budget_bytes
+
+
+def test_no_block_rows_where_the_code_or_the_pipeline_does_not_have_them():
+    """torch-native runs no partial recompute (actmem models it for Megatron); uneven
+    pipelines take none (rules.py); a chunk of one layer has nothing to keep whole."""
+    llama_8b = request("llama-3.1-8b", gpus=8, global_batch=8, gpu_memory_bytes=24 * 2**30, reserve_bytes=0)
+    assert (plan(llama_8b).evaluated.recompute_layers > 0).any()              # Megatron's: some
+    torch_native = replace(llama_8b, architecture=replace(llama_8b.architecture, implementation="torch-native"))
+    assert (plan(torch_native).evaluated.recompute_layers == 0).all()
+    llama = plan(request("llama-3.1-405b", gpu=GPUS["h100"])).evaluated
+    block = llama[llama.recompute_layers > 0]
+    assert (block.first_stage_layers == block.stage_layers).all()
+    assert (block.recompute_layers < block.stage_layers // block.m).all()
+
+
+def test_a_block_row_names_itself_and_cannot_be_read_as_plain_full(actmem):
+    """JSON and CSV write block rows as recompute 'full:block' with recompute_layers N, and
+    its run values name the block method, so a Run built from them without N is refused,
+    never taken for full recompute of every layer."""
+    from actmem.errors import SpecError
+    from actmem.spec import Run
+    from actmem.techniques import PLAN_CHOICES
+    from actmem.terms import Recompute
+
+    out = actmem.json("plan", "--model", "530b", "--gpus", "280", "--top", "0", "--format", "json")
+    row = next(r for r in out["best"] if r["config"] == "t=8 p=35 m=1 b=1 sp block=1")
+    assert (row["recompute"], row["recompute_layers"]) == ("full:block", 1)
+    with pytest.raises(SpecError, match="together"):
+        Run(**PLAN_CHOICES["full:block"].run_values | {"recompute": Recompute.FULL})
+
+
+def test_explain_reads_block_and_refuses_it_beside_another_recompute(actmem):
+    run = parse_config("t=8 p=35 m=1 block=2")
+    assert (run["recompute"], run["recompute_method"], run["recompute_layers"]) == ("full", "block", 2)
+    shown = actmem("plan", "--model", "530b", "--explain", "t=8 p=35 m=1 b=1 sp block=1")
+    assert shown.exit_code == 0 and "tp-sp-full·block 1" in shown.output
+    assert_one_line_error(actmem("plan", "--model", "530b", "--explain", "t=8 p=35 m=1 full block=1"),
+                          "recompute is given twice")
+    assert_one_line_error(actmem("plan", "--model", "530b", "--explain", "t=8 p=35 m=1 block=4"),
+                          "--recompute-num-layers (4) must not exceed")

@@ -198,8 +198,9 @@ def plan_options(command):
                      help="How many configurations to show; 0 shows all."),
         click.option("--explain", "config", metavar="CONFIG", default=None,
                      help="Show one configuration in full, as the table prints it: "
-                          "'t=8 p=8 m=3 b=1 sp sel' (recompute none, sel, sel+mlp, mlp or full); "
-                          "what it leaves out comes from the preset."),
+                          "'t=8 p=8 m=3 b=1 sp sel' (recompute none, sel, sel+mlp, mlp, full or "
+                          "block=N; an uneven pipeline as p=7+8x14+7); what it leaves out comes from "
+                          "the preset."),
         click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]

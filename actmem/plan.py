@@ -388,6 +388,16 @@ class Plan:
     def fitting(self) -> pd.DataFrame:
         return self.evaluated[self.evaluated.fits]
 
+    @property
+    def block_rows(self) -> int:
+        """Rows of block=N (block_recompute), derived from the swept configurations."""
+        return int((self.evaluated.recompute == PLAN_BLOCK).sum())
+
+    @property
+    def swept(self) -> int:
+        """The configurations the sweep evaluated (candidates), without the block=N rows."""
+        return len(self.evaluated) - self.block_rows
+
     def why_not(self) -> pd.DataFrame:
         """For each t: its leanest configuration, and for a t where nothing fits, the part of
         the memory that is largest (what broke the budget)."""
@@ -434,8 +444,10 @@ def _per_layer_bytes(req: PlanRequest, rows: pd.DataFrame) -> tuple:
 
 def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     """Megatron's partial full recompute (--recompute-method block --recompute-num-layers N),
-    one row a configuration: the least N that fits, where nothing recomputed does not fit and
-    full recompute does, in an even pipeline with at least 2 layers a chunk. On each stage
+    one row a configuration: the least N that fits, where nothing recomputed does not fit, in
+    an even pipeline with at least 2 layers a chunk. (Where a stage holds one chunk, N = one
+    less than a chunk's layers can fit where full recompute does not: it keeps a layer whole,
+    2sbh/t less than full recompute's rerun of it.) On each stage
     its floor is full recompute's with the chunks in flight keeping L/(pm) - N layers whole
     rather than as checkpoints, and, as nothing is rerun before those are freed and the last
     layer is a whole one, the transient of the run without recompute (actmem.peak). Each
@@ -448,7 +460,7 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     stages = ("first", "last")                      # stage 1 holds less than the first: even
     transients = [stage_column(name, "transient_bytes") for name in stages]
     none = evaluated.loc[evaluated.recompute == "none", _CONFIGURATION + ["fits"] + transients]
-    full = evaluated[(evaluated.recompute == "full") & evaluated.fits & ~_uneven(evaluated)
+    full = evaluated[(evaluated.recompute == "full") & ~_uneven(evaluated)
                      & (evaluated.stage_layers // evaluated.m >= 2)]
     full = full.merge(none, on=_CONFIGURATION, suffixes=("", "_none"))
     full = full[~full.fits_none]

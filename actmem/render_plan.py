@@ -22,7 +22,8 @@ def render_plan(plan, top: int, nothing=None) -> None:
     console.print(f"{plural(req.gpus, 'GPU')} ({req.gpu.name}) · global batch {req.global_batch}")
     console.print(f"budget {gib(req.budget_bytes):,.2f} GiB a GPU: {gib(req.gpu_memory_bytes):,.2f} GiB "
                   f"less a reserve of {gib(req.reserve_bytes):,.2f} GiB")
-    console.print(f"{plural(len(plan.evaluated), 'configuration')}, {len(plan.fitting):,} fit\n")
+    derived = f" and {plan.block_rows:,} block=N derived from them" if plan.block_rows else ""
+    console.print(f"{plural(plan.swept, 'configuration')}{derived}, {len(plan.fitting):,} fit\n")
     table = _table("Fastest that fit (seconds per iteration, estimated)")
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
     ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
@@ -124,7 +125,7 @@ def _plan_assumptions(req) -> list[str]:
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
         "recompute of every layer alone, or of the first N layers of each chunk (block=N, "
         "Megatron's --recompute-method block --recompute-num-layers N: the least N that fits, "
-        "offered where nothing recomputed does not fit and full recompute does, in even pipelines; "
+        "offered where nothing recomputed does not fit, in even pipelines; "
         "uniform groups are checked with actmem estimate); selective recompute of the attention "
         "core (sel), of it and the MLP (sel+mlp), or of the MLP alone (mlp), Megatron's "
         "--recompute-modules, where actmem models them",

@@ -200,7 +200,8 @@ def plan_json(plan, top: int, nothing=None) -> str:
                     "gpu": req.gpu.name, "gpu_memory_bytes": req.gpu_memory_bytes,
                     "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes,
                     "efficiency": req.efficiency},
-        "evaluated": len(plan.evaluated),
+        "evaluated": plan.swept,
+        "block_rows": plan.block_rows,
         "fitting": len(plan.fitting),
         "best": _plan_rows(plan.fitting, top),
         "why_not": [{"t": int(row.t), "any_fits": bool(row.t_fits), "leanest": _plan_rows(

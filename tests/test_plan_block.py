@@ -12,7 +12,7 @@ from actmem.hardware import GPUS
 from actmem.plan import PlanRequest, config_label, plan
 from actmem.presets import load_preset
 from actmem.spec import Model, build_spec
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, plan_row_run
 
 #: 530B, t = 8 with SP, s = 2048, b = 1, in bytes (tests/test_peak.py derives them): a layer
 #: kept whole 34sbh/t + 5as²b/t, its checkpoint 2sbh/t, and the fc1 moment of a whole last
@@ -93,6 +93,66 @@ def test_each_block_row_is_the_estimate_s_verdict_and_the_least_n_that_fits(name
                                        architecture=preset.architecture)).verdict_bytes > req.budget_bytes
 
 
+def test_block_fits_where_full_recompute_does_not_on_a_stage_holding_one_chunk():
+    """GPT-3 on 64 GPUs, global batch 8: t = 8 p = 8 m = 1 b = 8 gives n = 1 microbatch, so every
+    stage holds one chunk of 12 layers. Full recompute's peak is its last layer's rerun: the
+    layer as kept whole less its checkpoint, and its output 2sbh/t made again. Block 11 keeps
+    that layer whole instead and reruns nothing first: the same bytes less the output again,
+    2sbh/t = 2·2048·8·12288/8 = 50,331,648 B under full recompute's peak. A budget between the
+    two (61030 MiB less the 8 GiB reserve) fits block 11 and not full, nor block 10."""
+    req = request("175b", gpus=64, global_batch=8, gpu_memory_bytes=61030 * 2**20)
+    evaluated = plan(req).evaluated
+    config = dict(t=8, p=8, m=1, b=8, sequence_parallel=True, distributed_optimizer=False)
+    full, block = _row(evaluated, "full", **config), _row(evaluated, "full:block", 11, **config)
+    assert full.peak_bytes - block.peak_bytes == 2 * 2048 * 8 * 12288 // 8 == 50_331_648
+    assert block.fits and not full.fits
+    preset = load_preset("175b")
+    ten = parse_config("t=8 p=8 m=1 b=8 sp block=10") | {"gpus": 64, "global_batch": 8}
+    assert estimate(build_spec(preset.model, ten)).verdict_bytes > req.budget_bytes
+
+
+@pytest.mark.parametrize("name, gpus, batch, memory_gib", [("175b", 64, 8, 60), ("530b", 280, 280, 80),
+                                                          ("llama-3.1-8b", 8, 8, 24)])
+def test_no_block_n_fits_where_the_sweep_offers_none(name, gpus, batch, memory_gib):
+    """The other direction: configurations of an even pipeline where nothing recomputed does
+    not fit and the sweep has no block row: every N below a chunk's layers is over the budget
+    by the exact estimate (a sample of them, each N tried)."""
+    req = request(name, gpus=gpus, global_batch=batch, gpu_memory_bytes=memory_gib * 2**30)
+    evaluated = plan(req).evaluated
+    key = ["t", "c", "p", "m", "b", "sequence_parallel", "distributed_optimizer"]
+    offered = set(map(tuple, evaluated.loc[evaluated.recompute == "full:block", key].to_numpy()))
+    none = evaluated[(evaluated.recompute == "none") & ~evaluated.fits
+                     & (evaluated.first_stage_layers == evaluated.stage_layers) & (evaluated.stage_layers // evaluated.m >= 2)]
+    without = none[[tuple(row) not in offered for row in none[key].to_numpy()]]
+    assert len(without) > 0
+    preset = load_preset(name)
+    for row in without.sample(min(len(without), 6), random_state=0).itertuples():
+        for n in range(1, row.stage_layers // row.m):
+            run = plan_row_run(row, gpus=gpus, global_batch=batch) | {
+                "recompute": "full", "recompute_method": "block", "recompute_layers": n}
+            verdict = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture)).verdict_bytes
+            assert verdict > req.budget_bytes, (config_label(row), n)
+
+
+def test_block_on_the_last_stage_and_beside_context_parallelism():
+    """Llama 3.1 70B on 64 H100s: block rows whose peak is the last stage's (a 128K vocabulary)
+    and rows with c > 1, each the estimate's verdict; the context-parallel ring carries k and
+    v 3 times a layer and once more in a rerun: block's N of a chunk's layers, 3 + N/(L/pm)."""
+    req = request("llama-3.1-70b", gpus=64, global_batch=64, gpu=GPUS["h100"])
+    evaluated = plan(req).evaluated
+    block = evaluated[evaluated.recompute == "full:block"]
+    preset = load_preset("llama-3.1-70b")
+    for row in [*block[block.peak_stage == "last"].head(3).itertuples(), *block[block.c > 1].head(3).itertuples()]:
+        run = plan_row_run(row, gpus=64, global_batch=64)
+        assert row.peak_bytes == estimate(build_spec(preset.model, preset.run | run,
+                                                     architecture=preset.architecture)).verdict_bytes
+    row = block[block.c > 1].iloc[0]
+    none = _row(evaluated, "none", t=row.t, c=row.c, p=row.p, m=row.m, b=row.b,
+                sequence_parallel=row.sequence_parallel, distributed_optimizer=row.distributed_optimizer)
+    share = row.recompute_layers / (row.stage_layers // row.m)
+    assert row.context_parallel_s == pytest.approx(none.context_parallel_s * (3 + share) / 3)
+
+
 def test_no_block_rows_where_the_code_or_the_pipeline_does_not_have_them():
     """torch-native runs no partial recompute (actmem models it for Megatron); uneven
     pipelines take none (rules.py); a chunk of one layer has nothing to keep whole."""
@@ -100,8 +160,13 @@ def test_no_block_rows_where_the_code_or_the_pipeline_does_not_have_them():
     assert (plan(llama_8b).evaluated.recompute_layers > 0).any()              # Megatron's: some
     torch_native = replace(llama_8b, architecture=replace(llama_8b.architecture, implementation="torch-native"))
     assert (plan(torch_native).evaluated.recompute_layers == 0).all()
-    llama = plan(request("llama-3.1-405b", gpu=GPUS["h100"])).evaluated
-    block = llama[llama.recompute_layers > 0]
+    # Llama 3.1 8B (32 layers) on 96 GPUs: p = 3, 6, 12 ... split it unevenly, and at 24 GiB
+    # nothing recomputed fits on some of those
+    llama = plan(request("llama-3.1-8b", gpus=96, global_batch=96, gpu=GPUS["h100"],
+                         gpu_memory_bytes=24 * 2**30)).evaluated
+    uneven = llama[llama.first_stage_layers != llama.stage_layers]
+    block = llama[llama.recompute == "full:block"]
+    assert len(block) > 0 and not uneven[uneven.recompute == "none"].fits.all()
     assert (block.first_stage_layers == block.stage_layers).all()
     assert (block.recompute_layers < block.stage_layers // block.m).all()
 

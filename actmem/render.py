@@ -6,8 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from actmem.estimate import Estimate
-from actmem.pipeline import split_text
-from actmem.stages import stage_layers, stage_name
+from actmem.stages import split_of, stage_name
 from actmem.units import column_unit, format_in, gib, plural
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -87,9 +86,7 @@ def _header(est: Estimate) -> Text:
     text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
                 f"v={spec.padded_vocab} s={model.seq_len}\n")
     cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
-    layers = stage_layers(spec)                                  # an uneven pipeline: '(7+8x14+7)'
-    between = layers[1] if len(layers) > 2 else None
-    split = "" if len(set(layers)) == 1 else f" ({split_text(layers[0], between, layers[-1], len(layers))})"
+    split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.recompute.value}"

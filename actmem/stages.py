@@ -13,7 +13,7 @@ from functools import cached_property
 
 from actmem.errors import SpecError
 from actmem.peak import PeakFloor, peak_floor
-from actmem.pipeline import StageOccupancy
+from actmem.pipeline import StageOccupancy, split_text
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,15 @@ def stage_layers(spec) -> list[int]:
     if last is not None:
         layers[-1] = last
     return layers
+
+
+def split_of(spec) -> str | None:
+    """An uneven pipeline's layers as the Llama 3 paper counts them, '7+8x14+7'
+    (pipeline.split_text); None when every stage has L/p."""
+    layers = stage_layers(spec)
+    if len(set(layers)) == 1:
+        return None
+    return split_text(layers[0], layers[1] if len(layers) > 2 else None, layers[-1], len(layers))
 
 
 def parse_stage(text: str, p: int, fmt: str = "rich") -> int | None:

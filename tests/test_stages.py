@@ -184,3 +184,24 @@ def test_every_format_shows_each_stage_s_peak_by_term(actmem):
     markdown = actmem("estimate", *TINY, "--format", "markdown").stdout
     section = markdown.split("## The peak floor of every stage, by term")[1].split("##")[0]
     assert re.search(r"\| logits_gradient_16bit +\| +1048576000 \|", section)
+
+
+def test_block_recompute_on_an_uneven_pipeline_counts_each_stage_s_own_chunk():
+    """Llama 3.1 405B's 7 + 8 x 14 + 7 with --recompute-method block --recompute-num-layers 2
+    (Megatron checkpoints the first N layers of each stage's own chunk). At t = 8 with SP,
+    s = 8192, b = 1, in sbh/t = 16,777,216 B: a layer kept whole is 2 x 6 (both norms' and
+    the linears' inputs, q) + k and v 2sb·gd/t = 2 x 2,097,152 + the fp32 log-sum-exp
+    4·(a/t)·s = 524,288 + SwiGLU's input 4sbf/t = 218,103,808 and fc2's 2sbf/t = 109,051,904
+    + two RMSNorm rsigma 4·s/t = 4,096 each: 533,209,088 B; its checkpoint 2sbh/t =
+    33,554,432. Stage 0: 16 microbatches x (2 checkpoints + 5 whole); stage 1: 15 x (2 + 6);
+    the last: 1 x (2 + 5)."""
+    preset = load_preset("llama-3.1-405b")
+    run = preset.run | dict(recompute="full", recompute_method="block", recompute_layers=2)
+    est = estimate(build_spec(preset.model, run, architecture=preset.architecture))
+    whole, checkpoint = 2 * 6 * 16_777_216 + 2 * 2_097_152 + 524_288 + 218_103_808 + 109_051_904 + 2 * 4_096, 33_554_432
+    assert whole == 533_209_088
+    layers = {stage.stage: stage.row.layers_bytes for stage in est.stages}
+    assert layers[0] == 16 * (2 * checkpoint + 5 * whole)
+    assert layers[1] == 15 * (2 * checkpoint + 6 * whole)
+    assert layers[15] == 1 * (2 * checkpoint + 5 * whole)
+    assert est.busiest_stage.stage == 1

@@ -8,6 +8,7 @@ import torch
 from actmem.estimate import estimate
 from actmem.implementation import HF_ATTENTION, MEGATRON
 from actmem.spec import Spec
+from actmem.stages import split_of
 from actmem.techniques import Technique, matching, unnamed_run
 from actmem.terms import Recompute
 from actmem_validate.compare import compare
@@ -41,8 +42,9 @@ class Config:
         code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}"
         if arch.implementation == "hf":                  # its attention core is its attn_implementation
             code += f" {HF_ATTENTION[arch.attention_core]}"
-        return (f"{self.spec.name}{code} t={run.tensor_parallel}{cp} p={run.pipeline_parallel} m={run.interleave} "
-                f"b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
+        split = f" ({split_of(self.spec)})" if split_of(self.spec) else ""     # uneven: 'p=2 (2+3)'
+        return (f"{self.spec.name}{code} t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} "
+                f"m={run.interleave} b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")
 
 
 def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:

@@ -79,8 +79,8 @@ def _name_the_split(run, layers: int) -> None:
 
 
 def _block_layers(run, per_chunk: int) -> int:
-    """The plan's recompute_layers: N of the block method where it keeps layers whole (a
-    PLAN_BLOCK row), else 0 (N equal to the chunk's layers is plain full recompute)."""
+    """The plan's recompute_layers: N of the block method where some chunk keeps layers whole
+    (a PLAN_BLOCK row), else 0 (N as large as every chunk is plain full recompute)."""
     if run.recompute_method == "block" and run.recompute_layers < per_chunk:
         return run.recompute_layers
     return 0
@@ -122,7 +122,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                  architecture=req.architecture)          # checks the rules, gives d and n
     layers = stage_layers(probe)
     between = layers[1] if len(layers) >= 3 else layers[0]      # with no stage between, the first's
-    block = _block_layers(run, probe.chunk_layers)
+    block = _block_layers(run, max(layers) // run.interleave)      # the largest chunk: N short of it
     row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
                          "first_stage_layers": layers[0], "stage_layers": between,
                          "last_stage_layers": layers[-1],

@@ -299,33 +299,47 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     """(activations, transient): the engine's stage expressions (held_bytes; the largest of
     rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's
     backward moments, actmem.backward), lambdified, on float64 columns (no int64 overflow).
-    Rows of PLAN_BLOCK, with recompute_layers N < the chunk's layers, are Megatron's block method: each chunk in flight keeps N checkpoints and its other layers whole, reruns
-    nothing before those are freed, and its last layer's moments are a whole layer's."""
+    Rows of PLAN_BLOCK are Megatron's block method with N = recompute_layers: on a stage
+    whose chunk has more than N layers each chunk in flight keeps N checkpoints and its other
+    layers whole, reruns nothing before those are freed, and its last layer's moments are a
+    whole layer's; on a stage whose chunk has N or fewer (an uneven pipeline's lighter
+    first or last), every layer is checkpointed, as under full recompute."""
     arch = req.architecture
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
-        choice, block = PLAN_CHOICES[recompute], recompute == PLAN_BLOCK
+        choice = PLAN_CHOICES[recompute]
         technique = run_technique(bool(sp), choice.recompute, choice.method or "uniform", 1, choice.modules)
         values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         args = _numeric_args(req, values)
-        if block:
-            chunks = values("layer_activations") / values("chunk_layers")
-            checkpoints, whole = chunks * values("recompute_layers"), chunks * (values("chunk_layers") - values("recompute_layers"))
-            kept = (engine.numeric(engine.held_bytes(technique, arch))(*_with_layers(args, checkpoints))
-                    + engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args) * whole)
-            rerun, last = 0, technique.whole()
+        if recompute == PLAN_BLOCK:
+            per_chunk, chunks = values("chunk_layers"), values("layer_activations") / values("chunk_layers")
+            n = np.minimum(values("recompute_layers"), per_chunk)
+            kept = (engine.numeric(engine.held_bytes(technique, arch))(*_with_layers(args, chunks * n))
+                    + engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args) * chunks * (per_chunk - n))
+            every_layer = run_technique(bool(sp), Recompute.FULL)
+            moments = np.where(n < per_chunk, _transient(req, args, technique, technique.whole(), rerun=False),
+                               _transient(req, args, every_layer, every_layer))
         else:
             kept = engine.numeric(engine.held_bytes(technique, arch))(*args)
-            rerun, last = engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args), technique
+            moments = _transient(req, args, technique, technique)
         held[rows.index] = _whole_bytes(kept, len(rows))
-        moments = np.maximum(np.maximum(rerun, engine.numeric(engine.loss_backward_bytes(technique, arch))(*args)), 0)
-        for name in backward.MOMENTS:
-            if backward.modelled(name, last, arch):
-                beyond = backward.moment_bytes(name, last, arch).beyond_held
-                moments = np.maximum(moments, engine.numeric(beyond)(*args))
         transient[rows.index] = _whole_bytes(moments, len(rows))
     return held, transient
+
+
+def _transient(req: PlanRequest, args: tuple, technique, last, rerun: bool = True):
+    """The largest of what a stage's first backward holds above its activations: its rerun
+    less what it freed first (unless nothing is rerun), the loss's backward and the moments
+    of its last layer's backward, that layer kept as ``last`` keeps it (0 at least)."""
+    arch = req.architecture
+    moments = np.maximum(engine.numeric(engine.loss_backward_bytes(technique, arch))(*args), 0)
+    if rerun:
+        moments = np.maximum(moments, engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args))
+    for name in backward.MOMENTS:
+        if backward.modelled(name, last, arch):
+            moments = np.maximum(moments, engine.numeric(backward.moment_bytes(name, last, arch).beyond_held)(*args))
+    return moments
 
 
 def _numeric_args(req: PlanRequest, values) -> tuple:
@@ -444,37 +458,44 @@ def _per_layer_bytes(req: PlanRequest, rows: pd.DataFrame) -> tuple:
 
 def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     """Megatron's partial full recompute (--recompute-method block --recompute-num-layers N),
-    one row a configuration: the least N that fits, where nothing recomputed does not fit, in
-    an even pipeline with at least 2 layers a chunk. (Where a stage holds one chunk, N = one
-    less than a chunk's layers can fit where full recompute does not: it keeps a layer whole,
-    2sbh/t less than full recompute's rerun of it.) On each stage
-    its floor is full recompute's with the chunks in flight keeping L/(pm) - N layers whole
-    rather than as checkpoints, and, as nothing is rerun before those are freed and the last
-    layer is a whole one, the transient of the run without recompute (actmem.peak). Each
-    layer more recomputed saves a stage its chunks in flight times a whole layer less its
-    checkpoint; so N = ⌈(floor with every layer whole - budget) / saving⌉, the larger of the
-    first and last stage's. A larger N fits too but recomputes more, which the time model
-    charges."""
+    one row a configuration: the least N that fits, where nothing recomputed does not fit.
+    On a stage whose chunks have more than N layers, the floor is full recompute's with the
+    chunks in flight keeping their other layers whole rather than as checkpoints, and, as
+    nothing is rerun before those are freed and the last layer is a whole one, the transient
+    of the run without recompute (actmem.peak): each layer more recomputed saves the stage
+    its chunks in flight times a whole layer less its checkpoint, so it fits from
+    N = ⌈(floor with every layer whole - budget) / saving⌉. On a stage whose chunks have N
+    or fewer layers, every layer is checkpointed: full recompute's floor, which may be over
+    the budget where N one short fits (a stage holding one chunk: 2sbh/t more, the rerun's
+    output). So each stage fits on an interval of N, and the row takes the least N of all
+    of them, at most the first stage's chunk (rules.py) and short of the largest chunk
+    (else it is full recompute). A larger N may fit too but recomputes more, which the time
+    model charges."""
     if "partial_recompute" not in req.architecture.code.runs:
         return evaluated.iloc[:0]
-    stages = ("first", "last")                      # stage 1 holds less than the first: even
-    transients = [stage_column(name, "transient_bytes") for name in stages]
+    transients = [stage_column(name, "transient_bytes") for name, _ in STAGES]
     none = evaluated.loc[evaluated.recompute == "none", _CONFIGURATION + ["fits"] + transients]
-    full = evaluated[(evaluated.recompute == "full") & ~_uneven(evaluated)
-                     & (evaluated.stage_layers // evaluated.m >= 2)]
-    full = full.merge(none, on=_CONFIGURATION, suffixes=("", "_none"))
+    full = evaluated[evaluated.recompute == "full"].merge(none, on=_CONFIGURATION, suffixes=("", "_none"))
     full = full[~full.fits_none]
     layer, checkpoint = (np.rint(part).astype("int64") for part in _per_layer_bytes(req, full))
-    per_chunk = full.stage_layers // full.m
-    needed = pd.Series(1, index=full.index)
-    for name, transient in zip(stages, transients):
-        saved = full[stage_column(name, "layer_activations")] // per_chunk * (layer - checkpoint)
-        every_layer_whole = (full[f"{name}_peak_bytes"] - full[transient] + full[f"{transient}_none"]
-                             + per_chunk * saved)
-        over = every_layer_whole - req.budget_bytes
-        needed = np.maximum(needed, np.where(saved > 0, -(-over // saved.clip(lower=1)), per_chunk))
-    rows = full.loc[needed < per_chunk, CANDIDATE_COLUMNS].assign(recompute=PLAN_BLOCK,
-                                                                   recompute_layers=needed[needed < per_chunk])
+    least, most = pd.Series(1, index=full.index), pd.Series(np.iinfo("int64").max, index=full.index)
+    largest = pd.Series(0, index=full.index)
+    for (name, _), column, transient in zip(STAGES, STAGE_LAYERS, transients):
+        there = (full.p >= 3) if name == "middle" else pd.Series(True, index=full.index)
+        per_chunk = full[column] // full.m
+        held = full[stage_column(name, "layer_activations")]
+        saved = held // per_chunk * (layer - checkpoint)               # a layer more recomputed
+        every_layer_whole = full[f"{name}_peak_bytes"] - full[transient] + full[f"{transient}_none"] + held * (
+            layer - checkpoint)
+        linear = np.where(saved > 0, -(-(every_layer_whole - req.budget_bytes) // saved.clip(lower=1)), per_chunk)
+        full_fits = full[f"{name}_peak_bytes"] <= req.budget_bytes
+        low = np.where(linear < per_chunk, linear, np.where(full_fits, per_chunk, np.iinfo("int64").max))
+        high = np.where(full_fits, np.iinfo("int64").max, per_chunk - 1)
+        least = least.where(~there, np.maximum(least, low))
+        most = most.where(~there, np.minimum(most, high))
+        largest = largest.where(~there, np.maximum(largest, per_chunk))
+    ok = (least <= most) & (least <= full.first_stage_layers // full.m) & (least < largest)
+    rows = full.loc[ok, CANDIDATE_COLUMNS].assign(recompute=PLAN_BLOCK, recompute_layers=least[ok])
     if rows.empty:
         return evaluated.iloc[:0]
     block = evaluate(req, rows)

@@ -90,7 +90,8 @@ def _header(est: Estimate) -> Text:
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.recompute.value}"
-                + ("" if run.recompute_modules is None else f" ({', '.join(run.recompute_modules)})") + "\n")
+                + ("" if run.recompute_modules is None else f" ({', '.join(run.recompute_modules)})")
+                + ("" if run.recompute_method is None else f" ({run.recompute_method} {run.recompute_layers})") + "\n")
     arch = spec.architecture
     text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
                 f"hidden {arch.hidden_dropout:g}\n")

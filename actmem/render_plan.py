@@ -125,7 +125,7 @@ def _plan_assumptions(req) -> list[str]:
         "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
         "recompute of every layer alone, or of the first N layers of each chunk (block=N, "
         "Megatron's --recompute-method block --recompute-num-layers N: the least N that fits, "
-        "offered where nothing recomputed does not fit, in even pipelines; "
+        "offered where nothing recomputed does not fit, at most the first stage's chunk; "
         "uniform groups are checked with actmem estimate); selective recompute of the attention "
         "core (sel), of it and the MLP (sel+mlp), or of the MLP alone (mlp), Megatron's "
         "--recompute-modules, where actmem models them",

@@ -40,8 +40,10 @@ def assert_one_line_error(result, *fragments):
 
 def plan_row_run(row, **settings) -> dict:
     """The run values a plan row is, read back from its label as --explain reads it (an
-    uneven split and block=N included), with ``settings`` (gpus, global_batch) added."""
+    uneven split and block=N included; an even pipeline says so, over a preset's split),
+    with ``settings`` (gpus, global_batch) added."""
     from actmem.explain import parse_config
     from actmem.plan import config_label
 
-    return parse_config(config_label(row)) | settings
+    even = {"first_stage_layers": None, "last_stage_layers": None}
+    return even | parse_config(config_label(row)) | settings

@@ -66,31 +66,51 @@ def test_block_time_reruns_its_share_of_each_chunk(plan_530b):
     assert none.iteration_s < block.iteration_s < full.iteration_s
 
 
-@pytest.mark.parametrize("name, gpus, memory_gib", [("530b", 280, 80), ("1t", 512, 80), ("llama-3.1-70b", 64, 80)])
-def test_each_block_row_is_the_estimate_s_verdict_and_the_least_n_that_fits(name, gpus, memory_gib):
+#: (preset, GPUs, global batch, GiB a GPU, GPU): even pipelines (530B, 1T, Llama 70B), and
+#: uneven ones, where each stage's chunk is its own (Llama 8B's 32 layers on 96 GPUs: p = 3,
+#: 6, 12 ...; Llama 405B's 126 on 16,384)
+SWEEPS = [("530b", 280, 280, 80, "a100"), ("1t", 512, 512, 80, "a100"), ("llama-3.1-70b", 64, 64, 80, "a100"),
+          ("llama-3.1-8b", 96, 96, 24, "h100"), ("llama-3.1-405b", 16384, 2048, 80, "h100")]
+
+
+def _sweep(name, gpus, batch, memory_gib, gpu):
+    req = request(name, gpus=gpus, global_batch=batch, gpu_memory_bytes=memory_gib * 2**30, gpu=GPUS[gpu])
+    return req, plan(req).evaluated
+
+
+def _verdict(preset, row, batch, **run):
+    run = plan_row_run(row, gpus=row.d * row.t * row.c * row.p, global_batch=batch) | run
+    return estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture)).verdict_bytes
+
+
+def _sample(rows, each=6):
+    """Rows of even and of uneven pipelines alike."""
+    uneven = rows.first_stage_layers != rows.stage_layers
+    return [*rows[~uneven].sample(min((~uneven).sum(), each), random_state=0).itertuples(),
+            *rows[uneven].sample(min(uneven.sum(), each), random_state=0).itertuples()]
+
+
+@pytest.mark.parametrize("name, gpus, batch, memory_gib, gpu", SWEEPS)
+def test_each_block_row_is_the_estimate_s_verdict_and_the_least_n_that_fits(name, gpus, batch, memory_gib, gpu):
     """The sweep's block rows against `actmem estimate` with --recompute-method block: the peak
     to the byte, within the budget, and with N - 1 layers recomputed over it; only where
     nothing recomputed does not fit."""
-    req = request(name, gpus=gpus, global_batch=gpus, gpu_memory_bytes=memory_gib * 2**30)
-    evaluated = plan(req).evaluated
-    block = evaluated[evaluated.recompute_layers > 0]
+    req, evaluated = _sweep(name, gpus, batch, memory_gib, gpu)
+    block = evaluated[evaluated.recompute == "full:block"]
     assert len(block) > 0
     preset = load_preset(name)
-    for row in block.sample(min(len(block), 12), random_state=0).itertuples():
-        run = parse_config(config_label(row), layers=req.model.layers) | {"gpus": gpus, "global_batch": gpus}
+    for row in _sample(block):
+        run = parse_config(config_label(row), layers=req.model.layers)
         assert (run["recompute"], run["recompute_method"], run["recompute_layers"]) == ("full", "block",
                                                                                        row.recompute_layers)
-        verdict = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture)).verdict_bytes
-        assert row.peak_bytes == verdict <= req.budget_bytes, config_label(row)
+        assert row.peak_bytes == _verdict(preset, row, batch) <= req.budget_bytes, config_label(row)
         none = evaluated[(evaluated.recompute == "none") & (evaluated.t == row.t) & (evaluated.c == row.c)
                          & (evaluated.p == row.p) & (evaluated.m == row.m) & (evaluated.b == row.b)
                          & (evaluated.sequence_parallel == row.sequence_parallel)
                          & (evaluated.distributed_optimizer == row.distributed_optimizer)]
         assert not none.fits.any(), config_label(row)
         if row.recompute_layers > 1:
-            fewer = run | {"recompute_layers": row.recompute_layers - 1}
-            assert estimate(build_spec(preset.model, preset.run | fewer,
-                                       architecture=preset.architecture)).verdict_bytes > req.budget_bytes
+            assert _verdict(preset, row, batch, recompute_layers=row.recompute_layers - 1) > req.budget_bytes
 
 
 def test_block_fits_where_full_recompute_does_not_on_a_stage_holding_one_chunk():
@@ -111,27 +131,25 @@ def test_block_fits_where_full_recompute_does_not_on_a_stage_holding_one_chunk()
     assert estimate(build_spec(preset.model, ten)).verdict_bytes > req.budget_bytes
 
 
-@pytest.mark.parametrize("name, gpus, batch, memory_gib", [("175b", 64, 8, 60), ("530b", 280, 280, 80),
-                                                          ("llama-3.1-8b", 8, 8, 24)])
-def test_no_block_n_fits_where_the_sweep_offers_none(name, gpus, batch, memory_gib):
-    """The other direction: configurations of an even pipeline where nothing recomputed does
-    not fit and the sweep has no block row: every N below a chunk's layers is over the budget
-    by the exact estimate (a sample of them, each N tried)."""
-    req = request(name, gpus=gpus, global_batch=batch, gpu_memory_bytes=memory_gib * 2**30)
-    evaluated = plan(req).evaluated
+@pytest.mark.parametrize("name, gpus, batch, memory_gib, gpu", [("175b", 64, 8, 60, "a100"), *SWEEPS[:1], *SWEEPS[3:]])
+def test_no_block_n_fits_where_the_sweep_offers_none(name, gpus, batch, memory_gib, gpu):
+    """The other direction: configurations where nothing recomputed does not fit and the sweep
+    has no block row: every N it could be (1 up to the first stage's chunk, rules.py, and short
+    of the largest chunk) is over the budget by the exact estimate (a sample, each N tried)."""
+    req, evaluated = _sweep(name, gpus, batch, memory_gib, gpu)
     key = ["t", "c", "p", "m", "b", "sequence_parallel", "distributed_optimizer"]
     offered = set(map(tuple, evaluated.loc[evaluated.recompute == "full:block", key].to_numpy()))
-    none = evaluated[(evaluated.recompute == "none") & ~evaluated.fits
-                     & (evaluated.first_stage_layers == evaluated.stage_layers) & (evaluated.stage_layers // evaluated.m >= 2)]
+    none = evaluated[(evaluated.recompute == "none") & ~evaluated.fits]
     without = none[[tuple(row) not in offered for row in none[key].to_numpy()]]
+    largest = without[["first_stage_layers", "stage_layers", "last_stage_layers"]].max(axis=1) // without.m
+    without = without[largest >= 2]
     assert len(without) > 0
     preset = load_preset(name)
-    for row in without.sample(min(len(without), 6), random_state=0).itertuples():
-        for n in range(1, row.stage_layers // row.m):
-            run = plan_row_run(row, gpus=gpus, global_batch=batch) | {
-                "recompute": "full", "recompute_method": "block", "recompute_layers": n}
-            verdict = estimate(build_spec(preset.model, preset.run | run, architecture=preset.architecture)).verdict_bytes
-            assert verdict > req.budget_bytes, (config_label(row), n)
+    for row in _sample(without, 4):
+        largest = max(row.first_stage_layers, row.stage_layers, row.last_stage_layers) // row.m
+        for n in range(1, min(row.first_stage_layers // row.m, largest - 1) + 1):
+            assert _verdict(preset, row, batch, recompute="full", recompute_method="block",
+                            recompute_layers=n) > req.budget_bytes, (config_label(row), n)
 
 
 def test_block_on_the_last_stage_and_beside_context_parallelism():
@@ -153,9 +171,10 @@ def test_block_on_the_last_stage_and_beside_context_parallelism():
     assert row.context_parallel_s == pytest.approx(none.context_parallel_s * (3 + share) / 3)
 
 
-def test_no_block_rows_where_the_code_or_the_pipeline_does_not_have_them():
-    """torch-native runs no partial recompute (actmem models it for Megatron); uneven
-    pipelines take none (rules.py); a chunk of one layer has nothing to keep whole."""
+def test_no_block_rows_where_the_code_does_not_have_them_and_uneven_ones_within_the_first_chunk():
+    """torch-native runs no partial recompute (actmem models it for Megatron). In an uneven
+    pipeline N is at most the first stage's chunk (rules.py: Megatron's N layers of each
+    stage's own chunk; a stage with N or fewer checkpoints them all)."""
     llama_8b = request("llama-3.1-8b", gpus=8, global_batch=8, gpu_memory_bytes=24 * 2**30, reserve_bytes=0)
     assert (plan(llama_8b).evaluated.recompute_layers > 0).any()              # Megatron's: some
     torch_native = replace(llama_8b, architecture=replace(llama_8b.architecture, implementation="torch-native"))
@@ -167,8 +186,10 @@ def test_no_block_rows_where_the_code_or_the_pipeline_does_not_have_them():
     uneven = llama[llama.first_stage_layers != llama.stage_layers]
     block = llama[llama.recompute == "full:block"]
     assert len(block) > 0 and not uneven[uneven.recompute == "none"].fits.all()
-    assert (block.first_stage_layers == block.stage_layers).all()
-    assert (block.recompute_layers < block.stage_layers // block.m).all()
+    split = block[block.first_stage_layers != block.stage_layers]
+    assert len(split) > 0 and (split.recompute_layers <= split.first_stage_layers).all()
+    assert (block.recompute_layers < block[["first_stage_layers", "stage_layers", "last_stage_layers"]].max(axis=1)
+            // block.m).all()
 
 
 def test_a_block_row_names_itself_and_cannot_be_read_as_plain_full(actmem):
@@ -196,3 +217,19 @@ def test_explain_reads_block_and_refuses_it_beside_another_recompute(actmem):
                           "recompute is given twice")
     assert_one_line_error(actmem("plan", "--model", "530b", "--explain", "t=8 p=35 m=1 block=4"),
                           "--recompute-num-layers (4) must not exceed")
+
+
+def test_explain_of_block_as_large_as_the_first_stage_s_chunk_keeps_it_a_block_row():
+    """Llama 3.1 405B, 7 + 8 x 14 + 7 with block=7: the first and last stages checkpoint every
+    layer, the stages between keep one whole. --explain's row is the planner's block row
+    (its time reruns 7 of 8 layers a stage between, not all), the same row as the sweep's."""
+    from actmem.explain import explain
+
+    req = request("llama-3.1-405b", gpu=GPUS["h100"])
+    _, row = explain(req, "t=8 p=7+8x14+7 b=1 sp block=7 dopt")
+    assert (row.recompute, row.recompute_layers) == ("full:block", 7)
+    evaluated = plan(req).evaluated
+    config = dict(t=8, c=1, p=16, m=1, b=1, sequence_parallel=True, distributed_optimizer=True)
+    full = _row(evaluated, "full", **config)
+    none = _row(evaluated, "none", **config)
+    assert row.compute_s == pytest.approx(none.compute_s + (full.compute_s - none.compute_s) * 7 / 8)

@@ -156,8 +156,9 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(12, 2, 2, 2, recompute=("block", 1)), ["tp-sp-full"])
     configs += configs_for(small_spec(6, 2, 2, recompute=("uniform", 2), name="small-flash", **FLASH), ["tp-sp-full"])
     # ... and on an uneven pipeline, each stage's chunk its own (2 layers, then 3): block 1 keeps
-    # 1 and 2 layers whole; uniform groups of 2 leave the second stage a group of 1
-    for recompute in (("block", 1), ("uniform", 2)):
+    # 1 and 2 layers whole, block 2 none and 1; uniform groups of 2 leave the second stage a
+    # group of 1
+    for recompute in (("block", 1), ("block", 2), ("uniform", 2)):
         configs += configs_for(small_spec(5, 2, 2, name="small-flash", first_stage_layers=2, recompute=recompute,
                                           **FLASH), ["tp-sp-full"])
     # selective recompute of the MLP too (--recompute-modules core_attn mlp): the paper's layer

@@ -366,8 +366,10 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     s, h, L = model.seq_len, model.hidden, model.layers
     # the pipeline goes at its slowest stage's pace: the most layers a stage has (L/p when even)
     paced = grid[list(STAGE_LAYERS)].max(axis=1)
-    # block N reruns N of a chunk's L/(pm) layers; every other choice all it recomputes
-    share = np.where(grid.recompute == PLAN_BLOCK, grid.recompute_layers / (grid.stage_layers // grid.m), 1.0)
+    # block N reruns N of each chunk's layers, of the pacing stage's too (at most all of them);
+    # every other choice all it recomputes
+    chunk = paced // grid.m
+    share = np.where(grid.recompute == PLAN_BLOCK, np.minimum(grid.recompute_layers, chunk) / chunk, 1.0)
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, req.efficiency,
                                                   req.architecture, model.heads, share) * (grid.p * paced / L)

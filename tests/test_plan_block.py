@@ -233,3 +233,16 @@ def test_explain_of_block_as_large_as_the_first_stage_s_chunk_keeps_it_a_block_r
     full = _row(evaluated, "full", **config)
     none = _row(evaluated, "none", **config)
     assert row.compute_s == pytest.approx(none.compute_s + (full.compute_s - none.compute_s) * 7 / 8)
+
+
+def test_block_time_is_the_pacing_stage_s_share():
+    """An uneven split --explain takes though the sweep does not, heavier first and last:
+    Llama 3.1 405B as 14 + 7 x 14 + 14, block=7. The pipeline goes at the pace of a 14-layer
+    stage, and block 7 reruns 7 of its 14: half of what full recompute reruns there (not 7 of
+    the stages between's 7, all of it)."""
+    from actmem.explain import explain
+
+    req = request("llama-3.1-405b", gpu=GPUS["h100"])
+    times = {config: explain(req, f"t=8 p=14+7x14+14 b=1 sp {config} dopt")[1].compute_s
+             for config in ("none", "full", "block=7")}
+    assert times["block=7"] == pytest.approx(times["none"] + (times["full"] - times["none"]) / 2)

@@ -271,7 +271,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     between) or the last (p - 1), each with its own layers (STAGE_LAYERS)."""
     model = req.model
     s, h, L = model.seq_len, model.hidden, model.layers
-    layers = grid[{"first": "first_stage_layers", "middle": "stage_layers", "last": "last_stage_layers"}[name]]
+    layers = grid[dict(zip((stage for stage, _ in STAGES), STAGE_LAYERS))[name]]
     stage = grid.p - 1 if stage is None else stage
     held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,

@@ -192,6 +192,8 @@ def test_nothing_fits_for_structural_reasons_says_why_and_where_to_go(actmem):
     assert result.exit_code == 1
     out = " ".join(result.stdout.split())
     assert "leaves t in {1, 2, 4, 8} and p in {1, 4, 8, 16}" in out
+    # p | 105, or a split with r = 105 - (p-2)·⌈105/p⌉ >= 2: the largest are 36 (⌈105/36⌉ = 3,
+    # r = 3: 1 + 3 x 34 + 2) and 53 (2, r = 3: 1 + 2 x 51 + 2); 54 leaves r = 1, 4 gives r = 51
     assert "the model allows p in {1, 3, 4, 5," in out and ", 35, 36, 53, 105}" in out
     assert "144 GPUs: t=8 p=4+6x16+5" in out
     data = json.loads(actmem("plan", "--model", "530b", "--gpus", "64", "--format", "json").stdout)

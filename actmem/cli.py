@@ -14,7 +14,7 @@ import click
 
 from actmem import defaults
 from actmem.errors import SpecError
-from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPUS, MEGATRON_NOT_MODELLED, add_flags,
+from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPUS, MEGATRON_ARGS, add_flags,
                           build_spec_from_flags,
                           model_from_flags, model_options, spec_options)
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE
@@ -47,9 +47,15 @@ class OneLineErrors(click.Group):
 
 
 def _message(error) -> str:
-    if isinstance(error, click.NoSuchOption) and error.option_name in MEGATRON_NOT_MODELLED:
-        return (f"{error.option_name} is a Megatron-LM argument that actmem does not model yet "
-                "(not yet: mixtures of experts, CP other than p2p)")
+    if isinstance(error, click.NoSuchOption) and error.option_name.startswith("--"):
+        from actmem import megatron_table
+
+        if error.option_name in megatron_table.arguments():
+            kind, why = megatron_table.classify(error.option_name)
+            if kind == megatron_table.NOT_MODELLED:
+                return f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: {why}"
+            return (f"{error.option_name} is a Megatron-LM argument that cannot change memory ({why}); "
+                    "actmem takes it inside --megatron-args, where it is listed as ignored")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
 
 
@@ -204,7 +210,7 @@ def plan_options(command):
         click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
-    command = add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS)
+    command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS))
     for option in reversed(options):
         command = option(command)
     return model_options(command)
@@ -281,6 +287,7 @@ def plan_request(flags: dict):
 @cli.command()
 @model_options
 @_gpus_and_batch
+@MEGATRON_ARGS
 @click.option("--iteration-time", type=float, default=None, metavar="SECONDS",
               help="Measured seconds per iteration: gives MFU and HFU.")
 @click.option("--gpu", "gpu_name", default="a100", show_default=True, help="GPU kind for the peak.")

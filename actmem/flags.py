@@ -149,13 +149,6 @@ RUN_FLAGS = (
          "(6 + 12/d B a parameter; needs d > 1)", bool),
 )
 
-#: Megatron-LM arguments that change memory and that actmem does not model yet: a pasted
-#: launch script names them, and the user is told plainly rather than offered a look-alike.
-MEGATRON_NOT_MODELLED = frozenset({
-    "--num-experts", "--expert-model-parallel-size",
-})
-
-
 def _spelling(flag: Flag, index: int, value) -> str:
     """How the user wrote it: '--tp 4', '--no-sp', '--use-distributed-optimizer'."""
     name = flag.names[index]
@@ -220,6 +213,13 @@ def _itself(value):
     return value
 
 
+MEGATRON_ARGS = click.option(
+    "--megatron-args", default=None, metavar="@SCRIPT|@FILE|TEXT",
+    help="A Megatron-LM launch script (bash, read as bash expands it, never run) or its arguments, "
+         "from a file or pasted: those that change memory are used, those that cannot are listed as "
+         "ignored, the rest are refused in one message.")
+
+
 def spec_options(command):
     """The model, architecture and run flags of every command that takes a whole spec."""
     options = [
@@ -236,10 +236,7 @@ def spec_options(command):
                           "(default 80GiB)."),
         click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
                      help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
-        click.option("--megatron-args", default=None, metavar="TEXT|@FILE",
-                     help="A Megatron-LM launch script's arguments, pasted whole or from a file: "
-                          "those that change memory are used, those that cannot are listed as "
-                          "ignored, the rest are refused in one message."),
+        MEGATRON_ARGS,
     ]
     command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS)
     for option in reversed(options):
@@ -302,15 +299,34 @@ def model_from_flags(flags: dict) -> ModelChoice:
     from actmem.presets import load_preset
     from actmem.spec import build_spec
 
+    flags, pasted = with_megatron_args(flags)
+    script_run = _script_run(flags) if pasted else {}
     flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS)
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
     name, model, run, architecture, _ = _preset_and_flags(flags, preset)
+    _check_paste(pasted, model, architecture)
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
-    return ModelChoice(name, spec.model, spec.architecture, dict(preset.run) if preset else {},
+    return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
                        pick("gpus"), pick("global_batch"))
+
+
+def _script_run(flags: dict) -> dict:
+    """The run a pasted script sets (t, p, b, recompute, ...), for `plan --explain` to start from
+    as it starts from a preset's run; the pasted run flags are consumed here."""
+    from actmem.spec import merge_recompute
+
+    keys = {f.key for f in RUN_FLAGS} - {"gpus", "global_batch"}
+    given = resolve({k: v for k, v in flags.items() if "__" in k and k.split("__")[0] in keys},
+                    [f for f in RUN_FLAGS if f.key in keys])
+    for key in list(flags):
+        if "__" in key and key.split("__")[0] in keys:
+            del flags[key]
+    recompute = merge_recompute(flags.pop("recompute", None), flags.pop("recompute_granularity", None),
+                                flags.pop("recompute_activations", False))
+    return {k: v for k, v in given.items() if v is not None} | ({"recompute": recompute} if recompute else {})
 
 
 def _paste_command():
@@ -329,8 +345,9 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     command = _paste_command()
     takes_value = {name: not param.is_flag for param in command.params if isinstance(param, click.Option)
                    for name in param.opts + param.secondary_opts if name in megatron_args.MEGATRON_NAMES}
-    used, ignored, checks = megatron_args.sort(megatron_args.split(flags["megatron_args"]), takes_value,
-                                               MEGATRON_NOT_MODELLED)
+    words, notes, launcher_gpus = megatron_args.read(flags["megatron_args"])
+    used, ignored, checks = megatron_args.sort(words, takes_value)
+    notes += megatron_args.vocabulary_notes(words, checks) + checks.pop("notes", [])
     default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)
     pasted = command.make_context("--megatron-args", used).params
     if default_mask and any(flags.get(key) for key in flags if key.startswith("attention_mask__")):
@@ -344,7 +361,12 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
             if merged.get(key) is not None and merged.get(key) is not False and merged[key] != value:
                 raise SpecError(f"--megatron-args gives {key} = {value!r}, a flag gives {merged[key]!r}")
             merged[key] = value
-    return merged, dict(checks, ignored=ignored)
+    if launcher_gpus is not None and not any(merged.get(GPUS.dest(i)) for i in range(len(GPUS.names))):
+        merged[GPUS.dest(0)] = (launcher_gpus,)
+    elif launcher_gpus is not None:
+        notes = [note for note in notes if not note.startswith("GPUs:")] + [
+            f"GPUs: --gpus, in place of the launcher's {launcher_gpus}"]
+    return merged, dict(checks, ignored=ignored, notes=notes)
 
 
 def build_spec_from_flags(flags: dict, dims_only: bool = False):
@@ -356,10 +378,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
     name, model, run, architecture, notes = _preset_and_flags(flags)
-    if pasted and architecture.get("implementation", MEGATRON) != MEGATRON:
-        raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
-                        f"--implementation {architecture['implementation']}")
-    _check_max_positions(pasted, model, architecture)
+    _check_paste(pasted, model, architecture)
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
             raise SpecError("give the interleave once: --interleave or "
@@ -378,10 +397,32 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
+    options["notes"] = notes + tuple(pasted.get("notes", ()))
     if pasted.get("ignored"):
-        options["notes"] = notes + (f"Megatron arguments ignored, as they cannot change memory: "
-                                    f"{', '.join(pasted['ignored'])}",)
+        options["notes"] += (f"Megatron arguments ignored, as they cannot change memory: "
+                             f"{', '.join(pasted['ignored'])}",)
+    if not options["notes"]:
+        del options["notes"]
     return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:
+    """What a pasted script needs of the model beside the flags: Megatron's code, a learned
+    position table of s rows, and a vocabulary."""
+    from actmem.megatron_args import GPT2_VOCAB, TOKENIZER
+
+    if not pasted:
+        return
+    if architecture.get("implementation", MEGATRON) != MEGATRON:
+        raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
+                        f"--implementation {architecture['implementation']}")
+    _check_max_positions(pasted, model, architecture)
+    if model.get("vocab") is None:
+        tokenizer = pasted.get(TOKENIZER)
+        raise SpecError("--megatron-args: no vocabulary: " + (
+            f"{TOKENIZER} {tokenizer} needs --vocab-size" if tokenizer else
+            f"the script names neither {TOKENIZER} (Megatron requires one) nor --vocab-size; give --vocab-size N "
+            f"(GPT-2's BPE files, --vocab-file gpt2-vocab.json: {GPT2_VOCAB})"))
 
 
 def _check_max_positions(pasted: dict, model: dict, architecture: dict) -> None:

@@ -9,10 +9,16 @@ and what it refuses.
   in the estimate's assumptions.
 - Refused, all in one message: arguments that change memory and are not modelled yet, and
   arguments actmem does not know. Nothing is dropped without a word.
+
+Every argument of Megatron-LM's parser is classified in one table (megatron_table.py, from the
+pinned source); "unknown" is left for names Megatron does not have. A bash launch script is
+read as bash would expand it (launch_script.py) and its training command's arguments sorted.
 """
 
+import re
 import shlex
 
+from actmem import megatron_table
 from actmem.errors import SpecError
 
 #: The Megatron spellings actmem reads; inside a paste its own spellings (--tp, --hidden,
@@ -24,7 +30,7 @@ MEGATRON_NAMES = frozenset({
     "--micro-batch-size", "--global-batch-size", "--sequence-parallel", "--use-distributed-optimizer",
     "--recompute-granularity", "--recompute-activations", "--make-vocab-size-divisible-by",
     "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
-    "--disable-bias-linear", "--add-bias-linear", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
@@ -35,33 +41,6 @@ MANY = "many"
 #: Megatron's switch off its fused softmax: nothing under TE's kernels, torch's softmax under
 #: the local core (refused there)
 NO_SOFTMAX_FUSION = "--no-masked-softmax-fusion"
-#: Megatron arguments that cannot change the memory of a training step, and how many values
-#: each takes (1, 0, or MANY: up to the next argument). Numerics of the optimizer, the
-#: schedule, data, checkpoints, logging. (--rotary-percent changes no byte of TE's fused rope;
-#: beside --no-rope-fusion it is refused in _problems.)
-IGNORED = {
-    **dict.fromkeys(("--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters", "--lr-warmup-fraction",
-                     "--lr-decay-iters", "--lr-decay-samples", "--lr-warmup-samples", "--train-iters",
-                     "--train-samples", "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2",
-                     "--adam-eps", "--init-method-std", "--seed", "--save", "--load",
-                     "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
-                     "--log-interval", "--save-interval", "--eval-interval", "--eval-iters",
-                     "--tensorboard-dir", "--tensorboard-log-interval", "--wandb-project",
-                     "--wandb-exp-name", "--split", "--distributed-backend",
-                     "--distributed-timeout-minutes", "--data-cache-path", "--num-workers",
-                     "--exit-interval", "--exit-duration-in-mins", "--norm-epsilon", "--rotary-base",
-                     "--rotary-percent", "--rotary-seq-len-interpolation-factor", "--rope-scaling-factor"), 1),
-    **dict.fromkeys(("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"), MANY),
-    **dict.fromkeys(("--use-mcore-models", "--no-load-optim", "--no-load-rng", "--log-throughput",
-                     "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-                     "--no-async-tensor-model-parallel-allreduce", "--use-checkpoint-args",
-                     "--no-save-optim", "--no-save-rng", "--use-rope-scaling"), 0),
-    # softmax switches: TE's attention kernels take their softmax inside and keep no copy of it
-    # (TE's TransformerLayer marks attention_softmax_in_fp32 unused); the local core's fused
-    # kernel runs in 16 bits whatever softmax_in_fp32 says (fused_softmax.py,
-    # forward_fused_softmax). Turning the fusion off under the local core is refused in _problems.
-    **dict.fromkeys(("--attention-softmax-in-fp32", NO_SOFTMAX_FUSION), 0),
-}
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
 #: Megatron reads --num-query-groups only with this switch; alone it means g = 1
@@ -85,11 +64,101 @@ NO_MASK = "--no-create-attention-mask-in-dataloader"
 #: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
 #: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
 RECOMPUTE_MODULES = "--recompute-modules"
+#: the tokenizer decides the vocabulary where --vocab-size is not given
+TOKENIZER = "--tokenizer-type"
+#: GPT-2's BPE files (gpt2-vocab.json) hold 50,257 tokens; Megatron's GPT2BPETokenizer takes
+#: its vocabulary from them (build_tokenizer: MEGATRON_TOKENIZERS) and ignores --vocab-size
+GPT2_VOCAB = 50257
+#: a step-wise batch schedule ("0:16 2.4B:320 ... 12B:1536"): sized at its largest batch
+BATCH_SCHEDULE = "--step-batch-size-schedule"
+#: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
+SETTINGS = (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
+            TOKENIZER, BATCH_SCHEDULE)
+#: training scripts of model families actmem does not model
+FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
+            "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
+            "pretrain_vision_classify.py": "vision", "pretrain_vision_dino.py": "vision",
+            "pretrain_vision_inpaint.py": "vision", "pretrain_ict.py": "biencoder", "train_rl.py":
+            "reinforcement learning", "pretrain_retro.py": "retrieval (RETRO)"}
+#: environment variables that decide what Megatron and TE run: TE's attention backends must
+#: agree with --attention-backend (Megatron asserts it: language_module._set_attention_backend)
+ATTENTION_ENVIRONMENT = {"local": (0, 0, 0), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
+                         "auto": (1, 1, 1)}
+ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+#: variables that change no byte actmem counts, and why
+QUIET_ENVIRONMENT = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "orders kernel launches (overlap), allocates nothing",
+    "PYTORCH_CUDA_ALLOC_CONF": "shapes the allocator's segments (reserved memory, fragmentation); the "
+                               "allocated bytes actmem counts are unchanged",
+}
 
 
-def split(text: str) -> list[str]:
-    """Shell words of the pasted text, or of the file named after '@'; backslash line ends
-    and '#' comments as a shell reads them."""
+def read(text: str) -> tuple[list[str], list[str], int | None]:
+    """(the training script's arguments, notes on how they were read, the launcher's GPU count
+    or None) of pasted text or of the file named after '@': a bare argument list or a bash
+    launch script."""
+    from actmem import launch_script
+
+    text = _text(text)
+    if not launch_script.looks_like_script(text):
+        return split(text), [], None
+    launch = launch_script.read(text)
+    family = FAMILIES.get(launch.script.rsplit("/", 1)[-1])
+    if family:
+        raise SpecError(f"--megatron-args: the script trains with {launch.script}: {family} models are not "
+                        "modelled (actmem models pretrain_gpt.py's decoder-only transformer)")
+    notes = [f"read from a launch script: {launch.script}'s arguments, as bash expands them (positional "
+             "parameters and $(commands) are placeholders; variables the script never sets read as unset"
+             + (f": {', '.join(launch.unset)}" if launch.unset else "") + ")"]
+    notes += _environment(launch.environment, launch.arguments)
+    gpus, note = launcher_gpus(launch.launcher)
+    if note:
+        notes.append(note)
+    return launch.arguments, notes, gpus
+
+
+def launcher_gpus(launcher: list[str]) -> tuple[int | None, str | None]:
+    """torchrun's (or torch.distributed.run's) processes: --nproc_per_node x --nnodes."""
+    if not launcher:
+        return None, None
+    runs_torchrun = launcher[0].endswith("torchrun") or any(
+        word in ("torch.distributed.run", "torch.distributed.launch") for word in launcher)
+    if not runs_torchrun:
+        return None, f"the launcher ({' '.join(launcher[:3])} ...) does not say how many GPUs: give --gpus"
+    options = dict(_launcher_options(launcher))
+    per_node = options.get("--nproc-per-node", "1")
+    nodes = options.get("--nnodes", "1")
+    if not (per_node.isdigit() and nodes.isdigit()):
+        return None, (f"torchrun's --nproc-per-node {per_node} --nnodes {nodes} is not a count actmem can read: "
+                      "give --gpus")
+    gpus = int(per_node) * int(nodes)
+    return gpus, f"GPUs: {gpus} from the launcher (torchrun --nproc-per-node {per_node} x --nnodes {nodes})"
+
+
+def _launcher_options(launcher):
+    words = [part for word in launcher for part in (word.split("=", 1) if word.startswith("--") else [word])]
+    for i, word in enumerate(words[:-1]):
+        if word.startswith("--"):
+            yield word.replace("_", "-"), words[i + 1]
+
+
+def _environment(environment: dict, arguments: list[str]) -> list[str]:
+    """Notes on the exported variables; an attention variable that disagrees with
+    --attention-backend is refused, as Megatron asserts."""
+    notes = []
+    backend = _value_after(arguments, "--attention-backend") or "auto"
+    expected = dict(zip(ATTENTION_VARIABLES, ATTENTION_ENVIRONMENT.get(backend, ())))
+    for name, value in environment.items():
+        if name in expected and str(value) != str(expected[name]):
+            raise SpecError(f"--megatron-args: the script exports {name}={value}, and Megatron asserts "
+                            f"{name}={expected[name]} under --attention-backend {backend} "
+                            "(language_module._set_attention_backend): choose the core with --attention-backend")
+        if name in QUIET_ENVIRONMENT:
+            notes.append(f"environment: {name}={value} read: {QUIET_ENVIRONMENT[name]}")
+    return notes
+
+
+def _text(text: str) -> str:
     if text.startswith("@"):
         try:
             with open(text[1:], encoding="utf-8") as file:
@@ -98,6 +167,12 @@ def split(text: str) -> list[str]:
             raise SpecError(f"--megatron-args {text}: cannot read it ({error.strerror})")
         except UnicodeDecodeError:
             raise SpecError(f"--megatron-args {text}: not UTF-8 text")
+    return text
+
+
+def split(text: str) -> list[str]:
+    """Shell words of a bare argument list; backslash line ends and '#' comments as a shell
+    reads them."""
     try:
         return shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as error:
@@ -105,59 +180,73 @@ def split(text: str) -> list[str]:
 
 
 def _values(words: list[str], i: int, count) -> tuple[list[str], int]:
-    """The values after argument i: one, none, or all up to the next argument."""
-    if count == MANY:
+    """The values after argument i: a count of them, or all up to the next argument."""
+    if count in (MANY, "optional"):
         j = i + 1
-        while j < len(words) and not words[j].startswith("--"):
+        while j < len(words) and not words[j].startswith("--") and (count == MANY or j == i + 1):
             j += 1
         return words[i + 1:j], j
     return words[i + 1:i + 1 + count], i + 1 + count
 
 
-def sort(words: list[str], takes_value: dict, not_modelled) -> tuple[list[str], list[str], dict]:
+def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dict]:
     """(words actmem parses, ignored argument names, {'--seq-length': ...} checks to make).
-    takes_value: each Megatron argument actmem reads -> whether it takes a value."""
-    used, ignored, unknown, refused, missing, settings = [], [], [], [], [], {}
+    takes_value: each Megatron argument actmem reads -> whether it takes a value. Every other
+    Megatron argument is ignored or refused by its class (megatron_table); a name Megatron
+    does not have is refused as unknown."""
+    used, ignored, unknown, refused, missing, stray, settings = [], [], [], [], [], [], {}
     words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
     i = 0
     while i < len(words):
         name = words[i]
         count = _value_count(name, takes_value)
-        values, after = _values(words, i, count)
+        values, after = _values(words, i, count or 0)
         if not name.startswith("--"):
-            unknown.append(name)
+            stray.append(name)
             after = i + 1
-        elif count and (not values or any(v.startswith("--") for v in values[:1])):
+        elif count is None:
+            unknown.append(_unknown(name))          # its values, if any, go with it
+            after = _values(words, i, MANY)[1]
+        elif count not in (0, MANY, "optional") and (len(values) < count or values[0].startswith("--")):
             missing.append(name)
             after = i + 1
         elif name in takes_value:
             used += [name, *values]
-        elif name in IGNORED:
-            ignored.append(name)
-        elif name == RECOMPUTE_MODULES:
-            settings[name] = tuple(values)
-        elif name in (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, CP_COMM, *ATTENTION):
-            settings.setdefault(name, values[0] if values else True)
+        elif name in SETTINGS:
+            settings.setdefault(name, (tuple(values) if count == MANY else values[0]) if values else True)
         else:
-            (refused if name in not_modelled else unknown).append(name)
-            after = i + 1 if i + 1 >= len(words) or words[i + 1].startswith("--") else i + 2
+            kind, why = megatron_table.classify(name, values)
+            if kind == megatron_table.IGNORED:
+                ignored.append(name)
+            else:
+                refused.append((why, name))
         i = after
     used += _implied(words, settings)
+    if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
+        used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
+        settings["notes"] = ["--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), "
+                             "and so does actmem"]
     problems = _problems(words, settings, refused, unknown, missing)
+    if stray:
+        problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
+                        "(in a script, an unquoted ${ARRAY[@]} splits a quoted element at its spaces)")
     if problems:
         raise SpecError(f"--megatron-args: {'; '.join(problems)}")
     return used, ignored, settings
 
 
+def _unknown(name: str) -> str:
+    near = megatron_table.closest(name) if name.startswith("--") else None
+    return f"{name} (did you mean {near}?)" if near else name
+
+
 def _value_count(name: str, takes_value: dict):
-    """How many values follow a known argument: 1, 0 or MANY (0 for one actmem does not know)."""
+    """How many values follow an argument: 0, 1, a count, MANY or 'optional' (None for a name
+    Megatron-LM does not have)."""
     if name in takes_value:
         return int(takes_value[name])
-    if name in IGNORED:
-        return IGNORED[name]
-    if name == RECOMPUTE_MODULES:
-        return MANY
-    return 1 if name in (MAX_POSITIONS, CP_COMM, *ATTENTION) else 0
+    count = megatron_table.value_count(name)
+    return MANY if count == "many" else count
 
 
 def _implied(words, settings) -> list[str]:
@@ -173,9 +262,45 @@ def _implied(words, settings) -> list[str]:
         implied += ["--attention-core", core]
     if settings.get(RECOMPUTE_MODULES):
         implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
+    schedule = settings.get(BATCH_SCHEDULE)
+    if schedule and "--global-batch-size" not in words:
+        implied += ["--global-batch-size", str(largest_batch(schedule))]
+    vocab = tokenizer_vocab(settings.get(TOKENIZER))
+    if vocab is not None and "--vocab-size" not in words:
+        implied += ["--vocab-size", str(vocab)]
     if NO_MASK not in words:                         # Megatron's dataloader makes one by default
         implied += ["--attention-mask"]
     return implied
+
+
+def largest_batch(schedule: str) -> int:
+    """The largest batch of a step schedule "THRESHOLD:BS THRESHOLD:BS ..." (TrainingConfig.
+    step_batch_size_schedule): a run holds no more microbatches in flight at a smaller one."""
+    sizes = [step.partition(":")[2] for step in schedule.split()]
+    if not sizes or not all(size.isdigit() for size in sizes):
+        raise SpecError(f"--megatron-args: {BATCH_SCHEDULE} {schedule!r}: expected THRESHOLD:BATCH steps")
+    return max(int(size) for size in sizes)
+
+
+def tokenizer_vocab(tokenizer) -> int | None:
+    """The vocabulary a tokenizer fixes: GPT-2's BPE files (None where it comes from a file
+    actmem does not read, or from --vocab-size)."""
+    return GPT2_VOCAB if tokenizer == "GPT2BPETokenizer" else None
+
+
+def vocabulary_notes(words, settings) -> list[str]:
+    """Where the vocabulary comes from, said; a tokenizer whose vocabulary lives in a file
+    and no --vocab-size is one line asking for it."""
+    tokenizer = settings.get(TOKENIZER)
+    if tokenizer is None or (tokenizer == "NullTokenizer" and "--vocab-size" in words):
+        return []
+    if tokenizer == "GPT2BPETokenizer":
+        note = f"vocabulary: {GPT2_VOCAB:,}, GPT-2's BPE files (GPT2BPETokenizer; --vocab-file is GPT-2's own)"
+        return [note + ("; Megatron ignores --vocab-size beside it" if "--vocab-size" in words else "")]
+    if "--vocab-size" in words:
+        return [f"vocabulary: --vocab-size, taken as the size of {tokenizer}'s vocabulary (Megatron reads it "
+                "from the tokenizer's files, which actmem does not)"]
+    return []
 
 
 def _value_after(words, name):
@@ -211,10 +336,22 @@ def _number(text: str):
 
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
+    tokenizer = settings.get(TOKENIZER)
+    if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
+        problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
+                        "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
+    if BATCH_SCHEDULE in settings and "--global-batch-size" in words:
+        problems.append(f"Megatron refuses {BATCH_SCHEDULE} beside --global-batch-size (arguments.py: "
+                        "'Cannot specify both'): give one")
     if refused:
-        problems.append(f"changes memory and is not modelled yet: {', '.join(refused)}")
+        reasons = {}
+        for why, name in refused:
+            reasons.setdefault(why, []).append(name)
+        problems.append("changes memory and is not modelled yet: " +
+                        "; ".join(f"{', '.join(names)} ({why})" for why, names in reasons.items()))
     if unknown:
-        problems.append(f"unknown to actmem: {', '.join(unknown)}")
+        problems.append(f"not an argument of Megatron-LM (at {megatron_table.pinned_commit()[:12]}): "
+                        f"{', '.join(unknown)}")
     if missing:
         problems.append(f"expects a value: {', '.join(missing)}")
     if "--num-query-groups" in words and GQA_SWITCH not in settings:
@@ -233,9 +370,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if "--no-rope-fusion" in words and percent is not None and _number(percent) != 1:
         problems.append(f"--rotary-percent {percent} with --no-rope-fusion is not modelled: the unfused rope's cos "
                         "and sin are as wide as the rotated part of each head, and actmem counts whole heads")
-    if settings.get(CP_COMM, "p2p") != "p2p":
-        problems.append(f"{CP_COMM} {settings[CP_COMM]} is not modelled: actmem counts the p2p ring, Megatron's "
-                        "default")
+    communication = settings.get(CP_COMM, ("p2p",))     # one a layer, or one for all (nargs '+')
+    if set(communication) != {"p2p"}:
+        problems.append(f"{CP_COMM} {' '.join(communication)} is not modelled: actmem counts the p2p ring, "
+                        "Megatron's default")
     if NO_SOFTMAX_FUSION in words and attention_core(settings) == "eager":
         problems.append(f"{NO_SOFTMAX_FUSION} under Megatron's local attention core runs torch's softmax, which "
                         "keeps other tensors than the fused kernel actmem counts: not modelled")

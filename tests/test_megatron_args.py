@@ -32,10 +32,10 @@ def test_equals_signs_and_inline_text_work(actmem):
 @pytest.mark.parametrize("extra, fragments", [
     ("--recompute-modules core_attn,mlp --frobnicate 3 --turbo",
      ["--recompute-modules core_attn,mlp: Megatron takes the modules as separate words "
-      "(--recompute-modules core_attn mlp)", "unknown to actmem: --frobnicate, --turbo"]),
+      "(--recompute-modules core_attn mlp)", "not an argument of Megatron-LM (at d98e8a64ddf3): --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
     ("--max-position-embeddings 8192", ["--max-position-embeddings (8192) differs from the sequence length (4096)"]),
-    ("stray", ["unknown to actmem: stray"]),
+    ("stray", ["words that follow no argument, as Megatron's parser would refuse them: stray"]),
 ])
 def test_what_cannot_be_used_is_refused_in_one_message(actmem, extra, fragments):
     assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {RUN} {extra} --bf16 "
@@ -77,8 +77,8 @@ BASE = f"{MODEL} {RUN} --bf16 --attention-backend local"
                                    "positions or q and k norms"]),
     ("--save --swiglu", ["expects a value: --save"]),
     ("--fp16", ["give one of --bf16 or --fp16"]),
-    ("--tp 8", ["unknown to actmem: --tp"]),
-    ("--gpu-memory 40GB", ["unknown to actmem: --gpu-memory"]),
+    ("--tp 8", ["not an argument of Megatron-LM (at d98e8a64ddf3): --tp"]),
+    ("--gpu-memory 40GB", ["not an argument of Megatron-LM (at d98e8a64ddf3): --gpu-memory"]),
     ("--make-vocab-size-divisible-by 0", ["vocab_divisible_by must be a positive integer, got 0"]),
     ("--recompute-method block --recompute-num-layers 2",
      ["shape full recompute; this run's recompute is selective"]),

@@ -164,37 +164,39 @@ def _mark_crossovers(ax, frame) -> None:
 # -- which configurations fit ---------------------------------------------------------------
 
 def map_figure(frame, size_in=SIZE_IN, dpi=DPI):
-    """The planner's t x p grid (a panel for each c), each cell coloured by the memory of
-    its fastest fitting configuration (else its leanest) against the budget; hatched where
-    nothing fits; the plan's choice framed."""
+    """The planner's t x p grid, each cell coloured by the memory of its fastest fitting
+    configuration over every c (else its leanest) against the budget, with its c written
+    where the plan swept more than one; hatched where nothing fits; the plan's choice framed."""
     from matplotlib.colors import TwoSlopeNorm
 
     fig = _figure(size_in, dpi)
+    ax = fig.add_subplot()
+    cells = frame[frame.drawn]          # one row a (t, p); the frame keeps every c for --csv
     contexts = sorted(frame.c.unique())
-    axes = fig.subplots(1, len(contexts), squeeze=False)[0]
     first = frame.iloc[0]
     budget_gib = first.budget_bytes / GIB
-    memory_gib = frame[MAP_MEMORY_COLUMN] / GIB
+    memory_gib = cells[MAP_MEMORY_COLUMN] / GIB
     norm = TwoSlopeNorm(vcenter=budget_gib, vmin=min(memory_gib.min(), 0.5 * budget_gib),
                         vmax=max(min(memory_gib.max(), 2 * budget_gib), 1.01 * budget_gib))
-    for ax, c in zip(axes, contexts):
-        image = _map_panel(ax, frame[frame.c == c], norm, c if len(contexts) > 1 else None)
-    bar = fig.colorbar(image, ax=list(axes), shrink=0.9,
+    image = _map_panel(ax, cells, norm, with_c=len(contexts) > 1)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9,
                        extend="max" if memory_gib.max() > norm.vmax else "neither")   # cut above 2x budget
     bar.set_label(f"GiB per GPU ({MAP_MEMORY_COLUMN.removesuffix('_bytes')})", fontsize=8)
     bar.ax.axhline(budget_gib, color="black", linewidth=1.5)
     bar.ax.tick_params(labelsize=7)
     best = frame[frame.is_best]
     chosen = f"best: {best.config.iloc[0]}" if len(best) else "nothing fits"
+    over_c = f" over every c swept ({contexts[0]:,} to {contexts[-1]:,})" if len(contexts) > 1 else ""
     _title(fig, f"Which configurations fit: {first.model} on {first.gpus_total:,} x {first.gpu}, "
                 f"global batch {first.global_batch:,}",
            f"budget {budget_gib:,.0f} GiB (GPU {first.gpu_memory_bytes / GIB:,.0f} GiB less "
            f"{first.reserve_bytes / GIB:,.0f} GiB reserve); {chosen}\n"
-           "a cell shows its fastest fitting configuration, else its leanest; hatched: none fits")
+           f"a cell shows its fastest fitting configuration{over_c}, else its leanest; hatched: none fits")
+    _fit_cell_texts(fig, ax, len(cells.t.unique()), len(cells.p.unique()))
     return fig
 
 
-def _map_panel(ax, cells, norm, c):
+def _map_panel(ax, cells, norm, with_c: bool):
     from matplotlib.patches import Rectangle
 
     grid = cells.pivot(index="t", columns="p", values=MAP_MEMORY_COLUMN) / GIB
@@ -208,16 +210,54 @@ def _map_panel(ax, cells, norm, c):
         if cell.is_best:
             ax.add_patch(Rectangle((x - 0.47, y - 0.47), 0.94, 0.94, fill=False, edgecolor="black",
                                    linewidth=2.5))
-        ax.text(x, y, _cell_text(cell), ha="center", va="center", fontsize=6.5,
+        ax.text(x, y, _cell_text(cell, with_c), ha="center", va="center", fontsize=_CELL_FONT,
                 fontweight="bold" if cell.is_best else None)
     ax.set_xticks(range(len(columns)), [_pipeline_tick(cells[cells.p == p].iloc[0]) for p in columns])
     ax.set_yticks(range(len(rows)), [str(t) for t in rows])
     ax.set_xlabel("pipeline-parallel size p", fontsize=9)
     ax.set_ylabel("tensor-parallel size t", fontsize=9)
     ax.tick_params(labelsize=8, length=0)
-    if c is not None:
-        ax.set_title(f"context-parallel size c = {c}", fontsize=9)
     return image
+
+
+#: A cell's text in points where it has room; smaller cells shrink it to fit, and below
+#: _SMALLEST_CELL_FONT a cell keeps only its first two lines (memory; c, m, b): the CSV has the rest.
+_CELL_FONT = 6.5
+_SMALLEST_CELL_FONT = 5.0
+
+
+def _fit_cell_texts(fig, ax, rows: int, columns: int) -> None:
+    """One font size for every cell's text, and one for the pipeline ticks, the largest (up
+    to their own) at which each lies inside its cell or column, so that nothing runs into
+    its neighbour."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)                      # measures text as PNG and SVG draw it (in points)
+    fig.draw_without_rendering()              # the constrained layout sets the cells' size
+    ticks = ax.get_xticklabels()
+    _set_font(ticks, _fitting_font(fig, ticks, ax.bbox.width / columns, float("inf")))
+    fig.draw_without_rendering()              # smaller ticks leave the cells more room
+    cell = (ax.bbox.width / columns, ax.bbox.height / rows)
+    size = _fitting_font(fig, ax.texts, *cell)
+    if size < _SMALLEST_CELL_FONT:
+        for text in ax.texts:
+            text.set_text("\n".join(text.get_text().splitlines()[:2]))
+        size = _fitting_font(fig, ax.texts, *cell)
+    _set_font(ax.texts, size)
+
+
+def _fitting_font(fig, texts, width: float, height: float) -> float:
+    """The font size at which the widest and the tallest of these texts fill 92% of a box
+    (text grows in proportion to its size), at most the size they have."""
+    renderer = fig.canvas.get_renderer()
+    extents = [text.get_window_extent(renderer) for text in texts if text.get_text()]
+    scale = min([min(0.92 * width / box.width, 0.92 * height / box.height) for box in extents], default=1)
+    return texts[0].get_fontsize() * min(scale, 1)
+
+
+def _set_font(texts, size: float) -> None:
+    for text in texts:
+        text.set_fontsize(size)
 
 
 def _budget_colours():
@@ -227,12 +267,15 @@ def _budget_colours():
     return LinearSegmentedColormap.from_list("budget", ["#4dac26", "#b8e186", "#f7f7f7", "#f4a582", "#d6604d"])
 
 
-def _cell_text(cell) -> str:
-    """'40.6 GiB / m=3 b=1 / sp sel dopt / 44 of 144 fit'."""
+def _cell_text(cell, with_c: bool) -> str:
+    """'40.6 GiB / m=3 b=1 / sp sel dopt / 44 of 144 fit', with 'c=16' first on the second line
+    where the plan swept more than one c; the count is the cell's, over every c."""
     words = [word for word in cell.config.split() if not word.startswith(("t=", "c=", "p="))]
     sizes, switches = (" ".join(word for word in words if ("=" in word) == named) for named in (True, False))
-    tried = cell.configurations
-    verdict = f"{cell.fitting} of {tried} fit" if cell.fits else f"none of {tried} fits"
+    if with_c:
+        sizes = f"c={cell.c:,} {sizes}"
+    tried = cell.cell_configurations
+    verdict = f"{cell.cell_fitting:,} of {tried:,} fit" if cell.fits else f"none of {tried:,} fits"
     return f"{getattr(cell, MAP_MEMORY_COLUMN) / GIB:,.1f} GiB\n{sizes}\n{switches}\n{verdict}"
 
 

@@ -166,9 +166,10 @@ def _request_options(command):
 @_request_options
 @_output_options
 def fit(output, csv_path, size_in, dpi, **flags):
-    """The planner's t x p grid (a panel for each c), each cell coloured by the memory of its
-    fastest fitting configuration (else its leanest) against the budget, hatched where nothing
-    fits, the planner's choice framed. Takes the flags of `actmem plan`."""
+    """The planner's t x p grid, each cell coloured by the memory of its fastest fitting
+    configuration over every c (else its leanest) against the budget, its c written in it,
+    hatched where nothing fits, the planner's choice framed; --csv keeps every (t, c, p).
+    Takes the flags of `actmem plan`."""
     _check_outputs(output, csv_path)
     from actmem.plan import plan as run_plan
     from actmem.plot_frames import map_frame

@@ -10,7 +10,8 @@ checked against its table:
 - ``growth_frame``: the same rows at a list of sequence lengths (or microbatch sizes), with
   the s² terms of one layer apart from the rest and where the first overtakes the second.
 - ``map_frame``: the planner's configurations, one row for each (t, c, p): the fastest
-  fitting configuration there, else the leanest.
+  fitting configuration there, else the leanest; ``drawn`` on the one of each t x p cell the
+  map shows (chosen the same way over every c).
 - ``validation_frame``: the rows of one measured run of an ``actmem validate`` CSV.
 """
 
@@ -192,22 +193,31 @@ def attention_overtakes(rows) -> float:
 def map_frame(plan, model_name: str):
     """One row for each (t, c, p) the planner swept: the fastest configuration there that
     fits, else the leanest by MAP_MEMORY_COLUMN; with how many it tried and how many fit, and
-    ``is_best`` on the plan's overall choice. The plan columns are those of
-    ``actmem plan --format csv``, the request's settings beside them."""
+    ``is_best`` on the plan's overall choice. The picture has one cell for each (t, p), so
+    ``drawn`` marks the row it shows there, chosen the same way over every c, and
+    ``cell_configurations`` and ``cell_fitting`` count that cell over every c. The plan
+    columns are those of ``actmem plan --format csv``, the request's settings beside them."""
     from actmem.plan import config_label
     from actmem.report import PLAN_COLUMNS
 
-    keys = ["t", "c", "p"]
-    cells = plan.evaluated.groupby(keys, sort=True)          # rows keep the plan's order:
-    chosen = [group.index[0] if group.fits.any()             # fitting first, fastest first
-              else group[MAP_MEMORY_COLUMN].idxmin() for _, group in cells]
-    counts = cells.fits.agg(configurations="size", fitting="sum")
+    keys, cell = ["t", "c", "p"], ["t", "p"]
+    counts = plan.evaluated.groupby(keys).fits.agg(configurations="size", fitting="sum")
+    cell_counts = plan.evaluated.groupby(cell).fits.agg(cell_configurations="size", cell_fitting="sum")
     best = plan.fitting.index[0] if not plan.fitting.empty else None
-    frame = plan.evaluated.loc[chosen]
-    table = frame[PLAN_COLUMNS].assign(is_best=frame.index == best)
-    table = table.merge(counts, left_on=keys, right_index=True).sort_values(["c", "t", "p"])
+    frame = plan.evaluated.loc[_fastest_else_leanest(plan.evaluated, keys)]
+    drawn = _fastest_else_leanest(plan.evaluated, cell)     # a (t, p) choice is its (t, c, p) choice too
+    table = frame[PLAN_COLUMNS].assign(is_best=frame.index == best, drawn=frame.index.isin(drawn))
+    table = (table.merge(counts, left_on=keys, right_index=True)
+             .merge(cell_counts, left_on=cell, right_index=True).sort_values(["c", "t", "p"]))
     table.insert(0, "config", [config_label(row) for row in table.itertuples()])
     return table.assign(**_request_settings(plan.request, model_name)).reset_index(drop=True)
+
+
+def _fastest_else_leanest(evaluated, keys: list[str]) -> list:
+    """The index of each group's row the map shows: rows keep the plan's order (fitting
+    first, fastest first), so the first where any fits, else the least MAP_MEMORY_COLUMN."""
+    return [group.index[0] if group.fits.any() else group[MAP_MEMORY_COLUMN].idxmin()
+            for _, group in evaluated.groupby(keys, sort=True)]
 
 
 def _request_settings(req, model_name: str) -> dict:
@@ -222,20 +232,101 @@ def _request_settings(req, model_name: str) -> dict:
 def validation_frame(path: str, config: str | None = None, rank: int = 0):
     """The rows of one measured run (config and rank) of an ``actmem validate --format csv``
     file, as written: the first config in the file unless one is named."""
-    import pandas as pd
-
-    try:
-        table = pd.read_csv(path)
-    except (OSError, ValueError) as error:
-        raise SpecError(f"--from {path}: cannot read it as CSV ({error})") from None
-    missing = [column for column in VALIDATION_COLUMNS if column not in table.columns]
-    if missing:
-        raise SpecError(f"--from {path}: not a table of `actmem validate --format csv`, it lacks "
-                        f"{', '.join(missing)}")
+    table = _validation_table(path)
     configs = list(dict.fromkeys(table["config"]))
-    config = configs[0] if config is None and configs else config
+    if not configs:
+        raise SpecError(f"--from {path}: it has a header and no rows")
+    config = configs[0] if config is None else config
     rows = table[(table["config"] == config) & (table["rank"] == rank)]
     if rows.empty:
         raise SpecError(f"--from {path}: no rows for config {config!r} at rank {rank}; it has "
-                        f"{'; '.join(configs) or 'no rows'}")
+                        f"{'; '.join(configs)}")
     return rows.reset_index(drop=True)
+
+
+def _validation_table(path: str):
+    """The file's rows, each field the plot reads checked and typed: one that is not what
+    ``actmem validate`` writes is named with its line (the header is line 1), not found by
+    the drawing."""
+    import pandas as pd
+
+    header, records = _csv_records(path)
+    missing = [column for column in VALIDATION_COLUMNS if column not in header]
+    if missing:
+        raise SpecError(f"--from {path}: not a table of `actmem validate --format csv`, it lacks "
+                        f"{', '.join(missing)}")
+    rows = []
+    for line, fields in records:
+        if len(fields) != len(header):
+            raise SpecError(f"--from {path}: line {line} has {len(fields)} fields, the header {len(header)}")
+        row = dict(zip(header, fields))
+        rows.append(row | {column: _field(f"--from {path}: line {line}", column, row[column], read)
+                           for column, read in _VALIDATION_FIELDS.items()})
+    return pd.DataFrame(rows, columns=header)
+
+
+def _csv_records(path: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The header and each row that is not blank, with the line it ends on. The csv module,
+    not pandas, so that a row is never silently shifted to an index or cut to the header."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as file:     # -sig: a spreadsheet's BOM
+            reader = csv.reader(file)
+            header = next(reader, None)
+            records = [(reader.line_num, fields) for fields in reader if any(field.strip() for field in fields)]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise SpecError(f"--from {path}: cannot read it as CSV ({error})") from None
+    if not header:
+        raise SpecError(f"--from {path}: it is empty, not a table of `actmem validate --format csv`")
+    return header, records
+
+
+def _field(where: str, column: str, field: str, read):
+    """One field through its reader, which returns (value, None) or (None, what the field
+    should be); one that is not what validate writes is named with where it is."""
+    value, wanted = read(field.strip())
+    if wanted is None:
+        return value
+    if not field.strip():
+        raise SpecError(f"{where}: {column} is blank" + (f", not {wanted}" if wanted else ""))
+    raise SpecError(f"{where}: {column} {field!r} is not {wanted}")
+
+
+def _whole_number(wanted: str):
+    """A reader of counts: 4096 (or 4096.0, 4.096e3), at least 0 and within int64."""
+    def read(field: str):
+        try:
+            value = Fraction(field)
+        except (ValueError, ZeroDivisionError):
+            return None, wanted
+        if value.denominator != 1 or value < 0:
+            return None, wanted
+        if value >= 2**63:
+            return None, f"{wanted} under 2^63"
+        return int(value), None
+    return read
+
+
+def _percent(field: str):
+    """A percentage, or blank where the formula has 0 bytes (validate writes no error then)."""
+    if not field:
+        return float("nan"), None
+    try:
+        return float(field), None
+    except ValueError:
+        return None, "a percentage (or blank)"
+
+
+def _named(field: str):
+    """Text that names something (a run, a term, a kind of row): blank is all it can fail by."""
+    return (field, None) if field else (None, "")
+
+
+_BYTES = "a whole number of bytes"
+
+#: The reader of each column the plot reads: (value, None), or (None, what the field should be).
+#: The other columns (technique, gate, any added) are kept as text.
+_VALIDATION_FIELDS = {"config": _named, "rank": _whole_number("a rank (0, 1, 2, ...)"), "term": _named,
+                      "kind": _named, "formula_bytes": _whole_number(_BYTES), "measured_bytes": _whole_number(_BYTES),
+                      "error_percent": _percent}

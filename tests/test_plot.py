@@ -191,6 +191,89 @@ def test_fit_takes_the_plan_request_flags_and_not_what_plan_prints(tmp_path):
     assert_one_line_error(result, "--top")
 
 
+# Llama 3.1 8B (s = 8192, the flash core) on 64 GPUs: the planner sweeps c = 1 to 64 (2c | s).
+PLAN_8B_CP = ("--model", "llama-3.1-8b", "--gpus", "64", "--global-batch", "512")
+
+
+def test_fit_with_context_parallelism_draws_in_each_t_p_cell_its_best_c(tmp_path):
+    """One cell a (t, p), not a panel a c: each cell is the fastest fitting (t, c, p) row
+    over every c (else the leanest), and counts every c; --csv keeps every (t, c, p)."""
+    frame = frame_written(tmp_path, "fit", *PLAN_8B_CP)
+    assert sorted(frame.c.unique()) == [1, 2, 4, 8, 16, 32, 64]
+    assert not frame.duplicated(["t", "c", "p"]).any()
+    drawn = frame[frame.drawn].set_index(["t", "p"])
+    assert drawn.index.is_unique and set(drawn.index) == set(zip(frame.t, frame.p))
+    assert frame[frame.is_best].drawn.all()
+    for (t, p), rows in frame.groupby(["t", "p"]):
+        cell = drawn.loc[(t, p)]
+        fitting = rows[rows.fits]
+        if len(fitting):
+            assert cell.iteration_s == fitting.iteration_s.min()
+        else:
+            assert cell.peak_bytes == rows.peak_bytes.min()
+        assert (cell.cell_configurations, cell.cell_fitting) == (rows.configurations.sum(), rows.fitting.sum())
+    assert drawn.c.nunique() > 1                        # the best c differs from cell to cell
+
+
+def _cells_of(fig):
+    """The map's axes and, for each cell's text, the (t, p) it stands in and its box and
+    its cell's, in pixels, after the layout."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    ts = [int(label.get_text()) for label in ax.get_yticklabels()]
+    ps = [int(label.get_text().split()[0]) for label in ax.get_xticklabels()]
+    cells = []
+    for text in ax.texts:
+        x, y = text.get_position()
+        corners = ax.transData.transform([(x - 0.5, y - 0.5), (x + 0.5, y + 0.5)])
+        cells.append(((ts[round(y)], ps[round(x)]), text, text.get_window_extent(renderer), corners))
+    return ax, cells
+
+
+def _inside(box, corners) -> bool:
+    (left, bottom), (right, top) = corners.min(axis=0), corners.max(axis=0)
+    return left <= box.x0 and box.x1 <= right and bottom <= box.y0 and box.y1 <= top
+
+
+@pytest.mark.parametrize("args, several_c", [(PLAN_8B_CP, True), (PLAN_530B, False)])
+def test_fit_is_one_map_whose_cells_name_their_c_and_never_overprint(tmp_path, args, several_c):
+    """One map and its colour bar whatever the plan swept; each cell's text inside its own
+    cell at a readable size (5 pt or more at 8 x 5 in), the pipeline ticks apart; c written
+    in each cell where the plan swept more than one."""
+    pytest.importorskip("matplotlib")
+    from actmem.plot import map_figure
+
+    frame = frame_written(tmp_path, "fit", *args)
+    ax, cells = _cells_of(map_figure(frame))
+    assert len(ax.figure.axes) == 2
+    drawn = frame[frame.drawn].set_index(["t", "p"])
+    assert sorted(where for where, *_ in cells) == sorted(drawn.index)
+    for where, text, box, corners in cells:
+        assert _inside(box, corners), (where, text.get_text())
+        assert text.get_fontsize() >= 5
+        sizes = text.get_text().splitlines()[1]
+        assert sizes.startswith(f"c={drawn.loc[where].c:,} ") if several_c else "c=" not in sizes
+    ticks = [label.get_window_extent() for label in ax.get_xticklabels()]
+    assert all(left.x1 < right.x0 for left, right in zip(ticks, ticks[1:]))
+
+
+def test_fit_on_a_small_figure_shrinks_its_cells_text_and_keeps_c(tmp_path):
+    """4 x 3 in leaves no room for four lines at 5 pt: a cell keeps its memory and its
+    sizes (c first), still inside the cell."""
+    pytest.importorskip("matplotlib")
+    from actmem.plot import map_figure
+
+    frame = frame_written(tmp_path, "fit", *PLAN_8B_CP)
+    _, cells = _cells_of(map_figure(frame, size_in=(4, 3)))
+    for where, text, box, corners in cells:
+        assert _inside(box, corners), (where, text.get_text())
+        memory, sizes = text.get_text().splitlines()
+        assert memory.endswith(" GiB") and sizes.startswith("c=")
+
+
 # -- formula against measurement --------------------------------------------------------------
 
 # Two measured runs as `actmem validate --format csv` writes them. The 22B run (t=8, s=2048,

@@ -14,10 +14,10 @@ import click
 
 from actmem import defaults
 from actmem.errors import SpecError
-from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPUS, MEGATRON_ARGS, add_flags,
+from actmem.flags import (ARCHITECTURE_FLAGS, option, GLOBAL_BATCH, GPU_OPTIONS, GPUS, MEGATRON_ARGS, add_flags,
                           build_spec_from_flags,
                           model_from_flags, model_options, spec_options)
-from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE
+from actmem.hardware import DEFAULT_EFFICIENCY
 
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
@@ -90,7 +90,7 @@ def _set_debug(ctx, param, value):
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="actmem")
-@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+@option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
               help="Show the full traceback on errors (or set ACTMEM_DEBUG=1).")
 def cli():
     """Activation memory of large transformer training runs, term by term.
@@ -102,12 +102,12 @@ def cli():
 
 @cli.command()
 @spec_options
-@click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
+@option("--format", "fmt", type=click.Choice(["rich", "json", "csv", "markdown"]),
               default="rich", show_default=True, help="Output format.")
-@click.option("--stage", "stage_text", default="first", show_default=True, metavar="first|last|N|all",
+@option("--stage", "stage_text", default="first", show_default=True, metavar="first|last|N|all",
               help="The pipeline stage whose techniques, terms and memory are shown (N counts from "
                    "0); 'all' adds every stage's peak. The verdict is always the busiest stage's.")
-@click.option("--compare-implementations", "compare", is_flag=True,
+@option("--compare-implementations", "compare", is_flag=True,
               help="Add the same model and run under each implementation (Megatron, torch-native, "
                    "transformers eager and sdpa): per layer, per GPU, and whether it fits.")
 def estimate(fmt, stage_text, compare, **flags):
@@ -148,7 +148,7 @@ def estimate(fmt, stage_text, compare, **flags):
 
 
 @cli.command()
-@click.option("--latex", is_flag=True, help="Print LaTeX lines (no table) to copy into a document.")
+@option("--latex", is_flag=True, help="Print LaTeX lines (no table) to copy into a document.")
 def formulas(latex):
     """Table 2, Eqs 1-6 and the term table, as the engine composes them."""
     from actmem.render import render_formulas, render_formulas_latex
@@ -157,7 +157,7 @@ def formulas(latex):
 
 
 @cli.command()
-@click.option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
+@option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
               show_default=True, help="Output format.")
 def presets(fmt):
     """The model presets, with the run each was trained with."""
@@ -179,40 +179,31 @@ def _gpus_and_batch(command):
 def plan_options(command):
     """The flags of `actmem plan` beyond the model's."""
     options = [
-        click.option("--gpu", "gpu_name", default="a100", show_default=True,
-                     help="GPU kind: a100, h100, h200, b200 or mi300x (peak FLOP/s, memory, "
-                          "bandwidths)."),
-        click.option("--gpu-memory", default=None, metavar="SIZE",
-                     help="Override the GPU's memory, with its unit, e.g. 40GiB."),
-        click.option("--reserve", default=DEFAULT_RESERVE, show_default=True, metavar="SIZE",
-                     help="Headroom kept free on each GPU above the modelled peak, for what no "
-                          "model knows: the CUDA context, NCCL and cuBLAS workspaces, allocator "
-                          "fragmentation, and the kernels' own backward buffers (an H100 "
-                          "measured them at up to 0.9% of the peak at the paper's runs)."),
-        click.option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
+        *GPU_OPTIONS,
+        option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
                      show_default=True,
                      help="Tensor parallelism stays inside a node: t <= this."),
-        click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
+        option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
                      help="Share of the GPU's peak the matmuls reach (scales compute time)."),
-        click.option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
+        option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
                      show_default=True,
                      help="Largest b to try."),
-        click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
+        option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
                      default=None, help=f"Megatron's vocabulary padding (times t; default "
                                         f"{defaults.VOCAB_DIVISIBLE_BY}; none under torch-native or hf)."),
-        click.option("--top", type=click.IntRange(min=0), default=10, show_default=True,
+        option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
-        click.option("--explain", "config", metavar="CONFIG", default=None,
+        option("--explain", "config", metavar="CONFIG", default=None,
                      help="Show one configuration in full, as the table prints it: "
                           "'t=8 p=8 m=3 b=1 sp sel' (recompute none, sel, sel+mlp, mlp, full or "
                           "block=N; an uneven pipeline as p=7+8x14+7); what it leaves out comes from "
                           "the preset."),
-        click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
+        option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
     command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS))
-    for option in reversed(options):
-        command = option(command)
+    for decorator in reversed(options):
+        command = decorator(command)
     return model_options(command)
 
 
@@ -265,17 +256,17 @@ def plan(fmt, top, config, **flags):
 
 def plan_request(flags: dict):
     """(model name, PlanRequest, the preset's run values)."""
-    from actmem.hardware import gpu_named
+    from actmem.flags import gpu_options
+    from actmem.hardware import DEFAULT_GPU, gpu_named
     from actmem.plan import PlanRequest
-    from actmem.units import parse_bytes
 
     choice = model_from_flags(flags)
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
-    gpu = gpu_named(flags["gpu_name"])
-    memory = gpu.memory_bytes if flags["gpu_memory"] is None else parse_bytes(flags["gpu_memory"])
+    gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
+    memory = gpu_options(flags, choice.gpu)
     request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
-                          gpu_memory_bytes=memory, reserve_bytes=parse_bytes(flags["reserve"], allow_zero=True),
+                          gpu_memory_bytes=memory["gpu_memory_bytes"], reserve_bytes=memory["reserve_bytes"],
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           max_micro_batch=flags["max_micro_batch"],
                           vocab_divisible_by=choice.architecture.code.vocab_divisible_by(
@@ -288,11 +279,12 @@ def plan_request(flags: dict):
 @model_options
 @_gpus_and_batch
 @MEGATRON_ARGS
-@click.option("--iteration-time", type=float, default=None, metavar="SECONDS",
+@option("--iteration-time", type=float, default=None, metavar="SECONDS",
               help="Measured seconds per iteration: gives MFU and HFU.")
-@click.option("--gpu", "gpu_name", default="a100", show_default=True, help="GPU kind for the peak.")
-@click.option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
-@click.option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
+@option("--gpu", "gpu_name", default=None, metavar="NAME",
+              help="GPU kind for the peak (default: the preset's, else a100).")
+@option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
+@option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
               show_default=True, help="Output format.")
 def flops(fmt, iteration_time, peak_tflops, **flags):
     """FLOPs per iteration (the paper's appendix) and, given a time, MFU and HFU.
@@ -302,7 +294,7 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
       actmem flops --model 530b --iteration-time 37.83
     """
     from actmem.flops import flops_report
-    from actmem.hardware import gpu_named
+    from actmem.hardware import DEFAULT_GPU, gpu_named
 
     choice = model_from_flags(flags)
     global_batch, gpus = choice.global_batch, choice.gpus
@@ -317,7 +309,8 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
                             f"got {iteration_time}")
         if gpus is None:
             raise SpecError("MFU needs --gpus with --iteration-time (the preset gives none)")
-    peak = gpu_named(flags["gpu_name"]).peak_flops if peak_tflops is None else peak_tflops * 1e12
+    gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
+    peak = gpu.peak_flops if peak_tflops is None else peak_tflops * 1e12
     if not (math.isfinite(peak) and peak > 0):
         raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")
     report = flops_report(choice.model, global_batch, gpus, peak, iteration_time, choice.architecture)

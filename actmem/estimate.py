@@ -140,7 +140,17 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.verdict_bytes <= self.spec.gpu_memory_bytes
+        """The peak floor and the reserve fit the GPU, as `plan` reads its budget."""
+        return self.verdict == FITS
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.verdict_bytes, self.spec)
+
+    @property
+    def spare_bytes(self) -> int:
+        """What the GPU has beyond the peak floor and the reserve (negative where it is short)."""
+        return self.spec.gpu_memory_bytes - self.spec.reserve_bytes - self.verdict_bytes
 
     def busiest_peak_bytes(self, row: TechniqueRow) -> int:
         """A technique row's largest peak floor over every stage (the run's is the verdict)."""
@@ -149,8 +159,22 @@ class Estimate:
                    for load in self.stages)
 
     def technique_fits(self, row: TechniqueRow) -> bool:
-        """A technique row fits where its peak floor fits on every stage."""
-        return self.busiest_peak_bytes(row) <= self.spec.gpu_memory_bytes
+        """A technique row fits where its peak floor and the reserve fit on every stage."""
+        return self.technique_verdict(row) == FITS
+
+    def technique_verdict(self, row: TechniqueRow) -> str:
+        return verdict_of(self.busiest_peak_bytes(row), self.spec)
+
+
+FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
+
+
+def verdict_of(peak_bytes: int, spec) -> str:
+    """fits: the peak floor and the reserve fit the GPU; tight: the floor fits but eats into
+    the reserve kept for what actmem does not count; does not fit: the floor alone is over."""
+    if peak_bytes + spec.reserve_bytes <= spec.gpu_memory_bytes:
+        return FITS
+    return TIGHT if peak_bytes <= spec.gpu_memory_bytes else NO_FIT
 
 
 def estimate(spec: Spec, stage: int = 0) -> Estimate:

@@ -14,6 +14,7 @@ import click
 from actmem.architecture import POSITION_EMBEDDING_ALIASES, POSITION_EMBEDDINGS
 from actmem.errors import SpecError
 from actmem.defaults import VOCAB_DIVISIBLE_BY
+from actmem.hardware import DEFAULT_RESERVE
 from actmem.implementation import IMPLEMENTATIONS, MEGATRON, implementation
 
 
@@ -29,6 +30,30 @@ class _Named(click.Choice):
 
     def convert(self, value, param, ctx):
         return self.names[super().convert(value, param, ctx)]
+
+
+class Once(click.Option):
+    """An option that may be given once, or repeated with the same value: click keeps the
+    last of two values without a word, and a setting given twice that disagrees is refused."""
+
+    def add_to_parser(self, parser, ctx):
+        if self.multiple or self.count or self.is_flag:
+            return super().add_to_parser(parser, ctx)
+        parser.add_option(obj=self, opts=self.opts, dest=self.name, action="append", nargs=self.nargs)
+
+    def consume_value(self, ctx, opts):
+        value, source = super().consume_value(ctx, opts)
+        if isinstance(value, list) and not (self.multiple or self.count or self.is_flag):
+            if len(set(map(str, value))) > 1:
+                raise SpecError(f"{self.opts[0]} is given more than once and the values disagree: "
+                                f"{' and '.join(dict.fromkeys(f'{self.opts[0]} {v}' for v in value))}; give it once")
+            value = value[0]
+        return value, source
+
+
+def option(*names, **kw):
+    """click.option, refusing a setting given twice with two values (Once)."""
+    return click.option(*names, cls=kw.pop("cls", Once), **kw)
 
 
 POSITION_EMBEDDING_NAMES = _Named({name: name for name in POSITION_EMBEDDINGS} | POSITION_EMBEDDING_ALIASES)
@@ -190,7 +215,7 @@ def add_flags(command, flags):
                 kw.update(type=flag.type, metavar="FLOAT" if flag.type is float else "INTEGER")
             else:
                 kw.update(type=flag.type)
-            command = click.option(name, flag.dest(index), **kw)(command)
+            command = option(name, flag.dest(index), **kw)(command)
     return command
 
 
@@ -213,7 +238,19 @@ def _itself(value):
     return value
 
 
-MEGATRON_ARGS = click.option(
+GPU_OPTIONS = (
+    option("--gpu", "gpu_name", default=None, metavar="NAME",
+                 help="The GPU: a100 (a100-80), a100-40, h100, h200, b200 or mi300x, at the memory its "
+                      "allocator can reach (h100: 79.10 GiB); default: the preset's, else a100 (the paper's)."),
+    option("--gpu-memory", default=None, metavar="SIZE",
+                 help="What the allocator can reach on one GPU, with its unit (e.g. 79GiB, 40GB); in place "
+                      "of --gpu's."),
+    option("--reserve", default=None, metavar="SIZE",
+                 help=f"Kept free above the peak floor for what actmem does not count: the CUDA context, NCCL "
+                      f"and cuBLAS workspaces, fragmentation, the kernels' own backward buffers (default "
+                      f"{DEFAULT_RESERVE}, as `plan`); 'fits' needs the peak and the reserve."),
+)
+MEGATRON_ARGS = option(
     "--megatron-args", default=None, metavar="@SCRIPT|@FILE|TEXT",
     help="A Megatron-LM launch script (bash, read as bash expands it, never run) or its arguments, "
          "from a file or pasted: those that change memory are used, those that cannot are listed as "
@@ -223,31 +260,29 @@ MEGATRON_ARGS = click.option(
 def spec_options(command):
     """The model, architecture and run flags of every command that takes a whole spec."""
     options = [
-        click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
+        option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
                      help="Activation recomputation."),
-        click.option("--recompute-granularity", type=click.Choice(["selective", "full"]),
+        option("--recompute-granularity", type=click.Choice(["selective", "full"]),
                      default=None, help="Megatron's name for --recompute."),
-        click.option("--recompute-activations", is_flag=True, default=False,
+        option("--recompute-activations", is_flag=True, default=False,
                      help="Megatron's older flag for --recompute selective."),
-        click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
+        option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
                      default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
-        click.option("--gpu-memory", default=None, metavar="SIZE",
-                     help="Memory of one GPU with its unit, e.g. 80GiB, 40GB, 81920MiB "
-                          "(default 80GiB)."),
-        click.option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
+        *GPU_OPTIONS,
+        option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
                      help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
         MEGATRON_ARGS,
     ]
     command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS)
-    for option in reversed(options):
-        command = option(command)
+    for decorator in reversed(options):
+        command = decorator(command)
     return model_options(command)
 
 
 def model_options(command):
     """--model and the model dims, shared by every command that takes a model."""
     command = add_flags(command, MODEL_FLAGS)
-    return click.option("--model", "-m", "preset", metavar="NAME|PATH",
+    return option("--model", "-m", "preset", metavar="NAME|PATH",
                         help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
                              "flags override it.")(command)
 
@@ -293,6 +328,8 @@ class ModelChoice:
     """The preset's own run (checked with the preset, as `estimate` would), for --explain."""
     gpus: int | None
     global_batch: int | None
+    gpu: str | None = None
+    """The preset's GPU (the default of --gpu)."""
 
 
 def model_from_flags(flags: dict) -> ModelChoice:
@@ -310,7 +347,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
     return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
-                       pick("gpus"), pick("global_batch"))
+                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None)
 
 
 def _script_run(flags: dict) -> dict:
@@ -373,7 +410,6 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     """Merge a preset with the flags into a validated Spec (raises SpecError); dims_only:
     the run's kernel rules wait (Spec.dims_only), for a caller that checks each run it makes."""
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
-    from actmem.units import parse_bytes
 
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
@@ -392,8 +428,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options = {"notes": notes} if notes else {}
     if dims_only:
         options["dims_only"] = True
-    if flags["gpu_memory"] is not None:
-        options["gpu_memory_bytes"] = parse_bytes(flags["gpu_memory"])
+    options.update(gpu_options(flags, preset_gpu(flags)))
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
@@ -404,6 +439,25 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     if not options["notes"]:
         del options["notes"]
     return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+def preset_gpu(flags: dict) -> str | None:
+    from actmem.presets import load_preset
+
+    return load_preset(flags["preset"]).gpu if flags.get("preset") else None
+
+
+def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
+    """The GPU a spec must fit: --gpu (else the preset's, else the paper's A100), its memory
+    (--gpu-memory in place of the table's) and the reserve."""
+    from actmem.hardware import DEFAULT_GPU, gpu_named
+    from actmem.units import parse_bytes
+
+    gpu = gpu_named(flags.get("gpu_name") or preset_gpu or DEFAULT_GPU)
+    memory = flags.get("gpu_memory")
+    return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}",
+            "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
+            "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}
 
 
 def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:

@@ -33,6 +33,37 @@ def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
     return 3 * (layers + scores + logits)
 
 
+APPENDIX_MODEL_FLOPS = "72·B·s·L·h²·(1 + s/(6h) + v/(12hL))"
+_ACTIVATION = {"gelu": "GeLU", "swiglu": "SwiGLU"}
+
+
+def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
+    """What model_flops counts for this model, as text: the appendix's closed form where the layer
+    is the paper's (W = 12h², a·d = h, whatever its norms, biases or positions), else the sum it
+    generalises, W written out. {'formula', 'where': lines of its letters' values, 'counts'}."""
+    h, heads = model.hidden, model.heads
+    weights, width = matmul_weights(h, arch, heads), arch.attention_width(h, heads)
+    dims = f"B={global_batch:,} s={model.seq_len:,} L={model.layers:,} h={h:,} v={model.vocab:,}"
+    if weights == 12 * h * h and width == h:
+        return {"formula": APPENDIX_MODEL_FLOPS, "where": [dims],
+                "counts": "the paper's appendix: each layer's matmuls (12h² weights a token), its attention "
+                          "scores (s/(6h)) and the logits (v/(12hL)), forward and backward"}
+    grouped = arch.query_groups is not None or arch.head_dim is not None
+    scores = "a·d" if grouped else "h"
+    qkv = (f"QKV with {arch.query_groups_or(heads):,} query groups of d = {arch.head_dim_or(h, heads):,}"
+           if grouped else "QKV")
+    mlp = (f"the {_ACTIVATION[arch.activation]} MLP's "
+           f"{'gate and up, then down' if arch.fc1_width == 2 else 'fc1 and fc2'}, f = {arch.ffn(h):,}")
+    weights_text = f"{'h·(a·d + 2·g·d) + a·d·h' if grouped else '4h²'} + {arch.fc1_width + 1}·h·f"
+    return {"formula": f"6·B·s·L·W + 12·B·s²·L·{scores} + 6·B·s·h·v",
+            "where": [f"W = {weights_text} = {weights:,}", *([f"a·d = {width:,}"] if grouped else []), dims],
+            "counts": f"per-layer matmul FLOPs of this architecture, forward and backward (3 × the forward), "
+                      f"the paper's appendix generalised: W the weights a token multiplies in a layer ({qkv}; "
+                      f"the projection; {mlp}); 12·B·s²·L·{scores} the attention scores QKᵀ and ·V over the "
+                      f"whole s²; 6·B·s·h·v the logits. The appendix's {APPENDIX_MODEL_FLOPS} is the case "
+                      f"W = 12h², a·d = h, which this layer is not"}
+
+
 def mlp_forward_flops(B, s, L, h, arch=PAPER):
     """One forward of the MLPs' matmuls: 2·B·s·L·(1 + fc1 width)·h·f (16·B·s·L·h² for the
     paper's, f = 4h)."""
@@ -71,7 +102,8 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
                 heads=model.heads)
     flops = model_flops(**dims)
     report = {"global_batch": global_batch, "gpus": gpus, "peak_flops": peak_flops,
-              "iteration_s": seconds, "model_flops": flops, "hardware": []}
+              "iteration_s": seconds, "model_flops": flops,
+              "model_flops_formula": model_flops_formula(model, global_batch, arch), "hardware": []}
     if seconds is not None:
         report["mfu"] = utilization(flops, seconds, gpus, peak_flops)
     for name, choice in PLAN_RECOMPUTE.items():

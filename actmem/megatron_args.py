@@ -15,7 +15,6 @@ pinned source); "unknown" is left for names Megatron does not have. A bash launc
 read as bash would expand it (launch_script.py) and its training command's arguments sorted.
 """
 
-import re
 import shlex
 
 from actmem import megatron_table

@@ -6,6 +6,7 @@ from importlib import resources
 from pathlib import Path
 
 from actmem.errors import SpecError
+from actmem.hardware import GPUS
 from actmem.hf_config import is_hf_config, read_hf_config
 
 if sys.version_info >= (3, 11):
@@ -30,6 +31,8 @@ class Preset:
     """Where s came from when the file only gives the longest context (a config.json)."""
     position_table: int | None = None
     """Rows of a learned position table the file fixes (gpt2's n_positions): s must equal it."""
+    gpu: str | None = None
+    """The GPU the preset's run was trained on (actmem.hardware's name): the default of --gpu."""
     hf_unmeasured: str | None = None
     """Why transformers' own class for this config.json is not one the harness measured
     (--implementation hf refuses it); None where it is, and for a preset file."""
@@ -73,7 +76,7 @@ def read_preset(path: Path) -> Preset:
         raise SpecError(f"preset file {path}: cannot read it ({error.strerror})")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise SpecError(f"preset file {path}: not valid TOML: {error}")
-    unknown = sorted(set(data) - {"name", "description", "source", "aliases", "model", "run", "architecture"})
+    unknown = sorted(set(data) - {"name", "description", "source", "aliases", "gpu", "model", "run", "architecture"})
     if unknown:
         raise SpecError(f"preset file {path}: unknown keys {', '.join(unknown)}")
     if not isinstance(data.get("model"), dict):
@@ -84,6 +87,10 @@ def read_preset(path: Path) -> Preset:
     aliases = data.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(alias, str) for alias in aliases):
         raise SpecError(f"preset file {path}: aliases must be a list of strings")
+    gpu = data.get("gpu")
+    if gpu is not None and str(gpu).lower() not in GPUS:
+        raise SpecError(f"preset file {path}: gpu {gpu!r} is not one of {', '.join(GPUS)}")
     return Preset(name=str(data.get("name", path.stem)), description=str(data.get("description", "")),
                   source=str(data.get("source", str(path))), aliases=tuple(a.lower() for a in aliases),
-                  model=data["model"], run=data.get("run", {}), architecture=data.get("architecture", {}))
+                  model=data["model"], run=data.get("run", {}), architecture=data.get("architecture", {}),
+                  gpu=None if gpu is None else str(gpu).lower())

@@ -1,9 +1,10 @@
 """The planner's terminal output: the ranked table, why-not, --explain and flops."""
 
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from actmem.render import _table, render_estimate, terminal as _console
+from actmem.render import _column_kind, _notes, _table, render_estimate, terminal as _console
 from actmem.units import column_unit, format_in, gib, plural
 
 
@@ -29,7 +30,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
     columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + ("pp", "bub", "dp", "MFU")
     for column in columns:
-        table.add_column(column, justify="left" if column == "config" else "right", no_wrap=True)
+        table.add_column(column, **_column_kind(text=("config",))(column))
     for row in _shown(plan.fitting, top).itertuples():
         cells = [config_label(row), f"{gib(row.peak_bytes):.1f}", f"{row.iteration_s:.2f}",
                  f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}"]
@@ -45,9 +46,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     console.print(_why_not_table(plan))
     if nothing is not None:
         console.print(_nothing_fits(plan, nothing))
-    notes = Table.grid(padding=(0, 1))
-    notes.add_column(style="dim")
-    notes.add_column(style="dim")
+    notes = _notes()
     for note in _plan_assumptions(req):
         notes.add_row("·", note)
     console.print(Text("Assumptions", style="bold"), notes)
@@ -58,8 +57,7 @@ def _why_not_table(plan) -> Table:
 
     table = _table("Each t at its leanest (why not t = ...?)")
     for column in ("t", "leanest config", "memory", "verdict"):
-        table.add_column(column, justify="right" if column in ("t", "memory") else "left",
-                         no_wrap=column != "verdict")
+        table.add_column(column, **_column_kind(text=("leanest config", "verdict"))(column))
     why = plan.why_not()
     unit = column_unit(list(why.peak_bytes) + list(why.over_bytes))
     for row in why.itertuples():
@@ -143,8 +141,8 @@ _FUSED_SOFTMAX = ("Megatron's local attention core only where its fused softmax 
 def render_explain(est, row) -> None:
     render_estimate(est)
     table = _table("Time per iteration (estimated)")
-    table.add_column("part")
-    table.add_column("seconds", justify="right")
+    for column in ("part", "seconds"):
+        table.add_column(column, **_column_kind(text=("part",))(column))
     for part, value in (("compute (hardware FLOPs)", row.compute_s),
                         ("tensor-parallel communication", row.tensor_parallel_s),
                         ("context-parallel ring (k, v and their gradients)", row.context_parallel_s),
@@ -163,11 +161,13 @@ def render_explain(est, row) -> None:
 def render_flops(name: str, report: dict) -> None:
     console = _console()
     console.print(Text(f"actmem flops · {name} · global batch {report['global_batch']}", style="bold"))
-    console.print(f"model FLOPs per iteration: {report['model_flops']:.4e} "
-                  "(72·B·s·L·h²·(1 + s/(6h) + v/(12hL)))")
+    formula = report["model_flops_formula"]
+    console.print(f"model FLOPs per iteration: {report['model_flops']:.4e} = {formula['formula']}")
+    for line in (*formula["where"], formula["counts"]):
+        console.print(Padding(Text(line, style="dim"), (0, 0, 0, 2)))
     table = _table("Hardware FLOPs per iteration")
     for column in ("recompute", "hardware FLOPs", "overhead", "HFU"):
-        table.add_column(column, justify="left" if column == "recompute" else "right")
+        table.add_column(column, **_column_kind(text=("recompute",))(column))
     for row in report["hardware"]:
         hfu = f"{100 * row['hfu']:.1f}%" if "hfu" in row else "–"
         table.add_row(row["recompute"], f"{row['hardware_flops']:.4e}", f"+{100 * row['overhead']:.2f}%", hfu)

@@ -44,8 +44,12 @@ def records(est: Estimate, codes=None) -> dict:
         "stages": [_stage(load) for load in est.stages],
         "busiest_stage": est.busiest_stage.stage,
         "verdict_bytes": est.verdict_bytes,
+        "gpu": spec.gpu_name,
         "gpu_memory_bytes": spec.gpu_memory_bytes,
+        "reserve_bytes": spec.reserve_bytes,
         "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
+        "spare_bytes": est.spare_bytes,
+        "verdict": est.verdict,
         "fits": est.fits,
         "assumptions": list(est.assumptions),
     } | side
@@ -73,7 +77,7 @@ def _technique(row, est: Estimate) -> dict:
             "percent_of_tp": round(100 * row.per_layer_bytes / est.baseline.per_layer_bytes, 2),
             "parameters_bytes": row.parameters.total_bytes, "total_bytes": row.total_bytes,
             "peak_bytes": row.peak_bytes, "busiest_peak_bytes": est.busiest_peak_bytes(row),
-            "fits": est.technique_fits(row), "is_run": row is est.run_row}
+            "verdict": est.technique_verdict(row), "fits": est.technique_fits(row), "is_run": row is est.run_row}
 
 
 def _term(row) -> dict:
@@ -94,8 +98,9 @@ def settings(est: Estimate) -> list[dict]:
     rows += list(rec["architecture"].items())
     rows += list(rec["run"].items())
     rows += [("stage", est.stage), ("busiest_stage", rec["busiest_stage"]),
-             ("verdict_bytes", rec["verdict_bytes"]), ("gpu_memory_bytes", rec["gpu_memory_bytes"]),
-             ("fits", rec["fits"])]
+             ("verdict_bytes", rec["verdict_bytes"]), ("gpu", rec["gpu"]),
+             ("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("reserve_bytes", rec["reserve_bytes"]),
+             ("verdict", rec["verdict"]), ("fits", rec["fits"])]
     return [{"setting": key, "value": "" if value is None else str(value).lower()
              if isinstance(value, bool) else str(value)} for key, value in rows]
 
@@ -112,7 +117,7 @@ def frames(est: Estimate, codes=None) -> dict:
         ("dummy_wgrads", params["dummy_wgrads_bytes"]),
         ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
-        ("headroom", rec["headroom_bytes"]))]
+        ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]))]
     stages = [{key: value for key, value in stage.items() if key != "peak_floor"}
               | {"peak_bytes": stage["peak_floor"]["total_bytes"]} for stage in rec["stages"]]
     stage_peaks = [{"stage": stage["stage"], "moment": stage["peak_floor"]["moment"], "term": row["name"],
@@ -148,10 +153,10 @@ def to_markdown(est: Estimate, codes=None) -> str:
              "stages": "Every pipeline stage, with its peak floor",
              "stage_peaks": "The peak floor of every stage, by term, at its worst moment",
              "implementations": "The same model and run under each implementation"}
-    verdict = "fits" if est.fits else "does not fit"
     where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"
-    head = (f"# actmem · {est.spec.name}: {verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
-            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU of {where}.\n")
+    head = (f"# actmem · {est.spec.name}: {est.verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
+            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU ({est.spec.gpu_name}) of {where}; "
+            f"{est.spare_bytes / 2**30:,.2f} GiB beyond a reserve of {est.spec.reserve_bytes / 2**30:,.2f} GiB.\n")
     parts = [f"## {title[name]}\n\n{df.astype(object).fillna('').to_markdown(index=False)}\n"
              for name, df in frames(est, codes).items()]          # a blank, not <NA>, where none
     notes = "\n".join(f"- {note}" for note in est.assumptions)

@@ -112,7 +112,53 @@ class Rule:
     """Values that must be known for the rule to apply (a spec may lack gpus or a batch)."""
 
 
+#: The largest value each input may take: {rule value name: (the name a user reads, bound)}.
+#: Far above any published dense model, so no real run is refused, and low enough that a slip
+#: (a run of extra zeros, 2^40) is named instead of printed as a 60-digit percentage. Each is at
+#: least plan.LIMITS' bound for the same input, so the planner's sweep loses no row to them.
+LARGEST = {
+    # 25,600 for Megatron's 1T (Narayanan et al. 2021; the 1t preset), 18,432 for PaLM 540B: 40x
+    "hidden": ("hidden", 2**20),
+    # a divides h, so a is at most h; the 1T's 160 heads
+    "heads": ("heads", 2**20),
+    # 128 for the 1T, 126 for Llama 3.1 405B, 1,000 for DeepNet (Wang et al. 2022), the deepest
+    # trained: 100x
+    "layers": ("layers", 100_000),
+    # 131,072 for Llama 3.1's long-context run (the llama-3.1-405b-128k preset), a 10M-token
+    # context for Llama 4 Scout: 13x
+    "seq_len": ("seq_len", 2**27),
+    # 256,000 for PaLM and Gemma, some 262,000 for Gemma 3: 64x
+    "vocab": ("vocab", 2**24),
+    # a microbatch is part of a global batch: the same bound
+    "b": ("micro_batch", 2**24),
+    # 65,536 sequences for BERT under LAMB (You et al. 2020), the largest published batch: 256x
+    "global_batch": ("global_batch", 2**24),
+    # 16,384 H100s for Llama 3.1 405B: 64x (5x the largest cluster built, xAI's of some 200,000)
+    "gpus": ("gpus", 2**20),
+    # f = 4h at the largest h (the 1T's f is 102,400)
+    "ffn": ("ffn_hidden", 4 * 2**20),
+    # d is 128 or 256 in published models; no wider than the largest h
+    "head_dim": ("head_dim", 2**20),
+    # Megatron's default 128
+    "vocab_divisible_by": ("vocab_divisible_by", 2**20),
+    # 288 GB on the largest GPUs (B300, MI355X): 1 PiB is 3,900x
+    "gpu_memory_bytes": ("gpu_memory_bytes", 2**50),
+}
+
+
+def _at_most(key: str, label: str, largest: int) -> Rule:
+    return Rule(lambda v: getattr(v, key) <= largest,
+                lambda v: f"{label} ({getattr(v, key):,}) must be at most {largest:,}", (key,))
+
+
+#: The rules of the data-parallel run (gpus, the global batch, the distributed optimizer's
+#: shards) wait with the kernels' where the run is not known (Spec.dims_only): `validate`
+#: measures one data-parallel rank and sets its own, a plot sweeps b.
+_DATA_PARALLEL = ("gpus", "run_known")
+
+
 RULES = (
+    *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
     Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
     Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
     Rule(lambda v: v.ffn % v.t == 0, lambda v: f"t ({v.t}) must divide ffn_hidden ({v.ffn})", ("ffn",)),
@@ -148,16 +194,18 @@ RULES = (
                    f"L/p = {v.layers}/{v.p} = {v.layers // v.p}"),
     Rule(lambda v: v.gpus % (v.t * v.c * v.p) == 0,
          lambda v: (f"t·p ({v.t}·{v.p} = {v.t * v.p})" if v.c == 1 else
-                    f"t·c·p ({v.t}·{v.c}·{v.p} = {v.t * v.c * v.p})") + f" must divide gpus ({v.gpus})", ("gpus",)),
+                    f"t·c·p ({v.t}·{v.c}·{v.p} = {v.t * v.c * v.p})") + f" must divide gpus ({v.gpus})",
+         _DATA_PARALLEL),
     Rule(lambda v: v.global_batch % (v.b * v.d) == 0,
          lambda v: f"micro_batch·data_parallel ({v.b}·{v.d} = {v.b * v.d}) must divide "
-                   f"global_batch ({v.global_batch})", ("gpus", "global_batch")),
+                   f"global_batch ({v.global_batch})", _DATA_PARALLEL + ("global_batch",)),
     Rule(lambda v: _implies(v.m > 1, v.n % v.p == 0),
          lambda v: f"the interleaved schedule needs the microbatches per iteration ({v.n}) to be "
-                   f"a multiple of p ({v.p}), as Megatron requires", ("n",)),
+                   f"a multiple of p ({v.p}), as Megatron requires", ("n", "run_known")),
     Rule(lambda v: _implies(v.distributed_optimizer, v.d > 1),
          lambda v: f"the distributed optimizer shards over the data-parallel ranks: it needs "
-                   f"d = gpus/({'t·p' if v.c == 1 else 't·c·p'}) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)")),
+                   f"d = gpus/({'t·p' if v.c == 1 else 't·c·p'}) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)"),
+         ("run_known",)),
     Rule(lambda v: v.recompute_layers <= v.chunk_layers,
          lambda v: f"--recompute-num-layers ({v.recompute_layers}) must not exceed the layers of a model "
                    f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),
@@ -229,7 +277,13 @@ class Values:
     """d, the attention head dim (h/a when not given)."""
     run_known: object = True
     """None where only the model's dims are checked (Spec.dims_only): the run's b and t are not
-    known yet, so rules of its kernels wait."""
+    known yet, so rules of its kernels and of its data-parallel run wait."""
+    vocab: object = None
+    """v before padding, when given (the planner bounds it itself: plan.LIMITS)."""
+    vocab_divisible_by: object = None
+    """What Megatron pads the vocabulary to a multiple of (times t), when given."""
+    gpu_memory_bytes: object = None
+    """The GPU's memory, when given."""
 
 
 def _unmodelled_run(v, what: str) -> str:

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, fields
 from actmem import defaults, rules, symbols
 from actmem.architecture import Architecture
 from actmem.errors import SpecError
+from actmem.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from actmem.terms import RECOMPUTE_MODULES, Recompute
 from actmem.units import parse_bytes
 
-DEFAULT_GPU_MEMORY = "80GiB"     # A100 80GB, the paper's GPU (Figure 1's dashed line)
 
 
 def require_positive_int(name: str, value) -> None:
@@ -137,18 +137,27 @@ class Spec:
     model: Model
     run: Run
     name: str = "custom"
-    gpu_memory_bytes: int = parse_bytes(DEFAULT_GPU_MEMORY)
+    gpu_memory_bytes: int = GPUS[DEFAULT_GPU].memory_bytes
+    """What the allocator can reach on one GPU (actmem.hardware), or --gpu-memory."""
+    gpu_name: str = GPUS[DEFAULT_GPU].name
+    reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
+    """Kept free above the peak floor for what actmem does not count (hardware.DEFAULT_RESERVE):
+    'fits' means the peak and the reserve fit, as `plan` reads its budget."""
     vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = Architecture()
     notes: tuple = ()
     """What the input said that the estimate should repeat (pasted arguments it ignored)."""
     dims_only: bool = False
     """Only the model's dims are checked (its run is the defaults, unknown yet): rules of the run's
-    kernels (Megatron's fused softmax at this b and t) wait for the run (rules.Values.run_known)."""
+    kernels (Megatron's fused softmax at this b and t) and of its data-parallel run (gpus, the
+    global batch) wait for the run (rules.Values.run_known)."""
 
     def __post_init__(self):
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        if not (isinstance(self.reserve_bytes, int) and 0 <= self.reserve_bytes < self.gpu_memory_bytes):
+            raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
+                            f"({self.gpu_memory_bytes:,} B)")
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
@@ -173,7 +182,8 @@ class Spec:
             chunk_layers=self.chunk_layers if run.recompute_method else None,
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
-            run_known=None if self.dims_only else True)
+            run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
+            gpu_memory_bytes=self.gpu_memory_bytes)
 
     @property
     def chunk_layers(self) -> int:

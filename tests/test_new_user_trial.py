@@ -76,8 +76,12 @@ def test_plan_refuses_a_2_to_the_63_gpu_count_with_the_limit(actmem):
 
 
 def test_plan_refuses_a_billion_layers_at_once(actmem):
+    """The model's own bound (rules.LARGEST) comes first; between it and the planner's, the
+    planner's limit speaks."""
     assert_one_line_error(actmem("plan", "--model", "530b", "--layers", "1000000000"),
-                          "layers (1,000,000,000)", "largest the planner sweeps (16,384)")
+                          "layers (1,000,000,000) must be at most 100,000")
+    assert_one_line_error(actmem("plan", "--model", "530b", "--layers", "20000"),
+                          "layers (20,000)", "largest the planner sweeps (16,384)")
 
 
 def test_a_closed_pipe_is_quiet_and_not_exit_1():
@@ -169,11 +173,12 @@ def test_flops_names_the_missing_gpu_count(actmem):
 # -- 5. the planner a user can trust ------------------------------------------------------
 
 def test_plan_keeps_a_stated_reserve_by_default(actmem):
-    """8 GiB a GPU by default: the budget is 72 GiB of 80, and it is in the assumptions."""
+    """8 GiB a GPU by default: the budget is the preset's A100 at what its allocator reaches,
+    85,056,798,720 B (79.21 GiB), less 8 GiB: 76,466,864,128 B; and it is in the assumptions."""
     out = actmem.json("plan", "--model", "530b")
     assert out["request"]["reserve_bytes"] == 8 * 2**30
-    assert out["request"]["budget_bytes"] == 72 * 2**30
-    assert all(row["total_bytes"] <= 72 * 2**30 for row in out["best"])
+    assert out["request"]["budget_bytes"] == 85_056_798_720 - 8 * 2**30 == 76_466_864_128
+    assert all(row["total_bytes"] <= 76_466_864_128 for row in out["best"])
     assert "reserve 8.00 GiB a GPU" in actmem("plan", "--model", "530b").stdout
 
 

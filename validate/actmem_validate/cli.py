@@ -178,7 +178,9 @@ def _configs(grid, techniques, microbatches, flags):
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
     shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
     mode = "full" if shaped else "selective" if "--recompute-modules" in given else None
-    spec = build_spec_from_flags(dict(flags, recompute=mode) if mode else flags)
+    # dims_only: the preset's gpus and global batch (and its kernels' rules at its own run) wait,
+    # as validate measures one data-parallel rank of its own; configs_for checks each run whole
+    spec = build_spec_from_flags(dict(flags, recompute=mode) if mode else flags, dims_only=True)
     if techniques is None:
         chosen = grids.default_techniques(spec)
     else:

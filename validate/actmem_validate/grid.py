@@ -48,11 +48,14 @@ def techniques_named(names) -> list:
 
 
 def configs_for(spec: Spec, techniques, microbatches: int | None = None) -> list[Config]:
-    """One configuration a technique (names or Techniques), on the spec's model and pipeline."""
+    """One configuration a technique (names or Techniques), on the spec's model and pipeline,
+    each run checked whole (the spec may be dims_only: its own gpus and batch are not the run
+    measured, one data-parallel rank of n microbatches)."""
     run = spec.run
     n = microbatches or filling_microbatches(run.pipeline_parallel, run.interleave)
     chosen = [BY_NAME[t] if isinstance(t, str) else t for t in techniques]
-    return [config_for(spec, technique, n) for technique in chosen]
+    configs = [config_for(spec, technique, n) for technique in chosen]
+    return [replace(config, spec=replace(config.spec, dims_only=False)) for config in configs]
 
 
 #: today's MLP and norm at small shapes: SwiGLU with f = 96, RMSNorm, no biases, an untied

@@ -1,0 +1,44 @@
+"""`actmem validate` measures one data-parallel rank: the preset's GPU count and global batch,
+which it does not run, neither refuse a run nor can be fixed by a flag it refuses."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.conftest import assert_one_line_error  # noqa: E402
+
+
+def test_a_preset_whose_data_parallel_batch_a_flag_breaks_is_measured(actmem):
+    """22B at t = 2, b = 2: the preset's 8 GPUs and global batch 4 would make d = 4 and
+    b·d = 8, which does not divide 4; validate runs d = 1 and n = 1 microbatch (p = 1), so it
+    measures."""
+    result = actmem("validate", "--model", "22b", "--tp", "2", "--micro-batch", "2", "--mode", "fake",
+                    "--techniques", "tp-sp-sel", "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert {row["technique"] for row in rows} == {"tp-sp-sel"}
+    assert {row["config"] for row in rows} == {"22b t=2 p=1 m=1 b=2 n=1 tp-sp-sel"}
+
+
+def test_a_pipeline_the_presets_gpus_do_not_divide_is_measured(actmem):
+    """22B at p = 3: t·p = 24 does not divide the preset's 8 GPUs; validate runs t·p ranks."""
+    result = actmem("validate", "--model", "22b", "--pp", "3", "--mode", "fake", "--techniques", "tp-sp-sel",
+                    "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert {row["config"] for row in json.loads(result.stdout)} == {"22b t=8 p=3 m=1 b=4 n=3 tp-sp-sel"}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    # rules of the run validate measures still refuse it, in one line
+    (["--tp", "3", "--micro-batch", "2"], "t (3) must divide heads (64)"),
+    (["--seq-len", "2052"], "t (8) must divide seq_len (2052)"),
+    (["--seq-len", "4104"], "it needs 16 < s <= 4096 (s = 4104)"),     # the fused softmax, at the measured b and t
+    (["--layers", "1000000000"], "layers (1,000,000,000) must be at most 100,000"),
+    # and the flags that would set the data-parallel batch are still its own, refused
+    (["--tp", "2", "--micro-batch", "2", "--gpus", "2", "--global-batch", "2"], "on one data-parallel rank"),
+])
+def test_a_run_validate_cannot_measure_is_one_line(actmem, args, fragment):
+    result = actmem("validate", "--model", "22b", *args, "--mode", "fake", "--techniques", "tp-sp-sel")
+    assert_one_line_error(result, fragment)

@@ -54,6 +54,10 @@ class Architecture:
     position_embedding: str = "learned"
     """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
     parameters; modelled under the flash core only) or 'none'."""
+    position_rows: int | None = None
+    """Rows of the learned position table (Megatron's --max-position-embeddings; GPT-2's
+    n_positions): None is s, the paper's count. A table longer than s holds parameters no token
+    reads; a shorter one cannot hold s positions (refused by the spec)."""
     rope_fusion: bool = True
     """Rotary positions by Transformer Engine's fused kernel (Megatron's default); False is
     --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
@@ -84,7 +88,7 @@ class Architecture:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
-        for name in ("ffn_hidden", "query_groups", "head_dim"):
+        for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")

@@ -177,6 +177,14 @@ def verdict_of(peak_bytes: int, spec) -> str:
     return TIGHT if peak_bytes <= spec.gpu_memory_bytes else NO_FIT
 
 
+def _positions_note(arch, s: int) -> str:
+    rows = arch.position_rows
+    if rows is None or rows == s:
+        return ", learned position embedding of s rows"
+    return (f", learned position embedding of {rows:,} rows (--max-position-embeddings; "
+            f"{rows - s:,} more than the s positions a sequence reads, parameters all the same)")
+
+
 def estimate(spec: Spec, stage: int = 0) -> Estimate:
     """Activation, parameter and optimizer bytes on one GPU of a pipeline stage (the first by
     default), and the peak floor of every stage."""
@@ -453,7 +461,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         "over the vocabulary on the first stage" + (
             ", tied with the output layer (the last stage keeps a copy when p > 1)" if arch.tied_output
             else "; the output layer's own weights on the last stage")
-        + (", learned position embedding" if arch.position_embedding == "learned" else
+        + (_positions_note(arch, spec.model.seq_len) if arch.position_embedding == "learned" else
            "; rotary positions have no parameters"),
     ]
     if spec.run.distributed_optimizer:

@@ -118,6 +118,9 @@ ARCHITECTURE_FLAGS = (
     Flag(("--position-embedding", "--position-embedding-type"), "position_embedding",
          "learned (default, an s·h table), rope (rotary; flash core only) or none; Megatron's "
          "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
+    Flag(("--max-position-embeddings",), "position_rows",
+         "rows of the learned position table (Megatron's name; default s): a longer table is more parameters "
+         "on the first stage; with rotary or no positions there is no table, and it changes nothing"),
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
     Flag(("--rope-fusion/--no-rope-fusion",), "rope_fusion",
@@ -310,9 +313,8 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)
     rows = preset.position_table if preset else None
-    if rows and architecture.get("position_embedding", "learned") == "learned" and model.get("seq_len") != rows:
-        raise SpecError(f"{preset.source}: its learned position table has {rows:,} rows, and actmem sizes it at "
-                        f"the sequence length (--seq-len {model.get('seq_len')}); give --seq-len {rows}")
+    if rows and architecture.get("position_rows") is None:          # a config.json's n_positions
+        architecture["position_rows"] = rows
     return (preset.name if preset else "custom"), model, run, architecture, notes
 
 
@@ -470,25 +472,12 @@ def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:
     if architecture.get("implementation", MEGATRON) != MEGATRON:
         raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
                         f"--implementation {architecture['implementation']}")
-    _check_max_positions(pasted, model, architecture)
     if model.get("vocab") is None:
         tokenizer = pasted.get(TOKENIZER)
         raise SpecError("--megatron-args: no vocabulary: " + (
             f"{TOKENIZER} {tokenizer} needs --vocab-size" if tokenizer else
             f"the script names neither {TOKENIZER} (Megatron requires one) nor --vocab-size; give --vocab-size N "
             f"(GPT-2's BPE files, --vocab-file gpt2-vocab.json: {GPT2_VOCAB})"))
-
-
-def _check_max_positions(pasted: dict, model: dict, architecture: dict) -> None:
-    """actmem sizes the learned position embedding at s: a different maximum is refused
-    (rotary positions have no table, so their maximum changes no byte actmem counts)."""
-    from actmem.megatron_args import MAX_POSITIONS
-
-    given = pasted.get(MAX_POSITIONS)
-    learned = architecture.get("position_embedding", "learned") == "learned"
-    if learned and given is not None and str(given) != str(model.get("seq_len")):
-        raise SpecError(f"--megatron-args: {MAX_POSITIONS} ({given}) differs from the sequence length "
-                        f"({model.get('seq_len')}); actmem sizes the position embedding at s")
 
 
 _OTHER_SPELLINGS = {"preset": "--model", "layers_per_chunk": "--num-layers-per-virtual-pipeline-stage",

@@ -34,7 +34,7 @@ MEGATRON_NAMES = frozenset({
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
-    "--no-create-attention-mask-in-dataloader",
+    "--no-create-attention-mask-in-dataloader", "--max-position-embeddings",
 })
 MANY = "many"
 #: Megatron's switch off its fused softmax: nothing under TE's kernels, torch's softmax under
@@ -44,8 +44,6 @@ NO_SOFTMAX_FUSION = "--no-masked-softmax-fusion"
 PRECISION = ("--bf16", "--fp16")
 #: Megatron reads --num-query-groups only with this switch; alone it means g = 1
 GQA_SWITCH = "--group-query-attention"
-#: the learned position embedding's size; actmem sizes it at s and needs them equal
-MAX_POSITIONS = "--max-position-embeddings"
 #: what decides the attention core (Megatron's defaults: auto, transformer_engine)
 ATTENTION = ("--attention-backend", "--transformer-impl")
 #: --attention-backend -> actmem's core: fused is TE's cuDNN kernel, flash the flash-attn
@@ -70,9 +68,15 @@ TOKENIZER = "--tokenizer-type"
 GPT2_VOCAB = 50257
 #: a step-wise batch schedule ("0:16 2.4B:320 ... 12B:1536"): sized at its largest batch
 BATCH_SCHEDULE = "--step-batch-size-schedule"
+#: zero-centred norm weights (TransformerConfig.layernorm_zero_centered_gamma): TE's norms take
+#: the flag into their kernels and keep the same tensors (layernorm_linear.py: apply_normalization
+#: and layernorm_bwd/rmsnorm_bwd get zero_centered_gamma; the saved inputmat, ln_out, mu, rsigma
+#: do not change); Megatron's local FusedLayerNorm makes weight + 1, a new tensor its norm keeps
+#: (megatron/core/fusions/fused_layer_norm.py), which actmem does not count
+LAYERNORM_1P = "--apply-layernorm-1p"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
-SETTINGS = (*PRECISION, GQA_SWITCH, MAX_POSITIONS, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE)
+SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -221,10 +225,14 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
                 refused.append((why, name))
         i = after
     used += _implied(words, settings)
+    if LAYERNORM_1P in settings:
+        settings.setdefault("notes", []).append(
+            f"{LAYERNORM_1P}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "
+            "(transformer_engine/pytorch/module/layernorm_linear.py: zero_centered_gamma)")
     if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
-        settings["notes"] = ["--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), "
-                             "and so does actmem"]
+        settings.setdefault("notes", []).append(
+            "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
     problems = _problems(words, settings, refused, unknown, missing)
     if stray:
         problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
@@ -339,6 +347,9 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
                         "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
+    if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
+        problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
+                        "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")
     if BATCH_SCHEDULE in settings and "--global-batch-size" in words:
         problems.append(f"Megatron refuses {BATCH_SCHEDULE} beside --global-batch-size (arguments.py: "
                         "'Cannot specify both'): give one")

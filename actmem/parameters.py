@@ -51,14 +51,15 @@ def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layer
 def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None, stage=0):
     """A stage's parameters: its layers (L/p, or stage_layers when uneven); on the first
     stage the word embedding split over the vocabulary (v·h/t) and the learned position
-    embedding (s·h; rotary positions have none); on the last the final norm and the output
+    embedding (rows·h, rows = s unless the table is longer; rotary positions have none); on the last the final norm and the output
     layer's v·h/t: its own weights when untied, and when tied a copy of the word embedding
     if the last stage is not the first (Megatron's word_embeddings_for_head; tied at p = 1
     they are one tensor: section 3)."""
     first, last = stage == 0, stage == p - 1          # elementwise where p or stage are arrays
     own_head = int(not arch.tied_output) + int(arch.tied_output) * (stage != 0)
     head = last * (arch.norm_parameters * h + own_head * v * h // t)
-    positions = s * h if arch.position_embedding == "learned" else 0
+    rows = s if arch.position_rows is None else arch.position_rows    # --max-position-embeddings
+    positions = rows * h if arch.position_embedding == "learned" else 0
     layers = L // p if stage_layers is None else stage_layers
     return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
 

@@ -155,6 +155,10 @@ class Spec:
     def __post_init__(self):
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        rows = self.architecture.position_rows
+        if self.architecture.position_embedding == "learned" and rows is not None and rows < self.model.seq_len:
+            raise SpecError(f"the learned position table has {rows:,} rows (--max-position-embeddings), fewer than "
+                            f"the sequence's {self.model.seq_len:,} positions: Megatron cannot look them up")
         if not (isinstance(self.reserve_bytes, int) and 0 <= self.reserve_bytes < self.gpu_memory_bytes):
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")

@@ -256,10 +256,14 @@ def test_config_values_are_checked_not_coerced(actmem, tmp_path):
 
 
 def test_gpt2_position_table_and_tying_follow_the_config(actmem, tmp_path):
-    """GPT-2's learned table has n_positions rows: another --seq-len would change its size, so
-    it is refused; tie_word_embeddings false unties the output layer (+ v·h = 50304·768)."""
-    assert_one_line_error(actmem("estimate", "--model", f"{HF}/gpt2/config.json", "--seq-len", "512"),
-                          "its learned position table has 1,024 rows", "--seq-len 1024")
+    """GPT-2's learned table has n_positions = 1,024 rows whatever --seq-len reads of it: at s =
+    512 the parameters are the same (124,475,904 at s = 1,024, tied); more than 1,024 positions
+    are refused; tie_word_embeddings false unties the output layer (+ v·h = 50304·768)."""
+    short = actmem.json("estimate", "--model", f"{HF}/gpt2/config.json", "--seq-len", "512")
+    assert short["parameters"]["count"] == actmem.json("estimate", "--model", f"{HF}/gpt2/config.json")[
+        "parameters"]["count"] == 124_475_904
+    assert_one_line_error(actmem("estimate", "--model", f"{HF}/gpt2/config.json", "--seq-len", "2048"),
+                          "the learned position table has 1,024 rows", "fewer than the sequence's 2,048")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(json.loads((Path(HF) / "gpt2/config.json").read_text())
                                  | {"tie_word_embeddings": False}))

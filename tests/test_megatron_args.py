@@ -34,7 +34,8 @@ def test_equals_signs_and_inline_text_work(actmem):
      ["--recompute-modules core_attn,mlp: Megatron takes the modules as separate words "
       "(--recompute-modules core_attn mlp)", "not an argument of Megatron-LM (at d98e8a64ddf3): --frobnicate, --turbo"]),
     ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
-    ("--max-position-embeddings 8192", ["--max-position-embeddings (8192) differs from the sequence length (4096)"]),
+    ("--max-position-embeddings 2048", ["the learned position table has 2,048 rows (--max-position-embeddings), "
+                                        "fewer than the sequence's 4,096 positions"]),
     ("stray", ["words that follow no argument, as Megatron's parser would refuse them: stray"]),
 ])
 def test_what_cannot_be_used_is_refused_in_one_message(actmem, extra, fragments):
@@ -150,3 +151,26 @@ def test_recompute_modules_outside_selective_granularity_is_refused(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL} {run} --recompute-modules core_attn {NOISE}"),
                           "--recompute-modules chooses what selective recompute recomputes (Megatron reads it "
                           "only then; a preset names it recompute_modules); this run's recompute is full")
+
+
+def test_zero_centred_norm_weights_are_read_under_te_and_refused_under_the_local_norms(actmem):
+    """TE passes zero_centered_gamma into its norm kernels and keeps the same tensors (the same
+    bytes as without it); Megatron's local FusedLayerNorm makes weight + 1, a tensor it keeps."""
+    base = f"{MODEL} {RUN} --bf16 --attention-backend local --no-create-attention-mask-in-dataloader"
+    with_1p = actmem.json("estimate", "--megatron-args", base + " --apply-layernorm-1p")
+    without = actmem.json("estimate", "--megatron-args", base)
+    assert with_1p["run_terms"] == without["run_terms"] and with_1p["verdict_bytes"] == without["verdict_bytes"]
+    assert any("zero_centered_gamma" in note for note in with_1p["assumptions"])
+    assert_one_line_error(actmem("estimate", "--megatron-args", base + " --apply-layernorm-1p --transformer-impl local"),
+                          "--apply-layernorm-1p under --transformer-impl local is not modelled")
+
+
+def test_a_learned_position_table_longer_than_s_is_counted_whole(actmem):
+    """--max-position-embeddings 8192 at s = 4096: the table keeps 8,192 rows of h = 4096, all
+    parameters of the first stage, 4,096 x 4,096 = 16,777,216 more than at s rows."""
+    base = f"{MODEL} {RUN} --bf16 --attention-backend local --no-create-attention-mask-in-dataloader"
+    at_s = actmem.json("estimate", "--megatron-args", base + " --max-position-embeddings 4096")
+    longer = actmem.json("estimate", "--megatron-args", base + " --max-position-embeddings 8192")
+    assert longer["parameters"]["count"] - at_s["parameters"]["count"] == 4096 * 4096 == 16_777_216
+    assert longer["run_terms"] == at_s["run_terms"]             # no activation reads the rows beyond s
+    assert any("8,192 rows" in note for note in longer["assumptions"])

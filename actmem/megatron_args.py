@@ -74,9 +74,13 @@ BATCH_SCHEDULE = "--step-batch-size-schedule"
 #: do not change); Megatron's local FusedLayerNorm makes weight + 1, a new tensor its norm keeps
 #: (megatron/core/fusions/fused_layer_norm.py), which actmem does not count
 LAYERNORM_1P = "--apply-layernorm-1p"
+#: fp32 gradient buffers: bf16 training turns them on, fp16 training leaves them off unless asked
+#: (arguments.py: accumulate_allreduce_grads_in_fp32; DDP's grad dtype is then the parameters',
+#: param_and_grad_buffer.group_params_for_buffers); actmem counts fp32 main gradients
+FP32_GRADIENTS = "--accumulate-allreduce-grads-in-fp32"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -347,6 +351,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
                         "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
+    if "--fp16" in settings and FP32_GRADIENTS not in settings:
+        problems.append(f"--fp16 without {FP32_GRADIENTS}: Megatron then keeps 16-bit gradient buffers (only bf16 "
+                        "turns fp32 accumulation on: arguments.py), which actmem does not model yet (it counts fp32 "
+                        f"main gradients); give {FP32_GRADIENTS}, or --bf16")
     if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
         problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
                         "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")

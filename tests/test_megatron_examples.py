@@ -26,14 +26,18 @@ def test_gpt3_175b_as_it_is_is_refused_as_megatron_would_refuse_it(actmem):
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_gpt3_175b_distributed.sh'}")
     assert_one_line_error(result, "Megatron refuses --step-batch-size-schedule beside --global-batch-size",
                           "words that follow no argument, as Megatron's parser would refuse them: 2.4B:320, "
-                          "4.8B:624, 7.2B:928, 9.6B:1232, 12B:1536")
-    assert "not modelled" not in result.stderr
+                          "4.8B:624, 7.2B:928, 9.6B:1232, 12B:1536",
+                          "--fp16 without --accumulate-allreduce-grads-in-fp32: Megatron then keeps 16-bit gradient")
+    assert "changes memory and is not modelled" not in result.stderr
 
 
 def _gpt3_without_the_schedule(tmp_path) -> Path:
+    """The schedule's line deleted, and fp32 gradients asked for beside --fp16 (without them
+    Megatron keeps 16-bit gradient buffers, which actmem refuses)."""
     text = (EXAMPLES / "train_gpt3_175b_distributed.sh").read_text()
     script = tmp_path / "gpt3.sh"
-    script.write_text("\n".join(line for line in text.splitlines() if "--step-batch-size-schedule" not in line))
+    script.write_text("\n".join(line.replace("--fp16", "--fp16 --accumulate-allreduce-grads-in-fp32")
+                                 for line in text.splitlines() if "--step-batch-size-schedule" not in line))
     return script
 
 

@@ -6,7 +6,7 @@ a row of the term table names that row; ``actmem.terms`` asks the predicates bel
 kernels behind each choice are Megatron-Core's with Transformer Engine (cited in terms.py).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actmem.errors import SpecError
 from actmem.implementation import MEGATRON, implementation
@@ -71,6 +71,17 @@ class Architecture:
     Megatron's default; --no-create-attention-mask-in-dataloader turns it off). TE's causal
     kernels never read it, but the recompute checkpoints save it with their other arguments.
     False (the paper's count, and the flags' default): not counted."""
+    masked_softmax_fusion: bool = True
+    """Megatron's fused scale-mask-softmax kernel for the eager (local) core; False is its
+    --no-masked-softmax-fusion. The kernel runs only where FusedScaleMaskSoftmax.is_kernel_available
+    allows (rules.fused_softmax_runs); elsewhere, or switched off, Megatron runs torch's softmax
+    (fused_softmax.py, forward_torch_softmax), which keeps the causal mask it fills and, with
+    softmax_in_fp32, an fp32 softmax. An estimate turns it off for a run where the kernel does not
+    run (with_fused_softmax). Changes nothing under TE's flash cores."""
+    softmax_in_fp32: bool = False
+    """Megatron's --attention-softmax-in-fp32 (set too by --apply-query-key-layer-scaling:
+    TransformerConfig.__post_init__): torch's fallback softmax upcasts the scores and keeps its
+    fp32 output. The fused kernel keeps its 16-bit probabilities either way."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -98,7 +109,8 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask"):
+        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
+                     "softmax_in_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -115,10 +127,21 @@ class Architecture:
         if self.attention_mask and self.implementation != MEGATRON:
             raise SpecError(f"the dataloader's attention mask is Megatron's (create_attention_mask_in_dataloader); "
                             f"--implementation {self.implementation} builds no such mask: give --no-attention-mask")
+        if (not self.masked_softmax_fusion or self.softmax_in_fp32) and self.implementation != MEGATRON:
+            raise SpecError(f"masked_softmax_fusion and softmax_in_fp32 are Megatron's switches of its local core's "
+                            f"softmax (fused_softmax.py); --implementation {self.implementation} has no such kernel")
         if self.qk_norm and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("--qk-layernorm is modelled under the flash attention core only: Megatron runs the "
                             "eager core in its local spec, whose q and k norms (LNImpl: apex's or torch's) keep "
                             "what actmem does not count yet")
+
+    def with_fused_softmax(self, kernel_runs: bool) -> "Architecture":
+        """This architecture as a run of it executes: Megatron's fused softmax off where its kernel
+        does not run at the run's s, b, a and t (``kernel_runs``: rules.fused_softmax_runs), so its
+        local core counts what torch's fallback softmax keeps. Other cores and codes: itself."""
+        if kernel_runs or not torch_softmax_possible(self) or not self.masked_softmax_fusion:
+            return self
+        return replace(self, masked_softmax_fusion=False)
 
     def ffn(self, hidden):
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""
@@ -194,6 +217,8 @@ class Architecture:
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
         groups += "QK norm · " if self.qk_norm else ""
+        groups += "" if self.masked_softmax_fusion or not torch_softmax_possible(self) else "torch softmax · "
+        groups += "softmax in fp32 · " if self.softmax_in_fp32 and torch_softmax_possible(self) else ""
         head = "" if self.head_dim is None else f"d = {self.head_dim} · "
         core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
         rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
@@ -310,9 +335,43 @@ def counts_norm_statistics(arch: Architecture) -> bool:
     return flash(arch) or arch.implementation != MEGATRON
 
 
+def torch_softmax_possible(arch: Architecture) -> bool:
+    """the attention core is Megatron's local one, whose softmax is its fused kernel or torch's"""
+    return eager(arch) and arch.implementation == MEGATRON
+
+
+def torch_softmax(arch: Architecture) -> bool:
+    """Megatron's local core runs torch's softmax, not its fused kernel (fused_softmax.py,
+    FusedScaleMaskSoftmax.forward_torch_softmax): switched off, or where the kernel does not run"""
+    return torch_softmax_possible(arch) and not arch.masked_softmax_fusion
+
+
+def torch_softmax_16bit(arch: Architecture) -> bool:
+    """torch's fallback softmax in 16 bits (no --attention-softmax-in-fp32)"""
+    return torch_softmax(arch) and not arch.softmax_in_fp32
+
+
+def torch_softmax_fp32(arch: Architecture) -> bool:
+    """torch's fallback softmax in fp32 (--attention-softmax-in-fp32)"""
+    return torch_softmax(arch) and arch.softmax_in_fp32
+
+
+def torch_softmax_making_mask(arch: Architecture) -> bool:
+    """torch's fallback softmax, handed no mask: it makes the causal mask itself (no dataloader mask)"""
+    return torch_softmax(arch) and not arch.attention_mask
+
+
 def eager_softmax_fp32(arch: Architecture) -> bool:
-    """the eager core keeps an fp32 softmax beside its 16-bit copy (transformers' Llama)"""
-    return eager(arch) and "softmax_fp32" in arch.keeps
+    """the eager core keeps an fp32 softmax beside its 16-bit copy (transformers' Llama), or
+    Megatron's torch fallback keeps its fp32 softmax"""
+    return eager(arch) and ("softmax_fp32" in arch.keeps or torch_softmax_fp32(arch))
+
+
+def eager_keeping_16bit_softmax(arch: Architecture) -> bool:
+    """the eager core keeps 16-bit probabilities: the fused kernel's, torch's 16-bit softmax's, or the
+    16-bit copy of an fp32 softmax that ·V keeps; not that copy where attention dropout comes
+    between (the dropout keeps only its mask, ·V its output)"""
+    return eager(arch) and not (torch_softmax_fp32(arch) and attention_dropout(arch))
 
 
 def rotary_tables(arch: Architecture) -> bool:

@@ -41,7 +41,7 @@ def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
 def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
     the architecture has no such tensor."""
-    if technique.recompute not in term.kept_under or not term.present(arch) or technique.drops(term, arch):
+    if technique.recompute not in term.kept_under_for(arch) or not term.present(arch) or technique.drops(term, arch):
         return sympy.Integer(0)
     return term.size(arch) / divisor(term, technique, arch)
 

@@ -3,8 +3,8 @@
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
-from actmem import backward, engine
-from actmem.architecture import PAPER, counts_norm_statistics, te_layer_spec
+from actmem import backward, engine, rules
+from actmem.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax
 from actmem.implementation import MEGATRON
 from actmem import symbols
 from actmem.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
@@ -56,7 +56,7 @@ class TechniqueRow:
     """What the loss's backward allocates with everything held (engine.loss_backward_bytes)."""
     moments: tuple = ()
     """(name, backward.Moment in bytes) for each moment of the last layer's backward modelled
-    here (actmem.backward: 'fc1', 'core')."""
+    here (actmem.backward: 'fc1', 'core', 'softmax')."""
 
     @property
     def first_stage_bytes(self) -> int:
@@ -197,16 +197,24 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
                         spec.run.recompute_layers or 1, spec.run.recompute_modules)
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
+    techniques = tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows)
     return Estimate(
         spec=spec,
         occupancy=occupancy,
-        techniques=tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows),
+        techniques=techniques,
         run=_technique_row(spec, run, occupancy, layers),
         run_terms=tuple(row for row in terms if row.total_bytes),
         parameters=_parameters(spec, spec.run.tensor_parallel, stage, layers),
-        assumptions=_assumptions(spec, occupancy),
+        assumptions=_assumptions(spec, occupancy, techniques),
         stage=stage,
     )
+
+
+def architecture_at(spec: Spec, t: int) -> Architecture:
+    """The spec's architecture as a run of it at tensor-parallel size t executes: Megatron's local
+    core on torch's fallback softmax where its fused kernel does not run at this s, b, a and t
+    (rules.fused_softmax_runs; 'none' runs at t = 1)."""
+    return spec.architecture.with_fused_softmax(rules.fused_softmax_runs(replace(spec.rule_values(), t=t)))
 
 
 def _occupancy(spec: Spec, stage: int, layers: int) -> StageOccupancy:
@@ -240,7 +248,7 @@ def _term_row(term, technique, occupancy, bindings, arch) -> TermRow:
 def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     """The run's terms. With partial full recompute, a chunk's checkpoints count the layer
     input and its whole layers count everything the same run without recompute keeps."""
-    arch, bindings = spec.architecture, spec.bindings()
+    arch, bindings = architecture_at(spec, spec.run.tensor_parallel), spec.bindings()
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
     checkpoints, whole = _partial_counts(spec, run, occupancy)
@@ -268,12 +276,14 @@ def _technique_t(spec: Spec, technique: Technique) -> int:
     return spec.run.tensor_parallel if technique.tensor_parallel else 1
 
 
-def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int) -> TechniqueRow:
+def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int,
+                   arch: Architecture | None = None) -> TechniqueRow:
+    """A technique's row; ``arch``: in place of the spec's architecture as the run executes it."""
     layer_activations, microbatches, holds_output = _counts(occupancy)
     t = _technique_t(spec, technique)
     bindings = spec.bindings() | {symbols.t: t, engine.holds_output: holds_output,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
-    arch = spec.architecture
+    arch = arch or architecture_at(spec, t)
     extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
     parameters = _parameters(spec, t, occupancy.stage, stage_layers)
     rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
@@ -320,13 +330,13 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                              spec.architecture, model.heads, layers, stage)
     dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
                                    holds_output=int(stage == run.pipeline_parallel - 1))
-    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies)
+    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes)
 
 
 def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
-                  "implementation")
+                  "implementation", "masked_softmax_fusion", "softmax_in_fp32")
     if not arch.qk_norm and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
@@ -336,16 +346,14 @@ def _layer_formula(arch) -> str:
             + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))
 
 
-def _attention_notes(spec: Spec) -> list:
+def _attention_notes(spec: Spec, rows: tuple) -> list:
     """What the attention core keeps, and the rows it leaves out."""
     arch = spec.architecture
     if arch.implementation != MEGATRON:            # its notes say what its attention keeps
         return [f"technique rows left out: {why}"
                 for why in dict.fromkeys(arch.unmodelled_recompute(spec.model.heads).values())]
     if arch.attention_core == "eager":
-        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): keeps the s² "
-                "softmax output of its fused causal softmax, which runs here (16 < s <= 4096, 4 | s, b·a/t a "
-                "multiple of the kernel's rows a block; elsewhere actmem refuses Megatron's torch fallback)"]
+        return _eager_core_notes(spec, rows)
     notes = ["attention core: flash (Transformer Engine's cuDNN fused attention, Megatron-Core's default "
              "on Hopper and newer): keeps q, k, v, its output and an fp32 log-sum-exp, no s² term; its "
              "16-byte RNG state per layer is not counted" if arch.attention_core == "flash" else
@@ -388,6 +396,52 @@ def _attention_notes(spec: Spec) -> list:
     return notes
 
 
+def _eager_core_notes(spec: Spec, rows: tuple) -> list:
+    """The local core's softmax: the fused kernel where it runs; where it does not (or is switched
+    off), torch's fallback, what it keeps, and the paper's rows with the kernel's bytes beside."""
+    arch, values = spec.architecture, spec.rule_values()
+    if not torch_softmax(architecture_at(spec, spec.run.tensor_parallel)):
+        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): keeps the s² "
+                "softmax output of its fused causal softmax, which runs here (16 < s <= 4096, 4 | s, b·a/t a "
+                "multiple of the kernel's rows a block; elsewhere Megatron's torch fallback is counted)"]
+    why = ("switched off (--no-masked-softmax-fusion)" if not arch.masked_softmax_fusion else
+           f"does not run here: {rules.fused_softmax_reason(values)}")
+    return [f"attention core: eager (Megatron-Core's local DotProductAttention): its fused causal softmax {why}, "
+            f"so Megatron runs torch's softmax (fused_softmax.py, FusedScaleMaskSoftmax.forward_torch_softmax), "
+            f"which keeps {_torch_softmax_keeps(arch)}", _paper_rows_note(spec, rows)]
+
+
+def _torch_softmax_keeps(arch: Architecture) -> str:
+    """What forward_torch_softmax and the ops after it keep, in words."""
+    if arch.softmax_in_fp32:
+        kept = ("in fp32 (--attention-softmax-in-fp32): its fp32 output (softmax_output_fp32, 4as²b/t), "
+                + ("and the dropout keeps only its mask of the 16-bit copy" if arch.attention_dropout else
+                   "and its 16-bit copy, which ·V keeps (softmax_output, 2as²b/t)"))
+    else:
+        kept = "in 16 bits: its output (softmax_output, 2as²b/t), the fused kernel's bytes"
+    mask = ("the dataloader's mask it fills, under every recompute mode (attention_mask: masked_fill_ keeps it)"
+            if arch.attention_mask else
+            "the causal mask it makes at each call and fills the scores with (softmax_causal_mask: "
+            "get_default_causal_mask, s² bytes of bool a layer, whole on every rank, not cached)")
+    return f"{kept}; and {mask}; its backward is not in place (a 'softmax' moment of the peak floor)"
+
+
+def _paper_rows_note(spec: Spec, rows: tuple) -> str:
+    """Each technique row on torch's softmax, beside the paper's value: the same row with the fused
+    kernel's bytes (Table 2's closed form for the paper's layer)."""
+    fused = replace(spec.architecture, masked_softmax_fusion=True)
+    shown = []
+    for row in rows:
+        t = _technique_t(spec, row.technique)
+        if row.technique.partial or not torch_softmax(architecture_at(spec, t)):
+            continue
+        bindings = spec.bindings() | {symbols.t: t}
+        paper = engine.exact(engine.per_layer_bytes(row.technique, fused), bindings)
+        shown.append(f"{row.technique.name} {row.per_layer_bytes:,} B (paper {paper:,} B)")
+    return ("per layer here on torch's softmax, and the paper's value beside (the same row with the fused "
+            "kernel's bytes): " + "; ".join(shown))
+
+
 def _recompute_notes(spec: Spec) -> list:
     """What --recompute-modules other than Megatron's default does to the rows."""
     modules = spec.run.recompute_modules
@@ -424,9 +478,11 @@ def _mask_notes(spec: Spec) -> list:
             "counts it (a pasted argument list without that switch has it)"]
 
 
-def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
+def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
     arch = spec.architecture
-    per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
+    grad = spec.gradient_bytes
+    grad_text = f"{grad} B {'fp32' if grad == GRADIENT_BYTES else '16-bit'} gradient"
+    per_parameter = WEIGHT_BYTES + grad + OPTIMIZER_BYTES
     notes = [
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
         f"({LOGITS_BYTES} B) (section 4); "
@@ -437,7 +493,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
         f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
-        *_attention_notes(spec),
+        *_attention_notes(spec, rows),
         *_recompute_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
@@ -465,15 +521,18 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy) -> tuple:
            "; rotary positions have no parameters"),
     ]
     if spec.run.distributed_optimizer:
-        notes.append(f"{WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B fp32 gradient + "
+        notes.append(f"{WEIGHT_BYTES} B weight + {grad_text} + "
                      f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / "
                      + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else
                         f"d·c = {spec.optimizer_shards}")
                      + " (the distributed optimizer) a parameter")
     else:
-        notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {GRADIENT_BYTES} B "
-                     f"fp32 gradient + {OPTIMIZER_BYTES} B fp32 master weight and Adam moments "
-                     "(mixed-precision Adam)")
+        notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
+                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments (mixed-precision Adam)")
+    if grad != GRADIENT_BYTES:
+        notes.append("16-bit main gradients (DDP's buffer in the parameters' dtype): the optimizer step then "
+                     "copies its gradients to fp32 (`.float()`, 4 B a parameter of its shard) after the last "
+                     "backward has freed the activations; that moment is not counted in the peak floor")
     if arch.implementation == "megatron":
         notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "
                      "hands autograd an uncomputed 16-bit tensor of its weight's shape, and Transformer Engine "

@@ -135,6 +135,13 @@ ARCHITECTURE_FLAGS = (
          "--no-create-attention-mask-in-dataloader has it); default: not counted, as the paper", bool),
     Flag(("--no-create-attention-mask-in-dataloader",), "attention_mask",
          "Megatron's switch for --no-attention-mask", constant=False),
+    Flag(("--masked-softmax-fusion/--no-masked-softmax-fusion",), "masked_softmax_fusion",
+         "the local (eager) core's softmax by Megatron's fused kernel where it runs (default), or always torch's "
+         "fallback (forward_torch_softmax), which keeps the causal mask it fills, s² bytes a layer; nothing "
+         "changes under TE's flash cores", bool),
+    Flag(("--attention-softmax-in-fp32",), "softmax_in_fp32",
+         "torch's fallback softmax in fp32 (Megatron's switch): it keeps its fp32 output, 4as²b/t; the fused "
+         "kernel and TE's cores keep no fp32 softmax", constant=True),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
@@ -176,6 +183,23 @@ RUN_FLAGS = (
          "distributed_optimizer", "shard the optimizer state over the d data-parallel ranks "
          "(6 + 12/d B a parameter; needs d > 1)", bool),
 )
+
+def _gradient_bytes(dtype: str) -> int:
+    from actmem.widths import GRADIENT_DTYPE_BYTES
+
+    return GRADIENT_DTYPE_BYTES[dtype]
+
+
+#: the main gradients' dtype: a setting of the run's model state, not of Run (spec.gradient_bytes)
+GRADIENT_FLAGS = (
+    Flag(("--grad-dtype",), "grad_dtype",
+         "the main gradients' dtype: fp32 (the default, bf16 training's in Megatron) or bf16/fp16, Megatron's "
+         "16-bit buffers (fp16 training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)",
+         click.Choice(["fp32", "bf16", "fp16"]), same=_gradient_bytes),
+    Flag(("--grad-reduce-in-bf16",), "grad_dtype", "Megatron's switch for --grad-dtype bf16", constant="bf16",
+         same=_gradient_bytes),
+)
+
 
 def _spelling(flag: Flag, index: int, value) -> str:
     """How the user wrote it: '--tp 4', '--no-sp', '--use-distributed-optimizer'."""
@@ -276,7 +300,7 @@ def spec_options(command):
                      help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
         MEGATRON_ARGS,
     ]
-    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS)
+    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
     for decorator in reversed(options):
         command = decorator(command)
     return model_options(command)
@@ -332,6 +356,8 @@ class ModelChoice:
     global_batch: int | None
     gpu: str | None = None
     """The preset's GPU (the default of --gpu)."""
+    gradient_bytes: int | None = None
+    """Bytes a main gradient where --grad-dtype (or a paste) says; None: fp32."""
 
 
 def model_from_flags(flags: dict) -> ModelChoice:
@@ -340,7 +366,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
 
     flags, pasted = with_megatron_args(flags)
     script_run = _script_run(flags) if pasted else {}
-    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS)
+    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
@@ -348,8 +374,9 @@ def model_from_flags(flags: dict) -> ModelChoice:
     _check_paste(pasted, model, architecture)
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
+    gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
     return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
-                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None)
+                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes)
 
 
 def _script_run(flags: dict) -> dict:
@@ -414,7 +441,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
 
     flags, pasted = with_megatron_args(flags)
-    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS)
+    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
     name, model, run, architecture, notes = _preset_and_flags(flags)
     _check_paste(pasted, model, architecture)
     if flags["layers_per_chunk"] is not None:
@@ -431,6 +458,8 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     if dims_only:
         options["dims_only"] = True
     options.update(gpu_options(flags, preset_gpu(flags)))
+    if flags["grad_dtype"] is not None:
+        options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
@@ -488,7 +517,7 @@ def given_flags(flags: dict) -> list[str]:
     """The spellings of the spec flags a user gave (before ``resolve``), for a mode that sets
     them itself and must refuse them rather than ignore them."""
     given = []
-    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS:
+    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS:
         for index in range(len(flag.names)):
             given += [_spelling(flag, index, value).split(" ")[0] for value in flags.get(flag.dest(index), ())]
     for key, value in flags.items():

@@ -60,12 +60,12 @@ def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, b
     return volume / bandwidth
 
 
-def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth):
-    """Once an iteration: all-reduce the fp32 gradients (2(d-1)/d x 4 B a parameter); the
-    distributed optimizer reduce-scatters them and all-gathers 16-bit weights instead
-    ((d-1)/d x (4 + 2) B)."""
-    per_parameter = (2 * GRADIENT_BYTES * (1 - distributed_optimizer)
-                     + (GRADIENT_BYTES + WEIGHT_BYTES) * distributed_optimizer)
+def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth, gradient_bytes=GRADIENT_BYTES):
+    """Once an iteration: all-reduce the gradients (2(d-1)/d x 4 B a parameter in fp32, 2 B in
+    16 bits); the distributed optimizer reduce-scatters them and all-gathers 16-bit weights
+    instead ((d-1)/d x (4 + 2) B)."""
+    per_parameter = (2 * gradient_bytes * (1 - distributed_optimizer)
+                     + (gradient_bytes + WEIGHT_BYTES) * distributed_optimizer)
     return parameters * per_parameter * (d - 1) / d / bandwidth
 
 

@@ -34,12 +34,10 @@ MEGATRON_NAMES = frozenset({
     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
-    "--no-create-attention-mask-in-dataloader", "--max-position-embeddings",
+    "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
+    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32",
 })
 MANY = "many"
-#: Megatron's switch off its fused softmax: nothing under TE's kernels, torch's softmax under
-#: the local core (refused there)
-NO_SOFTMAX_FUSION = "--no-masked-softmax-fusion"
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")
 #: Megatron reads --num-query-groups only with this switch; alone it means g = 1
@@ -265,6 +263,8 @@ def _implied(words, settings) -> list[str]:
     attention backend and implementation choose the core; the dataloader makes an attention
     mask unless told not to."""
     implied = []
+    if "--fp16" in settings and FP32_GRADIENTS not in settings:      # fp16's gradient buffers stay 16-bit
+        implied += ["--grad-dtype", "fp16"]
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
         implied += ["--num-query-groups", "1"]
     core = attention_core(settings)
@@ -351,10 +351,6 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
                         "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
-    if "--fp16" in settings and FP32_GRADIENTS not in settings:
-        problems.append(f"--fp16 without {FP32_GRADIENTS}: Megatron then keeps 16-bit gradient buffers (only bf16 "
-                        "turns fp32 accumulation on: arguments.py), which actmem does not model yet (it counts fp32 "
-                        f"main gradients); give {FP32_GRADIENTS}, or --bf16")
     if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
         problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
                         "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")
@@ -392,9 +388,6 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if set(communication) != {"p2p"}:
         problems.append(f"{CP_COMM} {' '.join(communication)} is not modelled: actmem counts the p2p ring, "
                         "Megatron's default")
-    if NO_SOFTMAX_FUSION in words and attention_core(settings) == "eager":
-        problems.append(f"{NO_SOFTMAX_FUSION} under Megatron's local attention core runs torch's softmax, which "
-                        "keeps other tensors than the fused kernel actmem counts: not modelled")
     if "--use-flash-attn" in words and settings.get("--transformer-impl") == "local":
         problems.append("--use-flash-attn with --transformer-impl local is not modelled: the local spec's core is "
                         "Megatron's own DotProductAttention, and actmem reads --use-flash-attn as TE's flash-attn")

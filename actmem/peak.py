@@ -13,8 +13,9 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
   it (``engine.freed_before_rerun``);
 - on the stage with the output layer, the loss's 16-bit logits gradient, made while all of
   the above is held (``engine.loss_backward_bytes``);
-- inside the last layer's backward (``actmem.backward``), at its first MLP linear (fc1) and
-  at the eager core's softmax: the op's gradients and gathered input, less the rows the
+- inside the last layer's backward (``actmem.backward``), at its first MLP linear (fc1), at
+  the eager core's softmax or dropout, and, where Megatron runs torch's fallback softmax, at
+  that softmax's own backward: the op's gradients and gathered input, less the rows the
   backward has freed by then; Megatron's layer, kept whole or rerun alone (under the block
   method, a chunk's last layer is kept whole).
 
@@ -106,6 +107,11 @@ _MOMENTS = {
              "the eager core's backward at its softmax's (or dropout's): the gradient of the probabilities "
              "·V saw and, with dropout, the softmax output's, v's gradient, the gradient on the residual "
              "stream and, under the core's checkpoint, its output's"),
+    "softmax": ("the last layer's attention core backward, at torch's softmax", "core_backward",
+                "torch's fallback softmax's backward (Megatron's local core where its fused kernel does not run: "
+                "fused_softmax.py, forward_torch_softmax): the gradient of its output and the scores' gradient it "
+                "makes (fp32 under --attention-softmax-in-fp32), v's gradient, the gradient on the residual stream "
+                "and, under the core's checkpoint, its output's; the dropout's mask already freed"),
 }
 
 

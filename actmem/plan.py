@@ -8,6 +8,7 @@ per configuration. Validity is ``actmem.rules``, the same rules a single spec ob
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -59,6 +60,9 @@ class PlanRequest:
     max_micro_batch: int = defaults.MAX_MICRO_BATCH
     vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = PAPER
+    gradient_bytes: int = GRADIENT_BYTES
+    """Bytes a main gradient: 4 (fp32) or 2 (16-bit: a paste's fp16 without fp32 accumulation,
+    or --grad-reduce-in-bf16), as estimate's Spec.gradient_bytes."""
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
@@ -204,7 +208,7 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         code=req.architecture.code,
                         head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
                         first=grid.first_stage_layers if uneven else None,
-                        last=grid.last_stage_layers if uneven else None)
+                        last=grid.last_stage_layers if uneven else None, architecture=req.architecture)
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -250,6 +254,7 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     if "recompute_layers" not in grid:
         grid["recompute_layers"] = 0                 # N of PLAN_BLOCK's rows; 0 on the others
     grid["vocab"] = padded_vocab(req.model.vocab, grid.t, req.vocab_divisible_by)
+    grid["fused_softmax"] = fused_softmax(req, grid)
     peaks = {}
     for name, stage in STAGES:
         memory = _stage_memory(req, grid, name, stage)
@@ -284,7 +289,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                                    holds_output=(stage == grid.p - 1).astype("int64"))
     params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
                                               model.heads, stage_layers=layers, stage=stage),
-                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies)   # shards: d·c
+                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies,
+                             req.gradient_bytes)   # shards: d·c
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
@@ -295,6 +301,14 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     return memory
 
 
+def fused_softmax(req: PlanRequest, grid: pd.DataFrame) -> np.ndarray:
+    """Whether Megatron's fused softmax kernel runs at each row's b and t (rules.fused_softmax_runs):
+    where it does not, the local core's rows are torch's fallback softmax's
+    (Architecture.with_fused_softmax), evaluated as a group of their own."""
+    shape = SimpleNamespace(seq_len=req.model.seq_len, heads=req.model.heads, b=grid.b.to_numpy(), t=grid.t.to_numpy())
+    return np.broadcast_to(rules.fused_softmax_runs(shape), len(grid))
+
+
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
     """(activations, transient): the engine's stage expressions (held_bytes; the largest of
     rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's
@@ -303,11 +317,12 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     whose chunk has more than N layers each chunk in flight keeps N checkpoints and its other
     layers whole, reruns nothing before those are freed, and its last layer's moments are a
     whole layer's; on a stage whose chunk has N or fewer (an uneven pipeline's lighter
-    first or last), every layer is checkpointed, as under full recompute."""
-    arch = req.architecture
+    first or last), every layer is checkpointed, as under full recompute. Rows where the fused
+    softmax does not run take the architecture on torch's fallback (fused_softmax)."""
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
-    for (sp, recompute), rows in grid.groupby(["sequence_parallel", "recompute"]):
+    for (sp, recompute, fused), rows in grid.groupby(["sequence_parallel", "recompute", "fused_softmax"]):
+        arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]
         technique = run_technique(bool(sp), choice.recompute, choice.method or "uniform", 1, choice.modules)
         values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
@@ -318,21 +333,20 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
             kept = (engine.numeric(engine.held_bytes(technique, arch))(*_with_layers(args, chunks * n))
                     + engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args) * chunks * (per_chunk - n))
             every_layer = run_technique(bool(sp), Recompute.FULL)
-            moments = np.where(n < per_chunk, _transient(req, args, technique, technique.whole(), rerun=False),
-                               _transient(req, args, every_layer, every_layer))
+            moments = np.where(n < per_chunk, _transient(arch, args, technique, technique.whole(), rerun=False),
+                               _transient(arch, args, every_layer, every_layer))
         else:
             kept = engine.numeric(engine.held_bytes(technique, arch))(*args)
-            moments = _transient(req, args, technique, technique)
+            moments = _transient(arch, args, technique, technique)
         held[rows.index] = _whole_bytes(kept, len(rows))
         transient[rows.index] = _whole_bytes(moments, len(rows))
     return held, transient
 
 
-def _transient(req: PlanRequest, args: tuple, technique, last, rerun: bool = True):
+def _transient(arch: Architecture, args: tuple, technique, last, rerun: bool = True):
     """The largest of what a stage's first backward holds above its activations: its rerun
     less what it freed first (unless nothing is rerun), the loss's backward and the moments
     of its last layer's backward, that layer kept as ``last`` keeps it (0 at least)."""
-    arch = req.architecture
     moments = np.maximum(engine.numeric(engine.loss_backward_bytes(technique, arch))(*args), 0)
     if rerun:
         moments = np.maximum(moments, engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args))
@@ -386,8 +400,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                              grid.n, across_nodes)
     # each stage reduces its own gradients at once: the one with the most parameters finishes last
     reduced = grid[["parameters", "middle_parameters", "last_parameters"]].max(axis=1)
-    grid["data_parallel_s"] = iteration.data_parallel_seconds(reduced, grid.d * grid.c,
-                                                              grid.distributed_optimizer, across_nodes)
+    grid["data_parallel_s"] = iteration.data_parallel_seconds(reduced, grid.d * grid.c, grid.distributed_optimizer,
+                                                              across_nodes, req.gradient_bytes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
@@ -449,12 +463,13 @@ def _per_layer_bytes(req: PlanRequest, rows: pd.DataFrame) -> tuple:
     """(a layer kept whole, its checkpoint) of one microbatch, by row, under full recompute."""
     layer = pd.Series(0.0, index=rows.index)
     checkpoint = pd.Series(0.0, index=rows.index)
-    for sp, group in rows.groupby("sequence_parallel"):
+    for (sp, fused), group in rows.groupby(["sequence_parallel", "fused_softmax"]):
         technique = run_technique(bool(sp), Recompute.FULL)
+        arch = req.architecture.with_fused_softmax(bool(fused))
         counts = {"layer_activations", "microbatches_held", "holds_output"}     # a layer's bytes use none
         args = _numeric_args(req, lambda name: 0.0 if name in counts else group[name].to_numpy(dtype="float64"))
-        checkpoint[group.index] = engine.numeric(engine.per_layer_bytes(technique, req.architecture))(*args)
-        layer[group.index] = engine.numeric(engine.per_layer_bytes(technique.whole(), req.architecture))(*args)
+        checkpoint[group.index] = engine.numeric(engine.per_layer_bytes(technique, arch))(*args)
+        layer[group.index] = engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args)
     return layer, checkpoint
 
 

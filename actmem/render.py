@@ -219,7 +219,8 @@ def _memory_table(est: Estimate) -> Table:
                                           f" / d·c={shards}")
     rows = (("activations", est.activations_bytes, "the run's terms above"),
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
-            ("gradients", params.gradients_bytes, per_param + f"{GRADIENT_BYTES} B (fp32)"),
+            ("gradients", params.gradients_bytes, per_param + f"{est.spec.gradient_bytes} B "
+             + ("(fp32)" if est.spec.gradient_bytes == GRADIENT_BYTES else "(16-bit)")),
             ("optimizer state", params.optimizer_bytes, per_param + optimizer))
     if params.dummy_wgrads_bytes:
         rows += (("dummy weight gradients", params.dummy_wgrads_bytes,

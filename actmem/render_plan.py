@@ -133,9 +133,10 @@ def _plan_assumptions(req) -> list[str]:
          req.architecture.code.name == "megatron" else [])
 
 
-_FUSED_SOFTMAX = ("Megatron's local attention core only where its fused softmax runs (16 < s ≤ 4096, b·a/t "
-                  "a multiple of 8 up to s = 128, else 4): t and b where it falls back to torch's softmax "
-                  "are left out")
+_FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where the kernel runs (16 < s ≤ 4096, "
+                  "b·a/t a multiple of 8 up to s = 128, else 4), and at the t and b where it does not, torch's "
+                  "fallback softmax (forward_torch_softmax: the causal mask it fills, s² bytes a layer, and under "
+                  "--attention-softmax-in-fp32 its fp32 output)")
 
 
 def render_explain(est, row) -> None:

@@ -9,6 +9,7 @@ both; numpy is imported only for arrays, so a single estimate does not pay for i
 from dataclasses import dataclass
 from typing import Callable
 
+from actmem.architecture import torch_softmax_possible
 from actmem.errors import SpecError
 
 
@@ -76,30 +77,53 @@ def fused_softmax_runs(v):
     """Megatron's local (eager) core runs its fused causal softmax, for sq = sk = s and b·a/t
     attention batches a rank: 16 < s <= 4096, 4 | s and batches_per_block | b·a/t (its
     ``attn_batches % 4`` follows). Elsewhere it falls back to forward_torch_softmax, which
-    keeps other tensors (and differs between releases): actmem refuses that rather than
-    count the fused kernel's bytes for it."""
+    keeps other tensors: actmem counts them (architecture.Architecture.with_fused_softmax)."""
     s = v.seq_len
     if not (16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN and s % 4 == 0):
         return False
     return v.b * (v.heads // v.t) % _batches_per_block(s) == 0
 
 
-def _megatron_eager(v):
-    return v.core == "eager" and v.code.name == "megatron"
-
-
-def _unfused_softmax(v) -> str:
+def fused_softmax_reason(v) -> str:
+    """Why the fused kernel does not run at one configuration: the condition it breaks."""
     s, per_block = v.seq_len, _batches_per_block(v.seq_len)
     if not 16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN:
-        why = f"it needs 16 < s <= {FUSED_SOFTMAX_MAX_SEQ_LEN} (s = {s})"
-    elif s % 4:
-        why = f"it needs s a multiple of 4 (s = {s})"
-    else:
-        why = (f"it needs b·a/t a multiple of {per_block} at s = {s} "
-               f"(b·a/t = {v.b}·{v.heads}/{v.t} = {v.b * (v.heads // v.t)} attention batches a rank)")
-    return (f"Megatron's local attention core runs its fused softmax only where the kernel allows: {why}. "
-            f"Elsewhere it falls back to torch's softmax, which keeps other tensors and is not modelled; "
-            f"--attention-core flash models TE's kernels")
+        return f"it needs 16 < s <= {FUSED_SOFTMAX_MAX_SEQ_LEN} (s = {s})"
+    if s % 4:
+        return f"it needs s a multiple of 4 (s = {s})"
+    return (f"it needs b·a/t a multiple of {per_block} at s = {s} "
+            f"(b·a/t = {v.b}·{v.heads}/{v.t} = {v.b * (v.heads // v.t)} attention batches a rank)")
+
+
+def _torch_softmax_handed_the_mask(v):
+    """Megatron's local core runs torch's softmax and the dataloader makes a mask (arrays alike)."""
+    arch = v.architecture
+    if not (arch.attention_mask and torch_softmax_possible(arch)):
+        return False
+    if not arch.masked_softmax_fusion:
+        return True
+    runs = fused_softmax_runs(v)
+    if isinstance(runs, bool):
+        return not runs
+    import numpy as np
+
+    return np.logical_not(runs)
+
+
+def _mask_reaches_every_layer(v):
+    """The dataloader's mask reaches every layer of every stage: it arrives with the batch on the
+    first and last stages only (core/utils.py, get_batch_on_this_tp_rank), the layers of one model
+    chunk of each."""
+    return (v.p <= 2) & (v.m == 1)
+
+
+def _layers_making_their_own_mask(v) -> str:
+    return ("under torch's fallback softmax with the dataloader's mask, the layers that mask does not reach (it "
+            "arrives with the batch on the first and last stages, in their first and last model chunks) make "
+            f"causal masks of their own (get_default_causal_mask), s² bytes a layer, which actmem does not count "
+            f"beside it yet (p = {v.p}, m = {v.m}: it counts p <= 2 without interleaving): give "
+            "--no-attention-mask (Megatron's --no-create-attention-mask-in-dataloader: every layer makes its "
+            "own), or --attention-core flash")
 
 
 @dataclass(frozen=True)
@@ -221,8 +245,8 @@ RULES = (
          lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                    f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
                    f"heads, which actmem does not count yet", ("code", "head_dim")),
-    Rule(lambda v: _implies(_megatron_eager(v), fused_softmax_runs(v)), _unfused_softmax,
-         ("core", "code", "run_known")),
+    Rule(lambda v: _implies(_torch_softmax_handed_the_mask(v), _mask_reaches_every_layer(v)),
+         _layers_making_their_own_mask, ("architecture", "run_known")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
          lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
@@ -284,6 +308,8 @@ class Values:
     """What Megatron pads the vocabulary to a multiple of (times t), when given."""
     gpu_memory_bytes: object = None
     """The GPU's memory, when given."""
+    architecture: object = None
+    """The Architecture, when given: the rules of Megatron's torch fallback softmax read its switches."""
 
 
 def _unmodelled_run(v, what: str) -> str:

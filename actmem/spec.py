@@ -12,6 +12,7 @@ from actmem.errors import SpecError
 from actmem.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from actmem.terms import RECOMPUTE_MODULES, Recompute
 from actmem.units import parse_bytes
+from actmem.widths import GRADIENT_BYTES
 
 
 
@@ -140,6 +141,9 @@ class Spec:
     gpu_memory_bytes: int = GPUS[DEFAULT_GPU].memory_bytes
     """What the allocator can reach on one GPU (actmem.hardware), or --gpu-memory."""
     gpu_name: str = GPUS[DEFAULT_GPU].name
+    gradient_bytes: int = GRADIENT_BYTES
+    """Bytes a main gradient: 4 (fp32, bf16 training's default) or 2 (the parameters' dtype: fp16
+    training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)."""
     reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
     """Kept free above the peak floor for what actmem does not count (hardware.DEFAULT_RESERVE):
     'fits' means the peak and the reserve fit, as `plan` reads its budget."""
@@ -149,12 +153,14 @@ class Spec:
     """What the input said that the estimate should repeat (pasted arguments it ignored)."""
     dims_only: bool = False
     """Only the model's dims are checked (its run is the defaults, unknown yet): rules of the run's
-    kernels (Megatron's fused softmax at this b and t) and of its data-parallel run (gpus, the
+    kernels (whether Megatron's fused softmax runs at this b and t) and of its data-parallel run (gpus, the
     global batch) wait for the run (rules.Values.run_known)."""
 
     def __post_init__(self):
         for name in ("gpu_memory_bytes", "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        if self.gradient_bytes not in (2, 4):
+            raise SpecError(f"gradient_bytes must be 4 (fp32) or 2 (16-bit), got {self.gradient_bytes!r}")
         rows = self.architecture.position_rows
         if self.architecture.position_embedding == "learned" and rows is not None and rows < self.model.seq_len:
             raise SpecError(f"the learned position table has {rows:,} rows (--max-position-embeddings), fewer than "
@@ -187,7 +193,7 @@ class Spec:
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
             run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
-            gpu_memory_bytes=self.gpu_memory_bytes)
+            gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture)
 
     @property
     def chunk_layers(self) -> int:

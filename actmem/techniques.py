@@ -31,7 +31,8 @@ class Technique:
         that module is not recomputed."""
         if self.recompute is not Recompute.SELECTIVE:
             return False
-        if term.kept_by is not None and term.kept_by not in self.recompute_modules:
+        kept_by = term.kept_by_for(arch)
+        if kept_by is not None and kept_by not in self.recompute_modules:
             return True
         return term.module_of(arch) in self.recompute_modules
 

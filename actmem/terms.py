@@ -13,10 +13,11 @@ from typing import Callable
 import sympy
 
 from actmem.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, eager, \
-    eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, flash, flash_attn, \
-    flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, hidden_dropout, \
-    keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, qk_norm_keeping_input, \
-    rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, unfused_rope
+    eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
+    flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
+    hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
+    qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
+    torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope
 from actmem.symbols import a, b, c, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -94,6 +95,11 @@ class Term:
     """The recompute module whose checkpoint alone keeps it under selective recompute (the QKV
     output that core_attn's checkpoint keeps through its view v): kept there only when that
     module is recomputed."""
+    kept_under_torch_softmax: frozenset | None = None
+    """Where it differs, the recompute modes under which the forward keeps it when Megatron's
+    local core runs torch's softmax (architecture.torch_softmax), whichever module is recomputed:
+    the dataloader's mask, which every layer's masked_fill_ keeps there (utils.py,
+    attention_mask_func), not only the recompute checkpoints. None: as under the fused kernel."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
@@ -102,6 +108,18 @@ class Term:
     def module_of(self, arch=PAPER) -> str | None:
         """The recompute module that drops it in this architecture."""
         return self.module(arch) if callable(self.module) else self.module
+
+    def kept_under_for(self, arch=PAPER) -> frozenset:
+        """The recompute modes under which this architecture's forward keeps it."""
+        return self.kept_under_torch_softmax if self._kept_by_torch_softmax(arch) else self.kept_under
+
+    def kept_by_for(self, arch=PAPER) -> str | None:
+        """The module whose checkpoint alone keeps it in this architecture (None: kept whichever is
+        recomputed)."""
+        return None if self._kept_by_torch_softmax(arch) else self.kept_by
+
+    def _kept_by_torch_softmax(self, arch) -> bool:
+        return self.kept_under_torch_softmax is not None and torch_softmax(arch)
 
 
 _sbh = s * b * h
@@ -212,11 +230,24 @@ TERMS = (
          "local attention expands K to a heads first (dot_product_attention.py: repeat_interleave, "
          "a copy), so K is as wide as Q", eager),
     Term("softmax_output", A16 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "softmax keeps its output (4.1, 2as²b)", eager, module="core_attn"),
+         "softmax keeps its output (4.1, 2as²b): Megatron's fused kernel its 16-bit probabilities, as torch's "
+         "fallback softmax does in 16 bits; after an fp32 softmax, the 16-bit copy ·V keeps, none where attention "
+         "dropout comes between (the dropout keeps its mask, ·V the dropout output)",
+         eager_keeping_16bit_softmax, module="core_attn"),
     Term("softmax_output_fp32", F32 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "transformers' Llama eager attention takes the softmax in fp32 and keeps it (4as²b) beside "
-         "the 16-bit copy ·V keeps (modeling_llama.py, eager_attention_forward: softmax(..., "
-         "dtype=torch.float32).to(query.dtype))", eager_softmax_fp32, module="core_attn"),
+         "an fp32 softmax keeps its output (4as²b): transformers' Llama eager attention beside the 16-bit "
+         "copy ·V keeps (modeling_llama.py, eager_attention_forward: softmax(..., dtype=torch.float32)"
+         ".to(query.dtype)); Megatron's torch fallback under --attention-softmax-in-fp32 (fused_softmax.py, "
+         "forward_torch_softmax: input.float(), torch.nn.Softmax, then .bfloat16(), which keeps nothing)",
+         eager_softmax_fp32, module="core_attn"),
+    # Megatron's local core where its fused kernel does not run: forward_torch_softmax makes the
+    # causal mask when handed none, and attention_mask_func fills the scores with it in place
+    # (masked_fill_ keeps the mask for its backward)
+    Term("softmax_causal_mask", MASK * s**2, Region.REPLICATED, _STORED, Scope.LAYER,
+         "torch's fallback softmax, handed no mask, makes the causal mask at each call (utils.py, "
+         "get_default_causal_mask: triu(ones(s, s)).bool(), not cached: s² bytes of bool a layer) and "
+         "masked_fill_ keeps it (attention_mask_func), whole on every rank", torch_softmax_making_mask,
+         module="core_attn"),
     Term("softmax_dropout_mask", MASK * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
          "attention dropout keeps its 1-byte mask (4.1, as²b)", eager_with_attention_dropout, module="core_attn"),
     Term("softmax_dropout_output", A16 * a * s**2 * b, Region.BLOCK, _STORED, Scope.LAYER,
@@ -320,8 +351,10 @@ TERMS = (
     Term("attention_mask", MASK * b * s * (c * s), Region.REPLICATED, frozenset({Recompute.SELECTIVE, Recompute.FULL}),
          Scope.BATCH, "the dataloader's causal mask, b·s² bytes of bool (b·(s/c)·s under context parallelism), "
          "whole on every tensor-parallel rank: kept by the recompute checkpoints (core_attn's and full "
-         "recompute's) while its microbatch is in flight; the causal kernels never read it", dataloader_mask,
-         kept_by="core_attn"),
+         "recompute's) while its microbatch is in flight; the causal kernels never read it. Torch's fallback "
+         "softmax fills the scores with it (attention_mask_func: masked_fill_ keeps it) in every layer, so there "
+         "it is kept under every recompute mode", dataloader_mask, kept_by="core_attn",
+         kept_under_torch_softmax=_ALWAYS),
     Term("final_layernorm_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "final layer norm keeps its input (4.5, 2sbh/t under SP)", keeps_norm_input),
     Term("final_norm_input_fp32", F32 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
@@ -375,6 +408,14 @@ MLP_BACKWARD_TERMS = (
 #: the MLP_BACKWARD_TERMS that exist only under sequence parallelism
 SP_ONLY = frozenset({"fc1_input_gathered", "fc1_input_gradient_shard"})
 
+#: the core's backward moments share these (CORE_BACKWARD_TERMS, SOFTMAX_BACKWARD_TERMS)
+VALUE_GRADIENT = Term("value_gradient", _sb_attention(1), Region.BLOCK, _ALWAYS, Scope.LAYER,
+                      "·V's backward: v's gradient, a heads wide as ·V saw it (2sb·ad/t)", eager)
+CORE_OUTPUT_GRADIENT = Term(
+    "core_output_gradient", _sb_attention(1), Region.BLOCK, frozenset({Recompute.SELECTIVE}), Scope.LAYER,
+    "the gradient of the core's output, held by the core's checkpoint while it runs backward (2sb·ad/t)",
+    eager, kept_by="core_attn")
+
 #: The eager core's backward at its softmax's (Megatron's fused kernel works in place on its
 #: input gradient) or, with attention dropout, at the dropout's: the gradient ·V's backward
 #: made for the probabilities it saw, and the dropout's input gradient made from it, live
@@ -390,11 +431,38 @@ CORE_BACKWARD_TERMS = (
     Term("softmax_output_gradient", A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
          "the attention dropout's backward: the softmax output's gradient, a new tensor (2as²b/t)",
          eager_with_attention_dropout),
-    Term("value_gradient", _sb_attention(1), Region.BLOCK, _ALWAYS, Scope.LAYER,
-         "·V's backward: v's gradient, a heads wide as ·V saw it (2sb·ad/t)", eager),
-    Term("core_output_gradient", _sb_attention(1), Region.BLOCK, frozenset({Recompute.SELECTIVE}), Scope.LAYER,
-         "the gradient of the core's output, held by the core's checkpoint while it runs backward (2sb·ad/t)",
-         eager, kept_by="core_attn"),
+    VALUE_GRADIENT,
+    CORE_OUTPUT_GRADIENT,
+    LAYER_OUTPUT_GRADIENT,
+)
+
+
+#: Torch's fallback softmax's backward (actmem.backward's 'softmax' moment), where it holds the
+#: most: in 16 bits at masked_fill_'s backward, which ran in place on the [b, a/t, s, s] view of
+#: the scores (utils.py, attention_mask_func), so that autograd runs it inside CopySlices
+#: (torch/csrc/autograd/functions/tensor.cpp, CopySlices::apply_impl), the softmax's output
+#: freed by then; in fp32 at the softmax's own backward (_softmax_backward_data, not in place),
+#: its fp32 output still held. The dropout's mask and output, and ·V's 16-bit probabilities,
+#: are freed by then. Live beside them: v's gradient, the residual stream's and, under the
+#: core's checkpoint, its output's.
+SOFTMAX_BACKWARD_TERMS = (
+    Term("masked_scores_gradient", A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "the softmax backward's output, the masked scores' gradient, handed to the scores by the view's "
+         "backward as a new tensor of their shape (AsStridedBackward: grad.new_zeros) (2as²b/t)", torch_softmax_16bit),
+    Term("copy_slices_copies", 2 * A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "CopySlices copies that gradient to its base's shape (new_empty_strided, copy_) and clones the view's "
+         "slice for masked_fill_'s backward (2 x 2as²b/t)", torch_softmax_16bit),
+    Term("scores_gradient", A16 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "masked_fill_'s backward makes the scores' gradient, grad.masked_fill(mask, 0), a new tensor "
+         "(2as²b/t), where Megatron's fused kernel works in place", torch_softmax_16bit),
+    Term("softmax_output_gradient_fp32", F32 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "in fp32, the gradient the softmax backward reads, of its output, made fp32 by the backward of the cast "
+         "to 16 bits (ToCopyBackward) (4as²b/t)", torch_softmax_fp32),
+    Term("scores_gradient_fp32", F32 * a * s**2 * b, Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "in fp32, the softmax backward's output, the masked scores' gradient, a new tensor (4as²b/t); "
+         "masked_fill_'s backward follows on a tensor of its own (the upcast's), no CopySlices", torch_softmax_fp32),
+    VALUE_GRADIENT,
+    CORE_OUTPUT_GRADIENT,
     LAYER_OUTPUT_GRADIENT,
 )
 

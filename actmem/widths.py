@@ -11,5 +11,8 @@ LOGITS_BYTES = 4       # the cross entropy's fp32 logits (section 4.5)
 
 WEIGHT_BYTES = 2       # bf16/fp16 weights
 GRADIENT_BYTES = 4     # fp32 main gradients: Megatron accumulates and reduces them in fp32
+#: main gradients by their dtype: fp32 (bf16 training's default), or the parameters' 16 bits
+#: (fp16 training without --accumulate-allreduce-grads-in-fp32; --grad-reduce-in-bf16)
+GRADIENT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = 12   # fp32 master weight + Adam's first and second moments
 # 2 + 4 + 12 = 18 bytes a parameter; the distributed optimizer shards the 12 over d.

@@ -24,7 +24,7 @@ def test_a_gated_mlp_layer_by_hand(actmem):
     attention: norm input 2sbh, QKV input 2sbh, Q and K 4sbh, V 2sbh, projection input 2sbh;
     MLP: norm input 2sbh, fc1 input 2sbh, SwiGLU input 2·2sbf, fc2 input 2sbf; all over t:
     (16sbh + 6sbf)/t = (16·16,777,216 + 6·58,720,256)/8 = 77,594,624 B. (At s = 8192 Megatron's
-    local core would run torch's softmax, not its fused kernel: refused.)"""
+    local core would run torch's softmax, not its fused kernel: tests/test_fused_softmax.py.)"""
     sbh, sbf = 4096 * 4096, 4096 * 14336
     out = actmem.json("estimate", *LLAMA_8B_MLP)
     run = {row["technique"]: row for row in out["techniques"]}["tp-sp-sel"]

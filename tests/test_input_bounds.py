@@ -18,7 +18,7 @@ LLAMA_8B = Path("tests/data/hf/llama-3.1-8b/config.json")
 @pytest.mark.parametrize("flags, fragment", [
     (["--layers", "1000000000"], "layers (1,000,000,000) must be at most 100,000"),
     (["--seq-len", str(2**40)], "seq_len (1,099,511,627,776) must be at most 134,217,728"),
-    # under the flash core no fused-softmax rule stands in front of the bound
+    # under the flash core too (the eager core's is torch's softmax past the fused kernel's 4096)
     (["--seq-len", str(2**40), "--attention-core", "flash"], "seq_len (1,099,511,627,776) must be at most"),
     (["--hidden", str(2**30), "--heads", "64"], "hidden (1,073,741,824) must be at most 1,048,576"),
     (["--vocab", "1000000000"], "vocab (1,000,000,000) must be at most 16,777,216"),
@@ -66,7 +66,7 @@ def test_large_real_models_still_estimate(actmem, args):
 
 
 def _spec(**model):
-    """The 22B's dims under the flash core (no fused-softmax bound on s)."""
+    """The 22B's dims under the flash core."""
     return build_spec(dict(heads=64, hidden=6144, layers=48, vocab=51200, seq_len=2048) | model, {},
                       architecture={"attention_core": "flash"})
 

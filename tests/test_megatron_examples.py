@@ -26,18 +26,14 @@ def test_gpt3_175b_as_it_is_is_refused_as_megatron_would_refuse_it(actmem):
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_gpt3_175b_distributed.sh'}")
     assert_one_line_error(result, "Megatron refuses --step-batch-size-schedule beside --global-batch-size",
                           "words that follow no argument, as Megatron's parser would refuse them: 2.4B:320, "
-                          "4.8B:624, 7.2B:928, 9.6B:1232, 12B:1536",
-                          "--fp16 without --accumulate-allreduce-grads-in-fp32: Megatron then keeps 16-bit gradient")
+                          "4.8B:624, 7.2B:928, 9.6B:1232, 12B:1536")
     assert "changes memory and is not modelled" not in result.stderr
 
 
 def _gpt3_without_the_schedule(tmp_path) -> Path:
-    """The schedule's line deleted, and fp32 gradients asked for beside --fp16 (without them
-    Megatron keeps 16-bit gradient buffers, which actmem refuses)."""
     text = (EXAMPLES / "train_gpt3_175b_distributed.sh").read_text()
     script = tmp_path / "gpt3.sh"
-    script.write_text("\n".join(line.replace("--fp16", "--fp16 --accumulate-allreduce-grads-in-fp32")
-                                 for line in text.splitlines() if "--step-batch-size-schedule" not in line))
+    script.write_text("\n".join(line for line in text.splitlines() if "--step-batch-size-schedule" not in line))
     return script
 
 
@@ -46,7 +42,9 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
     p = 16, b = 1, global batch 1536); its one node of 8 GPUs cannot hold t·p = 128 ranks, so
     --gpus is given. Hand numbers: d = 1536/(8·16) = 12, 1536/(12·1) = 128 microbatches; GPT-2's
     50,257 tokens padded to a multiple of 128·8 = 1024: 51,200; the QKV input of a layer under
-    plain TP, 2sbh = 2·2048·1·12288 = 50,331,648 B."""
+    plain TP, 2sbh = 2·2048·1·12288 = 50,331,648 B. The script trains in --fp16 without
+    --accumulate-allreduce-grads-in-fp32, so Megatron's gradient buffers are 16-bit: 2 B a
+    parameter (16 B with the 2 B weight and 12 B of Adam, not 18); with the switch, fp32."""
     script = _gpt3_without_the_schedule(tmp_path)
     assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}"),
                           "give --vocab-size N (GPT-2's BPE files, --vocab-file gpt2-vocab.json: 50257)")
@@ -67,12 +65,20 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
     flags = actmem.json("estimate", "--layers", "96", "--hidden", "12288", "--heads", "96", "--seq-len", "2048",
                         "--vocab", "50257", "--tp", "8", "--pp", "16", "--micro-batch", "1", "--global-batch",
                         "1536", "--gpus", "1536", "--attention-core", "flash", "--attention-mask")
-    assert out["run_terms"] == flags["run_terms"] and out["verdict_bytes"] == flags["verdict_bytes"]
+    assert out["run_terms"] == flags["run_terms"]
+    count = out["parameters"]["count"]
+    assert out["parameters"]["gradients_bytes"] == 2 * count
+    assert out["verdict_bytes"] == flags["verdict_bytes"] - 2 * count       # fp32 gradients, less 2 B a parameter
+    assert any("16-bit main gradients" in note for note in out["assumptions"])
+    in_fp32 = script.read_text().replace("--fp16", "--fp16 --accumulate-allreduce-grads-in-fp32")
+    script.write_text(in_fp32)
+    fp32 = actmem.json("estimate", "--megatron-args", f"@{script}", "--vocab", "50257", "--gpus", "1536")
+    assert fp32["parameters"]["gradients_bytes"] == 4 * count and fp32["verdict_bytes"] == flags["verdict_bytes"]
 
 
 @pytest.mark.parametrize("script, refused", [
     ("train_llama3_8b_h100_fp8.sh",
-     {"--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+     {"--cross-entropy-loss-fusion",
       "--overlap-grad-reduce", "--overlap-param-gather", "--fp8-format", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo", "--fp8-param-gather"}),
     ("train_llama3_8b_fsdp_h100_fp8.sh",
@@ -116,8 +122,7 @@ def test_llama3_8b_with_its_unmodelled_arguments_taken_out_is_estimated(actmem, 
     128 over d = 8: 16 microbatches; --vocab-size 128256 with NullTokenizer, padded to a
     multiple of 128: 128,256 = 1002·128 already."""
     text = (EXAMPLES / "train_llama3_8b_h100_fp8.sh").read_text().replace('DTYPE="fp8"', 'DTYPE="bf16"')
-    dropped = ("--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--overlap-grad-reduce",
-               "--overlap-param-gather")
+    dropped = ("--cross-entropy-loss-fusion", "--overlap-grad-reduce", "--overlap-param-gather")
     script = tmp_path / "llama.sh"
     script.write_text("\n".join(line for line in text.splitlines() if not line.strip().startswith(dropped)))
     out = actmem.json("estimate", "--megatron-args", f"@{script}")
@@ -127,6 +132,7 @@ def test_llama3_8b_with_its_unmodelled_arguments_taken_out_is_estimated(actmem, 
     notes = " ".join(out["assumptions"])
     assert "GPUs: 8 from the launcher (torchrun --nproc-per-node 8 x --nnodes 1)" in notes
     assert "Megatron turns it off" in notes
+    assert out["parameters"]["gradients_bytes"] == 2 * out["parameters"]["count"]    # --grad-reduce-in-bf16
     assert "--apply-layernorm-1p: TE's norms take zero-centred weights inside their kernels" in notes
     assert "--calculate-per-token-loss" in notes                 # ignored: scalar divisions only
 
@@ -134,8 +140,7 @@ def test_llama3_8b_with_its_unmodelled_arguments_taken_out_is_estimated(actmem, 
 def _llama_without_the_unmodelled(tmp_path, tp="1") -> Path:
     text = (EXAMPLES / "train_llama3_8b_h100_fp8.sh").read_text().replace('DTYPE="fp8"', 'DTYPE="bf16"')
     text = text.replace("TP_SIZE=1 ", f"TP_SIZE={tp} ")
-    dropped = ("--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--overlap-grad-reduce",
-               "--overlap-param-gather")
+    dropped = ("--cross-entropy-loss-fusion", "--overlap-grad-reduce", "--overlap-param-gather")
     script = tmp_path / "llama.sh"
     script.write_text("\n".join(line for line in text.splitlines() if not line.strip().startswith(dropped)))
     return script

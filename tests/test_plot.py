@@ -131,18 +131,21 @@ def test_growth_over_the_microbatch(tmp_path):
 
 
 def test_growth_over_the_microbatch_from_a_run_refused_at_b_1(tmp_path):
-    """6 heads at t = 1, s = 512, the eager core: Megatron's fused softmax needs b·a/t a
-    multiple of 4, so b = 1 (6) is refused and b = 2, 4, 8, 16 (12 ... 96) run. The sweep
-    starts from the model's dims, not from a run at b = 1, and says what it left out."""
-    dims = ("--heads", "6", "--hidden", "384", "--layers", "2", "--vocab", "512", "--seq-len", "512",
-            "--global-batch", "16")
+    """6 heads at t = 1, s = 512, the eager core, p = 3 with the dataloader's mask: Megatron's
+    fused softmax needs b·a/t a multiple of 4, so at b = 1 (6) torch's fallback runs, and beside
+    the dataloader's mask the stage between makes masks of its own, which actmem refuses; b = 2,
+    4, 8, 16 (12 ... 96) run the kernel. The sweep starts from the model's dims, not from a run
+    at b = 1, and says what it left out."""
+    dims = ("--heads", "6", "--hidden", "384", "--layers", "3", "--pp", "3", "--vocab", "512", "--seq-len", "512",
+            "--global-batch", "16", "--attention-mask")
     frame = frame_written(tmp_path, "growth", *dims, "--over", "micro-batch")
     assert sorted(frame.micro_batch.unique()) == [2, 4, 8, 16]
     said = run_plot("growth", *dims, "--over", "micro-batch", "--csv", str(tmp_path / "b.csv"))
     assert said.stdout.splitlines()[1].startswith("left out micro-batch = 1, which the run refuses")
-    assert "b·a/t = 1·6/1 = 6" in said.stdout
+    assert "the layers that mask does not reach" in said.stdout
     assert_one_line_error(run_plot("growth", *dims, "--over", "micro-batch", "--values", "1,2",
-                                   "--csv", str(tmp_path / "c.csv")), "micro_batch = 1", "b·a/t = 1·6/1 = 6")
+                                   "--csv", str(tmp_path / "c.csv")), "micro_batch = 1",
+                          "the layers that mask does not reach")
 
 
 def test_a_sweep_value_the_run_refuses_is_one_line(tmp_path):

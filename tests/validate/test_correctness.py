@@ -13,7 +13,7 @@ from actmem_validate.gpt import flash_core  # noqa: E402
 @pytest.mark.parametrize("t", [2, 4])
 def test_layer_outputs_and_every_gradient_match_a_single_device_layer(t):
     worst = check_all(t)
-    expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa")
+    expected = {f"{variant} sp={sp} recompute={r}" for variant in ("paper", "swiglu-rmsnorm", "gqa", "torch-softmax")
                 for sp in ("on", "off") for r in ("none", "selective", "selective:core_attn+mlp", "full")}
     flash = ("flash-rope-gqa", "flash-attn", "flash-unfused-rope", "flash-qk-norm", "flash-qk-norm-learned")
     expected |= {f"{variant} sp={sp} recompute={r}" for variant in flash for sp in ("on", "off")

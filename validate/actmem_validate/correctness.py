@@ -27,6 +27,9 @@ _SPLIT_DIM = {"attention.qkv.weight": 0, "attention.qkv.bias": 0, "mlp.fc1.weigh
 VARIANTS = {"paper": {}, "swiglu-rmsnorm": dict(activation="swiglu", normalization="rmsnorm", bias=False,
                                                 ffn=96),
             "gqa": dict(query_groups=4, head_dim=16),    # a = 8 heads of d = 16 in 4 groups; ad = 2h
+            # Megatron's local core on torch's fallback softmax (forward_torch_softmax), against a
+            # reference on the fused kernel's stand-in
+            "torch-softmax": dict(softmax_fusion=False),
             # today's layer: flash (SDPA's CPU flash kernel), rope, 4 groups, SwiGLU, RMSNorm
             "flash-rope-gqa": dict(attention_core="flash", position_embedding="rope", query_groups=4,
                                    activation="swiglu", normalization="rmsnorm", bias=False, ffn=96),
@@ -70,7 +73,8 @@ def layer_differences(tp: TensorParallel, recompute: str, variant: str = "paper"
                      dtype=torch.float32, recompute_modules=tuple(modules.split("+")) if modules else ("core_attn",),
                      **arch)
     torch.manual_seed(0)
-    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32, **arch), TensorParallel())
+    fused = {key: value for key, value in arch.items() if key != "softmax_fusion"}   # the reference's softmax
+    reference = TransformerLayer(LayerSpec(h, a, s, 2, 0.0, 0.0, "none", torch.float32, **fused), TensorParallel())
     layer = TransformerLayer(spec, tp)
     with torch.no_grad():
         for (name, param), full in zip(layer.named_parameters(), reference.parameters()):

@@ -47,11 +47,17 @@ class LayerSpec:
     recompute_layers: int = 1             # N: layers a checkpoint, or checkpointed layers a chunk
     recompute_modules: tuple = ("core_attn",)   # with selective recompute: core_attn, layernorm, mlp
     attention_mask: bool = False          # the dataloader's [b, 1, s, s] bool mask, into each layer
+    softmax_fusion: bool = True           # the local core's fused softmax runs; False: torch's fallback
+    softmax_in_fp32: bool = False         # torch's fallback upcasts (--attention-softmax-in-fp32)
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
-        """The layer an actmem Spec describes."""
+        """The layer an actmem Spec describes, at its run's t: the local core's softmax is the fused
+        kernel where Megatron runs it (actmem.estimate.architecture_at), else torch's fallback."""
+        from actmem.estimate import architecture_at
+
         model, arch = spec.model, spec.architecture
+        fused = architecture_at(spec, spec.run.tensor_parallel).masked_softmax_fusion
         if arch.attention_core != "eager" and arch.attention_dropout:
             from actmem.errors import SpecError
 
@@ -63,7 +69,7 @@ class LayerSpec:
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
-                   spec.run.recompute_modules or ("core_attn",), arch.attention_mask)
+                   spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -86,12 +92,56 @@ def _norm(spec: LayerSpec) -> Norm:
     return Norm(spec.hidden, spec.normalization, dtype=spec.dtype, device=spec.device)
 
 
-def attention_core(q, k, v, dropout: Dropout, mask=None):
+@dataclass(frozen=True)
+class LocalSoftmax:
+    """The local core's FusedScaleMaskSoftmax at one run's shape (fused_softmax.py, forward):
+    its fused causal kernel where is_kernel_available allows, else torch's fallback, as
+    LayerSpec.of resolved it (actmem.rules.fused_softmax_runs, or --no-masked-softmax-fusion)."""
+
+    heads: int            # a/t: the scores are [b, a/t, s, s] to Megatron
+    fused: bool
+    in_fp32: bool
+
+    def probabilities(self, q, k, mask=None):
+        """softmax(q·kᵀ/√d), causal: (b·a/t, s, s); the matmul keeps q and k. The fused path
+        scales inside its kernel's stand-in; the fallback gets Megatron's scores, a baddbmm of
+        its buffer (beta = 0: never read) scaled by alpha (dot_product_attention.py,
+        DotProductAttention.forward), and torch's softmax of them."""
+        scale = q.shape[-1] ** -0.5
+        if self.fused:
+            scores = torch.bmm(q, k.transpose(1, 2))
+            with scope("softmax_output"):                            # the kernel keeps its output
+                return scaled_causal_softmax(scores, scale)
+        scores = torch.baddbmm(q.new_zeros(1, 1, 1), q, k.transpose(1, 2), beta=0.0, alpha=scale)
+        return torch_softmax(scores, self.heads, self.in_fp32, mask)
+
+
+def torch_softmax(scores, heads: int, in_fp32: bool, mask=None):
+    """Megatron's fallback where its fused kernel does not run (fused_softmax.py,
+    FusedScaleMaskSoftmax.forward_torch_softmax), op by op, so that autograd keeps what it keeps
+    there: the upcast keeps nothing; masked_fill_, in place on the [b, a/t, s, s] view of the
+    scores (utils.py, attention_mask_func), keeps the mask, made at each call where none is
+    handed in (get_default_causal_mask); torch.nn.Softmax keeps its output; the cast back keeps
+    nothing. scores: (b·a/t, s, s), already scaled. -> (b·a/t, s, s)"""
+    s, sixteen_bit = scores.shape[-1], scores.dtype in (torch.float16, torch.bfloat16)
+    upcast = in_fp32 and sixteen_bit                     # input_in_float16 and softmax_in_fp32
+    x = scores.view(-1, heads, s, s)                     # [b, np, sq, sk]
+    x = x.float() if upcast else x
+    if mask is None:                                     # triu(ones(s, s), diagonal=1).bool(), not cached
+        mask = label(torch.triu(torch.ones(s, s, device=scores.device), diagonal=1).bool(), "softmax_causal_mask")
+    filled = x.masked_fill_(mask, -10000.0)
+    with scope("softmax_output_fp32" if upcast else "softmax_output"):
+        probs = torch.nn.Softmax(dim=-1)(filled)
+    if upcast:                                           # .half() or .bfloat16(): ·V keeps it without dropout
+        probs = label(probs.to(scores.dtype), "softmax_output")
+    return probs.view(-1, s, s)                          # [b·np, sq, sk]
+
+
+def attention_core(q, k, v, dropout: Dropout, softmax: LocalSoftmax, mask=None):
     """QKᵀ, softmax, dropout, ·V: the part selective recompute checkpoints. q, k, v: (b·a/t, s, hd).
-    mask: the dataloader's, handed in as Megatron hands it and never read (the causal softmax)."""
-    scores = torch.bmm(q, k.transpose(1, 2))                         # bmm keeps Q and K
-    with scope("softmax_output"):                                    # softmax keeps its output
-        probs = scaled_causal_softmax(scores, q.shape[-1] ** -0.5)
+    mask: the dataloader's, handed in as Megatron hands it: torch's fallback softmax fills the
+    scores with it, the fused causal kernel never reads it."""
+    probs = softmax.probabilities(q, k, mask)                       # QKᵀ keeps Q and K
     dropped = dropout(probs)                                         # its mask: softmax_dropout_mask
     if dropped is not probs:
         label(dropped, "softmax_dropout_output")
@@ -175,6 +225,7 @@ class SelfAttention(nn.Module):
         self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
+        self.softmax = LocalSoftmax(self.heads, spec.softmax_fusion, spec.softmax_in_fp32)
         if spec.qk_norm:      # TENorm over d; every rank normalises its own heads with the same weights
             self.q_norm, self.k_norm = (Norm(spec.dim, spec.normalization, summed_over_heads=True, **kw)
                                         for _ in range(2))
@@ -199,11 +250,13 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3).reshape(b * self.heads, s, d).clone(memory_format=torch.contiguous_format)
                    for t in (q, k, v))                        # (b·a/t, s, d)
         label(q, "query_key"), label(k, "query_key"), label(v, "value")
+        if per_group == 1:        # Megatron's v is a view of the QKV output, which q and k keep too
+            q = _HoldingValue.apply(q, v)
         if self.spec.recomputes("core_attn"):
-            context = checkpoint(attention_core, q, k, v, self.dropout, mask,
+            context = checkpoint(attention_core, q, k, v, self.dropout, self.softmax, mask,
                                  use_reentrant=True)           # keeps q, k, v (and the mask) only
         else:
-            context = attention_core(q, k, v, self.dropout)
+            context = attention_core(q, k, v, self.dropout, self.softmax, mask)
         context = context.view(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, self.heads * d)
         return self.projection(label(context, "projection_input"))
 
@@ -239,6 +292,23 @@ class SelfAttention(nn.Module):
         if context is not None and context.size > 1:
             return context_parallel_attention(q, k, v, context)
         return flash_core(q, k, v, copies_output=self.spec.attention_core == "flash-attn")
+
+
+class _HoldingValue(torch.autograd.Function):
+    """q, passed through, and v held until q's backward. Without query groups Megatron's q, k and v
+    are views of the QKV linear's output (dot_product_attention.py: view and reshape, no copy), so
+    v's storage lives until QKᵀ's backward releases q and k, after ·V's backward has run; the
+    harness copies each to name its term, and this keeps v's copy as long (one storage, counted
+    once). With query groups v is Megatron's repeat_interleave copy, freed after ·V's backward."""
+
+    @staticmethod
+    def forward(ctx, q, v):
+        ctx.save_for_backward(v)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _normalise_head(x, norm: Norm):

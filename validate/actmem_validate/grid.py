@@ -84,13 +84,17 @@ HF_GPT2 = {"eager": dict(implementation="hf", attention_core="eager"),
 #: 8 rows a block at s = 32
 EAGER_BATCHES = ((2, 2), (4, 4))
 
+#: Megatron's local core on torch's fallback softmax (forward_torch_softmax): switched off
+#: (--no-masked-softmax-fusion), or in fp32 (--attention-softmax-in-fp32)
+UNFUSED, FP32_SOFTMAX = dict(masked_softmax_fusion=False), dict(softmax_in_fp32=True)
+
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
-               b: int = 2, modules: tuple | None = None, **architecture) -> Spec:
+               b: int = 2, modules: tuple | None = None, seq_len: int = 32, **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; modules: what selective recompute
     recomputes (--recompute-modules); the technique sets the mode."""
-    model = dict(heads=8, hidden=64, vocab=512, seq_len=32, layers=layers)
+    model = dict(heads=8, hidden=64, vocab=512, seq_len=seq_len, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=b, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
                recompute_layers=recompute[1], recompute_modules=modules,
@@ -98,6 +102,27 @@ def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
                       architecture=architecture)
+
+
+def fallback_softmax_configs() -> list[Config]:
+    """Megatron's local core where its fused softmax does not run, so torch's fallback does
+    (rules.fused_softmax_runs): b·a/t = 4 at s = 32 (8 rows a block there), s = 30 (not a
+    multiple of 4) and s = 132 at b·a/t = 2 (4 rows a block above 128); in 16 bits and in
+    fp32, with and without attention dropout; switched off where the kernel would run; every
+    recompute mode, an interleaved pipeline, and the dataloader's mask, which every layer then
+    keeps (masked_fill_) whatever is recomputed."""
+    configs = configs_for(small_spec(2, 2, b=1, name="small-torch-softmax"), ["tp", "tp-sp-sel", "tp-sp-full"], 1)
+    configs += configs_for(small_spec(2, 2, b=1, name="small-torch-softmax-fp32", **FP32_SOFTMAX),
+                           ["tp-sp", "tp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, dropout=0.0, name="small-unfused-softmax-fp32", **UNFUSED, **FP32_SOFTMAX),
+                           ["tp-sp", "tp-sp-sel"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-s30", seq_len=30), ["tp-sp"], 1)
+    configs += configs_for(small_spec(2, 4, b=1, name="small-s132", seq_len=132, **FP32_SOFTMAX), ["tp-sp"], 1)
+    configs += configs_for(small_spec(4, 2, 2, 2, b=1, name="small-torch-softmax"), ["tp-sp"])
+    configs += configs_for(small_spec(4, 2, 2, b=1, name="small-torch-softmax-mask", attention_mask=True), ["tp-sp"])
+    configs += configs_for(small_spec(2, 2, b=1, name="small-torch-softmax-mask", modules=("mlp",),
+                                      attention_mask=True), ["tp-sp-sel"], 1)
+    return configs
 
 
 def small_grid() -> list[Config]:
@@ -112,6 +137,7 @@ def small_grid() -> list[Config]:
             configs += configs_for(small_spec(4, t, p, m, b=b), [technique])
     configs += configs_for(small_spec(2, 1), ["none"], 1)
     configs += configs_for(small_spec(4, 1, 2, 2), ["none"], 4)
+    configs += fallback_softmax_configs()
     # no dropout: no masks, no separate attention dropout output, and under SP the embedding's
     # scattered view must not be held whole (Megatron clones it)
     configs += configs_for(small_spec(2, 2, dropout=0.0), ["tp", "tp-sp", "tp-sp-sel"], 1)

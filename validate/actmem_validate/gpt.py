@@ -49,6 +49,7 @@ class LayerSpec:
     attention_mask: bool = False          # the dataloader's [b, 1, s, s] bool mask, into each layer
     softmax_fusion: bool = True           # the local core's fused softmax runs; False: torch's fallback
     softmax_in_fp32: bool = False         # torch's fallback upcasts (--attention-softmax-in-fp32)
+    position_rows: int | None = None      # rows of the learned table (--max-position-embeddings); None: s
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -69,7 +70,8 @@ class LayerSpec:
                    arch.activation, arch.normalization, arch.bias, arch.qkv_bias, arch.tied_output, arch.query_groups,
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
-                   spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32)
+                   spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32,
+                   arch.position_rows)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -426,7 +428,8 @@ class Embedding(nn.Module):
         nn.init.normal_(self.words, std=0.02)
         self.positions = None          # rope and none: no learned table
         if spec.position_embedding == "learned":
-            self.positions = nn.Parameter(torch.empty(spec.seq_len, spec.hidden, **kw))
+            rows = spec.seq_len if spec.position_rows is None else spec.position_rows   # Megatron's table
+            self.positions = nn.Parameter(torch.empty(rows, spec.hidden, **kw))
             nn.init.normal_(self.positions, std=0.02)
         self.dropout = Dropout(spec.hidden_dropout, "embedding_dropout_mask")
 

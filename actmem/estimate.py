@@ -525,7 +525,9 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
                      f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / "
                      + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else
                         f"d·c = {spec.optimizer_shards}")
-                     + " (the distributed optimizer) a parameter")
+                     + " (the distributed optimizer) a parameter"
+                     + ("; over one data-parallel rank it shards nothing (Megatron allows it): the plain "
+                        "optimizer's bytes" if spec.optimizer_shards == 1 else ""))
     else:
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
                      f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments (mixed-precision Adam)")

@@ -181,7 +181,7 @@ RUN_FLAGS = (
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
          "distributed_optimizer", "shard the optimizer state over the d data-parallel ranks "
-         "(6 + 12/d B a parameter; needs d > 1)", bool),
+         "(6 + 12/(d·c) B a parameter; over one rank it shards nothing)", bool),
 )
 
 def _gradient_bytes(dtype: str) -> int:

@@ -173,6 +173,9 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                         f"than the planner evaluates at once ({MAX_CONFIGURATIONS:,}): lower "
                         f"--max-micro-batch ({req.max_micro_batch})")
     grid = grid.merge(switches, how="cross")
+    # the distributed optimizer over one data-parallel rank (d·c = 1) shards nothing: Megatron allows
+    # it, and its bytes are the plain optimizer's, so the sweep keeps only the plain row
+    grid = grid[~(grid.distributed_optimizer & (grid.d * grid.c == 1))]
     grid["n"] = req.global_batch // (grid.b * grid.d)
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)

@@ -226,10 +226,6 @@ RULES = (
     Rule(lambda v: _implies(v.m > 1, v.n % v.p == 0),
          lambda v: f"the interleaved schedule needs the microbatches per iteration ({v.n}) to be "
                    f"a multiple of p ({v.p}), as Megatron requires", ("n", "run_known")),
-    Rule(lambda v: _implies(v.distributed_optimizer, v.d > 1),
-         lambda v: f"the distributed optimizer shards over the data-parallel ranks: it needs "
-                   f"d = gpus/({'t·p' if v.c == 1 else 't·c·p'}) > 1 (d = {v.d}" + (")" if v.gpus else "; give --gpus)"),
-         ("run_known",)),
     Rule(lambda v: v.recompute_layers <= v.chunk_layers,
          lambda v: f"--recompute-num-layers ({v.recompute_layers}) must not exceed the layers of a model "
                    f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),

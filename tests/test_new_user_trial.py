@@ -108,7 +108,6 @@ def test_a_closed_pipe_is_quiet_and_not_exit_1():
      ["--use-distributed-optimizer", "--no-distributed-optimizer", "disagree"]),
     (["--gpu-memory", "80"], ["memory size '80' is not a number with a unit"]),
     (["--tp", "1", "--sp"], ["sequence parallelism", "needs t > 1 (t = 1)"]),
-    (["--distributed-optimizer"], ["distributed optimizer", "d = gpus/(t·p) > 1 (d = 1)"]),
     (["--gpus", "560", "--global-batch", "280", "--pp", "70"], ["p (70) must divide layers (105)"]),
     (["--attention-dropout", "1"], ["attention_dropout must be a probability in [0, 1)"]),
     (["--hidden-dropout", "-0.1"], ["hidden_dropout must be a probability in [0, 1)"]),
@@ -266,3 +265,12 @@ def test_csv_and_markdown_carry_the_settings_and_the_verdict(actmem):
     markdown = actmem("estimate", "--model", "530b", "--gpu-memory", "40GiB", "--format", "markdown").stdout
     assert markdown.startswith("# actmem · 530b: does not fit")
     assert "| recompute" in markdown and "selective" in markdown
+
+
+def test_the_distributed_optimizer_on_one_data_parallel_rank_is_allowed_and_shards_nothing(actmem):
+    """Megatron-Core allows --use-distributed-optimizer at d = 1 (530B's preset: 280 GPUs =
+    t·p): its state is one shard, 18 B a parameter as without it, and the output says so."""
+    plain = actmem.json("estimate", "--model", "530b")
+    dopt = actmem.json("estimate", "--model", "530b", "--distributed-optimizer")
+    assert dopt["parameters"] == plain["parameters"] and dopt["verdict_bytes"] == plain["verdict_bytes"]
+    assert any("shards nothing" in note for note in dopt["assumptions"])

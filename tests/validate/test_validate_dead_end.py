@@ -43,3 +43,18 @@ def test_a_pipeline_the_presets_gpus_do_not_divide_is_measured(actmem):
 def test_a_run_validate_cannot_measure_is_one_line(actmem, args, fragment):
     result = actmem("validate", "--model", "22b", *args, "--mode", "fake", "--techniques", "tp-sp-sel")
     assert_one_line_error(result, fragment)
+
+
+def test_a_pasted_script_s_run_settings_are_the_script_s_not_a_dead_end(actmem, tmp_path):
+    """A launch script carries its batch, GPUs, SP and recompute; validate measures each
+    technique with its own, as it does a preset's run, rather than asking the user to edit the
+    script. The same settings given as flags beside it are still refused."""
+    script = tmp_path / "args.txt"
+    script.write_text("--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --vocab-size 512 "
+                      "--bf16 --tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 64 "
+                      "--sequence-parallel --recompute-activations --use-distributed-optimizer "
+                      "--attention-backend local --no-create-attention-mask-in-dataloader")
+    result = actmem("validate", "--megatron-args", f"@{script}", "--mode", "fake", "--techniques", "tp-sp-sel")
+    assert result.exit_code == 0, result.output
+    refused = actmem("validate", "--megatron-args", f"@{script}", "--mode", "fake", "--global-batch", "64")
+    assert refused.exit_code == 2 and "drop --global-batch" in refused.stderr

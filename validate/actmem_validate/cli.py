@@ -172,7 +172,9 @@ def _configs(grid, techniques, microbatches, flags):
             raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop "
                             f"{', '.join(overridden)}")
         return grids.GRIDS[grid]()
-    ignored = [name for name in given if name in _SET_BY_TECHNIQUES]
+    # a pasted script's run (its SP, recompute, batch, GPUs) is the script's, not a request: each
+    # measured run sets its own, as for a preset; flags given beside it are refused
+    ignored = [name for name in given_flags(flags) if name in _SET_BY_TECHNIQUES]
     if ignored:
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")

@@ -58,6 +58,9 @@ class Architecture:
     """Rows of the learned position table (Megatron's --max-position-embeddings; GPT-2's
     n_positions): None is s, the paper's count. A table longer than s holds parameters no token
     reads; a shorter one cannot hold s positions (refused by the spec)."""
+    rotary_percent: float = 1.0
+    """The share of each head's d that rope rotates (Megatron's --rotary-percent; RotaryEmbedding
+    rotates int(d·percent) dims and passes the rest)."""
     rope_fusion: bool = True
     """Rotary positions by Transformer Engine's fused kernel (Megatron's default); False is
     --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
@@ -95,6 +98,9 @@ class Architecture:
                 object.__setattr__(self, name, getattr(self, name).lower())
         object.__setattr__(self, "position_embedding",
                            POSITION_EMBEDDING_ALIASES.get(self.position_embedding, self.position_embedding))
+        percent = self.rotary_percent
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+            raise SpecError(f"rotary_percent must be in (0, 1], got {percent!r}")
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -116,6 +122,9 @@ class Architecture:
         if self.qkv_bias is False and self.bias:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
+        if self.rotary_percent != 1 and (self.position_embedding != "rope" or self.implementation != MEGATRON):
+            raise SpecError(f"--rotary-percent {self.rotary_percent:g} shapes Megatron's rotary positions; this model's "
+                            f"positions are {self.position_embedding} under {self.implementation}")
         if not self.rope_fusion and self.position_embedding != "rope":
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
@@ -142,6 +151,13 @@ class Architecture:
         if kernel_runs or not torch_softmax_possible(self) or not self.masked_softmax_fusion:
             return self
         return replace(self, masked_softmax_fusion=False)
+
+    def rotary_dim(self, hidden, heads):
+        """The dims rope rotates in each head: int(d·percent) (Megatron's RotaryEmbedding), d when whole."""
+        import sympy   # off --help's path
+
+        d = self.head_dim_or(hidden, heads)
+        return d if self.rotary_percent == 1 else sympy.floor(d * sympy.Rational(str(self.rotary_percent)))
 
     def ffn(self, hidden):
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""

@@ -336,7 +336,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
 def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
-                  "implementation", "masked_softmax_fusion", "softmax_in_fp32")
+                  "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32")
     if not arch.qk_norm and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"

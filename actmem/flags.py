@@ -123,6 +123,9 @@ ARCHITECTURE_FLAGS = (
          "on the first stage; with rotary or no positions there is no table, and it changes nothing"),
     Flag(("--use-rotary-position-embeddings",), "position_embedding",
          "Megatron's older switch for --position-embedding rope", constant="rope"),
+    Flag(("--rotary-percent",), "rotary_percent",
+         "the share of each head rope rotates (Megatron's name; default 1): under --no-rope-fusion the kept cos "
+         "and sin are int(d·percent) wide; TE's fused rope keeps no more either way", float),
     Flag(("--rope-fusion/--no-rope-fusion",), "rope_fusion",
          "rotary positions by TE's fused kernel (default), or Megatron's unfused rope_utils.py, "
          "which keeps a 16-bit cos and sin for q and for k each layer (4 x 2sd)", bool),

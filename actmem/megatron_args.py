@@ -35,7 +35,7 @@ MEGATRON_NAMES = frozenset({
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
     "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
-    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32",
+    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent",
 })
 MANY = "many"
 #: 16-bit training, which actmem assumes: used as a check, never ignored
@@ -338,13 +338,6 @@ def _recompute_modules(settings) -> list[str]:
     return []
 
 
-def _number(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
     tokenizer = settings.get(TOKENIZER)
@@ -380,10 +373,6 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
         problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
                         "(--position-embedding-type rope); for none, give --position-embedding-type none")
     problems += _recompute_modules(settings)
-    percent = _value_after(words, "--rotary-percent")
-    if "--no-rope-fusion" in words and percent is not None and _number(percent) != 1:
-        problems.append(f"--rotary-percent {percent} with --no-rope-fusion is not modelled: the unfused rope's cos "
-                        "and sin are as wide as the rotated part of each head, and actmem counts whole heads")
     communication = settings.get(CP_COMM, ("p2p",))     # one a layer, or one for all (nargs '+')
     if set(communication) != {"p2p"}:
         problems.append(f"{CP_COMM} {' '.join(communication)} is not modelled: actmem counts the p2p ring, "

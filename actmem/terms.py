@@ -218,12 +218,13 @@ TERMS = (
          Region.BLOCK, _STORED, Scope.LAYER,
          "the q and k norms keep fp32 statistics, one (RMSNorm) or two (LayerNorm) a head a token: "
          "4sb·(a + g) for RMSNorm (Qwen3RMSNorm's rsqrt, the same)", qk_norm),
-    Term("rope_cos_sin", lambda arch: 4 * A16 * s * arch.head_dim_or(h, a), Region.REPLICATED, _STORED,
+    Term("rope_cos_sin", lambda arch: 4 * A16 * s * arch.rotary_dim(h, a), Region.REPLICATED, _STORED,
          Scope.LAYER,
          "Megatron's unfused rope (--no-rope-fusion; rope_utils.py, _apply_rotary_pos_emb_bshd) makes "
          "cos_ = cos(freqs).to(t.dtype) and sin_ at each call, for q and again for k, and t * cos_ and "
          "rotate_half(t) * sin_ keep them: 4 x 2sd, the whole sequence the attention sees (s/c under "
-         "context parallelism), on every rank", unfused_rope),
+         "context parallelism), on every rank; d is the rotated dims, int(d·percent) under --rotary-percent",
+         unfused_rope),
     # the eager core (the paper's, Megatron-Core's local DotProductAttention)
     Term("query_key", _sb_attention(2), Region.BLOCK, _STORED, Scope.LAYER,
          "QKᵀ keeps Q and K (4.1, 4sbh; 4sb·ad with head dim d). With query groups Megatron's "

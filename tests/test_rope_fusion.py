@@ -40,12 +40,28 @@ def test_the_flag_and_the_paste_agree(actmem):
                           "rope_fusion is given more than once and the values disagree")
 
 
-def test_a_partial_rotation_is_refused_with_the_unfused_rope(actmem):
-    """The unfused rope's cos and sin are as wide as the rotated part of a head: not modelled."""
-    assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --no-rope-fusion --rotary-percent 0.5"),
-                          "--rotary-percent 0.5 with --no-rope-fusion is not modelled")
+def test_a_partial_rotation_keeps_narrower_cos_and_sin(actmem):
+    """--rotary-percent 0.5: Megatron's RotaryEmbedding rotates int(128·0.5) = 64 dims, so the
+    unfused rope's cos and sin are 64 wide: 4 x 2·8192·64 = 4,194,304 B a layer; TE's fused
+    rope keeps only its frequency table either way (no layer byte moves)."""
+    half = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --no-rope-fusion --rotary-percent 0.5")
+    assert _per_layer(half)["rope_cos_sin"] == 4 * 2 * 8192 * 64 == 4_194_304
     fused = actmem.json("estimate", "--megatron-args", LLAMA_8B + " --rotary-percent 0.5")
-    assert "--rotary-percent" in fused["assumptions"][-1]          # ignored: TE's fused rope keeps no byte of it
+    whole = actmem.json("estimate", "--megatron-args", LLAMA_8B)
+    assert fused["run_terms"] == whole["run_terms"]
+    flagged = actmem.json("estimate", "--megatron-args", LLAMA_8B, "--no-rope-fusion", "--rotary-percent", "0.5")
+    assert flagged["run_terms"] == half["run_terms"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", "22b", "--rotary-percent", "0.5"),
+     "--rotary-percent 0.5 shapes Megatron's rotary positions; this model's positions are learned"),
+    (("--model", "llama-3.1-8b", "--implementation", "hf", "--rotary-percent", "0.5"),
+     "this model's positions are rope under hf"),
+    (("--model", "llama-3.1-8b", "--rotary-percent", "0"), "rotary_percent must be in (0, 1]"),
+])
+def test_a_partial_rotation_where_it_means_nothing_is_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)
 
 
 @pytest.mark.parametrize("args, fragment", [

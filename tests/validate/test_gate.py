@@ -382,6 +382,20 @@ def test_unfused_rope_measured_as_the_fused_kernel_fails(monkeypatch):
     assert cos_sin["measured_bytes"] == 0 and cos_sin["formula_bytes"] == 2 * 2_048 and cos_sin["gate"] == "fail"
 
 
+def test_a_partial_rotation_is_measured_at_its_width():
+    """--rotary-percent 0.5 under the unfused rope: cos and sin are d/2 = 4 wide, 4 x 2·32·4 =
+    1,024 B a layer (half the whole-head 2,048), measured so in both layers; TE's fused rope
+    (the Function that keeps its table only) keeps no layer byte for it either way."""
+    from actmem_validate.grid import FLASH
+
+    spec = small_spec(2, 2, name="small-flash-unfused-rope-half", rope_fusion=False, rotary_percent=0.5, **FLASH)
+    rows = run_fake(configs_for(spec, ["tp-sp"], 1))
+    assert judge(rows, 0.0) == []
+    assert row(rows, "rope_cos_sin")["measured_bytes"] == row(rows, "rope_cos_sin")["formula_bytes"] == 2 * 1_024
+    fused = run_fake(configs_for(small_spec(2, 2, name="small-flash-half", rotary_percent=0.5, **FLASH), ["tp-sp"], 1))
+    assert judge(fused, 0.0) == [] and "rope_cos_sin" not in {r["term"] for r in fused}
+
+
 def test_qk_norms_the_layer_skips_fail(monkeypatch):
     """The spec says --qk-layernorm but the layer runs no q and k norms: the formula's copies
     of q and k (2sb·(a + g)d/t = 2·32·2·(8 + 4)·8/2 = 6,144 B a layer) and their statistics

@@ -192,15 +192,18 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, freqs):
         ctx.save_for_backward(freqs)
+        rot = freqs.shape[-1]                          # --rotary-percent: the rest of d passes
         cos, sin = freqs.cos(), freqs.sin()
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))        # 16-bit in, fp32 math
-        return (wide * cos + _rotate_half(wide) * sin).to(x.dtype)
+        wide = x[..., :rot].to(torch.promote_types(x.dtype, torch.float32))   # 16-bit in, fp32 math
+        return torch.cat(((wide * cos + _rotate_half(wide) * sin).to(x.dtype), x[..., rot:]), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
         (freqs,) = ctx.saved_tensors
-        g = grad.to(torch.promote_types(grad.dtype, torch.float32))
-        return (g * freqs.cos() - _rotate_half(g * freqs.sin())).to(grad.dtype), None
+        rot = freqs.shape[-1]
+        g = grad[..., :rot].to(torch.promote_types(grad.dtype, torch.float32))
+        back = (g * freqs.cos() - _rotate_half(g * freqs.sin())).to(grad.dtype)
+        return torch.cat((back, grad[..., rot:]), dim=-1), None
 
 
 def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

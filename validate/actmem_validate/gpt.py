@@ -50,6 +50,7 @@ class LayerSpec:
     softmax_fusion: bool = True           # the local core's fused softmax runs; False: torch's fallback
     softmax_in_fp32: bool = False         # torch's fallback upcasts (--attention-softmax-in-fp32)
     position_rows: int | None = None      # rows of the learned table (--max-position-embeddings); None: s
+    rotary_percent: float = 1.0           # the share of d rope rotates (--rotary-percent)
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -71,7 +72,7 @@ class LayerSpec:
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32,
-                   arch.position_rows)
+                   arch.position_rows, arch.rotary_percent)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -232,7 +233,8 @@ class SelfAttention(nn.Module):
             self.q_norm, self.k_norm = (Norm(spec.dim, spec.normalization, summed_over_heads=True, **kw)
                                         for _ in range(2))
         if spec.position_embedding == "rope":   # model state, as Megatron's cached table is
-            self.register_buffer("freqs", rotary_frequencies(spec.seq_len, spec.dim, spec.device),
+            rotated = int(spec.dim * spec.rotary_percent)         # Megatron's RotaryEmbedding dim
+            self.register_buffer("freqs", rotary_frequencies(spec.seq_len, rotated, spec.device),
                                  persistent=False)
 
     def forward(self, x, mask=None):

@@ -229,6 +229,9 @@ def small_grid() -> list[Config]:
                            ["tp", "tp-sp"], 1)
     configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope", c=2, rope_fusion=False, **FLASH),
                            ["tp-sp"], 1)
+    # and rotating half of each head (--rotary-percent 0.5): cos and sin d/2 wide
+    configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope-half", rope_fusion=False,
+                                      rotary_percent=0.5, **FLASH), ["tp-sp"], 1)
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)

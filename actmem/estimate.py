@@ -528,6 +528,9 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
                      + " (the distributed optimizer) a parameter"
                      + ("; over one data-parallel rank it shards nothing (Megatron allows it): the plain "
                         "optimizer's bytes" if spec.optimizer_shards == 1 else ""))
+        notes.append("not counted: the distributed optimizer's buffer padding (optimizer/param_layout.py: each "
+                     "parameter's start aligned to 64 elements, each bucket's end to lcm(d·c, 128)): at most 63 "
+                     f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")
     else:
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
                      f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments (mixed-precision Adam)")

@@ -76,9 +76,14 @@ LAYERNORM_1P = "--apply-layernorm-1p"
 #: (arguments.py: accumulate_allreduce_grads_in_fp32; DDP's grad dtype is then the parameters',
 #: param_and_grad_buffer.group_params_for_buffers); actmem counts fp32 main gradients
 FP32_GRADIENTS = "--accumulate-allreduce-grads-in-fp32"
+#: the data-parallel communication overlapped with compute: the reduce-scatter (or all-reduce) and
+#: the parameter all-gather run per bucket into the buffers DDP already holds (param_and_grad_buffer.py:
+#: a bucket is a view of its buffer); what they change is the bucket count, so the distributed
+#: optimizer's bucket-end padding (optimizer/param_layout.py), which actmem names and does not count
+OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -227,6 +232,12 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
                 refused.append((why, name))
         i = after
     used += _implied(words, settings)
+    overlapped = [name for name in OVERLAP if name in settings]
+    if overlapped:
+        settings.setdefault("notes", []).append(
+            f"{' and '.join(overlapped)} read: the reduce-scatter and the parameter all-gather run per bucket into "
+            "the buffers DDP already holds (a bucket is a view of its buffer); with the distributed optimizer the "
+            "buckets (max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted")
     if LAYERNORM_1P in settings:
         settings.setdefault("notes", []).append(
             f"{LAYERNORM_1P}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "

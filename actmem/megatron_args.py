@@ -81,9 +81,14 @@ FP32_GRADIENTS = "--accumulate-allreduce-grads-in-fp32"
 #: a bucket is a view of its buffer); what they change is the bucket count, so the distributed
 #: optimizer's bucket-end padding (optimizer/param_layout.py), which actmem names and does not count
 OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
+#: Megatron's fused cross entropy (its default 'native' implementation): _VocabParallelCrossEntropy
+#: in fusions/fused_cross_entropy.py saves what tensor_parallel/cross_entropy.py's saves (the fp32
+#: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
+#: bits while it is live (calculate_gradients), as the unfused one's gradient is cast
+LOSS_FUSION = "--cross-entropy-loss-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, LOSS_FUSION)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -238,6 +243,11 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
             f"{' and '.join(overlapped)} read: the reduce-scatter and the parameter all-gather run per bucket into "
             "the buffers DDP already holds (a bucket is a view of its buffer); with the distributed optimizer the "
             "buckets (max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted")
+    if LOSS_FUSION in settings:
+        settings.setdefault("notes", []).append(
+            f"{LOSS_FUSION} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
+            "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its fp32 "
+            "gradient to 16 bits in its backward, the same moment")
     if LAYERNORM_1P in settings:
         settings.setdefault("notes", []).append(
             f"{LAYERNORM_1P}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "

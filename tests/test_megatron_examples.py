@@ -78,10 +78,10 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
 
 @pytest.mark.parametrize("script, refused", [
     ("train_llama3_8b_h100_fp8.sh",
-     {"--cross-entropy-loss-fusion", "--fp8-format", "--fp8-amax-history-len",
+     {"--fp8-format", "--fp8-amax-history-len",
       "--fp8-amax-compute-algo", "--fp8-param-gather"}),
     ("train_llama3_8b_fsdp_h100_fp8.sh",
-     {"--cross-entropy-loss-fusion", "--use-megatron-fsdp",
+     {"--use-megatron-fsdp",
       "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--fsdp-manual-registration",
       "--no-gradient-accumulation-fusion", "--use-nccl-ub", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
       "--fp8-param-gather"}),
@@ -91,7 +91,7 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
 ])
 def test_the_other_examples_are_refused_naming_only_what_is_not_modelled(actmem, script, refused):
     """The names each script carries that change memory in ways actmem does not count yet
-    (read off the scripts by hand: FP8, Megatron-FSDP, MoE, the fused loss); every other
+    (read off the scripts by hand: FP8, Megatron-FSDP, MoE); every other
     argument is modelled or ignored."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / script}")
     assert_one_line_error(result, "changes memory and is not modelled yet: ")
@@ -112,16 +112,13 @@ def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(ac
     assert "not an argument" not in result.stderr
 
 
-def test_llama3_8b_with_its_unmodelled_arguments_taken_out_is_estimated(actmem, tmp_path):
-    """DTYPE set to bf16 (its `if [[ "$DTYPE" == "fp8" ]]` then adds nothing) and the lines
-    named above deleted: Llama 3 8B on the script's one node of 8 GPUs (torchrun
+def test_llama3_8b_in_bf16_is_estimated(actmem, tmp_path):
+    """The script with DTYPE set to bf16 (its `if [[ "$DTYPE" == "fp8" ]]` then adds no FP8
+    argument) and nothing else changed: Llama 3 8B on the script's one node of 8 GPUs (torchrun
     --nproc_per_node 8 --nnodes 1), t = 1 so Megatron turns --sequence-parallel off; global batch
     128 over d = 8: 16 microbatches; --vocab-size 128256 with NullTokenizer, padded to a
-    multiple of 128: 128,256 = 1002·128 already."""
-    text = (EXAMPLES / "train_llama3_8b_h100_fp8.sh").read_text().replace('DTYPE="fp8"', 'DTYPE="bf16"')
-    dropped = ("--cross-entropy-loss-fusion",)
-    script = tmp_path / "llama.sh"
-    script.write_text("\n".join(line for line in text.splitlines() if not line.strip().startswith(dropped)))
+    multiple of 128: 128,256 = 1002·128 already; every other argument read or ignored."""
+    script = _llama_in_bf16(tmp_path)
     out = actmem.json("estimate", "--megatron-args", f"@{script}")
     assert (out["model"]["layers"], out["model"]["hidden"], out["model"]["vocab"]) == (32, 4096, 128256)
     assert (out["run"]["gpus"], out["run"]["data_parallel"], out["run"]["microbatches_per_iteration"]) == (8, 8, 16)
@@ -133,15 +130,14 @@ def test_llama3_8b_with_its_unmodelled_arguments_taken_out_is_estimated(actmem, 
     assert "--apply-layernorm-1p: TE's norms take zero-centred weights inside their kernels" in notes
     assert "--calculate-per-token-loss" in notes                 # ignored: scalar divisions only
     assert "--overlap-grad-reduce and --overlap-param-gather read" in notes
+    assert "--cross-entropy-loss-fusion read" in notes
     assert "not counted: the distributed optimizer's buffer padding" in notes
 
 
-def _llama_without_the_unmodelled(tmp_path, tp="1") -> Path:
+def _llama_in_bf16(tmp_path, tp="1") -> Path:
     text = (EXAMPLES / "train_llama3_8b_h100_fp8.sh").read_text().replace('DTYPE="fp8"', 'DTYPE="bf16"')
-    text = text.replace("TP_SIZE=1 ", f"TP_SIZE={tp} ")
-    dropped = ("--cross-entropy-loss-fusion",)
     script = tmp_path / "llama.sh"
-    script.write_text("\n".join(line for line in text.splitlines() if not line.strip().startswith(dropped)))
+    script.write_text(text.replace("TP_SIZE=1 ", f"TP_SIZE={tp} "))
     return script
 
 
@@ -149,7 +145,7 @@ def test_plan_and_flops_take_the_script_too(actmem, tmp_path):
     """plan sweeps the script's model on its launcher's 8 GPUs at its global batch 128, and
     --explain starts from the script's run (t = 2 with sequence parallelism, the distributed
     optimizer) where its text says nothing; flops takes the script's batch."""
-    script = _llama_without_the_unmodelled(tmp_path, tp="2")
+    script = _llama_in_bf16(tmp_path, tp="2")
     out = actmem.json("plan", "--megatron-args", f"@{script}", "--gpu", "h100", "--top", "1")
     assert (out["request"]["gpus"], out["request"]["global_batch"]) == (8, 128)
     explained = actmem("plan", "--megatron-args", f"@{script}", "--gpu", "h100", "--explain", "b=1")

@@ -74,3 +74,24 @@ def test_an_argument_accepted_at_its_default_only_is_refused_at_another_value():
 def test_a_name_megatron_does_not_have_gets_the_nearest_one():
     assert megatron_table.closest("--tensor-model-paralel-size") == "--tensor-model-parallel-size"
     assert megatron_table.closest("--frobnicate") is None
+
+
+def test_a_paste_with_every_ignored_argument_changes_nothing(actmem):
+    """Every option the table calls ignored, each with as many values as the parser takes (the
+    value itself is never read), pasted beside a model and a run: the estimate is the same,
+    and every one of them is listed as ignored."""
+    base = ("--num-layers 2 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 32000 "
+            "--micro-batch-size 1 --bf16 --attention-backend local --no-create-attention-mask-in-dataloader")
+    ignored = [option for option in megatron_table.arguments()
+               if option not in MODELLED and megatron_table.classify(option, ["adam"])[0] == "ignored"]
+    assert len(ignored) > 250
+    words = []
+    for option in ignored:
+        count = megatron_table.value_count(option)
+        words += [option] + (["adam"] if option == "--optimizer" else
+                             ["1"] * (1 if count in ("many", 1) else count if isinstance(count, int) else 0))
+    plain = actmem.json("estimate", "--megatron-args", base)
+    noisy = actmem.json("estimate", "--megatron-args", base + " " + " ".join(words))
+    assert noisy["techniques"] == plain["techniques"] and noisy["verdict_bytes"] == plain["verdict_bytes"]
+    listed = noisy["assumptions"][-1]
+    assert listed.startswith("Megatron arguments ignored") and all(option in listed for option in ignored)

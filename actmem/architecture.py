@@ -85,6 +85,12 @@ class Architecture:
     """Megatron's --attention-softmax-in-fp32 (set too by --apply-query-key-layer-scaling:
     TransformerConfig.__post_init__): torch's fallback softmax upcasts the scores and keeps its
     fp32 output. The fused kernel keeps its 16-bit probabilities either way."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (TE's fuse_wgrad_accumulation): each linear's weight gradient is
+    accumulated straight into the fp32 main_grad and autograd is handed TE's cached dummy;
+    False is --no-gradient-accumulation-fusion: a 16-bit weight gradient is made at each linear's
+    backward (TE linear.py: the wgrad GEMM with no out), added to main_grad by DDP's hook and
+    freed, and no dummy is kept."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -116,7 +122,7 @@ class Architecture:
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
-                     "softmax_in_fp32"):
+                     "softmax_in_fp32", "gradient_accumulation_fusion"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -139,6 +145,9 @@ class Architecture:
         if (not self.masked_softmax_fusion or self.softmax_in_fp32) and self.implementation != MEGATRON:
             raise SpecError(f"masked_softmax_fusion and softmax_in_fp32 are Megatron's switches of its local core's "
                             f"softmax (fused_softmax.py); --implementation {self.implementation} has no such kernel")
+        if not self.gradient_accumulation_fusion and self.implementation != MEGATRON:
+            raise SpecError(f"--no-gradient-accumulation-fusion is Megatron's switch; --implementation "
+                            f"{self.implementation} computes its weight gradients with autograd already")
         if self.qk_norm and self.attention_core == "eager" and self.implementation == MEGATRON:
             raise SpecError("--qk-layernorm is modelled under the flash attention core only: Megatron runs the "
                             "eager core in its local spec, whose q and k norms (LNImpl: apex's or torch's) keep "
@@ -349,6 +358,11 @@ def counts_norm_statistics(arch: Architecture) -> bool:
     """the norms' fp32 statistics are terms of the table: on the flash path (beside TE's
     kernels) and wherever the code is not Megatron's (the paper leaves them out)"""
     return flash(arch) or arch.implementation != MEGATRON
+
+
+def unfused_weight_gradients(arch: Architecture) -> bool:
+    """Megatron without gradient accumulation fusion: each linear makes a 16-bit weight gradient"""
+    return arch.implementation == MEGATRON and not arch.gradient_accumulation_fusion
 
 
 def torch_softmax_possible(arch: Architecture) -> bool:

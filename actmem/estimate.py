@@ -538,7 +538,12 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
         notes.append("16-bit main gradients (DDP's buffer in the parameters' dtype): the optimizer step then "
                      "copies its gradients to fp32 (`.float()`, 4 B a parameter of its shard) after the last "
                      "backward has freed the activations; that moment is not counted in the peak floor")
-    if arch.implementation == "megatron":
+    if arch.implementation == "megatron" and not arch.gradient_accumulation_fusion:
+        notes.append("no gradient accumulation fusion (--no-gradient-accumulation-fusion): no dummy weight gradients; "
+                     "each linear makes a 16-bit weight gradient at its backward (TE linear.py: the wgrad GEMM with no "
+                     "out), which DDP's hook adds to main_grad and frees: fc1's is in its backward moment; the "
+                     "others' (QKV, projection, fc2, the output layer's) at their own moments are not counted")
+    elif arch.implementation == "megatron":
         notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "
                      "hands autograd an uncomputed 16-bit tensor of its weight's shape, and Transformer Engine "
                      "(get_dummy_wgrad, since its PR #1651, 2025) keeps one a shape for the process; older releases make one at "

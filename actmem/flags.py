@@ -145,6 +145,10 @@ ARCHITECTURE_FLAGS = (
     Flag(("--attention-softmax-in-fp32",), "softmax_in_fp32",
          "torch's fallback softmax in fp32 (Megatron's switch): it keeps its fp32 output, 4as²b/t; the fused "
          "kernel and TE's cores keep no fp32 softmax", constant=True),
+    Flag(("--gradient-accumulation-fusion/--no-gradient-accumulation-fusion",), "gradient_accumulation_fusion",
+         "Megatron's fused weight gradients into main_grad, with TE's dummy kept (default), or 16-bit weight "
+         "gradients made at each linear's backward and freed once added (Megatron's --no-gradient-accumulation-"
+         "fusion)", bool),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "

@@ -35,7 +35,7 @@ MEGATRON_NAMES = frozenset({
     "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
     "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
-    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent",
+    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent", "--no-gradient-accumulation-fusion",
 })
 MANY = "many"
 #: 16-bit training, which actmem assumes: used as a check, never ignored

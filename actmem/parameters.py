@@ -75,8 +75,8 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
     the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
     with the output layer [v/t, h]; shapes that coincide are one tensor. Megatron's layer
     only (the other implementations compute real gradients). Arithmetic only."""
-    if arch.implementation != "megatron":
-        return 0
+    if arch.implementation != "megatron" or not arch.gradient_accumulation_fusion:
+        return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
     f = arch.ffn(h)
     shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
               (arch.fc1_width * f // t, h, 1), (h, f // t, 1), (v // t, h, holds_output))

@@ -17,7 +17,8 @@ from actmem.architecture import PAPER, always, counts_norm_statistics, dataloade
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
     hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
-    torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope
+    torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
+    unfused_weight_gradients
 from actmem.symbols import a, b, c, h, s, t, v
 from actmem.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
@@ -404,6 +405,10 @@ MLP_BACKWARD_TERMS = (
          "all-reduce (in place)"),
     Term("fc1_input_gradient_shard", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.LAYER,
          "under SP, the reduce-scatter's output, this rank's shard of that gradient (2sbh/t)"),
+    Term("fc1_weight_gradient", lambda arch: A16 * arch.fc1_width * arch.ffn(h) * h, Region.BLOCK, _ALWAYS,
+         Scope.LAYER, "without gradient accumulation fusion, fc1's 16-bit weight gradient, made by the wgrad GEMM "
+         "while its input is gathered and its input gradient's reduce-scatter is in flight (TE linear.py), before "
+         "DDP's hook adds it to main_grad (2·fc1 width·f·h/t)", unfused_weight_gradients),
     LAYER_OUTPUT_GRADIENT,
 )
 #: the MLP_BACKWARD_TERMS that exist only under sequence parallelism

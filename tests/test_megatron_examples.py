@@ -83,7 +83,7 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
     ("train_llama3_8b_fsdp_h100_fp8.sh",
      {"--use-megatron-fsdp",
       "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--fsdp-manual-registration",
-      "--no-gradient-accumulation-fusion", "--use-nccl-ub", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+      "--use-nccl-ub", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
       "--fp8-param-gather"}),
     ("train_mixtral_8x7b_distributed.sh",
      {"--num-experts", "--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",

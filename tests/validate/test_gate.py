@@ -515,3 +515,17 @@ def test_the_mask_missing_from_the_formula_fails(monkeypatch):
         _clear_engine_caches()
     mask = row(rows, "attention_mask")
     assert mask["measured_bytes"] > mask["formula_bytes"] == 0 and mask["gate"] == "fail" and failures
+
+
+@pytest.mark.parametrize("technique", ["tp", "tp-sp", "tp-sp-sel"])
+def test_unfused_weight_gradients_are_measured_above_the_floor(technique):
+    """--no-gradient-accumulation-fusion: no dummy weight gradients, and fc1's 16-bit weight
+    gradient (2·4h·h/t = 2·256·64/2 = 16,384 B) live at fc1's backward beside its gathered
+    input and both input gradients, as TE orders them. Every counted term 0 B off; the peak
+    at or above the floor, which drops by the dummies and gains that gradient."""
+    fused = run_fake(configs_for(small_spec(2, 2), [technique], 1))
+    unfused = run_fake(configs_for(small_spec(2, 2, gradient_accumulation_fusion=False), [technique], 1))
+    assert judge(unfused, 0.0, 30.0) == []
+    floor = lambda rows: row(rows, "peak")["formula_bytes"]
+    assert floor(unfused) <= row(unfused, "peak")["measured_bytes"]
+    assert floor(unfused) != floor(fused)

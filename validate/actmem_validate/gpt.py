@@ -51,6 +51,7 @@ class LayerSpec:
     softmax_in_fp32: bool = False         # torch's fallback upcasts (--attention-softmax-in-fp32)
     position_rows: int | None = None      # rows of the learned table (--max-position-embeddings); None: s
     rotary_percent: float = 1.0           # the share of d rope rotates (--rotary-percent)
+    wgrad_fusion: bool = True             # False: 16-bit weight gradients (--no-gradient-accumulation-fusion)
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -72,7 +73,7 @@ class LayerSpec:
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32,
-                   arch.position_rows, arch.rotary_percent)
+                   arch.position_rows, arch.rotary_percent, arch.gradient_accumulation_fusion)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""

@@ -43,6 +43,8 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         total = all_gather(x, ctx.tp) if ctx.gather else x  # re-gathered, not stored
+        if getattr(ctx.parameter, "unfused_wgrad", False):
+            return _unfused_backward(ctx, grad, weight, total)
         grad_input = grad @ weight
         if ctx.gather:
             grad_input = reduce_scatter(grad_input, ctx.tp)  # (s/t, b, h)
@@ -51,6 +53,20 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
             grad_weight = dummy_wgrad(ctx.parameter)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _unfused_backward(ctx, grad, weight, total):
+    """Without gradient accumulation fusion (--no-gradient-accumulation-fusion), in TE's order
+    (linear.py, _Linear backward): the input gradient, its reduce-scatter launched (under SP),
+    then the weight gradient, a 16-bit tensor of the weight's shape (the wgrad GEMM with no
+    out), made while both of them and the gathered input are live; autograd hands it to DDP's
+    hook, which adds it to main_grad and drops it (attach_main_grads)."""
+    full = grad @ weight
+    grad_input = reduce_scatter(full, ctx.tp) if ctx.gather else full
+    grad_weight = grad.flatten(0, -2).t() @ total.flatten(0, -2)
+    del full
+    grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+    return grad_input, grad_weight, grad_bias, None, None
 
 
 def accumulate_weight_gradient(weight, grad_2d, input_2d):

@@ -85,6 +85,10 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
     with fake_tensor_mode() if fake else nullcontext():
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
                            spec.stage_layers)
+        fused = fused_wgrad_weights(stage)
+        for weight in fused:                              # --no-gradient-accumulation-fusion: 16-bit wgrads
+            weight.unfused_wgrad = not layer_spec.wgrad_fusion
+
         def schedule(allocated=lambda: 0):
             return run_first_stage(stage, layer_spec, run.pipeline_parallel, run.interleave, config.microbatches,
                                    run.micro_batch, spec.padded_vocab, tp, allocated)
@@ -93,7 +97,7 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
             kept_for_the_process = _warm_up(stage, schedule) if device.startswith("cuda") else 0
             with _PeakMemory(stage, device) as peak:
                 attach_main_grads(stage)                  # fp32, allocated before the step (counted)
-                make_dummy_wgrads(fused_wgrad_weights(stage))     # TE's cache, made by the first step
+                make_dummy_wgrads(fused if layer_spec.wgrad_fusion else [])   # TE's cache, made by the first step
                 result = schedule(peak.current)
         finally:
             make_dummy_wgrads([])                 # they go with the stage

@@ -86,9 +86,14 @@ OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 #: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
 #: bits while it is live (calculate_gradients), as the unfused one's gradient is cast
 LOSS_FUSION = "--cross-entropy-loss-fusion"
+#: query-key layer scaling: under the local core it scales QKᵀ by 1/layer (the baddbmm's alpha and
+#: the softmax's scale, no tensor kept: dot_product_attention.py) and sets attention_softmax_in_fp32
+#: (TransformerConfig.__post_init__); TE's attention needs NVTE_APPLY_QK_LAYER_SCALING=1 to match
+#: (extensions/transformer_engine.py) and then chooses its own backend: not modelled there
+QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, LOSS_FUSION)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, LOSS_FUSION, QK_LAYER_SCALING)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -284,6 +289,8 @@ def _implied(words, settings) -> list[str]:
     attention backend and implementation choose the core; the dataloader makes an attention
     mask unless told not to."""
     implied = []
+    if QK_LAYER_SCALING in settings and "--attention-softmax-in-fp32" not in words:
+        implied += ["--attention-softmax-in-fp32"]                   # TransformerConfig sets it
     if "--fp16" in settings and FP32_GRADIENTS not in settings:      # fp16's gradient buffers stay 16-bit
         implied += ["--grad-dtype", "fp16"]
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
@@ -365,6 +372,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
                         "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
+    if QK_LAYER_SCALING in settings and attention_core(settings) != "eager":
+        problems.append(f"{QK_LAYER_SCALING} under TE's attention is not modelled: Megatron then needs "
+                        "NVTE_APPLY_QK_LAYER_SCALING=1 (transformer_engine.py) and TE chooses its own backend; "
+                        "under the local core it is read (the softmax in fp32)")
     if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
         problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
                         "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")

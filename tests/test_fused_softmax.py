@@ -242,3 +242,16 @@ def test_the_switches_are_megatron_s_alone():
             Architecture(implementation="hf", attention_core="eager", **{name: value})
     flash = replace(Architecture(attention_core="flash"), masked_softmax_fusion=False)
     assert flash.with_fused_softmax(False) is flash                      # TE's kernels: nothing to fall back from
+
+
+def test_query_key_layer_scaling_is_the_fp32_softmax_under_the_local_core(actmem):
+    """Megatron scales QKᵀ by 1/layer through the baddbmm's alpha and the softmax's scale (no
+    tensor kept) and sets attention_softmax_in_fp32 (TransformerConfig.__post_init__): the same
+    bytes as --attention-softmax-in-fp32; under TE's attention it is refused."""
+    local = f"{PASTE} --attention-backend local --no-masked-softmax-fusion"
+    scaled = actmem.json("estimate", "--megatron-args", f"{local} --apply-query-key-layer-scaling")
+    fp32 = actmem.json("estimate", "--megatron-args", f"{local} --attention-softmax-in-fp32")
+    assert scaled["techniques"] == fp32["techniques"] and scaled["verdict_bytes"] == fp32["verdict_bytes"]
+    assert_one_line_error(actmem("estimate", "--megatron-args",
+                                 f"{PASTE} --attention-backend fused --apply-query-key-layer-scaling"),
+                          "--apply-query-key-layer-scaling under TE's attention is not modelled")

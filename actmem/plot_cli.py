@@ -14,7 +14,7 @@ import click
 
 from actmem.cli import OneLineErrors, plan_options, plan_request
 from actmem.errors import SpecError
-from actmem.flags import build_spec_from_flags, spec_options
+from actmem.flags import build_spec_from_flags, option, spec_options
 
 IMAGE_SUFFIXES = (".png", ".svg")
 MATPLOTLIB_MISSING = "actmem plot needs matplotlib to draw: pip install 'actmem[plot]' (or --csv alone)"
@@ -55,17 +55,17 @@ def _size_in(ctx, param, value):
 def _output_options(command):
     """-o, --csv, --size and --dpi: what every plot writes, and how large."""
     options = [
-        click.option("-o", "--output", default=None, callback=_image_path, metavar="FILE.png|FILE.svg",
+        option("-o", "--output", default=None, callback=_image_path, metavar="FILE.png|FILE.svg",
                      help="The picture; its suffix picks PNG or SVG (needs matplotlib)."),
-        click.option("--csv", "csv_path", default=None, callback=_csv_path, metavar="FILE.csv",
+        option("--csv", "csv_path", default=None, callback=_csv_path, metavar="FILE.csv",
                      help="Also (or only) write the frame the picture draws, as it is."),
-        click.option("--size", "size_in", default="8x5", show_default=True, callback=_size_in,
+        option("--size", "size_in", default="8x5", show_default=True, callback=_size_in,
                      metavar="WxH", help="Figure size in inches."),
-        click.option("--dpi", type=click.IntRange(20, 600), default=100, show_default=True,
+        option("--dpi", type=click.IntRange(20, 600), default=100, show_default=True,
                      help="Pixels an inch (PNG)."),
     ]
-    for option in reversed(options):
-        command = option(command)
+    for decorator in reversed(options):
+        command = decorator(command)
     return command
 
 
@@ -99,9 +99,9 @@ def memory(output, csv_path, size_in, dpi, **flags):
 
 @plot.command()
 @spec_options
-@click.option("--over", type=click.Choice(list(_SWEEPS)), default="seq-len", show_default=True,
+@option("--over", type=click.Choice(list(_SWEEPS)), default="seq-len", show_default=True,
               help="What grows along the x axis.")
-@click.option("--values", "values_text", default=None, metavar="N,N,...",
+@option("--values", "values_text", default=None, metavar="N,N,...",
               help="The values to sweep [default: s/8 to 8s around the model's s, or b = 1 to 16; "
                    "those the run allows].")
 @_output_options
@@ -183,11 +183,11 @@ def fit(output, csv_path, size_in, dpi, **flags):
 
 
 @plot.command()
-@click.option("--from", "source", required=True, type=click.Path(exists=True, dir_okay=False),
+@option("--from", "source", required=True, type=click.Path(exists=True, dir_okay=False),
               metavar="FILE.csv", help="A table of `actmem validate --format csv` (or its --output).")
-@click.option("--config", default=None, metavar="LABEL",
+@option("--config", default=None, metavar="LABEL",
               help="Which measured run, as its config column says [default: the file's first].")
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Which rank.")
+@option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Which rank.")
 @_output_options
 def validation(source, config, rank, output, csv_path, size_in, dpi):
     """Formula against measurement, term by term, for one measured run: formula and measured

@@ -76,3 +76,12 @@ def test_estimate_and_plan_agree_on_every_configuration_they_both_see(preset):
         run = parse_config(config_label(row)) | {"gpus": req.gpus, "global_batch": req.global_batch}
         spec = build_spec(vars(req.model), run, gpu_memory_bytes=gpu.memory_bytes, reserve_bytes=8 * GIB)
         assert estimate(spec).fits == bool(row.fits), config_label(row)
+
+
+def test_every_command_s_own_options_refuse_two_values(actmem, tmp_path):
+    assert_one_line_error(actmem("plot", "memory", "--model", "530b", "-o", str(tmp_path / "a.png"),
+                                 "-o", str(tmp_path / "b.png")), "-o is given more than once and the values disagree")
+    assert_one_line_error(actmem("plan", "--model", "530b", "--top", "3", "--top", "5"),
+                          "--top is given more than once and the values disagree")
+    assert_one_line_error(actmem("flops", "--model", "530b", "--format", "json", "--format", "rich"),
+                          "--format is given more than once and the values disagree")

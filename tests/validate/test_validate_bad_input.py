@@ -77,3 +77,10 @@ def test_the_footprint_guard_uses_the_machine_it_is_given():
 def test_a_grid_refuses_pasted_megatron_args_too(actmem):
     result = actmem("validate", "--grid", "small", "--megatron-args", "--bf16 --attention-backend local --lr 1")
     assert_one_line_error(result, "--grid small sets the model", "--megatron-args")
+
+
+def test_an_option_given_twice_with_two_values_is_refused(actmem):
+    from tests.conftest import assert_one_line_error
+
+    assert_one_line_error(actmem("validate", "--model", "22b", "--mode", "fake", "--techniques", "tp",
+                                 "--techniques", "tp-sp"), "--techniques is given more than once and the values disagree")

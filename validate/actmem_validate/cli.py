@@ -12,7 +12,7 @@ import sys
 import click
 
 from actmem.errors import SpecError
-from actmem.flags import build_spec_from_flags, given_flags, spec_options, with_megatron_args
+from actmem.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                   "(on a CPU-only machine install the CPU build of torch first)")
@@ -20,15 +20,15 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 
 @click.command()
 @spec_options
-@click.option("--techniques", default=None,
+@option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@click.option("--grid", type=click.Choice(["small", "presets"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake, or "
                    "--mode rank0 on a GPU). "
                    "A grid sets the model, run and techniques itself.")
-@click.option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
+@option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
                    "process with FakeTensorMode, any scale, no memory used; rank0: rank 0 of t "
                    "in one process (one a configuration) with real tensors, on the GPU where there "
@@ -36,21 +36,21 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                    "nothing): one GPU measures any t with torch.cuda's allocator, values "
                    "unchecked. A grid measures the runs that fit this machine and names the "
                    "others.")
-@click.option("--microbatches", type=click.IntRange(min=1, max=1024), default=None,
+@option("--microbatches", type=click.IntRange(min=1, max=1024), default=None,
               help="Microbatches per iteration (default: the fewest that fill the schedule).")
-@click.option("--max-error", type=float, default=0.0, show_default=True,
+@option("--max-error", type=float, default=0.0, show_default=True,
               help="Largest |error| in percent allowed on a term the paper counts and on the "
                    "total; more exits 1. A tensor no term or named residual accounts for always "
                    "fails.")
-@click.option("--max-peak-gap", type=float, default=None, metavar="PERCENT",
+@option("--max-peak-gap", type=float, default=None, metavar="PERCENT",
               help="Largest gap in percent allowed between the allocator's peak and actmem's "
                    "floor under it; more exits 1 [default: none, only a peak below the floor "
                    "fails]. Context-parallel runs are judged from below only (the harness's "
                    "attention is not TE's ring).")
-@click.option("--timeout", type=click.IntRange(min=1), default=300, show_default=True,
+@option("--timeout", type=click.IntRange(min=1), default=300, show_default=True,
               help="Seconds a collective may wait before a real run gives up.")
-@click.option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False), default=None,
+@option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich", show_default=True)
+@option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows to this file (.json or .csv).")
 def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, timeout, fmt, output, **flags):
     """Measure what real tensor- and sequence-parallel layers save, against the formulas.

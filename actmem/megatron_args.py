@@ -81,6 +81,9 @@ FP32_GRADIENTS = "--accumulate-allreduce-grads-in-fp32"
 #: a bucket is a view of its buffer); what they change is the bucket count, so the distributed
 #: optimizer's bucket-end padding (optimizer/param_layout.py), which actmem names and does not count
 OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
+#: the bucket layout alone (distributed_data_parallel.py: bucket_size, num_buckets; param_layout.py:
+#: bucket_end_divisor, lcm(d·c, 128) or, padded for NCCL's bus bandwidth, lcm(d·c, 128, 65536))
+BUCKETS = ("--ddp-bucket-size", "--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw")
 #: Megatron's fused cross entropy (its default 'native' implementation): _VocabParallelCrossEntropy
 #: in fusions/fused_cross_entropy.py saves what tensor_parallel/cross_entropy.py's saves (the fp32
 #: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
@@ -93,7 +96,8 @@ LOSS_FUSION = "--cross-entropy-loss-fusion"
 QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, LOSS_FUSION, QK_LAYER_SCALING)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
+            QK_LAYER_SCALING)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -248,6 +252,12 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
             f"{' and '.join(overlapped)} read: the reduce-scatter and the parameter all-gather run per bucket into "
             "the buffers DDP already holds (a bucket is a view of its buffer); with the distributed optimizer the "
             "buckets (max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted")
+    bucketed = [name for name in BUCKETS if name in settings]
+    if bucketed:
+        settings.setdefault("notes", []).append(
+            f"{', '.join(bucketed)} read: they shape the buckets, views of DDP's buffers; with the distributed "
+            "optimizer each bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) "
+            "padded for NCCL's bus bandwidth), not counted")
     if LOSS_FUSION in settings:
         settings.setdefault("notes", []).append(
             f"{LOSS_FUSION} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "

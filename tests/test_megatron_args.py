@@ -174,3 +174,15 @@ def test_a_learned_position_table_longer_than_s_is_counted_whole(actmem):
     assert longer["parameters"]["count"] - at_s["parameters"]["count"] == 4096 * 4096 == 16_777_216
     assert longer["run_terms"] == at_s["run_terms"]             # no activation reads the rows beyond s
     assert any("8,192 rows" in note for note in longer["assumptions"])
+
+
+def test_bucket_settings_are_read_and_their_padding_named(actmem):
+    """Buckets are views of DDP's buffers: the bytes do not move; the padding they shape under the
+    distributed optimizer is named, not counted. Averaging in the collective is a scaling."""
+    base = f"{MODEL} {RUN} --bf16 --attention-backend local --no-create-attention-mask-in-dataloader"
+    plain = actmem.json("estimate", "--megatron-args", base)
+    bucketed = actmem.json("estimate", "--megatron-args", base + " --ddp-bucket-size 10000000 --ddp-num-buckets 4 "
+                           "--ddp-pad-buckets-for-high-nccl-busbw --ddp-average-in-collective")
+    assert bucketed["verdict_bytes"] == plain["verdict_bytes"]
+    notes = " ".join(bucketed["assumptions"])
+    assert "lcm(d·c, 128, 65536)" in notes and "--ddp-average-in-collective" in notes

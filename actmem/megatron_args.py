@@ -246,30 +246,10 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
                 refused.append((why, name))
         i = after
     used += _implied(words, settings)
-    overlapped = [name for name in OVERLAP if name in settings]
-    if overlapped:
-        settings.setdefault("notes", []).append(
-            f"{' and '.join(overlapped)} read: the reduce-scatter and the parameter all-gather run per bucket into "
-            "the buffers DDP already holds (a bucket is a view of its buffer); with the distributed optimizer the "
-            "buckets (max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted")
-    bucketed = [name for name in BUCKETS if name in settings]
-    if bucketed:
-        settings.setdefault("notes", []).append(
-            f"{', '.join(bucketed)} read: they shape the buckets, views of DDP's buffers; with the distributed "
-            "optimizer each bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) "
-            "padded for NCCL's bus bandwidth), not counted")
-    if LOSS_FUSION in settings:
-        settings.setdefault("notes", []).append(
-            f"{LOSS_FUSION} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
-            "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its fp32 "
-            "gradient to 16 bits in its backward, the same moment")
-    if LAYERNORM_1P in settings:
-        settings.setdefault("notes", []).append(
-            f"{LAYERNORM_1P}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "
-            "(transformer_engine/pytorch/module/layernorm_linear.py: zero_centered_gamma)")
+    settings["notes"] = _read_notes(settings)
     if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
-        settings.setdefault("notes", []).append(
+        settings["notes"].append(
             "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
     problems = _problems(words, settings, refused, unknown, missing)
     if stray:
@@ -278,6 +258,31 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
     if problems:
         raise SpecError(f"--megatron-args: {'; '.join(problems)}")
     return used, ignored, settings
+
+
+#: what a read setting does to the count, said in the assumptions: (the names, the note)
+_READ_NOTES = (
+    (OVERLAP, "{names} read: the reduce-scatter and the parameter all-gather run per bucket into the buffers DDP "
+              "already holds (a bucket is a view of its buffer); with the distributed optimizer the buckets "
+              "(max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted"),
+    (BUCKETS, "{names} read: they shape the buckets, views of DDP's buffers; with the distributed optimizer each "
+              "bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) padded for "
+              "NCCL's bus bandwidth), not counted"),
+    ((LOSS_FUSION,), "{names} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
+                     "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its "
+                     "fp32 gradient to 16 bits in its backward, the same moment"),
+    ((LAYERNORM_1P,), "{names}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "
+                      "(transformer_engine/pytorch/module/layernorm_linear.py: zero_centered_gamma)"),
+)
+
+
+def _read_notes(settings) -> list[str]:
+    notes = []
+    for names, note in _READ_NOTES:
+        given = [name for name in names if name in settings]
+        if given:
+            notes.append(note.format(names=" and ".join(given)))
+    return notes
 
 
 def _unknown(name: str) -> str:

@@ -449,7 +449,10 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
 
     flags, pasted = with_megatron_args(flags)
     flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
-    name, model, run, architecture, notes = _preset_and_flags(flags)
+    from actmem.presets import load_preset
+
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    name, model, run, architecture, notes = _preset_and_flags(flags, preset)
     _check_paste(pasted, model, architecture)
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
@@ -464,7 +467,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options = {"notes": notes} if notes else {}
     if dims_only:
         options["dims_only"] = True
-    options.update(gpu_options(flags, preset_gpu(flags)))
+    options.update(gpu_options(flags, preset.gpu if preset else None))
     if flags["grad_dtype"] is not None:
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
     if flags["vocab_divisible_by"] is not None:
@@ -477,12 +480,6 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     if not options["notes"]:
         del options["notes"]
     return build_spec(model, run, name=name, architecture=architecture, **options)
-
-
-def preset_gpu(flags: dict) -> str | None:
-    from actmem.presets import load_preset
-
-    return load_preset(flags["preset"]).gpu if flags.get("preset") else None
 
 
 def gpu_options(flags: dict, preset_gpu: str | None) -> dict:

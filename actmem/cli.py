@@ -14,7 +14,7 @@ import click
 
 from actmem import defaults
 from actmem.errors import SpecError
-from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU_OPTIONS, GPUS, GRADIENT_FLAGS, MEGATRON_ARGS,
+from actmem.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU_OPTIONS, GPUS, STATE_FLAGS, MEGATRON_ARGS,
                           add_flags, build_spec_from_flags, model_from_flags, model_options, option, spec_options)
 from actmem.hardware import DEFAULT_EFFICIENCY
 
@@ -200,7 +200,7 @@ def plan_options(command):
         option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
-    command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS + GRADIENT_FLAGS))
+    command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS + STATE_FLAGS))
     for decorator in reversed(options):
         command = decorator(command)
     return model_options(command)
@@ -271,6 +271,7 @@ def plan_request(flags: dict):
                           vocab_divisible_by=choice.architecture.code.vocab_divisible_by(
                               flags["vocab_divisible_by"], defaults.VOCAB_DIVISIBLE_BY),
                           architecture=choice.architecture,
+                          optimizer=choice.optimizer,
                           **({} if choice.gradient_bytes is None else {"gradient_bytes": choice.gradient_bytes}))
     return choice.name, request, choice.preset_run
 

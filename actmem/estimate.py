@@ -16,7 +16,7 @@ from actmem.spec import Spec, padded_vocab
 from actmem.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
 from actmem.terms import TERMS, Recompute, Scope, Term
 from actmem.units import plural
-from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, OPTIMIZER_BYTES,
+from actmem.widths import (ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES,
                            WEIGHT_BYTES)
 
 
@@ -198,14 +198,15 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
     techniques = tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows)
+    parameters = _parameters(spec, spec.run.tensor_parallel, stage, layers)
     return Estimate(
         spec=spec,
         occupancy=occupancy,
         techniques=techniques,
         run=_technique_row(spec, run, occupancy, layers),
         run_terms=tuple(row for row in terms if row.total_bytes),
-        parameters=_parameters(spec, spec.run.tensor_parallel, stage, layers),
-        assumptions=_assumptions(spec, occupancy, techniques),
+        parameters=parameters,
+        assumptions=_assumptions(spec, occupancy, techniques, parameters),
         stage=stage,
     )
 
@@ -330,7 +331,8 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                              spec.architecture, model.heads, layers, stage)
     dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
                                    holds_output=int(stage == run.pipeline_parallel - 1))
-    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes)
+    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
+                           spec.optimizer.bytes_per_parameter)
 
 
 def _layer_formula(arch) -> str:
@@ -478,11 +480,12 @@ def _mask_notes(spec: Spec) -> list:
             "counts it (a pasted argument list without that switch has it)"]
 
 
-def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
+def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: ParameterBytes) -> tuple:
     arch = spec.architecture
     grad = spec.gradient_bytes
     grad_text = f"{grad} B {'fp32' if grad == GRADIENT_BYTES else '16-bit'} gradient"
-    per_parameter = WEIGHT_BYTES + grad + OPTIMIZER_BYTES
+    adam = spec.optimizer
+    per_parameter = WEIGHT_BYTES + grad + adam.bytes_per_parameter
     notes = [
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
         f"({LOGITS_BYTES} B) (section 4); "
@@ -521,8 +524,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
            "; rotary positions have no parameters"),
     ]
     if spec.run.distributed_optimizer:
-        notes.append(f"{WEIGHT_BYTES} B weight + {grad_text} + "
-                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments / "
+        notes.append(f"{WEIGHT_BYTES} B weight + {grad_text} + {adam.describe()} / "
                      + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else
                         f"d·c = {spec.optimizer_shards}")
                      + " (the distributed optimizer) a parameter"
@@ -533,8 +535,10 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple) -> tuple:
                      f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")
     else:
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
-                     f"{OPTIMIZER_BYTES} B fp32 master weight and Adam moments (mixed-precision Adam)")
-    if grad != GRADIENT_BYTES:
+                     f"{adam.describe()} (mixed-precision Adam)")
+    shard = -(-parameters.count // (spec.optimizer_shards if spec.run.distributed_optimizer else 1))
+    notes += adam.notes(shard)
+    if grad != GRADIENT_BYTES and not adam.precision_aware:
         notes.append("16-bit main gradients (DDP's buffer in the parameters' dtype): the optimizer step then "
                      "copies its gradients to fp32 (`.float()`, 4 B a parameter of its shard) after the last "
                      "backward has freed the activations; that moment is not counted in the peak floor")

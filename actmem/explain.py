@@ -135,7 +135,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     evaluated = evaluate(req, row).iloc[0]
     spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",
                 gpu_memory_bytes=req.gpu_memory_bytes, gpu_name=req.gpu.name, reserve_bytes=req.reserve_bytes,
-                gradient_bytes=req.gradient_bytes,
+                gradient_bytes=req.gradient_bytes, optimizer=req.optimizer,
                 vocab_divisible_by=req.vocab_divisible_by,
                 architecture=req.architecture)
     return estimate(spec), evaluated

@@ -197,15 +197,57 @@ def _gradient_bytes(dtype: str) -> int:
     return GRADIENT_DTYPE_BYTES[dtype]
 
 
-#: the main gradients' dtype: a setting of the run's model state, not of Run (spec.gradient_bytes)
-GRADIENT_FLAGS = (
+MAIN_GRADS = Flag(
+    ("--main-grads-dtype",), "grad_dtype",
+    "Megatron's precision-aware optimizer's spelling of --grad-dtype (fp32 or bf16; bf16 needs "
+    "--use-precision-aware-optimizer, as Megatron asserts)", click.Choice(["fp32", "bf16"]), same=_gradient_bytes)
+PRECISION_AWARE = Flag(
+    ("--precision-aware-optimizer/--no-precision-aware-optimizer", "--use-precision-aware-optimizer"),
+    "precision_aware", "TE's precision-aware Adam (Megatron's --use-precision-aware-optimizer; the distributed "
+    "optimizer only): no fp32 master copy, and the state in the dtypes below", bool)
+
+#: the model state's dtypes, the main gradients' (spec.gradient_bytes) and the optimizer's
+#: (spec.optimizer): settings of the run's model state, not of Run
+STATE_FLAGS = (
     Flag(("--grad-dtype",), "grad_dtype",
          "the main gradients' dtype: fp32 (the default, bf16 training's in Megatron) or bf16/fp16, Megatron's "
          "16-bit buffers (fp16 training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)",
          click.Choice(["fp32", "bf16", "fp16"]), same=_gradient_bytes),
     Flag(("--grad-reduce-in-bf16",), "grad_dtype", "Megatron's switch for --grad-dtype bf16", constant="bf16",
          same=_gradient_bytes),
+    MAIN_GRADS,
+    PRECISION_AWARE,
+    Flag(("--main-params-dtype",), "main_params_dtype",
+         "the precision-aware optimizer's master weights: fp32 (default; beside bf16 weights TE keeps only the 16 "
+         "bits they lack, 2 B) or fp16 (2 B)", click.Choice(["fp32", "fp16"])),
+    Flag(("--exp-avg-dtype",), "exp_avg_dtype", "the precision-aware optimizer's first moment: fp32 (default, "
+         "4 B), fp16 or bf16 (2 B) or fp8 (1 B)", click.Choice(["fp32", "fp16", "bf16", "fp8"])),
+    Flag(("--exp-avg-sq-dtype",), "exp_avg_sq_dtype", "... and its second moment",
+         click.Choice(["fp32", "fp16", "bf16", "fp8"])),
+    Flag(("--params-dtype",), "params_dtype", "the 16-bit weights' dtype: bf16 (default) or fp16 (Megatron's "
+         "--bf16, --fp16); under the precision-aware optimizer fp32 master remainders need bf16",
+         click.Choice(["bf16", "fp16"])),
 )
+
+
+def optimizer_state(flags: dict):
+    """The OptimizerState the resolved flags ask for (Megatron's defaults where not given)."""
+    from actmem.optimizer_state import OptimizerState
+
+    given = {"precision_aware": flags.get("precision_aware"), "main_params": flags.get("main_params_dtype"),
+             "exp_avg": flags.get("exp_avg_dtype"), "exp_avg_sq": flags.get("exp_avg_sq_dtype"),
+             "params": flags.get("params_dtype")}
+    return OptimizerState(**{key: value for key, value in given.items() if value is not None})
+
+
+def _check_main_grads(flags: dict) -> None:
+    """Megatron asserts --main-grads-dtype is fp32 without the precision-aware optimizer
+    (optimizer_config.py); it is otherwise --grad-dtype, checked with it (before ``resolve``)."""
+    if "bf16" in flags.get(MAIN_GRADS.dest(0), ()) and not any(
+            value for i in range(2) for value in flags.get(PRECISION_AWARE.dest(i), ())):
+        raise SpecError("--main-grads-dtype bf16 needs --use-precision-aware-optimizer (Megatron asserts "
+                        "main_grads_dtype is fp32 without it: optimizer_config.py); --grad-dtype bf16 "
+                        "(Megatron's --grad-reduce-in-bf16) is the same buffer without it")
 
 
 def _spelling(flag: Flag, index: int, value) -> str:
@@ -307,7 +349,7 @@ def spec_options(command):
                      help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
         MEGATRON_ARGS,
     ]
-    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
+    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
     for decorator in reversed(options):
         command = decorator(command)
     return model_options(command)
@@ -365,6 +407,8 @@ class ModelChoice:
     """The preset's GPU (the default of --gpu)."""
     gradient_bytes: int | None = None
     """Bytes a main gradient where --grad-dtype (or a paste) says; None: fp32."""
+    optimizer: object = None
+    """The OptimizerState the flags (or a paste) ask for."""
 
 
 def model_from_flags(flags: dict) -> ModelChoice:
@@ -373,7 +417,8 @@ def model_from_flags(flags: dict) -> ModelChoice:
 
     flags, pasted = with_megatron_args(flags)
     script_run = _script_run(flags) if pasted else {}
-    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
+    _check_main_grads(flags)
+    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + STATE_FLAGS)
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
@@ -383,7 +428,8 @@ def model_from_flags(flags: dict) -> ModelChoice:
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
     gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
     return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
-                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes)
+                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes,
+                       optimizer_state(flags))
 
 
 def _script_run(flags: dict) -> dict:
@@ -448,7 +494,8 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     from actmem.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
 
     flags, pasted = with_megatron_args(flags)
-    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS)
+    _check_main_grads(flags)
+    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
     from actmem.presets import load_preset
 
     preset = load_preset(flags["preset"]) if flags["preset"] else None
@@ -470,6 +517,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options.update(gpu_options(flags, preset.gpu if preset else None))
     if flags["grad_dtype"] is not None:
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
+    options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
@@ -521,7 +569,7 @@ def given_flags(flags: dict) -> list[str]:
     """The spellings of the spec flags a user gave (before ``resolve``), for a mode that sets
     them itself and must refuse them rather than ignore them."""
     given = []
-    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + GRADIENT_FLAGS:
+    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS:
         for index in range(len(flag.names)):
             given += [_spelling(flag, index, value).split(" ")[0] for value in flags.get(flag.dest(index), ())]
     for key, value in flags.items():

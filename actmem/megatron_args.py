@@ -36,6 +36,8 @@ MEGATRON_NAMES = frozenset({
     "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
     "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
     "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent", "--no-gradient-accumulation-fusion",
+    "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
+    "--exp-avg-sq-dtype",
 })
 MANY = "many"
 #: 16-bit training, which actmem assumes: used as a check, never ignored
@@ -308,6 +310,8 @@ def _implied(words, settings) -> list[str]:
         implied += ["--attention-softmax-in-fp32"]                   # TransformerConfig sets it
     if "--fp16" in settings and FP32_GRADIENTS not in settings:      # fp16's gradient buffers stay 16-bit
         implied += ["--grad-dtype", "fp16"]
+    if "--fp16" in settings:                     # the precision-aware optimizer's remainders need bf16
+        implied += ["--params-dtype", "fp16"]
     if GQA_SWITCH in settings and "--num-query-groups" not in words:
         implied += ["--num-query-groups", "1"]
     core = attention_core(settings)

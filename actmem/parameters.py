@@ -105,12 +105,13 @@ class ParameterBytes:
 
 
 def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
-                    gradient_bytes=GRADIENT_BYTES) -> ParameterBytes:
+                    gradient_bytes=GRADIENT_BYTES, optimizer_bytes=OPTIMIZER_BYTES) -> ParameterBytes:
     """18 bytes a parameter, or 6 + 12/d with the distributed optimizer (rounded up: the
-    largest shard), 2 less a parameter with 16-bit main gradients; and 2 bytes a dummy
-    weight-gradient element (dummy_wgrad_elements).
+    largest shard), 2 less a parameter with 16-bit main gradients, the optimizer's 12 bytes
+    as its dtypes say (optimizer_state.OptimizerState); and 2 bytes a dummy weight-gradient
+    element (dummy_wgrad_elements).
     Arithmetic only: the planner passes numpy arrays, one element a configuration."""
     shards = 1 + (data_parallel - 1) * distributed_optimizer
-    optimizer = -(-OPTIMIZER_BYTES * count // shards)
+    optimizer = -(-optimizer_bytes * count // shards)
     return ParameterBytes(count, WEIGHT_BYTES * count, gradient_bytes * count, optimizer,
                           WEIGHT_BYTES * dummy_wgrads)

@@ -18,6 +18,7 @@ from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
+from actmem.optimizer_state import OptimizerState
 from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
 from actmem.pipeline import held_counts, split_text, stage_split
 from actmem.spec import Model, padded_vocab, require_positive_int
@@ -63,6 +64,9 @@ class PlanRequest:
     gradient_bytes: int = GRADIENT_BYTES
     """Bytes a main gradient: 4 (fp32) or 2 (16-bit: a paste's fp16 without fp32 accumulation,
     or --grad-reduce-in-bf16), as estimate's Spec.gradient_bytes."""
+    optimizer: OptimizerState = OptimizerState()
+    """Adam's state, as estimate's Spec.optimizer: the precision-aware optimizer keeps only the
+    distributed optimizer's rows (rules.py)."""
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
@@ -174,8 +178,9 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
                         f"--max-micro-batch ({req.max_micro_batch})")
     grid = grid.merge(switches, how="cross")
     # the distributed optimizer over one data-parallel rank (d·c = 1) shards nothing: Megatron allows
-    # it, and its bytes are the plain optimizer's, so the sweep keeps only the plain row
-    grid = grid[~(grid.distributed_optimizer & (grid.d * grid.c == 1))]
+    # it, and its bytes are the plain optimizer's, so the sweep keeps only the plain row (the
+    # precision-aware optimizer needs the distributed one: then only that row)
+    grid = grid[~((grid.distributed_optimizer != req.optimizer.precision_aware) & (grid.d * grid.c == 1))]
     grid["n"] = req.global_batch // (grid.b * grid.d)
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)
@@ -211,7 +216,8 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         code=req.architecture.code,
                         head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
                         first=grid.first_stage_layers if uneven else None,
-                        last=grid.last_stage_layers if uneven else None, architecture=req.architecture)
+                        last=grid.last_stage_layers if uneven else None, architecture=req.architecture,
+                        precision_aware=req.optimizer.precision_aware)
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -293,7 +299,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
                                               model.heads, stage_layers=layers, stage=stage),
                              grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies,
-                             req.gradient_bytes)   # shards: d·c
+                             req.gradient_bytes, req.optimizer.bytes_per_parameter)   # shards: d·c
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes

@@ -9,7 +9,7 @@ from rich.text import Text
 from actmem.estimate import FITS, NO_FIT, TIGHT, Estimate
 from actmem.stages import split_of, stage_name
 from actmem.units import column_unit, format_in, gib, plural
-from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+from actmem.widths import GRADIENT_BYTES, WEIGHT_BYTES
 
 _BAR_WIDTH = 24
 _VERDICT_BAR, _VERDICT_BAR_LEAST = 30, 6   # the verdict's bar shrinks to keep its line whole
@@ -214,7 +214,7 @@ def _memory_table(est: Estimate) -> Table:
         table.add_column(column, **_column_kind(text=("item", ""))(column))
     per_param = f"{params.count:,} parameters × "
     shards = est.spec.optimizer_shards if est.spec.run.distributed_optimizer else 1
-    optimizer = f"{OPTIMIZER_BYTES} B" + ("" if shards == 1 else
+    optimizer = f"{est.spec.optimizer.bytes_per_parameter} B" + ("" if shards == 1 else
                                           f" / d={shards}" if est.spec.run.context_parallel == 1 else
                                           f" / d·c={shards}")
     rows = (("activations", est.activations_bytes, "the run's terms above"),

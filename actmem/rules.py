@@ -235,6 +235,9 @@ RULES = (
          lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
     Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),
          lambda v: _unmodelled_run(v, f"context parallelism (c = {v.c})"), ("code",)),
+    Rule(lambda v: _implies(v.precision_aware, v.distributed_optimizer),
+         lambda v: "--use-precision-aware-optimizer needs the distributed optimizer (Megatron raises: "
+                   "optimizer/__init__.py, 'only supported with distributed optimizer')", ("precision_aware",)),
     Rule(lambda v: _implies(v.distributed_optimizer, "distributed_optimizer" in v.code.runs),
          lambda v: _unmodelled_run(v, "Megatron's distributed optimizer"), ("code",)),
     Rule(lambda v: _implies(v.code.name == "hf" and v.core == "flash", v.head_dim <= 256),
@@ -306,6 +309,8 @@ class Values:
     """The GPU's memory, when given."""
     architecture: object = None
     """The Architecture, when given: the rules of Megatron's torch fallback softmax read its switches."""
+    precision_aware: object = None
+    """TE's precision-aware optimizer (--use-precision-aware-optimizer), when given."""
 
 
 def _unmodelled_run(v, what: str) -> str:

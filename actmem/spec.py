@@ -10,6 +10,7 @@ from actmem import defaults, rules, symbols
 from actmem.architecture import Architecture
 from actmem.errors import SpecError
 from actmem.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
+from actmem.optimizer_state import OptimizerState
 from actmem.terms import RECOMPUTE_MODULES, Recompute
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES
@@ -144,6 +145,8 @@ class Spec:
     gradient_bytes: int = GRADIENT_BYTES
     """Bytes a main gradient: 4 (fp32, bf16 training's default) or 2 (the parameters' dtype: fp16
     training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)."""
+    optimizer: OptimizerState = OptimizerState()
+    """Adam's state: fp32 master weight and moments, or the precision-aware optimizer's dtypes."""
     reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
     """Kept free above the peak floor for what actmem does not count (hardware.DEFAULT_RESERVE):
     'fits' means the peak and the reserve fit, as `plan` reads its budget."""
@@ -168,6 +171,8 @@ class Spec:
         if not (isinstance(self.reserve_bytes, int) and 0 <= self.reserve_bytes < self.gpu_memory_bytes):
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")
+        if not isinstance(self.optimizer, OptimizerState):
+            raise SpecError(f"optimizer must be an OptimizerState, got {self.optimizer!r}")
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
@@ -193,7 +198,8 @@ class Spec:
             unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
             run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
-            gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture)
+            gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture,
+            precision_aware=self.optimizer.precision_aware)
 
     @property
     def chunk_layers(self) -> int:

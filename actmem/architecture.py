@@ -12,7 +12,7 @@ from actmem.errors import SpecError
 from actmem.implementation import MEGATRON, implementation
 
 PAPER_DROPOUT = 0.1   # the GPT models of the paper train with dropout 0.1
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ATTENTION_CORES = ("eager", "flash", "flash-attn")
 POSITION_EMBEDDINGS = ("learned", "rope", "none")
@@ -31,7 +31,8 @@ class Architecture:
     ffn_hidden: int | None = None
     """The MLP's hidden size f (Megatron's --ffn-hidden-size); None: 4h, the paper's."""
     activation: str = "gelu"
-    """'gelu' (the paper's) or 'swiglu' (gated: the first linear is 2f wide; --swiglu)."""
+    """'gelu' (the paper's), 'swiglu' (gated: the first linear is 2f wide; --swiglu) or
+    'squared_relu' (relu(x)² as Megatron's --squared-relu: Nemotron)."""
     normalization: str = "layernorm"
     """'layernorm' (weight and bias) or 'rmsnorm' (weight only; --normalization RMSNorm)."""
     bias: bool = True
@@ -290,6 +291,11 @@ def gelu(arch: Architecture) -> bool:
 def swiglu(arch: Architecture) -> bool:
     """the activation is SwiGLU"""
     return arch.activation == "swiglu"
+
+
+def squared_relu(arch: Architecture) -> bool:
+    """the activation is the squared ReLU"""
+    return arch.activation == "squared_relu"
 
 
 def eager(arch: Architecture) -> bool:

@@ -93,9 +93,11 @@ ARCHITECTURE_FLAGS = (
     Flag(("--hidden-dropout",), "hidden_dropout",
          "dropout after the embedding, attention and MLP (default 0.1); 0 keeps no mask", float),
     Flag(("--ffn", "--ffn-hidden-size"), "ffn_hidden", "the MLP's hidden size f (default 4h)"),
-    Flag(("--activation",), "activation", "the MLP's activation: gelu (default) or swiglu",
-         click.Choice(["gelu", "swiglu"], case_sensitive=False)),
+    Flag(("--activation",), "activation", "the MLP's activation: gelu (default), swiglu or squared_relu",
+         click.Choice(["gelu", "swiglu", "squared_relu"], case_sensitive=False)),
     Flag(("--swiglu",), "activation", "Megatron's switch for --activation swiglu", constant="swiglu"),
+    Flag(("--squared-relu",), "activation", "Megatron's switch for --activation squared_relu",
+         constant="squared_relu"),
     Flag(("--normalization",), "normalization", "layernorm (default) or rmsnorm (Megatron's "
          "LayerNorm, RMSNorm are read too)", click.Choice(["layernorm", "rmsnorm"], case_sensitive=False)),
     Flag(("--disable-bias-linear",), "bias", "linear layers without biases (Megatron's switch)",

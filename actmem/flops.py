@@ -34,7 +34,7 @@ def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
 
 
 APPENDIX_MODEL_FLOPS = "72·B·s·L·h²·(1 + s/(6h) + v/(12hL))"
-_ACTIVATION = {"gelu": "GeLU", "swiglu": "SwiGLU"}
+_ACTIVATION = {"gelu": "GeLU", "swiglu": "SwiGLU", "squared_relu": "squared-ReLU"}
 
 
 def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:

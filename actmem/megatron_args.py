@@ -37,7 +37,7 @@ MEGATRON_NAMES = frozenset({
     "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
     "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent", "--no-gradient-accumulation-fusion",
     "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
-    "--exp-avg-sq-dtype",
+    "--exp-avg-sq-dtype", "--squared-relu",
 })
 MANY = "many"
 #: 16-bit training, which actmem assumes: used as a check, never ignored
@@ -96,6 +96,9 @@ LOSS_FUSION = "--cross-entropy-loss-fusion"
 #: (TransformerConfig.__post_init__); TE's attention needs NVTE_APPLY_QK_LAYER_SCALING=1 to match
 #: (extensions/transformer_engine.py) and then chooses its own backend: not modelled there
 QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
+#: Megatron's unfused bias and GeLU (mlp.py: intermediate + bias, then F.gelu, which saves its input):
+#: the bytes the fused bias_gelu keeps; ignored, and needed beside --squared-relu with biases
+BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
             TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
@@ -398,6 +401,10 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
         problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
                         "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")
+    if "--squared-relu" in words and "--disable-bias-linear" not in words and BIAS_GELU_FUSION not in words:
+        problems.append("Megatron refuses --squared-relu with its default fused bias-GeLU (transformer_config.py: "
+                        "'When bias_activation_fusion is True, activation function should be either gelu, swiglu, "
+                        f"or quick_geglu'): give {BIAS_GELU_FUSION} or --disable-bias-linear")
     if BATCH_SCHEDULE in settings and "--global-batch-size" in words:
         problems.append(f"Megatron refuses {BATCH_SCHEDULE} beside --global-batch-size (arguments.py: "
                         "'Cannot specify both'): give one")

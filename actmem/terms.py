@@ -15,6 +15,7 @@ import sympy
 from actmem.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
+    squared_relu, \
     hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -322,6 +323,13 @@ TERMS = (
          "an unfused SwiGLU keeps silu's output too (2sbf): silu(w1 x) * w3 x saves both factors "
          "of the product, and silu its input (torchtitan's FeedForward.forward)", swiglu_keeping_silu_output,
          module="mlp"),
+    # megatron/core/activations.py: squared_relu(x) = torch.pow(F.relu(x), 2), which mlp.py calls
+    # unfused (Megatron refuses bias_activation_fusion for it: transformer_config.py)
+    Term("squared_relu_output", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
+         "the squared ReLU keeps one f-wide tensor (2sbf): eager, relu saves its output and pow saves "
+         "the same tensor as its input; under Megatron's jit_fuser (torch.compile) the partitioner "
+         "saves one tensor of that shape, relu's input or output (its backward needs one of them); "
+         "the bias, when there is one, is added before it and keeps nothing", squared_relu, module="mlp"),
     Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)", module="mlp"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,

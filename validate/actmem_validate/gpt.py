@@ -32,7 +32,7 @@ class LayerSpec:
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
     ffn: int | None = None            # f; None: 4h
-    activation: str = "gelu"          # gelu | swiglu
+    activation: str = "gelu"          # gelu | swiglu | squared_relu
     normalization: str = "layernorm"  # layernorm | rmsnorm
     bias: bool = True
     qkv_bias: bool | None = None      # None: as bias
@@ -334,6 +334,7 @@ class MLP(nn.Module):
         super().__init__()
         kw = dict(dtype=spec.dtype, device=spec.device)
         self.gated = spec.activation == "swiglu"
+        self.squared = spec.activation == "squared_relu"
         f = spec.ffn_hidden
         self.fc1 = ColumnParallelLinear(spec.hidden, (2 if self.gated else 1) * f, tp, bias=spec.bias, **kw)
         self.fc2 = RowParallelLinear(f, spec.hidden, tp, bias=spec.bias, **kw)
@@ -343,6 +344,9 @@ class MLP(nn.Module):
         hidden = self.fc1(x)                                  # (s, b, f/t) or (s, b, 2f/t)
         if self.gated:
             activated = swiglu(label(hidden, "swiglu_input"))
+        elif self.squared:        # megatron/core/activations.py: relu and pow save relu's output, once
+            with scope("squared_relu_output"):
+                activated = torch.pow(nn.functional.relu(hidden), 2)
         else:
             activated = nn.functional.gelu(label(hidden, "gelu_input"))
         return self.fc2(label(activated, "fc2_input"))        # (s, b, f/t) in

@@ -235,6 +235,11 @@ def small_grid() -> list[Config]:
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
+    # Nemotron's MLP (--squared-relu): relu(x)² on FLASH's layer, without and with the MLP recomputed
+    squared = FLASH | dict(activation="squared_relu")
+    configs += configs_for(small_spec(2, 2, name="small-flash-squared-relu", **squared), ["tp-sp"], 1)
+    configs += configs_for(small_spec(2, 2, name="small-flash-squared-relu", modules=("mlp",), **squared),
+                           ["tp-sp-sel"], 1)
     # q and k normalised per head (--qk-layernorm, Qwen3): g/t = 2 and 1 (q's reshape a copy and
     # a view), full recompute, beside c = 2; LayerNorm's two statistics; and with learned
     # positions, where the norms' outputs go to the kernel as they are

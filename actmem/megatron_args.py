@@ -17,7 +17,7 @@ read as bash would expand it (launch_script.py) and its training command's argum
 
 import shlex
 
-from actmem import megatron_table
+from actmem import megatron_pipeline, megatron_table
 from actmem.errors import SpecError
 
 #: The Megatron spellings actmem reads; inside a paste its own spellings (--tp, --hidden,
@@ -102,7 +102,7 @@ BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
             TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
-            QK_LAYER_SCALING)
+            QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -251,12 +251,14 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
                 refused.append((why, name))
         i = after
     used += _implied(words, settings)
-    settings["notes"] = _read_notes(settings)
+    layout, layout_notes, layout_problems = megatron_pipeline.read(words, settings)
+    used += layout
+    settings["notes"] = _read_notes(settings) + layout_notes
     if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
         settings["notes"].append(
             "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
-    problems = _problems(words, settings, refused, unknown, missing)
+    problems = layout_problems + _problems(words, settings, refused, unknown, missing)
     if stray:
         problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
                         "(in a script, an unquoted ${ARRAY[@]} splits a quoted element at its spaces)")

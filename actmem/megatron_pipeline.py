@@ -41,8 +41,9 @@ def read(words: list[str], settings: dict) -> tuple[list[str], list[str], list[s
                             "and its logits' 16-bit gradient until the step's end (tensor_parallel/layers.py: "
                             "embedding_activation_buffer, grad_output_buffer), about n·(s/c)·b·(h/t + v/t)·2 B")
         if any(name in settings for name in ACCOUNT) or LAYOUT in settings:
-            first, last, note = _split(words, settings)
+            first, last, chunks, note = _split(words, settings)
             implied += ([FIRST, str(first)] if first is not None else []) + ([LAST, str(last)] if last is not None else [])
+            implied += [_CHUNKS[0], str(chunks)] if chunks > 1 else []
             notes.append(note)
         if GROUP in settings:
             notes += _group(words, settings[GROUP])
@@ -69,8 +70,8 @@ def _interleave(words: list[str], layers: int | None, p: int) -> int:
 
 
 def _split(words: list[str], settings: dict) -> tuple:
-    """(first, last, note): the first and last stages' layers an uneven pipeline gives (None
-    where a stage has the even share)."""
+    """(first, last, virtual stages a rank, note): the first and last stages' layers an uneven
+    pipeline gives (None where a stage has the even share)."""
     layers, p = _int_after(words, "--num-layers"), _int_after(words, "--pipeline-model-parallel-size", 1)
     named = [name for name in (*ACCOUNT, LAYOUT) if name in settings]
     clash = [name for name in (FIRST, LAST) if name in words]
@@ -82,10 +83,15 @@ def _split(words: list[str], settings: dict) -> tuple:
     if layers is None:
         raise SpecError(f"{' and '.join(named)} need --num-layers in the arguments")
     if LAYOUT in settings:
+        if any(name in words for name in _CHUNKS):
+            raise SpecError(f"Megatron refuses {LAYOUT} beside {' or '.join(_CHUNKS)} (arguments.py: no more than one)")
         counts, chunks = layout_counts(settings[LAYOUT], layers, p)
-        if chunks > 1 or any(name in words for name in _CHUNKS):
-            raise SpecError(f"{LAYOUT} with {chunks} virtual stages a rank is not modelled: actmem models an "
-                            "interleaved pipeline with every chunk alike")
+        if chunks > 1:
+            if len(set(stage_counts(settings[LAYOUT]))) > 1:
+                raise SpecError(f"{LAYOUT} with {chunks} virtual stages a rank of different layers is not modelled: "
+                                "actmem models an interleaved pipeline with every chunk alike")
+            return None, None, chunks, (f"{LAYOUT} read: {chunks} virtual stages a rank of "
+                                        f"{layers // (p * chunks)} layers each (interleaved)")
         note = f"{LAYOUT} read: {'+'.join(map(str, counts))} layers over the {p} stages"
     else:
         embedding, loss = (int(name in settings) for name in ACCOUNT)
@@ -96,7 +102,7 @@ def _split(words: list[str], settings: dict) -> tuple:
         note = (f"{' and '.join(named)} read: {layers} + {embedding + loss} = {layers + embedding + loss} layers over "
                 f"{p} stages, the first building {counts[0]} transformer layers and the last {counts[-1]} "
                 "(transformer_block.py, get_num_layers_to_build)")
-    return _first_and_last(counts) + (note,)
+    return _first_and_last(counts) + (1, note)
 
 
 def account_counts(layers: int, p: int, embedding: int, loss: int) -> list[int]:
@@ -116,8 +122,7 @@ def layout_counts(text, layers: int, p: int) -> tuple[list[int], int]:
     the checks Megatron makes (pipeline_parallel_layer_layout.py: parse_str_to_list,
     validate_layer_layout)."""
     text = text[0] if isinstance(text, tuple) else text
-    spelled = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), str(text).replace(",", ""))
-    spelled = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), spelled)
+    spelled = _spelled_out(text)
     stages = spelled.split("|")
     wrong = sorted(set(spelled) - set("ELtm|"))
     if wrong:
@@ -134,6 +139,18 @@ def layout_counts(text, layers: int, p: int) -> tuple[list[int], int]:
         raise SpecError(f"{LAYOUT} {text}: it has {spelled.count('t')} layers (t), and --num-layers is {layers}")
     chunks = len(stages) // p
     return [sum(stages[v * p + r].count("t") for v in range(chunks)) for r in range(p)], chunks
+
+
+def _spelled_out(text) -> str:
+    """'Et*3|(tt|)*2,L' -> 'Ettt|tt|tt|L': commas dropped, (group)*k and x*k repeated."""
+    text = text[0] if isinstance(text, tuple) else text
+    spelled = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), str(text).replace(",", ""))
+    return re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), spelled)
+
+
+def stage_counts(text) -> list[int]:
+    """Transformer layers of each stage of a layout, in its order."""
+    return [stage.count("t") for stage in _spelled_out(text).split("|")]
 
 
 def _first_and_last(counts: list[int]) -> tuple:

@@ -92,3 +92,19 @@ def test_the_microbatch_group_is_read_at_megatron_s_default_only(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args",
                                  f"{interleaved} --microbatch-group-size-per-virtual-pipeline-stage 8", "--gpus", "4"),
                           "= 14 warm-up chunk forwards", "= 10 (schedules.py)")
+
+
+def test_a_layout_of_equal_virtual_stages_is_megatron_s_interleaving(actmem):
+    """'Et*4|(t*4|)*6,t*4L' over p = 4 is 8 stages of 4 layers: 2 virtual stages a rank, as
+    --num-virtual-stages-per-pipeline-rank 2 lays 32 layers (rank i: stages i and i + 4)."""
+    interleaved = BASE.replace("--num-layers 30", "--num-layers 32")
+    layout = actmem.json("estimate", "--megatron-args",
+                         f"{interleaved} --pipeline-model-parallel-layout Et*4|(t*4|)*6,t*4L", "--gpus", "4")
+    chunks = actmem.json("estimate", "--megatron-args", f"{interleaved} --num-virtual-stages-per-pipeline-rank 2",
+                         "--gpus", "4")
+    assert layout["run"]["interleave"] == 2 and layout["verdict_bytes"] == chunks["verdict_bytes"]
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{interleaved} --pipeline-model-parallel-layout "
+                                 "Et*3|t*5|(t*4|)*5,t*4L", "--gpus", "4"), "of different layers is not modelled")
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{interleaved} --pipeline-model-parallel-layout "
+                                 "Et*4|(t*4|)*6,t*4L --num-virtual-stages-per-pipeline-rank 2", "--gpus", "4"),
+                          "Megatron refuses --pipeline-model-parallel-layout beside")

@@ -1,14 +1,15 @@
 """One estimate: a spec in, a table of named byte counts out. No terminal here."""
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-from actmem import backward, engine, rules
+from actmem import engine, rules
 from actmem.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax
 from actmem.implementation import MEGATRON
 from actmem import symbols
 from actmem.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
 from actmem.peak import PeakFloor, peak_floor
+from actmem.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.pipeline import StageOccupancy, stage_occupancy
 from actmem.stages import StageLoad, stage_layers
 from actmem.errors import SpecError
@@ -48,15 +49,9 @@ class TechniqueRow:
     """Section 4.5: embedding dropout mask; output-layer terms when p = 1."""
     parameters: ParameterBytes
     """Weights, gradients and optimizer state at this technique's t ('none' sets t = 1)."""
-    rematerialised_bytes: int = 0
-    """What the stage's first backward reruns (engine.rematerialised_bytes)."""
-    freed_bytes: int = 0
-    """What that backward frees before the rerun (engine.freed_before_rerun)."""
-    loss_bytes: int = 0
-    """What the loss's backward allocates with everything held (engine.loss_backward_bytes)."""
     moments: tuple = ()
-    """(name, backward.Moment in bytes) for each moment of the last layer's backward modelled
-    here (actmem.backward: 'fc1', 'core', 'softmax')."""
+    """The moments of the stage's first backward that happen (stage_model.StageMoment, in
+    whole bytes): its start, the loss's, the rerun's, the last layer's backward's."""
 
     @property
     def first_stage_bytes(self) -> int:
@@ -68,17 +63,24 @@ class TechniqueRow:
         return self.first_stage_bytes + self.parameters.total_bytes
 
     @property
+    def peak_moment(self):
+        """The moment that holds the most (the first of equals: the start, where none is more)."""
+        return max(self.moments, key=lambda moment: moment.bytes)
+
+    @property
     def transient_bytes(self) -> int:
-        """What the peak moment holds above the total: the rerun beyond what was freed before
-        it, the loss's 16-bit gradient, or a moment of the last layer's backward, whichever is
-        more (actmem.peak)."""
-        return max(0, self.rematerialised_bytes - self.freed_bytes, self.loss_bytes,
-                   *(moment.beyond_held for _, moment in self.moments))
+        """What the peak moment holds above the saved activations (actmem.peak)."""
+        return self.peak_moment.bytes - self.first_stage_bytes
 
     @property
     def peak_bytes(self) -> int:
         """The stage's allocator peak from below (actmem.peak)."""
         return self.total_bytes + self.transient_bytes
+
+    def backward_moment(self, name: str):
+        """The evaluated backward.Moment of one moment of the last layer's backward ('fc1',
+        'core', 'softmax')."""
+        return next(moment.detail for moment in self.moments if moment.name == name)
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,8 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     arch, bindings = architecture_at(spec, spec.run.tensor_parallel), spec.bindings()
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
-    checkpoints, whole = _partial_counts(spec, run, occupancy)
+    chunks = occupancy.layer_activations // occupancy.chunk_layers
+    checkpoints, whole = (chunks * count for count in chunk_layers(run, occupancy.chunk_layers))
     kept = run.whole()
     rows = []
     for term in TERMS:
@@ -262,14 +265,6 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
             row = TermRow(term, engine.exact(engine.term_bytes(term, source, arch), bindings), count)
         rows.append(row)
     return tuple(rows)
-
-
-def _partial_counts(spec: Spec, run: Technique, occupancy) -> tuple[int, int]:
-    """(checkpoints, whole layers) the stage holds: per chunk, times chunks in flight."""
-    per_chunk = occupancy.chunk_layers
-    chunks = occupancy.layer_activations // per_chunk
-    checkpoints, whole = run.chunk_layers(per_chunk)
-    return chunks * checkpoints, chunks * whole
 
 
 def _technique_t(spec: Spec, technique: Technique) -> int:
@@ -283,45 +278,17 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     layer_activations, microbatches, holds_output = _counts(occupancy)
     t = _technique_t(spec, technique)
     bindings = spec.bindings() | {symbols.t: t, engine.holds_output: holds_output,
+                                  engine.microbatches_held: microbatches,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = arch or architecture_at(spec, t)
-    extra = engine.exact(engine.extra_bytes(technique, microbatches, holds_output, arch), bindings)
-    parameters = _parameters(spec, t, occupancy.stage, stage_layers)
-    rerun, freed = _rerun(technique, arch, occupancy.chunk_layers, bindings)
-    loss = engine.exact(engine.loss_backward_bytes(technique, arch), bindings)
-    last = technique.last_layer(occupancy.chunk_layers)        # block: the chunk ends with whole layers
-    moments = () if last is None else tuple(
-        (name, _bound(backward.moment_bytes(name, last, arch), bindings))
-        for name in backward.MOMENTS if stage_layers and backward.modelled(name, last, arch))
-    if technique.partial:
-        checkpoints, whole = _partial_counts(spec, technique, occupancy)
-        layers = (checkpoints * engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-                  + whole * engine.exact(engine.per_layer_bytes(technique.whole(), arch), bindings))
-        return TechniqueRow(technique, layers / layer_activations, layers, extra, parameters, rerun, freed, loss,
-                            moments)
-    per_layer = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-    return TechniqueRow(technique, per_layer, per_layer * layer_activations, extra, parameters, rerun, freed,
-                        loss, moments)
-
-
-def _bound(moment: backward.Moment, bindings: dict) -> backward.Moment:
-    return backward.Moment(*(engine.exact(getattr(moment, field.name), bindings) for field in fields(moment)))
-
-
-def _rerun(technique: Technique, arch, per_chunk: int, bindings: dict) -> tuple[int, int]:
-    """(rematerialised, freed before it) at the rerun that holds the most beyond what it
-    freed: each group of a full recompute (Technique.reruns), each module of a selective one;
-    (0, freed) when nothing is rerun."""
-    if technique.recompute is Recompute.SELECTIVE:
-        moments = [(engine.exact(engine.rematerialised_bytes(technique, arch, module=module), bindings),
-                    engine.exact(engine.freed_before_rerun(technique, arch, module), bindings))
-                   for module in technique.modules]
-        return max(moments, key=lambda moment: moment[0] - moment[1])
-    freed = engine.exact(engine.freed_before_rerun(technique, arch), bindings)
-    checkpoint = engine.exact(engine.per_layer_bytes(technique, arch), bindings)
-    moments = [(engine.exact(engine.rematerialised_bytes(technique, arch, layers), bindings),
-                freed + checkpoints * checkpoint) for layers, checkpoints in technique.reruns(per_chunk)]
-    return max(moments, key=lambda moment: moment[0] - moment[1], default=(0, freed))
+    per_chunk = occupancy.chunk_layers
+    counts = StageCounts(per_chunk, layer_activations // per_chunk if per_chunk else 0)
+    stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts)
+    per_layer = (stage.layers_bytes / layer_activations if technique.partial else
+                 engine.exact(engine.per_layer_bytes(technique, arch), bindings))
+    return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
+                        _parameters(spec, t, occupancy.stage, stage_layers),
+                        tuple(moment for moment in stage.moments if moment.present))
 
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:

@@ -65,10 +65,10 @@ def held_counts(layers, p, m, n, stage_layers=None, stage=0):
     on numpy integer arrays (the planner's sweep)."""
     per_chunk = (layers // p if stage_layers is None else stage_layers) // m
     embedding = _minimum(_by_schedule(embedding_microbatches, p, m), n) * (stage == 0)
-    return per_chunk * _chunks_held(p, m, n, stage), embedding
+    return per_chunk * chunks_held(p, m, n, stage), embedding
 
 
-def _chunks_held(p, m, n, stage):
+def chunks_held(p, m, n, stage):
     """Chunk forwards in flight at the stage's first backward: the warm-up and one more, or
     all n·m when the warm-up would take them all (schedules.py, get_pp_rank_microbatches:
     are_all_microbatches_in_warmup). Older Megatron also ran every forward first on every

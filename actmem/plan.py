@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from actmem import backward, defaults, engine, iteration, rules
+from actmem import defaults, engine, iteration, rules
 from actmem.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.flops import model_flops
 from actmem.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.optimizer_state import OptimizerState
 from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
-from actmem.pipeline import held_counts, split_text, stage_split
+from actmem.pipeline import chunks_held, held_counts, split_text, stage_split
 from actmem.spec import Model, padded_vocab, require_positive_int
+from actmem.stage_model import StageCounts, largest_bytes, stage_activations
 from actmem.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, run_technique
 from actmem.terms import Recompute
 from actmem.units import parse_bytes
@@ -290,7 +291,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
                            "holds_output": (stage == grid.p - 1).astype("int64"),
-                           "chunk_layers": layers // grid.m}, index=grid.index)
+                           "chunk_layers": layers // grid.m, "chunks": chunks_held(grid.p, grid.m, grid.n, stage)},
+                          index=grid.index)
     memory = pd.DataFrame(index=grid.index)
     memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
@@ -319,15 +321,10 @@ def fused_softmax(req: PlanRequest, grid: pd.DataFrame) -> np.ndarray:
 
 
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
-    """(activations, transient): the engine's stage expressions (held_bytes; the largest of
-    rematerialised_bytes - freed_before_rerun, loss_backward_bytes and the last layer's
-    backward moments, actmem.backward), lambdified, on float64 columns (no int64 overflow).
-    Rows of PLAN_BLOCK are Megatron's block method with N = recompute_layers: on a stage
-    whose chunk has more than N layers each chunk in flight keeps N checkpoints and its other
-    layers whole, reruns nothing before those are freed, and its last layer's moments are a
-    whole layer's; on a stage whose chunk has N or fewer (an uneven pipeline's lighter
-    first or last), every layer is checkpointed, as under full recompute. Rows where the fused
-    softmax does not run take the architecture on torch's fallback (fused_softmax)."""
+    """(activations, transient): the stage model (actmem.stage_model) over the sweep, its
+    expressions lambdified on float64 columns (no int64 overflow), a group of rows at a time
+    (SP, recompute and whether the fused softmax runs: fused_softmax). Rows of PLAN_BLOCK are
+    Megatron's block method with N = recompute_layers, a count of the model like the others."""
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     for (sp, recompute, fused), rows in grid.groupby(["sequence_parallel", "recompute", "fused_softmax"]):
@@ -336,33 +333,11 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         technique = run_technique(bool(sp), choice.recompute, choice.method or "uniform", 1, choice.modules)
         values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         args = _numeric_args(req, values)
-        if recompute == PLAN_BLOCK:
-            per_chunk, chunks = values("chunk_layers"), values("layer_activations") / values("chunk_layers")
-            n = np.minimum(values("recompute_layers"), per_chunk)
-            kept = (engine.numeric(engine.held_bytes(technique, arch))(*_with_layers(args, chunks * n))
-                    + engine.numeric(engine.per_layer_bytes(technique.whole(), arch))(*args) * chunks * (per_chunk - n))
-            every_layer = run_technique(bool(sp), Recompute.FULL)
-            moments = np.where(n < per_chunk, _transient(arch, args, technique, technique.whole(), rerun=False),
-                               _transient(arch, args, every_layer, every_layer))
-        else:
-            kept = engine.numeric(engine.held_bytes(technique, arch))(*args)
-            moments = _transient(arch, args, technique, technique)
-        held[rows.index] = _whole_bytes(kept, len(rows))
-        transient[rows.index] = _whole_bytes(moments, len(rows))
+        stage = stage_activations(technique, arch, lambda expr: engine.numeric(expr)(*args), StageCounts(
+            values("chunk_layers"), values("chunks"), values("recompute_layers") if recompute == PLAN_BLOCK else None))
+        held[rows.index] = _whole_bytes(stage.held_bytes, len(rows))
+        transient[rows.index] = _whole_bytes(largest_bytes(stage) - stage.held_bytes, len(rows))
     return held, transient
-
-
-def _transient(arch: Architecture, args: tuple, technique, last, rerun: bool = True):
-    """The largest of what a stage's first backward holds above its activations: its rerun
-    less what it freed first (unless nothing is rerun), the loss's backward and the moments
-    of its last layer's backward, that layer kept as ``last`` keeps it (0 at least)."""
-    moments = np.maximum(engine.numeric(engine.loss_backward_bytes(technique, arch))(*args), 0)
-    if rerun:
-        moments = np.maximum(moments, engine.numeric(engine.rerun_beyond_freed(technique, arch))(*args))
-    for name in backward.MOMENTS:
-        if backward.modelled(name, last, arch):
-            moments = np.maximum(moments, engine.numeric(backward.moment_bytes(name, last, arch).beyond_held)(*args))
-    return moments
 
 
 def _numeric_args(req: PlanRequest, values) -> tuple:
@@ -371,12 +346,6 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"))
-
-
-def _with_layers(args: tuple, layer_activations) -> tuple:
-    """The same arguments with another count of layer activations."""
-    i = engine.NUMERIC_ARGS.index(engine.layer_activations)
-    return args[:i] + (layer_activations,) + args[i + 1:]
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:

@@ -51,43 +51,6 @@ class Technique:
         return replace(self, recompute=Recompute.NONE, recompute_method="uniform", recompute_layers=1,
                        recompute_modules=DEFAULT_MODULES)
 
-    def chunk_layers(self, per_chunk: int) -> tuple[int, int]:
-        """(checkpoints, layers kept whole) in a model chunk of per_chunk layers."""
-        if self.recompute is not Recompute.FULL:
-            return 0, per_chunk
-        if self.recompute_method == "block":
-            recomputed = min(self.recompute_layers, per_chunk)
-            return recomputed, per_chunk - recomputed
-        return -(-per_chunk // self.recompute_layers), 0
-
-    def reruns(self, per_chunk: int) -> tuple:
-        """The reruns of a chunk's backward the peak floor weighs, as (layers rerun at once,
-        checkpoints freed before it): the first, 1 layer (every layer alone) or under
-        'uniform' the chunk's tail group (its last, perhaps shorter than N); then, where the
-        tail is shorter, the next group of N, with only the tail's checkpoint freed before
-        it. Under 'block' 1 layer when every layer of the chunk is checkpointed, else none:
-        its last layers are kept whole, so the first rerun comes after their activations are
-        freed, a moment the floor does not take."""
-        if not self.partial:
-            return ((1, 0),)
-        n = self.recompute_layers
-        if self.recompute_method == "block":
-            return ((1, 0),) if n >= per_chunk else ()
-        tail = per_chunk % n or n
-        return ((tail, 0),) + (((n, 1),) if tail < n else ())
-
-    def last_layer(self, per_chunk: int) -> "Technique | None":
-        """How a chunk's last layer is kept, for the moments of its backward (actmem.backward):
-        as every layer is; under 'block', whole when the chunk keeps layers whole at its end
-        (N < per_chunk), else checkpointed alone as under plain full recompute; None under
-        'uniform' groups of N > 1, whose rerun moments inside a group are not modelled."""
-        if not self.partial:
-            return self
-        if self.recompute_method == "block":
-            alone = replace(self, recompute_method="uniform", recompute_layers=1)
-            return self.whole() if self.recompute_layers < per_chunk else alone
-        return None
-
     def __post_init__(self):
         if self.sequence_parallel and not self.tensor_parallel:
             raise ValueError(f"{self.name}: sequence parallelism runs inside a tensor-parallel group")

@@ -25,8 +25,7 @@ import pytest
 from actmem import backward, engine, symbols
 from actmem.architecture import Architecture
 from actmem.estimate import estimate
-from actmem.plan import candidates, config_label, evaluate
-from actmem.explain import parse_config
+from actmem.plan import candidates, evaluate
 from actmem.spec import Model, build_spec
 from actmem.techniques import BY_NAME
 from tests.conftest import assert_one_line_error
@@ -180,7 +179,7 @@ def test_the_fallback_s_backward_is_a_moment_of_the_peak_floor():
     assert not backward.modelled("softmax", tp, Architecture())          # the fused kernel works in place
 
 
-def test_the_planner_sweeps_the_fallback_and_sizes_it_as_the_estimate_does():
+def test_the_planner_sweeps_the_fallback():
     """A 175B-like model with 24 heads at s = 2048 (4 rows a block): at t = 8, 3 heads a rank, b
     not a multiple of 4 falls back to torch's softmax; those rows are swept now, and their memory
     is the estimate's to the byte."""
@@ -188,10 +187,7 @@ def test_the_planner_sweeps_the_fallback_and_sizes_it_as_the_estimate_does():
     frame = evaluate(req, candidates(req))
     fallback = frame[~frame.fused_softmax]
     assert {1, 2} <= set(fallback[fallback.t == 8].b) and 4 not in set(fallback[fallback.t == 8].b)
-    for row in fallback.sample(15, random_state=0).itertuples():
-        run = parse_config(config_label(row)) | {"gpus": req.gpus, "global_batch": req.global_batch}
-        est = estimate(build_spec(vars(req.model), run))
-        assert (row.activations_bytes, row.peak_bytes) == (est.activations_bytes, est.verdict_bytes), config_label(row)
+    # each row the estimate's to the byte: tests/test_stage_model.py
 
 
 def test_the_growth_plot_runs_past_the_kernel_s_4096(actmem, tmp_path):

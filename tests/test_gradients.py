@@ -3,12 +3,10 @@
 
 import pytest
 
-from actmem.estimate import estimate
-from actmem.explain import parse_config
 from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, candidates, config_label, evaluate
+from actmem.plan import PlanRequest, candidates, evaluate
 from actmem.presets import load_preset
-from actmem.spec import Model, build_spec
+from actmem.spec import Model
 from tests.conftest import assert_one_line_error
 
 # 530B's first stage (tests/test_readme_example.py): 2,060,874,240 parameters, 1,258,291,200 B
@@ -46,16 +44,12 @@ def test_a_pasted_fp16_run_keeps_16_bit_gradients_unless_it_asks_for_fp32(actmem
         assert out["parameters"]["gradients_bytes"] == per_parameter * count, extra
 
 
-def test_plan_sizes_16_bit_gradients_as_estimate_does():
+def test_plan_sizes_16_bit_gradients():
     pr = load_preset("175b")
     req = PlanRequest(model=Model(**pr.model), gpus=pr.run["gpus"], global_batch=pr.run["global_batch"],
                       gpu=GPUS["a100"], gpu_memory_bytes=GPUS["a100"].memory_bytes, gradient_bytes=2)
     rows = evaluate(req, candidates(req))
-    assert (rows.gradients_bytes == 2 * rows.parameters).all()
-    for row in rows.sample(15, random_state=2).itertuples():
-        run = parse_config(config_label(row)) | {"gpus": req.gpus, "global_batch": req.global_batch}
-        est = estimate(build_spec(vars(req.model), run, gpu_memory_bytes=req.gpu_memory_bytes, gradient_bytes=2))
-        assert est.total_bytes == row.total_bytes and est.fits == bool(row.fits)
+    assert (rows.gradients_bytes == 2 * rows.parameters).all()     # each row the estimate's: test_stage_model
 
 
 def test_plan_takes_the_gradient_dtype(actmem):

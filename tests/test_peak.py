@@ -97,7 +97,7 @@ def test_full_recompute_reruns_a_layer_less_its_checkpoint():
     assert est.peak.total_bytes == est.total_bytes + 513_802_240 + 141_557_760
     # the core's: the rerun less its rows after the core (24 sbh/t) and its dropout output
     # (2as²b/t = 134,217,728), with the two s² gradients, v's and the residual stream's
-    core = dict(est.run_row.moments)["core"]
+    core = est.run_row.backward_moment("core")
     assert core.beyond_held == 513_802_240 - 125_829_120 - 134_217_728 + 2 * 134_217_728 + 2 * 10_485_760
     assert core.beyond_held == 543_162_368
 
@@ -160,7 +160,7 @@ def test_uniform_groups_weigh_the_full_group_after_a_short_tail():
 
 def _moments(est, technique="") -> dict:
     row = est.run_row if not technique else next(r for r in est.techniques if r.technique.name == technique)
-    return {name: moment.beyond_held for name, moment in row.moments}
+    return {moment.name: moment.detail.beyond_held for moment in row.moments if moment.detail is not None}
 
 
 def test_the_none_row_peaks_in_its_core_backward():
@@ -190,7 +190,7 @@ def test_without_sp_under_te_fc1_makes_three_gradients():
     4sbf/t = 58,720,256, fc1's input gradient 2sbh = 67,108,864 and the residual stream's 2sbh
     (whole without SP): 192,937,984 B; nothing gathered, dgrad all-reduced in place."""
     est = _estimate("llama-3.1-8b", tensor_parallel=8, sequence_parallel=False, recompute="none")
-    fc1 = dict(est.run_row.moments)["fc1"]
+    fc1 = est.run_row.backward_moment("fc1")
     assert fc1.transient == 58_720_256 + 2 * 67_108_864 == 192_937_984
 
 
@@ -245,7 +245,7 @@ def test_with_query_groups_the_core_backward_has_freed_v_s_copy():
 
     def core(**architecture):
         spec = build_spec(preset.model, preset.run | dict(recompute="none"), architecture=architecture)
-        return dict(estimate(spec).run_row.moments)["core"]
+        return estimate(spec).run_row.backward_moment("core")
 
     assert core(query_groups=16, head_dim=128).freed_held == 123_731_968 + 134_217_728 + 8_388_608
     assert core(head_dim=128).freed_held == 123_731_968 + 134_217_728

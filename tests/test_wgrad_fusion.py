@@ -38,24 +38,16 @@ def test_the_paste_and_the_flag_agree_and_other_codes_refuse_it(actmem):
                           "--no-gradient-accumulation-fusion is Megatron's switch")
 
 
-def test_plan_sizes_it_as_estimate_does():
+def test_plan_keeps_no_dummies_either():
     from actmem.architecture import Architecture
-    from actmem.estimate import estimate
-    from actmem.explain import parse_config
     from actmem.hardware import GPUS
-    from actmem.plan import PlanRequest, candidates, config_label, evaluate
+    from actmem.plan import PlanRequest, candidates, evaluate
     from actmem.presets import load_preset
-    from actmem.spec import Model, build_spec
+    from actmem.spec import Model
 
     pr = load_preset("175b")
     arch = Architecture(gradient_accumulation_fusion=False)
     req = PlanRequest(model=Model(**pr.model), gpus=pr.run["gpus"], global_batch=pr.run["global_batch"],
                       gpu=GPUS["a100"], gpu_memory_bytes=GPUS["a100"].memory_bytes, architecture=arch)
     rows = evaluate(req, candidates(req))
-    assert (rows.dummy_wgrads_bytes == 0).all()
-    for row in rows.sample(15, random_state=3).itertuples():
-        run = parse_config(config_label(row)) | {"gpus": req.gpus, "global_batch": req.global_batch}
-        spec = build_spec(vars(req.model), run, architecture={"gradient_accumulation_fusion": False},
-                          gpu_memory_bytes=req.gpu_memory_bytes)
-        est = estimate(spec)
-        assert est.total_bytes == row.total_bytes and est.verdict_bytes == row.peak_bytes, config_label(row)
+    assert (rows.dummy_wgrads_bytes == 0).all()          # each row the estimate's: tests/test_stage_model.py

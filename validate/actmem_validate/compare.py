@@ -22,6 +22,7 @@ computes fp32 s/c x s scores, its own peak, not Transformer Engine's ring.
 
 from actmem.estimate import Estimate
 
+from actmem.stage_model import chunk_layers
 from actmem.techniques import run_technique
 from actmem.terms import TERMS, Recompute
 
@@ -93,7 +94,8 @@ def _whole_layers(spec, occupancy) -> int:
     run = spec.run
     technique = run_technique(run.sequence_parallel, run.recompute, run.recompute_method or "uniform",
                               run.recompute_layers or 1)
-    _, whole = technique.chunk_layers(spec.chunk_layers)
+    # outside full recompute no layer is inside a checkpoint: all are whole
+    whole = chunk_layers(technique, spec.chunk_layers)[1] if run.recompute is Recompute.FULL else spec.chunk_layers
     return occupancy.layer_activations // spec.chunk_layers * whole
 
 

@@ -158,3 +158,19 @@ def test_torchrun_runs_the_same_measurement():
     rows = json.loads(result.stdout)
     assert {row["rank"] for row in rows} == {0, 1}
     assert judge(rows, 0.0) == []
+
+
+def test_fake_runs_in_several_processes_are_the_same_rows_in_the_same_order():
+    """Each configuration is one core's work: run_fake spreads them over processes and gives
+    back exactly the rows one process gives, in the configurations' order."""
+    configs = [config(technique, layers=2) for technique in ("tp", "tp-sp-sel", "tp-sp-full")]
+    done = []
+    spread = run_fake(configs, on_done=done.append, processes=2)
+    assert spread == run_fake(configs, processes=1)
+    assert done == configs
+
+
+def test_a_failing_fake_process_ends_the_job_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv(FAIL_RANK_VARIABLE, "fake")
+    with pytest.raises(HarnessError, match="the fake run of .* failed: failure injected in the fake run"):
+        run_fake([config("tp", layers=2), config("tp-sp", layers=2)], processes=2)

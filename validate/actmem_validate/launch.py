@@ -30,10 +30,37 @@ def _by_world_size(configs):
     return [(t, list(group)) for t, group in groupby(ordered, key=lambda c: c.world_size)]
 
 
-def run_fake(configs: list[Config], on_done=lambda config: None) -> list[dict]:
-    """Rank 0 of t, one process: FakeTensorMode for shapes without data, the fake process
-    group for collectives that return at once. Paper-scale shapes cost no memory."""
-    return _rank0(configs, on_done, "cpu", fake=True)
+def run_fake(configs: list[Config], on_done=lambda config: None, processes: int | None = None) -> list[dict]:
+    """Rank 0 of t: FakeTensorMode for shapes without data, the fake process group for
+    collectives that return at once. Paper-scale shapes cost no memory. A fake run is one
+    core's work from start to end, so several configurations run in as many processes as the
+    machine has cores (``processes``), each its own configurations one at a time; the rows
+    come back in the configurations' order."""
+    processes = min(len(configs), processes or os.cpu_count() or 1)
+    if processes <= 1:
+        return _rank0(configs, on_done, "cpu", fake=True)
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_fake_process, config) for config in configs]
+        rows = []
+        for config, future in zip(configs, futures):
+            try:
+                rows += future.result()
+            except HarnessError:
+                raise
+            except Exception as error:            # a failure in the worker: one line, as a rank's
+                raise HarnessError(f"the fake run of {config.label} failed: {error}") from None
+            on_done(config)
+    return rows
+
+
+def _fake_process(config: Config) -> list[dict]:
+    torch.set_num_threads(1)                      # one core a process: fake tensors compute nothing
+    if os.environ.get(FAIL_RANK_VARIABLE) == "fake":
+        raise RuntimeError(f"failure injected in the fake run ({FAIL_RANK_VARIABLE})")
+    return _rank0([config], lambda config: None, "cpu", fake=True)
 
 
 def run_rank0(configs: list[Config], on_done=lambda config: None) -> list[dict]:

@@ -195,8 +195,7 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
         raise SpecError(f"stage {stage} is not one of the pipeline's stages 0 to {p - 1} (p = {p})")
     layers = stage_layers(spec)[stage]
     occupancy = _occupancy(spec, stage, layers)
-    run = run_technique(spec.run.sequence_parallel, spec.run.recompute, spec.run.recompute_method or "uniform",
-                        spec.run.recompute_layers or 1, spec.run.recompute_modules)
+    run = run_technique(spec.run.sequence_parallel, spec.run.policy)
     terms = _run_terms(spec, run, occupancy)
     rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
     techniques = tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows)

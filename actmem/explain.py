@@ -6,7 +6,8 @@ import pandas as pd
 
 from actmem.errors import SpecError
 from actmem.pipeline import split_text, stage_split
-from actmem.techniques import PLAN_BLOCK, PLAN_RECOMPUTE, plan_recompute_name
+from actmem.recompute import RecomputePolicy
+from actmem.techniques import PLAN_BLOCK, PLAN_RECOMPUTE, sweep_name
 from actmem.terms import Recompute
 
 #: What a config string may leave out, when the preset's run does not say either.
@@ -41,7 +42,7 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
         elif key in _KEYS and value.isdecimal() and value.isascii():
             settings = {_KEYS[key]: int(value)}
         elif key == "block" and value.isdecimal() and value.isascii():     # full recompute of N a chunk
-            settings = {"recompute": "full", "recompute_method": "block", "recompute_layers": int(value)}
+            settings = {"recompute": f"full:block={int(value)}"}
         elif token in _WORDS:
             settings = dict([_WORDS[token]])
         else:
@@ -55,8 +56,7 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
         raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
     base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
     if "recompute" in (defaults or {}) and "recompute" not in given:   # the preset's, as a sweep's name
-        recompute = Recompute(getattr(base["recompute"], "value", base["recompute"]))
-        base["recompute"] = plan_recompute_name(recompute, defaults.get("recompute_modules"))
+        base["recompute"] = sweep_name(RecomputePolicy.of_run(base["recompute"], modules=defaults.get("recompute_modules")))
         if base["recompute"] is None:
             raise SpecError(f"--explain: the preset's recompute modules ({', '.join(defaults['recompute_modules'])}) "
                             f"are not among the plan's choices; name one in {text!r}: none, sel, sel+mlp, mlp "
@@ -66,7 +66,7 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
     if _SPLIT[0] in given:
         base["interleave"] = 1                       # an uneven pipeline is not interleaved
     run = base | given
-    return run | PLAN_RECOMPUTE[run["recompute"]].run_values
+    return run | RecomputePolicy.parse(run["recompute"]).run_values
 
 
 def _name_the_split(run, layers: int) -> None:
@@ -129,7 +129,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                          "d": probe.data_parallel,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
                          "sequence_parallel": run.sequence_parallel,
-                         "recompute": PLAN_BLOCK if block else plan_recompute_name(run.recompute, run.recompute_modules),
+                         "recompute": PLAN_BLOCK if block else sweep_name(run.policy),
                          "recompute_layers": block,
                          "distributed_optimizer": run.distributed_optimizer}])
     evaluated = evaluate(req, row).iloc[0]

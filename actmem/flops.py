@@ -107,7 +107,7 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
     if seconds is not None:
         report["mfu"] = utilization(flops, seconds, gpus, peak_flops)
     for name, choice in PLAN_RECOMPUTE.items():
-        hardware = hardware_flops(**dims, recompute=choice.recompute, modules=choice.modules)
+        hardware = hardware_flops(**dims, recompute=choice.granularity, modules=choice.modules)
         row = {"recompute": name, "hardware_flops": hardware, "overhead": hardware / flops - 1}
         if seconds is not None:
             row["hfu"] = utilization(hardware, seconds, gpus, peak_flops)

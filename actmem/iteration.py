@@ -19,7 +19,7 @@ def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch
     what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
     layers)."""
     plain = hardware_flops(B, s, L, h, v, Recompute.NONE, arch, heads)
-    flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.recompute, arch, heads, choice.modules)
+    flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
                 for name, choice in PLAN_CHOICES.items())
     return (plain + share * (flops - plain)) / (gpus * efficiency * peak_flops)
 
@@ -44,9 +44,9 @@ def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, s
 
 def _rerun_collectives(choice) -> int:
     """Forward collectives of a layer that recompute runs again."""
-    if choice.recompute is Recompute.FULL:
+    if choice.granularity is Recompute.FULL:
         return 2
-    return int(choice.recompute is Recompute.SELECTIVE and "mlp" in choice.modules)
+    return int(choice.granularity is Recompute.SELECTIVE and "mlp" in choice.modules)
 
 
 def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth, share=1):
@@ -55,7 +55,7 @@ def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, b
     again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
     the attention here, though TE overlaps it."""
     passes = 3 + share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
-                             if choice.recompute is Recompute.FULL)
+                             if choice.granularity is Recompute.FULL)
     volume = n * stage_layers * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
     return volume / bandwidth
 

@@ -23,8 +23,7 @@ from actmem.parameters import dummy_wgrad_elements, first_stage_parameters, para
 from actmem.pipeline import chunks_held, held_counts, split_text, stage_split
 from actmem.spec import Model, padded_vocab, require_positive_int
 from actmem.stage_model import StageCounts, largest_bytes, stage_activations
-from actmem.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, run_technique
-from actmem.terms import Recompute
+from actmem.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, row_policy, run_technique
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -237,9 +236,9 @@ def unmodelled_recompute(req: PlanRequest) -> dict:
     """{recompute choice: why actmem does not model it here}, by the sweep's names."""
     unmodelled = {}
     for name, choice in PLAN_RECOMPUTE.items():
-        why = req.architecture.unmodelled_recompute(req.model.heads, choice.modules_setting)
-        if choice.recompute.value in why:
-            unmodelled[name] = why[choice.recompute.value]
+        why = req.architecture.unmodelled_recompute(req.model.heads, choice.run_values["recompute_modules"])
+        if choice.granularity.value in why:
+            unmodelled[name] = why[choice.granularity.value]
     return unmodelled
 
 
@@ -330,7 +329,7 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     for (sp, recompute, fused), rows in grid.groupby(["sequence_parallel", "recompute", "fused_softmax"]):
         arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]
-        technique = run_technique(bool(sp), choice.recompute, choice.method or "uniform", 1, choice.modules)
+        technique = run_technique(bool(sp), choice)
         values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         args = _numeric_args(req, values)
         stage = stage_activations(technique, arch, lambda expr: engine.numeric(expr)(*args), StageCounts(
@@ -442,7 +441,7 @@ def _per_layer_bytes(req: PlanRequest, rows: pd.DataFrame) -> tuple:
     layer = pd.Series(0.0, index=rows.index)
     checkpoint = pd.Series(0.0, index=rows.index)
     for (sp, fused), group in rows.groupby(["sequence_parallel", "fused_softmax"]):
-        technique = run_technique(bool(sp), Recompute.FULL)
+        technique = run_technique(bool(sp), PLAN_RECOMPUTE["full"])
         arch = req.architecture.with_fused_softmax(bool(fused))
         counts = {"layer_activations", "microbatches_held", "holds_output"}     # a layer's bytes use none
         args = _numeric_args(req, lambda name: 0.0 if name in counts else group[name].to_numpy(dtype="float64"))
@@ -502,10 +501,8 @@ def config_label(row) -> str:
     pipeline's layers as p, 'p=7+8x14+7', and no m; full recompute of N layers a chunk by
     Megatron's block method as 'block=N'): what --explain takes back (a recompute the plan
     does not sweep is written as given)."""
-    choice = PLAN_CHOICES.get(row.recompute)
-    short = row.recompute if choice is None else choice.word      # a run's own (run_label)
-    if row.recompute == PLAN_BLOCK:                                 # Megatron's block method, N layers
-        short = f"block={row.recompute_layers}"
+    short = (row_policy(row.recompute, row.recompute_layers).word if row.recompute in PLAN_CHOICES
+             else row.recompute)                                    # a run's own word (run_label)
     cp = f" c={row.c}" if getattr(row, "c", 1) > 1 else ""
     pipeline = f"p={row.p} m={row.m}"
     between = getattr(row, "stage_layers", None)

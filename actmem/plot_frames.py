@@ -49,22 +49,19 @@ def run_label(spec) -> str:
     for recompute modules the planner does not sweep, 'uniform=2' for Megatron's uniform groups)."""
     from actmem.plan import config_label
     from actmem.stages import stage_layers
-    from actmem.techniques import PLAN_BLOCK, plan_recompute_name
+    from actmem.techniques import PLAN_BLOCK, sweep_name
 
-    run = spec.run
-    name = plan_recompute_name(run.recompute, run.recompute_modules) or f"sel:{'+'.join(run.recompute_modules)}"
-    block = run.recompute_method == "block" and run.recompute_layers < spec.chunk_layers
-    if block:
-        name = PLAN_BLOCK
-    if run.recompute_method == "uniform" and run.recompute_layers > 1:
-        name = f"uniform={run.recompute_layers}"
+    run, policy = spec.run, spec.run.policy
+    block = policy.method == "block" and policy.layers < spec.chunk_layers
+    whole_chunk = policy.method == "block" and not block        # block N as large as a chunk: plain full
+    name = PLAN_BLOCK if block else (sweep_name(policy) if whole_chunk or not policy.partial else None) or policy.word
     layers = stage_layers(spec)
     return config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
                                         m=run.interleave, b=run.micro_batch,
                                         first_stage_layers=layers[0], last_stage_layers=layers[-1],
                                         stage_layers=layers[1] if len(layers) > 2 else layers[0],
                                         sequence_parallel=run.sequence_parallel, recompute=name,
-                                        recompute_layers=run.recompute_layers if block else 0,
+                                        recompute_layers=policy.layers if block else 0,
                                         distributed_optimizer=run.distributed_optimizer))
 
 

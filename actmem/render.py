@@ -153,9 +153,7 @@ def _header(est: Estimate) -> Text:
     split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
-                f"recompute {run.recompute.value}"
-                + ("" if run.recompute_modules is None else f" ({', '.join(run.recompute_modules)})")
-                + ("" if run.recompute_method is None else f" ({run.recompute_method} {run.recompute_layers})") + "\n")
+                f"recompute {run.policy.label}\n")
     arch = spec.architecture
     text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
                 f"hidden {arch.hidden_dropout:g}\n")

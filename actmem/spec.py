@@ -11,6 +11,7 @@ from actmem.architecture import Architecture
 from actmem.errors import SpecError
 from actmem.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from actmem.optimizer_state import OptimizerState
+from actmem.recompute import RecomputePolicy
 from actmem.terms import RECOMPUTE_MODULES, Recompute
 from actmem.units import parse_bytes
 from actmem.widths import GRADIENT_BYTES
@@ -87,6 +88,12 @@ class Run:
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
             raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
+
+    @property
+    def policy(self) -> RecomputePolicy:
+        """The four recompute settings as one value (actmem.recompute)."""
+        return RecomputePolicy.of_run(self.recompute, self.recompute_method, self.recompute_layers,
+                                      self.recompute_modules)
 
 
 def _check_recompute_shape(run) -> None:

@@ -83,7 +83,7 @@ HELD = "the saved activations of every microbatch in flight (sections 4.4, 4.5)"
 def stage_activations(technique: Technique, arch, value: Callable, counts: StageCounts) -> StageActivations:
     """The stage's saved activations and the moments of its first backward. ``value`` evaluates
     an engine expression (exactly, or over a sweep); ``technique`` is the stage's recompute."""
-    n = technique.recompute_layers if counts.recompute_layers is None else counts.recompute_layers
+    n = technique.policy.layers if counts.recompute_layers is None else counts.recompute_layers
     per_layer = value(engine.per_layer_bytes(technique, arch))
     checkpoints, whole = chunk_layers(technique, counts.per_chunk, n)
     layers = counts.chunks * checkpoints * per_layer
@@ -106,10 +106,10 @@ def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
     """(layers kept as the technique keeps them, layers kept whole) a chunk: under block, the
     first N of each chunk are checkpointed; under uniform, each group of N keeps one checkpoint.
     N: the technique's unless given (a sweep's column)."""
-    n = technique.recompute_layers if n is None else n
+    n = technique.policy.layers if n is None else n
     if not technique.partial:
         return per_chunk, 0
-    if technique.recompute_method == "block":
+    if technique.policy.method == "block":
         checkpoints = _minimum(n, per_chunk)
         return checkpoints, per_chunk - checkpoints
     return -(-per_chunk // n), 0
@@ -130,7 +130,7 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
         return ()
     one, layer = value(engine.rematerialised_bytes(technique, arch)), value(engine.per_layer_bytes(technique.whole(), arch))
     freed = value(engine.freed_before_rerun(technique, arch))
-    if technique.partial and technique.recompute_method == "block":
+    if technique.partial and technique.policy.method == "block":
         return (_rerun(held, one, freed, technique, n >= counts.per_chunk),)
     tail = (counts.per_chunk - 1) % n + 1
     return (_rerun(held, one + (tail - 1) * layer, freed, technique),
@@ -150,8 +150,8 @@ def _layer_moments(technique, arch, value, counts, n, held) -> tuple:
     none inside uniform groups of N > 1 (not modelled)."""
     if not technique.partial:
         lasts = ((technique, True),)
-    elif technique.recompute_method == "block":
-        alone = replace(technique, recompute_method="uniform", recompute_layers=1)
+    elif technique.policy.method == "block":
+        alone = replace(technique, policy=replace(technique.policy, method="uniform", layers=1))
         lasts = ((technique.whole(), n < counts.per_chunk), (alone, n >= counts.per_chunk))
     else:
         lasts = ()
@@ -203,7 +203,7 @@ def rematerialised_source(technique: Technique) -> str:
                 "a time in the backward's order, each with the rows after it freed (the MLP with all but the "
                 "mask after it held, the attention core after the MLP and the projection are done): the rows "
                 "each dropped, at the rerun that holds the most")
-    if technique.partial and technique.recompute_method == "uniform":
+    if technique.partial and technique.policy.method == "uniform":
         return ("full recompute reruns a checkpointed group of the chunk, its tail or the group of N "
                 "before it (with the tail's checkpoint freed), whichever holds more: its layers as "
                 "kept without recompute, less the group's input (the checkpoint)")

@@ -91,7 +91,7 @@ def test_config_label_round_trip():
     assert parse_config("t=8 p=35 m=3 b=1 sp sel") == {
         "tensor_parallel": 8, "context_parallel": 1, "pipeline_parallel": 35, "interleave": 3, "micro_batch": 1,
         "sequence_parallel": True, "recompute": "selective", "recompute_modules": None,
-        "distributed_optimizer": False}
+        "recompute_method": None, "recompute_layers": None, "distributed_optimizer": False}
     assert parse_config("t=8 p=35 m=3 b=1 sp sel+mlp")["recompute_modules"] == ("core_attn", "mlp")
     mlp = parse_config("t=8 mlp")
     assert (mlp["recompute"], mlp["recompute_modules"]) == ("selective", ("mlp",))

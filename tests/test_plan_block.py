@@ -193,19 +193,20 @@ def test_no_block_rows_where_the_code_does_not_have_them_and_uneven_ones_within_
 
 
 def test_a_block_row_names_itself_and_cannot_be_read_as_plain_full(actmem):
-    """JSON and CSV write block rows as recompute 'full:block' with recompute_layers N, and
-    its run values name the block method, so a Run built from them without N is refused,
-    never taken for full recompute of every layer."""
+    """JSON and CSV write block rows as recompute 'full:block' with recompute_layers N: the
+    family's name alone is not a recompute one can run (no N), never taken for full recompute
+    of every layer; with N it is the block method's run values."""
     from actmem.errors import SpecError
-    from actmem.spec import Run
-    from actmem.techniques import PLAN_CHOICES
-    from actmem.terms import Recompute
+    from actmem.recompute import RecomputePolicy
+    from actmem.techniques import row_policy
 
     out = actmem.json("plan", "--model", "530b", "--gpus", "280", "--top", "0", "--format", "json")
     row = next(r for r in out["best"] if r["config"] == "t=8 p=35 m=1 b=1 sp block=1")
     assert (row["recompute"], row["recompute_layers"]) == ("full:block", 1)
-    with pytest.raises(SpecError, match="together"):
-        Run(**PLAN_CHOICES["full:block"].run_values | {"recompute": Recompute.FULL})
+    with pytest.raises(SpecError, match="full:block"):
+        RecomputePolicy.parse(row["recompute"])
+    assert row_policy(row["recompute"], row["recompute_layers"]).run_values == {
+        "recompute": "full", "recompute_modules": None, "recompute_method": "block", "recompute_layers": 1}
 
 
 def test_explain_reads_block_and_refuses_it_beside_another_recompute(actmem):

@@ -206,7 +206,7 @@ def test_the_planner_sweeps_every_recompute_module_under_flash_with_rope():
 def test_explain_reads_the_mlp_words_back(actmem):
     text = actmem("plan", "--model", "530b", "--gpus", "280", "--global-batch", "280", "--explain",
                   "t=8 p=35 m=3 b=1 sp sel+mlp").output
-    assert "recompute selective (core_attn, mlp)" in text and "sp sel+mlp" in text
+    assert "recompute selective:core_attn+mlp" in text and "sp sel+mlp" in text
 
 
 def _llama_8b_preset(tmp_path, modules) -> str:
@@ -221,6 +221,6 @@ def test_explain_takes_the_preset_s_modules_or_says_it_cannot(actmem, tmp_path):
     """A preset's mlp recompute is the plan's mlp; layernorm is none of the plan's choices."""
     args = ("plan", "--gpus", "8", "--global-batch", "8", "--explain", "t=8 p=1 m=1 b=1 sp")
     text = actmem(*args[:1], "--model", _llama_8b_preset(tmp_path, ["mlp"]), *args[1:]).output
-    assert "recompute selective (mlp)" in text and "sp mlp" in text
+    assert "recompute selective:mlp" in text and "sp mlp" in text
     assert_one_line_error(actmem(*args[:1], "--model", _llama_8b_preset(tmp_path, ["mlp", "layernorm"]), *args[1:]),
                           "the preset's recompute modules (mlp, layernorm) are not among the plan's choices")

@@ -97,6 +97,7 @@ def test_a_moment_under_a_condition_of_the_sweep_holds_where_it_holds():
 
     from actmem import engine
     from actmem.stage_model import StageCounts, largest_bytes, stage_activations
+    from actmem.recompute import RecomputePolicy
     from actmem.techniques import run_technique
     from actmem.terms import Recompute
     from actmem.presets import load_preset
@@ -105,7 +106,7 @@ def test_a_moment_under_a_condition_of_the_sweep_holds_where_it_holds():
     spec = build_spec(preset.model, preset.run | dict(interleave=1, pipeline_parallel=35))
     bindings = spec.bindings() | {engine.holds_output: 0, engine.microbatches_held: 35}
     exact = lambda expr: engine.exact(expr, bindings)
-    technique = run_technique(True, Recompute.FULL, "block", 1)
+    technique = run_technique(True, RecomputePolicy(Recompute.FULL, method="block"))
     ints = [stage_activations(technique, spec.architecture, exact, StageCounts(3, 35, n)) for n in (2, 3)]
     reruns = [[moment.name for moment in stage.moments if moment.present] for stage in ints]
     assert "rerun" not in reruns[0] and "rerun" in reruns[1]

@@ -92,8 +92,7 @@ def _whole_layers(spec, occupancy) -> int:
     """Layers held whole (not inside a full-recompute checkpoint) on the first stage: per
     model chunk as the run's technique splits it, times the chunks in flight."""
     run = spec.run
-    technique = run_technique(run.sequence_parallel, run.recompute, run.recompute_method or "uniform",
-                              run.recompute_layers or 1)
+    technique = run_technique(run.sequence_parallel, run.policy)
     # outside full recompute no layer is inside a checkpoint: all are whole
     whole = chunk_layers(technique, spec.chunk_layers)[1] if run.recompute is Recompute.FULL else spec.chunk_layers
     return occupancy.layer_activations // spec.chunk_layers * whole

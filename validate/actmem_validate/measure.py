@@ -36,7 +36,7 @@ class Config:
     @property
     def label(self) -> str:
         run = self.spec.run
-        shape = f" {run.recompute_method} {run.recompute_layers}" if run.recompute_method else ""
+        shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
         arch = self.spec.architecture
         code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}"
@@ -54,7 +54,7 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1
     modules = spec.run.recompute_modules if technique.recompute is Recompute.SELECTIVE else None
     if modules is not None:
-        technique = replace(technique, recompute_modules=frozenset(modules))
+        technique = replace(technique, policy=replace(technique.policy, modules=frozenset(modules)))
         technique = matching(technique) or unnamed_run(technique)
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
                   recompute=technique.recompute, recompute_modules=modules,

@@ -56,7 +56,8 @@ def parse_config(text: str, defaults: dict | None = None, layers: int | None = N
         raise SpecError("--explain needs a configuration, e.g. 't=8 p=8 m=3 b=1 sp sel'")
     base = DEFAULT_RUN | {k: v for k, v in (defaults or {}).items() if k in DEFAULT_RUN}
     if "recompute" in (defaults or {}) and "recompute" not in given:   # the preset's, as a sweep's name
-        base["recompute"] = sweep_name(RecomputePolicy.of_run(base["recompute"], modules=defaults.get("recompute_modules")))
+        preset = RecomputePolicy.of_run(base["recompute"], modules=defaults.get("recompute_modules"))
+        base["recompute"] = sweep_name(preset)
         if base["recompute"] is None:
             raise SpecError(f"--explain: the preset's recompute modules ({', '.join(defaults['recompute_modules'])}) "
                             f"are not among the plan's choices; name one in {text!r}: none, sel, sel+mlp, mlp "

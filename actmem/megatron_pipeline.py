@@ -42,7 +42,8 @@ def read(words: list[str], settings: dict) -> tuple[list[str], list[str], list[s
                             "embedding_activation_buffer, grad_output_buffer), about n·(s/c)·b·(h/t + v/t)·2 B")
         if any(name in settings for name in ACCOUNT) or LAYOUT in settings:
             first, last, chunks, note = _split(words, settings)
-            implied += ([FIRST, str(first)] if first is not None else []) + ([LAST, str(last)] if last is not None else [])
+            implied += [FIRST, str(first)] if first is not None else []
+            implied += [LAST, str(last)] if last is not None else []
             implied += [_CHUNKS[0], str(chunks)] if chunks > 1 else []
             notes.append(note)
         if GROUP in settings:

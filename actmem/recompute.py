@@ -18,6 +18,7 @@ from actmem.errors import SpecError
 from actmem.terms import DEFAULT_MODULES, RECOMPUTE_MODULES, Recompute
 
 METHODS = ("uniform", "block")
+_FORMS = "give none, selective[:modules] or full[:block=N|:uniform=N]"
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class RecomputePolicy:
                 or self.layers < 1:
             raise SpecError(f"recompute method must be uniform or block with N >= 1; got {self.method} {self.layers!r}")
         if self.modules != DEFAULT_MODULES and self.granularity is not Recompute.SELECTIVE:
-            raise SpecError(f"recompute modules choose what selective recompute reruns; this is {self.granularity.value}")
+            raise SpecError("recompute modules choose what selective recompute reruns; this is "
+                            f"{self.granularity.value}")
         if (self.method, self.layers) != ("uniform", 1) and self.granularity is not Recompute.FULL:
             raise SpecError(f"a recompute method groups full recompute; this is {self.granularity.value}")
 
@@ -82,14 +84,14 @@ class RecomputePolicy:
         try:
             kind = Recompute(granularity)
         except ValueError:
-            raise SpecError(f"recompute {text!r}: give none, selective[:modules] or full[:block=N|:uniform=N]") from None
+            raise SpecError(f"recompute {text!r}: {_FORMS}") from None
         if not shape:
             return cls(kind)
         if kind is Recompute.SELECTIVE:
             return cls(kind, frozenset(shape.split("+")))
         method, _, layers = shape.partition("=")
         if kind is not Recompute.FULL or not layers.isdecimal():
-            raise SpecError(f"recompute {text!r}: give none, selective[:modules] or full[:block=N|:uniform=N]")
+            raise SpecError(f"recompute {text!r}: {_FORMS}")
         return cls(kind, method=method, layers=int(layers))
 
     @classmethod

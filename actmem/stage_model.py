@@ -128,7 +128,8 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
                      for module in technique.modules)
     if technique.recompute is not Recompute.FULL:
         return ()
-    one, layer = value(engine.rematerialised_bytes(technique, arch)), value(engine.per_layer_bytes(technique.whole(), arch))
+    one = value(engine.rematerialised_bytes(technique, arch))
+    layer = value(engine.per_layer_bytes(technique.whole(), arch))
     freed = value(engine.freed_before_rerun(technique, arch))
     if technique.partial and technique.policy.method == "block":
         return (_rerun(held, one, freed, technique, n >= counts.per_chunk),)

@@ -122,4 +122,5 @@ def unnamed_run(technique: Technique) -> Technique:
     shape = "+".join(policy.ordered_modules) if technique.recompute is Recompute.SELECTIVE else \
         f"{policy.method} {policy.layers}"
     label = base.label.split(" (Eq")[0]        # the paper's equation is core_attn's alone
-    return replace(technique, name=f"{base.name}·{shape}", label=f"{label}, {shape} (Megatron's {policy.megatron_flags})")
+    return replace(technique, name=f"{base.name}·{shape}",
+                   label=f"{label}, {shape} (Megatron's {policy.megatron_flags})")

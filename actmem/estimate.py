@@ -154,11 +154,17 @@ class Estimate:
         """What the GPU has beyond the peak floor and the reserve (negative where it is short)."""
         return self.spec.gpu_memory_bytes - self.spec.reserve_bytes - self.verdict_bytes
 
+    @cached_property
+    def busiest_peaks(self) -> dict:
+        """Each technique row's largest peak floor over every stage (the run's is the verdict),
+        by technique: computed once, for every view that shows the rows."""
+        return {row.technique: max(row.peak_bytes if load.stage == self.stage else
+                                   _technique_row(self.spec, row.technique, load.occupancy, load.layers).peak_bytes
+                                   for load in self.stages) for row in self.techniques}
+
     def busiest_peak_bytes(self, row: TechniqueRow) -> int:
-        """A technique row's largest peak floor over every stage (the run's is the verdict)."""
-        return max(row.peak_bytes if load.stage == self.stage else
-                   _technique_row(self.spec, row.technique, load.occupancy, load.layers).peak_bytes
-                   for load in self.stages)
+        """A technique row's largest peak floor over every stage (busiest_peaks)."""
+        return self.busiest_peaks[row.technique]
 
     def technique_fits(self, row: TechniqueRow) -> bool:
         """A technique row fits where its peak floor and the reserve fit on every stage."""

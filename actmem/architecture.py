@@ -129,30 +129,13 @@ class Architecture:
         if self.qkv_bias is False and self.bias:
             raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
                             "it (its QKV bias is add_bias_linear or add_qkv_bias)")
-        if self.rotary_percent != 1 and (self.position_embedding != "rope" or self.implementation != MEGATRON):
+        if self.rotary_percent != 1 and self.position_embedding != "rope":
             raise SpecError(f"--rotary-percent {self.rotary_percent:g} shapes Megatron's rotary positions; this model's "
                             f"positions are {self.position_embedding} under {self.implementation}")
         if not self.rope_fusion and self.position_embedding != "rope":
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
         self.code.check(self)
-        if self.position_embedding == "rope" and self.attention_core == "eager" and self.implementation == MEGATRON:
-            raise SpecError("rotary position embedding is modelled under the flash attention core only: "
-                            "under Megatron's eager (local) core the value view keeps the whole QKV output "
-                            "alive beside the rotated q and k, which actmem does not count yet")
-        if self.attention_mask and self.implementation != MEGATRON:
-            raise SpecError(f"the dataloader's attention mask is Megatron's (create_attention_mask_in_dataloader); "
-                            f"--implementation {self.implementation} builds no such mask: give --no-attention-mask")
-        if (not self.masked_softmax_fusion or self.softmax_in_fp32) and self.implementation != MEGATRON:
-            raise SpecError(f"masked_softmax_fusion and softmax_in_fp32 are Megatron's switches of its local core's "
-                            f"softmax (fused_softmax.py); --implementation {self.implementation} has no such kernel")
-        if not self.gradient_accumulation_fusion and self.implementation != MEGATRON:
-            raise SpecError(f"--no-gradient-accumulation-fusion is Megatron's switch; --implementation "
-                            f"{self.implementation} computes its weight gradients with autograd already")
-        if self.qk_norm and self.attention_core == "eager" and self.implementation == MEGATRON:
-            raise SpecError("--qk-layernorm is modelled under the flash attention core only: Megatron runs the "
-                            "eager core in its local spec, whose q and k norms (LNImpl: apex's or torch's) keep "
-                            "what actmem does not count yet")
 
     def with_fused_softmax(self, kernel_runs: bool) -> "Architecture":
         """This architecture as a run of it executes: Megatron's fused softmax off where its kernel
@@ -336,7 +319,7 @@ def dataloader_mask(arch: Architecture) -> bool:
 def te_flash_core(arch: Architecture) -> bool:
     """the attention core is Transformer Engine's flash core under Megatron-Core, which makes v
     contiguous inside the core, where Megatron's core_attn checkpoint wraps it"""
-    return flash(arch) and arch.implementation == MEGATRON
+    return flash(arch) and "te_flash_core" in arch.code.has
 
 
 def swiglu_keeping_silu_output(arch: Architecture) -> bool:
@@ -363,17 +346,17 @@ def keeps_norm_input(arch: Architecture) -> bool:
 def counts_norm_statistics(arch: Architecture) -> bool:
     """the norms' fp32 statistics are terms of the table: on the flash path (beside TE's
     kernels) and wherever the code is not Megatron's (the paper leaves them out)"""
-    return flash(arch) or arch.implementation != MEGATRON
+    return flash(arch) or "paper_norms" not in arch.code.has
 
 
 def unfused_weight_gradients(arch: Architecture) -> bool:
     """Megatron without gradient accumulation fusion: each linear makes a 16-bit weight gradient"""
-    return arch.implementation == MEGATRON and not arch.gradient_accumulation_fusion
+    return "wgrad_fusion" in arch.code.has and not arch.gradient_accumulation_fusion
 
 
 def torch_softmax_possible(arch: Architecture) -> bool:
     """the attention core is Megatron's local one, whose softmax is its fused kernel or torch's"""
-    return eager(arch) and arch.implementation == MEGATRON
+    return eager(arch) and "softmax_switches" in arch.code.has
 
 
 def torch_softmax(arch: Architecture) -> bool:

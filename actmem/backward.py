@@ -62,7 +62,7 @@ def modelled(moment: str, technique: Technique, arch: Architecture = PAPER) -> b
     pass the technique a chunk's last layer runs under, Technique.last_layer). fc1: not with
     the MLP recomputed (its own rerun is not modelled yet); core: the eager core; softmax: the
     eager core on torch's fallback softmax."""
-    if arch.code.name != "megatron" or technique.partial:
+    if "layer_backward" not in arch.code.has or technique.partial:
         return False
     if moment == "fc1":
         return technique.recompute is not Recompute.SELECTIVE or "mlp" not in technique.modules

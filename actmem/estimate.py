@@ -4,8 +4,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from actmem import engine, rules
-from actmem.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax
-from actmem.implementation import MEGATRON
+from actmem.architecture import (PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax,
+                                 unfused_weight_gradients)
 from actmem import symbols
 from actmem.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
 from actmem.peak import PeakFloor, peak_floor
@@ -323,7 +323,7 @@ def _layer_formula(arch) -> str:
 def _attention_notes(spec: Spec, rows: tuple) -> list:
     """What the attention core keeps, and the rows it leaves out."""
     arch = spec.architecture
-    if arch.implementation != MEGATRON:            # its notes say what its attention keeps
+    if arch.code.notes:                            # another code's notes say what its attention keeps
         return [f"technique rows left out: {why}"
                 for why in dict.fromkeys(arch.unmodelled_recompute(spec.model.heads).values())]
     if arch.attention_core == "eager":
@@ -440,7 +440,7 @@ def _recompute_notes(spec: Spec) -> list:
 
 def _mask_notes(spec: Spec) -> list:
     """Whether the dataloader's attention mask is counted, under Megatron's code."""
-    if spec.architecture.implementation != MEGATRON:
+    if "dataloader_mask" not in spec.architecture.code.has:
         return []
     if spec.architecture.attention_mask:
         return ["the dataloader's causal attention mask (Megatron's default, create_attention_mask_in_dataloader): "
@@ -462,7 +462,7 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters:
         f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
         f"({LOGITS_BYTES} B) (section 4); "
         + ("the norms' fp32 statistics counted"
-           + (" (TE's fused norms keep them)" if arch.implementation == MEGATRON else "")
+           + (" (TE's fused norms keep them)" if "te_flash_core" in arch.code.has else "")
            if counts_norm_statistics(arch) else "layer-norm mean/variance left out, as in the paper")
         + "; small buffers left out",
         f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
@@ -514,12 +514,12 @@ def _assumptions(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters:
         notes.append("16-bit main gradients (DDP's buffer in the parameters' dtype): the optimizer step then "
                      "copies its gradients to fp32 (`.float()`, 4 B a parameter of its shard) after the last "
                      "backward has freed the activations; that moment is not counted in the peak floor")
-    if arch.implementation == "megatron" and not arch.gradient_accumulation_fusion:
+    if unfused_weight_gradients(arch):
         notes.append("no gradient accumulation fusion (--no-gradient-accumulation-fusion): no dummy weight gradients; "
                      "each linear makes a 16-bit weight gradient at its backward (TE linear.py: the wgrad GEMM with no "
                      "out), which DDP's hook adds to main_grad and frees: fc1's is in its backward moment; the "
                      "others' (QKV, projection, fc2, the output layer's) at their own moments are not counted")
-    elif arch.implementation == "megatron":
+    elif "wgrad_fusion" in arch.code.has:
         notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "
                      "hands autograd an uncomputed 16-bit tensor of its weight's shape, and Transformer Engine "
                      "(get_dummy_wgrad, since its PR #1651, 2025) keeps one a shape for the process; older releases make one at "

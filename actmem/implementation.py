@@ -55,6 +55,12 @@ class Implementation:
     models: tuple = ()
     """The model classes it is measured for (ModelClass); empty: one layer, the fields above.
     An architecture must be one of them, and takes its keeps and notes."""
+    has: frozenset = frozenset()
+    """What of Megatron-Core with Transformer Engine this code has, by name (MEGATRON_CORE): the
+    switches the architecture may set only where the code has them (SWITCHES), and the
+    behaviours the term table and the peak floor count where it does."""
+    limits: tuple = ()
+    """(breaks: architecture -> bool, message): what is not modelled under this code."""
     unpadded_vocab: str | None = None
     """Why the vocabulary is not padded (None: Megatron pads it to a multiple of 128·t,
     --make-vocab-size-divisible-by). DTensor shards it unevenly, rank 0 holding ceil(v/t)
@@ -81,6 +87,12 @@ class Implementation:
 
     def check(self, arch) -> None:
         """Refuse an architecture this implementation is not modelled for, with the reason."""
+        for needs, in_use, message in SWITCHES:
+            if in_use(arch) and needs not in self.has:
+                raise SpecError(message.format(code=self.name, arch=arch))
+        for breaks, message in self.limits:
+            if breaks(arch):
+                raise SpecError(message)
         if _broken(self.architecture, arch):
             raise SpecError(f"--implementation {self.name} is modelled for {_why(self.architecture, arch)}")
         model = self.model_class(arch)
@@ -217,9 +229,50 @@ _HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's voc
                   "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
                   "gradient and the loss's), above this peak floor's loss moment"))
 
+#: What Megatron-Core with Transformer Engine has that the other codes do not, each read off its source:
+#: - dataloader_mask: the dataloader's causal mask (create_attention_mask_in_dataloader);
+#: - softmax_switches: its local core's fused softmax and torch's fallback (fused_softmax.py), with
+#:   --no-masked-softmax-fusion and --attention-softmax-in-fp32;
+#: - wgrad_fusion: gradient accumulation fusion into main_grad, with TE's cached dummy weight
+#:   gradients (module/base.py, get_dummy_wgrad), and --no-gradient-accumulation-fusion;
+#: - rotary_percent: --rotary-percent of its rope (rope_utils.py);
+#: - te_flash_core: TE's attention, which makes v contiguous inside core_attn's checkpoint;
+#: - paper_norms: the paper's eager layer, whose norm statistics the paper leaves out;
+#: - layer_backward: its layer's backward, op by op (actmem.backward's moments).
+MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
+                           "te_flash_core", "paper_norms", "layer_backward"})
+
+#: (what the code must have, whether the architecture uses it, the refusal where it does not)
+SWITCHES = (
+    ("dataloader_mask", lambda arch: arch.attention_mask,
+     "the dataloader's attention mask is Megatron's (create_attention_mask_in_dataloader); "
+     "--implementation {code} builds no such mask: give --no-attention-mask"),
+    ("softmax_switches", lambda arch: not arch.masked_softmax_fusion or arch.softmax_in_fp32,
+     "masked_softmax_fusion and softmax_in_fp32 are Megatron's switches of its local core's "
+     "softmax (fused_softmax.py); --implementation {code} has no such kernel"),
+    ("wgrad_fusion", lambda arch: not arch.gradient_accumulation_fusion,
+     "--no-gradient-accumulation-fusion is Megatron's switch; --implementation {code} computes its weight "
+     "gradients with autograd already"),
+    ("rotary_percent", lambda arch: arch.rotary_percent != 1,
+     "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "
+     "{arch.position_embedding} under {code}"),
+)
+
+#: what Megatron's local spec (its eager core) keeps that actmem does not count yet
+_MEGATRON_LIMITS = (
+    (lambda arch: arch.position_embedding == "rope" and arch.attention_core == "eager",
+     "rotary position embedding is modelled under the flash attention core only: under Megatron's eager "
+     "(local) core the value view keeps the whole QKV output alive beside the rotated q and k, which actmem "
+     "does not count yet"),
+    (lambda arch: arch.qk_norm and arch.attention_core == "eager",
+     "--qk-layernorm is modelled under the flash attention core only: Megatron runs the eager core in its "
+     "local spec, whose q and k norms (LNImpl: apex's or torch's) keep what actmem does not count yet"),
+)
+
 IMPLEMENTATIONS = {
     MEGATRON: Implementation(
-        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code; the default)"),
+        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code; the default)", has=MEGATRON_CORE,
+        limits=_MEGATRON_LIMITS),
     "torch-native": Implementation(
         "torch-native",
         "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "

@@ -75,7 +75,7 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
     the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
     with the output layer [v/t, h]; shapes that coincide are one tensor. Megatron's layer
     only (the other implementations compute real gradients). Arithmetic only."""
-    if arch.implementation != "megatron" or not arch.gradient_accumulation_fusion:
+    if "wgrad_fusion" not in arch.code.has or not arch.gradient_accumulation_fusion:
         return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
     f = arch.ffn(h)
     shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),

@@ -130,7 +130,7 @@ def _plan_assumptions(req) -> list[str]:
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
-         req.architecture.code.name == "megatron" else [])
+         "softmax_switches" in req.architecture.code.has else [])
 
 
 _FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where the kernel runs (16 < s ≤ 4096, "

@@ -456,6 +456,17 @@ def _paste_command():
     return click.command()(spec_options(lambda **flags: flags))
 
 
+def megatron_spellings() -> dict:
+    """{name: takes a value} of the spec's options that Megatron-LM's parser has too: the
+    Megatron arguments a paste hands to these very options, derived from the one flag table
+    (less the settings megatron_args reads itself, such as --recompute-modules' words)."""
+    from actmem import megatron_args, megatron_table
+
+    known = megatron_table.arguments()
+    return {name: not param.is_flag for param in _paste_command().params if isinstance(param, click.Option)
+            for name in param.opts + param.secondary_opts if name in known and name not in megatron_args.SETTINGS}
+
+
 def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     """The flags with the pasted --megatron-args merged in (a pasted value that disagrees with
     a flag is an error), and what else the paste says: {'ignored': [...], checks...}."""
@@ -464,8 +475,7 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     if flags.get("megatron_args") is None:
         return flags, {}
     command = _paste_command()
-    takes_value = {name: not param.is_flag for param in command.params if isinstance(param, click.Option)
-                   for name in param.opts + param.secondary_opts if name in megatron_args.MEGATRON_NAMES}
+    takes_value = megatron_spellings()
     words, notes, launcher_gpus = megatron_args.read(flags["megatron_args"])
     used, ignored, checks = megatron_args.sort(words, takes_value)
     notes += megatron_args.vocabulary_notes(words, checks) + checks.pop("notes", [])

@@ -20,25 +20,6 @@ import shlex
 from actmem import megatron_pipeline, megatron_table
 from actmem.errors import SpecError
 
-#: The Megatron spellings actmem reads; inside a paste its own spellings (--tp, --hidden,
-#: --gpu-memory) are not Megatron's and are refused as unknown.
-MEGATRON_NAMES = frozenset({
-    "--num-attention-heads", "--hidden-size", "--num-layers", "--vocab-size", "--seq-length",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-    "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
-    "--micro-batch-size", "--global-batch-size", "--sequence-parallel", "--use-distributed-optimizer",
-    "--recompute-granularity", "--recompute-activations", "--make-vocab-size-divisible-by",
-    "--attention-dropout", "--hidden-dropout", "--ffn-hidden-size", "--swiglu", "--normalization",
-    "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--num-query-groups", "--kv-channels", "--use-flash-attn", "--add-qkv-bias",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--recompute-method",
-    "--recompute-num-layers", "--context-parallel-size", "--position-embedding-type",
-    "--use-rotary-position-embeddings", "--no-rope-fusion", "--qk-layernorm",
-    "--no-create-attention-mask-in-dataloader", "--max-position-embeddings", "--grad-reduce-in-bf16",
-    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32", "--rotary-percent", "--no-gradient-accumulation-fusion",
-    "--use-precision-aware-optimizer", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
-    "--exp-avg-sq-dtype", "--squared-relu",
-})
 MANY = "many"
 #: 16-bit training, which actmem assumes: used as a check, never ignored
 PRECISION = ("--bf16", "--fp16")

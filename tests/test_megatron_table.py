@@ -8,9 +8,9 @@ import click
 import pytest
 
 from actmem import megatron_args, megatron_table
-from actmem.flags import _paste_command
+from actmem.flags import _paste_command, megatron_spellings
 
-MODELLED = sorted(megatron_args.MEGATRON_NAMES | set(megatron_args.SETTINGS))
+MODELLED = sorted(set(megatron_spellings()) | set(megatron_args.SETTINGS))
 
 
 def test_every_option_of_the_pinned_parser_has_one_class():
@@ -48,7 +48,7 @@ def test_the_arguments_actmem_reads_take_as_many_values_as_megatrons_parser_give
     for param in command.params:
         if isinstance(param, click.Option):
             for name in param.opts + param.secondary_opts:
-                if name in megatron_args.MEGATRON_NAMES:
+                if name in megatron_spellings():
                     expected = "0" if param.is_flag else "1"
                     assert megatron_table.arguments()[name].values == expected, name
 
@@ -95,3 +95,14 @@ def test_a_paste_with_every_ignored_argument_changes_nothing(actmem):
     assert noisy["techniques"] == plain["techniques"] and noisy["verdict_bytes"] == plain["verdict_bytes"]
     listed = noisy["assumptions"][-1]
     assert listed.startswith("Megatron arguments ignored") and all(option in listed for option in ignored)
+
+
+def test_the_spellings_a_paste_reads_come_from_the_one_flag_table():
+    """Megatron's spelling of each flag is read from a paste; actmem's own spellings are not
+    Megatron's and are refused there as unknown; --recompute-modules' words are a setting."""
+    spellings = megatron_spellings()
+    for name in ("--tensor-model-parallel-size", "--num-attention-heads", "--use-distributed-optimizer",
+                 "--squared-relu", "--exp-avg-dtype", "--recompute-granularity", "--no-rope-fusion"):
+        assert name in spellings, name
+    assert not {"--tp", "--sp", "--hidden", "--attention-core", "--grad-dtype"} & set(spellings)
+    assert "--recompute-modules" not in spellings and spellings["--num-layers"] and not spellings["--swiglu"]

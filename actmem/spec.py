@@ -208,6 +208,18 @@ class Spec:
             gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture,
             precision_aware=self.optimizer.precision_aware)
 
+    def architecture_at(self, t: int) -> Architecture:
+        """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
+        core on torch's fallback softmax where its fused kernel does not run at this s, b, a and t
+        (rules.fused_softmax_runs; 'none' runs at t = 1)."""
+        from dataclasses import replace
+
+        return self.architecture.with_fused_softmax(rules.fused_softmax_runs(replace(self.rule_values(), t=t)))
+
+    def technique_t(self, technique) -> int:
+        """The t a technique row runs at: the run's, or 1 for 'none' (no parallelism)."""
+        return self.run.tensor_parallel if technique.tensor_parallel else 1
+
     @property
     def chunk_layers(self) -> int:
         """Layers in one model chunk of the first stage: its layers / m."""

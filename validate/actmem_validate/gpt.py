@@ -56,11 +56,10 @@ class LayerSpec:
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
         """The layer an actmem Spec describes, at its run's t: the local core's softmax is the fused
-        kernel where Megatron runs it (actmem.estimate.architecture_at), else torch's fallback."""
-        from actmem.estimate import architecture_at
+        kernel where Megatron runs it (actmem.spec.Spec.architecture_at), else torch's fallback."""
 
         model, arch = spec.model, spec.architecture
-        fused = architecture_at(spec, spec.run.tensor_parallel).masked_softmax_fusion
+        fused = spec.architecture_at(spec.run.tensor_parallel).masked_softmax_fusion
         if arch.attention_core != "eager" and arch.attention_dropout:
             from actmem.errors import SpecError
 

@@ -1,3 +1,3 @@
-from actmem.cli import main
+from actmem.cli.main import main
 
 main()

@@ -22,9 +22,9 @@ def command_seconds(args: list[str], runs: int) -> float:
 
 
 def estimates_per_second(seconds: float = 2.0) -> float:
-    from actmem.estimate import estimate
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.memory.estimate import estimate
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("530b")
     count, start = 0, time.perf_counter()

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 
-from actmem.architecture import Architecture
-from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, plan
-from actmem.presets import load_preset
-from actmem.spec import Model
+from actmem.model.architecture import Architecture
+from actmem.model.hardware import GPUS
+from actmem.planner.plan import PlanRequest, plan
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model
 
 
 def timed_plan(model: Model, gpus: int, global_batch: int, **options) -> tuple[int, float]:

@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from actmem.cli import cli
+from actmem.cli.main import cli
 
 
 class Cli:
@@ -42,8 +42,8 @@ def plan_row_run(row, **settings) -> dict:
     """The run values a plan row is, read back from its label as --explain reads it (an
     uneven split and block=N included; an even pipeline says so, over a preset's split),
     with ``settings`` (gpus, global_batch) added."""
-    from actmem.explain import parse_config
-    from actmem.plan import config_label
+    from actmem.planner.explain import parse_config
+    from actmem.planner.plan import config_label
 
     even = {"first_stage_layers": None, "last_stage_layers": None}
     return even | parse_config(config_label(row)) | settings

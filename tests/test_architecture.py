@@ -3,13 +3,13 @@ no biases, an untied output layer. Expected numbers are derived by hand next to 
 
 import pytest
 
-from actmem import engine
-from actmem.architecture import Architecture
-from actmem.flops import hardware_flops, model_flops
-from actmem.parameters import first_stage_parameters
-from actmem.symbols import b, h, s, t
-from actmem.techniques import BY_NAME
-from actmem.terms import Recompute
+from actmem.memory import engine
+from actmem.model.architecture import Architecture
+from actmem.planner.flops import hardware_flops, model_flops
+from actmem.memory.parameters import first_stage_parameters
+from actmem.model.symbols import b, h, s, t
+from actmem.memory.techniques import BY_NAME
+from actmem.model.recompute import Recompute
 from tests.conftest import assert_one_line_error
 
 LLAMA_8B_MLP = ["--heads", "32", "--hidden", "4096", "--layers", "32", "--vocab", "128256",

@@ -3,12 +3,12 @@
 import pytest
 import sympy
 
-from actmem import engine
-from actmem.pipeline import chunks_in_flight
-from actmem.symbols import L, a, b, h, m, p, s, t, v
-from actmem.recompute import FULL
-from actmem.techniques import BY_NAME, run_technique
-from actmem.terms import LAYER_TERMS
+from actmem.memory import engine
+from actmem.memory.pipeline import chunks_in_flight
+from actmem.model.symbols import L, a, b, h, m, p, s, t, v
+from actmem.model.recompute import FULL
+from actmem.memory.techniques import BY_NAME, run_technique
+from actmem.memory.terms import LAYER_TERMS
 
 # Table 2 of Korthikanti et al. 2022, as printed.
 TABLE_2 = {

@@ -7,8 +7,8 @@ keeps that whole output. TE's contiguous copy of v, the log-sum-exp and flash-at
 are made under no_grad and again in the backward. The numbers below are derived by hand.
 """
 
-from actmem import engine
-from actmem.techniques import BY_NAME
+from actmem.memory import engine
+from actmem.memory.techniques import BY_NAME
 from tests.conftest import assert_one_line_error
 from tests.test_llama import LLAMA_8B, LLAMA_8B_LAYER
 
@@ -65,8 +65,8 @@ def test_the_rerun_makes_what_the_checkpoint_dropped():
     """The peak's rerun moment: the last layer's core rerun makes v's copy, the log-sum-exp and
     its output again (the projection freed the first output before), 2,097,152 + 131,072 +
     2sb·ad/t = 8,388,608: 10,616,832 B."""
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("llama-3.1-8b")
     spec = build_spec(preset.model, {"tensor_parallel": 8, "sequence_parallel": True, "micro_batch": 1},

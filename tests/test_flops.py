@@ -2,8 +2,8 @@
 
 import pytest
 
-from actmem.flops import hardware_flops, model_flops, utilization
-from actmem.terms import Recompute
+from actmem.planner.flops import hardware_flops, model_flops, utilization
+from actmem.model.recompute import Recompute
 
 A100_PEAK = 312e12
 # Table 3 dims, Table 5: iteration time (s, present work), MFU %, HFU %

@@ -22,12 +22,13 @@ from dataclasses import replace
 
 import pytest
 
-from actmem import backward, engine, symbols
-from actmem.architecture import Architecture
-from actmem.estimate import estimate
-from actmem.plan import candidates, evaluate
-from actmem.spec import Model, build_spec
-from actmem.techniques import BY_NAME
+from actmem.memory import backward, engine
+from actmem.model import symbols
+from actmem.model.architecture import Architecture
+from actmem.memory.estimate import estimate
+from actmem.planner.plan import candidates, evaluate
+from actmem.model.spec import Model, build_spec
+from actmem.memory.techniques import BY_NAME
 from tests.conftest import assert_one_line_error
 from tests.test_plan import request
 

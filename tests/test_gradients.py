@@ -3,10 +3,10 @@
 
 import pytest
 
-from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, candidates, evaluate
-from actmem.presets import load_preset
-from actmem.spec import Model
+from actmem.model.hardware import GPUS
+from actmem.planner.plan import PlanRequest, candidates, evaluate
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model
 from tests.conftest import assert_one_line_error
 
 # 530B's first stage (tests/test_readme_example.py): 2,060,874,240 parameters, 1,258,291,200 B

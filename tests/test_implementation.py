@@ -1,12 +1,12 @@
 """The implementation axis: the same Llama layer under Megatron's code and under PyTorch-native
 DTensor tensor + sequence parallelism (torchtitan's plan). The torch-native bytes are derived
-by hand below from torchtitan's Llama 3 block (actmem/terms.py and actmem/implementation.py
+by hand below from torchtitan's Llama 3 block (actmem/memory/terms.py and actmem/model/implementation.py
 cite the lines); the harness measures them (tests/validate/test_torch_native.py)."""
 
 import pytest
 
-from actmem.architecture import Architecture
-from actmem.spec import Model, Run, Spec
+from actmem.model.architecture import Architecture
+from actmem.model.spec import Model, Run, Spec
 from tests.conftest import assert_one_line_error
 from tests.test_llama import LLAMA_8B_LAYER, SBH_T
 
@@ -195,7 +195,7 @@ def test_compare_implementations_on_one_device(actmem):
 
 
 def test_a_pasted_megatron_run_keeps_its_dataloader_mask_to_itself(actmem):
-    """A paste has Megatron's dataloader mask (actmem.side_by_side): torchtitan and transformers
+    """A paste has Megatron's dataloader mask (actmem.memory.side_by_side): torchtitan and transformers
     build none, so their rows are the same model without it, not refusals. s = 2048, t = 1,
     full recompute: Megatron's first stage holds the mask, b·s² = 4,194,304 B."""
     from tests.test_llama import LLAMA_8B

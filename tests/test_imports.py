@@ -12,7 +12,7 @@ def run_python(code: str) -> str:
 def test_estimator_never_imports_torch():
     out = run_python(
         "import sys\n"
-        "from actmem.cli import cli\n"
+        "from actmem.cli.main import cli\n"
         "for args in (['estimate', '-m', '530b'], ['estimate', '-m', '22b', '--format', 'csv'],\n"
         "             ['formulas'], ['presets']):\n"
         "    try:\n"
@@ -26,7 +26,7 @@ def test_estimator_never_imports_torch():
 def test_help_does_not_import_sympy_pandas_or_rich():
     out = run_python(
         "import sys\n"
-        "from actmem.cli import cli\n"
+        "from actmem.cli.main import cli\n"
         "for args in (['--help'], ['estimate', '--help']):\n"
         "    try:\n"
         "        cli(args)\n"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from actmem import rules
+from actmem.model import rules
 from actmem.errors import SpecError
-from actmem.plan import LIMITS
-from actmem.spec import build_spec
+from actmem.planner.plan import LIMITS
+from actmem.model.spec import build_spec
 from tests.conftest import assert_one_line_error
 
 LLAMA_8B = Path("tests/data/hf/llama-3.1-8b/config.json")

@@ -1,4 +1,4 @@
-"""Bash launch scripts read as bash expands them (actmem.launch_script), never run.
+"""Bash launch scripts read as bash expands them (actmem.sources.launch_script), never run.
 
 Each expected word list is what bash itself makes of the script: checked by hand against
 bash's rules (an unquoted ${A[@]} splits each element at whitespace, a quoted one keeps
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from actmem.errors import SpecError
-from actmem.launch_script import looks_like_script, read
+from actmem.sources.launch_script import looks_like_script, read
 
 SCRIPT = r"""#!/bin/bash
 export CUDA_DEVICE_MAX_CONNECTIONS=1

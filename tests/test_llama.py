@@ -1,6 +1,6 @@
 """Today's Llama-style run, as a user gives it: pasted Megatron arguments. The per-layer
 bytes are derived by hand below from what Transformer Engine's kernels and flash attention
-keep (actmem/terms.py cites the sources)."""
+keep (actmem/memory/terms.py cites the sources)."""
 
 import json
 from pathlib import Path
@@ -96,9 +96,9 @@ def test_qwen2_7b_parameters_by_hand():
     12,845,056; MLP 3hf = 203,685,888; two RMSNorms 7,168: 233,057,792. x 28 = 6,525,618,176;
     embedding and output 2vh = 1,089,994,752; final norm 3,584: 7,615,616,512, the count
     Qwen2-7B publishes."""
-    from actmem.estimate import estimate
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.memory.estimate import estimate
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset(f"{HF}/qwen2-7b/config.json")
     spec = build_spec(preset.model, {}, architecture=preset.architecture)
@@ -279,7 +279,7 @@ def test_a_paste_keeps_the_config_s_notes(actmem):
 
 def test_qkv_bias_off_with_other_biases_on_is_refused():
     """Megatron's QKV bias is add_bias_linear or add_qkv_bias: it cannot be off alone."""
-    from actmem.architecture import Architecture
+    from actmem.model.architecture import Architecture
     from actmem.errors import SpecError
 
     with pytest.raises(SpecError, match="Megatron cannot express"):
@@ -331,14 +331,14 @@ def test_the_planner_sweeps_context_parallelism_and_agrees_with_the_estimate():
     """Llama 3.1 70B on 256 H100s: the sweep holds c > 1 rows (2c | s), and one of them
     evaluated by the planner holds what the estimate of the same run holds, activations at
     s/c and the optimizer sharded over d·c. The paper's eager core gets c = 1 only."""
-    from actmem.estimate import estimate
-    from actmem.hardware import GPUS
-    from actmem.plan import PlanRequest, plan
-    from actmem.presets import load_preset
-    from actmem.spec import Model, build_spec
+    from actmem.memory.estimate import estimate
+    from actmem.model.hardware import GPUS
+    from actmem.planner.plan import PlanRequest, plan
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import Model, build_spec
 
     preset = load_preset("llama-3.1-70b")
-    from actmem.architecture import Architecture
+    from actmem.model.architecture import Architecture
     request = PlanRequest(model=Model(**preset.model), gpus=256, global_batch=256, gpu=GPUS["h100"],
                           gpu_memory_bytes=80 * 2**30, architecture=Architecture(**preset.architecture))
     rows = plan(request).evaluated

@@ -6,7 +6,7 @@ pipeline_parallel_layer_layout.py: stage i is rank i mod p's virtual stage i div
 import pytest
 
 from actmem.errors import SpecError
-from actmem.megatron_pipeline import account_counts, layout_counts
+from actmem.sources.megatron_pipeline import account_counts, layout_counts
 from tests.conftest import assert_one_line_error
 
 BASE = ("--num-layers 30 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 32000 "

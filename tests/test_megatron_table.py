@@ -7,8 +7,8 @@ import copy
 import click
 import pytest
 
-from actmem import megatron_args, megatron_table
-from actmem.flags import _paste_command, megatron_spellings
+from actmem.sources import megatron_args, megatron_table
+from actmem.cli.flags import _paste_command, megatron_spellings
 
 MODELLED = sorted(set(megatron_spellings()) | set(megatron_args.SETTINGS))
 

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from actmem import engine
-from actmem.architecture import Architecture
-from actmem.spec import Model, Run, Spec
-from actmem.techniques import TABLE_2, TECHNIQUES
+from actmem.memory import engine
+from actmem.model.architecture import Architecture
+from actmem.model.spec import Model, Run, Spec
+from actmem.memory.techniques import TABLE_2, TECHNIQUES
 
 
 FLASH = Architecture(attention_core="flash")

@@ -2,10 +2,10 @@
 
 import sympy
 
-from actmem import engine
-from actmem.symbols import a, b, h, s
-from actmem.techniques import BY_NAME
-from actmem.terms import LAYER_TERMS
+from actmem.memory import engine
+from actmem.model.symbols import a, b, h, s
+from actmem.memory.techniques import BY_NAME
+from actmem.memory.terms import LAYER_TERMS
 
 
 def per_layer(out, name):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actmem.parameters import first_stage_parameters, layer_parameters, parameter_bytes
+from actmem.memory.parameters import first_stage_parameters, layer_parameters, parameter_bytes
 
 TABLE_3 = {  # name: (a, h, L), v = 51200, s = 2048; the name is the size in parameters
     "22b": (64, 6144, 48, 22e9),

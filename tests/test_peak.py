@@ -1,13 +1,13 @@
-"""The allocator's peak from below (actmem.peak), derived by hand from the term table.
+"""The allocator's peak from below (actmem.memory.peak), derived by hand from the term table.
 
 Notation: sbh/t is one 16-bit-free element count of a sequence-parallel boundary tensor;
 the 530B run is a=128, h=20480, s=2048, b=1, t=8 (sbh/t = 5,242,880), the 22B one a=64,
 h=6144, s=2048, b=4, t=8 (sbh/t = 6,291,456).
 """
 
-from actmem.estimate import estimate
-from actmem.presets import load_preset
-from actmem.spec import build_spec
+from actmem.memory.estimate import estimate
+from actmem.sources.presets import load_preset
+from actmem.model.spec import build_spec
 
 
 def _estimate(name, **run):
@@ -40,8 +40,8 @@ def test_the_dummy_weight_gradients_are_one_a_weight_shape():
     elements, 1,258,291,200 B; the last stage adds the output layer's [v/t, h] = 6400 x 20480
     = 131,072,000 elements, 262,144,000 B. Shapes that coincide are one tensor: with v = 3h
     the output layer's [v/t, h] is QKV's [3h/t, h], kept once."""
-    from actmem.architecture import PAPER
-    from actmem.parameters import dummy_wgrad_elements
+    from actmem.model.architecture import PAPER
+    from actmem.memory.parameters import dummy_wgrad_elements
 
     preset = load_preset("530b")
     spec = build_spec(preset.model, preset.run, name="530b", architecture=preset.architecture)
@@ -220,7 +220,7 @@ def test_a_full_recompute_stage_names_its_rows_without_a_negative_one():
     the output layer's rows (5,242,880) were freed from what is held, and from the rerun its
     24 sbh/t after the core and its dropout output 2as²b/t (58,720,256); made: 2 x 2as²b/t,
     v's and the residual stream's gradients 2sbh/t each (71,303,168)."""
-    from actmem.spec import build_spec
+    from actmem.model.spec import build_spec
 
     spec = build_spec(dict(heads=8, hidden=1024, layers=4, vocab=256, seq_len=2048),
                       dict(tensor_parallel=2, sequence_parallel=True, pipeline_parallel=4, recompute="full",
@@ -239,7 +239,7 @@ def test_with_query_groups_the_core_backward_has_freed_v_s_copy():
     inputs 2sbh/t each, GeLU's and fc2's 8sbh/t each: 123,731,968), the dropout output 2as²b/t
     = 134,217,728 and v's copy 2sb·ad/t = 8,388,608: 266,338,304 B. With g = a, v is a view of
     the QKV output, which the q and k views still hold: 8,388,608 B less."""
-    from actmem.spec import build_spec
+    from actmem.model.spec import build_spec
 
     preset = load_preset("530b")
 

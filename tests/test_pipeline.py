@@ -1,6 +1,6 @@
 """The first stage's peak (section 4.4), including fewer microbatches than p."""
 
-from actmem.pipeline import stage_occupancy
+from actmem.memory.pipeline import stage_occupancy
 
 
 def test_1f1b_full_pipeline_holds_L_layers():

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from actmem.hardware import GPUS
-from actmem.explain import parse_config
-from actmem.plan import PlanRequest, candidates, config_label, plan
-from actmem.presets import load_preset
-from actmem.spec import Model
+from actmem.model.hardware import GPUS
+from actmem.planner.explain import parse_config
+from actmem.planner.plan import PlanRequest, candidates, config_label, plan
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model
 from tests.conftest import assert_one_line_error
 
 # Table 3, and m from section 6: (p, m, b) of the paper's run; t = 8 for all
@@ -180,14 +180,14 @@ def test_a_trillion_parameter_sweep_counts_flops_without_overflow():
     assert len(evaluated) > 3000
     assert np.isfinite(evaluated.compute_s).all() and (evaluated.compute_s > 0).all()
     expected = 72 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / 153600 + 51200 / (12 * 25600 * 128))
-    from actmem.flops import model_flops
+    from actmem.planner.flops import model_flops
     assert model_flops(3072, 2048, 128, 25600, 51200) == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx(3.86e19, rel=1e-2) and expected > 2**63
 
 
 def test_a_model_too_large_to_count_in_int64_is_refused():
     """d = 2^40 would make QKV h·3ad ~ 10^18 parameters a layer: refused before the sweep."""
-    from actmem.architecture import Architecture
+    from actmem.model.architecture import Architecture
     from actmem.errors import SpecError
 
     with pytest.raises(SpecError, match="more than the planner counts in int64"):

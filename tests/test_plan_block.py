@@ -5,13 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from actmem.architecture import Architecture
-from actmem.estimate import estimate
-from actmem.explain import parse_config
-from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, config_label, plan
-from actmem.presets import load_preset
-from actmem.spec import Model, build_spec
+from actmem.model.architecture import Architecture
+from actmem.memory.estimate import estimate
+from actmem.planner.explain import parse_config
+from actmem.model.hardware import GPUS
+from actmem.planner.plan import PlanRequest, config_label, plan
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model, build_spec
 from tests.conftest import assert_one_line_error, plan_row_run
 
 #: 530B, t = 8 with SP, s = 2048, b = 1, in bytes (tests/test_peak.py derives them): a layer
@@ -197,8 +197,8 @@ def test_a_block_row_names_itself_and_cannot_be_read_as_plain_full(actmem):
     family's name alone is not a recompute one can run (no N), never taken for full recompute
     of every layer; with N it is the block method's run values."""
     from actmem.errors import SpecError
-    from actmem.recompute import RecomputePolicy
-    from actmem.techniques import row_policy
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.memory.techniques import row_policy
 
     out = actmem.json("plan", "--model", "530b", "--gpus", "280", "--top", "0", "--format", "json")
     row = next(r for r in out["best"] if r["config"] == "t=8 p=35 m=1 b=1 sp block=1")
@@ -224,7 +224,7 @@ def test_explain_of_block_as_large_as_the_first_stage_s_chunk_keeps_it_a_block_r
     """Llama 3.1 405B, 7 + 8 x 14 + 7 with block=7: the first and last stages checkpoint every
     layer, the stages between keep one whole. --explain's row is the planner's block row
     (its time reruns 7 of 8 layers a stage between, not all), the same row as the sweep's."""
-    from actmem.explain import explain
+    from actmem.planner.explain import explain
 
     req = request("llama-3.1-405b", gpu=GPUS["h100"])
     _, row = explain(req, "t=8 p=7+8x14+7 b=1 sp block=7 dopt")
@@ -241,7 +241,7 @@ def test_block_time_is_the_pacing_stage_s_share():
     Llama 3.1 405B as 14 + 7 x 14 + 14, block=7. The pipeline goes at the pace of a 14-layer
     stage, and block 7 reruns 7 of its 14: half of what full recompute reruns there (not 7 of
     the stages between's 7, all of it)."""
-    from actmem.explain import explain
+    from actmem.planner.explain import explain
 
     req = request("llama-3.1-405b", gpu=GPUS["h100"])
     times = {config: explain(req, f"t=8 p=14+7x14+14 b=1 sp {config} dopt")[1].compute_s

@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from actmem.architecture import Architecture
-from actmem.estimate import estimate
-from actmem.explain import parse_config
-from actmem.hardware import GPUS
-from actmem.pipeline import stage_split
-from actmem.plan import PlanRequest, config_label, plan
-from actmem.presets import load_preset
-from actmem.spec import Model, build_spec
+from actmem.model.architecture import Architecture
+from actmem.memory.estimate import estimate
+from actmem.planner.explain import parse_config
+from actmem.model.hardware import GPUS
+from actmem.memory.pipeline import stage_split
+from actmem.planner.plan import PlanRequest, config_label, plan
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model, build_spec
 from tests.conftest import assert_one_line_error
 
 LLAMA = load_preset("llama-3.1-405b")
@@ -99,7 +99,7 @@ def test_an_uneven_pipeline_goes_at_its_fullest_stage_s_pace(llama_plan):
     h(ad + 2gd)/t + ad·h/t + 3hf/t + 2h = 37,748,736 + 33,554,432 + 327,155,712 + 32,768
     = 398,491,648, 3,187,933,184 in all (the first: 7 layers and the vocabulary's 16,128 x h),
     with the distributed optimizer's (4 + 2) B x 127/128 at 50 GB/s."""
-    from actmem import iteration
+    from actmem.planner import iteration
 
     row = _row(llama_plan, **PUBLISHED)
     s, h, arch = 8192, 16384, Architecture(**LLAMA.architecture)
@@ -206,7 +206,7 @@ def test_the_rule_for_a_split_is_the_same_on_ints_and_on_the_sweep_s_arrays():
     no stage between (p = 2) first + last must be L exactly, over it (100 + 100) is refused."""
     import numpy as np
 
-    from actmem import rules
+    from actmem.model import rules
 
     cases = [(16, 7, 7, True), (16, 7, 6, False), (2, 60, 66, True), (2, 100, 100, False), (2, 60, 60, False)]
     for p, first, last, expected in cases:

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from actmem.plot_cli import plot
-from actmem.plot_frames import MEMORY_PARTS, VALIDATION_COLUMNS
+from actmem.cli.plot_cli import plot
+from actmem.views.plot_frames import MEMORY_PARTS, VALIDATION_COLUMNS
 from tests.conftest import assert_one_line_error
 
 GIB = 2**30
@@ -48,9 +48,9 @@ def test_memory_frame_is_the_csv_and_its_bars_are_the_estimates_techniques(tmp_p
     """530B (t=8, p=35, m=3, s=2048, b=1): the bars are the technique rows of
     `estimate --format csv`, peak and verdict included; the parameter parts add up to its
     parameters_bytes, and the parts of a bar to its peak."""
-    from actmem.plot_frames import memory_frame
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.views.plot_frames import memory_frame
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("530b")
     frame = memory_frame(build_spec(preset.model, preset.run, name=preset.name))
@@ -106,9 +106,9 @@ def test_growth_marks_where_the_s_squared_terms_overtake_the_rest(tmp_path):
 
 
 def test_growth_frame_is_the_csv_and_meets_the_estimate_at_the_models_s(tmp_path):
-    from actmem.plot_frames import growth_frame, memory_frame
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.views.plot_frames import growth_frame, memory_frame
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("22b")
     spec = build_spec(preset.model, preset.run, name=preset.name)
@@ -176,11 +176,11 @@ def test_fit_map_has_a_cell_for_each_t_and_p_and_the_plans_choice(tmp_path, actm
 
 
 def test_fit_map_frame_is_the_csv(tmp_path):
-    from actmem.hardware import gpu_named
-    from actmem.plan import PlanRequest, plan
-    from actmem.plot_frames import map_frame
-    from actmem.presets import load_preset
-    from actmem.spec import Model
+    from actmem.model.hardware import gpu_named
+    from actmem.planner.plan import PlanRequest, plan
+    from actmem.views.plot_frames import map_frame
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import Model
 
     gpu = gpu_named("a100")
     request = PlanRequest(model=Model(**load_preset("530b").model), gpus=2240, global_batch=2240, gpu=gpu,
@@ -247,7 +247,7 @@ def test_fit_is_one_map_whose_cells_name_their_c_and_never_overprint(tmp_path, a
     cell at a readable size (5 pt or more at 8 x 5 in), the pipeline ticks apart; c written
     in each cell where the plan swept more than one."""
     pytest.importorskip("matplotlib")
-    from actmem.plot import map_figure
+    from actmem.views.plot import map_figure
 
     frame = frame_written(tmp_path, "fit", *args)
     ax, cells = _cells_of(map_figure(frame))
@@ -267,7 +267,7 @@ def test_fit_on_a_small_figure_shrinks_its_cells_text_and_keeps_c(tmp_path):
     """4 x 3 in leaves no room for four lines at 5 pt: a cell keeps its memory and its
     sizes (c first), still inside the cell."""
     pytest.importorskip("matplotlib")
-    from actmem.plot import map_figure
+    from actmem.views.plot import map_figure
 
     frame = frame_written(tmp_path, "fit", *PLAN_8B_CP)
     _, cells = _cells_of(map_figure(frame, size_in=(4, 3)))
@@ -412,7 +412,7 @@ def test_without_matplotlib_a_picture_is_one_line_and_the_frame_still_writes(tmp
 
 
 def test_plot_help_stays_off_the_heavy_imports():
-    code = ("import sys\nfrom actmem.plot_cli import plot\n"
+    code = ("import sys\nfrom actmem.cli.plot_cli import plot\n"
             "for args in (['--help'], ['fit', '--help']):\n"
             "    try:\n        plot(args)\n    except SystemExit:\n        pass\n"
             "print(sorted(m for m in ('sympy', 'pandas', 'rich', 'matplotlib') if m in sys.modules))\n")

@@ -3,7 +3,7 @@
 import pytest
 
 from actmem.errors import SpecError
-from actmem.presets import all_presets, load_preset
+from actmem.sources.presets import all_presets, load_preset
 
 # Table 3: heads, hidden, layers, t, p, GPUs, global batch, microbatch; plus m from section 6
 TABLE_3 = {

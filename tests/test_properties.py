@@ -15,7 +15,7 @@ _SETTINGS = settings(max_examples=120, deadline=None,
 def fused_softmax_runs(s, b, heads_per_rank):
     """Megatron's fused causal softmax runs (fused_softmax.py, is_kernel_available; the
     kernel's get_batch_per_block: 8 rows a block up to 128 keys, 4 above), written out
-    independently of actmem.rules."""
+    independently of actmem.model.rules."""
     return 16 < s <= 4096 and s % 4 == 0 and (b * heads_per_rank) % (8 if s <= 128 else 4) == 0
 
 
@@ -92,7 +92,7 @@ def test_valid_input_never_crashes_and_matches_table_2(case):
 
 
 def is_valid(heads, hidden, layers, t, p, m, s, sp):
-    """The constraints of the estimator issue, written out independently of actmem.spec (Megatron's
+    """The constraints of the estimator issue, written out independently of actmem.model.spec (Megatron's
     local core runs for any s, b and t: its fused softmax, or torch's where the kernel does not)."""
     if min(heads, hidden, layers, t, p, m, s) <= 0:
         return False

@@ -60,9 +60,9 @@ def test_qwen3_8b_parameters_match_its_published_non_embedding_count():
     2·4096·12288 + 12288·4096 = 150,994,944, two norms 8,192, the q and k norms 2·128 = 256:
     192,946,432. 36 layers and the final norm: 6,946,075,648, the 6.95B non-embedding
     parameters the Qwen3-8B model card gives."""
-    from actmem.parameters import layer_parameters
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.memory.parameters import layer_parameters
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     spec = build_spec(load_preset("qwen3-8b").model, {}, architecture=load_preset("qwen3-8b").architecture)
     arch = spec.architecture
@@ -136,10 +136,10 @@ def test_the_planner_counts_the_qk_norms():
     each row is the estimate's: tests/test_stage_model.py)."""
     from dataclasses import replace
 
-    from actmem.hardware import GPUS
-    from actmem.plan import PlanRequest, plan
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.model.hardware import GPUS
+    from actmem.planner.plan import PlanRequest, plan
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("qwen3-8b")
     spec = build_spec(preset.model, {}, architecture=preset.architecture)

@@ -8,7 +8,7 @@ s=2048; t=8, p=35, m=3, b=1, 280 GPUs, global batch 280; SP + selective recomput
   layers held (sec 4.4)    = L·(1 + (p-1)/(pm)) = 105 + 34   = 139
   embedding masks (4.5)    = sbh·2p/t                        = 367,001,600
       (section 4.5 counts p microbatches; at the peak of the interleaved schedule the
-      first stage holds 2p: see actmem/pipeline.py, measured by the harness)
+      first stage holds 2p: see actmem/memory/pipeline.py, measured by the harness)
   parameters, first stage  = 3 layers·((12h²+7h)/t + 6h) + v·h/t + s·h
                            = 3·629,286,400 + 131,072,000 + 41,943,040 = 2,060,874,240
   optimizer etc.           = 18 B a parameter

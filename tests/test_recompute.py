@@ -1,11 +1,11 @@
-"""One recompute value (actmem.recompute): Megatron's four recompute arguments at once, with
+"""One recompute value (actmem.model.recompute): Megatron's four recompute arguments at once, with
 one label that every output writes and one parser that reads it back."""
 
 import pytest
 
 from actmem.errors import SpecError
-from actmem.recompute import FULL, NONE, SELECTIVE, RecomputePolicy
-from actmem.terms import Recompute
+from actmem.model.recompute import FULL, NONE, SELECTIVE, RecomputePolicy
+from actmem.model.recompute import Recompute
 
 MLP = RecomputePolicy(Recompute.SELECTIVE, frozenset({"mlp", "core_attn"}))
 BLOCK_2 = RecomputePolicy(Recompute.FULL, method="block", layers=2)

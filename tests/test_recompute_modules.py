@@ -140,9 +140,9 @@ def test_the_mlp_rerun_costs_one_forward_of_its_matmuls():
     """GPT-3 (B = 1536, s = 2048, L = 96, h = 12288): recomputing the MLP adds one forward of
     its two matmuls, 2·B·s·L·2·h·4h = 16·B·s·L·h², beside the core or alone; SwiGLU's three
     (f = 14336, h = 4096): 2·B·s·L·3·h·f."""
-    from actmem.architecture import Architecture
-    from actmem.flops import hardware_flops
-    from actmem.terms import Recompute
+    from actmem.model.architecture import Architecture
+    from actmem.planner.flops import hardware_flops
+    from actmem.model.recompute import Recompute
 
     B, s, L, h, v = 1536, 2048, 96, 12288, 51200
     both, core, mlp = frozenset({"core_attn", "mlp"}), frozenset({"core_attn"}), frozenset({"mlp"})
@@ -158,7 +158,7 @@ def test_the_mlp_rerun_costs_one_forward_of_its_matmuls():
 def test_the_mlp_rerun_repeats_its_forward_collective():
     """A layer's collectives: 2 forward + 2 backward; the MLP's rerun adds its one (5/4), full
     recompute both forward ones (6/4); the attention core has none (4/4)."""
-    from actmem.iteration import tensor_parallel_seconds
+    from actmem.planner.iteration import tensor_parallel_seconds
 
     seconds = {mode: tensor_parallel_seconds(2048, 1, 12288, 96 // 8, 8, 64, mode, 230e9)
                for mode in ("none", "selective", "selective:core_attn+mlp", "selective:mlp", "full")}
@@ -170,12 +170,12 @@ def test_the_mlp_rerun_repeats_its_forward_collective():
 def test_the_planner_sweeps_every_recompute_module_under_flash_with_rope():
     """Under flash with rotary positions both modules are modelled (the core's checkpoint too):
     the sweep has sel, sel+mlp and mlp rows; their peaks are the exact estimate's verdicts."""
-    from actmem.estimate import estimate
-    from actmem.hardware import GPUS
-    from actmem.plan import PlanRequest, plan
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
-    from actmem.techniques import PLAN_RECOMPUTE
+    from actmem.memory.estimate import estimate
+    from actmem.model.hardware import GPUS
+    from actmem.planner.plan import PlanRequest, plan
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
+    from actmem.memory.techniques import PLAN_RECOMPUTE
 
     preset = load_preset("llama-3.1-70b")
     spec = build_spec(preset.model, {}, architecture=preset.architecture)

@@ -1,4 +1,4 @@
-"""`estimate` and `plan` evaluate one stage model (actmem.stage_model): exactly for one
+"""`estimate` and `plan` evaluate one stage model (actmem.memory.stage_model): exactly for one
 configuration, over arrays for the sweep. Over random models, architectures, clusters and
 budgets, every row of the sweep (even and uneven pipelines, interleaving, every recompute
 choice, Megatron's block method with any N, the fused softmax or torch's fallback) is the
@@ -6,13 +6,13 @@ estimate of the same configuration to the byte, stage by stage."""
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from actmem.architecture import Architecture
+from actmem.model.architecture import Architecture
 from actmem.errors import SpecError
-from actmem.estimate import estimate
-from actmem.hardware import GPUS
-from actmem.optimizer_state import OptimizerState
-from actmem.plan import PLAN_BLOCK, PlanRequest, candidates, evaluate
-from actmem.spec import Model, build_spec
+from actmem.memory.estimate import estimate
+from actmem.model.hardware import GPUS
+from actmem.model.optimizer_state import OptimizerState
+from actmem.planner.plan import PLAN_BLOCK, PlanRequest, candidates, evaluate
+from actmem.model.spec import Model, build_spec
 from tests.conftest import plan_row_run
 
 GIB = 2**30
@@ -95,12 +95,12 @@ def test_a_moment_under_a_condition_of_the_sweep_holds_where_it_holds():
     and its fc1 moment is a whole layer's): the same arithmetic on ints and on arrays."""
     import numpy as np
 
-    from actmem import engine
-    from actmem.stage_model import StageCounts, largest_bytes, stage_activations
-    from actmem.recompute import RecomputePolicy
-    from actmem.techniques import run_technique
-    from actmem.terms import Recompute
-    from actmem.presets import load_preset
+    from actmem.memory import engine
+    from actmem.memory.stage_model import StageCounts, largest_bytes, stage_activations
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import Recompute
+    from actmem.sources.presets import load_preset
 
     preset = load_preset("530b")
     spec = build_spec(preset.model, preset.run | dict(interleave=1, pipeline_parallel=35))

@@ -1,4 +1,4 @@
-"""Every pipeline stage's load and peak floor (actmem.stages, --stage), derived by hand.
+"""Every pipeline stage's load and peak floor (actmem.memory.stages, --stage), derived by hand.
 
 The 530B run: a=128, h=20480, s=2048, b=1, t=8, p=35, m=3 (3 layers a stage, 1 a chunk),
 v=51200, SP and selective recompute; sbh/t = 5,242,880.
@@ -10,11 +10,11 @@ import csv
 import io
 import re
 
-from actmem.estimate import estimate
-from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, plan
-from actmem.presets import load_preset
-from actmem.spec import Model, build_spec
+from actmem.memory.estimate import estimate
+from actmem.model.hardware import GPUS
+from actmem.planner.plan import PlanRequest, plan
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model, build_spec
 from tests.conftest import assert_one_line_error, plan_row_run
 from tests.test_plan import row_of
 

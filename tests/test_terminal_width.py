@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from actmem.presets import all_presets
+from actmem.sources.presets import all_presets
 
 SETTINGS = {
     "piped": {"COLUMNS": None, "FORCE_COLOR": None, "TTY_COMPATIBLE": None},
@@ -96,7 +96,7 @@ def test_term_names_are_whole(actmem, setting):
 
 @pytest.mark.parametrize("setting", ["COLUMNS=80", "terminal of 60"])
 def test_formulas_name_every_term_whole(actmem, setting):
-    from actmem.terms import TERMS
+    from actmem.memory.terms import TERMS
 
     out = _run(actmem, setting, "formulas")
     words = set(out.split())

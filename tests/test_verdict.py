@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from actmem.estimate import FITS, NO_FIT, TIGHT, estimate, verdict_of
-from actmem.explain import parse_config
-from actmem.hardware import GPUS
-from actmem.plan import PlanRequest, candidates, config_label, evaluate
-from actmem.presets import load_preset
-from actmem.spec import Model, build_spec
+from actmem.memory.estimate import FITS, NO_FIT, TIGHT, estimate, verdict_of
+from actmem.planner.explain import parse_config
+from actmem.model.hardware import GPUS
+from actmem.planner.plan import PlanRequest, candidates, config_label, evaluate
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Model, build_spec
 from tests.conftest import assert_one_line_error
 
 GIB = 2**30

@@ -39,11 +39,11 @@ def test_the_paste_and_the_flag_agree_and_other_codes_refuse_it(actmem):
 
 
 def test_plan_keeps_no_dummies_either():
-    from actmem.architecture import Architecture
-    from actmem.hardware import GPUS
-    from actmem.plan import PlanRequest, candidates, evaluate
-    from actmem.presets import load_preset
-    from actmem.spec import Model
+    from actmem.model.architecture import Architecture
+    from actmem.model.hardware import GPUS
+    from actmem.planner.plan import PlanRequest, candidates, evaluate
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import Model
 
     pr = load_preset("175b")
     arch = Architecture(gradient_accumulation_fusion=False)

@@ -1,4 +1,4 @@
-"""Regenerate actmem/data/megatron_arguments.tsv: every argument of Megatron-LM's training
+"""Regenerate actmem/sources/data/megatron_arguments.tsv: every argument of Megatron-LM's training
 parser at a pinned commit, as its own parser builds it.
 
     python tools/megatron_arguments.py /path/to/Megatron-LM
@@ -8,7 +8,7 @@ is read from the parser itself, not from the text of arguments.py: this imports
 megatron.training.arguments (needs torch, and triton, which megatron imports unconditionally;
 on Python 3.11, typing.override is stood in for) and walks add_megatron_arguments' actions.
 The TSV records the commit; tests/test_megatron_table.py checks that actmem's classification
-(actmem/data/megatron_memory.toml) covers exactly these names.
+(actmem/sources/data/megatron_memory.toml) covers exactly these names.
 """
 
 import argparse
@@ -17,7 +17,7 @@ import sys
 import typing
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "actmem" / "data" / "megatron_arguments.tsv"
+OUT = Path(__file__).resolve().parents[1] / "actmem" / "sources" / "data" / "megatron_arguments.tsv"
 
 
 def _values(action) -> str:

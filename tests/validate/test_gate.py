@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from actmem.cli import cli  # noqa: E402
+from actmem.cli.main import cli  # noqa: E402
 from actmem_validate import gpt, layers  # noqa: E402
 from actmem_validate.compare import judge, worst_error  # noqa: E402
 from actmem_validate.grid import configs_for, small_spec  # noqa: E402
@@ -330,7 +330,7 @@ def test_mlp_recompute_missing_from_the_harness_fails(monkeypatch):
 
 
 def _clear_engine_caches():
-    from actmem import engine
+    from actmem.memory import engine
 
     for value in vars(engine).values():
         getattr(value, "cache_clear", lambda: None)()
@@ -338,7 +338,7 @@ def _clear_engine_caches():
 
 def test_mlp_recompute_missing_from_the_formula_fails(monkeypatch):
     """The engine forgets the MLP module: the formula counts rows the checkpoint never keeps."""
-    from actmem.techniques import Technique
+    from actmem.memory.techniques import Technique
 
     drops = Technique.drops
     monkeypatch.setattr(Technique, "drops",
@@ -460,7 +460,7 @@ def test_a_flash_core_checkpoint_given_a_copy_of_v_fails(monkeypatch):
 def test_the_qkv_output_missing_from_the_formula_fails(monkeypatch):
     """The engine forgets that core_attn's checkpoint keeps the QKV output (Term.kept_by): the
     harness measures it where the formula has none."""
-    from actmem.techniques import Technique
+    from actmem.memory.techniques import Technique
 
     drops = Technique.drops
     monkeypatch.setattr(Technique, "drops", lambda self, term, arch: drops(self, term, arch) or term.name == "qkv_output")
@@ -502,7 +502,7 @@ def test_a_mask_the_checkpoints_never_get_fails(monkeypatch):
 
 def test_the_mask_missing_from_the_formula_fails(monkeypatch):
     """The engine forgets the mask the checkpoints save: measured where the formula has none."""
-    from actmem import engine
+    from actmem.memory import engine
 
     term_bytes = engine.term_bytes
     monkeypatch.setattr(engine, "term_bytes", lambda term, technique, arch=None: 0 if term.name == "attention_mask"

@@ -77,7 +77,8 @@ def _forgetting(monkeypatch, model_class: str, kept: str):
     """actmem's hf code with one model class no longer keeping ``kept``."""
     from dataclasses import replace
 
-    from actmem import engine, implementation
+    from actmem.memory import engine
+    from actmem.model import implementation
 
     code = implementation.IMPLEMENTATIONS["hf"]
     models = tuple(replace(model, keeps=model.keeps - {kept}) if model.name == model_class else model

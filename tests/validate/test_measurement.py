@@ -128,7 +128,7 @@ def test_validate_cli_reports_a_failing_rank():
 
 def test_validate_without_torch_says_how_to_install_it():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from actmem.cli import cli\n"
+            "from actmem.cli.main import cli\n"
             "cli(['validate', '--model', '22b'])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 2
@@ -136,8 +136,8 @@ def test_validate_without_torch_says_how_to_install_it():
 
 
 def test_configs_for_a_preset_fill_the_schedule():
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("530b")
     configs = configs_for(build_spec(preset.model, preset.run), ["tp-sp-sel"])

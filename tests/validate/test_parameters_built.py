@@ -5,9 +5,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from actmem.estimate import estimate  # noqa: E402
-from actmem.presets import load_preset  # noqa: E402
-from actmem.spec import build_spec  # noqa: E402
+from actmem.memory.estimate import estimate  # noqa: E402
+from actmem.sources.presets import load_preset  # noqa: E402
+from actmem.model.spec import build_spec  # noqa: E402
 from actmem_validate.gpt import LayerSpec  # noqa: E402
 from actmem_validate.parallel import TensorParallel  # noqa: E402
 from actmem_validate.schedule import FirstStage  # noqa: E402

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from actmem.cli import cli  # noqa: E402
-from actmem.estimate import estimate  # noqa: E402
+from actmem.cli.main import cli  # noqa: E402
+from actmem.memory.estimate import estimate  # noqa: E402
 from actmem_validate import layers  # noqa: E402
 from actmem_validate.compare import compare, expected_residuals, judge  # noqa: E402
 from actmem_validate.footprint import gpu_bytes, rank0_runs  # noqa: E402

@@ -81,10 +81,10 @@ def _simulated_peak(p, m, n, rank=0):
 
 
 def test_pipeline_closed_forms_match_the_real_schedule_order():
-    """actmem.pipeline's arithmetic (Eq 5, the interleave factor, the 2p embedding masks, few
+    """actmem.memory.pipeline's arithmetic (Eq 5, the interleave factor, the 2p embedding masks, few
     microbatches) against the order itself, for p <= 8, m <= 4, n <= 6p (n a multiple of p
     when interleaved, as Megatron requires); one layer a chunk, so layers held = chunks."""
-    from actmem.pipeline import held_counts
+    from actmem.memory.pipeline import held_counts
 
     checked = 0
     for p in range(1, 9):
@@ -103,7 +103,7 @@ def test_every_stage_s_chunks_in_flight_match_its_schedule_order():
     plus one, capped at n·m; the order runs the warm-up, then 1F1B, then the cool-down, and
     the simulation counts what is really in flight at every step. Includes the interleaved
     n = p case, where rank 0 runs every forward first and later ranks do not."""
-    from actmem.pipeline import held_counts
+    from actmem.memory.pipeline import held_counts
 
     for p in range(2, 7):
         for m in range(1, 4):

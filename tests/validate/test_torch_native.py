@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from actmem.presets import load_preset  # noqa: E402
-from actmem.spec import build_spec  # noqa: E402
+from actmem.sources.presets import load_preset  # noqa: E402
+from actmem.model.spec import build_spec  # noqa: E402
 from actmem_validate import torchtitan  # noqa: E402
 from actmem_validate.compare import judge  # noqa: E402
 from actmem_validate.grid import TORCH_NATIVE, configs_for, small_spec, torch_native_presets  # noqa: E402
@@ -88,7 +88,8 @@ def test_megatron_placement_would_turn_the_gate_red(monkeypatch):
     for the layers' two and the output layer's."""
     from dataclasses import replace
 
-    from actmem import engine, implementation
+    from actmem.memory import engine
+    from actmem.model import implementation
 
     native = implementation.IMPLEMENTATIONS["torch-native"]
     monkeypatch.setitem(implementation.IMPLEMENTATIONS, "torch-native", replace(native, gathered_under_sp=frozenset()))

@@ -51,7 +51,7 @@ def test_the_fused_kernel_s_stand_in_where_megatron_falls_back_fails(monkeypatch
 
 def test_the_mask_missing_from_the_formula_fails(monkeypatch):
     """The engine forgets the fallback's mask: measured where the formula has none."""
-    from actmem import engine
+    from actmem.memory import engine
     from tests.validate.test_gate import _clear_engine_caches
 
     term_bytes = engine.term_bytes
@@ -70,8 +70,8 @@ def test_the_mask_missing_from_the_formula_fails(monkeypatch):
 def test_paper_scale_past_the_kernel_s_4096_matches_to_the_byte():
     """The 22B at s = 8192, b = 1 (rank 0 of t = 8, fake tensors): torch's softmax, every term
     exact, its causal mask 48 x 8192² = 3,221,225,472 B, and the peak within 0.5% of the floor."""
-    from actmem.presets import load_preset
-    from actmem.spec import build_spec
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
 
     preset = load_preset("22b")
     spec = build_spec(preset.model | {"seq_len": 8192}, preset.run | {"micro_batch": 1}, name="22b",

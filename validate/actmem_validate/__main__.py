@@ -2,6 +2,6 @@
 
 import sys
 
-from actmem.cli import cli
+from actmem.cli.main import cli
 
 cli(["validate", *sys.argv[1:]], prog_name="python -m actmem_validate")

@@ -12,7 +12,7 @@ import sys
 import click
 
 from actmem.errors import SpecError
-from actmem.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args
+from actmem.cli.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                   "(on a CPU-only machine install the CPU build of torch first)")
@@ -62,7 +62,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     saved_tensors_hooks, deduplicated by storage, parameters left out) and prints formula bytes, measured bytes
     and the error per term and rank. Terms PyTorch keeps that the paper does not count are
     listed as named residuals. 'peak' is the allocator's peak against actmem's floor under
-    it (actmem.peak). Exits 1 when a term is off, a saved tensor is unaccounted for, the
+    it (actmem.memory.peak). Exits 1 when a term is off, a saved tensor is unaccounted for, the
     total does not add up, or the peak is below the floor (or above it by more than
     --max-peak-gap).
 

@@ -11,7 +11,7 @@ Every saved byte lands in exactly one kind of row:
   saved that the table does not name.
 Then ``total``: every saved byte at the stage's peak, against the formula's activations
 plus the expected residuals. ``peak`` holds the allocator's peak against actmem's floor
-(``actmem.peak``: main gradients, activations in flight, the rerun layer, all live at one
+(``actmem.memory.peak``: main gradients, activations in flight, the rerun layer, all live at one
 moment; the harness keeps no optimizer and its weights are left out of both): it fails
 below the floor, and above it by more than a gap the run allows (``--max-peak-gap``; the
 transients actmem does not model yet). Under context parallelism the row is ``floor_cp``,
@@ -20,11 +20,12 @@ computes fp32 s/c x s scores, its own peak, not Transformer Engine's ring.
 ``allocated``, ``pytorch_choice`` and ``reserve`` rows are information.
 """
 
-from actmem.estimate import Estimate
+from actmem.memory.estimate import Estimate
 
-from actmem.stage_model import chunk_layers
-from actmem.techniques import run_technique
-from actmem.terms import TERMS, Recompute
+from actmem.memory.stage_model import chunk_layers
+from actmem.memory.techniques import run_technique
+from actmem.memory.terms import TERMS
+from actmem.model.recompute import Recompute
 
 PAPER_TERMS = [term.name for term in TERMS]
 

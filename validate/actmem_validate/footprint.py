@@ -8,7 +8,7 @@ fit is refused with the numbers instead of swapping or being killed halfway.
 import os
 
 from actmem.errors import SpecError
-from actmem.estimate import estimate
+from actmem.memory.estimate import estimate
 from actmem.units import gib
 
 HARNESS_PARAMETER_BYTES = 2 + 4

@@ -1,6 +1,6 @@
 """The GPT layer of the paper's Figure 5 and the embedding/output pieces of section 4.5,
 built from the tensor-parallel blocks. Each tensor the backward pass will need is labelled
-with the name of its row in actmem's term table (``actmem/terms.py``).
+with the name of its row in actmem's term table (``actmem/memory/terms.py``).
 """
 
 from dataclasses import dataclass
@@ -56,7 +56,7 @@ class LayerSpec:
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
         """The layer an actmem Spec describes, at its run's t: the local core's softmax is the fused
-        kernel where Megatron runs it (actmem.spec.Spec.architecture_at), else torch's fallback."""
+        kernel where Megatron runs it (actmem.model.spec.Spec.architecture_at), else torch's fallback."""
 
         model, arch = spec.model, spec.architecture
         fused = spec.architecture_at(spec.run.tensor_parallel).masked_softmax_fusion
@@ -99,7 +99,7 @@ def _norm(spec: LayerSpec) -> Norm:
 class LocalSoftmax:
     """The local core's FusedScaleMaskSoftmax at one run's shape (fused_softmax.py, forward):
     its fused causal kernel where is_kernel_available allows, else torch's fallback, as
-    LayerSpec.of resolved it (actmem.rules.fused_softmax_runs, or --no-masked-softmax-fusion)."""
+    LayerSpec.of resolved it (actmem.model.rules.fused_softmax_runs, or --no-masked-softmax-fusion)."""
 
     heads: int            # a/t: the scores are [b, a/t, s, s] to Megatron
     fused: bool
@@ -472,7 +472,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     is the one vocabulary-wide tensor, kept as the softmax (section 4.5: 4sbv/t) with the
     small target index tensors. The backward updates it in place into the fp32 gradient and
     returns that; autograd then copies it to the logits' 16-bit dtype (2sbv/t) while it is
-    still live, which is the loss's transient (actmem.terms.TRANSIENT_TERMS)."""
+    still live, which is the loss's transient (actmem.memory.terms.TRANSIENT_TERMS)."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, tp):

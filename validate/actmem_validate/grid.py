@@ -2,10 +2,10 @@
 
 from dataclasses import replace
 
-from actmem.presets import load_preset
-from actmem.spec import Spec, build_spec
-from actmem.techniques import BY_NAME, TECHNIQUES
-from actmem.terms import Recompute
+from actmem.sources.presets import load_preset
+from actmem.model.spec import Spec, build_spec
+from actmem.memory.techniques import BY_NAME, TECHNIQUES
+from actmem.model.recompute import Recompute
 from actmem_validate.measure import Config, config_for
 
 DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
@@ -18,7 +18,7 @@ def default_techniques(spec: Spec) -> list:
     when t = 1 (they need t > 1); 'none' alone for an implementation run on one device. The
     selective rows recompute the spec's --recompute-modules where it gives them (the spec
     checked that actmem models them)."""
-    from actmem.estimate import modelled_techniques
+    from actmem.memory.estimate import modelled_techniques
 
     if "tensor" not in spec.architecture.code.runs:
         return [BY_NAME["none"]]

@@ -24,7 +24,7 @@ from fractions import Fraction
 
 import torch
 
-from actmem.estimate import estimate
+from actmem.memory.estimate import estimate
 from actmem_validate.compare import INDEX_BYTES, STATISTIC_BYTES, term_rows
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming

@@ -5,12 +5,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from actmem.estimate import estimate
-from actmem.implementation import HF_ATTENTION, MEGATRON
-from actmem.spec import Spec
-from actmem.stages import split_of
-from actmem.techniques import Technique, matching, unnamed_run
-from actmem.terms import Recompute
+from actmem.memory.estimate import estimate
+from actmem.model.implementation import HF_ATTENTION, MEGATRON
+from actmem.model.spec import Spec
+from actmem.memory.stages import split_of
+from actmem.memory.techniques import Technique, matching, unnamed_run
+from actmem.model.recompute import Recompute
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec, fused_wgrad_weights
 from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads

@@ -7,7 +7,7 @@ _GATE = {"pass": Text("✓", style="green"), "fail": Text("✗", style="bold red
 
 
 def render_rows(rows: list[dict]) -> None:
-    from actmem.render import terminal
+    from actmem.views.render import terminal
 
     console = terminal()
     for config in dict.fromkeys(row["config"] for row in rows):

@@ -1,0 +1,1 @@
+"""The command line: click commands, the flag table, `actmem plot`."""

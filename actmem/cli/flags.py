@@ -1,0 +1,590 @@
+"""The flags that describe a model, its architecture and a run, and how they become a Spec.
+
+Megatron-LM's argument names are accepted beside actmem's, so the parallelism flags of a
+launch script can be pasted as they are. Each spelling is its own click option that may
+repeat: a setting given twice with different values, or under two spellings that
+disagree (``--tp 4 --tensor-model-parallel-size 8``), is refused rather than the last one
+silently winning.
+"""
+
+from dataclasses import dataclass
+
+import click
+
+from actmem.model.architecture import POSITION_EMBEDDING_ALIASES, POSITION_EMBEDDINGS
+from actmem.errors import SpecError
+from actmem.model.defaults import VOCAB_DIVISIBLE_BY
+from actmem.model.hardware import DEFAULT_RESERVE
+from actmem.model.implementation import IMPLEMENTATIONS, MEGATRON, implementation
+
+
+_NO_CONSTANT = object()
+
+
+class _Named(click.Choice):
+    """A choice with other spellings read as one name (Megatron's learned_absolute: learned)."""
+
+    def __init__(self, names: dict):
+        super().__init__(list(names), case_sensitive=False)
+        self.names = names
+
+    def convert(self, value, param, ctx):
+        return self.names[super().convert(value, param, ctx)]
+
+
+class Once(click.Option):
+    """An option that may be given once, or repeated with the same value: click keeps the
+    last of two values without a word, and a setting given twice that disagrees is refused."""
+
+    def add_to_parser(self, parser, ctx):
+        if self.multiple or self.count or self.is_flag:
+            return super().add_to_parser(parser, ctx)
+        parser.add_option(obj=self, opts=self.opts, dest=self.name, action="append", nargs=self.nargs)
+
+    def consume_value(self, ctx, opts):
+        value, source = super().consume_value(ctx, opts)
+        if isinstance(value, list) and not (self.multiple or self.count or self.is_flag):
+            if len(set(map(str, value))) > 1:
+                raise SpecError(f"{self.opts[0]} is given more than once and the values disagree: "
+                                f"{' and '.join(dict.fromkeys(f'{self.opts[0]} {v}' for v in value))}; give it once")
+            value = value[0]
+        return value, source
+
+
+def option(*names, **kw):
+    """click.option, refusing a setting given twice with two values (Once)."""
+    return click.option(*names, cls=kw.pop("cls", Once), **kw)
+
+
+POSITION_EMBEDDING_NAMES = _Named({name: name for name in POSITION_EMBEDDINGS} | POSITION_EMBEDDING_ALIASES)
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple
+    """actmem's spelling first, then Megatron-LM's; "--a/--no-a" for an on/off switch."""
+    key: str
+    """The spec's name for the setting; several flags may set one key (--swiglu and
+    --activation), and they must agree like any two spellings."""
+    help: str
+    type: object = int
+    constant: object = _NO_CONSTANT
+    """For a switch that sets the key to a fixed value (--swiglu: 'swiglu')."""
+    same: object = None
+    """value -> what two spellings must agree on (None: the value itself); --recompute-modules
+    names a set, so 'mlp,core_attn' and 'core_attn mlp' agree."""
+
+    def dest(self, index: int) -> str:
+        spelling = self.names[index].partition("/")[0].lstrip("-").replace("-", "_")
+        return f"{self.key}__{spelling}"
+
+
+MODEL_FLAGS = (
+    Flag(("--heads", "--num-attention-heads"), "heads", "attention heads a"),
+    Flag(("--hidden", "--hidden-size"), "hidden", "hidden size h"),
+    Flag(("--layers", "--num-layers"), "layers", "transformer layers L"),
+    Flag(("--vocab", "--vocab-size"), "vocab", "vocabulary size v (padded as Megatron does)"),
+    Flag(("--seq-len", "--seq-length"), "seq_len", "sequence length s"),
+)
+ARCHITECTURE_FLAGS = (
+    Flag(("--attention-dropout",), "attention_dropout",
+         "dropout on the attention probabilities (default 0.1, the paper's); 0 keeps no mask",
+         float),
+    Flag(("--hidden-dropout",), "hidden_dropout",
+         "dropout after the embedding, attention and MLP (default 0.1); 0 keeps no mask", float),
+    Flag(("--ffn", "--ffn-hidden-size"), "ffn_hidden", "the MLP's hidden size f (default 4h)"),
+    Flag(("--activation",), "activation", "the MLP's activation: gelu (default), swiglu or squared_relu",
+         click.Choice(["gelu", "swiglu", "squared_relu"], case_sensitive=False)),
+    Flag(("--swiglu",), "activation", "Megatron's switch for --activation swiglu", constant="swiglu"),
+    Flag(("--squared-relu",), "activation", "Megatron's switch for --activation squared_relu",
+         constant="squared_relu"),
+    Flag(("--normalization",), "normalization", "layernorm (default) or rmsnorm (Megatron's "
+         "LayerNorm, RMSNorm are read too)", click.Choice(["layernorm", "rmsnorm"], case_sensitive=False)),
+    Flag(("--disable-bias-linear",), "bias", "linear layers without biases (Megatron's switch)",
+         constant=False),
+    Flag(("--add-bias-linear",), "bias", "linear layers with biases (the default)", constant=True),
+    Flag(("--add-qkv-bias",), "qkv_bias", "a bias on the QKV linear even with --disable-bias-linear "
+         "(Megatron's switch; Qwen2)", constant=True),
+    Flag(("--query-groups", "--num-query-groups"), "query_groups",
+         "key/value heads g (grouped-query attention; 1 is multi-query); default: one a head"),
+    Flag(("--head-dim", "--kv-channels"), "head_dim", "head dim d (default h/a)"),
+    Flag(("--untie-embeddings-and-output-weights",), "tied_output",
+         "an output layer with weights of its own (Megatron's switch; default: tied to the "
+         "word embedding)", constant=False),
+    Flag(("--attention-core",), "attention_core",
+         "eager (default, the paper's: keeps the s² softmax output), flash (TE's cuDNN kernel: "
+         "keeps q, k, v, its output and an fp32 log-sum-exp) or flash-attn (the same, and at "
+         "b > 1 a copy of its output)", click.Choice(["eager", "flash", "flash-attn"], case_sensitive=False)),
+    Flag(("--use-flash-attn",), "attention_core", "Megatron's switch for --attention-core flash-attn",
+         constant="flash-attn"),
+    Flag(("--position-embedding", "--position-embedding-type"), "position_embedding",
+         "learned (default, an s·h table), rope (rotary; flash core only) or none; Megatron's "
+         "learned_absolute is read as learned", POSITION_EMBEDDING_NAMES),
+    Flag(("--max-position-embeddings",), "position_rows",
+         "rows of the learned position table (Megatron's name; default s): a longer table is more parameters "
+         "on the first stage; with rotary or no positions there is no table, and it changes nothing"),
+    Flag(("--use-rotary-position-embeddings",), "position_embedding",
+         "Megatron's older switch for --position-embedding rope", constant="rope"),
+    Flag(("--rotary-percent",), "rotary_percent",
+         "the share of each head rope rotates (Megatron's name; default 1): under --no-rope-fusion the kept cos "
+         "and sin are int(d·percent) wide; TE's fused rope keeps no more either way", float),
+    Flag(("--rope-fusion/--no-rope-fusion",), "rope_fusion",
+         "rotary positions by TE's fused kernel (default), or Megatron's unfused rope_utils.py, "
+         "which keeps a 16-bit cos and sin for q and for k each layer (4 x 2sd)", bool),
+    Flag(("--qk-norm/--no-qk-norm", "--qk-layernorm"), "qk_norm",
+         "a norm on each head of q and k before rope, of the model's normalization (Qwen3; Megatron's "
+         "--qk-layernorm; flash core): keeps a contiguous copy of q and k and fp32 statistics a head", bool),
+    Flag(("--attention-mask/--no-attention-mask",), "attention_mask",
+         "count the causal mask Megatron's dataloader makes for each microbatch, b·s² bytes of bool, "
+         "which the recompute checkpoints keep (Megatron's default; a pasted argument list without "
+         "--no-create-attention-mask-in-dataloader has it); default: not counted, as the paper", bool),
+    Flag(("--no-create-attention-mask-in-dataloader",), "attention_mask",
+         "Megatron's switch for --no-attention-mask", constant=False),
+    Flag(("--masked-softmax-fusion/--no-masked-softmax-fusion",), "masked_softmax_fusion",
+         "the local (eager) core's softmax by Megatron's fused kernel where it runs (default), or always torch's "
+         "fallback (forward_torch_softmax), which keeps the causal mask it fills, s² bytes a layer; nothing "
+         "changes under TE's flash cores", bool),
+    Flag(("--attention-softmax-in-fp32",), "softmax_in_fp32",
+         "torch's fallback softmax in fp32 (Megatron's switch): it keeps its fp32 output, 4as²b/t; the fused "
+         "kernel and TE's cores keep no fp32 softmax", constant=True),
+    Flag(("--gradient-accumulation-fusion/--no-gradient-accumulation-fusion",), "gradient_accumulation_fusion",
+         "Megatron's fused weight gradients into main_grad, with TE's dummy kept (default), or 16-bit weight "
+         "gradients made at each linear's backward and freed once added (Megatron's --no-gradient-accumulation-"
+         "fusion)", bool),
+    Flag(("--implementation",), "implementation",
+         "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
+         "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
+         "Face transformers' Llama, Qwen3 or GPT-2, by the architecture, on one device: --attention-core "
+         "eager is its eager attention, flash its sdpa)",
+         click.Choice(list(IMPLEMENTATIONS), case_sensitive=False)),
+)
+GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
+GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
+                    "global batch: sequences per iteration; with --gpus gives the microbatches")
+RUN_FLAGS = (
+    Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
+    Flag(("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
+    Flag(("--cp", "--context-parallel-size"), "context_parallel",
+         "context-parallel size c: ranks splitting each sequence (ring attention; flash core)"),
+    Flag(("--interleave", "--num-virtual-stages-per-pipeline-rank"), "interleave",
+         "interleaved schedule: model chunks per pipeline rank m (1 = plain 1F1B)"),
+    Flag(("--first-stage-layers", "--decoder-first-pipeline-num-layers"), "first_stage_layers",
+         "an uneven pipeline: layers on the first stage (the others share the rest)"),
+    Flag(("--last-stage-layers", "--decoder-last-pipeline-num-layers"), "last_stage_layers",
+         "an uneven pipeline: layers on the last stage"),
+    Flag(("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
+    GLOBAL_BATCH,
+    GPUS,
+    Flag(("--recompute-method",), "recompute_method",
+         "with full recompute: uniform (groups of N layers, each keeping its input) or block "
+         "(the first N layers of each model chunk; the rest keep everything)",
+         click.Choice(["uniform", "block"])),
+    Flag(("--recompute-num-layers",), "recompute_layers",
+         "N for --recompute-method (default: every layer checkpointed alone, uniform 1)"),
+    Flag(("--recompute-modules",), "recompute_modules",
+         "with selective recompute: what it recomputes, from core_attn (the attention core, the "
+         "default and the paper's), mlp (the MLP with its fused norm, keeping its input) and "
+         "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str,
+         same=lambda value: frozenset(value.replace(",", " ").split())),
+    Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
+         "sequence parallelism (needs t > 1)", bool),
+    Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
+         "distributed_optimizer", "shard the optimizer state over the d data-parallel ranks "
+         "(6 + 12/(d·c) B a parameter; over one rank it shards nothing)", bool),
+)
+
+def _gradient_bytes(dtype: str) -> int:
+    from actmem.model.widths import GRADIENT_DTYPE_BYTES
+
+    return GRADIENT_DTYPE_BYTES[dtype]
+
+
+MAIN_GRADS = Flag(
+    ("--main-grads-dtype",), "grad_dtype",
+    "Megatron's precision-aware optimizer's spelling of --grad-dtype (fp32 or bf16; bf16 needs "
+    "--use-precision-aware-optimizer, as Megatron asserts)", click.Choice(["fp32", "bf16"]), same=_gradient_bytes)
+PRECISION_AWARE = Flag(
+    ("--precision-aware-optimizer/--no-precision-aware-optimizer", "--use-precision-aware-optimizer"),
+    "precision_aware", "TE's precision-aware Adam (Megatron's --use-precision-aware-optimizer; the distributed "
+    "optimizer only): no fp32 master copy, and the state in the dtypes below", bool)
+
+#: the model state's dtypes, the main gradients' (spec.gradient_bytes) and the optimizer's
+#: (spec.optimizer): settings of the run's model state, not of Run
+STATE_FLAGS = (
+    Flag(("--grad-dtype",), "grad_dtype",
+         "the main gradients' dtype: fp32 (the default, bf16 training's in Megatron) or bf16/fp16, Megatron's "
+         "16-bit buffers (fp16 training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)",
+         click.Choice(["fp32", "bf16", "fp16"]), same=_gradient_bytes),
+    Flag(("--grad-reduce-in-bf16",), "grad_dtype", "Megatron's switch for --grad-dtype bf16", constant="bf16",
+         same=_gradient_bytes),
+    MAIN_GRADS,
+    PRECISION_AWARE,
+    Flag(("--main-params-dtype",), "main_params_dtype",
+         "the precision-aware optimizer's master weights: fp32 (default; beside bf16 weights TE keeps only the 16 "
+         "bits they lack, 2 B) or fp16 (2 B)", click.Choice(["fp32", "fp16"])),
+    Flag(("--exp-avg-dtype",), "exp_avg_dtype", "the precision-aware optimizer's first moment: fp32 (default, "
+         "4 B), fp16 or bf16 (2 B) or fp8 (1 B)", click.Choice(["fp32", "fp16", "bf16", "fp8"])),
+    Flag(("--exp-avg-sq-dtype",), "exp_avg_sq_dtype", "... and its second moment",
+         click.Choice(["fp32", "fp16", "bf16", "fp8"])),
+    Flag(("--params-dtype",), "params_dtype", "the 16-bit weights' dtype: bf16 (default) or fp16 (Megatron's "
+         "--bf16, --fp16); under the precision-aware optimizer fp32 master remainders need bf16",
+         click.Choice(["bf16", "fp16"])),
+)
+
+
+def optimizer_state(flags: dict):
+    """The OptimizerState the resolved flags ask for (Megatron's defaults where not given)."""
+    from actmem.model.optimizer_state import OptimizerState
+
+    given = {"precision_aware": flags.get("precision_aware"), "main_params": flags.get("main_params_dtype"),
+             "exp_avg": flags.get("exp_avg_dtype"), "exp_avg_sq": flags.get("exp_avg_sq_dtype"),
+             "params": flags.get("params_dtype")}
+    return OptimizerState(**{key: value for key, value in given.items() if value is not None})
+
+
+def _check_main_grads(flags: dict) -> None:
+    """Megatron asserts --main-grads-dtype is fp32 without the precision-aware optimizer
+    (optimizer_config.py); it is otherwise --grad-dtype, checked with it (before ``resolve``)."""
+    if "bf16" in flags.get(MAIN_GRADS.dest(0), ()) and not any(
+            value for i in range(2) for value in flags.get(PRECISION_AWARE.dest(i), ())):
+        raise SpecError("--main-grads-dtype bf16 needs --use-precision-aware-optimizer (Megatron asserts "
+                        "main_grads_dtype is fp32 without it: optimizer_config.py); --grad-dtype bf16 "
+                        "(Megatron's --grad-reduce-in-bf16) is the same buffer without it")
+
+
+def _spelling(flag: Flag, index: int, value) -> str:
+    """How the user wrote it: '--tp 4', '--no-sp', '--use-distributed-optimizer'."""
+    name = flag.names[index]
+    if flag.constant is not _NO_CONSTANT:
+        return name
+    if flag.type is bool:
+        on, _, off = name.partition("/")
+        return on if value or not off else off
+    return f"{name} {value}"
+
+
+class _Spelled(click.Option):
+    """An option whose help line lists the other spellings of its setting beside its own."""
+
+    def __init__(self, *args, also=(), **kw):
+        super().__init__(*args, **kw)
+        self.also = also
+
+    def get_help_record(self, ctx):
+        record = super().get_help_record(ctx)
+        if record is None or not self.also:
+            return record
+        names, _, rest = record[0].partition(" ")
+        return f"{names}, {', '.join(self.also)}" + (f" {rest}" if rest else ""), record[1]
+
+
+def add_flags(command, flags):
+    """One repeatable click option a spelling; the help line of actmem's names Megatron's."""
+    for flag in reversed(flags):
+        for index in reversed(range(len(flag.names))):
+            name = flag.names[index]
+            also = tuple(n.partition("/")[0] for n in flag.names[1:]) if index == 0 else ()
+            kw = dict(multiple=True, hidden=index > 0, help=flag.help, cls=_Spelled, also=also)
+            if flag.constant is not _NO_CONSTANT:
+                kw.update(is_flag=True, flag_value=flag.constant, default=None)
+            elif flag.type is bool:
+                kw.update(is_flag=True, default=None)
+            elif flag.type in (int, float):
+                kw.update(type=flag.type, metavar="FLOAT" if flag.type is float else "INTEGER")
+            else:
+                kw.update(type=flag.type)
+            command = option(name, flag.dest(index), **kw)(command)
+    return command
+
+
+def resolve(flags: dict, table) -> dict:
+    """Collapse the spellings of each flag in ``table`` into one value (None when not given);
+    two different values are an error that names both spellings."""
+    out = dict(flags)
+    for key in dict.fromkeys(flag.key for flag in table):
+        given = [(flag, index, value) for flag in table if flag.key == key
+                 for index in range(len(flag.names)) for value in out.pop(flag.dest(index), ())]
+        if len({(flag.same or _itself)(value) for flag, _, value in given}) > 1:
+            spelled = dict.fromkeys(_spelling(flag, index, value) for flag, index, value in given)
+            raise SpecError(f"{key} is given more than once and the values disagree: "
+                            f"{' and '.join(spelled)}; give it once")
+        out[key] = given[0][2] if given else None
+    return out
+
+
+def _itself(value):
+    return value
+
+
+GPU_OPTIONS = (
+    option("--gpu", "gpu_name", default=None, metavar="NAME",
+                 help="The GPU: a100 (a100-80), a100-40, h100, h200, b200 or mi300x, at the memory its "
+                      "allocator can reach (h100: 79.10 GiB); default: the preset's, else a100 (the paper's)."),
+    option("--gpu-memory", default=None, metavar="SIZE",
+                 help="What the allocator can reach on one GPU, with its unit (e.g. 79GiB, 40GB); in place "
+                      "of --gpu's."),
+    option("--reserve", default=None, metavar="SIZE",
+                 help=f"Kept free above the peak floor for what actmem does not count: the CUDA context, NCCL "
+                      f"and cuBLAS workspaces, fragmentation, the kernels' own backward buffers (default "
+                      f"{DEFAULT_RESERVE}, as `plan`); 'fits' needs the peak and the reserve."),
+)
+MEGATRON_ARGS = option(
+    "--megatron-args", default=None, metavar="@SCRIPT|@FILE|TEXT",
+    help="A Megatron-LM launch script (bash, read as bash expands it, never run) or its arguments, "
+         "from a file or pasted: those that change memory are used, those that cannot are listed as "
+         "ignored, the rest are refused in one message.")
+
+
+def spec_options(command):
+    """The model, architecture and run flags of every command that takes a whole spec."""
+    options = [
+        option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
+                     help="Activation recomputation."),
+        option("--recompute-granularity", type=click.Choice(["selective", "full"]),
+                     default=None, help="Megatron's name for --recompute."),
+        option("--recompute-activations", is_flag=True, default=False,
+                     help="Megatron's older flag for --recompute selective."),
+        option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
+                     default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
+        *GPU_OPTIONS,
+        option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
+                     help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
+        MEGATRON_ARGS,
+    ]
+    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
+    for decorator in reversed(options):
+        command = decorator(command)
+    return model_options(command)
+
+
+def model_options(command):
+    """--model and the model dims, shared by every command that takes a model."""
+    command = add_flags(command, MODEL_FLAGS)
+    return option("--model", "-m", "preset", metavar="NAME|PATH",
+                        help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
+                             "flags override it.")(command)
+
+
+def _preset_and_flags(flags: dict, preset=None) -> tuple:
+    """(name, model values, run values, architecture values, notes): the preset's, overridden
+    by the flags given. ``flags`` is already resolved."""
+    from actmem.sources.presets import load_preset
+
+    if preset is None and flags["preset"]:
+        preset = load_preset(flags["preset"])
+    model = dict(preset.model) if preset else {}
+    run = dict(preset.run) if preset else {}
+    architecture = dict(preset.architecture) if preset else {}
+    model.update({f.key: flags[f.key] for f in MODEL_FLAGS if flags.get(f.key) is not None})
+    run.update({f.key: flags[f.key] for f in RUN_FLAGS if flags.get(f.key) is not None})
+    architecture.update({f.key: flags[f.key] for f in ARCHITECTURE_FLAGS if flags.get(f.key) is not None})
+    if preset is None and not model:
+        raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
+                        "--heads, --hidden, --layers, --vocab, --seq-len")
+    if preset and preset.hf_unmeasured and architecture.get("implementation") == "hf":
+        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM, "
+                        f"Qwen3ForCausalLM and GPT2LMHeadModel; {preset.source}: {preset.hf_unmeasured}")
+    notes = preset.notes if preset else ()
+    if preset and preset.seq_len_note and flags.get("seq_len") is None:
+        notes += (preset.seq_len_note,)
+    rows = preset.position_table if preset else None
+    if rows and architecture.get("position_rows") is None:          # a config.json's n_positions
+        architecture["position_rows"] = rows
+    return (preset.name if preset else "custom"), model, run, architecture, notes
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the commands that choose the run themselves (plan, flops) take from a preset and
+    the flags: the model and architecture, the GPU count and batch, and the preset's run."""
+
+    name: str
+    model: object
+    architecture: object
+    preset_run: dict
+    """The preset's own run (checked with the preset, as `estimate` would), for --explain."""
+    gpus: int | None
+    global_batch: int | None
+    gpu: str | None = None
+    """The preset's GPU (the default of --gpu)."""
+    gradient_bytes: int | None = None
+    """Bytes a main gradient where --grad-dtype (or a paste) says; None: fp32."""
+    optimizer: object = None
+    """The OptimizerState the flags (or a paste) ask for."""
+
+
+def model_from_flags(flags: dict) -> ModelChoice:
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
+
+    flags, pasted = with_megatron_args(flags)
+    script_run = _script_run(flags) if pasted else {}
+    _check_main_grads(flags)
+    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + STATE_FLAGS)
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    if preset is not None:       # a preset file is checked whole, whatever the flags change
+        build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
+    name, model, run, architecture, _ = _preset_and_flags(flags, preset)
+    _check_paste(pasted, model, architecture)
+    spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
+    pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
+    gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
+    return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
+                       pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes,
+                       optimizer_state(flags))
+
+
+def _script_run(flags: dict) -> dict:
+    """The run a pasted script sets (t, p, b, recompute, ...), for `plan --explain` to start from
+    as it starts from a preset's run; the pasted run flags are consumed here."""
+    from actmem.model.spec import merge_recompute
+
+    keys = {f.key for f in RUN_FLAGS} - {"gpus", "global_batch"}
+    given = resolve({k: v for k, v in flags.items() if "__" in k and k.split("__")[0] in keys},
+                    [f for f in RUN_FLAGS if f.key in keys])
+    for key in list(flags):
+        if "__" in key and key.split("__")[0] in keys:
+            del flags[key]
+    recompute = merge_recompute(flags.pop("recompute", None), flags.pop("recompute_granularity", None),
+                                flags.pop("recompute_activations", False))
+    return {k: v for k, v in given.items() if v is not None} | ({"recompute": recompute} if recompute else {})
+
+
+def _paste_command():
+    """A click command with the spec's options, to parse pasted Megatron arguments exactly as
+    the flags are parsed."""
+    return click.command()(spec_options(lambda **flags: flags))
+
+
+def megatron_spellings() -> dict:
+    """{name: takes a value} of the spec's options that Megatron-LM's parser has too: the
+    Megatron arguments a paste hands to these very options, derived from the one flag table
+    (less the settings megatron_args reads itself, such as --recompute-modules' words)."""
+    from actmem.sources import megatron_args, megatron_table
+
+    known = megatron_table.arguments()
+    return {name: not param.is_flag for param in _paste_command().params if isinstance(param, click.Option)
+            for name in param.opts + param.secondary_opts if name in known and name not in megatron_args.SETTINGS}
+
+
+def with_megatron_args(flags: dict) -> tuple[dict, dict]:
+    """The flags with the pasted --megatron-args merged in (a pasted value that disagrees with
+    a flag is an error), and what else the paste says: {'ignored': [...], checks...}."""
+    from actmem.sources import megatron_args
+
+    if flags.get("megatron_args") is None:
+        return flags, {}
+    command = _paste_command()
+    takes_value = megatron_spellings()
+    words, notes, launcher_gpus = megatron_args.read(flags["megatron_args"])
+    used, ignored, checks = megatron_args.sort(words, takes_value)
+    notes += megatron_args.vocabulary_notes(words, checks) + checks.pop("notes", [])
+    default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)
+    pasted = command.make_context("--megatron-args", used).params
+    if default_mask and any(flags.get(key) for key in flags if key.startswith("attention_mask__")):
+        # the paste's mask is only Megatron's default: a flag given beside it says otherwise
+        pasted = {key: value for key, value in pasted.items() if not key.startswith("attention_mask__")}
+    merged = dict(flags, megatron_args=None)
+    for key, value in pasted.items():
+        if isinstance(value, tuple):
+            merged[key] = tuple(merged.get(key) or ()) + value
+        elif value is not None and value is not False:
+            if merged.get(key) is not None and merged.get(key) is not False and merged[key] != value:
+                raise SpecError(f"--megatron-args gives {key} = {value!r}, a flag gives {merged[key]!r}")
+            merged[key] = value
+    if launcher_gpus is not None and not any(merged.get(GPUS.dest(i)) for i in range(len(GPUS.names))):
+        merged[GPUS.dest(0)] = (launcher_gpus,)
+    elif launcher_gpus is not None:
+        notes = [note for note in notes if not note.startswith("GPUs:")] + [
+            f"GPUs: --gpus, in place of the launcher's {launcher_gpus}"]
+    return merged, dict(checks, ignored=ignored, notes=notes)
+
+
+def build_spec_from_flags(flags: dict, dims_only: bool = False):
+    """Merge a preset with the flags into a validated Spec (raises SpecError); dims_only:
+    the run's kernel rules wait (Spec.dims_only), for a caller that checks each run it makes."""
+    from actmem.model.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
+
+    flags, pasted = with_megatron_args(flags)
+    _check_main_grads(flags)
+    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
+    from actmem.sources.presets import load_preset
+
+    preset = load_preset(flags["preset"]) if flags["preset"] else None
+    name, model, run, architecture, notes = _preset_and_flags(flags, preset)
+    _check_paste(pasted, model, architecture)
+    if flags["layers_per_chunk"] is not None:
+        if flags["interleave"] is not None:
+            raise SpecError("give the interleave once: --interleave or "
+                            "--num-layers-per-virtual-pipeline-stage, not both")
+        run["interleave"] = interleave_from_layers_per_chunk(
+            model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
+    recompute = merge_recompute(flags["recompute"], flags["recompute_granularity"],
+                                flags["recompute_activations"])
+    if recompute is not None:
+        run["recompute"] = recompute
+    options = {"notes": notes} if notes else {}
+    if dims_only:
+        options["dims_only"] = True
+    options.update(gpu_options(flags, preset.gpu if preset else None))
+    if flags["grad_dtype"] is not None:
+        options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
+    options["optimizer"] = optimizer_state(flags)
+    if flags["vocab_divisible_by"] is not None:
+        code = implementation(architecture.get("implementation", MEGATRON))
+        options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
+    options["notes"] = notes + tuple(pasted.get("notes", ()))
+    if pasted.get("ignored"):
+        options["notes"] += (f"Megatron arguments ignored, as they cannot change memory: "
+                             f"{', '.join(pasted['ignored'])}",)
+    if not options["notes"]:
+        del options["notes"]
+    return build_spec(model, run, name=name, architecture=architecture, **options)
+
+
+def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
+    """The GPU a spec must fit: --gpu (else the preset's, else the paper's A100), its memory
+    (--gpu-memory in place of the table's) and the reserve."""
+    from actmem.model.hardware import DEFAULT_GPU, gpu_named
+    from actmem.units import parse_bytes
+
+    gpu = gpu_named(flags.get("gpu_name") or preset_gpu or DEFAULT_GPU)
+    memory = flags.get("gpu_memory")
+    return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}",
+            "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
+            "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}
+
+
+def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:
+    """What a pasted script needs of the model beside the flags: Megatron's code, a learned
+    position table of s rows, and a vocabulary."""
+    from actmem.sources.megatron_args import GPT2_VOCAB, TOKENIZER
+
+    if not pasted:
+        return
+    if architecture.get("implementation", MEGATRON) != MEGATRON:
+        raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
+                        f"--implementation {architecture['implementation']}")
+    if model.get("vocab") is None:
+        tokenizer = pasted.get(TOKENIZER)
+        raise SpecError("--megatron-args: no vocabulary: " + (
+            f"{TOKENIZER} {tokenizer} needs --vocab-size" if tokenizer else
+            f"the script names neither {TOKENIZER} (Megatron requires one) nor --vocab-size; give --vocab-size N "
+            f"(GPT-2's BPE files, --vocab-file gpt2-vocab.json: {GPT2_VOCAB})"))
+
+
+_OTHER_SPELLINGS = {"preset": "--model", "layers_per_chunk": "--num-layers-per-virtual-pipeline-stage",
+                    "vocab_divisible_by": "--make-vocab-size-divisible-by"}
+
+
+def given_flags(flags: dict) -> list[str]:
+    """The spellings of the spec flags a user gave (before ``resolve``), for a mode that sets
+    them itself and must refuse them rather than ignore them."""
+    given = []
+    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS:
+        for index in range(len(flag.names)):
+            given += [_spelling(flag, index, value).split(" ")[0] for value in flags.get(flag.dest(index), ())]
+    for key, value in flags.items():
+        if "__" not in key and value not in (None, False, ()):
+            given.append(_OTHER_SPELLINGS.get(key, "--" + key.replace("_", "-")))
+    return list(dict.fromkeys(given))

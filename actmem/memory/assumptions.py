@@ -1,0 +1,254 @@
+"""What an estimate assumes and leaves out, in words: the notes its outputs print under the
+numbers (widths, dropout, the attention core, recompute, the mask, the pipeline, the peak,
+parameters and model state). Text only: the numbers come from actmem.memory.estimate."""
+
+from dataclasses import replace
+
+from actmem.memory import engine
+from actmem.model import rules, symbols
+from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax, \
+    unfused_weight_gradients
+from actmem.memory.parameters import ParameterBytes
+from actmem.memory.pipeline import StageOccupancy
+from actmem.model.spec import Spec
+from actmem.units import plural
+from actmem.model.widths import ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, WEIGHT_BYTES
+
+
+def _positions_note(arch, s: int) -> str:
+    rows = arch.position_rows
+    if rows is None or rows == s:
+        return ", learned position embedding of s rows"
+    return (f", learned position embedding of {rows:,} rows (--max-position-embeddings; "
+            f"{rows - s:,} more than the s positions a sequence reads, parameters all the same)")
+
+
+def _layer_formula(arch) -> str:
+    """The paper's 12h² + 13h, or the weights of this architecture's layer."""
+    no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
+                  "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32")
+    if not arch.qk_norm and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
+        return "12h² + 13h"
+    attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
+    f = "4h" if arch.ffn_hidden is None else "f"
+    return (f"{attention} + {arch.fc1_width + 1}h·{f} weights, {arch.activation}, {arch.normalization}"
+            + ("" if arch.biases == "biases" else f", {arch.biases}")
+            + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))
+
+
+def _attention_notes(spec: Spec, rows: tuple) -> list:
+    """What the attention core keeps, and the rows it leaves out."""
+    arch = spec.architecture
+    if arch.code.notes:                            # another code's notes say what its attention keeps
+        return [f"technique rows left out: {why}"
+                for why in dict.fromkeys(arch.unmodelled_recompute(spec.model.heads).values())]
+    if arch.attention_core == "eager":
+        return _eager_core_notes(spec, rows)
+    notes = ["attention core: flash (Transformer Engine's cuDNN fused attention, Megatron-Core's default "
+             "on Hopper and newer): keeps q, k, v, its output and an fp32 log-sum-exp, no s² term; its "
+             "16-byte RNG state per layer is not counted" if arch.attention_core == "flash" else
+             "attention core: flash-attn through Transformer Engine: keeps q, k, v, its output and an fp32 "
+             "log-sum-exp, no s² term, and at b > 1 the projection's input is a copy of that output; its "
+             "16-byte RNG state per layer is not counted"]
+    if arch.attention_dropout:
+        notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
+                     "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
+                     "kernel has no dropout), so it rests on the kernels' source")
+    if arch.position_embedding == "rope" and arch.rope_fusion:
+        notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
+                     "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
+                     "held like a buffer, not counted as activations")
+    elif arch.position_embedding == "rope":
+        notes.append("rotary embedding unfused (--no-rope-fusion; Megatron-Core's rope_utils.py): q and k are "
+                     "rotated into tensors of their own, and the 16-bit cos and sin made for each are kept "
+                     "(rope_cos_sin, whole on every rank); the fp32 frequency table is held like a buffer")
+    if arch.qk_norm:
+        notes.append("q and k normalised per head (--qk-layernorm; TENorm, Transformer Engine's op-based "
+                     f"{arch.normalization}, as in TE 2): each keeps its input made contiguous, a copy out of the "
+                     "QKV output, and fp32 statistics a head a token (qk_norm_input, qk_norm_statistics)")
+    if "selective" not in arch.unmodelled_recompute(spec.model.heads, spec.run.recompute_modules) \
+            and "core_attn" in (spec.run.recompute_modules or ("core_attn",)):
+        notes.append("selective recompute of the attention core (core_attn) under flash: Megatron's checkpoint "
+                     "keeps its inputs, the rotated q and k and v, a view of the QKV output, so that whole output "
+                     "(qkv_output); it drops only TE's copy of v, the log-sum-exp and flash-attn's output copy. "
+                     "Against no recompute it keeps 2sb·(a + g)d/t more and 4b·as/t less: more at every size "
+                     "under TE's cuDNN core; under flash-attn at b > 1 also 2sb·ad/t less, so more unless "
+                     "g·d < 2a. --recompute-modules mlp saves memory instead")
+    c = spec.run.context_parallel
+    if c > 1:
+        notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "
+                     "every sequence, so every term is counted at s/c; its ring attention (TE's "
+                     "AttnFuncWithCPAndKVP2P, Megatron's default p2p) keeps q, its own k and v, its output "
+                     "and the log-sum-exp, not the keys and values it receives (a few small index and RNG "
+                     "tensors a layer are not counted)")
+    left_out = arch.unmodelled_recompute(spec.model.heads)
+    notes += [f"technique rows left out: {why}" for why in left_out.values()]
+    return notes
+
+
+def _eager_core_notes(spec: Spec, rows: tuple) -> list:
+    """The local core's softmax: the fused kernel where it runs; where it does not (or is switched
+    off), torch's fallback, what it keeps, and the paper's rows with the kernel's bytes beside."""
+    arch, values = spec.architecture, spec.rule_values()
+    if not torch_softmax(spec.architecture_at(spec.run.tensor_parallel)):
+        return ["attention core: eager (Megatron-Core's local DotProductAttention, the paper's): keeps the s² "
+                "softmax output of its fused causal softmax, which runs here (16 < s <= 4096, 4 | s, b·a/t a "
+                "multiple of the kernel's rows a block; elsewhere Megatron's torch fallback is counted)"]
+    why = ("switched off (--no-masked-softmax-fusion)" if not arch.masked_softmax_fusion else
+           f"does not run here: {rules.fused_softmax_reason(values)}")
+    return [f"attention core: eager (Megatron-Core's local DotProductAttention): its fused causal softmax {why}, "
+            f"so Megatron runs torch's softmax (fused_softmax.py, FusedScaleMaskSoftmax.forward_torch_softmax), "
+            f"which keeps {_torch_softmax_keeps(arch)}", _paper_rows_note(spec, rows)]
+
+
+def _torch_softmax_keeps(arch: Architecture) -> str:
+    """What forward_torch_softmax and the ops after it keep, in words."""
+    if arch.softmax_in_fp32:
+        kept = ("in fp32 (--attention-softmax-in-fp32): its fp32 output (softmax_output_fp32, 4as²b/t), "
+                + ("and the dropout keeps only its mask of the 16-bit copy" if arch.attention_dropout else
+                   "and its 16-bit copy, which ·V keeps (softmax_output, 2as²b/t)"))
+    else:
+        kept = "in 16 bits: its output (softmax_output, 2as²b/t), the fused kernel's bytes"
+    mask = ("the dataloader's mask it fills, under every recompute mode (attention_mask: masked_fill_ keeps it)"
+            if arch.attention_mask else
+            "the causal mask it makes at each call and fills the scores with (softmax_causal_mask: "
+            "get_default_causal_mask, s² bytes of bool a layer, whole on every rank, not cached)")
+    return f"{kept}; and {mask}; its backward is not in place (a 'softmax' moment of the peak floor)"
+
+
+def _paper_rows_note(spec: Spec, rows: tuple) -> str:
+    """Each technique row on torch's softmax, beside the paper's value: the same row with the fused
+    kernel's bytes (Table 2's closed form for the paper's layer)."""
+    fused = replace(spec.architecture, masked_softmax_fusion=True)
+    shown = []
+    for row in rows:
+        t = spec.technique_t(row.technique)
+        if row.technique.partial or not torch_softmax(spec.architecture_at(t)):
+            continue
+        bindings = spec.bindings() | {symbols.t: t}
+        paper = engine.exact(engine.per_layer_bytes(row.technique, fused), bindings)
+        shown.append(f"{row.technique.name} {row.per_layer_bytes:,} B (paper {paper:,} B)")
+    return ("per layer here on torch's softmax, and the paper's value beside (the same row with the fused "
+            "kernel's bytes): " + "; ".join(shown))
+
+
+def _recompute_notes(spec: Spec) -> list:
+    """What --recompute-modules other than Megatron's default does to the rows."""
+    modules = spec.run.recompute_modules
+    if modules is None:
+        return []
+    notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
+             + ("" if "core_attn" in modules else ": the attention core is not recomputed, its rows are kept")]
+    if "mlp" in modules:
+        kept = ("Transformer Engine fuses its norm into linear_fc1, so the MLP keeps only the norm's input "
+                "(mlp_layernorm_input, one storage with the checkpoint's)" if te_layer_spec(spec.architecture) else
+                "the eager core runs in Megatron's local spec, whose norm is a module of its own before the MLP, "
+                "so the MLP keeps the norm's output (fc1_input, the checkpoint's input) and the norm its input")
+        notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
+                     f"tensor_parallel.checkpoint(self.mlp, ...)); {kept}; the mask of the bias-dropout-add "
+                     "after it is kept")
+    if "layernorm" in modules:
+        notes.append("recompute module layernorm changes no byte here: Megatron recomputes only a norm of its "
+                     "own, and Transformer Engine fuses both norms into the next linear (input_layernorm and "
+                     "pre_mlp_layernorm are IdentityOps in its layer spec)")
+    return notes
+
+
+def _mask_notes(spec: Spec) -> list:
+    """Whether the dataloader's attention mask is counted, under Megatron's code."""
+    if "dataloader_mask" not in spec.architecture.code.has:
+        return []
+    if spec.architecture.attention_mask:
+        return ["the dataloader's causal attention mask (Megatron's default, create_attention_mask_in_dataloader): "
+                "b·s² bytes of bool a microbatch (under context parallelism a rank's s/c rows of it), whole on "
+                "every tensor-parallel rank of the first and last stages; the recompute checkpoints (core_attn's, full recompute's) save it, so it is held while "
+                "its microbatch is in flight (attention_mask); without recompute it lives only during the forward"]
+    return ["no dataloader attention mask counted: Megatron makes one, b·s² bytes of bool a microbatch kept "
+            "by the recompute checkpoints, unless --no-create-attention-mask-in-dataloader; --attention-mask "
+            "counts it (a pasted argument list without that switch has it)"]
+
+
+def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: ParameterBytes) -> tuple:
+    """What an estimate assumes and leaves out, in the order a reader meets it: widths, dropout, the
+    attention core, recompute, the mask, the pipeline, the peak, parameters and model state."""
+    arch = spec.architecture
+    grad = spec.gradient_bytes
+    grad_text = f"{grad} B {'fp32' if grad == GRADIENT_BYTES else '16-bit'} gradient"
+    adam = spec.optimizer
+    per_parameter = WEIGHT_BYTES + grad + adam.bytes_per_parameter
+    notes = [
+        f"activations 16-bit ({ACTIVATION_BYTES} B), dropout masks {MASK_BYTES} B, logits fp32 "
+        f"({LOGITS_BYTES} B) (section 4); "
+        + ("the norms' fp32 statistics counted"
+           + (" (TE's fused norms keep them)" if "te_flash_core" in arch.code.has else "")
+           if counts_norm_statistics(arch) else "layer-norm mean/variance left out, as in the paper")
+        + "; small buffers left out",
+        f"dropout: attention {arch.attention_dropout:g}, hidden {arch.hidden_dropout:g}"
+        + ("" if arch.attention_dropout and arch.hidden_dropout else
+           " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
+        *_attention_notes(spec, rows),
+        *_recompute_notes(spec),
+        *_mask_notes(spec),
+        ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
+        + f": {occupancy.explanation}"
+        + ("" if occupancy.holds_output_layer else
+           "; the output-layer terms of section 4.5 sit on the last stage (p > 1)")
+        + ("" if occupancy.stage == 0 else "; the embedding sits on the first stage"),
+        "the technique rows share this run's pipeline and microbatch and vary only t, SP and "
+        "recompute; 'none' sets t = 1, so its parameters are not split either",
+        *([f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
+           "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
+           "says p)"] if occupancy.stage == 0 else []),
+        "the verdict is the allocator's peak from below on the busiest pipeline stage: model state, "
+        "activations in flight and, under recompute, what the first backward reruns, all live at "
+        "one moment (actmem.memory.peak), or on the stage with the output layer the loss's backward "
+        "and its 16-bit logits gradient, or inside the last layer's backward its fc1's and its eager "
+        "core's gradients (actmem.memory.backward); not counted yet: the other ops' backward transients "
+        "(the flash core's, the QKV and projection linears', fc2's, a recomputed MLP's), allocator "
+        "fragmentation, workspace and communication buffers",
+        f"parameters: layers of {_layer_formula(arch)} each, word embedding split "
+        "over the vocabulary on the first stage" + (
+            ", tied with the output layer (the last stage keeps a copy when p > 1)" if arch.tied_output
+            else "; the output layer's own weights on the last stage")
+        + (_positions_note(arch, spec.model.seq_len) if arch.position_embedding == "learned" else
+           "; rotary positions have no parameters"),
+    ]
+    if spec.run.distributed_optimizer:
+        notes.append(f"{WEIGHT_BYTES} B weight + {grad_text} + {adam.describe()} / "
+                     + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else
+                        f"d·c = {spec.optimizer_shards}")
+                     + " (the distributed optimizer) a parameter"
+                     + ("; over one data-parallel rank it shards nothing (Megatron allows it): the plain "
+                        "optimizer's bytes" if spec.optimizer_shards == 1 else ""))
+        notes.append("not counted: the distributed optimizer's buffer padding (optimizer/param_layout.py: each "
+                     "parameter's start aligned to 64 elements, each bucket's end to lcm(d·c, 128)): at most 63 "
+                     f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")
+    else:
+        notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
+                     f"{adam.describe()} (mixed-precision Adam)")
+    shard = -(-parameters.count // (spec.optimizer_shards if spec.run.distributed_optimizer else 1))
+    notes += adam.notes(shard)
+    if grad != GRADIENT_BYTES and not adam.precision_aware:
+        notes.append("16-bit main gradients (DDP's buffer in the parameters' dtype): the optimizer step then "
+                     "copies its gradients to fp32 (`.float()`, 4 B a parameter of its shard) after the last "
+                     "backward has freed the activations; that moment is not counted in the peak floor")
+    if unfused_weight_gradients(arch):
+        notes.append("no gradient accumulation fusion (--no-gradient-accumulation-fusion): no dummy weight gradients; "
+                     "each linear makes a 16-bit weight gradient at its backward (TE linear.py: the wgrad GEMM with no "
+                     "out), which DDP's hook adds to main_grad and frees: fc1's is in its backward moment; the "
+                     "others' (QKV, projection, fc2, the output layer's) at their own moments are not counted")
+    elif "wgrad_fusion" in arch.code.has:
+        notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "
+                     "hands autograd an uncomputed 16-bit tensor of its weight's shape, and Transformer Engine "
+                     "(get_dummy_wgrad, since its PR #1651, 2025) keeps one a shape for the process; older releases make one at "
+                     "each weight gradient instead, a transient not modelled")
+    if spec.run.gpus is None:
+        notes.append("GPU count unknown: data parallel size taken as 1")
+    if spec.padded_vocab != spec.model.vocab and arch.code.pads_vocab:
+        notes.append(f"vocabulary {spec.model.vocab} padded to {spec.padded_vocab} "
+                     f"(a multiple of {spec.vocab_divisible_by}·t, as Megatron does)")
+    elif spec.padded_vocab != spec.model.vocab:
+        notes.append(f"vocabulary {spec.model.vocab} sharded unevenly over t (DTensor pads none): "
+                     f"rank 0 holds {spec.padded_vocab // spec.run.tensor_parallel:,} rows, counted as if "
+                     f"v were {spec.padded_vocab:,}")
+    return tuple(notes) + arch.code.notes_for(arch) + spec.notes

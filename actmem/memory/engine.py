@@ -1,0 +1,184 @@
+"""Compose the term table into the paper's equations (symbolic, exact).
+
+Every public function here returns a sympy expression in the symbols of
+``actmem.model.symbols``; nothing is written out by hand twice. ``exact`` binds the
+symbols to integers, ``numeric`` turns an expression into a vectorised function.
+"""
+
+from functools import cache
+
+import sympy
+
+from actmem.model.architecture import PAPER, Architecture
+from actmem.memory.pipeline import chunks_in_flight
+from actmem.model.symbols import L, a, b, c, h, m, p, s, t, v
+from actmem.memory.techniques import Technique
+from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
+from actmem.model.recompute import Recompute
+
+#: how many of each scope the first stage holds, as symbols for the vectorised form
+layer_activations, microbatches_held, holds_output = sympy.symbols(
+    "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
+
+#: argument order of the functions ``numeric`` returns
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c)
+
+
+def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
+    """How many ways a tensor is split (Figures 4 and 5): by its region, unless the
+    implementation keeps it all-gathered under sequence parallelism (placement belongs to the
+    code, actmem.model.implementation: DTensor's ColwiseParallel keeps the gathered input)."""
+    if term.region is Region.REPLICATED:
+        split = False
+    elif term.region is Region.BLOCK:
+        split = technique.tensor_parallel
+    else:
+        split = technique.sequence_parallel and term.name not in arch.code.gathered_under_sp
+    return t if split else sympy.Integer(1)
+
+
+@cache
+def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
+    the architecture has no such tensor."""
+    if technique.recompute not in term.kept_under_for(arch) or not term.present(arch) or technique.drops(term, arch):
+        return sympy.Integer(0)
+    return term.size(arch) / divisor(term, technique, arch)
+
+
+@cache
+def per_layer_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """One layer, one microbatch: a row of Table 2 (Eqs 1, 2, 4 and the recompute rows)."""
+    return sympy.Add(*(term_bytes(term, technique, arch) for term in layer_terms(arch)))
+
+
+def stage_count(term: Term, layer_activations, microbatches, holds_output):
+    """How many instances of a term the stage holds (sections 4.4 and 4.5): a batch's are the
+    first stage's microbatches, or the last stage's one (the same one when p = 1)."""
+    if term.scope is Scope.BATCH:
+        if isinstance(microbatches, int) and isinstance(holds_output, int):
+            return max(microbatches, holds_output)
+        return (microbatches + holds_output + sympy.Abs(microbatches - holds_output)) / 2   # max, vectorised
+    return {Scope.LAYER: layer_activations, Scope.EMBEDDING: microbatches,
+            Scope.OUTPUT: holds_output}[term.scope]
+
+
+def extra_bytes(technique: Technique, microbatches, holds_output, arch: Architecture = PAPER
+                ) -> sympy.Expr:
+    """Section 4.5: the embedding and output-layer terms of the first stage."""
+    return sympy.Add(*(term_bytes(term, technique, arch) * stage_count(term, 0, microbatches, holds_output)
+                       for term in STAGE_TERMS))
+
+
+def layers_in_flight(interleaved: bool) -> sympy.Expr:
+    """Layer activations the first stage holds, pipeline full: Eq 5's L, times the
+    interleave factor 1 + (p-1)/(pm) under the interleaved schedule (section 4.4)."""
+    if interleaved:
+        return L / (p * m) * chunks_in_flight(p, m, True)
+    return L / p * chunks_in_flight(p, 1, False)
+
+
+@cache
+def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """The first stage's activations for any occupancy: per layer x layer activations held,
+    plus the section 4.5 terms, with the counts left as symbols (for the planner's sweep)."""
+    return (per_layer_bytes(technique, arch) * layer_activations
+            + extra_bytes(technique, microbatches_held, holds_output, arch))
+
+
+#: what a module's rerun makes again beyond the rows it dropped: the attention core's output,
+#: which the projection kept as its input and freed before the rerun (freed_before_rerun).
+#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor)
+_RERUN_OUTPUT = {"core_attn": "projection_input"}
+
+
+@cache
+def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group: int = 1,
+                         module: str | None = None) -> sympy.Expr:
+    """What the backward of a stage's last layer reruns while everything else is held (the
+    peak's rerun moment, actmem.memory.peak). Full recompute reruns ``group`` layers from their
+    checkpoint: each as it is kept without recompute, less the group's input, which is the
+    checkpoint's own storage (CheckpointFunction.backward detaches it: a view), and their
+    output again (RERUN_OUTPUT). Selective recompute reruns one ``module`` at a time: the rows
+    it dropped, and for the attention core its output again. None reruns nothing."""
+    if technique.recompute is Recompute.NONE:
+        return sympy.Integer(0)
+    if technique.recompute is Recompute.SELECTIVE:
+        if module is None:
+            raise ValueError("selective recompute reruns one module at a time: name it")
+        return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
+                           if (term.module_of(arch) == module and technique.drops(term, arch))
+                           or term.name == _RERUN_OUTPUT.get(module)))
+    layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
+    output = term_bytes(RERUN_OUTPUT, technique, arch)
+    return group * layer - kept + output if group else sympy.Integer(0)
+
+
+@cache
+def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module: str | None = None
+                       ) -> sympy.Expr:
+    """What the stage's first backward frees before it reruns anything: the output layer's
+    rows where the stage holds them (the loss runs backward first; ``holds_output``), and
+    under selective recompute the last layer's rows after the rerun ``module``'s own (the
+    layer's backward runs in reverse: the MLP's bias-dropout-add before the MLP is rerun, the
+    MLP and the attention projection before the attention core is)."""
+    freed = output_rows(technique, arch)
+    if technique.recompute is Recompute.SELECTIVE:
+        if module is None:
+            raise ValueError("selective recompute reruns one module at a time: name it")
+        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[rows_after(module, arch):]
+                             if term.scope is Scope.LAYER))
+    return freed
+
+
+def rows_after(module: str, arch: Architecture) -> int:
+    """Where the term table's rows after a recompute module's own begin."""
+    return max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
+
+
+def output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:
+    """The output layer's rows, where the stage holds them: the loss's backward frees them first."""
+    return sympy.Add(*(term_bytes(term, technique, arch) * holds_output for term in STAGE_TERMS
+                       if term.scope is Scope.OUTPUT))
+
+
+@cache
+def rerun_beyond_freed(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """What the rerun moment holds above the activations in flight, for the planner's sweep
+    (every layer checkpointed alone under full recompute; the larger of its modules' under
+    selective); may be negative, where the backward freed more than it reruns."""
+    if technique.recompute is not Recompute.SELECTIVE:
+        return rematerialised_bytes(technique, arch) - freed_before_rerun(technique, arch)
+    return sympy.Max(*(rematerialised_bytes(technique, arch, module=module)
+                       - freed_before_rerun(technique, arch, module) for module in technique.modules))
+
+
+@cache
+def loss_backward_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
+    """What the loss's backward allocates while every saved activation is still held, on the
+    stage that holds the output layer (``holds_output``): the 16-bit logits gradient."""
+    return sympy.Add(*(term_bytes(term, technique, arch) * holds_output for term in TRANSIENT_TERMS))
+
+
+def exact(expr, bindings: dict) -> int:
+    """Bind the symbols to integers and return the whole number of bytes."""
+    return _exact(sympy.sympify(expr), tuple(bindings.items()))
+
+
+@cache
+def _exact(expr, bindings: tuple) -> int:
+    """Cached: every stage of a pipeline binds the same expressions to the same values.
+    xreplace swaps every symbol for its integer and lets sympy fold the numbers as it builds
+    (some 30x faster than subs); subs where something is left unfolded."""
+    value = expr.xreplace({symbol: sympy.Integer(number) for symbol, number in bindings})
+    if not value.is_Number:
+        value = expr.subs(dict(bindings))
+    if not value.is_Integer:
+        raise ArithmeticError(f"{expr} is not a whole number of bytes at {dict(bindings)}: {value}")
+    return int(value)
+
+
+@cache
+def numeric(expr):
+    """A numpy function of NUMERIC_ARGS for sweeps (the planner), from the same expression."""
+    return sympy.lambdify(NUMERIC_ARGS, expr, modules="numpy")

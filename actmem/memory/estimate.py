@@ -1,0 +1,286 @@
+"""One estimate: a spec in, a table of named byte counts out. No terminal here."""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from actmem.memory import assumptions, engine
+from actmem.model import symbols
+from actmem.model.architecture import Architecture
+from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
+from actmem.memory.peak import PeakFloor, peak_floor
+from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
+from actmem.memory.pipeline import StageOccupancy, stage_occupancy
+from actmem.memory.stages import StageLoad, stage_layers
+from actmem.errors import SpecError
+from actmem.model.spec import Spec, padded_vocab
+from actmem.memory.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
+from actmem.memory.terms import TERMS, Scope, Term
+from actmem.model.recompute import Recompute
+
+
+@dataclass(frozen=True)
+class TermRow:
+    """One term of the chosen run on the first stage."""
+
+    term: Term
+    bytes_each: int
+    """One instance: per layer per microbatch, or per microbatch."""
+    count: int
+    """Instances the first stage holds."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_each * self.count
+
+
+@dataclass(frozen=True)
+class TechniqueRow:
+    """One technique on one stage of this run (the first, unless another is asked for)."""
+
+    technique: Technique
+    per_layer_bytes: int | float
+    """One layer, one microbatch; with partial full recompute, the chunk's average."""
+    layers_bytes: int
+    """per layer x layer activations held (Eq 5, with the interleave factor)."""
+    extra_bytes: int
+    """Section 4.5: embedding dropout mask; output-layer terms when p = 1."""
+    parameters: ParameterBytes
+    """Weights, gradients and optimizer state at this technique's t ('none' sets t = 1)."""
+    moments: tuple = ()
+    """The moments of the stage's first backward that happen (stage_model.StageMoment, in
+    whole bytes): its start, the loss's, the rerun's, the last layer's backward's."""
+
+    @property
+    def first_stage_bytes(self) -> int:
+        """The stage's saved activations (named for the paper's first stage, the default)."""
+        return self.layers_bytes + self.extra_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.first_stage_bytes + self.parameters.total_bytes
+
+    @property
+    def peak_moment(self):
+        """The moment that holds the most (the first of equals: the start, where none is more)."""
+        return max(self.moments, key=lambda moment: moment.bytes)
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the peak moment holds above the saved activations (actmem.memory.peak)."""
+        return self.peak_moment.bytes - self.first_stage_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The stage's allocator peak from below (actmem.memory.peak)."""
+        return self.total_bytes + self.transient_bytes
+
+    def backward_moment(self, name: str):
+        """The evaluated backward.Moment of one moment of the last layer's backward ('fc1',
+        'core', 'softmax')."""
+        return next(moment.detail for moment in self.moments if moment.name == name)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    spec: Spec
+    occupancy: StageOccupancy
+    techniques: tuple
+    """The six rows of Table 2 and full recompute under SP, each on this run's pipeline."""
+    run: TechniqueRow
+    run_terms: tuple
+    parameters: ParameterBytes
+    assumptions: tuple
+    stage: int = 0
+    """The pipeline stage the techniques and terms are counted on (0: the first, the paper's)."""
+
+    @cached_property
+    def peak(self) -> PeakFloor:
+        """This stage's allocator peak from below (actmem.memory.peak.PeakFloor): the model state, the
+        activations in flight and what the first backward reruns, live at one moment."""
+        return peak_floor(self.run)
+
+    @cached_property
+    def stages(self) -> tuple:
+        """Every stage of the pipeline (actmem.memory.stages.StageLoad), this one included."""
+        return tuple(StageLoad(i, layers, self.occupancy, self.run) if i == self.stage else
+                     _stage_load(self.spec, self.run.technique, i, layers)
+                     for i, layers in enumerate(stage_layers(self.spec)))
+
+    @property
+    def busiest_stage(self) -> StageLoad:
+        """The stage with the largest peak floor (the first of equals): the verdict's."""
+        return max(self.stages, key=lambda load: load.peak.total_bytes)
+
+    @property
+    def verdict_bytes(self) -> int:
+        """What the busiest GPU holds at least: the largest stage's peak floor."""
+        return self.busiest_stage.peak.total_bytes
+
+    @property
+    def baseline(self) -> TechniqueRow:
+        """Tensor parallelism, Figure 7's 100%; 'none' for code that runs on one device."""
+        return next((row for row in self.techniques if row.technique == BASELINE), self.techniques[0])
+
+    @property
+    def run_row(self) -> TechniqueRow:
+        """The named technique this run is (the row the output marks); 'none' for code that
+        runs on one device (its run is t = 1 with no parallelism)."""
+        named = matching(self.run.technique) or unnamed_run(self.run.technique)
+        rows = {row.technique: row for row in self.techniques}
+        return rows.get(named) or rows[BY_NAME["none"]]
+
+    @property
+    def activations_bytes(self) -> int:
+        return self.run.first_stage_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.activations_bytes + self.parameters.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The peak floor and the reserve fit the GPU, as `plan` reads its budget."""
+        return self.verdict == FITS
+
+    @property
+    def verdict(self) -> str:
+        return verdict_of(self.verdict_bytes, self.spec)
+
+    @property
+    def spare_bytes(self) -> int:
+        """What the GPU has beyond the peak floor and the reserve (negative where it is short)."""
+        return self.spec.gpu_memory_bytes - self.spec.reserve_bytes - self.verdict_bytes
+
+    @cached_property
+    def busiest_peaks(self) -> dict:
+        """Each technique row's largest peak floor over every stage (the run's is the verdict),
+        by technique: computed once, for every view that shows the rows."""
+        return {row.technique: max(row.peak_bytes if load.stage == self.stage else
+                                   _technique_row(self.spec, row.technique, load.occupancy, load.layers).peak_bytes
+                                   for load in self.stages) for row in self.techniques}
+
+    def busiest_peak_bytes(self, row: TechniqueRow) -> int:
+        """A technique row's largest peak floor over every stage (busiest_peaks)."""
+        return self.busiest_peaks[row.technique]
+
+    def technique_fits(self, row: TechniqueRow) -> bool:
+        """A technique row fits where its peak floor and the reserve fit on every stage."""
+        return self.technique_verdict(row) == FITS
+
+    def technique_verdict(self, row: TechniqueRow) -> str:
+        return verdict_of(self.busiest_peak_bytes(row), self.spec)
+
+
+FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
+
+
+def verdict_of(peak_bytes: int, spec) -> str:
+    """fits: the peak floor and the reserve fit the GPU; tight: the floor fits but eats into
+    the reserve kept for what actmem does not count; does not fit: the floor alone is over."""
+    if peak_bytes + spec.reserve_bytes <= spec.gpu_memory_bytes:
+        return FITS
+    return TIGHT if peak_bytes <= spec.gpu_memory_bytes else NO_FIT
+
+
+def estimate(spec: Spec, stage: int = 0) -> Estimate:
+    """Activation, parameter and optimizer bytes on one GPU of a pipeline stage (the first by
+    default), and the peak floor of every stage."""
+    p = spec.run.pipeline_parallel
+    if not 0 <= stage < p:
+        raise SpecError(f"stage {stage} is not one of the pipeline's stages 0 to {p - 1} (p = {p})")
+    layers = stage_layers(spec)[stage]
+    occupancy = _occupancy(spec, stage, layers)
+    run = run_technique(spec.run.sequence_parallel, spec.run.policy)
+    terms = _run_terms(spec, run, occupancy)
+    rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
+    techniques = tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows)
+    parameters = _parameters(spec, spec.run.tensor_parallel, stage, layers)
+    return Estimate(
+        spec=spec,
+        occupancy=occupancy,
+        techniques=techniques,
+        run=_technique_row(spec, run, occupancy, layers),
+        run_terms=tuple(row for row in terms if row.total_bytes),
+        parameters=parameters,
+        assumptions=assumptions.notes(spec, occupancy, techniques, parameters),
+        stage=stage,
+    )
+
+
+def _occupancy(spec: Spec, stage: int, layers: int) -> StageOccupancy:
+    return stage_occupancy(spec.model.layers, spec.run.pipeline_parallel, spec.run.interleave,
+                           spec.microbatches, layers, stage)
+
+
+def _stage_load(spec: Spec, run: Technique, stage: int, layers: int) -> StageLoad:
+    occupancy = _occupancy(spec, stage, layers)
+    return StageLoad(stage, layers, occupancy, _technique_row(spec, run, occupancy, layers))
+
+
+def modelled_techniques(spec: Spec) -> tuple:
+    """The techniques actmem models for this architecture (flash attention: no selective rows)
+    and implementation (one that runs on one device: 'none' alone)."""
+    unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
+    parallel = "tensor" in spec.architecture.code.runs
+    return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
+                 and (parallel or not tech.tensor_parallel))
+
+
+def _counts(occupancy: StageOccupancy) -> tuple:
+    return occupancy.layer_activations, occupancy.microbatches, int(occupancy.holds_output_layer)
+
+
+def _term_row(term, technique, occupancy, bindings, arch) -> TermRow:
+    count = engine.stage_count(term, *_counts(occupancy))
+    return TermRow(term, engine.exact(engine.term_bytes(term, technique, arch), bindings), count)
+
+
+def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
+    """The run's terms. With partial full recompute, a chunk's checkpoints count the layer
+    input and its whole layers count everything the same run without recompute keeps."""
+    arch, bindings = spec.architecture_at(spec.run.tensor_parallel), spec.bindings()
+    if not run.partial:
+        return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
+    chunks = occupancy.layer_activations // occupancy.chunk_layers
+    checkpoints, whole = (chunks * count for count in chunk_layers(run, occupancy.chunk_layers))
+    kept = run.whole()
+    rows = []
+    for term in TERMS:
+        row = _term_row(term, run, occupancy, bindings, arch)
+        if term.scope is Scope.LAYER:
+            source, count = (run, checkpoints) if Recompute.FULL in term.kept_under else (kept, whole)
+            row = TermRow(term, engine.exact(engine.term_bytes(term, source, arch), bindings), count)
+        rows.append(row)
+    return tuple(rows)
+
+
+def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int,
+                   arch: Architecture | None = None) -> TechniqueRow:
+    """A technique's row; ``arch``: in place of the spec's architecture as the run executes it."""
+    layer_activations, microbatches, holds_output = _counts(occupancy)
+    t = spec.technique_t(technique)
+    bindings = spec.bindings() | {symbols.t: t, engine.holds_output: holds_output,
+                                  engine.microbatches_held: microbatches,
+                                  symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
+    arch = arch or spec.architecture_at(t)
+    per_chunk = occupancy.chunk_layers
+    counts = StageCounts(per_chunk, layer_activations // per_chunk if per_chunk else 0)
+    stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts)
+    per_layer = (stage.layers_bytes / layer_activations if technique.partial else
+                 engine.exact(engine.per_layer_bytes(technique, arch), bindings))
+    return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
+                        _parameters(spec, t, occupancy.stage, stage_layers),
+                        tuple(moment for moment in stage.moments if moment.present))
+
+
+def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
+    model, run = spec.model, spec.run
+    vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
+    count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
+                             spec.architecture, model.heads, layers, stage)
+    dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
+                                   holds_output=int(stage == run.pipeline_parallel - 1))
+    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
+                           spec.optimizer.bytes_per_parameter)
+
+

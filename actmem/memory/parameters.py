@@ -1,0 +1,117 @@
+"""Parameters, gradients and optimizer state on one GPU of the first stage (and the dummy
+weight gradients Megatron's linears hand autograd).
+
+Figure 1 of the paper sets these beside the activations. The count follows
+Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike.
+"""
+
+from dataclasses import dataclass
+
+from actmem.model.architecture import PAPER
+from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+
+
+def layer_parameters(h, t, arch=PAPER, heads=None):
+    """One transformer layer's parameters on one of t GPUs.
+
+    QKV h·(ad + 2gd) (+ its bias), projection ad·h (+h), the MLP's first linear h·f, or
+    2h·f gated (+f or 2f), its second f·h (+h), two norms of h or 2h each, and with QK norms
+    two of d or 2d; ad = h and g = a unless given. The paper's layer (f = 4h, biases, layer
+    norms) is 12h² + 13h. Tensor parallelism splits the weights and the column-parallel
+    biases; the row-parallel biases and the norms are replicated (every rank normalises its
+    own heads with the same q and k norms, whose grads Megatron all-reduces over t:
+    finalize_model_grads.py, _allreduce_layernorm_grads).
+    """
+    f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
+    qkv = qkv_width(h, arch, heads)
+    split = (h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h
+             + int(arch.has_qkv_bias) * qkv + bias * width * f)
+    replicated = bias * 2 * h + 2 * arch.norm_parameters * h
+    if arch.qk_norm:
+        if heads is None:
+            raise ValueError("QK norms need the head count")
+        replicated += 2 * arch.norm_parameters * arch.head_dim_or(h, heads)
+    return split // t + replicated
+
+
+def qkv_width(h, arch, heads):
+    """ad + 2gd: the QKV linear's outputs (3h for the paper's layer)."""
+    if arch.query_groups is None and arch.head_dim is None:
+        return 3 * h
+    if heads is None:
+        raise ValueError("query groups or a head dim need the head count")
+    return arch.attention_width(h, heads) + 2 * arch.query_groups_or(heads) * arch.head_dim_or(h, heads)
+
+
+def first_stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None):
+    """The first stage's parameters (stage_parameters at stage 0)."""
+    return stage_parameters(h, L, p, t, v, s, arch, heads, stage_layers)
+
+
+def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None, stage=0):
+    """A stage's parameters: its layers (L/p, or stage_layers when uneven); on the first
+    stage the word embedding split over the vocabulary (v·h/t) and the learned position
+    embedding (rows·h, rows = s unless the table is longer; rotary positions have none); on the last the final norm and the output
+    layer's v·h/t: its own weights when untied, and when tied a copy of the word embedding
+    if the last stage is not the first (Megatron's word_embeddings_for_head; tied at p = 1
+    they are one tensor: section 3)."""
+    first, last = stage == 0, stage == p - 1          # elementwise where p or stage are arrays
+    own_head = int(not arch.tied_output) + int(arch.tied_output) * (stage != 0)
+    head = last * (arch.norm_parameters * h + own_head * v * h // t)
+    rows = s if arch.position_rows is None else arch.position_rows    # --max-position-embeddings
+    positions = rows * h if arch.position_embedding == "learned" else 0
+    layers = L // p if stage_layers is None else stage_layers
+    return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
+
+
+def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
+    """Elements of the 16-bit dummy weight gradients a stage keeps for the process. Under
+    Megatron's DDP a linear that accumulates its weight gradient into main_grad (gradient
+    accumulation fusion) still returns a tensor of the weight's shape, uncomputed, so that
+    the DDP hooks run on the main backward thread; TE's get_dummy_wgrad
+    (transformer_engine/pytorch/module/base.py; TE PR #1651, 2025) caches one per distinct
+    (shape, dtype) for the life of the process, and Megatron's own ColumnParallelLinear
+    (tensor_parallel/layers.py) takes it from TE too. The shapes: QKV [(ad + 2gd)/t, h],
+    the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
+    with the output layer [v/t, h]; shapes that coincide are one tensor. Megatron's layer
+    only (the other implementations compute real gradients). Arithmetic only."""
+    if "wgrad_fusion" not in arch.code.has or not arch.gradient_accumulation_fusion:
+        return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
+    f = arch.ffn(h)
+    shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
+              (arch.fc1_width * f // t, h, 1), (h, f // t, 1), (v // t, h, holds_output))
+    total = 0
+    for i, (rows, cols, here) in enumerate(shapes):
+        seen = 0                              # an earlier shape on the stage equal to this one
+        for earlier_rows, earlier_cols, there in shapes[:i]:
+            seen = seen + (rows == earlier_rows) * (cols == earlier_cols) * there
+        total = total + rows * cols * here * (seen == 0)
+    return total
+
+
+@dataclass(frozen=True)
+class ParameterBytes:
+    count: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    dummy_wgrads_bytes: int = 0
+    """TE's cached 16-bit dummy weight gradients (dummy_wgrad_elements): model state too,
+    allocated at the first backward and kept."""
+
+    @property
+    def total_bytes(self):
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
+
+
+def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
+                    gradient_bytes=GRADIENT_BYTES, optimizer_bytes=OPTIMIZER_BYTES) -> ParameterBytes:
+    """18 bytes a parameter, or 6 + 12/d with the distributed optimizer (rounded up: the
+    largest shard), 2 less a parameter with 16-bit main gradients, the optimizer's 12 bytes
+    as its dtypes say (optimizer_state.OptimizerState); and 2 bytes a dummy weight-gradient
+    element (dummy_wgrad_elements).
+    Arithmetic only: the planner passes numpy arrays, one element a configuration."""
+    shards = 1 + (data_parallel - 1) * distributed_optimizer
+    optimizer = -(-optimizer_bytes * count // shards)
+    return ParameterBytes(count, WEIGHT_BYTES * count, gradient_bytes * count, optimizer,
+                          WEIGHT_BYTES * dummy_wgrads)

@@ -1,0 +1,66 @@
+"""The allocator's peak on a pipeline stage, from below: what is certainly live at one moment.
+
+The paper counts the activations saved for backward. A run dies at the allocator's peak,
+which holds more. This module names the rows that are all live at one and the same moment
+of a stage's schedule, so their sum is a floor under the peak, not a guess:
+
+- the model state: 16-bit weights, fp32 main gradients (Megatron's DDP allocates its grad
+  buffer once, before the first step: param_and_grad_buffer.py), the optimizer state, and
+  the dummy 16-bit weight gradients TE caches, one a weight shape (parameters.py);
+- the saved activations of every microbatch in flight (the paper's count, section 4.4);
+- at the largest moment of the stage's first backward after the pipeline has filled
+  (actmem.memory.stage_model, which `plan` evaluates too): its start, the loss's backward (the
+  16-bit logits gradient), its rerun done (what the last layer's backward rematerialises,
+  less what it freed before), or inside the last layer's backward (actmem.memory.backward) at fc1's,
+  the eager core's or torch's fallback softmax's, whichever holds more. The other transients of that
+backward (the flash core's, the other linears', a recomputed MLP's) come on top and are not
+modelled yet: the harness measures them, and the floor's gap to its measured peak is
+reported, not hidden.
+"""
+
+from dataclasses import dataclass
+
+
+DUMMY_WGRADS_SOURCE = ("16-bit tensors of the linears' weight shapes, one per distinct shape, that Megatron's "
+                       "fused-wgrad linears return uncomputed and TE's get_dummy_wgrad caches for the process "
+                       "(transformer_engine/pytorch/module/base.py): QKV, projection, fc1, fc2, the output layer")
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    name: str
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class PeakFloor:
+    """Rows live together at one moment of a stage's schedule."""
+
+    rows: tuple
+    moment: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(row.bytes for row in self.rows)
+
+    def bytes_of(self, *names) -> int:
+        return sum(row.bytes for row in self.rows if row.name in names)
+
+
+def peak_floor(row) -> PeakFloor:
+    """The floor for one technique on one stage (an estimate.TechniqueRow): its model state and
+    the largest of the moments of its first backward after the pipeline fills
+    (actmem.memory.stage_model: the start, the loss's backward, the rerun, the last layer's backward's
+    moments), the first of equals."""
+    params = row.parameters
+    state = (
+        PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
+        PeakRow("main_gradients", params.gradients_bytes,
+                "fp32 main gradients: one buffer, allocated before the first step (Megatron's DDP)"),
+        PeakRow("optimizer_state", params.optimizer_bytes,
+                "fp32 master weights and Adam's two moments (or this rank's shard of them)"),
+    ) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
+         if params.dummy_wgrads_bytes else ())
+    moment = row.peak_moment
+    return PeakFloor(state + tuple(PeakRow(part.name, part.bytes, part.source) for part in moment.parts), moment.when)

@@ -1,0 +1,245 @@
+"""A pipeline stage's activations and the moments of its first backward, built once.
+
+The first backward after the pipeline fills runs the stage's last layer backward with every
+microbatch of the stage held (section 4.4). Its moments, each what the activations hold
+there above the model state (actmem.memory.peak adds the state and takes the largest):
+
+- ``start``: every microbatch's saved activations;
+- ``loss``: on the stage with the output layer, the loss's backward and its 16-bit logits
+  gradient (engine.loss_backward_bytes);
+- ``rerun``: under recompute, what the backward reruns less what it freed before
+  (engine.rematerialised_bytes, engine.freed_before_rerun): one module at a time under
+  selective recompute, a layer or a group of them under full recompute;
+- ``fc1``, ``core``, ``softmax``: inside the last layer's backward (actmem.memory.backward).
+
+Written once as arithmetic over quantities (the engine's expressions, evaluated) and counts
+that may be Python ints or numpy arrays: ``estimate`` evaluates the expressions exactly and
+gets whole bytes, ``plan`` lambdifies them over its sweep and gets a column a configuration.
+Partial full recompute (Megatron's --recompute-method) is counts, checkpoints and whole
+layers a chunk and the layers a rerun makes, not a path of its own: a moment that holds only
+under a condition of the counts carries it (``present``: a bool, or a boolean array).
+"""
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+from actmem.memory import backward, engine
+from actmem.memory.techniques import Technique
+from actmem.memory.terms import TRANSIENT_TERMS
+from actmem.model.recompute import Recompute
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    bytes: object
+    source: str
+
+
+@dataclass(frozen=True)
+class StageMoment:
+    """What a stage's activations hold at one moment of its first backward."""
+
+    name: str
+    when: str
+    parts: tuple
+    present: object = True
+    """Whether the moment happens (a bool, or a boolean array over a sweep)."""
+    detail: object = None
+    """For a moment of the last layer's backward, its backward.Moment, evaluated."""
+
+    @property
+    def bytes(self):
+        return sum(part.bytes for part in self.parts)
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """How the stage holds its layers: ints for one stage, arrays over a sweep."""
+
+    per_chunk: object
+    """Layers in one model chunk of the stage (its layers / m)."""
+    chunks: object
+    """Model chunks in flight at the first backward (pipeline.chunks_held)."""
+    recompute_layers: object = None
+    """N of partial full recompute where it varies over a sweep; the technique's otherwise."""
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    layers_bytes: object
+    """The layers' saved activations in flight (Eq 5, with the interleave factor)."""
+    extra_bytes: object
+    """Section 4.5: the embedding's and the output layer's terms."""
+    moments: tuple
+
+    @property
+    def held_bytes(self):
+        return self.layers_bytes + self.extra_bytes
+
+
+HELD = "the saved activations of every microbatch in flight (sections 4.4, 4.5)"
+
+
+def stage_activations(technique: Technique, arch, value: Callable, counts: StageCounts) -> StageActivations:
+    """The stage's saved activations and the moments of its first backward. ``value`` evaluates
+    an engine expression (exactly, or over a sweep); ``technique`` is the stage's recompute."""
+    n = technique.policy.layers if counts.recompute_layers is None else counts.recompute_layers
+    per_layer = value(engine.per_layer_bytes(technique, arch))
+    checkpoints, whole = chunk_layers(technique, counts.per_chunk, n)
+    layers = counts.chunks * checkpoints * per_layer
+    if technique.partial:
+        layers = layers + counts.chunks * whole * value(engine.per_layer_bytes(technique.whole(), arch))
+    extra = value(engine.extra_bytes(technique, engine.microbatches_held, engine.holds_output, arch))
+    held = layers + extra
+    moments = (StageMoment("start", "the first backward's start, every microbatch held", (Part(
+        "activations_in_flight", held, HELD),)),)
+    loss = value(engine.loss_backward_bytes(technique, arch))
+    moments += (StageMoment("loss", "the loss's backward, every microbatch held", (
+        Part("activations_in_flight", held, HELD), Part("logits_gradient_16bit", loss, TRANSIENT_TERMS[0].source)),
+        loss > 0),)
+    moments += _reruns(technique, arch, value, counts, n, held, per_layer)
+    moments += _layer_moments(technique, arch, value, counts, n, held)
+    return StageActivations(layers, extra, moments)
+
+
+def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
+    """(layers kept as the technique keeps them, layers kept whole) a chunk: under block, the
+    first N of each chunk are checkpointed; under uniform, each group of N keeps one checkpoint.
+    N: the technique's unless given (a sweep's column)."""
+    n = technique.policy.layers if n is None else n
+    if not technique.partial:
+        return per_chunk, 0
+    if technique.policy.method == "block":
+        checkpoints = _minimum(n, per_chunk)
+        return checkpoints, per_chunk - checkpoints
+    return -(-per_chunk // n), 0
+
+
+def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
+    """The rerun moments: each module of a selective recompute; under full recompute the
+    first rerun of the chunk's backward, 1 layer, or under 'uniform' the chunk's tail group
+    (its last, perhaps shorter than N) and, where the tail is shorter, the next group of N
+    with the tail's checkpoint freed; under 'block' 1 layer where every layer of the chunk is
+    checkpointed, else none: its last layers are kept whole, so the first rerun comes after
+    their activations are freed, a moment the floor does not take."""
+    if technique.recompute is Recompute.SELECTIVE:
+        return tuple(_rerun(held, value(engine.rematerialised_bytes(technique, arch, module=module)),
+                            value(engine.freed_before_rerun(technique, arch, module)), technique)
+                     for module in technique.modules)
+    if technique.recompute is not Recompute.FULL:
+        return ()
+    one = value(engine.rematerialised_bytes(technique, arch))
+    layer = value(engine.per_layer_bytes(technique.whole(), arch))
+    freed = value(engine.freed_before_rerun(technique, arch))
+    if technique.partial and technique.policy.method == "block":
+        return (_rerun(held, one, freed, technique, n >= counts.per_chunk),)
+    tail = (counts.per_chunk - 1) % n + 1
+    return (_rerun(held, one + (tail - 1) * layer, freed, technique),
+            _rerun(held, one + (n - 1) * layer, freed + per_layer, technique, tail < n))
+
+
+def _rerun(held, rematerialised, freed, technique, when=True) -> StageMoment:
+    return StageMoment("rerun", "the first backward, its recompute done", (
+        Part("activations_in_flight", held - freed,
+             "the saved activations in flight, less what the backward freed before the rerun"),
+        Part("rematerialised", rematerialised, rematerialised_source(technique))), _and(when, rematerialised > freed))
+
+
+def _layer_moments(technique, arch, value, counts, n, held) -> tuple:
+    """The moments of the last layer's backward, that layer kept as a chunk's last is: as
+    every layer is; under 'block' whole where N is short of the chunk, else checkpointed alone;
+    none inside uniform groups of N > 1 (not modelled)."""
+    if not technique.partial:
+        lasts = ((technique, True),)
+    elif technique.policy.method == "block":
+        alone = replace(technique, policy=replace(technique.policy, method="uniform", layers=1))
+        lasts = ((technique.whole(), n < counts.per_chunk), (alone, n >= counts.per_chunk))
+    else:
+        lasts = ()
+    return tuple(_layer_moment(name, last, arch, value, held, _and(when, counts.per_chunk > 0))
+                 for last, when in lasts for name in backward.MOMENTS if backward.modelled(name, last, arch))
+
+
+#: each moment of the last layer's backward (actmem.memory.backward): when, and what its row holds
+LAYER_MOMENTS = {
+    "fc1": ("the last layer's fc1 backward", "fc1_backward",
+            "fc1's backward (TE's _LayerNormLinear.backward, Megatron's "
+            "LinearWithGradAccumulationAndAsyncCommunication): its output gradient, its input gradient for "
+            "the whole sequence, under SP the input all-gathered again and the gradient's reduce-scattered "
+            "shard, and the gradient on the residual stream"),
+    "core": ("the last layer's attention core backward", "core_backward",
+             "the eager core's backward at its softmax's (or dropout's): the gradient of the probabilities "
+             "·V saw and, with dropout, the softmax output's, v's gradient, the gradient on the residual "
+             "stream and, under the core's checkpoint, its output's"),
+    "softmax": ("the last layer's attention core backward, at torch's softmax", "core_backward",
+                "torch's fallback softmax's backward (Megatron's local core where its fused kernel does not run: "
+                "fused_softmax.py, forward_torch_softmax): the gradient of its output and the scores' gradient it "
+                "makes (fp32 under --attention-softmax-in-fp32), v's gradient, the gradient on the residual stream "
+                "and, under the core's checkpoint, its output's; the dropout's mask already freed"),
+}
+
+
+def _layer_moment(name: str, last: Technique, arch, value, held, when) -> StageMoment:
+    """A moment inside the last layer's backward: the rows after the op freed (and the output
+    layer's), what the backward has rerun by then, the op's gradients."""
+    symbolic = backward.moment_bytes(name, last, arch)
+    moment = backward.Moment(*(value(getattr(symbolic, field.name)) for field in fields(symbolic)))
+    when_text, label, source = LAYER_MOMENTS[name]
+    rerun = () if symbolic.rerun == 0 or (isinstance(moment.rerun, int) and not moment.rerun) else (Part(
+        "rematerialised", moment.rerun - moment.freed_rerun,
+        rematerialised_source(last) + ", less its rows after this op, already freed"),)
+    return StageMoment(name, when_text, (
+        Part("activations_in_flight", held - moment.freed_held,
+             "the saved activations in flight, less what the backward freed before this op: the output "
+             "layer's where the stage has it, the last layer's rows after the op"),
+        *rerun,
+        Part(label, moment.transient, source)), when, moment)
+
+
+def rematerialised_source(technique: Technique) -> str:
+    if technique.recompute is Recompute.SELECTIVE and technique.modules == ("core_attn",):
+        return "selective recompute reruns the last layer's attention core: the rows it dropped"
+    if technique.recompute is Recompute.SELECTIVE:
+        return (f"selective recompute reruns the last layer's modules ({', '.join(technique.modules)}) one at "
+                "a time in the backward's order, each with the rows after it freed (the MLP with all but the "
+                "mask after it held, the attention core after the MLP and the projection are done): the rows "
+                "each dropped, at the rerun that holds the most")
+    if technique.partial and technique.policy.method == "uniform":
+        return ("full recompute reruns a checkpointed group of the chunk, its tail or the group of N "
+                "before it (with the tail's checkpoint freed), whichever holds more: its layers as "
+                "kept without recompute, less the group's input (the checkpoint)")
+    return ("full recompute reruns the last layer from its checkpoint: the layer as kept without "
+            "recompute, less its input (the checkpoint's own storage)")
+
+
+def _minimum(x, y):
+    """min(x, y) for ints and numpy arrays alike."""
+    if isinstance(x, int) and isinstance(y, int):
+        return min(x, y)
+    import numpy as np
+
+    return np.minimum(x, y)
+
+
+def _and(x, y):
+    """x and y, for plain booleans or numpy arrays alike."""
+    if isinstance(x, bool) and isinstance(y, bool):
+        return x and y
+    import numpy as np
+
+    return np.logical_and(x, y)
+
+
+def peak_moment(activations: StageActivations) -> StageMoment:
+    """The moment of one stage (plain counts) that holds the most; the first of equals."""
+    return max((moment for moment in activations.moments if moment.present), key=lambda moment: moment.bytes)
+
+
+def largest_bytes(activations: StageActivations):
+    """The largest of the moments that happen, elementwise over a sweep: the stage's
+    activations at their peak (its start's at least)."""
+    import numpy as np
+
+    held = activations.held_bytes
+    return np.maximum.reduce([np.where(moment.present, moment.bytes, held) for moment in activations.moments])

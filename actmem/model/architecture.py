@@ -1,0 +1,443 @@
+"""What the model is, beyond its dims: the choices that decide which tensors a layer keeps
+and how many parameters it has.
+
+The paper's GPT is the default, so its numbers never move. Each field that removes or adds
+a row of the term table names that row; ``actmem.memory.terms`` asks the predicates below. The
+kernels behind each choice are Megatron-Core's with Transformer Engine (cited in terms.py).
+"""
+
+from dataclasses import dataclass, replace
+
+from actmem.errors import SpecError
+from actmem.model.implementation import MEGATRON, implementation
+
+PAPER_DROPOUT = 0.1   # the GPT models of the paper train with dropout 0.1
+ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+ATTENTION_CORES = ("eager", "flash", "flash-attn")
+POSITION_EMBEDDINGS = ("learned", "rope", "none")
+#: Megatron's other spellings of them (--position-embedding-type learned_absolute)
+POSITION_EMBEDDING_ALIASES = {"learned_absolute": "learned"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    attention_dropout: float = PAPER_DROPOUT
+    """Dropout on the attention probabilities (Megatron's --attention-dropout). At 0 the
+    eager core keeps no mask and no separate dropout output: ·V keeps the softmax output."""
+    hidden_dropout: float = PAPER_DROPOUT
+    """Dropout after the embedding, the attention projection and the MLP (Megatron's
+    --hidden-dropout). At 0 none of the three keeps a mask."""
+    ffn_hidden: int | None = None
+    """The MLP's hidden size f (Megatron's --ffn-hidden-size); None: 4h, the paper's."""
+    activation: str = "gelu"
+    """'gelu' (the paper's), 'swiglu' (gated: the first linear is 2f wide; --swiglu) or
+    'squared_relu' (relu(x)² as Megatron's --squared-relu: Nemotron)."""
+    normalization: str = "layernorm"
+    """'layernorm' (weight and bias) or 'rmsnorm' (weight only; --normalization RMSNorm)."""
+    bias: bool = True
+    """Biases on the linear layers (Megatron's --disable-bias-linear turns them off)."""
+    qkv_bias: bool | None = None
+    """A bias on the QKV linear whatever ``bias`` says (Megatron's --add-qkv-bias with
+    --disable-bias-linear: Qwen2's q, k, v biases); None: as ``bias``."""
+    tied_output: bool = True
+    """The output layer shares the word embedding's weights (the paper's); False is
+    Megatron's --untie-embeddings-and-output-weights."""
+    query_groups: int | None = None
+    """g: key/value heads (Megatron's --num-query-groups; MQA is 1); None: one a head."""
+    head_dim: int | None = None
+    """d (Megatron's --kv-channels); None: h/a."""
+    attention_core: str = "eager"
+    """'eager' (the paper's: QKᵀ, softmax, dropout, ·V, keeping the s² softmax output);
+    'flash' (TE's cuDNN fused attention, Megatron-Core's default on Hopper: keeps q, k, v,
+    its output and an fp32 log-sum-exp; no s² term); 'flash-attn' (the flash-attn package
+    through TE, which at b > 1 also keeps a contiguous copy of its output)."""
+    position_embedding: str = "learned"
+    """'learned' (the paper's: an s·h table on the first stage), 'rope' (rotary: no
+    parameters; modelled under the flash core only) or 'none'."""
+    position_rows: int | None = None
+    """Rows of the learned position table (Megatron's --max-position-embeddings; GPT-2's
+    n_positions): None is s, the paper's count. A table longer than s holds parameters no token
+    reads; a shorter one cannot hold s positions (refused by the spec)."""
+    rotary_percent: float = 1.0
+    """The share of each head's d that rope rotates (Megatron's --rotary-percent; RotaryEmbedding
+    rotates int(d·percent) dims and passes the rest)."""
+    rope_fusion: bool = True
+    """Rotary positions by Transformer Engine's fused kernel (Megatron's default); False is
+    --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
+    qk_norm: bool = False
+    """A norm on each head of q and of k before rope (Megatron's --qk-layernorm; Qwen3's
+    q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it."""
+    attention_mask: bool = False
+    """Megatron's dataloader builds a causal mask for each microbatch, [b, 1, s, s] of bool, and
+    hands it to every layer of the first and last stages (under context parallelism a rank's
+    s/c rows of it; create_attention_mask_in_dataloader:
+    Megatron's default; --no-create-attention-mask-in-dataloader turns it off). TE's causal
+    kernels never read it, but the recompute checkpoints save it with their other arguments.
+    False (the paper's count, and the flags' default): not counted."""
+    masked_softmax_fusion: bool = True
+    """Megatron's fused scale-mask-softmax kernel for the eager (local) core; False is its
+    --no-masked-softmax-fusion. The kernel runs only where FusedScaleMaskSoftmax.is_kernel_available
+    allows (rules.fused_softmax_runs); elsewhere, or switched off, Megatron runs torch's softmax
+    (fused_softmax.py, forward_torch_softmax), which keeps the causal mask it fills and, with
+    softmax_in_fp32, an fp32 softmax. An estimate turns it off for a run where the kernel does not
+    run (with_fused_softmax). Changes nothing under TE's flash cores."""
+    softmax_in_fp32: bool = False
+    """Megatron's --attention-softmax-in-fp32 (set too by --apply-query-key-layer-scaling:
+    TransformerConfig.__post_init__): torch's fallback softmax upcasts the scores and keeps its
+    fp32 output. The fused kernel keeps its 16-bit probabilities either way."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (TE's fuse_wgrad_accumulation): each linear's weight gradient is
+    accumulated straight into the fp32 main_grad and autograd is handed TE's cached dummy;
+    False is --no-gradient-accumulation-fusion: a 16-bit weight gradient is made at each linear's
+    backward (TE linear.py: the wgrad GEMM with no out), added to main_grad by DDP's hook and
+    freed, and no dummy is kept."""
+    implementation: str = MEGATRON
+    """The second axis, whose code runs the layer (actmem.model.implementation): 'megatron' (the
+    paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
+    (transformers' Llama, Qwen3 or GPT-2; the attention core is its attn_implementation). It travels
+    with the architecture because every term asks both at once; it changes no parameter."""
+
+    def __post_init__(self):
+        for name in ("activation", "normalization", "attention_core", "position_embedding",
+                     "implementation"):   # RMSNorm
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, getattr(self, name).lower())
+        object.__setattr__(self, "position_embedding",
+                           POSITION_EMBEDDING_ALIASES.get(self.position_embedding, self.position_embedding))
+        percent = self.rotary_percent
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+            raise SpecError(f"rotary_percent must be in (0, 1], got {percent!r}")
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
+        for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS),
+                              ("attention_core", ATTENTION_CORES), ("position_embedding", POSITION_EMBEDDINGS)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
+                     "softmax_in_fp32", "gradient_accumulation_fusion"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.qkv_bias is False and self.bias:
+            raise SpecError("qkv_bias false with biases on the other linear layers: Megatron cannot express "
+                            "it (its QKV bias is add_bias_linear or add_qkv_bias)")
+        if self.rotary_percent != 1 and self.position_embedding != "rope":
+            raise SpecError(f"--rotary-percent {self.rotary_percent:g} shapes Megatron's rotary positions; this model's "
+                            f"positions are {self.position_embedding} under {self.implementation}")
+        if not self.rope_fusion and self.position_embedding != "rope":
+            raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
+                            f"are {self.position_embedding}")
+        self.code.check(self)
+
+    def with_fused_softmax(self, kernel_runs: bool) -> "Architecture":
+        """This architecture as a run of it executes: Megatron's fused softmax off where its kernel
+        does not run at the run's s, b, a and t (``kernel_runs``: rules.fused_softmax_runs), so its
+        local core counts what torch's fallback softmax keeps. Other cores and codes: itself."""
+        if kernel_runs or not torch_softmax_possible(self) or not self.masked_softmax_fusion:
+            return self
+        return replace(self, masked_softmax_fusion=False)
+
+    def rotary_dim(self, hidden, heads):
+        """The dims rope rotates in each head: int(d·percent) (Megatron's RotaryEmbedding), d when whole."""
+        import sympy   # off --help's path
+
+        d = self.head_dim_or(hidden, heads)
+        return d if self.rotary_percent == 1 else sympy.floor(d * sympy.Rational(str(self.rotary_percent)))
+
+    def ffn(self, hidden):
+        """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""
+        return 4 * hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    def attention_width(self, hidden, heads):
+        """a·d, the width of the queries and of the attention's output: h unless d is given."""
+        return hidden if self.head_dim is None else heads * self.head_dim
+
+    def query_groups_or(self, heads):
+        return heads if self.query_groups is None else self.query_groups
+
+    def head_dim_or(self, hidden, heads):
+        return hidden // heads if self.head_dim is None else self.head_dim
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def fc1_width(self) -> int:
+        """How many f-wide outputs the first MLP linear has: 2 for SwiGLU (gate and up)."""
+        return 2 if self.activation == "swiglu" else 1
+
+    def kv_width(self, hidden, heads):
+        """g·d, the width of the keys (and of the values): a·d unless query groups are given."""
+        if self.query_groups is None:
+            return self.attention_width(hidden, heads)
+        return self.query_groups * (hidden / heads if self.head_dim is None else self.head_dim)
+
+    @property
+    def keeps(self) -> frozenset:
+        """What its code keeps beyond Megatron's rows (its model class's too): terms.py asks."""
+        return self.code.keeps_for(self)
+
+    @property
+    def code(self):
+        """The implementation (actmem.model.implementation.Implementation) this layer runs under."""
+        return implementation(self.implementation)
+
+    def unmodelled_recompute(self, heads=None, modules=None) -> dict:
+        """{recompute mode: why actmem does not model it for this architecture}; selective
+        recompute of ``modules`` (None: core_attn, Megatron's default)."""
+        if self.code.full_recompute is not None:
+            return {"selective": self.code.selective_recompute or self.code.full_recompute,
+                    "full": self.code.full_recompute}
+        if self.code.selective_recompute is not None:
+            return {"selective": self.code.selective_recompute}
+        if modules is not None and "layernorm" in modules and not te_layer_spec(self):
+            return {"selective": "--recompute-modules layernorm under the eager core: Megatron runs that core in "
+                                 "its local spec, whose norms are modules of their own, and frees their outputs "
+                                 "(the linears' inputs) until the backward (CheckpointWithoutOutput); not "
+                                 "modelled yet"}
+        if modules is not None and "core_attn" not in modules:
+            return {}
+        if self.attention_core != "eager":     # the checkpoint's q and k: rope's or the norms' outputs
+            if self.position_embedding == "rope" or self.qk_norm:
+                return {}
+            return {"selective": "selective recompute of the attention core (Megatron's core_attn) under flash "
+                                 "attention is modelled with rotary positions or q and k norms, which make q and "
+                                 "k tensors of their own; without either its checkpoint keeps q and k as views "
+                                 "or copies of the QKV output, which actmem does not count yet: choose none, "
+                                 "full, or --recompute-modules mlp"}
+        if self.query_groups is not None and heads is not None and self.query_groups < heads:
+            return {"selective": "selective recompute with query groups under the eager core keeps the "
+                                 "checkpoint's unexpanded k and v as views of the QKV output (and q as a "
+                                 "copy when t < g), which actmem does not count yet: choose none, full, or "
+                                 "--recompute-modules mlp"}
+        return {}
+
+    def describe(self) -> str:
+        """One line a person reads: 'gelu MLP (f = 4h) · layernorm · biases · tied output'."""
+        f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
+        groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
+        groups += "QK norm · " if self.qk_norm else ""
+        groups += "" if self.masked_softmax_fusion or not torch_softmax_possible(self) else "torch softmax · "
+        groups += "softmax in fp32 · " if self.softmax_in_fp32 and torch_softmax_possible(self) else ""
+        head = "" if self.head_dim is None else f"d = {self.head_dim} · "
+        core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
+        rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
+                "none": "no positions · "}[self.position_embedding]
+        return (f"{core[self.attention_core]}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
+                f"{self.biases} · {'tied' if self.tied_output else 'untied'} output")
+
+    @property
+    def biases(self) -> str:
+        """'biases', 'no biases', 'QKV bias only' or 'no QKV bias'."""
+        if self.has_qkv_bias == self.bias:
+            return "biases" if self.bias else "no biases"
+        return "QKV bias only" if self.has_qkv_bias else "no QKV bias"
+
+    @property
+    def norm_statistics(self) -> int:
+        """fp32 statistics a norm keeps a token: mu and rsigma, or rsigma for RMSNorm."""
+        return 2 if self.normalization == "layernorm" else 1
+
+    @property
+    def norm_parameters(self) -> int:
+        """Parameters of one norm per unit of h: weight and bias, or weight only."""
+        return 2 if self.normalization == "layernorm" else 1
+
+
+PAPER = Architecture()
+
+
+def attention_dropout(arch: Architecture) -> bool:
+    """attention dropout > 0"""
+    return arch.attention_dropout > 0
+
+
+def hidden_dropout(arch: Architecture) -> bool:
+    """hidden dropout > 0"""
+    return arch.hidden_dropout > 0
+
+
+def gelu(arch: Architecture) -> bool:
+    """the activation is GeLU"""
+    return arch.activation == "gelu"
+
+
+def swiglu(arch: Architecture) -> bool:
+    """the activation is SwiGLU"""
+    return arch.activation == "swiglu"
+
+
+def squared_relu(arch: Architecture) -> bool:
+    """the activation is the squared ReLU"""
+    return arch.activation == "squared_relu"
+
+
+def eager(arch: Architecture) -> bool:
+    """the attention core is eager (the paper's)"""
+    return arch.attention_core == "eager"
+
+
+def eager_with_attention_dropout(arch: Architecture) -> bool:
+    """the attention core is eager and its dropout > 0"""
+    return eager(arch) and attention_dropout(arch)
+
+
+def flash(arch: Architecture) -> bool:
+    """the attention core is flash"""
+    return arch.attention_core in ("flash", "flash-attn")
+
+
+def flash_repeated_key_value(arch: Architecture) -> bool:
+    """the attention core is flash and the code expands k and v to a heads before it"""
+    return flash(arch) and "repeated_key_value" in arch.keeps
+
+
+def flash_grouped_key_value(arch: Architecture) -> bool:
+    """the attention core is flash and keeps k and v g groups wide"""
+    return flash(arch) and not flash_repeated_key_value(arch)
+
+
+def eager_or_flash_grouped_value(arch: Architecture) -> bool:
+    """·V keeps V: the eager core's, or flash's g groups wide"""
+    return eager(arch) or flash_grouped_key_value(arch)
+
+
+def dataloader_mask(arch: Architecture) -> bool:
+    """Megatron's dataloader makes a b·s² attention mask (create_attention_mask_in_dataloader)"""
+    return arch.attention_mask
+
+
+def te_flash_core(arch: Architecture) -> bool:
+    """the attention core is Transformer Engine's flash core under Megatron-Core, which makes v
+    contiguous inside the core, where Megatron's core_attn checkpoint wraps it"""
+    return flash(arch) and "te_flash_core" in arch.code.has
+
+
+def swiglu_keeping_silu_output(arch: Architecture) -> bool:
+    """the MLP is SwiGLU, unfused: silu's output is kept beside its input"""
+    return swiglu(arch) and "silu_output" in arch.keeps
+
+
+def gelu_keeping_tanh_intermediates(arch: Architecture) -> bool:
+    """the MLP is GeLU's tanh form written in Python, keeping its intermediates (gelu_new)"""
+    return gelu(arch) and "gelu_tanh_intermediates" in arch.keeps
+
+
+def norm_keeps_fp32_copy(arch: Architecture) -> bool:
+    """the norm keeps an fp32 copy of its input and a 16-bit normalized tensor, not the input
+    itself (transformers' LlamaRMSNorm)"""
+    return "norm_fp32_copy" in arch.keeps
+
+
+def keeps_norm_input(arch: Architecture) -> bool:
+    """the norm keeps its 16-bit input (Megatron's TE kernels, the GPU's fused RMSNorm)"""
+    return not norm_keeps_fp32_copy(arch)
+
+
+def counts_norm_statistics(arch: Architecture) -> bool:
+    """the norms' fp32 statistics are terms of the table: on the flash path (beside TE's
+    kernels) and wherever the code is not Megatron's (the paper leaves them out)"""
+    return flash(arch) or "paper_norms" not in arch.code.has
+
+
+def unfused_weight_gradients(arch: Architecture) -> bool:
+    """Megatron without gradient accumulation fusion: each linear makes a 16-bit weight gradient"""
+    return "wgrad_fusion" in arch.code.has and not arch.gradient_accumulation_fusion
+
+
+def torch_softmax_possible(arch: Architecture) -> bool:
+    """the attention core is Megatron's local one, whose softmax is its fused kernel or torch's"""
+    return eager(arch) and "softmax_switches" in arch.code.has
+
+
+def torch_softmax(arch: Architecture) -> bool:
+    """Megatron's local core runs torch's softmax, not its fused kernel (fused_softmax.py,
+    FusedScaleMaskSoftmax.forward_torch_softmax): switched off, or where the kernel does not run"""
+    return torch_softmax_possible(arch) and not arch.masked_softmax_fusion
+
+
+def torch_softmax_16bit(arch: Architecture) -> bool:
+    """torch's fallback softmax in 16 bits (no --attention-softmax-in-fp32)"""
+    return torch_softmax(arch) and not arch.softmax_in_fp32
+
+
+def torch_softmax_fp32(arch: Architecture) -> bool:
+    """torch's fallback softmax in fp32 (--attention-softmax-in-fp32)"""
+    return torch_softmax(arch) and arch.softmax_in_fp32
+
+
+def torch_softmax_making_mask(arch: Architecture) -> bool:
+    """torch's fallback softmax, handed no mask: it makes the causal mask itself (no dataloader mask)"""
+    return torch_softmax(arch) and not arch.attention_mask
+
+
+def eager_softmax_fp32(arch: Architecture) -> bool:
+    """the eager core keeps an fp32 softmax beside its 16-bit copy (transformers' Llama), or
+    Megatron's torch fallback keeps its fp32 softmax"""
+    return eager(arch) and ("softmax_fp32" in arch.keeps or torch_softmax_fp32(arch))
+
+
+def eager_keeping_16bit_softmax(arch: Architecture) -> bool:
+    """the eager core keeps 16-bit probabilities: the fused kernel's, torch's 16-bit softmax's, or the
+    16-bit copy of an fp32 softmax that ·V keeps; not that copy where attention dropout comes
+    between (the dropout keeps only its mask, ·V its output)"""
+    return eager(arch) and not (torch_softmax_fp32(arch) and attention_dropout(arch))
+
+
+def rotary_tables(arch: Architecture) -> bool:
+    """the model's rotary cos and sin are saved activations (transformers' Llama)"""
+    return "rotary_tables" in arch.keeps
+
+
+def unfused_rope(arch: Architecture) -> bool:
+    """rotary positions applied by Megatron's unfused rope_utils.py (--no-rope-fusion)"""
+    return arch.position_embedding == "rope" and not arch.rope_fusion
+
+
+def qk_norm_keeping_input(arch: Architecture) -> bool:
+    """q and k are normalised per head before rope (--qk-layernorm), by a norm that keeps its
+    16-bit input (TE's)"""
+    return arch.qk_norm and keeps_norm_input(arch)
+
+
+def qk_norm_keeping_fp32_copy(arch: Architecture) -> bool:
+    """q and k are normalised per head by a norm that keeps an fp32 copy of its input and a
+    16-bit normalized tensor (transformers' Qwen3RMSNorm)"""
+    return arch.qk_norm and norm_keeps_fp32_copy(arch)
+
+
+def qk_norm(arch: Architecture) -> bool:
+    """q and k are normalised per head before rope (--qk-layernorm)"""
+    return arch.qk_norm
+
+
+def te_layer_spec(arch: Architecture) -> bool:
+    """Megatron builds Transformer Engine's layer spec, each norm fused into the next linear
+    (TELayerNormColumnParallelLinear; input_layernorm and pre_mlp_layernorm IdentityOps): every
+    core but the eager one, which Megatron runs only in its local spec (--attention-backend
+    local needs --spec local), whose norms are modules of their own (LNImpl)"""
+    return arch.attention_core != "eager"
+
+
+def flash_attn(arch: Architecture) -> bool:
+    """the attention core is flash-attn through TE"""
+    return arch.attention_core == "flash-attn"
+
+
+def learned_positions(arch: Architecture) -> bool:
+    """the position embedding is learned"""
+    return arch.position_embedding == "learned"
+
+
+def always(arch: Architecture) -> bool:
+    """always"""
+    return True

@@ -1,0 +1,316 @@
+"""Whose code runs the layer: the second axis of the term table, beside the architecture.
+
+The same architecture keeps different tensors under different code. An implementation is
+data read off its source: which of the term table's rows its code keeps beyond Megatron's
+(``terms.py`` asks ``keeps``), which tensors it places differently (PyTorch-native DTensor
+keeps a column-parallel linear's input all-gathered under sequence parallelism, where
+Megatron keeps the local shard), and the architecture and run it is modelled for. Each
+field cites the code it was read from; the harness runs that code and measures it.
+"""
+
+from dataclasses import dataclass
+
+from actmem.errors import SpecError
+
+MEGATRON = "megatron"
+HF_ATTENTION = {"eager": "eager", "flash": "sdpa"}
+"""transformers' attn_implementation for each attention core the hf code runs."""
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """One model class of a library that runs several (transformers' LlamaForCausalLM and
+    GPT2LMHeadModel): the architecture it has and what its code keeps beyond the library's
+    shared behaviour."""
+    name: str
+    architecture: tuple
+    """(field, allowed values, why), as Implementation.architecture."""
+    keeps: frozenset = frozenset()
+    notes: tuple = ()
+    rules: tuple = ()
+    """(holds: architecture -> bool, why): what a single field's allowed values cannot say."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    label: str
+    """One line a person reads: the code, and where it was read."""
+    gathered_under_sp: frozenset = frozenset()
+    """Terms kept whole along the sequence under sequence parallelism (divided by nothing)
+    where Megatron keeps the local shard (divided by t)."""
+    keeps: frozenset = frozenset()
+    """Behaviours that add rows of the term table, by name (terms.py's predicates ask)."""
+    architecture: tuple = ()
+    """(field, allowed values, why): the architecture the implementation is modelled for."""
+    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer"})
+    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, and the
+    distributed optimizer (model state is counted as Megatron's mixed-precision Adam)."""
+    selective_recompute: str | None = None
+    """Why its selective recompute is not modelled; None where it is Megatron's."""
+    full_recompute: str | None = None
+    """Why its full recompute is not modelled; None where it is."""
+    notes: tuple = ()
+    """What an estimate under this code says about it (its assumptions)."""
+    models: tuple = ()
+    """The model classes it is measured for (ModelClass); empty: one layer, the fields above.
+    An architecture must be one of them, and takes its keeps and notes."""
+    has: frozenset = frozenset()
+    """What of Megatron-Core with Transformer Engine this code has, by name (MEGATRON_CORE): the
+    switches the architecture may set only where the code has them (SWITCHES), and the
+    behaviours the term table and the peak floor count where it does."""
+    limits: tuple = ()
+    """(breaks: architecture -> bool, message): what is not modelled under this code."""
+    unpadded_vocab: str | None = None
+    """Why the vocabulary is not padded (None: Megatron pads it to a multiple of 128·t,
+    --make-vocab-size-divisible-by). DTensor shards it unevenly, rank 0 holding ceil(v/t)
+    rows (as if padded to a multiple of t)."""
+
+    @property
+    def pads_vocab(self) -> bool:
+        return self.unpadded_vocab is None
+
+    def vocab_divisible_by(self, requested: int | None, default: int) -> int:
+        """Megatron's padding multiple: the one asked for, or the default; 1 where the code pads
+        none, and a request for padding there is refused."""
+        if self.pads_vocab:
+            return default if requested is None else requested
+        if requested is not None and requested != 1:
+            raise SpecError(f"--make-vocab-size-divisible-by is Megatron's vocabulary padding; "
+                            f"--implementation {self.name} pads none ({self.unpadded_vocab})")
+        return 1
+
+    def stored_padding(self, value: int, default: int) -> int:
+        """What a Spec or PlanRequest keeps as its padding multiple: the value given (the
+        default read as not asked for), or 1 where the code pads none."""
+        return self.vocab_divisible_by(None if value == default else value, default)
+
+    def check(self, arch) -> None:
+        """Refuse an architecture this implementation is not modelled for, with the reason."""
+        for needs, in_use, message in SWITCHES:
+            if in_use(arch) and needs not in self.has:
+                raise SpecError(message.format(code=self.name, arch=arch))
+        for breaks, message in self.limits:
+            if breaks(arch):
+                raise SpecError(message)
+        if _broken(self.architecture, arch):
+            raise SpecError(f"--implementation {self.name} is modelled for {_why(self.architecture, arch)}")
+        model = self.model_class(arch)
+        if self.models and model is None:
+            fewest = min(len(_broken(model.architecture, arch)) for model in self.models)
+            closest = [model for model in self.models if len(_broken(model.architecture, arch)) == fewest]
+            raise SpecError(f"--implementation {self.name} is modelled for "
+                            f"{', '.join(model.name for model in self.models)}; the closest: "
+                            + "; ".join(f"{model.name}, for {_why(model.architecture, arch)}" for model in closest))
+        for holds, why in model.rules if model else ():
+            if not holds(arch):
+                raise SpecError(f"--implementation {self.name} is modelled for {why}")
+
+    def model_class(self, arch) -> ModelClass | None:
+        """The model class this architecture is, the first that fits; None where there are none."""
+        return next((model for model in self.models if not _broken(model.architecture, arch)), None)
+
+    def keeps_for(self, arch) -> frozenset:
+        """What this code keeps beyond Megatron's rows, for this architecture."""
+        model = self.model_class(arch)
+        return self.keeps | (model.keeps if model else frozenset())
+
+    def notes_for(self, arch) -> tuple:
+        model = self.model_class(arch)
+        return (model.notes if model else ()) + self.notes
+
+    def label_for(self, arch) -> str:
+        model = self.model_class(arch)
+        return self.label.format(model=model.name if model else "")
+
+
+def _broken(constraints: tuple, arch) -> list:
+    """The (field, allowed, why) constraints ``arch`` breaks."""
+    return [(field, allowed, why) for field, allowed, why in constraints if getattr(arch, field) not in allowed]
+
+
+#: the flag that sets a field, where it is not --field
+_FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias"}
+
+
+def _why(constraints: tuple, arch) -> str:
+    """The first broken constraint, as a person reads it."""
+    field, allowed, why = _broken(constraints, arch)[0]
+    shown = " or ".join("unset" if v is None else str(v) for v in allowed)
+    flag = _FLAGS.get(field, f"--{field.replace('_', '-')}")
+    return f"{why}: {field} must be {shown}, got {getattr(arch, field)} ({flag})"
+
+
+# torchtitan's Llama 3 block, parallelised by torchtitan's plan (torchtitan/models/llama3/
+# infra/parallelize.py, apply_tp): SequenceParallel norms, PrepareModuleInput all-gathering
+# Shard(1) -> Replicate() before the attention and the feed-forward, ColwiseParallel wq, wk,
+# wv, w1, w3 and RowwiseParallel wo, w2 reduce-scattering to Shard(1).
+_TORCHTITAN_LLAMA = (
+    ("attention_core", ("flash",), "torchtitan's Llama layer, whose attention is "
+                                  "F.scaled_dot_product_attention (a flash kernel)"),
+    ("activation", ("swiglu",), "torchtitan's Llama layer (w2(silu(w1 x) * w3 x))"),
+    ("normalization", ("rmsnorm",), "torchtitan's Llama layer (nn.RMSNorm)"),
+    ("attention_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
+    ("hidden_dropout", (0,), "torchtitan's Llama layer, which has no dropout"),
+    ("rope_fusion", (True,), "torchtitan's Llama layer, whose rotation is its own (--no-rope-fusion is "
+                             "Megatron's)"),
+    ("qk_norm", (False,), "torchtitan's Llama layer, which has no q and k norms (its Qwen3 model, "
+                          "which has them, is not measured)"),
+)
+
+# transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs
+# it in training with no padding: RMSNorm in Python, the MLP unfused, eager or SDPA attention.
+_LLAMA_LAYER = (
+    ("activation", ("swiglu",), "transformers' Llama layer (w2(silu(w1 x) * w3 x))"),
+    ("normalization", ("rmsnorm",), "transformers' Llama layer (LlamaRMSNorm)"),
+    ("position_embedding", ("rope",), "transformers' Llama layer (rotary)"),
+    ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
+                                "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
+    ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"))
+_HF_LLAMA = ModelClass(
+    "LlamaForCausalLM",
+    architecture=_LLAMA_LAYER + (("qk_norm", (False,), "transformers' Llama layer, which has no q and k "
+                                                       "norms (Qwen3ForCausalLM has them)"),),
+    keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
+    notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
+           "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
+           "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
+           "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
+           "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward",))
+
+# transformers 5.23.0's Qwen3DecoderLayer (models/qwen3/modeling_qwen3.py): Llama's layer with
+# q_norm and k_norm, Qwen3RMSNorms over each head of q_proj's and k_proj's outputs before rope
+# (written as LlamaRMSNorm is), and biases on q, k, v and o alone (attention_bias), never on the MLP.
+_HF_QWEN3 = ModelClass(
+    "Qwen3ForCausalLM",
+    architecture=_LLAMA_LAYER + (
+        ("qk_norm", (True,), "transformers' Qwen3 layer, whose q_norm and k_norm normalise each head"),
+        ("bias", (False,), "transformers' Qwen3 layer, whose MLP has no biases"),
+        ("qkv_bias", (None,), "transformers' Qwen3 layer, whose attention_bias puts biases on q, k, v and o "
+                              "alike, which actmem cannot express")),
+    keeps=_HF_LLAMA.keeps,
+    notes=("hf: transformers 5.23 Qwen3ForCausalLM on one device, as measured by the harness: Llama's "
+           "layer (see LlamaForCausalLM), and q_norm and k_norm, Qwen3RMSNorms over each head, keep an "
+           "fp32 copy of q and of k, their fp32 rsqrt and their 16-bit normalized tensors, not q_proj's "
+           "and k_proj's outputs",))
+
+# transformers 5.23.0's GPT2Block (models/gpt2/modeling_gpt2.py) in GPT2LMHeadModel: nn.LayerNorm,
+# Conv1D linears (addmm: one fused QKV output), gelu_new (NewGELUActivation, activations.py:
+# 0.5 * x * (1 + tanh(...)) in Python), nn.Dropout, eager or SDPA attention.
+_HF_GPT2 = ModelClass(
+    "GPT2LMHeadModel",
+    architecture=(
+        ("activation", ("gelu",), "transformers' GPT2Block (gelu_new)"),
+        ("normalization", ("layernorm",), "transformers' GPT2Block (nn.LayerNorm)"),
+        ("position_embedding", ("learned",), "transformers' GPT2Model (wpe)"),
+        ("query_groups", (None,), "transformers' GPT2Attention, one key a head"),
+        ("head_dim", (None,), "transformers' GPT2Attention, head dim h/a"),
+        ("bias", (True,), "transformers' Conv1D, which always has a bias"),
+        ("qk_norm", (False,), "transformers' GPT2Attention, which has no q and k norms")),
+    keeps=frozenset({"gelu_tanh_intermediates"}),
+    rules=((lambda arch: arch.attention_core == "eager" or arch.attention_dropout == 0,
+            "transformers' GPT2 under sdpa with no attention dropout: with dropout a GPU's flash kernel "
+            "keeps only its RNG state, but a CPU's SDPA falls back to its math kernel, so the harness cannot "
+            "measure it (--attention-dropout 0, or --attention-core eager)"),),
+    notes=("hf: transformers 5.23 GPT2LMHeadModel on one device, as measured by the harness: "
+           "nn.LayerNorm keeps its input and fp32 mean and rstd (on a GPU; a CPU keeps them in 16 bits); "
+           "the attention keeps q, k and v as views of the one QKV output (sdpa; eager at b = 1) or as "
+           "copies (eager, b > 1), the same bytes; gelu_new, written in Python, keeps its input and three "
+           "more f-wide tensors; dropout keeps 1-byte masks (torch.native_dropout, as on a GPU); the "
+           "int64 position ids (8s B) are not counted",))
+_HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's vocabulary",
+           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2),
+           selective_recompute="transformers has no selective recompute: choose none",
+           full_recompute="transformers' activation checkpointing also keeps what each layer's call "
+                          "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
+                          "does not count yet: choose none",
+           notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
+                  "counted as mixed-precision Adam on one GPU (DDP), not as DeepSpeed or FSDP shard it",
+                  "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
+                  "gradient and the loss's), above this peak floor's loss moment"))
+
+#: What Megatron-Core with Transformer Engine has that the other codes do not, each read off its source:
+#: - dataloader_mask: the dataloader's causal mask (create_attention_mask_in_dataloader);
+#: - softmax_switches: its local core's fused softmax and torch's fallback (fused_softmax.py), with
+#:   --no-masked-softmax-fusion and --attention-softmax-in-fp32;
+#: - wgrad_fusion: gradient accumulation fusion into main_grad, with TE's cached dummy weight
+#:   gradients (module/base.py, get_dummy_wgrad), and --no-gradient-accumulation-fusion;
+#: - rotary_percent: --rotary-percent of its rope (rope_utils.py);
+#: - te_flash_core: TE's attention, which makes v contiguous inside core_attn's checkpoint;
+#: - paper_norms: the paper's eager layer, whose norm statistics the paper leaves out;
+#: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments).
+MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
+                           "te_flash_core", "paper_norms", "layer_backward"})
+
+#: (what the code must have, whether the architecture uses it, the refusal where it does not)
+SWITCHES = (
+    ("dataloader_mask", lambda arch: arch.attention_mask,
+     "the dataloader's attention mask is Megatron's (create_attention_mask_in_dataloader); "
+     "--implementation {code} builds no such mask: give --no-attention-mask"),
+    ("softmax_switches", lambda arch: not arch.masked_softmax_fusion or arch.softmax_in_fp32,
+     "masked_softmax_fusion and softmax_in_fp32 are Megatron's switches of its local core's "
+     "softmax (fused_softmax.py); --implementation {code} has no such kernel"),
+    ("wgrad_fusion", lambda arch: not arch.gradient_accumulation_fusion,
+     "--no-gradient-accumulation-fusion is Megatron's switch; --implementation {code} computes its weight "
+     "gradients with autograd already"),
+    ("rotary_percent", lambda arch: arch.rotary_percent != 1,
+     "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "
+     "{arch.position_embedding} under {code}"),
+)
+
+#: what Megatron's local spec (its eager core) keeps that actmem does not count yet
+_MEGATRON_LIMITS = (
+    (lambda arch: arch.position_embedding == "rope" and arch.attention_core == "eager",
+     "rotary position embedding is modelled under the flash attention core only: under Megatron's eager "
+     "(local) core the value view keeps the whole QKV output alive beside the rotated q and k, which actmem "
+     "does not count yet"),
+    (lambda arch: arch.qk_norm and arch.attention_core == "eager",
+     "--qk-layernorm is modelled under the flash attention core only: Megatron runs the eager core in its "
+     "local spec, whose q and k norms (LNImpl: apex's or torch's) keep what actmem does not count yet"),
+)
+
+IMPLEMENTATIONS = {
+    MEGATRON: Implementation(
+        MEGATRON, "Megatron-Core with Transformer Engine (the paper's code; the default)", has=MEGATRON_CORE,
+        limits=_MEGATRON_LIMITS),
+    "torch-native": Implementation(
+        "torch-native",
+        "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "
+        "(parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel)",
+        gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
+        keeps=frozenset({"repeated_key_value", "silu_output"}),
+        architecture=_TORCHTITAN_LLAMA,
+        runs=frozenset({"tensor"}),
+        unpadded_vocab="DTensor shards the vocabulary unevenly",
+        notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
+               "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
+               "keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "
+               "to a/t heads unless g = t; the unfused SwiGLU keeps silu's output; the rotation keeps only "
+               "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
+               "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
+               "torch-native: with --sp, torchtitan's plan; without, plain DTensor TP (ColwiseParallel and "
+               "RowwiseParallel, the norms replicated), which torchtitan does not use; model state is "
+               "counted as Megatron's mixed-precision Adam split over t, not as FSDP2 shards it",
+               "torch-native: the output layer keeps its all-gathered input too, and the loss (under "
+               "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
+               "(8 B a token each, whole on every rank) are not counted; the loss_parallel backward holds "
+               "up to 16sbv/t bytes at once, above this peak floor's loss moment"),
+        selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
+                            "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
+                            "recompute, and actmem does not model it yet: choose none or full"),
+    "hf": Implementation(
+        "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
+              "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
+        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
+                      ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
+                                               "Megatron's)")),
+        **_HF),
+}
+
+
+def implementation(name: str) -> Implementation:
+    """The implementation of this name, or SpecError naming the known ones."""
+    try:
+        return IMPLEMENTATIONS[name]
+    except (KeyError, TypeError):
+        raise SpecError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}; got {name!r}") from None

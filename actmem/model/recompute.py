@@ -1,0 +1,144 @@
+"""What a run recomputes, as one value with one parser and one label.
+
+Megatron spells it with four arguments: --recompute-granularity (none, selective, full),
+--recompute-modules (what selective recompute reruns: core_attn, the default and the
+paper's, layernorm, mlp), and --recompute-method with --recompute-num-layers (how full
+recompute groups its checkpoints: every layer alone, the paper's; uniform groups of N; or
+the first N layers of each model chunk, block). A ``RecomputePolicy`` is the four at once;
+its ``label`` is what every output writes and ``parse`` reads back:
+
+    none · selective · selective:core_attn+mlp · full · full:block=2 · full:uniform=3
+
+and ``word`` is the planner's short form ('sel', 'sel+mlp', 'mlp', 'block=2').
+"""
+
+from dataclasses import dataclass
+from enum import Enum
+
+from actmem.errors import SpecError
+
+class Recompute(Enum):
+    """Activation recomputation (section 5)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    """Recompute the modules Megatron's --recompute-modules names (the attention core, QKᵀ,
+    softmax, dropout, ·V, by default: the paper's selective recompute); keep the rest."""
+    FULL = "full"
+    """Recompute the whole layer; keep only its input (checkpoint)."""
+
+
+#: Megatron's --recompute-modules that a dense layer has (TransformerConfig.recompute_modules),
+#: in its order; core_attn is its default and the paper's selective recompute
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+DEFAULT_MODULES = frozenset({"core_attn"})
+
+METHODS = ("uniform", "block")
+_FORMS = "give none, selective[:modules] or full[:block=N|:uniform=N]"
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    granularity: Recompute = Recompute.NONE
+    modules: frozenset = DEFAULT_MODULES
+    """Selective recompute's modules (Megatron's default, core_attn, otherwise)."""
+    method: str = "uniform"
+    """Full recompute's grouping: 'uniform' (groups of ``layers``) or 'block'."""
+    layers: int = 1
+    """Full recompute's N: uniform with N = 1 is every layer alone, the paper's."""
+
+    def __post_init__(self):
+        if not isinstance(self.granularity, Recompute):
+            raise SpecError(f"recompute must be one of none, selective, full; got {self.granularity!r}")
+        object.__setattr__(self, "modules", frozenset(self.modules))
+        unknown = sorted(self.modules - set(RECOMPUTE_MODULES))
+        if unknown or not self.modules:
+            raise SpecError(f"recompute modules must be some of {', '.join(RECOMPUTE_MODULES)}; got "
+                            f"{', '.join(unknown) or 'none'}")
+        if self.method not in METHODS or isinstance(self.layers, bool) or not isinstance(self.layers, int) \
+                or self.layers < 1:
+            raise SpecError(f"recompute method must be uniform or block with N >= 1; got {self.method} {self.layers!r}")
+        if self.modules != DEFAULT_MODULES and self.granularity is not Recompute.SELECTIVE:
+            raise SpecError("recompute modules choose what selective recompute reruns; this is "
+                            f"{self.granularity.value}")
+        if (self.method, self.layers) != ("uniform", 1) and self.granularity is not Recompute.FULL:
+            raise SpecError(f"a recompute method groups full recompute; this is {self.granularity.value}")
+
+    @property
+    def ordered_modules(self) -> tuple:
+        """The modules in Megatron's order (core_attn, layernorm, mlp)."""
+        return tuple(module for module in RECOMPUTE_MODULES if module in self.modules)
+
+    @property
+    def partial(self) -> bool:
+        """Full recompute other than every layer checkpointed alone."""
+        return self.granularity is Recompute.FULL and (self.method, self.layers) != ("uniform", 1)
+
+    @property
+    def label(self) -> str:
+        """The one text form: 'selective:core_attn+mlp', 'full:block=2'."""
+        if self.modules != DEFAULT_MODULES:
+            return f"selective:{'+'.join(self.ordered_modules)}"
+        if self.partial:
+            return f"full:{self.method}={self.layers}"
+        return self.granularity.value
+
+    @property
+    def word(self) -> str:
+        """The planner's short form in a configuration's label ('t=8 p=8 b=1 sp sel+mlp')."""
+        if self.partial:
+            return f"{self.method}={self.layers}"
+        if self.granularity is not Recompute.SELECTIVE:
+            return self.granularity.value
+        return {DEFAULT_MODULES: "sel", frozenset({"core_attn", "mlp"}): "sel+mlp",
+                frozenset({"mlp"}): "mlp"}.get(self.modules, f"sel:{'+'.join(self.ordered_modules)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "RecomputePolicy":
+        """The label back: 'none', 'selective', 'selective:mlp', 'full', 'full:block=2'."""
+        granularity, _, shape = str(text).partition(":")
+        try:
+            kind = Recompute(granularity)
+        except ValueError:
+            raise SpecError(f"recompute {text!r}: {_FORMS}") from None
+        if not shape:
+            return cls(kind)
+        if kind is Recompute.SELECTIVE:
+            return cls(kind, frozenset(shape.split("+")))
+        method, _, layers = shape.partition("=")
+        if kind is not Recompute.FULL or not layers.isdecimal():
+            raise SpecError(f"recompute {text!r}: {_FORMS}")
+        return cls(kind, method=method, layers=int(layers))
+
+    @classmethod
+    def of_run(cls, recompute, method=None, layers=None, modules=None) -> "RecomputePolicy":
+        """From Megatron's four settings as a Run holds them (None: Megatron's default)."""
+        return cls(Recompute(getattr(recompute, "value", recompute)), DEFAULT_MODULES if modules is None else
+                   frozenset(modules), method or "uniform", layers or 1)
+
+    @property
+    def run_values(self) -> dict:
+        """The Run's four settings (actmem.model.spec.Run)."""
+        return {"recompute": self.granularity.value,
+                "recompute_modules": None if self.modules == DEFAULT_MODULES else self.ordered_modules,
+                "recompute_method": self.method if self.partial else None,
+                "recompute_layers": self.layers if self.partial else None}
+
+    @property
+    def megatron_flags(self) -> str:
+        """How Megatron spells the shape: '--recompute-modules core_attn mlp',
+        '--recompute-method block --recompute-num-layers 2' ('' for none, plain selective and full)."""
+        if self.modules != DEFAULT_MODULES:
+            return f"--recompute-modules {' '.join(self.ordered_modules)}"
+        if self.partial:
+            return f"--recompute-method {self.method} --recompute-num-layers {self.layers}"
+        return ""
+
+    def whole(self) -> "RecomputePolicy":
+        """Nothing recomputed: what a layer kept whole keeps."""
+        return RecomputePolicy()
+
+
+NONE = RecomputePolicy()
+SELECTIVE = RecomputePolicy(Recompute.SELECTIVE)
+FULL = RecomputePolicy(Recompute.FULL)

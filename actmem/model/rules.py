@@ -1,0 +1,336 @@
+"""The rules a model and run must obey, written once.
+
+``check`` applies them to one spec (plain ints) and raises the first that fails, with the
+arithmetic in the message; ``valid`` applies them to the planner's sweep (numpy arrays,
+one element a configuration) and returns which rows obey them all. One definition serves
+both; numpy is imported only for arrays, so a single estimate does not pay for it.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from actmem.model.architecture import torch_softmax_possible
+from actmem.errors import SpecError
+
+
+def _implies(condition, consequence):
+    """condition → consequence, for plain booleans or numpy arrays alike."""
+    if isinstance(condition, bool) and isinstance(consequence, bool):
+        return not condition or consequence
+    import numpy as np
+
+    return np.logical_or(np.logical_not(condition), consequence)
+
+
+def _not_in(value, excluded):
+    """value is none of ``excluded``: a plain string, or a numpy array of them."""
+    if isinstance(value, str):
+        return value not in excluded
+    import numpy as np
+
+    return np.logical_not(np.isin(np.asarray(value), list(excluded)))
+
+
+def _uneven(v) -> bool:
+    """First or last stage layers are given (one spec; in the planner's sweep, its uneven
+    rows, which it checks apart from the even ones)."""
+    return v.first is not None or v.last is not None
+
+
+def _middle_stages(v):
+    return v.p - (v.first is not None) - (v.last is not None)
+
+
+def _middle_layers(v):
+    return v.layers - (0 if v.first is None else v.first) - (0 if v.last is None else v.last)
+
+
+def _even_middle(v):
+    """The stages between share their layers evenly (none when there is no stage between);
+    arithmetic and & only, so it runs on ints and on the sweep's arrays alike."""
+    stages, layers = _middle_stages(v), _middle_layers(v)
+    return ((layers > 0) == (stages > 0)) & (layers >= 0) & (layers % (stages + (stages == 0)) == 0)
+
+
+def _uneven_message(v) -> str:
+    if _middle_layers(v) < 0:
+        return (f"the first and last stages' layers ({v.layers - _middle_layers(v)}) are more than the "
+                f"model's {v.layers}")
+    return (f"the stages between the first and last must share the other layers evenly: "
+            f"{_middle_layers(v)} layers over {_middle_stages(v)} stages")
+
+
+#: Megatron's fused causal softmax (megatron/core/fusions/fused_softmax.py,
+#: FusedScaleMaskSoftmax.is_kernel_available) runs only for 16 < sk <= 4096: Megatron-Core's
+#: bound (the older megatron/model/fused_softmax.py had 2048; some copies elsewhere 16384)
+FUSED_SOFTMAX_MAX_SEQ_LEN = 4096
+
+
+def _batches_per_block(s: int) -> int:
+    """scaled_masked_softmax.h, get_batch_per_block: 128 threads a block in warps of
+    min(2^⌈log2 sk⌉, 32) lanes, two rows a warp while 2^⌈log2 sk⌉ <= 128: 8 rows for
+    16 < sk <= 128, else 4 (CUDA's 32-lane warps; ROCm's 64 make blocks no larger)."""
+    return 8 if s <= 128 else 4
+
+
+def fused_softmax_runs(v):
+    """Megatron's local (eager) core runs its fused causal softmax, for sq = sk = s and b·a/t
+    attention batches a rank: 16 < s <= 4096, 4 | s and batches_per_block | b·a/t (its
+    ``attn_batches % 4`` follows). Elsewhere it falls back to forward_torch_softmax, which
+    keeps other tensors: actmem counts them (architecture.Architecture.with_fused_softmax)."""
+    s = v.seq_len
+    if not (16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN and s % 4 == 0):
+        return False
+    return v.b * (v.heads // v.t) % _batches_per_block(s) == 0
+
+
+def fused_softmax_reason(v) -> str:
+    """Why the fused kernel does not run at one configuration: the condition it breaks."""
+    s, per_block = v.seq_len, _batches_per_block(v.seq_len)
+    if not 16 < s <= FUSED_SOFTMAX_MAX_SEQ_LEN:
+        return f"it needs 16 < s <= {FUSED_SOFTMAX_MAX_SEQ_LEN} (s = {s})"
+    if s % 4:
+        return f"it needs s a multiple of 4 (s = {s})"
+    return (f"it needs b·a/t a multiple of {per_block} at s = {s} "
+            f"(b·a/t = {v.b}·{v.heads}/{v.t} = {v.b * (v.heads // v.t)} attention batches a rank)")
+
+
+def _torch_softmax_handed_the_mask(v):
+    """Megatron's local core runs torch's softmax and the dataloader makes a mask (arrays alike)."""
+    arch = v.architecture
+    if not (arch.attention_mask and torch_softmax_possible(arch)):
+        return False
+    if not arch.masked_softmax_fusion:
+        return True
+    runs = fused_softmax_runs(v)
+    if isinstance(runs, bool):
+        return not runs
+    import numpy as np
+
+    return np.logical_not(runs)
+
+
+def _mask_reaches_every_layer(v):
+    """The dataloader's mask reaches every layer of every stage: it arrives with the batch on the
+    first and last stages only (core/utils.py, get_batch_on_this_tp_rank), the layers of one model
+    chunk of each."""
+    return (v.p <= 2) & (v.m == 1)
+
+
+def _layers_making_their_own_mask(v) -> str:
+    return ("under torch's fallback softmax with the dataloader's mask, the layers that mask does not reach (it "
+            "arrives with the batch on the first and last stages, in their first and last model chunks) make "
+            f"causal masks of their own (get_default_causal_mask), s² bytes a layer, which actmem does not count "
+            f"beside it yet (p = {v.p}, m = {v.m}: it counts p <= 2 without interleaving): give "
+            "--no-attention-mask (Megatron's --no-create-attention-mask-in-dataloader: every layer makes its "
+            "own), or --attention-core flash")
+
+
+@dataclass(frozen=True)
+class Rule:
+    holds: Callable
+    """values -> bool (or a boolean array)."""
+    message: Callable
+    """values -> the line a user reads when it fails."""
+    needs: tuple = ()
+    """Values that must be known for the rule to apply (a spec may lack gpus or a batch)."""
+
+
+#: The largest value each input may take: {rule value name: (the name a user reads, bound)}.
+#: Far above any published dense model, so no real run is refused, and low enough that a slip
+#: (a run of extra zeros, 2^40) is named instead of printed as a 60-digit percentage. Each is at
+#: least plan.LIMITS' bound for the same input, so the planner's sweep loses no row to them.
+LARGEST = {
+    # 25,600 for Megatron's 1T (Narayanan et al. 2021; the 1t preset), 18,432 for PaLM 540B: 40x
+    "hidden": ("hidden", 2**20),
+    # a divides h, so a is at most h; the 1T's 160 heads
+    "heads": ("heads", 2**20),
+    # 128 for the 1T, 126 for Llama 3.1 405B, 1,000 for DeepNet (Wang et al. 2022), the deepest
+    # trained: 100x
+    "layers": ("layers", 100_000),
+    # 131,072 for Llama 3.1's long-context run (the llama-3.1-405b-128k preset), a 10M-token
+    # context for Llama 4 Scout: 13x
+    "seq_len": ("seq_len", 2**27),
+    # 256,000 for PaLM and Gemma, some 262,000 for Gemma 3: 64x
+    "vocab": ("vocab", 2**24),
+    # a microbatch is part of a global batch: the same bound
+    "b": ("micro_batch", 2**24),
+    # 65,536 sequences for BERT under LAMB (You et al. 2020), the largest published batch: 256x
+    "global_batch": ("global_batch", 2**24),
+    # 16,384 H100s for Llama 3.1 405B: 64x (5x the largest cluster built, xAI's of some 200,000)
+    "gpus": ("gpus", 2**20),
+    # f = 4h at the largest h (the 1T's f is 102,400)
+    "ffn": ("ffn_hidden", 4 * 2**20),
+    # d is 128 or 256 in published models; no wider than the largest h
+    "head_dim": ("head_dim", 2**20),
+    # Megatron's default 128
+    "vocab_divisible_by": ("vocab_divisible_by", 2**20),
+    # 288 GB on the largest GPUs (B300, MI355X): 1 PiB is 3,900x
+    "gpu_memory_bytes": ("gpu_memory_bytes", 2**50),
+}
+
+
+def _at_most(key: str, label: str, largest: int) -> Rule:
+    return Rule(lambda v: getattr(v, key) <= largest,
+                lambda v: f"{label} ({getattr(v, key):,}) must be at most {largest:,}", (key,))
+
+
+#: The rules of the data-parallel run (gpus, the global batch, the distributed optimizer's
+#: shards) wait with the kernels' where the run is not known (Spec.dims_only): `validate`
+#: measures one data-parallel rank and sets its own, a plot sweeps b.
+_DATA_PARALLEL = ("gpus", "run_known")
+
+
+RULES = (
+    *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
+    Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
+    Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
+    Rule(lambda v: v.ffn % v.t == 0, lambda v: f"t ({v.t}) must divide ffn_hidden ({v.ffn})", ("ffn",)),
+    Rule(lambda v: v.heads % v.groups == 0,
+         lambda v: f"query_groups ({v.groups}) must divide heads ({v.heads})", ("groups",)),
+    Rule(lambda v: v.groups % v.t == 0,
+         lambda v: f"t ({v.t}) must divide query_groups ({v.groups}): each rank keeps whole groups",
+         ("groups",)),
+    Rule(lambda v: _implies(v.sequence_parallel, v.t > 1),
+         lambda v: f"sequence parallelism splits the sequence over the tensor-parallel ranks: "
+                   f"it needs t > 1 (t = {v.t})"),
+    Rule(lambda v: _implies(v.sequence_parallel, v.seq_len % (v.t * v.c) == 0),
+         lambda v: f"t ({v.t}) must divide seq_len ({v.seq_len}) "
+                   f"(sequence parallelism splits the sequence t ways)" if v.c == 1 else
+                   f"t·c ({v.t}·{v.c}) must divide seq_len ({v.seq_len}) (context parallelism splits "
+                   f"the sequence c ways and sequence parallelism each part t ways)"),
+    Rule(lambda v: _implies(v.c > 1, v.seq_len % (2 * v.c) == 0),
+         lambda v: f"2c ({2 * v.c}) must divide seq_len ({v.seq_len}): Megatron splits each sequence into "
+                   f"2c chunks, two a context-parallel rank, to balance the causal mask"),
+    Rule(lambda v: _implies(v.c > 1, v.core == "flash"),
+         lambda v: "context parallelism runs Transformer Engine's attention: actmem models it with the "
+                   "cuDNN flash core (--attention-core flash), which keeps no s² term", ("core",)),
+    Rule(lambda v: _implies(not _uneven(v), v.layers % v.p == 0),
+         lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
+    Rule(lambda v: not _uneven(v) or (v.p > 1) & (v.m == 1),
+         lambda v: f"an uneven pipeline (first or last stage layers given) needs p > 1 and no "
+                   f"interleave (p = {v.p}, m = {v.m})"),
+    Rule(lambda v: not _uneven(v) or _even_middle(v), lambda v: _uneven_message(v)),
+    Rule(lambda v: _implies(v.m > 1, v.p > 1),
+         lambda v: f"interleave m ({v.m}) needs pipeline parallelism: p must be > 1"),
+    Rule(lambda v: _uneven(v) or (v.layers // v.p) % v.m == 0,
+         lambda v: f"interleave m ({v.m}) must divide the layers per stage "
+                   f"L/p = {v.layers}/{v.p} = {v.layers // v.p}"),
+    Rule(lambda v: v.gpus % (v.t * v.c * v.p) == 0,
+         lambda v: (f"t·p ({v.t}·{v.p} = {v.t * v.p})" if v.c == 1 else
+                    f"t·c·p ({v.t}·{v.c}·{v.p} = {v.t * v.c * v.p})") + f" must divide gpus ({v.gpus})",
+         _DATA_PARALLEL),
+    Rule(lambda v: v.global_batch % (v.b * v.d) == 0,
+         lambda v: f"micro_batch·data_parallel ({v.b}·{v.d} = {v.b * v.d}) must divide "
+                   f"global_batch ({v.global_batch})", _DATA_PARALLEL + ("global_batch",)),
+    Rule(lambda v: _implies(v.m > 1, v.n % v.p == 0),
+         lambda v: f"the interleaved schedule needs the microbatches per iteration ({v.n}) to be "
+                   f"a multiple of p ({v.p}), as Megatron requires", ("n", "run_known")),
+    Rule(lambda v: v.recompute_layers <= v.chunk_layers,
+         lambda v: f"--recompute-num-layers ({v.recompute_layers}) must not exceed the layers of a model "
+                   f"chunk on the first stage ({v.chunk_layers})", ("recompute_layers", "chunk_layers")),
+    Rule(lambda v: _implies(v.t > 1, "tensor" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"tensor parallelism (t = {v.t})"), ("code",)),
+    Rule(lambda v: _implies(v.p > 1, "pipeline" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"pipeline parallelism (p = {v.p})"), ("code",)),
+    Rule(lambda v: _implies(v.c > 1, "context" in v.code.runs),
+         lambda v: _unmodelled_run(v, f"context parallelism (c = {v.c})"), ("code",)),
+    Rule(lambda v: _implies(v.precision_aware, v.distributed_optimizer),
+         lambda v: "--use-precision-aware-optimizer needs the distributed optimizer (Megatron raises: "
+                   "optimizer/__init__.py, 'only supported with distributed optimizer')", ("precision_aware",)),
+    Rule(lambda v: _implies(v.distributed_optimizer, "distributed_optimizer" in v.code.runs),
+         lambda v: _unmodelled_run(v, "Megatron's distributed optimizer"), ("code",)),
+    Rule(lambda v: _implies(v.code.name == "hf" and v.core == "flash", v.head_dim <= 256),
+         lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
+                   f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
+                   f"heads, which actmem does not count yet", ("code", "head_dim")),
+    Rule(lambda v: _implies(_torch_softmax_handed_the_mask(v), _mask_reaches_every_layer(v)),
+         _layers_making_their_own_mask, ("architecture", "run_known")),
+    Rule(lambda v: "partial_recompute" in v.code.runs,
+         lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
+    Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
+         lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
+)
+
+
+@dataclass
+class Values:
+    """The names the rules read: the model's dims and one configuration (ints or arrays)."""
+
+    heads: object
+    hidden: object
+    layers: object
+    seq_len: object
+    t: object
+    p: object
+    m: object
+    b: object
+    sequence_parallel: object
+    distributed_optimizer: object
+    gpus: object = None
+    global_batch: object = None
+    d: object = 1
+    """gpus/(t·c·p); 1 when the GPU count is unknown."""
+    c: object = 1
+    """Context-parallel size."""
+    core: object = None
+    """The attention core (context parallelism needs 'flash')."""
+    n: object = None
+    """Microbatches per iteration, global_batch/(b·d); None when unknown."""
+    ffn: object = None
+    """The MLP's hidden size f when given (4h, which t divides with h, when not)."""
+    groups: object = None
+    """Query groups g when given (a, which t divides, when not)."""
+    recompute: object = None
+    """'none', 'selective' or 'full' for one spec; the planner's names (techniques.PLAN_RECOMPUTE,
+    'selective:mlp', ...) in a sweep (strings, or an array of them)."""
+    first: object = None
+    """Layers of an uneven pipeline's first stage (Megatron's --decoder-first-pipeline-num-layers)."""
+    last: object = None
+    """... and of its last stage."""
+    recompute_layers: object = None
+    """N of a partial full recompute (--recompute-num-layers), when given."""
+    chunk_layers: object = None
+    """Layers of one model chunk of the first stage, when N is given."""
+    unmodelled_recompute: dict = None
+    """{mode: why}: the recompute modes actmem does not model for this architecture."""
+    code: object = None
+    """The implementation (actmem.model.implementation.Implementation): the run shapes it has."""
+    head_dim: object = None
+    """d, the attention head dim (h/a when not given)."""
+    run_known: object = True
+    """None where only the model's dims are checked (Spec.dims_only): the run's b and t are not
+    known yet, so rules of its kernels and of its data-parallel run wait."""
+    vocab: object = None
+    """v before padding, when given (the planner bounds it itself: plan.LIMITS)."""
+    vocab_divisible_by: object = None
+    """What Megatron pads the vocabulary to a multiple of (times t), when given."""
+    gpu_memory_bytes: object = None
+    """The GPU's memory, when given."""
+    architecture: object = None
+    """The Architecture, when given: the rules of Megatron's torch fallback softmax read its switches."""
+    precision_aware: object = None
+    """TE's precision-aware optimizer (--use-precision-aware-optimizer), when given."""
+
+
+def _unmodelled_run(v, what: str) -> str:
+    return f"{what} is not modelled for --implementation {v.code.name}; actmem models it for megatron"
+
+
+def _applies(rule: Rule, values: Values) -> bool:
+    return all(getattr(values, name) is not None for name in rule.needs)
+
+
+def check(values: Values) -> None:
+    """Raise SpecError with the first rule one configuration breaks."""
+    for rule in RULES:
+        if _applies(rule, values) and not rule.holds(values):
+            raise SpecError(rule.message(values))
+
+
+def valid(values: Values):
+    """Which configurations obey every rule (a boolean array over the sweep)."""
+    import numpy as np
+
+    results = [np.asarray(rule.holds(values)) for rule in RULES if _applies(rule, values)]
+    return np.logical_and.reduce(np.broadcast_arrays(*results))   # a rule of the model alone is a scalar

@@ -1,0 +1,330 @@
+"""The typed spec: a model's dims and the run that trains it, validated.
+
+Every constraint a user can break raises ``SpecError`` with the arithmetic in
+the message, e.g. ``t (3) must divide heads (128)``.
+"""
+
+from dataclasses import dataclass, field, fields
+
+from actmem.model import defaults, rules, symbols
+from actmem.model.architecture import Architecture
+from actmem.errors import SpecError
+from actmem.model.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
+from actmem.model.optimizer_state import OptimizerState
+from actmem.model.recompute import RecomputePolicy
+from actmem.model.recompute import RECOMPUTE_MODULES, Recompute
+from actmem.units import parse_bytes
+from actmem.model.widths import GRADIENT_BYTES
+
+
+
+def require_positive_int(name: str, value) -> None:
+    """The check every count and size takes (a bool is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_positive_ints(obj) -> None:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("positive") and not (value is None and f.metadata.get("optional")):
+            require_positive_int(f.name, value)
+
+
+def _positive(optional=False, **kw):
+    return field(metadata={"positive": True, "optional": optional}, **kw)
+
+
+@dataclass(frozen=True)
+class Model:
+    """Transformer dims (Table 1)."""
+
+    heads: int = _positive()       # a
+    hidden: int = _positive()      # h
+    layers: int = _positive()      # L
+    vocab: int = _positive()       # v, before padding
+    seq_len: int = _positive()     # s
+
+    def __post_init__(self):
+        _require_positive_ints(self)
+        _divides("heads", self.heads, "hidden", self.hidden)
+
+
+@dataclass(frozen=True)
+class Run:
+    """How the model is trained: parallelism, microbatch, recompute."""
+
+    tensor_parallel: int = _positive(default=1)     # t
+    pipeline_parallel: int = _positive(default=1)   # p
+    context_parallel: int = _positive(default=1)    # c: ranks splitting each sequence (ring attention)
+    interleave: int = _positive(default=1)          # m, model chunks per pipeline rank
+    micro_batch: int = _positive(default=1)         # b
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    global_batch: int | None = _positive(optional=True, default=None)
+    gpus: int | None = _positive(optional=True, default=None)
+    distributed_optimizer: bool = False
+    first_stage_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --decoder-first-pipeline-num-layers: an uneven pipeline's first stage."""
+    last_stage_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --decoder-last-pipeline-num-layers; the stages between share the rest."""
+
+    recompute_method: str | None = None
+    """Megatron's --recompute-method, with full recompute: 'uniform' or 'block'."""
+    recompute_layers: int | None = _positive(optional=True, default=None)
+    """Megatron's --recompute-num-layers N: layers a checkpoint (uniform) or checkpointed
+    layers a model chunk (block). Neither given: every layer checkpointed alone."""
+    recompute_modules: tuple | None = None
+    """Megatron's --recompute-modules, with selective recompute: what it recomputes, from
+    core_attn, layernorm and mlp. None: core_attn, Megatron's default and the paper's."""
+
+    def __post_init__(self):
+        _require_positive_ints(self)
+        _check_recompute_shape(self)
+        if self.recompute_modules is not None:
+            object.__setattr__(self, "recompute_modules", _checked_modules(self))
+        for name in ("sequence_parallel", "distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.recompute, Recompute):
+            raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
+
+    @property
+    def policy(self) -> RecomputePolicy:
+        """The four recompute settings as one value (actmem.model.recompute)."""
+        return RecomputePolicy.of_run(self.recompute, self.recompute_method, self.recompute_layers,
+                                      self.recompute_modules)
+
+
+def _check_recompute_shape(run) -> None:
+    shape = (run.recompute_method, run.recompute_layers)
+    if shape == (None, None):
+        return
+    if run.recompute is not Recompute.FULL:
+        raise SpecError("--recompute-method and --recompute-num-layers shape full recompute; "
+                        f"this run's recompute is {getattr(run.recompute, 'value', run.recompute)}")
+    if None in shape:
+        raise SpecError("give --recompute-method and --recompute-num-layers together, as Megatron requires")
+    if run.recompute_method not in ("uniform", "block"):
+        raise SpecError(f"recompute_method must be uniform or block, got {run.recompute_method!r}")
+
+
+#: Megatron's recompute modules for layers actmem does not model, and why
+_OTHER_MODULES = {
+    **dict.fromkeys(("moe", "moe_act", "shared_experts"), "applies to mixture-of-experts layers, which "
+                                                          "actmem does not model yet"),
+    "mla_up_proj": "applies to multi-latent attention, which actmem does not model yet",
+}
+
+
+def _checked_modules(run) -> tuple:
+    """--recompute-modules as a tuple in Megatron's order, or the first thing wrong with it."""
+    given = run.recompute_modules
+    if isinstance(given, str) or not isinstance(given, (tuple, list)) or not all(isinstance(m, str) for m in given):
+        raise SpecError(f"recompute_modules must be a list of module names, got {given!r}")
+    if not given:
+        raise SpecError("--recompute-modules names no module: give core_attn, layernorm or mlp "
+                        "(or leave it out for core_attn, Megatron's default)")
+    if run.recompute is not Recompute.SELECTIVE:
+        raise SpecError(f"--recompute-modules chooses what selective recompute recomputes (Megatron reads "
+                        f"it only then; a preset names it recompute_modules); this run's recompute is "
+                        f"{getattr(run.recompute, 'value', run.recompute)}")
+    for module in given:
+        if module in _OTHER_MODULES:
+            raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")
+        if module not in RECOMPUTE_MODULES:
+            raise SpecError(f"--recompute-modules {module} is not one of Megatron's modules: actmem models "
+                            f"{', '.join(RECOMPUTE_MODULES)} (and names moe, moe_act, shared_experts, "
+                            "mla_up_proj as not modelled)")
+    return tuple(module for module in RECOMPUTE_MODULES if module in given)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model, a run, and the GPU it must fit; cross-checked, with derived sizes."""
+
+    model: Model
+    run: Run
+    name: str = "custom"
+    gpu_memory_bytes: int = GPUS[DEFAULT_GPU].memory_bytes
+    """What the allocator can reach on one GPU (actmem.model.hardware), or --gpu-memory."""
+    gpu_name: str = GPUS[DEFAULT_GPU].name
+    gradient_bytes: int = GRADIENT_BYTES
+    """Bytes a main gradient: 4 (fp32, bf16 training's default) or 2 (the parameters' dtype: fp16
+    training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)."""
+    optimizer: OptimizerState = OptimizerState()
+    """Adam's state: fp32 master weight and moments, or the precision-aware optimizer's dtypes."""
+    reserve_bytes: int = parse_bytes(DEFAULT_RESERVE)
+    """Kept free above the peak floor for what actmem does not count (hardware.DEFAULT_RESERVE):
+    'fits' means the peak and the reserve fit, as `plan` reads its budget."""
+    vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
+    architecture: Architecture = Architecture()
+    notes: tuple = ()
+    """What the input said that the estimate should repeat (pasted arguments it ignored)."""
+    dims_only: bool = False
+    """Only the model's dims are checked (its run is the defaults, unknown yet): rules of the run's
+    kernels (whether Megatron's fused softmax runs at this b and t) and of its data-parallel run (gpus, the
+    global batch) wait for the run (rules.Values.run_known)."""
+
+    def __post_init__(self):
+        for name in ("gpu_memory_bytes", "vocab_divisible_by"):
+            require_positive_int(name, getattr(self, name))
+        if self.gradient_bytes not in (2, 4):
+            raise SpecError(f"gradient_bytes must be 4 (fp32) or 2 (16-bit), got {self.gradient_bytes!r}")
+        rows = self.architecture.position_rows
+        if self.architecture.position_embedding == "learned" and rows is not None and rows < self.model.seq_len:
+            raise SpecError(f"the learned position table has {rows:,} rows (--max-position-embeddings), fewer than "
+                            f"the sequence's {self.model.seq_len:,} positions: Megatron cannot look them up")
+        if not (isinstance(self.reserve_bytes, int) and 0 <= self.reserve_bytes < self.gpu_memory_bytes):
+            raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
+                            f"({self.gpu_memory_bytes:,} B)")
+        if not isinstance(self.optimizer, OptimizerState):
+            raise SpecError(f"optimizer must be an OptimizerState, got {self.optimizer!r}")
+        if not isinstance(self.architecture, Architecture):
+            raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
+        object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
+            self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
+        rules.check(self.rule_values())
+
+    def rule_values(self) -> rules.Values:
+        """This spec in the names ``actmem.model.rules`` reads."""
+        model, run = self.model, self.run
+        exact = run.gpus is not None and run.gpus % (run.tensor_parallel * run.context_parallel
+                                                     * run.pipeline_parallel) == 0
+        return rules.Values(
+            heads=model.heads, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
+            t=run.tensor_parallel, p=run.pipeline_parallel, m=run.interleave, b=run.micro_batch,
+            sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
+            gpus=run.gpus, global_batch=run.global_batch, d=self.data_parallel,
+            n=self.microbatches if exact else None, ffn=self.architecture.ffn_hidden,
+            groups=self.architecture.query_groups, recompute=run.recompute.value,
+            first=run.first_stage_layers, last=run.last_stage_layers, c=run.context_parallel,
+            core=self.architecture.attention_core,
+            recompute_layers=run.recompute_layers if run.recompute_method else None,
+            chunk_layers=self.chunk_layers if run.recompute_method else None,
+            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
+            code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
+            run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
+            gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture,
+            precision_aware=self.optimizer.precision_aware)
+
+    def architecture_at(self, t: int) -> Architecture:
+        """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
+        core on torch's fallback softmax where its fused kernel does not run at this s, b, a and t
+        (rules.fused_softmax_runs; 'none' runs at t = 1)."""
+        from dataclasses import replace
+
+        return self.architecture.with_fused_softmax(rules.fused_softmax_runs(replace(self.rule_values(), t=t)))
+
+    def technique_t(self, technique) -> int:
+        """The t a technique row runs at: the run's, or 1 for 'none' (no parallelism)."""
+        return self.run.tensor_parallel if technique.tensor_parallel else 1
+
+    @property
+    def chunk_layers(self) -> int:
+        """Layers in one model chunk of the first stage: its layers / m."""
+        return self.stage_layers // self.run.interleave
+
+    @property
+    def stage_layers(self) -> int:
+        """Layers on the first pipeline stage: L/p, or the uneven pipeline's own count."""
+        run = self.run
+        if run.first_stage_layers is not None:
+            return run.first_stage_layers
+        if run.last_stage_layers is not None:            # the rest share the other stages
+            return (self.model.layers - run.last_stage_layers) // (run.pipeline_parallel - 1)
+        return self.model.layers // run.pipeline_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        """d = gpus/(t·c·p); 1 when the GPU count is not given."""
+        if self.run.gpus is None:
+            return 1
+        return self.run.gpus // (self.run.tensor_parallel * self.run.context_parallel * self.run.pipeline_parallel)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards over: d·c (Megatron's data-parallel group
+        with context parallelism, which holds the same weights)."""
+        return self.data_parallel * self.run.context_parallel
+
+    @property
+    def microbatches(self) -> int | None:
+        """Microbatches per iteration, global_batch/(b·d); None when the batch or GPUs are unknown."""
+        run = self.run
+        if run.global_batch is None or run.gpus is None:
+            return None
+        return run.global_batch // (run.micro_batch * self.data_parallel)
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab(self.model.vocab, self.run.tensor_parallel, self.vocab_divisible_by)
+
+    def bindings(self) -> dict:
+        """The paper's symbols bound to this spec's integers."""
+        model, run = self.model, self.run
+        # context parallelism: every tensor a rank keeps holds s/c of each sequence (the flash
+        # core has no s² term, and c > 1 needs it), so s binds to s/c
+        values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
+                  "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
+                  "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel}
+        return {symbols.BY_NAME[name]: value for name, value in values.items()}
+
+
+def padded_vocab(vocab, t, divisible_by):
+    """Megatron pads the vocabulary to a multiple of divisible_by·t (ints or numpy arrays)."""
+    multiple = divisible_by * t
+    return -(-vocab // multiple) * multiple
+
+
+def _divides(small_name, small, big_name, big):
+    if big % small:
+        raise SpecError(f"{small_name} ({small}) must divide {big_name} ({big})")
+
+
+def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict | None = None,
+               **options) -> Spec:
+    """A Spec from plain values (a preset file merged with flags); names missing or unknown keys."""
+    _check_keys("model", model, Model, required=True)
+    _check_keys("run", run, Run, required=False)
+    _check_keys("architecture", architecture or {}, Architecture, required=False)
+    run = dict(run)
+    if isinstance(run.get("recompute_modules"), str):    # a flag: 'core_attn,mlp' or 'core_attn mlp'
+        run["recompute_modules"] = tuple(run["recompute_modules"].replace(",", " ").split())
+    if isinstance(run.get("recompute"), str):
+        try:
+            run["recompute"] = Recompute(run["recompute"])
+        except ValueError:
+            raise SpecError(f"recompute must be one of none, selective, full; got {run['recompute']!r}")
+    return Spec(Model(**model), Run(**run), name=name, architecture=Architecture(**(architecture or {})),
+                **options)
+
+
+def _check_keys(section: str, values: dict, cls, required: bool) -> None:
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise SpecError(f"[{section}] has unknown keys: {', '.join(unknown)} (known: {', '.join(names)})")
+    missing = [name for name in names if name not in values]
+    if required and missing:
+        raise SpecError(f"[{section}] is missing {', '.join(missing)}")
+
+
+def merge_recompute(recompute: str | None, granularity: str | None, activations_flag: bool):
+    """One recompute mode from actmem's flag and Megatron's two; they must agree."""
+    given = {value for value in (recompute, granularity) if value is not None}
+    if activations_flag:
+        given.add("selective")
+    if len(given) > 1:
+        raise SpecError(f"recompute flags disagree: {', '.join(sorted(given))}")
+    return given.pop() if given else None
+
+
+def interleave_from_layers_per_chunk(layers: int, p: int, layers_per_chunk: int) -> int:
+    """Megatron's --num-layers-per-virtual-pipeline-stage N gives m = (L/p)/N."""
+    if layers_per_chunk <= 0:
+        raise SpecError(f"layers per virtual pipeline stage must be a positive integer, got {layers_per_chunk}")
+    if layers % p or (layers // p) % layers_per_chunk:
+        raise SpecError(f"layers per virtual pipeline stage ({layers_per_chunk}) must divide the "
+                        f"layers per stage L/p = {layers}/{p}")
+    return layers // p // layers_per_chunk

@@ -1,0 +1,115 @@
+"""FLOPs per iteration (the paper's appendix) and the utilisations they give.
+
+Arithmetic only, so it runs on ints, floats and numpy arrays alike.
+"""
+
+from actmem.model.architecture import PAPER
+from actmem.memory.techniques import PLAN_RECOMPUTE
+from actmem.model.recompute import DEFAULT_MODULES, Recompute
+
+
+def matmul_weights(h, arch=PAPER, heads=None):
+    """W: the weights one token multiplies in a layer's linears: QKV h·(ad + 2gd) and the
+    projection ad·h (4h² with ad = h, g = a), the MLP (1 + fc1 width)·h·f. The paper's: 12h²."""
+    from actmem.memory.parameters import qkv_width
+
+    attention = h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
+    return attention + (arch.fc1_width + 1) * h * arch.ffn(h)
+
+
+def _parts(B, s, L, h, v, arch, heads=None):
+    """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs, in float64:
+    a 1T-parameter iteration is ~4e19 FLOPs, past int64, and the planner passes int64
+    arrays. The scores (QKᵀ and ·V) are 4·B·s²·L·ad."""
+    return (2.0 * B * s * L * matmul_weights(h, arch, heads),
+            4.0 * B * s * s * L * arch.attention_width(h, heads), 2.0 * B * s * h * v)
+
+
+def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
+    """Forward and backward (3x the forward) of the layers' matmuls, the attention scores and
+    the logits: 6·B·s·L·W + 12·B·s²·L·h + 6·B·s·h·v. For the paper's layer (W = 12h²) this
+    is the appendix's 72·B·s·L·h²·(1 + s/(6h) + v/(12hL))."""
+    layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
+    return 3 * (layers + scores + logits)
+
+
+APPENDIX_MODEL_FLOPS = "72·B·s·L·h²·(1 + s/(6h) + v/(12hL))"
+_ACTIVATION = {"gelu": "GeLU", "swiglu": "SwiGLU", "squared_relu": "squared-ReLU"}
+
+
+def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
+    """What model_flops counts for this model, as text: the appendix's closed form where the layer
+    is the paper's (W = 12h², a·d = h, whatever its norms, biases or positions), else the sum it
+    generalises, W written out. {'formula', 'where': lines of its letters' values, 'counts'}."""
+    h, heads = model.hidden, model.heads
+    weights, width = matmul_weights(h, arch, heads), arch.attention_width(h, heads)
+    dims = f"B={global_batch:,} s={model.seq_len:,} L={model.layers:,} h={h:,} v={model.vocab:,}"
+    if weights == 12 * h * h and width == h:
+        return {"formula": APPENDIX_MODEL_FLOPS, "where": [dims],
+                "counts": "the paper's appendix: each layer's matmuls (12h² weights a token), its attention "
+                          "scores (s/(6h)) and the logits (v/(12hL)), forward and backward"}
+    grouped = arch.query_groups is not None or arch.head_dim is not None
+    scores = "a·d" if grouped else "h"
+    qkv = (f"QKV with {arch.query_groups_or(heads):,} query groups of d = {arch.head_dim_or(h, heads):,}"
+           if grouped else "QKV")
+    mlp = (f"the {_ACTIVATION[arch.activation]} MLP's "
+           f"{'gate and up, then down' if arch.fc1_width == 2 else 'fc1 and fc2'}, f = {arch.ffn(h):,}")
+    weights_text = f"{'h·(a·d + 2·g·d) + a·d·h' if grouped else '4h²'} + {arch.fc1_width + 1}·h·f"
+    return {"formula": f"6·B·s·L·W + 12·B·s²·L·{scores} + 6·B·s·h·v",
+            "where": [f"W = {weights_text} = {weights:,}", *([f"a·d = {width:,}"] if grouped else []), dims],
+            "counts": f"per-layer matmul FLOPs of this architecture, forward and backward (3 × the forward), "
+                      f"the paper's appendix generalised: W the weights a token multiplies in a layer ({qkv}; "
+                      f"the projection; {mlp}); 12·B·s²·L·{scores} the attention scores QKᵀ and ·V over the "
+                      f"whole s²; 6·B·s·h·v the logits. The appendix's {APPENDIX_MODEL_FLOPS} is the case "
+                      f"W = 12h², a·d = h, which this layer is not"}
+
+
+def mlp_forward_flops(B, s, L, h, arch=PAPER):
+    """One forward of the MLPs' matmuls: 2·B·s·L·(1 + fc1 width)·h·f (16·B·s·L·h² for the
+    paper's, f = 4h)."""
+    return 2.0 * B * s * L * (arch.fc1_width + 1) * h * arch.ffn(h)
+
+
+def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
+    """What the GPUs really compute, recomputation included (the paper's appendix).
+
+    selective of the attention core: the paper counts the attention-score part again,
+    12·B·s²·L·h (72BsLh²·s/(6h)), which is how it gets its 2.7% (GPT-3) and 1.6% (530B)
+    overheads and the HFU column of Table 5; of the MLP (``modules``, --recompute-modules):
+    one more forward of its matmuls, as full recompute counts its rerun. full: one more
+    forward of every layer, not of the logits: 8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the
+    appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
+    """
+    layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
+    if recompute is Recompute.NONE:
+        return 3 * (layers + scores + logits)
+    if recompute is Recompute.SELECTIVE:
+        return (3 * (layers + scores + logits) + 3 * scores * ("core_attn" in modules)
+                + mlp_forward_flops(B, s, L, h, arch) * ("mlp" in modules))
+    return 4 * (layers + scores) + 3 * logits
+
+
+def utilization(flops, seconds, gpus, peak_flops):
+    """Share of the GPUs' peak: MFU with model FLOPs, HFU with hardware FLOPs."""
+    return flops / (seconds * gpus * peak_flops)
+
+
+def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
+                 seconds: float | None, arch=PAPER) -> dict:
+    """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
+    iteration time is given."""
+    dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch,
+                heads=model.heads)
+    flops = model_flops(**dims)
+    report = {"global_batch": global_batch, "gpus": gpus, "peak_flops": peak_flops,
+              "iteration_s": seconds, "model_flops": flops,
+              "model_flops_formula": model_flops_formula(model, global_batch, arch), "hardware": []}
+    if seconds is not None:
+        report["mfu"] = utilization(flops, seconds, gpus, peak_flops)
+    for name, choice in PLAN_RECOMPUTE.items():
+        hardware = hardware_flops(**dims, recompute=choice.granularity, modules=choice.modules)
+        row = {"recompute": name, "hardware_flops": hardware, "overhead": hardware / flops - 1}
+        if seconds is not None:
+            row["hfu"] = utilization(hardware, seconds, gpus, peak_flops)
+        report["hardware"].append(row)
+    return report

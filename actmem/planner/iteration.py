@@ -1,0 +1,76 @@
+"""A small, transparent model of the time per iteration, each part shown.
+
+    time = (compute + tensor-parallel + context-parallel + pipeline point-to-point communication)
+           x pipeline bubble + data-parallel communication
+
+Arithmetic on numpy arrays (one element per configuration); none of it is overlapped,
+which makes it a ranking model, not a promise.
+"""
+
+from actmem.planner.flops import hardware_flops
+from actmem.memory.techniques import PLAN_CHOICES
+from actmem.model.recompute import Recompute
+from actmem.model.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
+
+
+def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads, share=1):
+    """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak (an even
+    pipeline's stage; the planner scales an uneven one's by its slowest stage). share: of
+    what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
+    layers)."""
+    plain = hardware_flops(B, s, L, h, v, Recompute.NONE, arch, heads)
+    flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
+                for name, choice in PLAN_CHOICES.items())
+    return (plain + share * (flops - plain)) / (gpus * efficiency * peak_flops)
+
+
+def bubble_factor(p, m, n):
+    """Pipeline flush: 1 + (p-1)/(m·n) for n microbatches and m chunks a rank."""
+    return 1 + (p - 1) / (m * n)
+
+
+def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, share=1):
+    """Each layer of a stage (stage_layers: the slowest's, L/p when even) all-reduces its
+    2sbh-byte output twice forward and twice backward, and again what recompute reruns: both
+    forward ones with full recompute, the MLP's with the MLP recomputed (the attention core
+    has none); sequence parallelism moves the same bytes as an all-gather plus a
+    reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU. share: of the rerun, the part
+    run (compute_seconds)."""
+    per_layer = 4 + share * sum((recompute == name) * _rerun_collectives(choice)
+                                for name, choice in PLAN_CHOICES.items())
+    volume = n * stage_layers * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
+    return volume / bandwidth
+
+
+def _rerun_collectives(choice) -> int:
+    """Forward collectives of a layer that recompute runs again."""
+    if choice.granularity is Recompute.FULL:
+        return 2
+    return int(choice.granularity is Recompute.SELECTIVE and "mlp" in choice.modules)
+
+
+def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth, share=1):
+    """The p2p ring sends each rank's k and v (2 x 2·s·b·gd/t bytes, s here the rank's own
+    tokens) round the c ranks: c - 1 hops forward, and in backward k, v and their gradients
+    again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
+    the attention here, though TE overlaps it."""
+    passes = 3 + share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
+                             if choice.granularity is Recompute.FULL)
+    volume = n * stage_layers * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
+    return volume / bandwidth
+
+
+def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth, gradient_bytes=GRADIENT_BYTES):
+    """Once an iteration: all-reduce the gradients (2(d-1)/d x 4 B a parameter in fp32, 2 B in
+    16 bits); the distributed optimizer reduce-scatters them and all-gathers 16-bit weights
+    instead ((d-1)/d x (4 + 2) B)."""
+    per_parameter = (2 * gradient_bytes * (1 - distributed_optimizer)
+                     + (gradient_bytes + WEIGHT_BYTES) * distributed_optimizer)
+    return parameters * per_parameter * (d - 1) / d / bandwidth
+
+
+def pipeline_p2p_seconds(s, b, h, t, p, m, n, bandwidth):
+    """Each microbatch crosses each of the rank's m chunk boundaries forward (activations)
+    and backward (gradients): 2·m sends of 2sbh/t bytes (Megatron scatters them over the t
+    tensor-parallel ranks). None with p = 1."""
+    return (p > 1) * n * 2 * m * ACTIVATION_BYTES * s * b * h / t / bandwidth

@@ -1,0 +1,1 @@
+"""Where a model comes from: presets, Hugging Face config.json files, Megatron-LM launch scripts and arguments."""

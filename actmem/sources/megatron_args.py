@@ -1,0 +1,429 @@
+"""A Megatron-LM launch script's arguments, pasted whole (`--megatron-args "$(cat args.txt)"`
+or `--megatron-args @args.txt`), sorted into what actmem uses, what cannot change memory,
+and what it refuses.
+
+- Used: every argument actmem has a flag for (its Megatron spelling), parsed by the same
+  click options as the flags themselves, so a pasted value that disagrees with a flag given
+  beside it is an error like any two spellings that disagree.
+- Ignored: arguments that cannot change memory (learning rate, paths, logging, ...), listed
+  in the estimate's assumptions.
+- Refused, all in one message: arguments that change memory and are not modelled yet, and
+  arguments actmem does not know. Nothing is dropped without a word.
+
+Every argument of Megatron-LM's parser is classified in one table (megatron_table.py, from the
+pinned source); "unknown" is left for names Megatron does not have. A bash launch script is
+read as bash would expand it (launch_script.py) and its training command's arguments sorted.
+"""
+
+import shlex
+
+from actmem.sources import megatron_pipeline, megatron_table
+from actmem.errors import SpecError
+
+MANY = "many"
+#: 16-bit training, which actmem assumes: used as a check, never ignored
+PRECISION = ("--bf16", "--fp16")
+#: Megatron reads --num-query-groups only with this switch; alone it means g = 1
+GQA_SWITCH = "--group-query-attention"
+#: what decides the attention core (Megatron's defaults: auto, transformer_engine)
+ATTENTION = ("--attention-backend", "--transformer-impl")
+#: --attention-backend -> actmem's core: fused is TE's cuDNN kernel, flash the flash-attn
+#: package (a copy of its output at b > 1), auto what TE picks on Hopper and newer: cuDNN
+#: (dot_product_attention/utils.py prefers FusedAttention there; on Ampere it picks
+#: flash-attn: give --attention-backend flash)
+BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "auto": "flash"}
+#: how context parallelism communicates; actmem models Megatron's default, the p2p ring
+CP_COMM = "--cp-comm-type"
+#: Megatron's switch for no learned position table (with rope, or with no positions at all)
+NO_POSITION_TABLE = "--no-position-embedding"
+#: Megatron's dataloader makes a causal attention mask unless told not to (arguments.py:
+#: create_attention_mask_in_dataloader, store_false)
+NO_MASK = "--no-create-attention-mask-in-dataloader"
+#: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
+#: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
+RECOMPUTE_MODULES = "--recompute-modules"
+#: the tokenizer decides the vocabulary where --vocab-size is not given
+TOKENIZER = "--tokenizer-type"
+#: GPT-2's BPE files (gpt2-vocab.json) hold 50,257 tokens; Megatron's GPT2BPETokenizer takes
+#: its vocabulary from them (build_tokenizer: MEGATRON_TOKENIZERS) and ignores --vocab-size
+GPT2_VOCAB = 50257
+#: a step-wise batch schedule ("0:16 2.4B:320 ... 12B:1536"): sized at its largest batch
+BATCH_SCHEDULE = "--step-batch-size-schedule"
+#: zero-centred norm weights (TransformerConfig.layernorm_zero_centered_gamma): TE's norms take
+#: the flag into their kernels and keep the same tensors (layernorm_linear.py: apply_normalization
+#: and layernorm_bwd/rmsnorm_bwd get zero_centered_gamma; the saved inputmat, ln_out, mu, rsigma
+#: do not change); Megatron's local FusedLayerNorm makes weight + 1, a new tensor its norm keeps
+#: (megatron/core/fusions/fused_layer_norm.py), which actmem does not count
+LAYERNORM_1P = "--apply-layernorm-1p"
+#: fp32 gradient buffers: bf16 training turns them on, fp16 training leaves them off unless asked
+#: (arguments.py: accumulate_allreduce_grads_in_fp32; DDP's grad dtype is then the parameters',
+#: param_and_grad_buffer.group_params_for_buffers); actmem counts fp32 main gradients
+FP32_GRADIENTS = "--accumulate-allreduce-grads-in-fp32"
+#: the data-parallel communication overlapped with compute: the reduce-scatter (or all-reduce) and
+#: the parameter all-gather run per bucket into the buffers DDP already holds (param_and_grad_buffer.py:
+#: a bucket is a view of its buffer); what they change is the bucket count, so the distributed
+#: optimizer's bucket-end padding (optimizer/param_layout.py), which actmem names and does not count
+OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
+#: the bucket layout alone (distributed_data_parallel.py: bucket_size, num_buckets; param_layout.py:
+#: bucket_end_divisor, lcm(d·c, 128) or, padded for NCCL's bus bandwidth, lcm(d·c, 128, 65536))
+BUCKETS = ("--ddp-bucket-size", "--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw")
+#: Megatron's fused cross entropy (its default 'native' implementation): _VocabParallelCrossEntropy
+#: in fusions/fused_cross_entropy.py saves what tensor_parallel/cross_entropy.py's saves (the fp32
+#: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
+#: bits while it is live (calculate_gradients), as the unfused one's gradient is cast
+LOSS_FUSION = "--cross-entropy-loss-fusion"
+#: query-key layer scaling: under the local core it scales QKᵀ by 1/layer (the baddbmm's alpha and
+#: the softmax's scale, no tensor kept: dot_product_attention.py) and sets attention_softmax_in_fp32
+#: (TransformerConfig.__post_init__); TE's attention needs NVTE_APPLY_QK_LAYER_SCALING=1 to match
+#: (extensions/transformer_engine.py) and then chooses its own backend: not modelled there
+QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
+#: Megatron's unfused bias and GeLU (mlp.py: intermediate + bias, then F.gelu, which saves its input):
+#: the bytes the fused bias_gelu keeps; ignored, and needed beside --squared-relu with biases
+BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
+#: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
+SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
+            QK_LAYER_SCALING, *megatron_pipeline.NAMES)
+#: training scripts of model families actmem does not model
+FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
+            "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
+            "pretrain_vision_classify.py": "vision", "pretrain_vision_dino.py": "vision",
+            "pretrain_vision_inpaint.py": "vision", "pretrain_ict.py": "biencoder", "train_rl.py":
+            "reinforcement learning", "pretrain_retro.py": "retrieval (RETRO)"}
+#: environment variables that decide what Megatron and TE run: TE's attention backends must
+#: agree with --attention-backend (Megatron asserts it: language_module._set_attention_backend)
+ATTENTION_ENVIRONMENT = {"local": (0, 0, 0), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
+                         "auto": (1, 1, 1)}
+ATTENTION_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+#: variables that change no byte actmem counts, and why
+QUIET_ENVIRONMENT = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "orders kernel launches (overlap), allocates nothing",
+    "PYTORCH_CUDA_ALLOC_CONF": "shapes the allocator's segments (reserved memory, fragmentation); the "
+                               "allocated bytes actmem counts are unchanged",
+}
+
+
+def read(text: str) -> tuple[list[str], list[str], int | None]:
+    """(the training script's arguments, notes on how they were read, the launcher's GPU count
+    or None) of pasted text or of the file named after '@': a bare argument list or a bash
+    launch script."""
+    from actmem.sources import launch_script
+
+    text = _text(text)
+    if not launch_script.looks_like_script(text):
+        return split(text), [], None
+    launch = launch_script.read(text)
+    family = FAMILIES.get(launch.script.rsplit("/", 1)[-1])
+    if family:
+        raise SpecError(f"--megatron-args: the script trains with {launch.script}: {family} models are not "
+                        "modelled (actmem models pretrain_gpt.py's decoder-only transformer)")
+    notes = [f"read from a launch script: {launch.script}'s arguments, as bash expands them (positional "
+             "parameters and $(commands) are placeholders; variables the script never sets read as unset"
+             + (f": {', '.join(launch.unset)}" if launch.unset else "") + ")"]
+    notes += _environment(launch.environment, launch.arguments)
+    gpus, note = launcher_gpus(launch.launcher)
+    if note:
+        notes.append(note)
+    return launch.arguments, notes, gpus
+
+
+def launcher_gpus(launcher: list[str]) -> tuple[int | None, str | None]:
+    """torchrun's (or torch.distributed.run's) processes: --nproc_per_node x --nnodes."""
+    if not launcher:
+        return None, None
+    runs_torchrun = launcher[0].endswith("torchrun") or any(
+        word in ("torch.distributed.run", "torch.distributed.launch") for word in launcher)
+    if not runs_torchrun:
+        return None, f"the launcher ({' '.join(launcher[:3])} ...) does not say how many GPUs: give --gpus"
+    options = dict(_launcher_options(launcher))
+    per_node = options.get("--nproc-per-node", "1")
+    nodes = options.get("--nnodes", "1")
+    if not (per_node.isdigit() and nodes.isdigit()):
+        return None, (f"torchrun's --nproc-per-node {per_node} --nnodes {nodes} is not a count actmem can read: "
+                      "give --gpus")
+    gpus = int(per_node) * int(nodes)
+    return gpus, f"GPUs: {gpus} from the launcher (torchrun --nproc-per-node {per_node} x --nnodes {nodes})"
+
+
+def _launcher_options(launcher):
+    words = [part for word in launcher for part in (word.split("=", 1) if word.startswith("--") else [word])]
+    for i, word in enumerate(words[:-1]):
+        if word.startswith("--"):
+            yield word.replace("_", "-"), words[i + 1]
+
+
+def _environment(environment: dict, arguments: list[str]) -> list[str]:
+    """Notes on the exported variables; an attention variable that disagrees with
+    --attention-backend is refused, as Megatron asserts."""
+    notes = []
+    backend = _value_after(arguments, "--attention-backend") or "auto"
+    expected = dict(zip(ATTENTION_VARIABLES, ATTENTION_ENVIRONMENT.get(backend, ())))
+    for name, value in environment.items():
+        if name in expected and str(value) != str(expected[name]):
+            raise SpecError(f"--megatron-args: the script exports {name}={value}, and Megatron asserts "
+                            f"{name}={expected[name]} under --attention-backend {backend} "
+                            "(language_module._set_attention_backend): choose the core with --attention-backend")
+        if name in QUIET_ENVIRONMENT:
+            notes.append(f"environment: {name}={value} read: {QUIET_ENVIRONMENT[name]}")
+    return notes
+
+
+def _text(text: str) -> str:
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as file:
+                text = file.read()
+        except OSError as error:
+            raise SpecError(f"--megatron-args {text}: cannot read it ({error.strerror})")
+        except UnicodeDecodeError:
+            raise SpecError(f"--megatron-args {text}: not UTF-8 text")
+    return text
+
+
+def split(text: str) -> list[str]:
+    """Shell words of a bare argument list; backslash line ends and '#' comments as a shell
+    reads them."""
+    try:
+        return shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as error:
+        raise SpecError(f"--megatron-args: not shell words ({error})")
+
+
+def _values(words: list[str], i: int, count) -> tuple[list[str], int]:
+    """The values after argument i: a count of them, or all up to the next argument."""
+    if count in (MANY, "optional"):
+        j = i + 1
+        while j < len(words) and not words[j].startswith("--") and (count == MANY or j == i + 1):
+            j += 1
+        return words[i + 1:j], j
+    return words[i + 1:i + 1 + count], i + 1 + count
+
+
+def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dict]:
+    """(words actmem parses, ignored argument names, {'--seq-length': ...} checks to make).
+    takes_value: each Megatron argument actmem reads -> whether it takes a value. Every other
+    Megatron argument is ignored or refused by its class (megatron_table); a name Megatron
+    does not have is refused as unknown."""
+    used, ignored, unknown, refused, missing, stray, settings = [], [], [], [], [], [], {}
+    words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
+    i = 0
+    while i < len(words):
+        name = words[i]
+        count = _value_count(name, takes_value)
+        values, after = _values(words, i, count or 0)
+        if not name.startswith("--"):
+            stray.append(name)
+            after = i + 1
+        elif count is None:
+            unknown.append(_unknown(name))          # its values, if any, go with it
+            after = _values(words, i, MANY)[1]
+        elif count not in (0, MANY, "optional") and (len(values) < count or values[0].startswith("--")):
+            missing.append(name)
+            after = i + 1
+        elif name in takes_value:
+            used += [name, *values]
+        elif name in SETTINGS:
+            settings.setdefault(name, (tuple(values) if count == MANY else values[0]) if values else True)
+        else:
+            kind, why = megatron_table.classify(name, values)
+            if kind == megatron_table.IGNORED:
+                ignored.append(name)
+            else:
+                refused.append((why, name))
+        i = after
+    used += _implied(words, settings)
+    layout, layout_notes, layout_problems = megatron_pipeline.read(words, settings)
+    used += layout
+    settings["notes"] = _read_notes(settings) + layout_notes
+    if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
+        used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
+        settings["notes"].append(
+            "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
+    problems = layout_problems + _problems(words, settings, refused, unknown, missing)
+    if stray:
+        problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
+                        "(in a script, an unquoted ${ARRAY[@]} splits a quoted element at its spaces)")
+    if problems:
+        raise SpecError(f"--megatron-args: {'; '.join(problems)}")
+    return used, ignored, settings
+
+
+#: what a read setting does to the count, said in the assumptions: (the names, the note)
+_READ_NOTES = (
+    (OVERLAP, "{names} read: the reduce-scatter and the parameter all-gather run per bucket into the buffers DDP "
+              "already holds (a bucket is a view of its buffer); with the distributed optimizer the buckets "
+              "(max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted"),
+    (BUCKETS, "{names} read: they shape the buckets, views of DDP's buffers; with the distributed optimizer each "
+              "bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) padded for "
+              "NCCL's bus bandwidth), not counted"),
+    ((LOSS_FUSION,), "{names} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
+                     "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its "
+                     "fp32 gradient to 16 bits in its backward, the same moment"),
+    ((LAYERNORM_1P,), "{names}: TE's norms take zero-centred weights inside their kernels and keep the same tensors "
+                      "(transformer_engine/pytorch/module/layernorm_linear.py: zero_centered_gamma)"),
+)
+
+
+def _read_notes(settings) -> list[str]:
+    notes = []
+    for names, note in _READ_NOTES:
+        given = [name for name in names if name in settings]
+        if given:
+            notes.append(note.format(names=" and ".join(given)))
+    return notes
+
+
+def _unknown(name: str) -> str:
+    near = megatron_table.closest(name) if name.startswith("--") else None
+    return f"{name} (did you mean {near}?)" if near else name
+
+
+def _value_count(name: str, takes_value: dict):
+    """How many values follow an argument: 0, 1, a count, MANY or 'optional' (None for a name
+    Megatron-LM does not have)."""
+    if name in takes_value:
+        return int(takes_value[name])
+    count = megatron_table.value_count(name)
+    return MANY if count == "many" else count
+
+
+def _implied(words, settings) -> list[str]:
+    """What Megatron makes of the settings: --group-query-attention alone means g = 1; the
+    attention backend and implementation choose the core; the dataloader makes an attention
+    mask unless told not to."""
+    implied = []
+    if QK_LAYER_SCALING in settings and "--attention-softmax-in-fp32" not in words:
+        implied += ["--attention-softmax-in-fp32"]                   # TransformerConfig sets it
+    if "--fp16" in settings and FP32_GRADIENTS not in settings:      # fp16's gradient buffers stay 16-bit
+        implied += ["--grad-dtype", "fp16"]
+    if "--fp16" in settings:                     # the precision-aware optimizer's remainders need bf16
+        implied += ["--params-dtype", "fp16"]
+    if GQA_SWITCH in settings and "--num-query-groups" not in words:
+        implied += ["--num-query-groups", "1"]
+    core = attention_core(settings)
+    legacy_switch = "--use-flash-attn" in words and "--attention-backend" not in settings
+    if core is not None and not legacy_switch:      # --use-flash-attn alone: Megatron's flash backend
+        implied += ["--attention-core", core]
+    if settings.get(RECOMPUTE_MODULES):
+        implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
+    schedule = settings.get(BATCH_SCHEDULE)
+    if schedule and "--global-batch-size" not in words:
+        implied += ["--global-batch-size", str(largest_batch(schedule))]
+    vocab = tokenizer_vocab(settings.get(TOKENIZER))
+    if vocab is not None and "--vocab-size" not in words:
+        implied += ["--vocab-size", str(vocab)]
+    if NO_MASK not in words:                         # Megatron's dataloader makes one by default
+        implied += ["--attention-mask"]
+    return implied
+
+
+def largest_batch(schedule: str) -> int:
+    """The largest batch of a step schedule "THRESHOLD:BS THRESHOLD:BS ..." (TrainingConfig.
+    step_batch_size_schedule): a run holds no more microbatches in flight at a smaller one."""
+    sizes = [step.partition(":")[2] for step in schedule.split()]
+    if not sizes or not all(size.isdigit() for size in sizes):
+        raise SpecError(f"--megatron-args: {BATCH_SCHEDULE} {schedule!r}: expected THRESHOLD:BATCH steps")
+    return max(int(size) for size in sizes)
+
+
+def tokenizer_vocab(tokenizer) -> int | None:
+    """The vocabulary a tokenizer fixes: GPT-2's BPE files (None where it comes from a file
+    actmem does not read, or from --vocab-size)."""
+    return GPT2_VOCAB if tokenizer == "GPT2BPETokenizer" else None
+
+
+def vocabulary_notes(words, settings) -> list[str]:
+    """Where the vocabulary comes from, said; a tokenizer whose vocabulary lives in a file
+    and no --vocab-size is one line asking for it."""
+    tokenizer = settings.get(TOKENIZER)
+    if tokenizer is None or (tokenizer == "NullTokenizer" and "--vocab-size" in words):
+        return []
+    if tokenizer == "GPT2BPETokenizer":
+        note = f"vocabulary: {GPT2_VOCAB:,}, GPT-2's BPE files (GPT2BPETokenizer; --vocab-file is GPT-2's own)"
+        return [note + ("; Megatron ignores --vocab-size beside it" if "--vocab-size" in words else "")]
+    if "--vocab-size" in words:
+        return [f"vocabulary: --vocab-size, taken as the size of {tokenizer}'s vocabulary (Megatron reads it "
+                "from the tokenizer's files, which actmem does not)"]
+    return []
+
+
+def _value_after(words, name):
+    return next((words[i + 1] for i, word in enumerate(words[:-1]) if word == name), None)
+
+
+def attention_core(settings) -> str | None:
+    """'eager' or 'flash' from --transformer-impl and --attention-backend (None for a
+    combination actmem does not model; _problems names it)."""
+    impl = settings.get("--transformer-impl", "transformer_engine")
+    backend = settings.get("--attention-backend", "auto")
+    if impl == "local":
+        return "eager" if backend in ("local", "auto") else None
+    return BACKEND_CORES.get(backend) if impl == "transformer_engine" else None
+
+
+def _recompute_modules(settings) -> list[str]:
+    """Megatron takes the modules as words of their own (nargs='*'): 'core_attn,mlp' would be
+    one unknown module to it."""
+    joined = [module for module in settings.get(RECOMPUTE_MODULES) or () if "," in module]
+    if joined:
+        return [f"{RECOMPUTE_MODULES} {' '.join(joined)}: Megatron takes the modules as separate words "
+                f"({RECOMPUTE_MODULES} {' '.join(m for word in joined for m in word.split(',') if m)})"]
+    return []
+
+
+def _problems(words, settings, refused, unknown, missing) -> list[str]:
+    problems = []
+    tokenizer = settings.get(TOKENIZER)
+    if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
+        problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "
+                        "give --vocab-size N (the tokenizer's vocabulary, before Megatron's padding)")
+    if QK_LAYER_SCALING in settings and attention_core(settings) != "eager":
+        problems.append(f"{QK_LAYER_SCALING} under TE's attention is not modelled: Megatron then needs "
+                        "NVTE_APPLY_QK_LAYER_SCALING=1 (transformer_engine.py) and TE chooses its own backend; "
+                        "under the local core it is read (the softmax in fp32)")
+    if LAYERNORM_1P in settings and settings.get("--transformer-impl") == "local":
+        problems.append(f"{LAYERNORM_1P} under --transformer-impl local is not modelled: Megatron's FusedLayerNorm "
+                        "makes weight + 1, a tensor of its own that the norm keeps (fused_layer_norm.py)")
+    if "--squared-relu" in words and "--disable-bias-linear" not in words and BIAS_GELU_FUSION not in words:
+        problems.append("Megatron refuses --squared-relu with its default fused bias-GeLU (transformer_config.py: "
+                        "'When bias_activation_fusion is True, activation function should be either gelu, swiglu, "
+                        f"or quick_geglu'): give {BIAS_GELU_FUSION} or --disable-bias-linear")
+    if BATCH_SCHEDULE in settings and "--global-batch-size" in words:
+        problems.append(f"Megatron refuses {BATCH_SCHEDULE} beside --global-batch-size (arguments.py: "
+                        "'Cannot specify both'): give one")
+    if refused:
+        reasons = {}
+        for why, name in refused:
+            reasons.setdefault(why, []).append(name)
+        problems.append("changes memory and is not modelled yet: " +
+                        "; ".join(f"{', '.join(names)} ({why})" for why, names in reasons.items()))
+    if unknown:
+        problems.append(f"not an argument of Megatron-LM (at {megatron_table.pinned_commit()[:12]}): "
+                        f"{', '.join(unknown)}")
+    if missing:
+        problems.append(f"expects a value: {', '.join(missing)}")
+    if "--num-query-groups" in words and GQA_SWITCH not in settings:
+        problems.append("Megatron ignores --num-query-groups without --group-query-attention")
+    precision = [name for name in PRECISION if name in settings]
+    if len(precision) != 1:
+        problems.append("give one of --bf16 or --fp16: actmem counts 16-bit activations" if precision else
+                        "neither --bf16 nor --fp16: Megatron would train in fp32, and actmem counts "
+                        "16-bit activations")
+    rope = "--use-rotary-position-embeddings" in words or _value_after(words, "--position-embedding-type") == "rope"
+    if NO_POSITION_TABLE in settings and not rope:
+        problems.append("Megatron refuses --no-position-embedding unless the positions are rotary "
+                        "(--position-embedding-type rope); for none, give --position-embedding-type none")
+    problems += _recompute_modules(settings)
+    communication = settings.get(CP_COMM, ("p2p",))     # one a layer, or one for all (nargs '+')
+    if set(communication) != {"p2p"}:
+        problems.append(f"{CP_COMM} {' '.join(communication)} is not modelled: actmem counts the p2p ring, "
+                        "Megatron's default")
+    if "--use-flash-attn" in words and settings.get("--transformer-impl") == "local":
+        problems.append("--use-flash-attn with --transformer-impl local is not modelled: the local spec's core is "
+                        "Megatron's own DotProductAttention, and actmem reads --use-flash-attn as TE's flash-attn")
+    elif attention_core(settings) is None:
+        problems.append(f"--transformer-impl {settings.get('--transformer-impl', 'transformer_engine')} with "
+                        f"--attention-backend {settings.get('--attention-backend', 'auto')} is not modelled: "
+                        "actmem models local (eager), flash, fused and auto (TE's flash or cuDNN kernels) "
+                        "under transformer_engine, and local under the local implementation")
+    return problems

@@ -1,0 +1,393 @@
+"""All terminal output: rich tables and bars. The only module that knows the terminal."""
+
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+from actmem.memory.estimate import FITS, NO_FIT, TIGHT, Estimate
+from actmem.memory.stages import split_of, stage_name
+from actmem.units import column_unit, format_in, gib, plural
+from actmem.model.widths import GRADIENT_BYTES, WEIGHT_BYTES
+
+_BAR_WIDTH = 24
+_VERDICT_BAR, _VERDICT_BAR_LEAST = 30, 6   # the verdict's bar shrinks to keep its line whole
+
+
+_TEXT_FLOOR = 10   # characters a text column keeps, however narrow the console: it wraps, folding long words
+
+
+class _Console(Console):
+    """rich's console (the terminal's width, COLUMNS where set, else 80), except that a table
+    too wide for it gives way in this order: its text columns wrap (down to _TEXT_FLOOR
+    characters), the gaps between its columns close to one space, and last it is printed past
+    that width: rich would cut its numbers with '…' (issue 25)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.width = self.width            # fixed for the run, so that print can widen and restore it
+
+    def print(self, *objects, **kwargs) -> None:
+        width = self.width
+        for table in _tables(objects):
+            if _least_width(self, table) > width:
+                top, _, bottom, _ = table.padding
+                table.padding = (top, 0, bottom, 0)
+        self.width = max([width, *(_least_width(self, table) for table in _tables(objects))])
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
+
+    def on_broken_pipe(self) -> None:
+        """Rich would exit 1, which the planner uses for "nothing fits": let the CLI end it."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _tables(objects):
+    for item in objects:
+        if isinstance(item, Table):
+            yield item
+        elif isinstance(item, Group):
+            yield from _tables(item.renderables)
+
+
+def _least_width(console: Console, table: Table) -> int:
+    """The width at which each no_wrap column (the numbers) is whole and each text column keeps
+    _TEXT_FLOOR characters (or its min_width) or its widest cell: rich narrows the wrapping
+    columns before others."""
+    wide = console.options.update_width(_UNBOUNDED)
+    widest = [max(Measurement.get(console, wide, cell).maximum for cell in (column.header, *column.cells))
+              for column in table.columns]
+    frame = Measurement.get(console, wide, table).maximum - sum(widest)       # padding, rules, edges
+    return frame + sum(cells if column.no_wrap else min(cells, max(_TEXT_FLOOR, column.min_width or 0))
+                       for cells, column in zip(widest, table.columns))
+
+
+_UNBOUNDED = 10_000
+
+
+_NUMBERS = {"justify": "right", "no_wrap": True}   # a number is never wrapped, so never cut (_Console)
+_TEXT = {"justify": "left", "overflow": "fold"}    # text wraps, folding a word longer than its column
+_WHOLE = {"justify": "left", "no_wrap": True}      # a name, a bar or a formula: kept whole, as a number
+
+
+def _column_kind(text=(), whole=()):
+    """The column settings for a header: _TEXT for those in ``text``, _WHOLE for those in ``whole``,
+    _NUMBERS for the rest."""
+    return lambda header: _TEXT if header in text else _WHOLE if header in whole else _NUMBERS
+
+
+def terminal() -> Console:
+    """Where all of actmem's terminal output goes."""
+    return _Console(highlight=False)
+
+
+def _table(title: str) -> Table:
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                 title_style="bold")
+
+
+def _notes() -> Table:
+    """Two dim columns, a mark and its note: prose, which wraps (a long flag folds, never cut)."""
+    notes = Table.grid(padding=(0, 1))
+    notes.add_column(style="dim")
+    notes.add_column(style="dim", overflow="fold")
+    return notes
+
+
+def _bar(fraction: float, width: int = _BAR_WIDTH, style: str = "cyan") -> Text:
+    filled = max(0, min(width, round(fraction * width)))
+    return Text("█" * filled, style=style) + Text("·" * (width - filled), style="dim")
+
+
+def render_estimate(est: Estimate, all_stages: bool = False, codes=None) -> None:
+    console = terminal()
+    console.print(_header(est))
+    console.print(_techniques_table(est))
+    console.print(_terms_table(est))
+    console.print(_memory_table(est))
+    if all_stages:
+        console.print(_stages_table(est))
+    console.print(_verdict(est, console.width))
+    if codes is not None:
+        console.print(_codes_table(est, codes))
+    notes = _notes()
+    for note in est.assumptions:
+        notes.add_row("·", note)
+    console.print(Text("Assumptions", style="bold"), notes)
+
+
+def _codes_table(est: Estimate, codes):
+    """The same model and run under each implementation (actmem.memory.side_by_side); why an
+    implementation is not modelled is a line under the table."""
+    table = _table("The same model and run, by implementation (the busiest stage's peak decides)")
+    kind = _column_kind(text=("implementation",), whole=("",))
+    for name in ("implementation", "per layer", "activations", "peak, at least", ""):
+        table.add_column(name, **kind(name))
+    modelled = [row.estimate for row in codes if row.estimate is not None]
+    layer = column_unit(other.run_row.per_layer_bytes for other in modelled)
+    stage = column_unit(other.verdict_bytes for other in modelled)
+    why = _notes()
+    for row in codes:
+        if row.estimate is None:
+            table.add_row(row.name, "", "", "", Text("not modelled", style="dim"))
+            why.add_row(f"{row.name}:", row.not_modelled)
+            continue
+        other = row.estimate
+        mark = " ◀" if other.spec.architecture == est.spec.architecture else ""
+        table.add_row(row.name + mark, format_in(other.run_row.per_layer_bytes, layer),
+                      format_in(other.activations_bytes, stage), format_in(other.verdict_bytes, stage),
+                      Text(f"{_MARKS[other.verdict]} {other.verdict}", style=_VERDICT_STYLES[other.verdict]))
+    return Group(table, why) if why.row_count else table
+
+
+def _header(est: Estimate) -> Text:
+    spec, run, model = est.spec, est.spec.run, est.spec.model
+    text = Text(f"actmem · {spec.name}\n", style="bold")
+    text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
+                f"v={spec.padded_vocab} s={model.seq_len}\n")
+    cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
+    split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
+    text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
+                f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
+                f"recompute {run.policy.label}\n")
+    arch = spec.architecture
+    text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
+                f"hidden {arch.hidden_dropout:g}\n")
+    text.append(f"code   {arch.code.label_for(arch)}\n")
+    if spec.microbatches is not None:
+        text.append(f"batch  {plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
+                    f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration\n")
+    return text
+
+
+def _techniques_table(est: Estimate) -> Table:
+    table = _table(f"Activations per GPU, {_shown(est)}, "
+                   f"{plural(est.occupancy.layer_activations, 'layer activation')} held (Table 2)")
+    for column in ("technique", "per layer", "this stage" if est.stage else "first stage", "vs tp", "",
+                   "+ params"):
+        table.add_column(column, **_column_kind(whole=("technique", ""))(column))
+    units = {name: column_unit(values) for name, values in (
+        ("layer", [row.per_layer_bytes for row in est.techniques]),
+        ("stage", [row.first_stage_bytes for row in est.techniques]),
+        ("total", [row.total_bytes for row in est.techniques]))}
+    for row in est.techniques:
+        is_run = row is est.run_row
+        share = row.per_layer_bytes / est.baseline.per_layer_bytes
+        verdict = est.technique_verdict(row)
+        table.add_row(Text(row.technique.name + (" ◀" if is_run else ""), style="bold" if is_run else ""),
+                      format_in(row.per_layer_bytes, units["layer"]),
+                      format_in(row.first_stage_bytes, units["stage"]), f"{100 * share:.0f}%",
+                      _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
+                      Text(f"{format_in(row.total_bytes, units['total'])} {_MARKS[verdict]}",
+                           style=_VERDICT_STYLES[verdict]))
+    table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
+                     "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's t; ✓ where "
+                     "the row's peak floor and the reserve fit on every stage, ~ where only the floor does (tight); "
+                     "◀ this run")
+    table.caption_justify = "left"
+    return table
+
+
+def _terms_table(est: Estimate) -> Table:
+    table = _table(f"This run, term by term ({_shown(est)}, one GPU)")
+    for column in ("term", "region", "each", "× held", "bytes", "share"):
+        table.add_column(column, **_column_kind(text=("region",), whole=("term",))(column))
+    total = est.activations_bytes
+    unit = column_unit([row.total_bytes for row in est.run_terms] + [total])
+    for row in est.run_terms:
+        table.add_row(row.term.name, row.term.region.value, f"{row.bytes_each:,}", f"{row.count:,}",
+                      format_in(row.total_bytes, unit), f"{100 * row.total_bytes / total:.1f}%")
+    table.add_row(Text("activations", style="bold"), "", "", "", Text(format_in(total, unit), style="bold"), "")
+    return table
+
+
+def _memory_table(est: Estimate) -> Table:
+    params = est.parameters
+    table = _table(f"Memory per GPU, {_shown(est)}")
+    for column in ("item", "bytes", "GiB", ""):
+        table.add_column(column, **_column_kind(text=("item", ""))(column))
+    per_param = f"{params.count:,} parameters × "
+    shards = est.spec.optimizer_shards if est.spec.run.distributed_optimizer else 1
+    optimizer = f"{est.spec.optimizer.bytes_per_parameter} B" + ("" if shards == 1 else
+                                          f" / d={shards}" if est.spec.run.context_parallel == 1 else
+                                          f" / d·c={shards}")
+    rows = (("activations", est.activations_bytes, "the run's terms above"),
+            ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
+            ("gradients", params.gradients_bytes, per_param + f"{est.spec.gradient_bytes} B "
+             + ("(fp32)" if est.spec.gradient_bytes == GRADIENT_BYTES else "(16-bit)")),
+            ("optimizer state", params.optimizer_bytes, per_param + optimizer))
+    if params.dummy_wgrads_bytes:
+        rows += (("dummy weight gradients", params.dummy_wgrads_bytes,
+                  "16-bit, one a linear's weight shape, kept by TE (get_dummy_wgrad)"),)
+    for item, n_bytes, note in rows:
+        table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
+    table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
+    peak = est.peak
+    if peak.total_bytes != est.total_bytes:
+        rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit")
+        op = peak.bytes_of("fc1_backward", "core_backward")
+        made = rerun + op
+        parts = (f"{gib(rerun):,.2f} GiB rerun, " if rerun else "") + (f"{gib(op):,.2f} GiB of its gradients, "
+                                                                       if op else "")
+        freed = est.total_bytes + made - peak.total_bytes
+        note = (f"at {peak.moment}: " + (f"{gib(loss):,.2f} GiB 16-bit logits gradient" if loss else
+                (f"{parts}{gib(freed):,.2f} GiB already freed" if freed else parts.rstrip(", "))))
+        table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
+                      f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))
+    return table
+
+
+def _verdict(est: Estimate, width: int) -> Text:
+    """The verdict, on one line of ``width`` where its bar can shrink to fit."""
+    budget = est.spec.gpu_memory_bytes
+    used = est.verdict_bytes / budget
+    text = Text()
+    busiest, p = est.busiest_stage, est.spec.run.pipeline_parallel
+    where = stage_name(busiest.stage, p, article=True)
+    if busiest.stage != est.stage:
+        text.append(f"{where[0].upper()}{where[1:]} holds the most ({plural(busiest.layers, 'layer')}, "
+                    f"{plural(busiest.occupancy.layer_activations, 'layer activation')} in flight, "
+                    f"{gib(busiest.activations_bytes):,.2f} GiB of activations and "
+                    f"{gib(busiest.parameters.total_bytes):,.2f} GiB of model state): "
+                    f"the verdict is its peak floor (--stage {_stage_flag(busiest.stage, p)} shows it)\n", style="yellow")
+    word, numbers, margin = _verdict_words(est, where)
+    bar = max(_VERDICT_BAR_LEAST, min(_VERDICT_BAR, width - len(word) - len(numbers)))  # one line if it can
+    style = _VERDICT_STYLES[est.verdict]
+    text.append(word, style=f"bold {style}")
+    text.append_text(_bar(used, width=bar, style=style))
+    text.append(numbers + "\n")
+    text.append(" " * len(word) + margin + "\n", style=style)
+    return text
+
+
+_VERDICT_STYLES = {FITS: "green", TIGHT: "yellow", NO_FIT: "red"}
+_MARKS = {FITS: "✓", TIGHT: "~", NO_FIT: "✗"}
+
+
+def _verdict_words(est: Estimate, where: str) -> tuple[str, str, str]:
+    """('fits ', ' 59.50 of 79.22 GiB (75%) on the first stage', the margin): the margin
+    beyond the reserve is always said, and the GPU it is measured against."""
+    spec = est.spec
+    memory, reserve = spec.gpu_memory_bytes, spec.reserve_bytes
+    numbers = f" {gib(est.verdict_bytes):,.2f} of {gib(memory):,.2f} GiB ({100 * est.verdict_bytes / memory:.0f}%) on {where}"
+    gpu = f"({spec.gpu_name})"
+    if est.verdict == FITS:
+        return "fits ", numbers, f"{gib(est.spare_bytes):,.2f} GiB to spare beyond the reserve of {gib(reserve):,.2f} GiB {gpu}"
+    if est.verdict == TIGHT:
+        into = est.verdict_bytes + reserve - memory
+        return "tight ", numbers, f"{gib(into):,.2f} GiB into the reserve of {gib(reserve):,.2f} GiB for the uncounted {gpu}"
+    return "does not fit ", numbers, f"{gib(est.verdict_bytes - memory):,.2f} GiB over {gpu}"
+
+
+def _stage_flag(stage: int, p: int) -> str:
+    return "first" if stage == 0 else "last" if stage == p - 1 else str(stage)
+
+
+def _shown(est: Estimate) -> str:
+    return stage_name(est.stage, est.spec.run.pipeline_parallel)
+
+
+def _stages_table(est: Estimate) -> Table:
+    """Every stage's peak floor by part, the busiest marked (--stage all)."""
+    table = _table("Peak per GPU, every pipeline stage (at least: actmem.memory.peak)")
+    for column in ("stage", "layers", "held", "activations", "model state", "rerun", "peak"):
+        table.add_column(column, **_column_kind(whole=("stage",))(column))
+    budget, busiest = est.spec.gpu_memory_bytes, est.busiest_stage
+    unit = column_unit([load.peak.total_bytes for load in est.stages])
+    for load in est.stages:
+        peak, mark = load.peak.total_bytes, " ◀" if load is busiest else ""
+        table.add_row(Text(f"{load.stage}{mark}", style="bold" if mark else ""), str(load.layers),
+                      f"{load.occupancy.layer_activations:,}", format_in(load.activations_bytes, unit),
+                      format_in(load.parameters.total_bytes, unit), format_in(peak - load.total_bytes, unit),
+                      Text(format_in(peak, unit), style="green" if peak <= budget else "red"))
+    table.caption = ("held: layer activations in flight at the stage's first backward; model state: "
+                     "weights, fp32 main gradients, optimizer state, TE's dummy weight gradients; rerun: what that backward "
+                     "recomputes beyond what it frees first; the parts add to the peak; ◀ the verdict's")
+    table.caption_justify = "left"
+    return table
+
+
+def inline(expr) -> str:
+    """One line a person reads: 2·a·b·s², not 2*a*b*s**2."""
+    import re
+
+    import sympy
+
+    superscript = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+    text = re.sub(r"\*\*(\d+)", lambda match: match.group(1).translate(superscript), sympy.sstr(expr))
+    return text.replace("*", "·")
+
+
+def render_formulas() -> None:
+    import sympy
+
+    from actmem.memory.equations import equations, table_2
+    from actmem.memory.terms import TERMS
+    from actmem.model.recompute import Recompute
+
+    console = terminal()
+    show = lambda e: sympy.pretty(e, use_unicode=True)
+    table = Table(title="Table 2: activation bytes per layer, one microbatch", title_justify="left",
+                  show_lines=True)
+    for column in ("technique", "bytes", "meaning"):
+        table.add_column(column, **_column_kind(text=("technique", "meaning"), whole=("bytes",))(column))
+    for eq in table_2():
+        table.add_row(eq.label, show(eq.display), eq.meaning)
+    console.print(table)
+    table = Table(title="First pipeline stage (sections 4.4, 4.5)", title_justify="left", show_lines=True)
+    for column in ("", "bytes", "meaning"):
+        table.add_column(column, **_column_kind(text=("", "meaning"), whole=("bytes",))(column))
+    for eq in equations():
+        table.add_row(eq.label, show(eq.display), eq.meaning)
+    console.print(table)
+    table = _table("The term table (sections 4.1, 4.5): bytes with no parallelism")
+    table.add_column("term · what it is (section, paper's size)", **_TEXT,
+                     min_width=max(len(term.name) for term in TERMS))   # names whole; sources wrap
+    for column in ("bytes", "region", "n s f", "per"):
+        table.add_column(column, **_WHOLE)
+    for term in TERMS:
+        kept = "".join("●" if mode in term.kept_under else "·" for mode in Recompute)
+        when = "" if term.present.__name__ == "always" else f"; only when {term.present.__doc__}"
+        name = Text(term.name, style="bold") + Text(f"\n{term.source}{when}", style="dim")
+        table.add_row(name, inline(term.size()), term.region.value, kept, term.scope.value)
+    table.caption = ("kept under recompute none / selective / full; block: split t ways; boundary: "
+                     "replicated under plain TP, split along the sequence under SP; replicated: on "
+                     "every rank")
+    table.caption_justify = "left"
+    console.print(table)
+
+
+def render_formulas_latex() -> None:
+    """Plain lines, no table, so each can be copied whole: '% label: meaning' then the LaTeX."""
+    import click
+    import sympy
+
+    from actmem.memory.equations import equations, table_2
+    from actmem.memory.terms import TERMS
+
+    lines = []
+    for eq in [*table_2(), *equations()]:
+        lines += [f"% {eq.label}: {eq.meaning}", sympy.latex(eq.display), ""]
+    for term in TERMS:
+        lines += [f"% term {term.name}: {term.source}", sympy.latex(term.size()), ""]
+    click.echo("\n".join(lines).rstrip())
+
+
+def render_presets(presets) -> None:
+    table = _table("Presets: actmem estimate --model NAME")
+    table.collapse_padding = True
+    for column in ("name", "aliases", "a", "h", "L", "v", "s", "t", "p", "m", "b", "gpus"):
+        table.add_column(column, **_column_kind(text=("aliases",), whole=("name",))(column))
+    for preset in presets:
+        model, run = preset.model, preset.run
+        table.add_row(preset.name, ", ".join(preset.aliases),
+                      *(str(model.get(k, "")) for k in ("heads", "hidden", "layers", "vocab", "seq_len")),
+                      *(str(run.get(k, "")) for k in ("tensor_parallel", "pipeline_parallel",
+                                                       "interleave", "micro_batch", "gpus")))
+    table.caption = "\n".join(f"{p.name}: {p.description} ({p.source})" for p in presets)
+    table.caption_justify = "left"
+    terminal().print(table)

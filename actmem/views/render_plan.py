@@ -1,0 +1,178 @@
+"""The planner's terminal output: the ranked table, why-not, --explain and flops."""
+
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from actmem.views.render import _column_kind, _notes, _table, render_estimate, terminal as _console
+from actmem.units import column_unit, format_in, gib, plural
+
+
+def _shown(frame, top: int):
+    """The first ``top`` rows; all of them with top = 0."""
+    return frame.head(top) if top > 0 else frame
+
+
+def render_plan(plan, top: int, nothing=None) -> None:
+    from actmem.planner.plan import config_label
+
+    req, console = plan.request, _console()
+    model = req.model
+    console.print(Text(f"actmem plan · a={model.heads} h={model.hidden} L={model.layers} "
+                       f"s={model.seq_len}", style="bold"))
+    console.print(f"{plural(req.gpus, 'GPU')} ({req.gpu.name}) · global batch {req.global_batch}")
+    console.print(f"budget {gib(req.budget_bytes):,.2f} GiB a GPU: {gib(req.gpu_memory_bytes):,.2f} GiB "
+                  f"less a reserve of {gib(req.reserve_bytes):,.2f} GiB")
+    derived = f" and {plan.block_rows:,} block=N derived from them" if plan.block_rows else ""
+    console.print(f"{plural(plan.swept, 'configuration')}{derived}, {len(plan.fitting):,} fit\n")
+    table = _table("Fastest that fit (seconds per iteration, estimated)")
+    table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
+    ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
+    columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + ("pp", "bub", "dp", "MFU")
+    for column in columns:
+        table.add_column(column, **_column_kind(text=("config",))(column))
+    for row in _shown(plan.fitting, top).itertuples():
+        cells = [config_label(row), f"{gib(row.peak_bytes):.1f}", f"{row.iteration_s:.2f}",
+                 f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}"]
+        cells += [f"{row.context_parallel_s:.2f}"] if ring else []
+        table.add_row(*cells, f"{row.pipeline_p2p_s:.2f}", f"+{100 * (row.bubble - 1):.0f}%",
+                      f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.0f}%")
+    table.caption = (f"time = (comp + tp{' + cp' if ring else ''} + pp) × (1 + bub) + dp: compute; "
+                     f"tensor-parallel, {'context-parallel, ' if ring else ''}pipeline and data-parallel "
+                     f"communication; d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
+    table.caption_justify = "left"
+    if not plan.fitting.empty:
+        console.print(table)
+    console.print(_why_not_table(plan))
+    if nothing is not None:
+        console.print(_nothing_fits(plan, nothing))
+    notes = _notes()
+    for note in _plan_assumptions(req):
+        notes.add_row("·", note)
+    console.print(Text("Assumptions", style="bold"), notes)
+
+
+def _why_not_table(plan) -> Table:
+    from actmem.planner.plan import config_label
+
+    table = _table("Each t at its leanest (why not t = ...?)")
+    for column in ("t", "leanest config", "memory", "verdict"):
+        table.add_column(column, **_column_kind(text=("leanest config", "verdict"))(column))
+    why = plan.why_not()
+    unit = column_unit(list(why.peak_bytes) + list(why.over_bytes))
+    for row in why.itertuples():
+        if row.t_fits:
+            count = int((plan.fitting.t == row.t).sum())
+            verdict = Text(f"{plural(count, 'configuration')} fit" if count > 1 else "1 configuration fits",
+                           style="green")
+        else:
+            verdict = Text(f"over by {format_in(row.over_bytes, unit)}; largest part: {row.largest_part}",
+                           style="red")
+        table.add_row(str(row.t), config_label(row), format_in(row.peak_bytes, unit), verdict)
+    return table
+
+
+def _nothing_fits(plan, nothing) -> Text:
+    """Why nothing fits: the leanest need, what the GPU count allows, and where to go instead."""
+    from actmem.planner.plan import config_label
+
+    req = plan.request
+    leanest = plan.evaluated.loc[plan.evaluated.peak_bytes.idxmin()]
+    text = Text(f"Nothing fits {gib(req.budget_bytes):,.2f} GiB: the leanest configuration, "
+                f"{config_label(leanest)}, needs {gib(leanest.peak_bytes):,.2f} GiB.\n", style="bold red")
+    if nothing.usable_p != nothing.all_p:
+        text.append(f"On {plural(req.gpus, 'GPU')} with global batch {req.global_batch}, p must split the "
+                    f"{req.model.layers} layers and divide {req.gpus}/t, and d = gpus/(t·c·p) the batch: that "
+                    f"leaves t in {_listed(nothing.usable_t)} and p in {_listed(nothing.usable_p)} "
+                    f"(the model allows p in {_listed(nothing.all_p)}).\n")
+    if nothing.nearest:
+        places = "; ".join(f"{plural(gpus, 'GPU')}: {label}" for gpus, label in nothing.nearest)
+        text.append(f"Nearest GPU counts where a configuration fits: {places}.\n", style="green")
+    else:
+        text.append("No GPU count near this one fits either (searched the nearest that the "
+                    "parameters alone could fit).\n")
+    return text
+
+
+def _listed(values) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
+def _plan_assumptions(req) -> list[str]:
+    gpu = req.gpu
+    return [
+        "memory (GiB) is the allocator's peak from below (actmem.memory.peak) on the busiest of the first "
+        "stage (the most microbatches, the embedding), the last (the logits, the output layer's "
+        "weights) and, in an uneven pipeline, stage 1 (the most layers and microbatches of the "
+        "stages between, which hold less than the first in an even one)",
+        f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
+        "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
+        "and the backward's transients other than those it counts (the rerun, the loss's logits "
+        "gradient, the last layer's fc1 and eager core backward)",
+        f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
+        f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
+        f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
+        f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "
+        "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
+        "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
+        "pipelines even where p divides L, else (p ≥ 3) as Llama 3 splits its 126 layers on 16 "
+        "stages, 7 + 8 x 14 + 7: ⌈L/p⌉ layers on each stage between and the rest on the first and "
+        "last (written as p, 'p=7+8x14+7'; interleaving in even pipelines only); the pipeline goes at the pace "
+        "of its fullest stage; another split is checked with actmem estimate "
+        "--first-stage-layers/--last-stage-layers",
+        "context parallelism c (2c | s) under the cuDNN flash core, its ring not overlapped; full "
+        "recompute of every layer alone, or of the first N layers of each chunk (block=N, "
+        "Megatron's --recompute-method block --recompute-num-layers N: the least N that fits, "
+        "offered where nothing recomputed does not fit, at most the first stage's chunk; "
+        "uniform groups are checked with actmem estimate); selective recompute of the attention "
+        "core (sel), of it and the MLP (sel+mlp), or of the MLP alone (mlp), Megatron's "
+        "--recompute-modules, where actmem models them",
+        f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
+        "microbatches a multiple of p, as Megatron does",
+    ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
+         "softmax_switches" in req.architecture.code.has else [])
+
+
+_FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where the kernel runs (16 < s ≤ 4096, "
+                  "b·a/t a multiple of 8 up to s = 128, else 4), and at the t and b where it does not, torch's "
+                  "fallback softmax (forward_torch_softmax: the causal mask it fills, s² bytes a layer, and under "
+                  "--attention-softmax-in-fp32 its fp32 output)")
+
+
+def render_explain(est, row) -> None:
+    render_estimate(est)
+    table = _table("Time per iteration (estimated)")
+    for column in ("part", "seconds"):
+        table.add_column(column, **_column_kind(text=("part",))(column))
+    for part, value in (("compute (hardware FLOPs)", row.compute_s),
+                        ("tensor-parallel communication", row.tensor_parallel_s),
+                        ("context-parallel ring (k, v and their gradients)", row.context_parallel_s),
+                        ("pipeline point-to-point communication", row.pipeline_p2p_s),
+                        (f"pipeline bubble × {row.bubble:.4f}",
+                         (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.pipeline_p2p_s)
+                         * (row.bubble - 1)),
+                        ("data-parallel gradient reduction", row.data_parallel_s),
+                        ("iteration", row.iteration_s)):
+        table.add_row(part, f"{value:.3f}")
+    table.caption = f"model FLOPs utilisation {100 * row.mfu:.1f}%"
+    table.caption_justify = "left"
+    _console().print(table)
+
+
+def render_flops(name: str, report: dict) -> None:
+    console = _console()
+    console.print(Text(f"actmem flops · {name} · global batch {report['global_batch']}", style="bold"))
+    formula = report["model_flops_formula"]
+    console.print(f"model FLOPs per iteration: {report['model_flops']:.4e} = {formula['formula']}")
+    for line in (*formula["where"], formula["counts"]):
+        console.print(Padding(Text(line, style="dim"), (0, 0, 0, 2)))
+    table = _table("Hardware FLOPs per iteration")
+    for column in ("recompute", "hardware FLOPs", "overhead", "HFU"):
+        table.add_column(column, **_column_kind(text=("recompute",))(column))
+    for row in report["hardware"]:
+        hfu = f"{100 * row['hfu']:.1f}%" if "hfu" in row else "–"
+        table.add_row(row["recompute"], f"{row['hardware_flops']:.4e}", f"+{100 * row['overhead']:.2f}%", hfu)
+    console.print(table)
+    if report["iteration_s"] is not None:
+        console.print(f"MFU {100 * report['mfu']:.1f}% at {report['iteration_s']} s an iteration on "
+                      f"{report['gpus']} GPUs of {report['peak_flops'] / 1e12:.0f} TFLOP/s peak")

@@ -175,6 +175,11 @@ RUN_FLAGS = (
     Flag(("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
     GLOBAL_BATCH,
     GPUS,
+    Flag(("--recompute", "--recompute-granularity"), "recompute",
+         "activation recomputation: none, selective or full (Megatron's --recompute-granularity)",
+         click.Choice(["none", "selective", "full"])),
+    Flag(("--recompute-activations",), "recompute", "Megatron's older switch for --recompute selective",
+         constant="selective"),
     Flag(("--recompute-method",), "recompute_method",
          "with full recompute: uniform (groups of N layers, each keeping its input) or block "
          "(the first N layers of each model chunk; the rest keep everything)",
@@ -335,20 +340,19 @@ MEGATRON_ARGS = option(
          "ignored, the rest are refused in one message.")
 
 
+VOCAB_PADDING = option(
+    "--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
+    help=f"Megatron pads the vocabulary to a multiple of this times t (default {VOCAB_DIVISIBLE_BY}; none under "
+         "torch-native or hf).")
+
+
 def spec_options(command):
     """The model, architecture and run flags of every command that takes a whole spec."""
     options = [
-        option("--recompute", type=click.Choice(["none", "selective", "full"]), default=None,
-                     help="Activation recomputation."),
-        option("--recompute-granularity", type=click.Choice(["selective", "full"]),
-                     default=None, help="Megatron's name for --recompute."),
-        option("--recompute-activations", is_flag=True, default=False,
-                     help="Megatron's older flag for --recompute selective."),
         option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
                      default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
         *GPU_OPTIONS,
-        option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
-                     help="Megatron pads the vocabulary to a multiple of this times t (default 128)."),
+        VOCAB_PADDING,
         MEGATRON_ARGS,
     ]
     command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
@@ -437,17 +441,13 @@ def model_from_flags(flags: dict) -> ModelChoice:
 def _script_run(flags: dict) -> dict:
     """The run a pasted script sets (t, p, b, recompute, ...), for `plan --explain` to start from
     as it starts from a preset's run; the pasted run flags are consumed here."""
-    from actmem.model.spec import merge_recompute
-
     keys = {f.key for f in RUN_FLAGS} - {"gpus", "global_batch"}
     given = resolve({k: v for k, v in flags.items() if "__" in k and k.split("__")[0] in keys},
                     [f for f in RUN_FLAGS if f.key in keys])
     for key in list(flags):
         if "__" in key and key.split("__")[0] in keys:
             del flags[key]
-    recompute = merge_recompute(flags.pop("recompute", None), flags.pop("recompute_granularity", None),
-                                flags.pop("recompute_activations", False))
-    return {k: v for k, v in given.items() if v is not None} | ({"recompute": recompute} if recompute else {})
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _paste_command():
@@ -503,7 +503,7 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
 def build_spec_from_flags(flags: dict, dims_only: bool = False):
     """Merge a preset with the flags into a validated Spec (raises SpecError); dims_only:
     the run's kernel rules wait (Spec.dims_only), for a caller that checks each run it makes."""
-    from actmem.model.spec import build_spec, interleave_from_layers_per_chunk, merge_recompute
+    from actmem.model.spec import build_spec, interleave_from_layers_per_chunk
 
     flags, pasted = with_megatron_args(flags)
     _check_main_grads(flags)
@@ -519,10 +519,6 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
                             "--num-layers-per-virtual-pipeline-stage, not both")
         run["interleave"] = interleave_from_layers_per_chunk(
             model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
-    recompute = merge_recompute(flags["recompute"], flags["recompute_granularity"],
-                                flags["recompute_activations"])
-    if recompute is not None:
-        run["recompute"] = recompute
     options = {"notes": notes} if notes else {}
     if dims_only:
         options["dims_only"] = True

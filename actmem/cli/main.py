@@ -14,8 +14,9 @@ import click
 
 from actmem.model import defaults
 from actmem.errors import SpecError
-from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU_OPTIONS, GPUS, STATE_FLAGS, MEGATRON_ARGS,
-                          add_flags, build_spec_from_flags, model_from_flags, model_options, option, spec_options)
+from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU_OPTIONS, GPUS, MEGATRON_ARGS, STATE_FLAGS,
+                              VOCAB_PADDING, add_flags, build_spec_from_flags, model_from_flags, model_options,
+                              option, spec_options)
 from actmem.model.hardware import DEFAULT_EFFICIENCY
 
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
@@ -187,9 +188,7 @@ def plan_options(command):
         option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
                      show_default=True,
                      help="Largest b to try."),
-        option("--make-vocab-size-divisible-by", "vocab_divisible_by", type=click.IntRange(min=1),
-                     default=None, help=f"Megatron's vocabulary padding (times t; default "
-                                        f"{defaults.VOCAB_DIVISIBLE_BY}; none under torch-native or hf)."),
+        VOCAB_PADDING,
         option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
         option("--explain", "config", metavar="CONFIG", default=None,

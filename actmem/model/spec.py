@@ -310,16 +310,6 @@ def _check_keys(section: str, values: dict, cls, required: bool) -> None:
         raise SpecError(f"[{section}] is missing {', '.join(missing)}")
 
 
-def merge_recompute(recompute: str | None, granularity: str | None, activations_flag: bool):
-    """One recompute mode from actmem's flag and Megatron's two; they must agree."""
-    given = {value for value in (recompute, granularity) if value is not None}
-    if activations_flag:
-        given.add("selective")
-    if len(given) > 1:
-        raise SpecError(f"recompute flags disagree: {', '.join(sorted(given))}")
-    return given.pop() if given else None
-
-
 def interleave_from_layers_per_chunk(layers: int, p: int, layers_per_chunk: int) -> int:
     """Megatron's --num-layers-per-virtual-pipeline-stage N gives m = (L/p)/N."""
     if layers_per_chunk <= 0:

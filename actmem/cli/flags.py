@@ -302,6 +302,13 @@ def add_flags(command, flags):
     return command
 
 
+def with_setting(flags: dict, key: str, value) -> dict:
+    """The unresolved flags with a setting given as its first spelling would give it (a command
+    that sets one itself, as validate sets the recompute its shape needs)."""
+    flag = next(flag for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS if flag.key == key)
+    return dict(flags, **{flag.dest(0): (value,)})
+
+
 def resolve(flags: dict, table) -> dict:
     """Collapse the spellings of each flag in ``table`` into one value (None when not given);
     two different values are an error that names both spellings."""

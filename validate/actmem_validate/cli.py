@@ -12,7 +12,8 @@ import sys
 import click
 
 from actmem.errors import SpecError
-from actmem.cli.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args
+from actmem.cli.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args, \
+    with_setting
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
                   "(on a CPU-only machine install the CPU build of torch first)")
@@ -182,7 +183,7 @@ def _configs(grid, techniques, microbatches, flags):
     mode = "full" if shaped else "selective" if "--recompute-modules" in given else None
     # dims_only: the preset's gpus and global batch (and its kernels' rules at its own run) wait,
     # as validate measures one data-parallel rank of its own; configs_for checks each run whole
-    spec = build_spec_from_flags(dict(flags, recompute=mode) if mode else flags, dims_only=True)
+    spec = build_spec_from_flags(with_setting(flags, "recompute", mode) if mode else flags, dims_only=True)
     if techniques is None:
         chosen = grids.default_techniques(spec)
     else:

@@ -47,12 +47,17 @@ def examples() -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def runnable() -> list[str]:
+    """The examples run here: every one not placed elsewhere."""
+    return [line for line in examples() if line not in ELSEWHERE]
+
+
 def test_the_pages_have_examples_and_every_elsewhere_entry_is_one_of_them():
     assert len(examples()) >= 15
     assert not set(ELSEWHERE) - set(examples())
 
 
-@pytest.mark.parametrize("line", [line for line in examples() if line not in ELSEWHERE])
+@pytest.mark.parametrize("line", runnable())
 def test_each_example_runs(line, tmp_path):
     words = [PLACEHOLDERS.get(word, word) for word in shlex.split(line)][1:]
     words = [str(tmp_path / word) if word.endswith((".png", ".svg", ".csv")) else word for word in words]
@@ -62,13 +67,14 @@ def test_each_example_runs(line, tmp_path):
 
 
 def test_an_example_placed_nowhere_fails_the_gate(monkeypatch, tmp_path):
-    """A page with a new example that is neither runnable here nor in ELSEWHERE: the placement
-    check names it (each run of test_each_example_runs would run it, and fail if it fails)."""
+    """A page with a new example placed nowhere: it joins the examples run here, and one that
+    cannot run fails there; an example placed elsewhere is not run here."""
     import tests.test_docs_examples as module
 
     page = tmp_path / "new.md"
     page.write_text("```bash\nactmem validate --grid everything   # new\n```\n", encoding="utf-8")
     monkeypatch.setattr(module, "PAGES", [*PAGES, page])
-    assert "actmem validate --grid everything" in module.examples()
+    assert "actmem validate --grid everything" in module.runnable()
+    assert not set(ELSEWHERE) & set(module.runnable())
     result = Cli()("validate", "--grid", "everything")
-    assert result.exit_code != 0                     # run here, as it is not placed elsewhere, it fails
+    assert result.exit_code != 0

@@ -143,17 +143,6 @@ def output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:
 
 
 @cache
-def rerun_beyond_freed(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
-    """What the rerun moment holds above the activations in flight, for the planner's sweep
-    (every layer checkpointed alone under full recompute; the larger of its modules' under
-    selective); may be negative, where the backward freed more than it reruns."""
-    if technique.recompute is not Recompute.SELECTIVE:
-        return rematerialised_bytes(technique, arch) - freed_before_rerun(technique, arch)
-    return sympy.Max(*(rematerialised_bytes(technique, arch, module=module)
-                       - freed_before_rerun(technique, arch, module) for module in technique.modules))
-
-
-@cache
 def loss_backward_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """What the loss's backward allocates while every saved activation is still held, on the
     stage that holds the output layer (``holds_output``): the 16-bit logits gradient."""

@@ -63,4 +63,4 @@ def peak_floor(row) -> PeakFloor:
     ) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
          if params.dummy_wgrads_bytes else ())
     moment = row.peak_moment
-    return PeakFloor(state + tuple(PeakRow(part.name, part.bytes, part.source) for part in moment.parts), moment.when)
+    return PeakFloor(state + moment.parts, moment.when)

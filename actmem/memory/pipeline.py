@@ -41,7 +41,7 @@ class StageOccupancy:
     """Layers in one model chunk of this stage: its layers / m."""
 
 
-def _minimum(x, y):
+def minimum(x, y):
     """min(x, y) of integers that works elementwise on numpy arrays too."""
     return (x + y - abs(x - y)) // 2
 
@@ -64,7 +64,7 @@ def held_counts(layers, p, m, n, stage_layers=None, stage=0):
     embedding masks, so they are 0 after the first stage. Arithmetic only: runs on ints and
     on numpy integer arrays (the planner's sweep)."""
     per_chunk = (layers // p if stage_layers is None else stage_layers) // m
-    embedding = _minimum(_by_schedule(embedding_microbatches, p, m), n) * (stage == 0)
+    embedding = minimum(_by_schedule(embedding_microbatches, p, m), n) * (stage == 0)
     return per_chunk * chunks_held(p, m, n, stage), embedding
 
 
@@ -73,7 +73,7 @@ def chunks_held(p, m, n, stage):
     all n·m when the warm-up would take them all (schedules.py, get_pp_rank_microbatches:
     are_all_microbatches_in_warmup). Older Megatron also ran every forward first on every
     rank when n = p; current Megatron-Core does not, and neither does this count."""
-    return _minimum(_by_schedule(chunks_in_flight, p, m, stage), n * m)
+    return minimum(_by_schedule(chunks_in_flight, p, m, stage), n * m)
 
 
 def _by_schedule(count, p, m, *stage):

@@ -24,16 +24,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from actmem.memory import backward, engine
+from actmem.memory.peak import PeakRow
+from actmem.memory.pipeline import minimum
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import TRANSIENT_TERMS
 from actmem.model.recompute import Recompute
-
-
-@dataclass(frozen=True)
-class Part:
-    name: str
-    bytes: object
-    source: str
 
 
 @dataclass(frozen=True)
@@ -92,11 +87,12 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
         layers = layers + counts.chunks * whole * value(engine.per_layer_bytes(technique.whole(), arch))
     extra = value(engine.extra_bytes(technique, engine.microbatches_held, engine.holds_output, arch))
     held = layers + extra
-    moments = (StageMoment("start", "the first backward's start, every microbatch held", (Part(
+    moments = (StageMoment("start", "the first backward's start, every microbatch held", (PeakRow(
         "activations_in_flight", held, HELD),)),)
     loss = value(engine.loss_backward_bytes(technique, arch))
     moments += (StageMoment("loss", "the loss's backward, every microbatch held", (
-        Part("activations_in_flight", held, HELD), Part("logits_gradient_16bit", loss, TRANSIENT_TERMS[0].source)),
+        PeakRow("activations_in_flight", held, HELD),
+        PeakRow("logits_gradient_16bit", loss, TRANSIENT_TERMS[0].source)),
         loss > 0),)
     moments += _reruns(technique, arch, value, counts, n, held, per_layer)
     moments += _layer_moments(technique, arch, value, counts, n, held)
@@ -111,7 +107,7 @@ def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
     if not technique.partial:
         return per_chunk, 0
     if technique.policy.method == "block":
-        checkpoints = _minimum(n, per_chunk)
+        checkpoints = minimum(n, per_chunk)
         return checkpoints, per_chunk - checkpoints
     return -(-per_chunk // n), 0
 
@@ -141,9 +137,10 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
 
 def _rerun(held, rematerialised, freed, technique, when=True) -> StageMoment:
     return StageMoment("rerun", "the first backward, its recompute done", (
-        Part("activations_in_flight", held - freed,
+        PeakRow("activations_in_flight", held - freed,
              "the saved activations in flight, less what the backward freed before the rerun"),
-        Part("rematerialised", rematerialised, rematerialised_source(technique))), _and(when, rematerialised > freed))
+        PeakRow("rematerialised", rematerialised, rematerialised_source(technique))),
+        _and(when, rematerialised > freed))
 
 
 def _layer_moments(technique, arch, value, counts, n, held) -> tuple:
@@ -186,15 +183,15 @@ def _layer_moment(name: str, last: Technique, arch, value, held, when) -> StageM
     symbolic = backward.moment_bytes(name, last, arch)
     moment = backward.Moment(*(value(getattr(symbolic, field.name)) for field in fields(symbolic)))
     when_text, label, source = LAYER_MOMENTS[name]
-    rerun = () if symbolic.rerun == 0 or (isinstance(moment.rerun, int) and not moment.rerun) else (Part(
+    rerun = () if symbolic.rerun == 0 or (isinstance(moment.rerun, int) and not moment.rerun) else (PeakRow(
         "rematerialised", moment.rerun - moment.freed_rerun,
         rematerialised_source(last) + ", less its rows after this op, already freed"),)
     return StageMoment(name, when_text, (
-        Part("activations_in_flight", held - moment.freed_held,
+        PeakRow("activations_in_flight", held - moment.freed_held,
              "the saved activations in flight, less what the backward freed before this op: the output "
              "layer's where the stage has it, the last layer's rows after the op"),
         *rerun,
-        Part(label, moment.transient, source)), when, moment)
+        PeakRow(label, moment.transient, source)), when, moment)
 
 
 def rematerialised_source(technique: Technique) -> str:
@@ -213,15 +210,6 @@ def rematerialised_source(technique: Technique) -> str:
             "recompute, less its input (the checkpoint's own storage)")
 
 
-def _minimum(x, y):
-    """min(x, y) for ints and numpy arrays alike."""
-    if isinstance(x, int) and isinstance(y, int):
-        return min(x, y)
-    import numpy as np
-
-    return np.minimum(x, y)
-
-
 def _and(x, y):
     """x and y, for plain booleans or numpy arrays alike."""
     if isinstance(x, bool) and isinstance(y, bool):
@@ -229,11 +217,6 @@ def _and(x, y):
     import numpy as np
 
     return np.logical_and(x, y)
-
-
-def peak_moment(activations: StageActivations) -> StageMoment:
-    """The moment of one stage (plain counts) that holds the most; the first of equals."""
-    return max((moment for moment in activations.moments if moment.present), key=lambda moment: moment.bytes)
 
 
 def largest_bytes(activations: StageActivations):

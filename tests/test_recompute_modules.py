@@ -54,7 +54,7 @@ def test_the_order_and_spelling_of_the_modules_do_not_matter(actmem):
     c = actmem.json("estimate", *PAPER_22B, "--recompute-modules", "mlp,core_attn", "--megatron-args", paste)
     assert c["run_terms"] == a["run_terms"]
     assert_one_line_error(actmem("estimate", *PAPER_22B, "--recompute-modules", "mlp", "--megatron-args", paste),
-                          "recompute_modules is given more than once and the values disagree")
+                          "--recompute-modules is given more than once and the values disagree")
 
 
 def test_layernorm_recompute_changes_no_byte_under_te_and_says_why(actmem):

@@ -73,6 +73,7 @@ class Flag:
     same: object = None
     """value -> what two spellings must agree on (None: the value itself); --recompute-modules
     names a set, so 'mlp,core_attn' and 'core_attn mlp' agree."""
+    metavar: str | None = None
 
     def dest(self, index: int) -> str:
         spelling = self.names[index].partition("/")[0].lstrip("-").replace("-", "_")
@@ -298,6 +299,8 @@ def add_flags(command, flags):
                 kw.update(type=flag.type, metavar="FLOAT" if flag.type is float else "INTEGER")
             else:
                 kw.update(type=flag.type)
+            if flag.metavar:
+                kw.update(metavar=flag.metavar)
             command = option(name, flag.dest(index), **kw)(command)
     return command
 
@@ -305,7 +308,7 @@ def add_flags(command, flags):
 def with_setting(flags: dict, key: str, value) -> dict:
     """The unresolved flags with a setting given as its first spelling would give it (a command
     that sets one itself, as validate sets the recompute its shape needs)."""
-    flag = next(flag for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS if flag.key == key)
+    flag = next(flag for flag in SPEC_FLAGS if flag.key == key)
     return dict(flags, **{flag.dest(0): (value,)})
 
 
@@ -318,7 +321,11 @@ def resolve(flags: dict, table) -> dict:
                  for index in range(len(flag.names)) for value in out.pop(flag.dest(index), ())]
         if len({(flag.same or _itself)(value) for flag, _, value in given}) > 1:
             spelled = dict.fromkeys(_spelling(flag, index, value) for flag, index, value in given)
-            raise SpecError(f"{key} is given more than once and the values disagree: "
+            # one spelling given two values names itself (--model 530b --model 22b); --sp and --no-sp, or
+            # two spellings, name the setting
+            names = {flag.names[index] for flag, index, _ in given if flag.type is not bool}
+            setting = names.pop() if len({(f, i) for f, i, _ in given}) == 1 and names else key
+            raise SpecError(f"{setting} is given more than once and the values disagree: "
                             f"{' and '.join(spelled)}; give it once")
         out[key] = given[0][2] if given else None
     return out
@@ -328,17 +335,17 @@ def _itself(value):
     return value
 
 
-GPU_OPTIONS = (
-    option("--gpu", "gpu_name", default=None, metavar="NAME",
-                 help="The GPU: a100 (a100-80), a100-40, h100, h200, b200 or mi300x, at the memory its "
-                      "allocator can reach (h100: 79.10 GiB); default: the preset's, else a100 (the paper's)."),
-    option("--gpu-memory", default=None, metavar="SIZE",
-                 help="What the allocator can reach on one GPU, with its unit (e.g. 79GiB, 40GB); in place "
-                      "of --gpu's."),
-    option("--reserve", default=None, metavar="SIZE",
-                 help=f"Kept free above the peak floor for what actmem does not count: the CUDA context, NCCL "
-                      f"and cuBLAS workspaces, fragmentation, the kernels' own backward buffers (default "
-                      f"{DEFAULT_RESERVE}, as `plan`); 'fits' needs the peak and the reserve."),
+GPU = Flag(("--gpu",), "gpu_name",
+           "The GPU: a100 (a100-80), a100-40, h100, h200, b200 or mi300x, at the memory its allocator can reach "
+           "(h100: 79.10 GiB); default: the preset's, else a100 (the paper's).", str, metavar="NAME")
+GPU_FLAGS = (
+    GPU,
+    Flag(("--gpu-memory",), "gpu_memory", "What the allocator can reach on one GPU, with its unit (e.g. 79GiB, "
+         "40GB); in place of --gpu's.", str, metavar="SIZE"),
+    Flag(("--reserve",), "reserve",
+         f"Kept free above the peak floor for what actmem does not count: the CUDA context, NCCL and cuBLAS "
+         f"workspaces, fragmentation, the kernels' own backward buffers (default {DEFAULT_RESERVE}, as `plan`); "
+         f"'fits' needs the peak and the reserve.", str, metavar="SIZE"),
 )
 MEGATRON_ARGS = option(
     "--megatron-args", default=None, metavar="@SCRIPT|@FILE|TEXT",
@@ -347,33 +354,30 @@ MEGATRON_ARGS = option(
          "ignored, the rest are refused in one message.")
 
 
-VOCAB_PADDING = option(
-    "--make-vocab-size-divisible-by", "vocab_divisible_by", type=int, default=None,
-    help=f"Megatron pads the vocabulary to a multiple of this times t (default {VOCAB_DIVISIBLE_BY}; none under "
-         "torch-native or hf).")
+VOCAB_PADDING = Flag(
+    ("--make-vocab-size-divisible-by",), "vocab_divisible_by",
+    f"Megatron pads the vocabulary to a multiple of this times t (default {VOCAB_DIVISIBLE_BY}; none under "
+    "torch-native or hf).")
+PRESET = Flag(("--model", "-m"), "preset", "Preset name or alias (see `actmem presets`) or a preset .toml file; "
+              "flags override it.", str, metavar="NAME|PATH")
+LAYERS_PER_CHUNK = Flag(("--num-layers-per-virtual-pipeline-stage",), "layers_per_chunk",
+                        "Megatron's older way to ask for interleaving: m = (L/p)/N.")
+
+#: every flag of a whole spec: one table, from which the options, the spellings and `given_flags` come
+SPEC_FLAGS = (PRESET, *MODEL_FLAGS, *RUN_FLAGS, LAYERS_PER_CHUNK, *ARCHITECTURE_FLAGS, *STATE_FLAGS, *GPU_FLAGS,
+              VOCAB_PADDING)
 
 
 def spec_options(command):
     """The model, architecture and run flags of every command that takes a whole spec."""
-    options = [
-        option("--num-layers-per-virtual-pipeline-stage", "layers_per_chunk", type=int,
-                     default=None, help="Megatron's older way to ask for interleaving: m = (L/p)/N."),
-        *GPU_OPTIONS,
-        VOCAB_PADDING,
-        MEGATRON_ARGS,
-    ]
-    command = add_flags(command, RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
-    for decorator in reversed(options):
-        command = decorator(command)
+    command = MEGATRON_ARGS(add_flags(command, RUN_FLAGS + (LAYERS_PER_CHUNK,) + ARCHITECTURE_FLAGS + STATE_FLAGS
+                                      + GPU_FLAGS + (VOCAB_PADDING,)))
     return model_options(command)
 
 
 def model_options(command):
     """--model and the model dims, shared by every command that takes a model."""
-    command = add_flags(command, MODEL_FLAGS)
-    return option("--model", "-m", "preset", metavar="NAME|PATH",
-                        help="Preset name or alias (see `actmem presets`) or a preset .toml file; "
-                             "flags override it.")(command)
+    return add_flags(command, (PRESET,) + MODEL_FLAGS)
 
 
 def _preset_and_flags(flags: dict, preset=None) -> tuple:
@@ -392,9 +396,11 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
-    if preset and preset.hf_unmeasured and architecture.get("implementation") == "hf":
-        raise SpecError(f"--implementation hf is measured as transformers' LlamaForCausalLM, "
-                        f"Qwen3ForCausalLM and GPT2LMHeadModel; {preset.source}: {preset.hf_unmeasured}")
+    unmeasured = preset.unmeasured.get(architecture.get("implementation")) if preset else None
+    if unmeasured:
+        code = implementation(architecture["implementation"])
+        raise SpecError(f"--implementation {code.name} is measured as "
+                        f"{', '.join(model.name for model in code.models)}; {preset.source}: {unmeasured}")
     notes = preset.notes if preset else ()
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)
@@ -422,6 +428,8 @@ class ModelChoice:
     """Bytes a main gradient where --grad-dtype (or a paste) says; None: fp32."""
     optimizer: object = None
     """The OptimizerState the flags (or a paste) ask for."""
+    vocab_divisible_by: int | None = None
+    """--make-vocab-size-divisible-by where given."""
 
 
 def model_from_flags(flags: dict) -> ModelChoice:
@@ -431,7 +439,8 @@ def model_from_flags(flags: dict) -> ModelChoice:
     flags, pasted = with_megatron_args(flags)
     script_run = _script_run(flags) if pasted else {}
     _check_main_grads(flags)
-    flags = resolve(flags, MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + STATE_FLAGS)
+    flags = resolve(flags, (PRESET,) + MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + STATE_FLAGS
+                    + (VOCAB_PADDING,))
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     if preset is not None:       # a preset file is checked whole, whatever the flags change
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
@@ -442,7 +451,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
     return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
                        pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes,
-                       optimizer_state(flags))
+                       optimizer_state(flags), flags["vocab_divisible_by"])
 
 
 def _script_run(flags: dict) -> dict:
@@ -514,7 +523,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
 
     flags, pasted = with_megatron_args(flags)
     _check_main_grads(flags)
-    flags = resolve(flags, MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS)
+    flags = resolve(flags, SPEC_FLAGS)
     from actmem.sources.presets import load_preset
 
     preset = load_preset(flags["preset"]) if flags["preset"] else None
@@ -565,7 +574,7 @@ def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:
 
     if not pasted:
         return
-    if architecture.get("implementation", MEGATRON) != MEGATRON:
+    if "megatron_args" not in implementation(architecture.get("implementation", MEGATRON)).has:
         raise SpecError(f"--megatron-args describes a Megatron-LM run; it cannot be read as "
                         f"--implementation {architecture['implementation']}")
     if model.get("vocab") is None:
@@ -576,18 +585,13 @@ def _check_paste(pasted: dict, model: dict, architecture: dict) -> None:
             f"(GPT-2's BPE files, --vocab-file gpt2-vocab.json: {GPT2_VOCAB})"))
 
 
-_OTHER_SPELLINGS = {"preset": "--model", "layers_per_chunk": "--num-layers-per-virtual-pipeline-stage",
-                    "vocab_divisible_by": "--make-vocab-size-divisible-by"}
-
-
 def given_flags(flags: dict) -> list[str]:
     """The spellings of the spec flags a user gave (before ``resolve``), for a mode that sets
     them itself and must refuse them rather than ignore them."""
     given = []
-    for flag in MODEL_FLAGS + RUN_FLAGS + ARCHITECTURE_FLAGS + STATE_FLAGS:
+    for flag in SPEC_FLAGS:
         for index in range(len(flag.names)):
             given += [_spelling(flag, index, value).split(" ")[0] for value in flags.get(flag.dest(index), ())]
-    for key, value in flags.items():
-        if "__" not in key and value not in (None, False, ()):
-            given.append(_OTHER_SPELLINGS.get(key, "--" + key.replace("_", "-")))
+    if flags.get("megatron_args") is not None:
+        given.append("--megatron-args")
     return list(dict.fromkeys(given))

@@ -14,9 +14,9 @@ import click
 
 from actmem.model import defaults
 from actmem.errors import SpecError
-from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU_OPTIONS, GPUS, MEGATRON_ARGS, STATE_FLAGS,
+from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU, GPU_FLAGS, GPUS, MEGATRON_ARGS, STATE_FLAGS,
                               VOCAB_PADDING, add_flags, build_spec_from_flags, model_from_flags, model_options,
-                              option, spec_options)
+                              option, resolve, spec_options)
 from actmem.model.hardware import DEFAULT_EFFICIENCY
 
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
@@ -179,7 +179,6 @@ def _gpus_and_batch(command):
 def plan_options(command):
     """The flags of `actmem plan` beyond the model's."""
     options = [
-        *GPU_OPTIONS,
         option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
                      show_default=True,
                      help="Tensor parallelism stays inside a node: t <= this."),
@@ -188,7 +187,6 @@ def plan_options(command):
         option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
                      show_default=True,
                      help="Largest b to try."),
-        VOCAB_PADDING,
         option("--top", type=click.IntRange(min=0), default=10, show_default=True,
                      help="How many configurations to show; 0 shows all."),
         option("--explain", "config", metavar="CONFIG", default=None,
@@ -199,7 +197,8 @@ def plan_options(command):
         option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
-    command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS + STATE_FLAGS))
+    command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS + STATE_FLAGS + GPU_FLAGS
+                                      + (VOCAB_PADDING,)))
     for decorator in reversed(options):
         command = decorator(command)
     return model_options(command)
@@ -261,6 +260,7 @@ def plan_request(flags: dict):
     choice = model_from_flags(flags)
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
+    flags = resolve(flags, GPU_FLAGS)
     gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
     memory = gpu_options(flags, choice.gpu)
     request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
@@ -268,7 +268,7 @@ def plan_request(flags: dict):
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           max_micro_batch=flags["max_micro_batch"],
                           vocab_divisible_by=choice.architecture.code.vocab_divisible_by(
-                              flags["vocab_divisible_by"], defaults.VOCAB_DIVISIBLE_BY),
+                              choice.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY),
                           architecture=choice.architecture,
                           optimizer=choice.optimizer,
                           **({} if choice.gradient_bytes is None else {"gradient_bytes": choice.gradient_bytes}))
@@ -279,10 +279,9 @@ def plan_request(flags: dict):
 @model_options
 @_gpus_and_batch
 @MEGATRON_ARGS
+@lambda command: add_flags(command, (GPU,))
 @option("--iteration-time", type=float, default=None, metavar="SECONDS",
               help="Measured seconds per iteration: gives MFU and HFU.")
-@option("--gpu", "gpu_name", default=None, metavar="NAME",
-              help="GPU kind for the peak (default: the preset's, else a100).")
 @option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
 @option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
               show_default=True, help="Output format.")
@@ -309,7 +308,7 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
                             f"got {iteration_time}")
         if gpus is None:
             raise SpecError("MFU needs --gpus with --iteration-time (the preset gives none)")
-    gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
+    gpu = gpu_named(resolve(flags, (GPU,))["gpu_name"] or choice.gpu or DEFAULT_GPU)
     peak = gpu.peak_flops if peak_tflops is None else peak_tflops * 1e12
     if not (math.isfinite(peak) and peak > 0):
         raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from actmem.model import defaults
 from actmem.errors import SpecError
 from actmem.memory.estimate import Estimate, estimate
-from actmem.model.implementation import HF_ATTENTION, IMPLEMENTATIONS, MEGATRON
+from actmem.model.implementation import IMPLEMENTATIONS
 from actmem.model.spec import Spec
 
 
@@ -29,7 +29,8 @@ class CodeRow:
     @property
     def name(self) -> str:
         """'megatron', 'torch-native', 'hf · sdpa', 'hf · eager'."""
-        return f"hf · {HF_ATTENTION[self.attention_core]}" if self.implementation == "hf" else self.implementation
+        core = IMPLEMENTATIONS[self.implementation].attention_label(self.attention_core)
+        return f"{self.implementation} · {core}" if core else self.implementation
 
 
 def side_by_side(spec: Spec, stage: int = 0) -> tuple[CodeRow, ...]:
@@ -44,16 +45,16 @@ def _cores(name: str, spec: Spec) -> tuple:
     """transformers: both its attentions. The others: the spec's core, or flash when the spec
     is transformers' (its eager is an attn_implementation, and Megatron and torchtitan run
     flash attention: the column says which core each row ran)."""
-    if name == "hf":
-        return tuple(HF_ATTENTION)
-    return ("flash",) if spec.architecture.implementation == "hf" else (spec.architecture.attention_core,)
+    names = IMPLEMENTATIONS[name].attention_names
+    if names:
+        return tuple(names)
+    return ("flash",) if spec.architecture.code.attention_names else (spec.architecture.attention_core,)
 
 
 def _row(spec: Spec, name: str, core: str, stage: int) -> CodeRow:
     try:
-        # --no-rope-fusion is Megatron's kernel choice, the attention mask its dataloader's
-        megatrons = {} if name == MEGATRON else {"rope_fusion": True, "attention_mask": False}
-        arch = replace(spec.architecture, implementation=name, attention_core=core, **megatrons)
+        dropped = dict(IMPLEMENTATIONS[name].dropped_settings)
+        arch = replace(spec.architecture, implementation=name, attention_core=core, **dropped)
         own = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
         padding = own if arch.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY   # default: none asked
         return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding), stage))

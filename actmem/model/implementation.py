@@ -61,6 +61,16 @@ class Implementation:
     behaviours the term table and the peak floor count where it does."""
     limits: tuple = ()
     """(breaks: architecture -> bool, message): what is not modelled under this code."""
+    attention_names: dict | None = None
+    """What the code calls each attention core where it names them itself (transformers'
+    attn_implementation); None where the core is actmem's own word."""
+    dropped_settings: tuple = ()
+    """(field, value): Megatron's settings this code has no use for, reset to the value when the
+    same model is compared under it (side_by_side): a kernel choice, the dataloader's mask."""
+    flash_head_dim_limit: int | None = None
+    """The largest head dim d its flash core is modelled for (None: any)."""
+    flash_head_dim_why: str = ""
+    """What its flash core does beyond that d."""
     unpadded_vocab: str | None = None
     """Why the vocabulary is not padded (None: Megatron pads it to a multiple of 128·t,
     --make-vocab-size-divisible-by). DTensor shards it unevenly, rank 0 holding ceil(v/t)
@@ -84,6 +94,10 @@ class Implementation:
         """What a Spec or PlanRequest keeps as its padding multiple: the value given (the
         default read as not asked for), or 1 where the code pads none."""
         return self.vocab_divisible_by(None if value == default else value, default)
+
+    def attention_label(self, core: str) -> str:
+        """The name of the attention core this code runs ('sdpa' for transformers' flash), or ''."""
+        return self.attention_names[core] if self.attention_names else ""
 
     def check(self, arch) -> None:
         """Refuse an architecture this implementation is not modelled for, with the reason."""
@@ -218,7 +232,14 @@ _HF_GPT2 = ModelClass(
            "copies (eager, b > 1), the same bytes; gelu_new, written in Python, keeps its input and three "
            "more f-wide tensors; dropout keeps 1-byte masks (torch.native_dropout, as on a GPU); the "
            "int64 position ids (8s B) are not counted",))
-_HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's vocabulary",
+#: Megatron's kernel choice (--no-rope-fusion) and its dataloader's attention mask, which other codes have not
+_NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
+
+_HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON, unpadded_vocab="transformers keeps the config's vocabulary",
+           flash_head_dim_limit=256,
+           flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
+                              "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
+                              "which actmem does not count yet",
            models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2),
            selective_recompute="transformers has no selective recompute: choose none",
            full_recompute="transformers' activation checkpointing also keeps what each layer's call "
@@ -238,9 +259,10 @@ _HF = dict(runs=frozenset(), unpadded_vocab="transformers keeps the config's voc
 #: - rotary_percent: --rotary-percent of its rope (rope_utils.py);
 #: - te_flash_core: TE's attention, which makes v contiguous inside core_attn's checkpoint;
 #: - paper_norms: the paper's eager layer, whose norm statistics the paper leaves out;
-#: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments).
+#: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments);
+#: - megatron_args: it is what a Megatron-LM launch script runs (--megatron-args).
 MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
-                           "te_flash_core", "paper_norms", "layer_backward"})
+                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args"})
 
 #: (what the code must have, whether the architecture uses it, the refusal where it does not)
 SWITCHES = (
@@ -281,7 +303,7 @@ IMPLEMENTATIONS = {
         keeps=frozenset({"repeated_key_value", "silu_output"}),
         architecture=_TORCHTITAN_LLAMA,
         runs=frozenset({"tensor"}),
-        unpadded_vocab="DTensor shards the vocabulary unevenly",
+        unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
                "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
                "keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "

@@ -126,6 +126,12 @@ def _layers_making_their_own_mask(v) -> str:
             "own), or --attention-core flash")
 
 
+def _learned_positions_reach(arch, seq_len) -> bool:
+    """A learned position table (--max-position-embeddings rows) covers every position."""
+    rows = arch.position_rows
+    return arch.position_embedding != "learned" or rows is None or rows >= seq_len
+
+
 @dataclass(frozen=True)
 class Rule:
     holds: Callable
@@ -183,6 +189,23 @@ _DATA_PARALLEL = ("gpus", "run_known")
 
 RULES = (
     *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
+    Rule(lambda v: v.recompute == "full",
+         lambda v: f"--recompute-method and --recompute-num-layers shape full recompute; this run's recompute is "
+                   f"{v.recompute}", ("recompute_shape",)),
+    Rule(lambda v: None not in v.recompute_shape,
+         lambda v: "give --recompute-method and --recompute-num-layers together, as Megatron requires",
+         ("recompute_shape",)),
+    Rule(lambda v: v.recompute == "selective",
+         lambda v: f"--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then; "
+                   f"a preset names it recompute_modules); this run's recompute is {v.recompute}",
+         ("recompute_modules",)),
+    Rule(lambda v: _learned_positions_reach(v.architecture, v.seq_len),
+         lambda v: f"the learned position table has {v.architecture.position_rows:,} rows "
+                   f"(--max-position-embeddings), fewer than the sequence's {v.seq_len:,} positions: Megatron "
+                   f"cannot look them up", ("architecture",)),
+    Rule(lambda v: 0 <= v.reserve_bytes < v.gpu_memory_bytes,
+         lambda v: f"reserve ({v.reserve_bytes:,} B) must be less than the GPU memory ({v.gpu_memory_bytes:,} B)",
+         ("reserve_bytes", "gpu_memory_bytes")),
     Rule(lambda v: v.hidden % v.t == 0, lambda v: f"t ({v.t}) must divide hidden ({v.hidden})"),
     Rule(lambda v: v.heads % v.t == 0, lambda v: f"t ({v.t}) must divide heads ({v.heads})"),
     Rule(lambda v: v.ffn % v.t == 0, lambda v: f"t ({v.t}) must divide ffn_hidden ({v.ffn})", ("ffn",)),
@@ -240,10 +263,10 @@ RULES = (
                    "optimizer/__init__.py, 'only supported with distributed optimizer')", ("precision_aware",)),
     Rule(lambda v: _implies(v.distributed_optimizer, "distributed_optimizer" in v.code.runs),
          lambda v: _unmodelled_run(v, "Megatron's distributed optimizer"), ("code",)),
-    Rule(lambda v: _implies(v.code.name == "hf" and v.core == "flash", v.head_dim <= 256),
-         lambda v: f"transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
-                   f"(sdpa_attention.py, use_gqa_in_sdpa); at d = {v.head_dim} it copies k and v to a "
-                   f"heads, which actmem does not count yet", ("code", "head_dim")),
+    Rule(lambda v: _implies(v.code.flash_head_dim_limit is not None and v.core == "flash",
+                            v.head_dim <= (v.code.flash_head_dim_limit or 0)),
+         lambda v: f"--implementation {v.code.name} at d = {v.head_dim}: {v.code.flash_head_dim_why}",
+         ("code", "head_dim")),
     Rule(lambda v: _implies(_torch_softmax_handed_the_mask(v), _mask_reaches_every_layer(v)),
          _layers_making_their_own_mask, ("architecture", "run_known")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
@@ -311,6 +334,12 @@ class Values:
     """The Architecture, when given: the rules of Megatron's torch fallback softmax read its switches."""
     precision_aware: object = None
     """TE's precision-aware optimizer (--use-precision-aware-optimizer), when given."""
+    reserve_bytes: object = None
+    """What is kept free above the peak floor (--reserve), when given."""
+    recompute_shape: object = None
+    """(--recompute-method, --recompute-num-layers) where either is given."""
+    recompute_modules: object = None
+    """--recompute-modules, where given."""
 
 
 def _unmodelled_run(v, what: str) -> str:

@@ -100,12 +100,7 @@ def _check_recompute_shape(run) -> None:
     shape = (run.recompute_method, run.recompute_layers)
     if shape == (None, None):
         return
-    if run.recompute is not Recompute.FULL:
-        raise SpecError("--recompute-method and --recompute-num-layers shape full recompute; "
-                        f"this run's recompute is {getattr(run.recompute, 'value', run.recompute)}")
-    if None in shape:
-        raise SpecError("give --recompute-method and --recompute-num-layers together, as Megatron requires")
-    if run.recompute_method not in ("uniform", "block"):
+    if run.recompute_method not in ("uniform", "block", None):
         raise SpecError(f"recompute_method must be uniform or block, got {run.recompute_method!r}")
 
 
@@ -125,10 +120,6 @@ def _checked_modules(run) -> tuple:
     if not given:
         raise SpecError("--recompute-modules names no module: give core_attn, layernorm or mlp "
                         "(or leave it out for core_attn, Megatron's default)")
-    if run.recompute is not Recompute.SELECTIVE:
-        raise SpecError(f"--recompute-modules chooses what selective recompute recomputes (Megatron reads "
-                        f"it only then; a preset names it recompute_modules); this run's recompute is "
-                        f"{getattr(run.recompute, 'value', run.recompute)}")
     for module in given:
         if module in _OTHER_MODULES:
             raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")
@@ -171,13 +162,8 @@ class Spec:
             require_positive_int(name, getattr(self, name))
         if self.gradient_bytes not in (2, 4):
             raise SpecError(f"gradient_bytes must be 4 (fp32) or 2 (16-bit), got {self.gradient_bytes!r}")
-        rows = self.architecture.position_rows
-        if self.architecture.position_embedding == "learned" and rows is not None and rows < self.model.seq_len:
-            raise SpecError(f"the learned position table has {rows:,} rows (--max-position-embeddings), fewer than "
-                            f"the sequence's {self.model.seq_len:,} positions: Megatron cannot look them up")
-        if not (isinstance(self.reserve_bytes, int) and 0 <= self.reserve_bytes < self.gpu_memory_bytes):
-            raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
-                            f"({self.gpu_memory_bytes:,} B)")
+        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int):
+            raise SpecError(f"reserve must be a whole number of bytes, got {self.reserve_bytes!r}")
         if not isinstance(self.optimizer, OptimizerState):
             raise SpecError(f"optimizer must be an OptimizerState, got {self.optimizer!r}")
         if not isinstance(self.architecture, Architecture):
@@ -206,7 +192,10 @@ class Spec:
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
             run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
             gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture,
-            precision_aware=self.optimizer.precision_aware)
+            precision_aware=self.optimizer.precision_aware, reserve_bytes=self.reserve_bytes,
+            recompute_shape=None if (run.recompute_method, run.recompute_layers) == (None, None)
+            else (run.recompute_method, run.recompute_layers),
+            recompute_modules=run.recompute_modules)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

@@ -39,7 +39,7 @@ def read_hf_config(path: Path) -> dict:
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
-                hf_unmeasured=_hf_unmeasured(kind, config),
+                unmeasured={"hf": why} if (why := _hf_unmeasured(kind, config)) else {},
                 notes=(f"{path.name}: {kind}, read as a dense layer, its attention core flash unless "
                        "--attention-core says otherwise (the code line says whose kernels count it)",)
                 + notes[1:],

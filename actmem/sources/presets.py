@@ -1,7 +1,7 @@
 """Model presets: one TOML file each, shipped in the wheel as actmem/presets/."""
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -33,9 +33,9 @@ class Preset:
     """Rows of a learned position table the file fixes (gpt2's n_positions): s must equal it."""
     gpu: str | None = None
     """The GPU the preset's run was trained on (actmem.model.hardware's name): the default of --gpu."""
-    hf_unmeasured: str | None = None
-    """Why transformers' own class for this config.json is not one the harness measured
-    (--implementation hf refuses it); None where it is, and for a preset file."""
+    unmeasured: dict = field(default_factory=dict)
+    """{implementation: why its code for this model is not what the harness measured} (a
+    config.json whose transformers class is not one of hf's): that --implementation refuses it."""
 
 
 def preset_dir() -> Path:

@@ -29,6 +29,9 @@ SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "-
     ([*SMALL, "--tp", "2", "--no-sp"], ["drop --no-sp"]),
     ([*SMALL, "--gpus", "64", "--global-batch", "512"], ["drop", "--gpus", "--global-batch"]),
     ([*SMALL, "--gpu-memory", "40GiB"], ["drop --gpu-memory"]),
+    # the GPU flags are rows of the flag table: named as the user spelled them, not by their key
+    (["--grid", "small", "--gpu", "h100", "--reserve", "1GiB"], ["drop --gpu, --reserve"]),
+    (["--grid", "small", "-m", "22b"], ["drop -m"]),
     # the torch-native and hf backends measure one microbatch's forward
     (["--model", "llama-3.1-8b", "--layers", "2", "--implementation", "hf", "--mode", "fake", "--microbatches", "2"],
      ["the hf backend measures one microbatch's forward", "drop --microbatches 2"]),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from actmem.memory.estimate import estimate
-from actmem.model.implementation import HF_ATTENTION, MEGATRON
+from actmem.model.implementation import MEGATRON
 from actmem.model.spec import Spec
 from actmem.memory.stages import split_of
 from actmem.memory.techniques import Technique, matching, unnamed_run
@@ -39,9 +39,8 @@ class Config:
         shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
         arch = self.spec.architecture
-        code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}"
-        if arch.implementation == "hf":                  # its attention core is its attn_implementation
-            code += f" {HF_ATTENTION[arch.attention_core]}"
+        core = arch.code.attention_label(arch.attention_core)      # transformers' attn_implementation
+        code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}" + (f" {core}" if core else "")
         split = f" ({split_of(self.spec)})" if split_of(self.spec) else ""     # uneven: 'p=2 (2+3)'
         return (f"{self.spec.name}{code} t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} "
                 f"m={run.interleave} b={run.micro_batch} n={self.microbatches} {self.technique.name}{shape}")

@@ -56,6 +56,22 @@ def option(*names, **kw):
     return click.option(*names, cls=kw.pop("cls", Once), **kw)
 
 
+class _Ratio(click.ParamType):
+    """A decimal as an exact fraction ('1.25' is 5/4), so the bytes it scales stay whole numbers."""
+
+    name = "RATIO"
+
+    def convert(self, value, param, ctx):
+        from fractions import Fraction
+
+        try:
+            ratio = Fraction(str(value))
+        except (ValueError, ZeroDivisionError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return int(ratio) if ratio.denominator == 1 else ratio
+
+
+_RATIO = _Ratio()
 POSITION_EMBEDDING_NAMES = _Named({name: name for name in POSITION_EMBEDDINGS} | POSITION_EMBEDDING_ALIASES)
 
 
@@ -152,6 +168,19 @@ ARCHITECTURE_FLAGS = (
          "Megatron's fused weight gradients into main_grad, with TE's dummy kept (default), or 16-bit weight "
          "gradients made at each linear's backward and freed once added (Megatron's --no-gradient-accumulation-"
          "fusion)", bool),
+    Flag(("--num-experts",), "num_experts",
+         "a mixture-of-experts MLP of E experts in every layer (Megatron's switch; modelled: the alltoall "
+         "dispatcher, SwiGLU experts without biases, dropless routing)"),
+    Flag(("--moe-router-topk",), "moe_topk", "experts each token is routed to, k (default 2)"),
+    Flag(("--moe-ffn-hidden-size",), "moe_ffn_hidden", "an expert's hidden size f_e (default: --ffn)"),
+    Flag(("--moe-router-load-balancing-type",), "moe_load_balancing",
+         "the router's load balancing: aux_loss (default; keeps its own scores over every expert) or none",
+         click.Choice(["aux_loss", "none", "seq_aux_loss", "global_aux_loss", "sinkhorn"])),
+    Flag(("--moe-token-dispatcher-type",), "moe_dispatcher",
+         "how tokens reach their experts: alltoall (modelled), allgather (Megatron's default) or flex",
+         click.Choice(["alltoall", "allgather", "flex"])),
+    Flag(("--moe-grouped-gemm",), "moe_grouped_gemm",
+         "the experts as TE's grouped GEMM (the same saved tensors as one MLP each)", constant=True),
     Flag(("--implementation",), "implementation",
          "whose code runs the layer: megatron (default: Megatron-Core with Transformer Engine), "
          "torch-native (PyTorch DTensor TP/SP as torchtitan plans its Llama layer) or hf (Hugging "
@@ -192,6 +221,13 @@ RUN_FLAGS = (
          "default and the paper's), mlp (the MLP with its fused norm, keeping its input) and "
          "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
+    Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
+         "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (from the data-parallel ones)"),
+    Flag(("--etp", "--expert-tensor-parallel-size"), "expert_tensor_parallel",
+         "expert-tensor-parallel size ETP: ranks each expert's linears are split over (default t)"),
+    Flag(("--moe-imbalance",), "routing_imbalance",
+         "the busiest rank's expert rows over the balanced count, r >= 1 (default 1: balanced routing); "
+         "1.25 prices a rank that receives 25% more tokens than its share", _RATIO),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

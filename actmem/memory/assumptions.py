@@ -5,7 +5,7 @@ parameters and model state). Text only: the numbers come from actmem.memory.esti
 from dataclasses import replace
 
 from actmem.memory import engine
-from actmem.model import rules, symbols
+from actmem.model import rules
 from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax, \
     unfused_weight_gradients
 from actmem.memory.parameters import ParameterBytes
@@ -31,7 +31,9 @@ def _layer_formula(arch) -> str:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
-    return (f"{attention} + {arch.fc1_width + 1}h·{f} weights, {arch.activation}, {arch.normalization}"
+    mlp = (f"{arch.fc1_width + 1}h·{f}" if not arch.moe else
+           "a router's E·h (whole on every rank) + E/EP experts of 3h·f_e/ETP")
+    return (f"{attention} + {mlp} weights, {arch.activation}, {arch.normalization}"
             + ("" if arch.biases == "biases" else f", {arch.biases}")
             + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))
 
@@ -125,7 +127,7 @@ def _paper_rows_note(spec: Spec, rows: tuple) -> str:
         t = spec.technique_t(row.technique)
         if row.technique.partial or not torch_softmax(spec.architecture_at(t)):
             continue
-        bindings = spec.bindings() | {symbols.t: t}
+        bindings = spec.bindings_at(t)
         paper = engine.exact(engine.per_layer_bytes(row.technique, fused), bindings)
         shown.append(f"{row.technique.name} {row.per_layer_bytes:,} B (paper {paper:,} B)")
     return ("per layer here on torch's softmax, and the paper's value beside (the same row with the fused "
@@ -168,6 +170,30 @@ def _mask_notes(spec: Spec) -> list:
             "counts it (a pasted argument list without that switch has it)"]
 
 
+def _moe_notes(spec: Spec) -> list:
+    """What a mixture-of-experts layer is counted as, and what it leaves out."""
+    arch, run = spec.architecture, spec.run
+    if not arch.moe:
+        return []
+    imbalance = run.routing_imbalance
+    return [
+        f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), alltoall "
+        f"dispatcher, dropless, softmax top-{arch.moe_topk} of {arch.num_experts} experts"
+        + (" with the aux loss" if arch.moe_load_balancing == "aux_loss" else "")
+        + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
+        "expert rows: "
+        + ("balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "
+           "rank of a real step receives more (give --moe-imbalance, e.g. 1.25 for 25% over its share)"
+           if imbalance == 1 else
+           f"the busiest rank's experts receive {imbalance} x the balanced k·N·ETP token rows (--moe-imbalance), "
+           "rounded up; the router's and the permutation's rows are per token and do not scale"),
+        "the MoE layer's backward transients (the experts' gradients, the dispatcher's buffers, the "
+        "router's weight gradient) are not in the peak floor yet: it is a floor",
+        "Megatron-LM's main branch (d98e8a64, 2026-08) permutes with an argsort whose [E·N] int64 result stays "
+        "pinned (8sbE/t a layer) in place of 0.16.1's bool map and 16-bit probabilities (3sbE/t)",
+    ]
+
+
 def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: ParameterBytes) -> tuple:
     """What an estimate assumes and leaves out, in the order a reader meets it: widths, dropout, the
     attention core, recompute, the mask, the pipeline, the peak, parameters and model state."""
@@ -187,6 +213,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         + ("" if arch.attention_dropout and arch.hidden_dropout else
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec, rows),
+        *_moe_notes(spec),
         *_recompute_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
@@ -220,6 +247,10 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
                      + " (the distributed optimizer) a parameter"
                      + ("; over one data-parallel rank it shards nothing (Megatron allows it): the plain "
                         "optimizer's bytes" if spec.optimizer_shards == 1 else ""))
+        if arch.moe:
+            notes.append(f"the experts' optimizer state is sharded over the expert data-parallel ranks, "
+                         f"gpus/(ETP·EP·p) = {spec.expert_optimizer_shards} (parallel_state.py: "
+                         f"expert_data_parallel_size), the rest over d·c")
         notes.append("not counted: the distributed optimizer's buffer padding (optimizer/param_layout.py: each "
                      "parameter's start aligned to 64 elements, each bucket's end to lcm(d·c, 128)): at most 63 "
                      f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")

@@ -159,12 +159,19 @@ def _exact(expr, bindings: tuple) -> int:
     """Cached: every stage of a pipeline binds the same expressions to the same values.
     xreplace swaps every symbol for its integer and lets sympy fold the numbers as it builds
     (some 30x faster than subs); subs where something is left unfolded."""
-    value = expr.xreplace({symbol: sympy.Integer(number) for symbol, number in bindings})
+    value = expr.xreplace({symbol: _number(number) for symbol, number in bindings})
     if not value.is_Number:
         value = expr.subs(dict(bindings))
     if not value.is_Integer:
         raise ArithmeticError(f"{expr} is not a whole number of bytes at {dict(bindings)}: {value}")
     return int(value)
+
+
+def _number(number):
+    """A bound value as sympy's exact number: an int, or a Fraction (the routing imbalance)."""
+    if isinstance(number, int):
+        return sympy.Integer(number)
+    return sympy.Rational(number.numerator, number.denominator)
 
 
 @cache

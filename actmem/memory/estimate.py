@@ -6,7 +6,8 @@ from functools import cached_property
 from actmem.memory import assumptions, engine
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
-from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, parameter_bytes, stage_parameters
+from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, expert_parameters, parameter_bytes, \
+    stage_parameters
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.memory.pipeline import StageOccupancy, stage_occupancy
@@ -222,8 +223,11 @@ def modelled_techniques(spec: Spec) -> tuple:
     and implementation (one that runs on one device: 'none' alone)."""
     unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
     parallel = "tensor" in spec.architecture.code.runs
+    # Megatron's MoE layer refuses t > 1 without sequence parallelism (moe_layer.py, MoELayer.forward)
+    moe_needs_sp = spec.architecture.moe and spec.run.tensor_parallel > 1
     return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
-                 and (parallel or not tech.tensor_parallel))
+                 and (parallel or not tech.tensor_parallel)
+                 and not (moe_needs_sp and tech.tensor_parallel and not tech.sequence_parallel))
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -259,7 +263,7 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     """A technique's row; ``arch``: in place of the spec's architecture as the run executes it."""
     layer_activations, microbatches, holds_output = _counts(occupancy)
     t = spec.technique_t(technique)
-    bindings = spec.bindings() | {symbols.t: t, engine.holds_output: holds_output,
+    bindings = spec.bindings_at(t) | {engine.holds_output: holds_output,
                                   engine.microbatches_held: microbatches,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = arch or spec.architecture_at(t)
@@ -278,9 +282,15 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
     count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
                              spec.architecture, model.heads, layers, stage)
+    etp = run.etp if t == run.tensor_parallel else 1
     dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
-                                   holds_output=int(stage == run.pipeline_parallel - 1))
-    return parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
-                           spec.optimizer.bytes_per_parameter)
+                                   holds_output=int(stage == run.pipeline_parallel - 1), etp=etp)
+    dense = parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
+                            spec.optimizer.bytes_per_parameter)
+    if not spec.architecture.moe:
+        return dense
+    experts = layers * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
+    return dense + parameter_bytes(experts, spec.expert_optimizer_shards, run.distributed_optimizer, 0,
+                                   spec.gradient_bytes, spec.optimizer.bytes_per_parameter)
 
 

@@ -24,14 +24,26 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
     """
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
     qkv = qkv_width(h, arch, heads)
-    split = (h * qkv + arch.attention_width(h, heads) * h + width * h * f + f * h
-             + int(arch.has_qkv_bias) * qkv + bias * width * f)
+    mlp = 0 if arch.moe else width * h * f + f * h + bias * width * f     # experts: expert_parameters
+    split = h * qkv + arch.attention_width(h, heads) * h + mlp + int(arch.has_qkv_bias) * qkv
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
+    if arch.moe:          # the router's [E, h] weight, whole on every rank (router.py, TopKRouter)
+        replicated += arch.num_experts * h
     if arch.qk_norm:
         if heads is None:
             raise ValueError("QK norms need the head count")
         replicated += 2 * arch.norm_parameters * arch.head_dim_or(h, heads)
     return split // t + replicated
+
+
+def expert_parameters(h, arch, ep, etp):
+    """One MoE layer's expert weights on one rank: E/EP experts, each SwiGLU's fc1 [2f_e, h] and
+    fc2 [h, f_e] split over ETP (experts.py: SequentialMLP, TEGroupedMLP); 0 for a dense MLP.
+    Their gradients and optimizer state shard over the expert data-parallel ranks, not d·c."""
+    if not arch.moe:
+        return 0
+    f_e = arch.expert_ffn(h)
+    return arch.num_experts // ep * 3 * h * f_e // etp
 
 
 def qkv_width(h, arch, heads):
@@ -64,7 +76,7 @@ def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None
     return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
 
 
-def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
+def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=None):
     """Elements of the 16-bit dummy weight gradients a stage keeps for the process. Under
     Megatron's DDP a linear that accumulates its weight gradient into main_grad (gradient
     accumulation fusion) still returns a tensor of the weight's shape, uncomputed, so that
@@ -73,13 +85,16 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0):
     (shape, dtype) for the life of the process, and Megatron's own ColumnParallelLinear
     (tensor_parallel/layers.py) takes it from TE too. The shapes: QKV [(ad + 2gd)/t, h],
     the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
-    with the output layer [v/t, h]; shapes that coincide are one tensor. Megatron's layer
-    only (the other implementations compute real gradients). Arithmetic only."""
+    with the output layer [v/t, h]; shapes that coincide are one tensor. A MoE layer's experts in
+    place of fc1 and fc2: [2f_e/ETP, h] and [h, f_e/ETP], one a shape whatever the expert count
+    (TE's grouped_linear.py asks get_dummy_wgrad per expert weight, by main_grad's shape); its router
+    computes a real weight gradient (moe_utils.py, RouterGatingLinearFunction.backward). Megatron's
+    layer only (the other implementations compute real gradients). Arithmetic only."""
     if "wgrad_fusion" not in arch.code.has or not arch.gradient_accumulation_fusion:
         return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
-    f = arch.ffn(h)
+    f, split = (arch.expert_ffn(h), etp) if arch.moe else (arch.ffn(h), t)      # the experts' linears: over ETP
     shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
-              (arch.fc1_width * f // t, h, 1), (h, f // t, 1), (v // t, h, holds_output))
+              (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output))
     total = 0
     for i, (rows, cols, here) in enumerate(shapes):
         seen = 0                              # an earlier shape on the stage equal to this one
@@ -102,6 +117,12 @@ class ParameterBytes:
     @property
     def total_bytes(self):
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
+
+    def __add__(self, other: "ParameterBytes") -> "ParameterBytes":
+        """Two groups of parameters on one GPU (a MoE layer's experts beside the rest: sharded over
+        different data-parallel ranks)."""
+        return ParameterBytes(*(getattr(self, name) + getattr(other, name) for name in
+                                ("count", "weights_bytes", "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes")))
 
 
 def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,

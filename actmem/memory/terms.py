@@ -12,16 +12,17 @@ from typing import Callable
 
 import sympy
 
-from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, eager, \
+from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    hidden_dropout, keeps_norm_input, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
+    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
     unfused_weight_gradients
 from actmem.model.recompute import Recompute
-from actmem.model.symbols import a, b, c, h, s, t, v
-from actmem.model.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
+from actmem.model import symbols
+from actmem.model.symbols import a, b, c, e, h, r, s, t, v
+from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
 
 class Region(Enum):
@@ -177,6 +178,97 @@ def _sbf(width: int):
     return lambda arch: A16 * width * s * b * arch.ffn(h)
 
 
+def _dense(present):
+    """The dense MLP's row: present where ``present`` says and the MLP is not a mixture of experts."""
+    def dense_and(arch):
+        return dense_mlp(arch) and present(arch)
+
+    dense_and.__doc__ = f"{present.__doc__} (a dense MLP)"
+    return dense_and
+
+
+def _experts(arch):
+    """E: the architecture's, or the symbol where it has none (the formulas view's rows)."""
+    return arch.num_experts if arch.moe else symbols.E
+
+
+def _topk(arch):
+    return arch.moe_topk if arch.moe else symbols.k
+
+
+def _expert_ffn(arch):
+    return arch.expert_ffn(h) if arch.moe else symbols.f_e
+
+
+def expert_rows(arch):
+    """T: the token rows the busiest rank's experts receive, ⌈r·k·N·ETP⌉ with N = s·b/t tokens a
+    rank (under sequence parallelism, which Megatron's MoE layer needs at t > 1: moe_layer.py,
+    MoELayer.forward). The alltoall dispatcher sends each of a rank's N·k routed copies to the
+    expert's EP rank and all-gathers them over the expert-tensor-parallel group
+    (token_dispatcher.py, MoEAlltoAllTokenDispatcher.token_dispatch); balanced, each rank
+    receives k·N·ETP, and r >= 1 scales it on the busiest."""
+    return sympy.ceiling(r * _topk(arch) * s * b * e / t)
+
+
+def _experts_input(arch):
+    return A16 * h * expert_rows(arch)
+
+
+def _experts_fc1_output(arch):
+    return A16 * 2 * _expert_ffn(arch) / e * expert_rows(arch)
+
+
+def _experts_fc2_input(arch):
+    return A16 * _expert_ffn(arch) / e * expert_rows(arch)
+
+
+def _experts_probs(arch):
+    return A16 * expert_rows(arch)
+
+
+#: megatron-core 0.16.1's MoE layer (the local spec's SequentialMLP, as the harness runs it; TE's
+#: grouped GEMM keeps the same tensors): what each of its steps saves, in the order they run.
+#: N = s·b (over t under SP) tokens a rank, k = top-k, E = experts; the T rows are the busiest
+#: rank's expert rows (expert_rows), whole on the rank (REPLICATED: the t is inside T).
+_MOE_TERMS = (
+    Term("router_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
+         "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh)", moe),
+    Term("router_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the router's top-k expert indices, int64 [N, k] (moe_utils.py, topk_routing_with_score_function: "
+         "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe),
+    Term("router_topk_probs", lambda arch: F32 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the softmax over the top-k scores keeps its fp32 output (softmax(scores, dtype=float32); 4sbk)", moe),
+    Term("aux_loss_scores", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the aux loss's softmax over every expert keeps its fp32 output, [N, E] (moe_utils.py, "
+         "compute_routing_scores_for_aux_loss; 4sbE)", moe_aux_loss),
+    Term("aux_loss_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... and its own top-k indices, int64 [N, k], which its scatter saves (8sbk)", moe_aux_loss),
+    Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch), Region.REPLICATED, _STORED,
+         Scope.LAYER, "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E)", moe_aux_loss),
+    Term("aux_loss_value", sympy.Integer(F32), Region.REPLICATED, _STORED, Scope.LAYER,
+         "MoEAuxLossAutoScaler keeps the fp32 aux loss (save_for_backward(aux_loss); 4 B)", moe_aux_loss),
+    Term("permute_routing_map", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "permute's masked_select keeps the routing map transposed, bool [E, N] (moe_utils.py, permute: "
+         "routing_map.bool().T.contiguous(); sbE)", moe),
+    Term("permute_probs", lambda arch: A16 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... and the probabilities it selects from, [E, N] in the logits' 16 bits (probs.T.contiguous()"
+         ".masked_select(routing_map) saves its input; 2sbE)", moe),
+    Term("permute_sorted_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
+         "its expanded view; 8sbk)", moe),
+    Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
+         "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
+         "one storage that each expert's input is a view of", moe),
+    Term("experts_fc1_output", _experts_fc1_output, Region.REPLICATED, _STORED, Scope.LAYER,
+         "the weighted SwiGLU keeps its input, fc1's output [T, 2f_e/ETP] (fused_bias_swiglu.py, "
+         "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP)", moe),
+    Term("experts_probs", _experts_probs, Region.REPLICATED, _STORED, Scope.LAYER,
+         "... and the routing probabilities it scales by, [T, 1] in 16 bits (2T)", moe),
+    Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
+         "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe),
+)
+
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -291,22 +383,23 @@ TERMS = (
          "into linear_fc1, inside the MLP's checkpoint", counts_norm_statistics, module=_mlp_with_fused_norm),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
-         "(the eager core) it is what the MLP's checkpoint keeps", module=_mlp_with_fused_norm),
+         "(the eager core) it is what the MLP's checkpoint keeps", dense_mlp, module=_mlp_with_fused_norm),
+    *_MOE_TERMS,
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
-         "bias-GeLU saves its input and the bias, a parameter", gelu, module="mlp"),
+         "bias-GeLU saves its input and the bias, a parameter", _dense(gelu), module="mlp"),
     Term("gelu_tanh_intermediates", _sbf(3), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU's tanh form written in Python keeps three more f-wide tensors (3 x 2sbf): transformers' "
          "gelu_new (activations.py, NewGELUActivation: 0.5 * x * (1 + tanh(√(2/π)(x + 0.044715x³)))) "
          "keeps tanh's output (tanh saves its result) and both factors of the last product, 0.5x and "
-         "1 + tanh; pow keeps x, the GeLU input above", gelu_keeping_tanh_intermediates, module="mlp"),
+         "1 + tanh; pow keeps x, the GeLU input above", _dense(gelu_keeping_tanh_intermediates), module="mlp"),
     Term("swiglu_input", _sbf(2), Region.BLOCK, _STORED, Scope.LAYER,
          "SwiGLU keeps only its 2f-wide input (Megatron's fused_bias_swiglu.py: SwiGLUFunction "
          "saves input_for_backward; 4sbf); unfused (torchtitan), the same bytes as two f-wide "
-         "tensors, w1 x (silu's input) and w3 x (the product's other factor)", swiglu, module="mlp"),
+         "tensors, w1 x (silu's input) and w3 x (the product's other factor)", _dense(swiglu), module="mlp"),
     Term("silu_output", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "an unfused SwiGLU keeps silu's output too (2sbf): silu(w1 x) * w3 x saves both factors "
-         "of the product, and silu its input (torchtitan's FeedForward.forward)", swiglu_keeping_silu_output,
+         "of the product, and silu its input (torchtitan's FeedForward.forward)", _dense(swiglu_keeping_silu_output),
          module="mlp"),
     # megatron/core/activations.py: squared_relu(x) = torch.pow(F.relu(x), 2), which mlp.py calls
     # unfused (Megatron refuses bias_activation_fusion for it: transformer_config.py)
@@ -314,9 +407,9 @@ TERMS = (
          "the squared ReLU keeps one f-wide tensor (2sbf): eager, relu saves its output and pow saves "
          "the same tensor as its input; under Megatron's jit_fuser (torch.compile) the partitioner "
          "saves one tensor of that shape, relu's input or output (its backward needs one of them); "
-         "the bias, when there is one, is added before it and keeps nothing", squared_relu, module="mlp"),
+         "the bias, when there is one, is added before it and keeps nothing", _dense(squared_relu), module="mlp"),
     Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)", module="mlp"),
+         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)", dense_mlp, module="mlp"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),

@@ -92,6 +92,22 @@ class Architecture:
     False is --no-gradient-accumulation-fusion: a 16-bit weight gradient is made at each linear's
     backward (TE linear.py: the wgrad GEMM with no out), added to main_grad by DDP's hook and
     freed, and no dummy is kept."""
+    num_experts: int | None = None
+    """E: a mixture-of-experts MLP in every layer, of E experts (Megatron's --num-experts); None:
+    the dense MLP. actmem.model.experts holds what it is modelled for."""
+    moe_topk: int = 2
+    """k: experts each token is routed to (--moe-router-topk; Megatron's default 2)."""
+    moe_ffn_hidden: int | None = None
+    """f_e: each expert's hidden size (--moe-ffn-hidden-size); None: ffn_hidden, as Megatron sets it."""
+    moe_load_balancing: str = "aux_loss"
+    """The router's load balancing (--moe-router-load-balancing-type): 'aux_loss' (Megatron's
+    default, which keeps its own softmax over every expert) or 'none'."""
+    moe_dispatcher: str = "allgather"
+    """How tokens reach their experts (--moe-token-dispatcher-type): Megatron's default 'allgather',
+    'alltoall' or 'flex'; actmem models alltoall."""
+    moe_grouped_gemm: bool = False
+    """The experts as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP) rather than one MLP each
+    (SequentialMLP): the same saved tensors (actmem.model.experts)."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.model.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -112,7 +128,8 @@ class Architecture:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
-        for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows"):
+        for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows", "num_experts", "moe_topk",
+                     "moe_ffn_hidden"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
@@ -123,7 +140,7 @@ class Architecture:
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
-                     "softmax_in_fp32", "gradient_accumulation_fusion"):
+                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -135,7 +152,19 @@ class Architecture:
         if not self.rope_fusion and self.position_embedding != "rope":
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
+        from actmem.model.experts import check_experts
+
+        check_experts(self)
         self.code.check(self)
+
+    @property
+    def moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts (--num-experts)."""
+        return self.num_experts is not None
+
+    def expert_ffn(self, hidden):
+        """f_e: an expert's hidden size (--moe-ffn-hidden-size, else the MLP's f)."""
+        return self.ffn(hidden) if self.moe_ffn_hidden is None else self.moe_ffn_hidden
 
     def with_fused_softmax(self, kernel_runs: bool) -> "Architecture":
         """This architecture as a run of it executes: Megatron's fused softmax off where its kernel
@@ -199,6 +228,10 @@ class Architecture:
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if self.moe and modules is not None and "mlp" in modules:
+            return {"selective": "--recompute-modules mlp of a mixture-of-experts layer recomputes the router, the "
+                                 "dispatcher and the experts, which actmem does not model yet (Megatron's moe and "
+                                 "moe_act modules neither): choose core_attn, full or none"}
         if modules is not None and "layernorm" in modules and not te_layer_spec(self):
             return {"selective": "--recompute-modules layernorm under the eager core: Megatron runs that core in "
                                  "its local spec, whose norms are modules of their own, and frees their outputs "
@@ -232,7 +265,11 @@ class Architecture:
         core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
         rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
                 "none": "no positions · "}[self.position_embedding]
-        return (f"{core[self.attention_core]}{rope}{groups}{head}{self.activation} MLP (f = {f}) · {self.normalization} · "
+        mlp = f"{self.activation} MLP (f = {f})"
+        if self.moe:
+            f_e = f if self.moe_ffn_hidden is None else f"{self.moe_ffn_hidden:,}"
+            mlp = f"MoE: {self.num_experts} {self.activation} experts, top-{self.moe_topk} (f_e = {f_e})"
+        return (f"{core[self.attention_core]}{rope}{groups}{head}{mlp} · {self.normalization} · "
                 f"{self.biases} · {'tied' if self.tied_output else 'untied'} output")
 
     @property
@@ -436,6 +473,21 @@ def flash_attn(arch: Architecture) -> bool:
 def learned_positions(arch: Architecture) -> bool:
     """the position embedding is learned"""
     return arch.position_embedding == "learned"
+
+
+def dense_mlp(arch: Architecture) -> bool:
+    """the MLP is dense (no --num-experts)"""
+    return not arch.moe
+
+
+def moe(arch: Architecture) -> bool:
+    """the MLP is a mixture of experts"""
+    return arch.moe
+
+
+def moe_aux_loss(arch: Architecture) -> bool:
+    """the MLP is a mixture of experts whose router keeps the aux loss's scores"""
+    return arch.moe and arch.moe_load_balancing == "aux_loss"
 
 
 def always(arch: Architecture) -> bool:

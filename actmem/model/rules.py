@@ -271,6 +271,22 @@ RULES = (
          _layers_making_their_own_mask, ("architecture", "run_known")),
     Rule(lambda v: "partial_recompute" in v.code.runs,
          lambda v: _unmodelled_run(v, "partial full recompute (--recompute-method)"), ("code", "recompute_layers")),
+    Rule(lambda v: _implies(v.t > 1, v.sequence_parallel), lambda v: f"a mixture-of-experts layer at t = {v.t} needs "
+         "sequence parallelism (--sequence-parallel): Megatron's MoELayer refuses to train without it (moe_layer.py, "
+         "MoELayer.forward)", ("experts",)),
+    Rule(lambda v: v.experts % v.ep == 0,
+         lambda v: f"EP ({v.ep}) must divide the experts ({v.experts}): each rank holds E/EP of them", ("experts",)),
+    Rule(lambda v: v.expert_ffn % v.etp == 0,
+         lambda v: f"ETP ({v.etp}) must divide the experts' hidden size f_e ({v.expert_ffn})", ("experts",)),
+    Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
+         "modelled yet", ("experts",)),
+    Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
+         lambda v: "--expert-model-parallel-size and --expert-tensor-parallel-size shape a mixture-of-experts "
+                   "layer: give --num-experts", ("dense",)),
+    Rule(lambda v: v.gpus % (v.etp * v.ep * v.p) == 0,
+         lambda v: f"ETP·EP·p ({v.etp}·{v.ep}·{v.p} = {v.etp * v.ep * v.p}) must divide gpus ({v.gpus}): Megatron "
+                   "lays the experts out over the same GPUs (parallel_state.py, initialize_model_parallel)",
+         ("experts",) + _DATA_PARALLEL),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
 )
@@ -336,6 +352,16 @@ class Values:
     """TE's precision-aware optimizer (--use-precision-aware-optimizer), when given."""
     reserve_bytes: object = None
     """What is kept free above the peak floor (--reserve), when given."""
+    experts: object = None
+    """E, where the MLP is a mixture of experts."""
+    dense: object = None
+    """True where it is not (the rules of the experts' parallelism then refuse it)."""
+    ep: object = 1
+    """EP, the expert-parallel size."""
+    etp: object = None
+    """ETP, the expert-tensor-parallel size."""
+    expert_ffn: object = None
+    """f_e, an expert's hidden size."""
     recompute_shape: object = None
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None

@@ -77,9 +77,19 @@ class Run:
     recompute_modules: tuple | None = None
     """Megatron's --recompute-modules, with selective recompute: what it recomputes, from
     core_attn, layernorm and mlp. None: core_attn, Megatron's default and the paper's."""
+    expert_parallel: int = _positive(default=1)
+    """EP: ranks the experts are spread over (--expert-model-parallel-size), carved from the
+    data-parallel ranks (and the tensor- and context-parallel ones): E/EP experts a rank."""
+    expert_tensor_parallel: int | None = _positive(optional=True, default=None)
+    """ETP: ranks each expert's linears are split over (--expert-tensor-parallel-size); None: t,
+    as Megatron sets it."""
+    routing_imbalance: object = 1
+    """r >= 1: the rows the busiest rank's experts receive over the balanced count (a Fraction,
+    or an int; 1: perfectly balanced routing, Megatron's aux loss at its goal)."""
 
     def __post_init__(self):
         _require_positive_ints(self)
+        _check_imbalance(self.routing_imbalance)
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
@@ -90,10 +100,23 @@ class Run:
             raise SpecError(f"recompute must be one of none, selective, full; got {self.recompute!r}")
 
     @property
+    def etp(self) -> int:
+        """ETP: --expert-tensor-parallel-size, or t."""
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
+    @property
     def policy(self) -> RecomputePolicy:
         """The four recompute settings as one value (actmem.model.recompute)."""
         return RecomputePolicy.of_run(self.recompute, self.recompute_method, self.recompute_layers,
                                       self.recompute_modules)
+
+
+def _check_imbalance(value) -> None:
+    from fractions import Fraction
+
+    if isinstance(value, bool) or not isinstance(value, (int, Fraction)) or value < 1:
+        raise SpecError(f"routing imbalance must be at least 1 (the busiest rank's expert rows over the balanced "
+                        f"count), got {value}")
 
 
 def _check_recompute_shape(run) -> None:
@@ -195,7 +218,9 @@ class Spec:
             precision_aware=self.optimizer.precision_aware, reserve_bytes=self.reserve_bytes,
             recompute_shape=None if (run.recompute_method, run.recompute_layers) == (None, None)
             else (run.recompute_method, run.recompute_layers),
-            recompute_modules=run.recompute_modules)
+            recompute_modules=run.recompute_modules,
+            experts=self.architecture.num_experts, dense=None if self.architecture.moe else True,
+            ep=run.expert_parallel, etp=run.etp, expert_ffn=self.architecture.expert_ffn(model.hidden))
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
@@ -238,6 +263,16 @@ class Spec:
         return self.data_parallel * self.run.context_parallel
 
     @property
+    def expert_optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards the experts' state over: the expert data-parallel
+        group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); 1 when the GPU count
+        is not given."""
+        run = self.run
+        if run.gpus is None:
+            return 1
+        return run.gpus // (run.etp * run.expert_parallel * run.pipeline_parallel)
+
+    @property
     def microbatches(self) -> int | None:
         """Microbatches per iteration, global_batch/(b·d); None when the batch or GPUs are unknown."""
         run = self.run
@@ -256,8 +291,15 @@ class Spec:
         # core has no s² term, and c > 1 needs it), so s binds to s/c
         values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
-                  "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel}
+                  "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel,
+                  "e": run.etp, "r": run.routing_imbalance}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
+
+    def bindings_at(self, t: int) -> dict:
+        """The bindings of a technique row run at t (the run's, or 1 for 'none'): its experts split
+        over the run's ETP at the run's t, over none at t = 1."""
+        expert_split = self.run.etp if t == self.run.tensor_parallel else 1
+        return self.bindings() | {symbols.t: t, symbols.e: expert_split}
 
 
 def padded_vocab(vocab, t, divisible_by):

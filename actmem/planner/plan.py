@@ -74,6 +74,9 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        if self.architecture.moe:
+            raise SpecError("plan does not sweep mixture-of-experts runs yet (EP, ETP and the dispatcher's "
+                            "traffic): size one with `actmem estimate`")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)

@@ -102,7 +102,7 @@ def _s_squared_per_layer_bytes(spec, technique) -> int:
     """One layer's terms quadratic in s (the attention scores: 5as²b/t in the paper's
     layer); 0 under recompute that drops them or a flash core that never keeps them."""
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1     # 'none' is t = 1
-    bindings = spec.bindings() | {symbols.t: t}
+    bindings = spec.bindings_at(t)
     arch = spec.architecture
     quadratic = [engine.term_bytes(term, technique, arch) for term in layer_terms(arch)
                  if sympy.diff(term.size(arch), symbols.s, 2) != 0]

@@ -215,6 +215,8 @@ def _memory_table(est: Estimate) -> Table:
     optimizer = f"{est.spec.optimizer.bytes_per_parameter} B" + ("" if shards == 1 else
                                           f" / d={shards}" if est.spec.run.context_parallel == 1 else
                                           f" / d·c={shards}")
+    if est.spec.architecture.moe and est.spec.run.distributed_optimizer:     # experts: over their own ranks
+        optimizer += f" (the experts' / {est.spec.expert_optimizer_shards})"
     rows = (("activations", est.activations_bytes, "the run's terms above"),
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
             ("gradients", params.gradients_bytes, per_param + f"{est.spec.gradient_bytes} B "

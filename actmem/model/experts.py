@@ -1,0 +1,55 @@
+"""The mixture-of-experts MLP as actmem models it: Megatron-Core's MoELayer, read and measured at
+megatron-core 0.16.1 (the release on PyPI; the harness runs its MoELayer on a CPU).
+
+What a token's trip through that layer keeps (actmem.memory.terms, the MoE rows): the router's
+input, its top-k choice and probabilities, the aux loss's own scores, the permutation's maps,
+and the rows the rank's experts receive, T = k·N·ETP tokens when routing is balanced (N = s·b/t
+tokens a rank holds under sequence parallelism; the alltoall dispatcher all-gathers over the
+expert-tensor-parallel group). The routing imbalance r scales T on the busiest rank: T = ⌈r·k·N·ETP⌉.
+
+Modelled: every layer a MoE layer, SwiGLU experts without biases, the alltoall dispatcher,
+dropless routing, softmax top-k with the aux loss or no load balancing, TE's grouped GEMM or
+SequentialMLP. The rest is refused with its reason here, never priced as something else.
+"""
+
+from actmem.errors import SpecError
+
+#: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
+DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_dispatcher": "allgather",
+            "moe_grouped_gemm": False}
+LOAD_BALANCING = ("aux_loss", "none")
+#: Megatron's other load-balancing types and dispatchers, and why actmem does not price them yet
+_NOT_MODELLED = {
+    "seq_aux_loss": "its per-sequence aux loss keeps scores of another shape, not measured yet",
+    "global_aux_loss": "its global aux loss keeps scores across the data-parallel group, not measured yet",
+    "sinkhorn": "the Sinkhorn router keeps its iterations' tensors, not measured yet",
+    "allgather": "the allgather dispatcher (Megatron's default) keeps an [E/EP, N·t·EP] mask and probabilities "
+                 "of every token gathered, not measured yet: give --moe-token-dispatcher-type alltoall",
+    "flex": "the flex dispatcher (DeepEP) runs kernels actmem has not read yet: give --moe-token-dispatcher-type "
+            "alltoall",
+}
+
+
+def check_experts(arch) -> None:
+    """Refuse a MoE setting without experts, and a MoE layer actmem does not model, with why."""
+    if not arch.moe:
+        given = [name for name, default in DEFAULTS.items() if getattr(arch, name) != default]
+        if given:
+            raise SpecError(f"{', '.join(given)} shape a mixture-of-experts MLP: give --num-experts")
+        return
+    if not arch.moe_topk <= arch.num_experts:
+        raise SpecError(f"--moe-router-topk ({arch.moe_topk}) must be at most --num-experts ({arch.num_experts})")
+    for name in ("moe_load_balancing", "moe_dispatcher"):
+        if getattr(arch, name) in _NOT_MODELLED:
+            raise SpecError(f"{name} {getattr(arch, name)}: {_NOT_MODELLED[getattr(arch, name)]}")
+    if arch.moe_load_balancing not in LOAD_BALANCING:
+        raise SpecError(f"moe_load_balancing must be one of {', '.join(LOAD_BALANCING + tuple(_NOT_MODELLED)[:3])}; "
+                        f"got {arch.moe_load_balancing!r}")
+    if arch.moe_dispatcher != "alltoall":
+        raise SpecError(f"moe_dispatcher must be alltoall, allgather or flex; got {arch.moe_dispatcher!r}")
+    if arch.activation != "swiglu":
+        raise SpecError(f"mixture-of-experts layers are modelled with SwiGLU experts (Mixtral, Qwen3, DeepSeek); "
+                        f"{arch.activation} experts keep what actmem has not measured yet")
+    if arch.bias:
+        raise SpecError("mixture-of-experts layers are modelled without biases (--disable-bias-linear), as "
+                        "Mixtral, Qwen3 and DeepSeek train")

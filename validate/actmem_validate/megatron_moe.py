@@ -1,0 +1,251 @@
+"""Megatron-Core's own MoE layer, measured: megatron-core's MoELayer (the PyPI release this
+harness pins, 0.16.1) built from its local layer spec, run forward on a CPU over real gloo
+ranks (expert and tensor parallelism), every tensor autograd saves recorded, and the MoE rows
+of actmem's table (terms.py, router_input to experts_fc2_input) compared with them, rank by rank.
+
+The rows the busiest rank's experts receive depend on the routing of the step; each rank's
+formula is bound to the rows its experts did receive (the routing imbalance r at T/T_balanced,
+so ⌈r·T_balanced⌉ = T), which checks every row's shape and what the layer keeps; the balance
+itself is the user's input (--moe-imbalance).
+
+Megatron-Core runs on a GPU; four shims let it run on a CPU, none of which makes or keeps a
+tensor (``_cpu_shims``). A saved tensor is named by its dtype and shape, which the layer's
+dims make distinct (``_named``); any other is unnamed and fails the gate.
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+from fractions import Fraction
+
+from actmem.memory.techniques import Technique, run_technique
+from actmem.model.architecture import Architecture
+from actmem.model.recompute import NONE
+from actmem.model.spec import Model, Run, Spec
+
+MEGATRON_CORE = "0.16.1"
+"""The megatron-core release measured (pip install megatron-core==0.16.1)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer measured over ``world_size`` gloo ranks."""
+
+    spec: Spec
+    technique: Technique
+
+    @property
+    def label(self) -> str:
+        run, arch = self.spec.run, self.spec.architecture
+        return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
+                f"ETP={run.etp} {arch.moe_load_balancing}")
+
+    @property
+    def world_size(self) -> int:
+        run = self.spec.run
+        return max(run.tensor_parallel, run.etp * run.expert_parallel)
+
+
+def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
+             topk: int = 2) -> Spec:
+    """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2."""
+    arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
+                        bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
+                        attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher="alltoall",
+                        moe_load_balancing="aux_loss" if aux else "none", tied_output=False)
+    run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
+              expert_tensor_parallel=etp)
+    return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
+
+
+def moe_grid() -> list:
+    """The layouts the alltoall dispatcher takes different paths for: one rank; experts over two
+    ranks (E/EP local experts sorted by chunk); the expert linears split over two (ETP = t = 2,
+    the tokens all-gathered); experts over two beside t = 2 with ETP = 1; no aux loss."""
+    specs = (moe_spec(), moe_spec(ep=2), moe_spec(t=2), moe_spec(t=2, ep=2, etp=1), moe_spec(aux=False, ep=2))
+    return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
+
+
+def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
+    """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows."""
+    from actmem.memory import engine
+    from actmem.memory.terms import expert_rows as balanced_rows, layer_terms
+    from actmem.model import symbols
+
+    arch, t = spec.architecture, spec.run.tensor_parallel
+    bindings = spec.bindings_at(t)
+    balanced = engine.exact(balanced_rows(arch), bindings | {symbols.r: 1})
+    bindings[symbols.r] = Fraction(expert_rows, balanced)
+    first = [term.name for term in layer_terms(arch)].index("router_input")
+    moe_terms = [term for term in layer_terms(arch)[first:] if term.name.startswith(_MOE_PREFIXES)]
+    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in moe_terms}
+
+
+_MOE_PREFIXES = ("router_", "aux_loss_", "permute_", "experts_")
+
+
+def _named(saved: list, spec: Spec, x_key) -> dict:
+    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved."""
+    arch, run = spec.architecture, spec.run
+    s, b, h = spec.model.seq_len, run.micro_batch, spec.model.hidden
+    n = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
+    k, e, f = arch.moe_topk, arch.num_experts, arch.expert_ffn(h) // run.etp
+    by_shape = {("float32", (n, k)): "router_topk_probs", ("float32", (n, e)): "aux_loss_scores",
+                ("int64", (e,)): "aux_loss_tokens_per_expert", ("float32", ()): "aux_loss_value",
+                ("bool", (e, n)): "permute_routing_map", ("bfloat16", (e, n)): "permute_probs",
+                ("int64", (n * k,)): "permute_sorted_indices"}
+    by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
+    if len(by_width) != 4:
+        raise ValueError(f"h = {h} and f_e/ETP = {f} give two expert tensors one width: pick other dims")
+    topk_indices = iter(("router_topk_indices", "aux_loss_topk_indices"))
+    named = {}
+    for key, dtype, shape, n_bytes in saved:
+        if key == x_key:
+            name = "router_input"
+        elif (dtype, shape) == ("int64", (n, k)):
+            name = next(topk_indices, f"unnamed {dtype} {list(shape)}")
+        elif (dtype, shape) in by_shape:
+            name = by_shape[(dtype, shape)]
+        elif dtype == "bfloat16" and len(shape) == 2 and shape[1] in by_width:
+            name = by_width[shape[1]]
+        else:
+            name = f"unnamed {dtype} {list(shape)}"
+        named[name] = named.get(name, 0) + n_bytes
+    return named
+
+
+def _cpu_shims() -> None:
+    """What lets megatron-core 0.16.1's MoE layer run on a CPU; none makes or keeps a tensor.
+    - moe_utils.te_general_gemm: the wheel names it only where Transformer Engine imports, and
+      RouterGatingLinearFunction reads it: None, its path without TE;
+    - torch.cuda streams: the alltoall dispatcher copies its split sizes to the host on a side
+      stream (token_dispatcher.py, cuda_dtoh_stream): on a CPU they are host tensors already;
+    - torch.cuda.current_device: the router moves a weight made on the CPU to the GPU (router.py,
+      gating): here it stays on the CPU;
+    - token_dispatcher.maybe_move_tensor_to_cpu: on a GPU it turns the split sizes into numpy, which
+      all_to_all_single takes as lists; a CPU tensor it leaves a tensor, which gloo refuses: converted
+      as the GPU path converts it."""
+    import contextlib
+
+    import torch
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    class _HostStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, *args):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def record_event(self):
+            return self
+
+        def __eq__(self, other):
+            return isinstance(other, _HostStream)
+
+        __hash__ = object.__hash__
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        return tensor.numpy() if torch.is_tensor(tensor) and as_numpy else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _layer(spec: Spec):
+    """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts)."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch, run, model = spec.architecture, spec.run, spec.model
+    config = TransformerConfig(
+        num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk, moe_ffn_hidden_size=arch.expert_ffn(model.hidden),
+        moe_token_dispatcher_type=arch.moe_dispatcher, moe_router_load_balancing_type=arch.moe_load_balancing,
+        moe_aux_loss_coeff=1e-2 if arch.moe_load_balancing == "aux_loss" else 0.0, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
+        params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
+        sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
+        expert_tensor_parallel_size=run.etp)
+    submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
+    return MoELayer(config, submodules)
+
+
+def _rank(rank: int, world: int, port: int, spec: Spec, results) -> None:
+    """One rank: build the layer, run it forward recording what autograd saves, then backward."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _cpu_shims()
+        from megatron.core import parallel_state
+
+        run = spec.run
+        parallel_state.initialize_model_parallel(run.tensor_parallel, 1, expert_model_parallel_size=run.expert_parallel,
+                                                 expert_tensor_parallel_size=run.etp)
+        torch.manual_seed(0)                      # the same weights on every rank of a group
+        layer = _layer(spec)
+        torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
+        rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
+        x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
+        received = []
+        experts_forward = layer.experts.forward
+        layer.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
+            received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved, seen = [], set()
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in params and key not in seen:
+                seen.add(key)
+                saved.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), storage.nbytes()))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out, _ = layer(x)
+        named = _named(saved, spec, x.untyped_storage().data_ptr())
+        out.float().sum().backward()
+        results.put((rank, received[0], named))
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
+    """(rank, expert rows received, {term: bytes saved}) of every rank of one configuration."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as probe:                  # a free port for this run's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(_rank, args=(config.world_size, port, config.spec, results), nprocs=config.world_size,
+                       start_method="spawn")
+    return sorted(results.get() for _ in range(config.world_size))
+
+
+def rows(configs, timeout: int = 300) -> list[dict]:
+    """The error table's rows (compare.term_rows) of every rank of every configuration."""
+    from actmem_validate.compare import term_rows
+
+    table = []
+    for config in configs:
+        for rank, received, named in measure(config, timeout):
+            table += term_rows(config, rank, formula(config.spec, config.technique, received), named)
+    return table

@@ -173,7 +173,7 @@ ARCHITECTURE_FLAGS = (
          "dispatcher, SwiGLU experts without biases, dropless routing)"),
     Flag(("--moe-router-topk",), "moe_topk", "experts each token is routed to, k (default 2)"),
     Flag(("--moe-ffn-hidden-size",), "moe_ffn_hidden", "an expert's hidden size f_e (default: --ffn)"),
-    Flag(("--moe-router-load-balancing-type",), "moe_load_balancing",
+    Flag(("--moe-load-balancing", "--moe-router-load-balancing-type"), "moe_load_balancing",
          "the router's load balancing: aux_loss (default; keeps its own scores over every expert) or none",
          click.Choice(["aux_loss", "none", "seq_aux_loss", "global_aux_loss", "sinkhorn"])),
     Flag(("--moe-token-dispatcher-type",), "moe_dispatcher",
@@ -529,8 +529,9 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     command = _paste_command()
     takes_value = megatron_spellings()
     words, notes, launcher_gpus = megatron_args.read(flags["megatron_args"])
-    used, ignored, checks = megatron_args.sort(words, takes_value)
-    notes += megatron_args.vocabulary_notes(words, checks) + checks.pop("notes", [])
+    vocab_given = any(flags.get(flag.dest(i)) for flag in MODEL_FLAGS if flag.key == "vocab" for i in range(2))
+    used, ignored, checks = megatron_args.sort(words, takes_value, vocab_given)
+    notes += megatron_args.vocabulary_notes(words + ["--vocab-size"] * vocab_given, checks) + checks.pop("notes", [])
     default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)
     pasted = command.make_context("--megatron-args", used).params
     if default_mask and any(flags.get(key) for key in flags if key.startswith("attention_mask__")):

@@ -42,6 +42,8 @@ NO_MASK = "--no-create-attention-mask-in-dataloader"
 #: what selective recompute recomputes (TransformerConfig.recompute_modules, read only under
 #: --recompute-granularity selective): up to the next argument, handed on as actmem's flag
 RECOMPUTE_MODULES = "--recompute-modules"
+#: Megatron takes a list (one type, or one a layer: arguments.py makes a list of one its element)
+LOAD_BALANCING = "--moe-router-load-balancing-type"
 #: the tokenizer decides the vocabulary where --vocab-size is not given
 TOKENIZER = "--tokenizer-type"
 #: GPT-2's BPE files (gpt2-vocab.json) hold 50,257 tokens; Megatron's GPT2BPETokenizer takes
@@ -81,7 +83,7 @@ QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
 #: the bytes the fused bias_gelu keeps; ignored, and needed beside --squared-relu with biases
 BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
-SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES,
+SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES, LOAD_BALANCING,
             TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
             QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
@@ -199,9 +201,10 @@ def _values(words: list[str], i: int, count) -> tuple[list[str], int]:
     return words[i + 1:i + 1 + count], i + 1 + count
 
 
-def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dict]:
+def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tuple[list[str], list[str], dict]:
     """(words actmem parses, ignored argument names, {'--seq-length': ...} checks to make).
-    takes_value: each Megatron argument actmem reads -> whether it takes a value. Every other
+    takes_value: each Megatron argument actmem reads -> whether it takes a value; vocab_given: a
+    flag beside the paste gives the vocabulary (--vocab, --vocab-size). Every other
     Megatron argument is ignored or refused by its class (megatron_table); a name Megatron
     does not have is refused as unknown."""
     used, ignored, unknown, refused, missing, stray, settings = [], [], [], [], [], [], {}
@@ -239,7 +242,7 @@ def sort(words: list[str], takes_value: dict) -> tuple[list[str], list[str], dic
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
         settings["notes"].append(
             "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
-    problems = layout_problems + _problems(words, settings, refused, unknown, missing)
+    problems = layout_problems + _problems(words + ["--vocab-size"] * vocab_given, settings, refused, unknown, missing)
     if stray:
         problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
                         "(in a script, an unquoted ${ARRAY[@]} splits a quoted element at its spaces)")
@@ -306,6 +309,8 @@ def _implied(words, settings) -> list[str]:
         implied += ["--attention-core", core]
     if settings.get(RECOMPUTE_MODULES):
         implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
+    if len(settings.get(LOAD_BALANCING) or ()) == 1:
+        implied += ["--moe-load-balancing", settings[LOAD_BALANCING][0]]
     schedule = settings.get(BATCH_SCHEDULE)
     if schedule and "--global-batch-size" not in words:
         implied += ["--global-batch-size", str(largest_batch(schedule))]
@@ -373,6 +378,9 @@ def _recompute_modules(settings) -> list[str]:
 
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
+    if len(settings.get(LOAD_BALANCING) or ()) > 1:
+        problems.append(f"{LOAD_BALANCING} {' '.join(settings[LOAD_BALANCING])}: several load-balancing types "
+                        "(combined, or one a layer) are not modelled; give one")
     tokenizer = settings.get(TOKENIZER)
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "

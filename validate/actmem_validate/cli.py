@@ -24,10 +24,11 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@option("--grid", type=click.Choice(["small", "presets"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets", "moe"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
-                   "real runs) or 'presets' (the Table 3 models at full scale, for --mode fake, or "
-                   "--mode rank0 on a GPU). "
+                   "real runs), 'presets' (the Table 3 models at full scale, for --mode fake, or "
+                   "--mode rank0 on a GPU) or 'moe' (megatron-core's own MoELayer over gloo ranks, "
+                   "expert and tensor parallel; needs megatron-core==0.16.1). "
                    "A grid sets the model, run and techniques itself.")
 @option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
@@ -88,6 +89,13 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         raise click.ClickException(_TORCH_MISSING)
     from actmem_validate.compare import judge
 
+    if grid == "moe":
+        rows = _moe_rows(mode, techniques, microbatches, flags, timeout)
+        failures = judge(rows, max_error, max_peak_gap)
+        _emit(rows, fmt, output)
+        click.echo(_summary(rows, failures), err=True)
+        _exit_on(failures)
+        return
     configs = _configs(grid, techniques, microbatches, flags)
     if mode == "rank0":
         configs = _rank0_runs(configs, grid)
@@ -100,12 +108,35 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
     failures = judge(rows, max_error, max_peak_gap)
     _emit(rows, fmt, output)
     click.echo(_summary(rows, failures), err=True)
+    _exit_on(failures)
+
+
+def _exit_on(failures) -> None:
     if failures:
         for line in failures[:10]:
             click.echo(f"actmem validate: {line}", err=True)
         if len(failures) > 10:
             click.echo(f"actmem validate: ... and {len(failures) - 10} more", err=True)
         sys.exit(1)
+
+
+def _moe_rows(mode, techniques, microbatches, flags, timeout) -> list:
+    """--grid moe: megatron-core's own MoE layer, one forward a configuration, over real gloo ranks."""
+    given = given_flags(flags) + [name for name, value in (("--techniques", techniques),
+                                                           ("--microbatches", microbatches)) if value is not None]
+    if given:
+        raise SpecError(f"--grid moe sets the model, run and techniques itself; drop {', '.join(given)}")
+    if mode != "real":
+        raise SpecError(f"--grid moe runs megatron-core's MoE layer on real CPU ranks (its dispatcher reads the "
+                        f"routing's counts on the host, which --mode {mode} cannot give): drop --mode {mode}")
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        raise click.ClickException("--grid moe runs megatron-core's own MoE layer: "
+                                   "pip install megatron-core==0.16.1 --no-deps (beside torch)")
+    from actmem_validate.megatron_moe import moe_grid, rows
+
+    return rows(moe_grid(), timeout)
 
 
 def _rank0_runs(configs, grid):
@@ -184,6 +215,9 @@ def _configs(grid, techniques, microbatches, flags):
     # dims_only: the preset's gpus and global batch (and its kernels' rules at its own run) wait,
     # as validate measures one data-parallel rank of its own; configs_for checks each run whole
     spec = build_spec_from_flags(with_setting(flags, "recompute", mode) if mode else flags, dims_only=True)
+    if spec.architecture.moe:
+        raise SpecError("validate measures mixture-of-experts layers with --grid moe (megatron-core's own "
+                        "MoELayer at small shapes) so far, not a model's whole stage")
     if techniques is None:
         chosen = grids.default_techniques(spec)
     else:

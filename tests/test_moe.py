@@ -1,0 +1,145 @@
+"""Mixture-of-experts layers (issue 27): megatron-core 0.16.1's MoELayer, hand-derived.
+
+The rows a token's trip keeps, per layer and microbatch, N = s·b/t tokens a rank (SP), k the
+top-k, E the experts, T = ⌈r·k·N·ETP⌉ the rows the rank's experts receive (terms.py; measured
+against megatron-core's own layer in tests/validate/test_megatron_moe.py):
+router input 2Nh, top-k indices 8Nk, top-k probabilities 4Nk, aux scores 4NE, aux top-k
+indices 8Nk, tokens per expert 8E, the aux loss 4, routing map NE, permute probabilities
+2NE, sorted indices 8Nk; experts' input 2hT, fc1 output 4f_e·T/ETP, probabilities 2T, fc2
+input 2f_e·T/ETP.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+
+MIXTRAL = Path(__file__).parent / "data" / "megatron_examples" / "train_mixtral_8x7b_distributed.sh"
+MOE = ["--heads", "32", "--hidden", "4096", "--layers", "32", "--vocab", "32000", "--seq-len", "4096",
+       "--ffn", "14336", "--swiglu", "--disable-bias-linear", "--normalization", "rmsnorm",
+       "--query-groups", "8", "--attention-core", "flash", "--position-embedding", "rope",
+       "--attention-dropout", "0", "--hidden-dropout", "0", "--untie-embeddings-and-output-weights",
+       "--num-experts", "8", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def _with(flag: str, value: str) -> list:
+    """MOE with one of its flags at another value."""
+    args = list(MOE)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def _terms(out) -> dict:
+    return {row["term"]: row["bytes_each"] for row in out["run_terms"]}
+
+
+def test_megatrons_mixtral_example_is_priced_from_the_script_as_it_is(actmem):
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh, given the vocabulary its Llama 2
+    tokenizer file holds (32,000) and the 32 GPUs its t·EP·p = 1·8·4 layout needs (the script's
+    one node of 8 is refused as Megatron refuses it). s = 4096, b = 1, t = 1 (Megatron turns SP off):
+    N = 4096 tokens, k = 2, T = k·N = 8192 rows a rank, E/EP = 1 expert a rank, f_e = f = 14,336.
+    - experts' input 2·h·T = 2·4096·8192 = 67,108,864 B; fc1 output 4·f_e·T = 469,762,048 B;
+      fc2 input 2·f_e·T = 234,881,024 B; probabilities 2T = 16,384 B;
+    - router input 2Nh = 33,554,432; aux scores 4NE = 131,072; sorted indices 8Nk = 65,536;
+    - parameters of the first stage (8 layers): a layer's QKV 4096·(4096 + 2·8·128) = 25,165,824,
+      projection 4096² = 16,777,216, two norms 8,192, router 8·4096 = 32,768 (41,984,000), one
+      expert 3·4096·14,336 = 176,160,768; 8 x (41,984,000 + 176,160,768) + the embedding
+      32,000·4096 = 131,072,000: 1,876,230,144;
+    - the distributed optimizer: the experts over gpus/(ETP·EP·p) = 32/32 = 1 rank, the rest over
+      d = 32/4 = 8: 12·(1,409,286,144 + 466,944,000/8) = 17,611,849,728 B."""
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{MIXTRAL}", "--vocab-size", "32000"),
+                          "ETP·EP·p (1·8·4 = 32) must divide gpus (8)")
+    out = actmem.json("estimate", "--megatron-args", f"@{MIXTRAL}", "--vocab-size", "32000", "--gpus", "32")
+    terms = _terms(out)
+    assert (terms["experts_input"], terms["experts_fc1_output"], terms["experts_fc2_input"],
+            terms["experts_probs"]) == (67_108_864, 469_762_048, 234_881_024, 16_384)
+    assert (terms["router_input"], terms["aux_loss_scores"], terms["permute_sorted_indices"]) == \
+        (33_554_432, 131_072, 65_536)
+    assert "fc1_input" not in terms and "swiglu_input" not in terms and "fc2_input" not in terms
+    assert out["parameters"]["count"] == 1_876_230_144
+    assert out["parameters"]["optimizer_bytes"] == 12 * (8 * 176_160_768 + 466_944_000 // 8) == 17_611_849_728
+    assert (out["run"]["expert_parallel"], out["run"]["expert_tensor_parallel"], out["run"]["expert_data_parallel"]) \
+        == (8, 1, 1)
+    assert out["architecture"]["moe_grouped_gemm"] is True
+    notes = " ".join(out["assumptions"])
+    assert "megatron-core 0.16.1's MoELayer" in notes and "not in the peak floor yet" in notes
+
+
+def test_a_layer_under_tensor_and_expert_parallelism(actmem):
+    """t = 2 with SP, EP = 2, s = 4096, b = 1: N = 2048 tokens a rank.
+    ETP = t = 2 (Megatron's default): T = k·N·ETP = 2·2048·2 = 8192, fc1 output 2·(2·14,336/2)·8192
+    = 234,881,024 B, the experts' input 2·4096·8192 = 67,108,864 B (whole: all-gathered over ETP).
+    ETP = 1: T = k·N = 4096, fc1 output 2·(2·14,336)·4096 = 234,881,024 B, input 33,554,432 B.
+    The router's rows split with the tokens: input 2Nh = 16,777,216, aux scores 4NE = 65,536."""
+    run = ["--tp", "2", "--sp", "--ep", "2", "--gpus", "8", "--global-batch", "16"]
+    default = _terms(actmem.json("estimate", *MOE, *run))
+    one = _terms(actmem.json("estimate", *MOE, *run, "--etp", "1"))
+    assert (default["experts_input"], default["experts_fc1_output"]) == (67_108_864, 234_881_024)
+    assert (one["experts_input"], one["experts_fc1_output"]) == (33_554_432, 234_881_024)
+    for terms in (default, one):
+        assert (terms["router_input"], terms["aux_loss_scores"], terms["experts_fc2_input"]) == \
+            (16_777_216, 65_536, 117_440_512)
+
+
+def test_the_routing_imbalance_scales_the_expert_rows_only(actmem):
+    """--moe-imbalance 1.25 at t = 1, s = 4096: T = ⌈1.25·2·4096⌉ = 10,240 rows, the experts'
+    input 2·4096·10,240 = 83,886,080 B; 1.0001 rounds up: ⌈1.0001·8192⌉ = 8193 rows, 67,117,056 B.
+    The router's rows are per token: unchanged."""
+    balanced = _terms(actmem.json("estimate", *MOE))
+    heavy = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.25"))
+    assert heavy["experts_input"] == 83_886_080 and balanced["experts_input"] == 67_108_864
+    assert _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.0001"))["experts_input"] == 67_117_056
+    assert heavy["router_input"] == balanced["router_input"] and heavy["aux_loss_scores"] == balanced["aux_loss_scores"]
+
+
+def test_without_the_aux_loss_its_rows_go(actmem):
+    terms = _terms(actmem.json("estimate", *MOE, "--moe-router-load-balancing-type", "none"))
+    assert not {name for name in terms if name.startswith("aux_loss")}
+    assert terms["router_topk_indices"] == 8 * 4096 * 2
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (MOE[:-2], ["the allgather dispatcher (Megatron's default)", "give --moe-token-dispatcher-type alltoall"]),
+    (_with("--moe-token-dispatcher-type", "flex"), ["the flex dispatcher (DeepEP)"]),
+    ([a for a in MOE if a != "--swiglu"], ["modelled with SwiGLU experts"]),
+    (MOE + ["--ep", "3"], ["EP (3) must divide the experts (8)"]),
+    (MOE + ["--tp", "2"], ["a mixture-of-experts layer at t = 2 needs sequence parallelism"]),
+    (MOE + ["--tp", "2", "--sp", "--etp", "3"], ["ETP (3) must divide the experts' hidden size f_e (14336)"]),
+    (MOE + ["--moe-imbalance", "0.9"], ["routing imbalance must be at least 1"]),
+    (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss"], ["seq_aux_loss: its per-sequence aux loss"]),
+    (_with("--moe-router-topk", "9"), ["--moe-router-topk (9) must be at most --num-experts (8)"]),
+    (MOE[:MOE.index("--num-experts")] + ["--ep", "2"], ["give --num-experts"]),
+    (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
+    (MOE + ["--recompute", "selective", "--recompute-modules", "mlp"], ["--recompute-modules mlp of a mixture"]),
+    (MOE + ["--tp", "2", "--sp", "--cp", "2"], ["context parallelism (c = 2) with mixture-of-experts"]),
+])
+def test_what_is_not_modelled_or_not_possible_is_refused(actmem, args, fragments):
+    assert_one_line_error(actmem("estimate", *args), *fragments)
+
+
+def test_the_plan_refuses_a_moe_model_rather_than_sweep_it_as_dense(actmem):
+    assert_one_line_error(actmem("plan", *MOE, "--gpus", "64", "--global-batch", "64"),
+                          "plan does not sweep mixture-of-experts runs yet")
+
+
+def test_the_formulas_show_the_moe_rows_in_the_papers_symbols(actmem):
+    result = actmem("formulas", "--latex")
+    assert result.exit_code == 0, result.output
+    assert "% term experts_fc1_output" in result.stdout and "f_{e}" in result.stdout
+
+
+def test_a_pasted_load_balancing_list_is_read_as_megatron_reads_it(actmem, tmp_path):
+    """Megatron's --moe-router-load-balancing-type takes a list; a list of one is its element
+    (arguments.py), so Megatron's Mixtral script with `none` drops the aux loss's rows; two types
+    are refused."""
+    script = tmp_path / "mixtral.sh"
+    text = MIXTRAL.read_text()
+    assert "--moe-router-load-balancing-type aux_loss" in text
+    script.write_text(text.replace("--moe-router-load-balancing-type aux_loss", "--moe-router-load-balancing-type none"))
+    terms = _terms(actmem.json("estimate", "--megatron-args", f"@{script}", "--vocab-size", "32000", "--gpus", "32"))
+    assert not {name for name in terms if name.startswith("aux_loss")} and "router_topk_indices" in terms
+    script.write_text(text.replace("--moe-router-load-balancing-type aux_loss",
+                                   "--moe-router-load-balancing-type seq_aux_loss aux_loss"))
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}", "--vocab-size", "32000", "--gpus", "32"),
+                          "several load-balancing types")

@@ -1,0 +1,79 @@
+"""megatron-core's own MoE layer measured against the MoE rows of actmem's table (issue 27):
+`actmem validate --grid moe` runs megatron-core 0.16.1's MoELayer over real gloo ranks."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from actmem_validate.compare import judge, term_rows  # noqa: E402
+from actmem_validate.megatron_moe import formula, measure, moe_grid, moe_spec, rows  # noqa: E402
+from tests.conftest import assert_one_line_error  # noqa: E402
+
+MOE_TERMS = {"router_input", "router_topk_indices", "router_topk_probs", "aux_loss_scores", "aux_loss_topk_indices",
+             "aux_loss_tokens_per_expert", "aux_loss_value", "permute_routing_map", "permute_probs",
+             "permute_sorted_indices", "experts_input", "experts_fc1_output", "experts_probs", "experts_fc2_input"}
+
+
+@pytest.fixture(scope="module")
+def grid_rows():
+    return rows(moe_grid())
+
+
+def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
+    """Five layouts (one rank; EP = 2; t = ETP = 2; t = 2 beside EP = 2, ETP = 1; no aux loss), every rank:
+    each MoE row measured equals its formula, nothing unnamed, the totals equal."""
+    assert judge(grid_rows, 0.0) == []
+    configs = {row["config"] for row in grid_rows}
+    assert len(configs) == 5
+    for config in configs:
+        named = {row["term"] for row in grid_rows if row["config"] == config and row["kind"] == "paper"}
+        expected = MOE_TERMS - ({name for name in MOE_TERMS if name.startswith("aux_loss")}
+                                if config.endswith(" none") else set())
+        assert named == expected, config
+        assert all(row["measured_bytes"] > 0 for row in grid_rows if row["config"] == config)
+
+
+def test_the_experts_rows_are_what_the_rank_received(grid_rows):
+    """At t = ETP = 2, EP = 1 the dispatcher all-gathers the tokens over the expert-tensor-parallel group,
+    so both ranks' experts receive every routed row, balanced whatever the routing: T = k·s·b = 2·16·2 = 64,
+    the experts' input 2·h·T = 2·16·64 = 2048 B on each rank."""
+    gathered = [row for row in grid_rows if "t=2 EP=1 ETP=2" in row["config"] and row["term"] == "experts_input"]
+    assert [row["measured_bytes"] for row in gathered] == [2048, 2048]
+
+
+def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names():
+    """Inject the failures: the formula without the aux loss's scores (measured, not in the formula),
+    the formula with a row the layer does not keep, and a saved tensor named by no row."""
+    config = moe_grid()[0]
+    rank, received, named = measure(config)[0]
+    expected = formula(config.spec, config.technique, received)
+    assert judge(term_rows(config, rank, expected, named), 0.0) == []
+    missing = {name: n for name, n in expected.items() if name != "aux_loss_scores"}
+    assert any("aux_loss_scores measured" in line for line in judge(term_rows(config, rank, missing, named), 0.0))
+    extra = expected | {"experts_fc1_output": expected["experts_fc1_output"] + 2}
+    assert judge(term_rows(config, rank, extra, named), 0.0)
+    stray = named | {"unnamed bfloat16 [3, 5]": 30}
+    assert any("no term or named residual" in line for line in judge(term_rows(config, rank, expected, stray), 0.0))
+
+
+def test_dims_that_would_make_two_expert_tensors_alike_are_refused():
+    """The saved tensors are named by their shape: h = 16 beside 2f_e/ETP = 16 could not be told apart."""
+    from dataclasses import replace
+
+    spec = moe_spec()
+    alike = replace(spec, architecture=replace(spec.architecture, moe_ffn_hidden=8))
+    with pytest.raises(ValueError, match="two expert tensors one width"):
+        from actmem_validate.megatron_moe import _named
+
+        _named([], alike, 0)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--grid", "moe", "--mode", "fake"], ["--grid moe runs megatron-core's MoE layer on real CPU ranks"]),
+    (["--grid", "moe", "--tp", "2"], ["--grid moe sets the model, run and techniques itself; drop --tp"]),
+    (["--model", "llama-3.1-8b", "--layers", "2", "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"],
+     ["validate measures mixture-of-experts layers with --grid moe"]),
+])
+def test_validate_refuses_a_moe_run_it_cannot_measure(actmem, args, fragments):
+    assert_one_line_error(actmem("validate", *args), *fragments)

@@ -130,7 +130,6 @@ def test_gpt2_parameters_by_hand(actmem):
 
 
 @pytest.mark.parametrize("name, fragment", [
-    ("mixtral", "a mixture-of-experts model (mixtral) is not supported yet"),
     ("pythia", "use_parallel_residual"),
 ])
 def test_configs_actmem_cannot_model_are_refused_in_one_line(actmem, name, fragment):

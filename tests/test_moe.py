@@ -143,3 +143,45 @@ def test_a_pasted_load_balancing_list_is_read_as_megatron_reads_it(actmem, tmp_p
                                    "--moe-router-load-balancing-type seq_aux_loss aux_loss"))
     assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}", "--vocab-size", "32000", "--gpus", "32"),
                           "several load-balancing types")
+
+
+HF = Path(__file__).parent / "data" / "hf"
+
+
+def test_mixtrals_config_json_is_its_published_46_7b_parameters(actmem):
+    """Mixtral-8x7B's config.json at t = 1: a layer's QKV 4096·(4096 + 2·8·128) = 25,165,824,
+    projection 16,777,216, two RMSNorms 8,192, router 8·4096 = 32,768 and 8 experts of
+    3·4096·14,336 = 176,160,768: 1,451,270,144; x 32 layers = 46,440,644,608; the embedding and the
+    untied output 2·32,000·4096 = 262,144,000; the final norm 4,096: 46,702,792,704 (the model card's
+    46.7B)."""
+    out = actmem.json("estimate", "--model", f"{HF}/mixtral/config.json", "--seq-len", "4096")
+    assert out["parameters"]["count"] == 46_702_792_704
+    assert (out["architecture"]["num_experts"], out["architecture"]["moe_topk"]) == (8, 2)
+    assert any("counted as alltoall" in note for note in out["assumptions"])
+
+
+def test_qwen3_moes_config_json_is_its_published_30_5b_parameters(actmem):
+    """Qwen3-30B-A3B's config.json at t = 1: a layer's QKV 2048·(32·128 + 2·4·128) = 10,485,760,
+    projection 4096·2048 = 8,388,608, two RMSNorms 4,096, the q and k norms 2·128 = 256, router
+    128·2048 = 262,144 and 128 experts of 3·2048·768 = 603,979,776: 623,120,640; x 48 =
+    29,909,790,720; embedding and output 2·151,936·2048 = 622,329,856 (151,936 = 1187·128, no
+    padding); final norm 2,048: 30,532,122,624 (the model card's 30.5B). At s = 4096, t = 1, k = 8:
+    T = 8·4096 = 32,768 rows, the experts' fc1 output 4·768·32,768 = 100,663,296 B a layer."""
+    out = actmem.json("estimate", "--model", f"{HF}/qwen3-30b-a3b/config.json", "--seq-len", "4096")
+    assert out["parameters"]["count"] == 30_532_122_624
+    assert _terms(out)["experts_fc1_output"] == 100_663_296
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"model_type": "qwen2_moe"}, "a mixture-of-experts model (qwen2_moe) is not supported yet"),
+    ({"mlp_only_layers": [0, 1]}, "dense layers among the MoE layers"),
+    ({"decoder_sparse_step": 2}, "dense layers among the MoE layers"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false keeps the softmax over every expert"),
+])
+def test_moe_configs_actmem_does_not_model_are_refused(actmem, tmp_path, changes, fragment):
+    import json
+
+    config = json.loads((HF / "qwen3-30b-a3b" / "config.json").read_text()) | changes
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert_one_line_error(actmem("estimate", "--model", str(path)), fragment)

@@ -260,9 +260,10 @@ _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT
 #: - te_flash_core: TE's attention, which makes v contiguous inside core_attn's checkpoint;
 #: - paper_norms: the paper's eager layer, whose norm statistics the paper leaves out;
 #: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments);
-#: - megatron_args: it is what a Megatron-LM launch script runs (--megatron-args).
+#: - megatron_args: it is what a Megatron-LM launch script runs (--megatron-args);
+#: - moe: its MoELayer (actmem.model.experts), the mixture of experts actmem models.
 MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
-                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args"})
+                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe"})
 
 #: (what the code must have, whether the architecture uses it, the refusal where it does not)
 SWITCHES = (
@@ -275,6 +276,9 @@ SWITCHES = (
     ("wgrad_fusion", lambda arch: not arch.gradient_accumulation_fusion,
      "--no-gradient-accumulation-fusion is Megatron's switch; --implementation {code} computes its weight "
      "gradients with autograd already"),
+    ("moe", lambda arch: arch.moe,
+     "mixture-of-experts layers are modelled as Megatron-Core's MoELayer; --implementation {code}'s own "
+     "(torchtitan's, transformers') keeps what actmem has not read yet: give --implementation megatron"),
     ("rotary_percent", lambda arch: arch.rotary_percent != 1,
      "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "
      "{arch.position_embedding} under {code}"),

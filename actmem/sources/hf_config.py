@@ -12,11 +12,14 @@ from pathlib import Path
 
 from actmem.errors import SpecError
 
-#: config keys and model types that make a mixture of experts: refused, one line
+#: config keys and model types that make a mixture of experts: read for Mixtral and Qwen3-MoE
+#: (as Megatron-Core's MoE layer trains them), refused for the others, one line
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
+MOE_TYPES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED = LLAMA_LIKE + ("gpt2", "gpt_neox")
+#: the mixtures of experts read, and the dense family each one's attention is
+MOE_READ = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+SUPPORTED = LLAMA_LIKE + tuple(MOE_READ) + ("gpt2", "gpt_neox")
 
 
 def is_hf_config(path: Path) -> bool:
@@ -27,21 +30,21 @@ def read_hf_config(path: Path) -> dict:
     """{'name', 'source', 'model', 'architecture', 'notes'} from a config.json."""
     config = _load(path)
     kind = config.get("model_type")
-    if kind in MOE_TYPES or any(config.get(key) for key in MOE_KEYS):
-        raise SpecError(f"{path}: a mixture-of-experts model ({kind}) is not supported yet: actmem "
-                        "models dense layers")
+    if kind in MOE_TYPES or (kind not in MOE_READ and any(config.get(key) for key in MOE_KEYS)):
+        raise SpecError(f"{path}: a mixture-of-experts model ({kind}) is not supported yet: actmem reads "
+                        f"{' and '.join(MOE_READ)} (Megatron-Core's MoE layer)")
     if kind not in SUPPORTED:
         raise SpecError(f"{path}: model_type {kind!r} is not supported; actmem reads "
                         f"{', '.join(SUPPORTED)}")
     model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "gpt2": _gpt2,
-                                  "gpt_neox": _gpt_neox}[kind](config, path)
+                                  "gpt_neox": _gpt_neox, "mixtral": _moe, "qwen3_moe": _moe}[kind](config, path)
     learned_rows = model["seq_len"] if architecture.get("position_embedding") == "learned" else None
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
                 architecture={"attention_core": "flash"} | architecture,
                 unmeasured={"hf": why} if (why := _hf_unmeasured(kind, config)) else {},
-                notes=(f"{path.name}: {kind}, read as a dense layer, its attention core flash unless "
-                       "--attention-core says otherwise (the code line says whose kernels count it)",)
+                notes=(f"{path.name}: {kind}, read as a {'MoE' if kind in MOE_READ else 'dense'} layer, its attention "
+                       "core flash unless --attention-core says otherwise (the code line says whose kernels count it)",)
                 + notes[1:],
                 seq_len_note=notes[0])
 
@@ -150,6 +153,34 @@ def _llama(config, path):
     if window and config.get("use_sliding_window", kind == "mistral"):
         notes += (f"sliding window {window:,}: flash attention keeps the same tensors with or without it",)
     return model, architecture, notes
+
+
+def _moe(config, path):
+    """MixtralConfig and Qwen3MoeConfig: the dense family's attention (Mistral's, Qwen3's with its q and
+    k norms) and a MoE MLP in every layer: num_local_experts (Mixtral) or num_experts (Qwen3) SwiGLU
+    experts of intermediate_size (Mixtral: MixtralSparseMoeBlock) or moe_intermediate_size (Qwen3),
+    top num_experts_per_tok. Both renormalise the top-k probabilities (Mixtral always; Qwen3 with
+    norm_topk_prob), which is Megatron's softmax over the top-k scores; Qwen3's dense layers
+    (mlp_only_layers, decoder_sparse_step > 1) are not modelled. The token dispatcher is the run's
+    choice: counted as alltoall, the one modelled (--moe-token-dispatcher-type)."""
+    kind = config["model_type"]
+    if kind == "qwen3_moe" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        raise SpecError(f"{path}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) are not "
+                        "modelled yet: actmem models a MoE MLP in every layer")
+    if kind == "qwen3_moe" and not _switch(config, path, "norm_topk_prob", False):
+        raise SpecError(f"{path}: norm_topk_prob false keeps the softmax over every expert (Megatron's "
+                        "--moe-router-pre-softmax), which actmem does not model yet")
+    dense = dict(config, model_type=MOE_READ[kind])
+    if kind == "mixtral" and config.get("head_dim") is None:
+        dense.pop("head_dim", None)
+    model, architecture, notes = _llama(dense, path)
+    experts = _need(config, path, "num_local_experts" if kind == "mixtral" else "num_experts")
+    expert_ffn = None if kind == "mixtral" else _need(config, path, "moe_intermediate_size")
+    architecture |= dict(num_experts=experts, moe_topk=_need(config, path, "num_experts_per_tok"),
+                         moe_ffn_hidden=expert_ffn, moe_dispatcher="alltoall")
+    return model, architecture, notes + (
+        f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer, as Megatron-Core's MoE layer "
+        "trains them; the token dispatcher is the run's choice, counted as alltoall (--moe-token-dispatcher-type)",)
 
 
 def _gpt2(config, path):

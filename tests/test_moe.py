@@ -20,7 +20,8 @@ MOE = ["--heads", "32", "--hidden", "4096", "--layers", "32", "--vocab", "32000"
        "--ffn", "14336", "--swiglu", "--disable-bias-linear", "--normalization", "rmsnorm",
        "--query-groups", "8", "--attention-core", "flash", "--position-embedding", "rope",
        "--attention-dropout", "0", "--hidden-dropout", "0", "--untie-embeddings-and-output-weights",
-       "--num-experts", "8", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
+       "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+       "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _with(flag: str, value: str) -> list:
@@ -94,13 +95,25 @@ def test_the_routing_imbalance_scales_the_expert_rows_only(actmem):
 
 
 def test_without_the_aux_loss_its_rows_go(actmem):
+    """Load balancing none, or aux_loss at Megatron's default coefficient 0: the router computes no
+    aux loss (router.py, TopKRouter.routing: only above 0), so none of its four rows is kept."""
     terms = _terms(actmem.json("estimate", *MOE, "--moe-router-load-balancing-type", "none"))
     assert not {name for name in terms if name.startswith("aux_loss")}
     assert terms["router_topk_indices"] == 8 * 4096 * 2
+    default = _terms(actmem.json("estimate", *_with("--moe-aux-loss-coeff", "0")))
+    assert not {name for name in default if name.startswith("aux_loss")} and "router_topk_probs" in default
+
+
+def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
+    """Megatron puts expert weights in the dense buffers at EP = 1 (transformer_engine.py: allreduce =
+    not (is_expert and EP > 1)), so the distributed optimizer shards them over d·c, not gpus/(ETP·EP·p):
+    t = 2, ETP = 1, 8 GPUs: d = 4, where gpus/(ETP·EP·p) would be 8."""
+    out = actmem.json("estimate", *MOE, "--tp", "2", "--sp", "--etp", "1", "--gpus", "8", "--global-batch", "16",
+                      "--distributed-optimizer")
+    assert out["run"]["expert_data_parallel"] == out["run"]["data_parallel"] == 4
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (MOE[:-2], ["the allgather dispatcher (Megatron's default)", "give --moe-token-dispatcher-type alltoall"]),
     (_with("--moe-token-dispatcher-type", "flex"), ["the flex dispatcher (DeepEP)"]),
     ([a for a in MOE if a != "--swiglu"], ["modelled with SwiGLU experts"]),
     (MOE + ["--ep", "3"], ["EP (3) must divide the experts (8)"]),
@@ -113,6 +126,11 @@ def test_without_the_aux_loss_its_rows_go(actmem):
     (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
     (MOE + ["--recompute", "selective", "--recompute-modules", "mlp"], ["--recompute-modules mlp of a mixture"]),
     (MOE + ["--tp", "2", "--sp", "--cp", "2"], ["context parallelism (c = 2) with mixture-of-experts"]),
+    (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
+    (_with("--attention-core", "eager") + ["--moe-grouped-gemm"], ["legacy GroupedMLP"]),
+    (MOE + ["--recompute", "selective", "--recompute-modules", "core_attn,layernorm"],
+     ["--recompute-modules layernorm of a mixture-of-experts layer"]),
+    (_with("--moe-aux-loss-coeff", "-1"), ["moe_aux_loss_coeff must be a number >= 0"]),
 ])
 def test_what_is_not_modelled_or_not_possible_is_refused(actmem, args, fragments):
     assert_one_line_error(actmem("estimate", *args), *fragments)
@@ -143,6 +161,9 @@ def test_a_pasted_load_balancing_list_is_read_as_megatron_reads_it(actmem, tmp_p
                                    "--moe-router-load-balancing-type seq_aux_loss aux_loss"))
     assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}", "--vocab-size", "32000", "--gpus", "32"),
                           "several load-balancing types")
+    script.write_text(text.replace("--moe-aux-loss-coeff 1e-2", "--moe-aux-loss-coeff 1e-2 1e-3"))
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}", "--vocab-size", "32000", "--gpus", "32"),
+                          "--moe-aux-loss-coeff 1e-2 1e-3: several load-balancing types")
 
 
 HF = Path(__file__).parent / "data" / "hf"
@@ -157,7 +178,7 @@ def test_mixtrals_config_json_is_its_published_46_7b_parameters(actmem):
     out = actmem.json("estimate", "--model", f"{HF}/mixtral/config.json", "--seq-len", "4096")
     assert out["parameters"]["count"] == 46_702_792_704
     assert (out["architecture"]["num_experts"], out["architecture"]["moe_topk"]) == (8, 2)
-    assert any("counted as alltoall" in note for note in out["assumptions"])
+    assert any("Megatron's default allgather" in note for note in out["assumptions"])
 
 
 def test_qwen3_moes_config_json_is_its_published_30_5b_parameters(actmem):
@@ -185,3 +206,20 @@ def test_moe_configs_actmem_does_not_model_are_refused(actmem, tmp_path, changes
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert_one_line_error(actmem("estimate", "--model", str(path)), fragment)
+
+
+def test_the_allgather_dispatcher_megatrons_default_keeps_its_local_experts_columns(actmem):
+    """Without --moe-token-dispatcher-type Megatron runs allgather: it gathers the tokens of the
+    ETP·EP ranks and keeps, for its E/EP experts, the map and probabilities of every gathered token,
+    [E/EP, N·ETP·EP], and the indices of the rows its experts receive, int64 [T]. At t = 2 (SP),
+    ETP = 2, EP = 2, s = 4096, b = 1: N = 2048, the map E·N·ETP = 8·2048·2 = 32,768 B, the
+    probabilities twice that, 65,536 B; T = k·N·ETP = 8192 rows, the indices 8T = 65,536 B (alltoall
+    keeps 8Nk = 32,768 B of sorted indices and an [E, N] map, 16,384 B)."""
+    run = ["--tp", "2", "--sp", "--ep", "2", "--gpus", "8", "--global-batch", "16"]
+    allgather = _terms(actmem.json("estimate", *MOE[:-2], *run))
+    alltoall = _terms(actmem.json("estimate", *MOE, *run))
+    assert (allgather["permute_routing_map"], allgather["permute_probs"], allgather["permute_local_indices"]) == \
+        (32_768, 65_536, 65_536)
+    assert "permute_sorted_indices" not in allgather and "permute_local_indices" not in alltoall
+    assert (alltoall["permute_routing_map"], alltoall["permute_sorted_indices"]) == (16_384, 32_768)
+    assert allgather["experts_input"] == alltoall["experts_input"]

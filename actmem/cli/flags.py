@@ -169,15 +169,18 @@ ARCHITECTURE_FLAGS = (
          "gradients made at each linear's backward and freed once added (Megatron's --no-gradient-accumulation-"
          "fusion)", bool),
     Flag(("--num-experts",), "num_experts",
-         "a mixture-of-experts MLP of E experts in every layer (Megatron's switch; modelled: the alltoall "
-         "dispatcher, SwiGLU experts without biases, dropless routing)"),
+         "a mixture-of-experts MLP of E experts in every layer (Megatron's switch; modelled: the allgather and "
+         "alltoall dispatchers, SwiGLU experts without biases, dropless routing)"),
     Flag(("--moe-router-topk",), "moe_topk", "experts each token is routed to, k (default 2)"),
     Flag(("--moe-ffn-hidden-size",), "moe_ffn_hidden", "an expert's hidden size f_e (default: --ffn)"),
     Flag(("--moe-load-balancing", "--moe-router-load-balancing-type"), "moe_load_balancing",
-         "the router's load balancing: aux_loss (default; keeps its own scores over every expert) or none",
+         "the router's load balancing: aux_loss (default; above a coefficient of 0 it keeps its own scores over "
+         "every expert) or none",
          click.Choice(["aux_loss", "none", "seq_aux_loss", "global_aux_loss", "sinkhorn"])),
+    Flag(("--moe-aux-loss", "--moe-aux-loss-coeff"), "moe_aux_loss_coeff",
+         "the aux loss's coefficient (default 0, Megatron's: no aux loss is computed, nor its scores kept)", float),
     Flag(("--moe-token-dispatcher-type",), "moe_dispatcher",
-         "how tokens reach their experts: alltoall (modelled), allgather (Megatron's default) or flex",
+         "how tokens reach their experts: allgather (Megatron's default), alltoall or flex (not modelled)",
          click.Choice(["alltoall", "allgather", "flex"])),
     Flag(("--moe-grouped-gemm",), "moe_grouped_gemm",
          "the experts as TE's grouped GEMM (the same saved tensors as one MLP each)", constant=True),
@@ -222,7 +225,8 @@ RUN_FLAGS = (
          "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
-         "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (from the data-parallel ones)"),
+         "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (Megatron carves ETP·EP from "
+         "the t·c·d ranks)"),
     Flag(("--etp", "--expert-tensor-parallel-size"), "expert_tensor_parallel",
          "expert-tensor-parallel size ETP: ranks each expert's linears are split over (default t)"),
     Flag(("--moe-imbalance",), "routing_imbalance",

@@ -27,7 +27,7 @@ def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
                   "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32")
-    if not arch.qk_norm and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
+    if not arch.qk_norm and not arch.moe and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
@@ -177,8 +177,9 @@ def _moe_notes(spec: Spec) -> list:
         return []
     imbalance = run.routing_imbalance
     return [
-        f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), alltoall "
-        f"dispatcher, dropless, softmax top-{arch.moe_topk} of {arch.num_experts} experts"
+        f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), "
+        f"{arch.moe_dispatcher} dispatcher{' (Megatron default)' if arch.moe_dispatcher == 'allgather' else ''}, "
+        f"dropless, softmax top-{arch.moe_topk} of {arch.num_experts} experts"
         + (" with the aux loss" if arch.moe_load_balancing == "aux_loss" else "")
         + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
         "expert rows: "
@@ -188,7 +189,12 @@ def _moe_notes(spec: Spec) -> list:
            f"the busiest rank's experts receive {imbalance} x the balanced k·N·ETP token rows (--moe-imbalance), "
            "rounded up; the router's and the permutation's rows are per token and do not scale"),
         "the MoE layer's backward transients (the experts' gradients, the dispatcher's buffers, the "
-        "router's weight gradient) are not in the peak floor yet: it is a floor",
+        "router's weight gradient) are not in the peak floor yet: it is a floor; nor are the dispatcher's own "
+        "references to its last microbatch's routing (token_dispatcher.py: alltoall's probs and routing_map, "
+        "[N, E] 16-bit and bool, allgather's local_map), held once a layer until its next forward",
+        "TE's grouped GEMM (--moe-grouped-gemm) hands autograd one cached dummy weight gradient a shape from "
+        "Transformer Engine 2.10 (grouped_linear.py: get_dummy_wgrad); 2.9, which megatron-core 0.16.1 allows, "
+        "makes one for each expert's weight at its backward, a transient not modelled",
         "Megatron-LM's main branch (d98e8a64, 2026-08) permutes with an argsort whose [E·N] int64 result stays "
         "pinned (8sbE/t a layer) in place of 0.16.1's bool map and 16-bit probabilities (3sbE/t)",
     ]

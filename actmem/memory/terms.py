@@ -196,6 +196,12 @@ def _topk(arch):
     return arch.moe_topk if arch.moe else symbols.k
 
 
+def _gathered(arch):
+    """ETP where the allgather dispatcher gathers the tokens over the ETP·EP ranks and keeps its E/EP
+    local experts' columns (E/EP·N·ETP·EP = E·N·ETP); 1 under alltoall."""
+    return e if arch.moe and arch.moe_dispatcher == "allgather" else 1
+
+
 def _expert_ffn(arch):
     return arch.expert_ffn(h) if arch.moe else symbols.f_e
 
@@ -248,15 +254,22 @@ _MOE_TERMS = (
          Scope.LAYER, "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E)", moe_aux_loss),
     Term("aux_loss_value", sympy.Integer(F32), Region.REPLICATED, _STORED, Scope.LAYER,
          "MoEAuxLossAutoScaler keeps the fp32 aux loss (save_for_backward(aux_loss); 4 B)", moe_aux_loss),
-    Term("permute_routing_map", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("permute_routing_map", lambda arch: MASK * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
+         _STORED, Scope.LAYER,
          "permute's masked_select keeps the routing map transposed, bool [E, N] (moe_utils.py, permute: "
-         "routing_map.bool().T.contiguous(); sbE)", moe),
-    Term("permute_probs", lambda arch: A16 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... and the probabilities it selects from, [E, N] in the logits' 16 bits (probs.T.contiguous()"
-         ".masked_select(routing_map) saves its input; 2sbE)", moe),
+         "routing_map.bool().T.contiguous(); sbE); the allgather dispatcher's is its local experts' map of the "
+         "tokens gathered over ETP·EP ranks, [E/EP, N·ETP·EP] (token_dispatcher.py, MoEAllGatherTokenDispatcher."
+         "dispatch_postprocess: local_map; sbE·ETP)", moe),
+    Term("permute_probs", lambda arch: A16 * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY, _STORED,
+         Scope.LAYER,
+         "... and the probabilities it selects from, transposed, in the logits' 16 bits (probs.T.contiguous()"
+         ".masked_select(routing_map) saves its input; 2sbE, the allgather dispatcher's local_probs 2sbE·ETP)", moe),
     Term("permute_sorted_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
-         "its expanded view; 8sbk)", moe),
+         "its expanded view; 8sbk)", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall"),
+    Term("permute_local_indices", lambda arch: I64 * expert_rows(arch), Region.REPLICATED, _STORED, Scope.LAYER,
+         "the allgather dispatcher permutes the gathered tokens its experts receive: their indices, int64 [T], "
+         "which index_select saves (8T)", lambda arch: moe(arch) and arch.moe_dispatcher == "allgather"),
     Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
          "one storage that each expert's input is a view of", moe),
@@ -380,7 +393,7 @@ TERMS = (
          "under TE's spec it is what the MLP's checkpoint keeps, one storage", keeps_norm_input),
     Term("mlp_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
-         "into linear_fc1, inside the MLP's checkpoint", counts_norm_statistics, module=_mlp_with_fused_norm),
+         "into linear_fc1, inside the MLP's checkpoint (a MoE layer's is a TENorm of its own)", counts_norm_statistics, module=_mlp_with_fused_norm),
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
          "(the eager core) it is what the MLP's checkpoint keeps", dense_mlp, module=_mlp_with_fused_norm),

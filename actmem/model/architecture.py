@@ -102,6 +102,9 @@ class Architecture:
     moe_load_balancing: str = "aux_loss"
     """The router's load balancing (--moe-router-load-balancing-type): 'aux_loss' (Megatron's
     default, which keeps its own softmax over every expert) or 'none'."""
+    moe_aux_loss_coeff: float = 0.0
+    """The aux loss's coefficient (--moe-aux-loss-coeff; Megatron's default 0): the router computes the
+    aux loss, and keeps its scores, only above 0 (router.py, TopKRouter.routing)."""
     moe_dispatcher: str = "allgather"
     """How tokens reach their experts (--moe-token-dispatcher-type): Megatron's default 'allgather',
     'alltoall' or 'flex'; actmem models alltoall."""
@@ -228,6 +231,11 @@ class Architecture:
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if self.moe and modules is not None and "layernorm" in modules:
+            return {"selective": "--recompute-modules layernorm of a mixture-of-experts layer recomputes its pre-MLP "
+                                 "TENorm and frees the output the router keeps (transformer_layer.py, "
+                                 "CheckpointWithoutOutput), which actmem does not model yet: choose core_attn, full "
+                                 "or none"}
         if self.moe and modules is not None and "mlp" in modules:
             return {"selective": "--recompute-modules mlp of a mixture-of-experts layer recomputes the router, the "
                                  "dispatcher and the experts, which actmem does not model yet (Megatron's moe and "
@@ -459,7 +467,8 @@ def qk_norm(arch: Architecture) -> bool:
 
 def te_layer_spec(arch: Architecture) -> bool:
     """Megatron builds Transformer Engine's layer spec, each norm fused into the next linear
-    (TELayerNormColumnParallelLinear; input_layernorm and pre_mlp_layernorm IdentityOps): every
+    (TELayerNormColumnParallelLinear; input_layernorm and pre_mlp_layernorm IdentityOps; a MoE
+    layer's pre_mlp_layernorm is a TENorm of its own, whose output the router keeps): every
     core but the eager one, which Megatron runs only in its local spec (--attention-backend
     local needs --spec local), whose norms are modules of their own (LNImpl)"""
     return arch.attention_core != "eager"
@@ -486,8 +495,9 @@ def moe(arch: Architecture) -> bool:
 
 
 def moe_aux_loss(arch: Architecture) -> bool:
-    """the MLP is a mixture of experts whose router keeps the aux loss's scores"""
-    return arch.moe and arch.moe_load_balancing == "aux_loss"
+    """the MLP is a mixture of experts whose router keeps the aux loss's scores (aux_loss at a
+    coefficient above 0)"""
+    return arch.moe and arch.moe_load_balancing == "aux_loss" and arch.moe_aux_loss_coeff > 0
 
 
 def always(arch: Architecture) -> bool:

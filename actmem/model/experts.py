@@ -5,9 +5,10 @@ What a token's trip through that layer keeps (actmem.memory.terms, the MoE rows)
 input, its top-k choice and probabilities, the aux loss's own scores, the permutation's maps,
 and the rows the rank's experts receive, T = k·N·ETP tokens when routing is balanced (N = s·b/t
 tokens a rank holds under sequence parallelism; the alltoall dispatcher all-gathers over the
-expert-tensor-parallel group). The routing imbalance r scales T on the busiest rank: T = ⌈r·k·N·ETP⌉.
+expert-tensor-parallel group, the allgather one gathers every token of the ETP·EP ranks and keeps
+those of its experts). The routing imbalance r scales T on the busiest rank: T = ⌈r·k·N·ETP⌉.
 
-Modelled: every layer a MoE layer, SwiGLU experts without biases, the alltoall dispatcher,
+Modelled: every layer a MoE layer, SwiGLU experts without biases, the alltoall and allgather dispatchers,
 dropless routing, softmax top-k with the aux loss or no load balancing, TE's grouped GEMM or
 SequentialMLP. The rest is refused with its reason here, never priced as something else.
 """
@@ -15,16 +16,15 @@ SequentialMLP. The rest is refused with its reason here, never priced as somethi
 from actmem.errors import SpecError
 
 #: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
-DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_dispatcher": "allgather",
-            "moe_grouped_gemm": False}
+DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.0,
+            "moe_dispatcher": "allgather", "moe_grouped_gemm": False}
 LOAD_BALANCING = ("aux_loss", "none")
+DISPATCHERS = ("allgather", "alltoall")
 #: Megatron's other load-balancing types and dispatchers, and why actmem does not price them yet
 _NOT_MODELLED = {
     "seq_aux_loss": "its per-sequence aux loss keeps scores of another shape, not measured yet",
     "global_aux_loss": "its global aux loss keeps scores across the data-parallel group, not measured yet",
     "sinkhorn": "the Sinkhorn router keeps its iterations' tensors, not measured yet",
-    "allgather": "the allgather dispatcher (Megatron's default) keeps an [E/EP, N·t·EP] mask and probabilities "
-                 "of every token gathered, not measured yet: give --moe-token-dispatcher-type alltoall",
     "flex": "the flex dispatcher (DeepEP) runs kernels actmem has not read yet: give --moe-token-dispatcher-type "
             "alltoall",
 }
@@ -39,13 +39,23 @@ def check_experts(arch) -> None:
         return
     if not arch.moe_topk <= arch.num_experts:
         raise SpecError(f"--moe-router-topk ({arch.moe_topk}) must be at most --num-experts ({arch.num_experts})")
+    if arch.moe_topk == 1:
+        raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
+                        "transformer_config.py), whose softmax over every expert actmem does not model yet")
+    coeff = arch.moe_aux_loss_coeff
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
+        raise SpecError(f"moe_aux_loss_coeff must be a number >= 0, got {coeff!r}")
+    if arch.moe_grouped_gemm and arch.attention_core == "eager":
+        raise SpecError("--moe-grouped-gemm under the eager core: Megatron's local spec builds its legacy GroupedMLP "
+                        "(grouped_gemm's gmm, real weight gradients), which actmem does not model: drop "
+                        "--moe-grouped-gemm, or --attention-core flash (TE's grouped GEMM)")
     for name in ("moe_load_balancing", "moe_dispatcher"):
         if getattr(arch, name) in _NOT_MODELLED:
             raise SpecError(f"{name} {getattr(arch, name)}: {_NOT_MODELLED[getattr(arch, name)]}")
     if arch.moe_load_balancing not in LOAD_BALANCING:
         raise SpecError(f"moe_load_balancing must be one of {', '.join(LOAD_BALANCING + tuple(_NOT_MODELLED)[:3])}; "
                         f"got {arch.moe_load_balancing!r}")
-    if arch.moe_dispatcher != "alltoall":
+    if arch.moe_dispatcher not in DISPATCHERS:
         raise SpecError(f"moe_dispatcher must be alltoall, allgather or flex; got {arch.moe_dispatcher!r}")
     if arch.activation != "swiglu":
         raise SpecError(f"mixture-of-experts layers are modelled with SwiGLU experts (Mixtral, Qwen3, DeepSeek); "

@@ -265,9 +265,11 @@ class Spec:
     @property
     def expert_optimizer_shards(self) -> int:
         """Ranks the distributed optimizer shards the experts' state over: the expert data-parallel
-        group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); 1 when the GPU count
-        is not given."""
+        group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); at EP = 1 the dense
+        parameters' d·c (the experts join their buffers); 1 when the GPU count is not given."""
         run = self.run
+        if run.expert_parallel == 1:        # experts are dense parameters there: DDP's and the optimizer's own
+            return self.optimizer_shards    # (transformer_engine.py: allreduce = not (is_expert and EP > 1))
         if run.gpus is None:
             return 1
         return run.gpus // (run.etp * run.expert_parallel * run.pipeline_parallel)

@@ -162,7 +162,7 @@ def _moe(config, path):
     top num_experts_per_tok. Both renormalise the top-k probabilities (Mixtral always; Qwen3 with
     norm_topk_prob), which is Megatron's softmax over the top-k scores; Qwen3's dense layers
     (mlp_only_layers, decoder_sparse_step > 1) are not modelled. The token dispatcher is the run's
-    choice: counted as alltoall, the one modelled (--moe-token-dispatcher-type)."""
+    choice: Megatron's default, allgather, unless --moe-token-dispatcher-type says otherwise."""
     kind = config["model_type"]
     if kind == "qwen3_moe" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
         raise SpecError(f"{path}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) are not "
@@ -176,11 +176,15 @@ def _moe(config, path):
     model, architecture, notes = _llama(dense, path)
     experts = _need(config, path, "num_local_experts" if kind == "mixtral" else "num_experts")
     expert_ffn = None if kind == "mixtral" else _need(config, path, "moe_intermediate_size")
+    coeff = config.get("router_aux_loss_coef", 0.0)
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
+        raise SpecError(f"{path}: router_aux_loss_coef must be a number >= 0, got {coeff!r}")
     architecture |= dict(num_experts=experts, moe_topk=_need(config, path, "num_experts_per_tok"),
-                         moe_ffn_hidden=expert_ffn, moe_dispatcher="alltoall")
+                         moe_ffn_hidden=expert_ffn, moe_aux_loss_coeff=float(coeff))
     return model, architecture, notes + (
         f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer, as Megatron-Core's MoE layer "
-        "trains them; the token dispatcher is the run's choice, counted as alltoall (--moe-token-dispatcher-type)",)
+        f"trains them, the aux loss at the config's router_aux_loss_coef ({coeff:g}; --moe-aux-loss-coeff); the "
+        "token dispatcher is the run's choice (--moe-token-dispatcher-type; Megatron's default allgather)",)
 
 
 def _gpt2(config, path):

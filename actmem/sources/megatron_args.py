@@ -44,6 +44,7 @@ NO_MASK = "--no-create-attention-mask-in-dataloader"
 RECOMPUTE_MODULES = "--recompute-modules"
 #: Megatron takes a list (one type, or one a layer: arguments.py makes a list of one its element)
 LOAD_BALANCING = "--moe-router-load-balancing-type"
+AUX_LOSS_COEFF = "--moe-aux-loss-coeff"             # a list too: one coefficient a load-balancing type
 #: the tokenizer decides the vocabulary where --vocab-size is not given
 TOKENIZER = "--tokenizer-type"
 #: GPT-2's BPE files (gpt2-vocab.json) hold 50,257 tokens; Megatron's GPT2BPETokenizer takes
@@ -84,6 +85,7 @@ QK_LAYER_SCALING = "--apply-query-key-layer-scaling"
 BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES, LOAD_BALANCING,
+            AUX_LOSS_COEFF,
             TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
             QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
@@ -309,8 +311,9 @@ def _implied(words, settings) -> list[str]:
         implied += ["--attention-core", core]
     if settings.get(RECOMPUTE_MODULES):
         implied += [RECOMPUTE_MODULES, ",".join(settings[RECOMPUTE_MODULES])]
-    if len(settings.get(LOAD_BALANCING) or ()) == 1:
-        implied += ["--moe-load-balancing", settings[LOAD_BALANCING][0]]
+    for setting, flag in ((LOAD_BALANCING, "--moe-load-balancing"), (AUX_LOSS_COEFF, "--moe-aux-loss")):
+        if len(settings.get(setting) or ()) == 1:
+            implied += [flag, settings[setting][0]]
     schedule = settings.get(BATCH_SCHEDULE)
     if schedule and "--global-batch-size" not in words:
         implied += ["--global-batch-size", str(largest_batch(schedule))]
@@ -378,9 +381,10 @@ def _recompute_modules(settings) -> list[str]:
 
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
-    if len(settings.get(LOAD_BALANCING) or ()) > 1:
-        problems.append(f"{LOAD_BALANCING} {' '.join(settings[LOAD_BALANCING])}: several load-balancing types "
-                        "(combined, or one a layer) are not modelled; give one")
+    for setting in (LOAD_BALANCING, AUX_LOSS_COEFF):
+        if len(settings.get(setting) or ()) > 1:
+            problems.append(f"{setting} {' '.join(settings[setting])}: several load-balancing types (and "
+                            "their coefficients) are not modelled; give one")
     tokenizer = settings.get(TOKENIZER)
     if tokenizer not in (None, "GPT2BPETokenizer") and "--vocab-size" not in words:
         problems.append(f"{TOKENIZER} {tokenizer} takes its vocabulary from its files, which actmem does not read: "

@@ -21,15 +21,19 @@ def grid_rows():
 
 
 def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
-    """Five layouts (one rank; EP = 2; t = ETP = 2; t = 2 beside EP = 2, ETP = 1; no aux loss), every rank:
-    each MoE row measured equals its formula, nothing unnamed, the totals equal."""
+    """Seven layouts (alltoall: one rank; EP = 2; t = ETP = 2; t = 2 beside EP = 2, ETP = 1; the aux loss at
+    Megatron's default coefficient 0, which keeps none of its rows;
+    allgather: EP = 2; t = ETP = 2), every rank: each MoE row measured equals its formula, nothing
+    unnamed, the totals equal."""
     assert judge(grid_rows, 0.0) == []
     configs = {row["config"] for row in grid_rows}
-    assert len(configs) == 5
+    assert len(configs) == 7
     for config in configs:
         named = {row["term"] for row in grid_rows if row["config"] == config and row["kind"] == "paper"}
         expected = MOE_TERMS - ({name for name in MOE_TERMS if name.startswith("aux_loss")}
-                                if config.endswith(" none") else set())
+                                if config.endswith(" aux 0") else set())
+        if " allgather " in config:
+            expected = expected - {"permute_sorted_indices"} | {"permute_local_indices"}
         assert named == expected, config
         assert all(row["measured_bytes"] > 0 for row in grid_rows if row["config"] == config)
 
@@ -38,7 +42,7 @@ def test_the_experts_rows_are_what_the_rank_received(grid_rows):
     """At t = ETP = 2, EP = 1 the dispatcher all-gathers the tokens over the expert-tensor-parallel group,
     so both ranks' experts receive every routed row, balanced whatever the routing: T = k·s·b = 2·16·2 = 64,
     the experts' input 2·h·T = 2·16·64 = 2048 B on each rank."""
-    gathered = [row for row in grid_rows if "t=2 EP=1 ETP=2" in row["config"] and row["term"] == "experts_input"]
+    gathered = [row for row in grid_rows if "t=2 EP=1 ETP=2 alltoall" in row["config"] and row["term"] == "experts_input"]
     assert [row["measured_bytes"] for row in gathered] == [2048, 2048]
 
 

@@ -223,3 +223,16 @@ def test_the_allgather_dispatcher_megatrons_default_keeps_its_local_experts_colu
     assert "permute_sorted_indices" not in allgather and "permute_local_indices" not in alltoall
     assert (alltoall["permute_routing_map"], alltoall["permute_sorted_indices"]) == (16_384, 32_768)
     assert allgather["experts_input"] == alltoall["experts_input"]
+
+
+def test_the_routers_dtype_widens_the_probabilities_the_layer_keeps(actmem):
+    """--moe-router-dtype fp32 (Qwen3's and DeepSeek's Megatron scripts): the logits, and so the
+    probabilities permute keeps ([E, N]) and the experts scale by ([T, 1]), are fp32: 4·E·N =
+    4·8·4096 = 131,072 B and 4T = 4·8192 = 32,768 B at t = 1, s = 4096; fp64 twice that. The softmax's
+    own outputs are fp32 either way (unchanged)."""
+    bf16 = _terms(actmem.json("estimate", *MOE))
+    fp32 = _terms(actmem.json("estimate", *MOE, "--moe-router-dtype", "fp32"))
+    fp64 = _terms(actmem.json("estimate", *MOE, "--moe-router-dtype", "fp64"))
+    assert (bf16["permute_probs"], fp32["permute_probs"], fp64["permute_probs"]) == (65_536, 131_072, 262_144)
+    assert (bf16["experts_probs"], fp32["experts_probs"], fp64["experts_probs"]) == (16_384, 32_768, 65_536)
+    assert bf16["router_topk_probs"] == fp32["router_topk_probs"] == fp64["router_topk_probs"]

@@ -228,8 +228,15 @@ def _experts_fc2_input(arch):
     return A16 * _expert_ffn(arch) / e * expert_rows(arch)
 
 
+def _router_bytes(arch) -> int:
+    """Bytes of a routing probability: the logits' dtype (--moe-router-dtype; 16-bit by default)."""
+    from actmem.model.experts import ROUTER_BYTES
+
+    return ROUTER_BYTES[arch.moe_router_dtype] if arch.moe else A16
+
+
 def _experts_probs(arch):
-    return A16 * expert_rows(arch)
+    return _router_bytes(arch) * expert_rows(arch)
 
 
 #: megatron-core 0.16.1's MoE layer (the local spec's SequentialMLP, as the harness runs it; TE's
@@ -260,10 +267,11 @@ _MOE_TERMS = (
          "routing_map.bool().T.contiguous(); sbE); the allgather dispatcher's is its local experts' map of the "
          "tokens gathered over ETP·EP ranks, [E/EP, N·ETP·EP] (token_dispatcher.py, MoEAllGatherTokenDispatcher."
          "dispatch_postprocess: local_map; sbE·ETP)", moe),
-    Term("permute_probs", lambda arch: A16 * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY, _STORED,
-         Scope.LAYER,
-         "... and the probabilities it selects from, transposed, in the logits' 16 bits (probs.T.contiguous()"
-         ".masked_select(routing_map) saves its input; 2sbE, the allgather dispatcher's local_probs 2sbE·ETP)", moe),
+    Term("permute_probs", lambda arch: _router_bytes(arch) * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
+         _STORED, Scope.LAYER,
+         "... and the probabilities it selects from, transposed, in the logits' dtype (probs.T.contiguous()"
+         ".masked_select(routing_map) saves its input; 2sbE in 16 bits, 4sbE under --moe-router-dtype fp32; the "
+         "allgather dispatcher's local_probs x ETP)", moe),
     Term("permute_sorted_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
          "its expanded view; 8sbk)", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall"),
@@ -277,7 +285,8 @@ _MOE_TERMS = (
          "the weighted SwiGLU keeps its input, fc1's output [T, 2f_e/ETP] (fused_bias_swiglu.py, "
          "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP)", moe),
     Term("experts_probs", _experts_probs, Region.REPLICATED, _STORED, Scope.LAYER,
-         "... and the routing probabilities it scales by, [T, 1] in 16 bits (2T)", moe),
+         "... and the routing probabilities it scales by, [T, 1] in the logits' dtype (2T in 16 bits, 4T in fp32)",
+         moe),
     Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe),
 )

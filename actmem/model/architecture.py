@@ -105,6 +105,9 @@ class Architecture:
     moe_aux_loss_coeff: float = 0.0
     """The aux loss's coefficient (--moe-aux-loss-coeff; Megatron's default 0): the router computes the
     aux loss, and keeps its scores, only above 0 (router.py, TopKRouter.routing)."""
+    moe_router_dtype: str | None = None
+    """The router's logits and probabilities (--moe-router-dtype): None, the activations' 16 bits
+    (Megatron's default), 'fp32' or 'fp64'."""
     moe_dispatcher: str = "allgather"
     """How tokens reach their experts (--moe-token-dispatcher-type): Megatron's default 'allgather',
     'alltoall' or 'flex'; actmem models alltoall."""

@@ -17,7 +17,11 @@ from actmem.errors import SpecError
 
 #: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
 DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.0,
-            "moe_dispatcher": "allgather", "moe_grouped_gemm": False}
+            "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False}
+#: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
+#: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
+#: the logits); the softmax's own outputs are fp32 whatever it is
+ROUTER_BYTES = {None: 2, "fp32": 4, "fp64": 8}
 LOAD_BALANCING = ("aux_loss", "none")
 DISPATCHERS = ("allgather", "alltoall")
 #: Megatron's other load-balancing types and dispatchers, and why actmem does not price them yet
@@ -42,6 +46,8 @@ def check_experts(arch) -> None:
     if arch.moe_topk == 1:
         raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
                         "transformer_config.py), whose softmax over every expert actmem does not model yet")
+    if arch.moe_router_dtype not in ROUTER_BYTES:
+        raise SpecError(f"moe_router_dtype must be fp32 or fp64 (or unset: 16-bit); got {arch.moe_router_dtype!r}")
     coeff = arch.moe_aux_loss_coeff
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
         raise SpecError(f"moe_aux_loss_coeff must be a number >= 0, got {coeff!r}")

@@ -38,7 +38,8 @@ class MoEConfig:
     def label(self) -> str:
         run, arch = self.spec.run, self.spec.architecture
         return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
-                f"ETP={run.etp} {arch.moe_dispatcher} aux {arch.moe_aux_loss_coeff:g}")
+                f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
+                f"aux {arch.moe_aux_loss_coeff:g}")
 
     @property
     def world_size(self) -> int:
@@ -47,12 +48,12 @@ class MoEConfig:
 
 
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
-             topk: int = 2, dispatcher: str = "alltoall") -> Spec:
+             topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
-                        moe_aux_loss_coeff=1e-2 if aux else 0.0, tied_output=False)
+                        moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -63,9 +64,11 @@ def moe_grid() -> list:
     ranks (E/EP local experts sorted by chunk); the expert linears split over two (ETP = t = 2,
     the tokens all-gathered); experts over two beside t = 2 with ETP = 1; the aux loss at Megatron's
     default coefficient, 0, which computes none. The
-    allgather dispatcher (Megatron's default) gathering over EP and over ETP."""
-    specs = (moe_spec(), moe_spec(ep=2), moe_spec(t=2), moe_spec(t=2, ep=2, etp=1), moe_spec(aux=False, ep=2),
-             moe_spec(ep=2, dispatcher="allgather"), moe_spec(t=2, dispatcher="allgather"))
+    allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
+    (--moe-router-dtype) on two of them."""
+    specs = (moe_spec(), moe_spec(ep=2), moe_spec(t=2), moe_spec(t=2, ep=2, etp=1, router_dtype="fp32"),
+             moe_spec(aux=False, ep=2), moe_spec(ep=2, dispatcher="allgather"),
+             moe_spec(t=2, dispatcher="allgather", router_dtype="fp64"))
     return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
 
 
@@ -97,11 +100,12 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     # columns of the tokens gathered over ETP·EP ranks, [E/EP, N·ETP·EP]
     columns = (e, n) if arch.moe_dispatcher == "alltoall" else (e // run.expert_parallel,
                                                                  n * run.etp * run.expert_parallel)
+    probs = {None: "bfloat16", "fp32": "float32", "fp64": "float64"}[arch.moe_router_dtype]
     by_shape = {("float32", (n, k)): "router_topk_probs", ("float32", (n, e)): "aux_loss_scores",
                 ("float32", ()): "aux_loss_value", ("bool", columns): "permute_routing_map",
-                ("bfloat16", columns): "permute_probs"}
+                (probs, columns): "permute_probs"}
     by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
-    if len(by_width) != 4:
+    if len(by_width) != 4:   # (the probabilities: width 1, in the router's dtype)
         raise ValueError(f"h = {h} and f_e/ETP = {f} give two expert tensors one width: pick other dims")
     topk_indices = iter(("router_topk_indices", "aux_loss_topk_indices"))
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
@@ -117,6 +121,8 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
             name = next(vectors, f"unnamed {dtype} {list(shape)}")
         elif (dtype, shape) in by_shape:
             name = by_shape[(dtype, shape)]
+        elif dtype == probs and len(shape) == 2 and shape[1] == 1:
+            name = "experts_probs"
         elif dtype == "bfloat16" and len(shape) == 2 and shape[1] in by_width:
             name = by_width[shape[1]]
         else:
@@ -184,7 +190,7 @@ def _layer(spec: Spec):
         num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
         num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk, moe_ffn_hidden_size=arch.expert_ffn(model.hidden),
         moe_token_dispatcher_type=arch.moe_dispatcher, moe_router_load_balancing_type=arch.moe_load_balancing,
-        moe_aux_loss_coeff=arch.moe_aux_loss_coeff, add_bias_linear=False,
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff, moe_router_dtype=arch.moe_router_dtype, add_bias_linear=False,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,

@@ -236,3 +236,34 @@ def test_the_routers_dtype_widens_the_probabilities_the_layer_keeps(actmem):
     assert (bf16["permute_probs"], fp32["permute_probs"], fp64["permute_probs"]) == (65_536, 131_072, 262_144)
     assert (bf16["experts_probs"], fp32["experts_probs"], fp64["experts_probs"]) == (16_384, 32_768, 65_536)
     assert bf16["router_topk_probs"] == fp32["router_topk_probs"] == fp64["router_topk_probs"]
+
+
+def test_shared_experts_keep_a_tensor_parallel_mlps_rows_and_their_gate(actmem):
+    """Shared experts of f_s = 2048 (one MLP every token passes), gated, at t = 2 with SP, s = 4096:
+    the SwiGLU's input 2·2f_s·s·b/t = 2·4096·4096/2 = 16,777,216 B and fc2's 2·f_s·s·b/t = 8,388,608 B
+    (split over t, the whole sequence: a tensor-parallel MLP); the gate's score 2·s·b/t = 4,096 B and
+    the output it scales 2·s·b·h/t = 16,777,216 B (the tokens' shard). Overlapping the dispatcher,
+    fc1 keeps its input gathered, 2·s·b·h = 33,554,432 B. Parameters a layer grow by the shared MLP's
+    3·h·f_s/t = 3·4096·2048/2 = 12,582,912 and the gate's h = 4096."""
+    run = ["--tp", "2", "--sp", "--gpus", "8", "--global-batch", "16"]
+    plain = actmem.json("estimate", *MOE, *run)
+    gated = actmem.json("estimate", *MOE, *run, "--moe-shared-expert-intermediate-size", "2048",
+                        "--moe-shared-expert-gate")
+    terms = _terms(gated)
+    assert (terms["shared_experts_swiglu_input"], terms["shared_experts_fc2_input"]) == (16_777_216, 8_388_608)
+    assert (terms["shared_experts_gate_score"], terms["shared_experts_output"]) == (4_096, 16_777_216)
+    assert "shared_experts_fc1_input_gathered" not in terms
+    assert gated["parameters"]["count"] - plain["parameters"]["count"] == 32 * (12_582_912 + 4096)
+    overlap = _terms(actmem.json("estimate", *MOE, *run, "--moe-shared-expert-intermediate-size", "2048",
+                                 "--moe-shared-expert-overlap"))
+    assert overlap["shared_experts_fc1_input_gathered"] == 33_554_432
+    assert "shared_experts_gate_score" not in overlap
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (MOE + ["--moe-shared-expert-gate"], "give --moe-shared-expert-intermediate-size"),
+    (MOE[:-2] + ["--moe-shared-expert-intermediate-size", "512", "--moe-shared-expert-overlap"],
+     "--moe-shared-expert-overlap only works with the alltoall dispatcher"),
+])
+def test_shared_expert_settings_that_cannot_be_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)

@@ -32,7 +32,8 @@ def _layer_formula(arch) -> str:
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
     f = "4h" if arch.ffn_hidden is None else "f"
     mlp = (f"{arch.fc1_width + 1}h·{f}" if not arch.moe else
-           "a router's E·h (whole on every rank) + E/EP experts of 3h·f_e/ETP")
+           "a router's E·h (whole on every rank) + E/EP experts of 3h·f_e/ETP"
+           + (" + shared experts of 3h·f_s/t" if arch.moe and arch.moe_shared_ffn else ""))
     return (f"{attention} + {mlp} weights, {arch.activation}, {arch.normalization}"
             + ("" if arch.biases == "biases" else f", {arch.biases}")
             + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))

@@ -25,10 +25,12 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
     f, width, bias = arch.ffn(h), arch.fc1_width, int(arch.bias)
     qkv = qkv_width(h, arch, heads)
     mlp = 0 if arch.moe else width * h * f + f * h + bias * width * f     # experts: expert_parameters
+    if arch.moe and arch.moe_shared_ffn is not None:     # the shared experts: one tensor-parallel SwiGLU MLP
+        mlp = 3 * h * arch.moe_shared_ffn
     split = h * qkv + arch.attention_width(h, heads) * h + mlp + int(arch.has_qkv_bias) * qkv
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
     if arch.moe:          # the router's [E, h] weight, whole on every rank (router.py, TopKRouter)
-        replicated += arch.num_experts * h
+        replicated += arch.num_experts * h + h * int(arch.moe_shared_gate)   # the shared gate's [1, h]
     if arch.qk_norm:
         if heads is None:
             raise ValueError("QK norms need the head count")
@@ -93,8 +95,10 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
     if "wgrad_fusion" not in arch.code.has or not arch.gradient_accumulation_fusion:
         return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
     f, split = (arch.expert_ffn(h), etp) if arch.moe else (arch.ffn(h), t)      # the experts' linears: over ETP
+    shared = arch.moe_shared_ffn if arch.moe and arch.moe_shared_ffn is not None else 0   # TE linears over t
     shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
-              (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output))
+              (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output),
+              (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)))
     total = 0
     for i, (rows, cols, here) in enumerate(shapes):
         seen = 0                              # an earlier shape on the stage equal to this one

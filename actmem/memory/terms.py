@@ -15,7 +15,8 @@ import sympy
 from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
+    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
+    shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
     unfused_weight_gradients
@@ -202,6 +203,10 @@ def _gathered(arch):
     return e if arch.moe and arch.moe_dispatcher == "allgather" else 1
 
 
+def _shared_ffn(arch):
+    return arch.moe_shared_ffn if arch.moe and arch.moe_shared_ffn is not None else symbols.f_s
+
+
 def _expert_ffn(arch):
     return arch.expert_ffn(h) if arch.moe else symbols.f_e
 
@@ -289,6 +294,23 @@ _MOE_TERMS = (
          moe),
     Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe),
+    # the shared experts (shared_experts.py, SharedExpertMLP): one tensor-parallel MLP of f_s that every
+    # token passes, its fc1 keeping the router's input (the same storage) unless it overlaps
+    Term("shared_experts_fc1_input_gathered", lambda arch: sympy.Piecewise((0, sympy.Eq(t, 1)), (A16 * _sbh, True)),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "overlapping the dispatcher (--moe-shared-expert-overlap), the shared experts' fc1 keeps the input it "
+         "all-gathers ahead (shared_experts.py, pre_forward_comm: cached_fc1_input; 2sbh at t > 1; at t = 1 the "
+         "router's input itself)", shared_experts_overlap),
+    Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
+         Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
+         "SwiGLUFunction; 4sbf_s)", shared_experts),
+    Term("shared_experts_fc2_input", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts),
+    Term("shared_experts_gate_score", A16 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the shared experts' gate keeps its sigmoid output, [N, 1], which the product saves too "
+         "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate),
+    Term("shared_experts_output", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... and the shared experts' output it scales (2sbh)", shared_experts_gate),
 )
 
 TERMS = (

@@ -105,6 +105,14 @@ class Architecture:
     moe_aux_loss_coeff: float = 0.0
     """The aux loss's coefficient (--moe-aux-loss-coeff; Megatron's default 0): the router computes the
     aux loss, and keeps its scores, only above 0 (router.py, TopKRouter.routing)."""
+    moe_shared_ffn: int | None = None
+    """f_s: the shared experts' hidden size, all shared experts as one MLP that every token passes
+    (--moe-shared-expert-intermediate-size; DeepSeek, Qwen2-MoE, Llama 4); None: none."""
+    moe_shared_gate: bool = False
+    """A sigmoid gate scales the shared experts' output (--moe-shared-expert-gate; Qwen2-MoE)."""
+    moe_shared_overlap: bool = False
+    """The shared experts run beside the dispatcher's communication (--moe-shared-expert-overlap,
+    alltoall only), their fc1 keeping its all-gathered input."""
     moe_router_dtype: str | None = None
     """The router's logits and probabilities (--moe-router-dtype): None, the activations' 16 bits
     (Megatron's default), 'fp32' or 'fp64'."""
@@ -135,7 +143,7 @@ class Architecture:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
         for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows", "num_experts", "moe_topk",
-                     "moe_ffn_hidden"):
+                     "moe_ffn_hidden", "moe_shared_ffn"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
@@ -146,7 +154,8 @@ class Architecture:
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
-                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm"):
+                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_shared_gate",
+                     "moe_shared_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -501,6 +510,21 @@ def moe_aux_loss(arch: Architecture) -> bool:
     """the MLP is a mixture of experts whose router keeps the aux loss's scores (aux_loss at a
     coefficient above 0)"""
     return arch.moe and arch.moe_load_balancing == "aux_loss" and arch.moe_aux_loss_coeff > 0
+
+
+def shared_experts(arch: Architecture) -> bool:
+    """the MoE layer has shared experts"""
+    return arch.moe and arch.moe_shared_ffn is not None
+
+
+def shared_experts_gate(arch: Architecture) -> bool:
+    """the MoE layer's shared experts are gated"""
+    return shared_experts(arch) and arch.moe_shared_gate
+
+
+def shared_experts_overlap(arch: Architecture) -> bool:
+    """the MoE layer's shared experts overlap the dispatcher's communication"""
+    return shared_experts(arch) and arch.moe_shared_overlap
 
 
 def always(arch: Architecture) -> bool:

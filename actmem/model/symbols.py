@@ -17,5 +17,6 @@ r = sympy.Symbol("r", positive=True, rational=True)
 BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r}
 
 #: a mixture-of-experts layer's own sizes, as the formulas view shows its rows (an estimate binds
-#: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e
-E, k, f_e = sympy.symbols("E k f_e", positive=True, integer=True)
+#: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the
+#: shared experts' f_s
+E, k, f_e, f_s = sympy.symbols("E k f_e f_s", positive=True, integer=True)

@@ -22,7 +22,7 @@ def grid_rows():
 
 def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     """Seven layouts (alltoall: one rank; EP = 2; t = ETP = 2; t = 2 beside EP = 2, ETP = 1; the aux loss at
-    Megatron's default coefficient 0, which keeps none of its rows;
+    Megatron's default coefficient 0, which keeps none of its rows; shared experts, gated, overlapping;
     allgather: EP = 2; t = ETP = 2), every rank: each MoE row measured equals its formula, nothing
     unnamed, the totals equal."""
     assert judge(grid_rows, 0.0) == []
@@ -34,6 +34,12 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
                                 if config.endswith(" aux 0") else set())
         if " allgather " in config:
             expected = expected - {"permute_sorted_indices"} | {"permute_local_indices"}
+        if " shared " in config or " shared gated" in config:
+            expected |= {"shared_experts_swiglu_input", "shared_experts_fc2_input"}
+        if " gated" in config:
+            expected |= {"shared_experts_gate_score", "shared_experts_output"}
+        if " overlap " in config:
+            expected |= {"shared_experts_fc1_input_gathered"}
         assert named == expected, config
         assert all(row["measured_bytes"] > 0 for row in grid_rows if row["config"] == config)
 

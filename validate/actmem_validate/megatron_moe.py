@@ -39,7 +39,8 @@ class MoEConfig:
         run, arch = self.spec.run, self.spec.architecture
         return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
-                f"aux {arch.moe_aux_loss_coeff:g}")
+                + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
+                   if arch.moe_shared_ffn else "") + f"aux {arch.moe_aux_loss_coeff:g}")
 
     @property
     def world_size(self) -> int:
@@ -48,12 +49,15 @@ class MoEConfig:
 
 
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
-             topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None) -> Spec:
-    """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2."""
+             topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
+             gate: bool = False, overlap: bool = False) -> Spec:
+    """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
+    shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
-                        moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False)
+                        moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
+                        moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -65,8 +69,10 @@ def moe_grid() -> list:
     the tokens all-gathered); experts over two beside t = 2 with ETP = 1; the aux loss at Megatron's
     default coefficient, 0, which computes none. The
     allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
-    (--moe-router-dtype) on two of them."""
-    specs = (moe_spec(), moe_spec(ep=2), moe_spec(t=2), moe_spec(t=2, ep=2, etp=1, router_dtype="fp32"),
+    (--moe-router-dtype) on two of them; shared experts on three (alone; gated and overlapping at t = 2;
+    gated beside EP = 2)."""
+    specs = (moe_spec(shared=True), moe_spec(ep=2), moe_spec(t=2, shared=True, gate=True, overlap=True),
+             moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True),
              moe_spec(aux=False, ep=2), moe_spec(ep=2, dispatcher="allgather"),
              moe_spec(t=2, dispatcher="allgather", router_dtype="fp64"))
     return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
@@ -87,7 +93,7 @@ def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
     return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in moe_terms}
 
 
-_MOE_PREFIXES = ("router_", "aux_loss_", "permute_", "experts_")
+_MOE_PREFIXES = ("router_", "aux_loss_", "permute_", "experts_", "shared_experts_")
 
 
 def _named(saved: list, spec: Spec, x_key) -> dict:
@@ -111,6 +117,15 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
     vectors = iter(("aux_loss_tokens_per_expert",) * moe_aux_loss(arch)
                    + ("permute_sorted_indices" if arch.moe_dispatcher == "alltoall" else "permute_local_indices",))
+    if arch.moe_shared_ffn is not None:        # the shared experts': 3-D, or 2-D over the whole sequence
+        f_s, t = arch.moe_shared_ffn // run.tensor_parallel, run.tensor_parallel
+        by_shape |= {("bfloat16", (s, b, f_s)): "shared_experts_fc2_input",
+                     ("bfloat16", (n // b, b, 1)): "shared_experts_gate_score",
+                     ("bfloat16", (n // b, b, h)): "shared_experts_output",
+                     ("bfloat16", (s, b, h)): "shared_experts_fc1_input_gathered" if t > 1 else "shared_experts_output",
+                     ("bfloat16", (s * b, 2 * f_s)): "shared_experts_swiglu_input"}
+        if 2 * f_s in by_width:
+            raise ValueError(f"f_s/t = {f_s} gives the shared experts' SwiGLU an expert tensor's width: pick other dims")
     named = {}
     for key, dtype, shape, n_bytes in saved:
         if key == x_key:
@@ -191,6 +206,8 @@ def _layer(spec: Spec):
         num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk, moe_ffn_hidden_size=arch.expert_ffn(model.hidden),
         moe_token_dispatcher_type=arch.moe_dispatcher, moe_router_load_balancing_type=arch.moe_load_balancing,
         moe_aux_loss_coeff=arch.moe_aux_loss_coeff, moe_router_dtype=arch.moe_router_dtype, add_bias_linear=False,
+        moe_shared_expert_intermediate_size=arch.moe_shared_ffn, moe_shared_expert_gate=arch.moe_shared_gate,
+        moe_shared_expert_overlap=arch.moe_shared_overlap,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,

@@ -3,8 +3,8 @@
 The rows a token's trip keeps, per layer and microbatch, N = s·b/t tokens a rank (SP), k the
 top-k, E the experts, T = ⌈r·k·N·ETP⌉ the rows the rank's experts receive (terms.py; measured
 against megatron-core's own layer in tests/validate/test_megatron_moe.py):
-router input 2Nh, top-k indices 8Nk, top-k probabilities 4Nk, aux scores 4NE, aux top-k
-indices 8Nk, tokens per expert 8E, the aux loss 4, routing map NE, permute probabilities
+router input 2Nh, top-k indices 8Nk, top-k probabilities 4Nk, aux scores 4NE, tokens per
+expert 8E, the aux loss 4 (the aux loss's own top-k indices are freed before the forward ends), routing map NE, permute probabilities
 2NE, sorted indices 8Nk; experts' input 2hT, fc1 output 4f_e·T/ETP, probabilities 2T, fc2
 input 2f_e·T/ETP.
 """

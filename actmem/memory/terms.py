@@ -260,8 +260,8 @@ _MOE_TERMS = (
     Term("aux_loss_scores", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the aux loss's softmax over every expert keeps its fp32 output, [N, E] (moe_utils.py, "
          "compute_routing_scores_for_aux_loss; 4sbE)", moe_aux_loss),
-    Term("aux_loss_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... and its own top-k indices, int64 [N, k], which its scatter saves (8sbk)", moe_aux_loss),
+    # its own top-k (torch.topk(scores)) saves indices too, but its values are discarded (`_, top_indices =`),
+    # so autograd frees that node, and the indices with it, before the forward ends: measured, not held
     Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch), Region.REPLICATED, _STORED,
          Scope.LAYER, "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E)", moe_aux_loss),
     Term("aux_loss_value", sympy.Integer(F32), Region.REPLICATED, _STORED, Scope.LAYER,

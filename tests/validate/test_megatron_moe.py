@@ -10,8 +10,7 @@ from actmem_validate.compare import judge, term_rows  # noqa: E402
 from actmem_validate.megatron_moe import formula, measure, moe_grid, moe_spec, rows  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
 
-MOE_TERMS = {"router_input", "router_topk_indices", "router_topk_probs", "aux_loss_scores", "aux_loss_topk_indices",
-             "aux_loss_tokens_per_expert", "aux_loss_value", "permute_routing_map", "permute_probs",
+MOE_TERMS = {"router_input", "router_topk_indices", "router_topk_probs", "aux_loss_scores", "aux_loss_tokens_per_expert", "aux_loss_value", "permute_routing_map", "permute_probs",
              "permute_sorted_indices", "experts_input", "experts_fc1_output", "experts_probs", "experts_fc2_input"}
 
 

@@ -9,12 +9,14 @@ so ⌈r·T_balanced⌉ = T), which checks every row's shape and what the layer k
 itself is the user's input (--moe-imbalance).
 
 Megatron-Core runs on a GPU; four shims let it run on a CPU, none of which makes or keeps a
-tensor (``_cpu_shims``). A saved tensor is named by its dtype and shape, which the layer's
-dims make distinct (``_named``); any other is unnamed and fails the gate.
+tensor (``_cpu_shims``). A saved tensor counts where its storage is still alive when the forward ends (a
+node autograd frees on the way, with what it saved, holds nothing), once a storage; it is named by its
+dtype and shape, which the layer's dims make distinct (``_named``); any other is unnamed and fails the gate.
 """
 
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -113,7 +115,9 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
     if len(by_width) != 4:   # (the probabilities: width 1, in the router's dtype)
         raise ValueError(f"h = {h} and f_e/ETP = {f} give two expert tensors one width: pick other dims")
-    topk_indices = iter(("router_topk_indices", "aux_loss_topk_indices"))
+    # the router's top-k indices; the aux loss's own are freed before the forward ends (terms.py): a second
+    # [N, k] int64 storage held is no row's, and fails the gate
+    topk_indices = iter(("router_topk_indices",))
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
     vectors = iter(("aux_loss_tokens_per_expert",) * moe_aux_loss(arch)
                    + ("permute_sorted_indices" if arch.moe_dispatcher == "alltoall" else "permute_local_indices",))
@@ -240,19 +244,25 @@ def _rank(rank: int, world: int, port: int, spec: Spec, results) -> None:
         layer.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        saved, seen = [], set()
+        saved = {}             # address -> (a weak reference to the storage, dtype, shape, bytes), in order
 
         def pack(tensor):
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
-            if key not in params and key not in seen:
-                seen.add(key)
-                saved.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), storage.nbytes()))
+            held = saved.get(key)
+            # an expert that receives no token saves empty tensors: they hold nothing, and share address 0;
+            # a storage saved by a node autograd has already freed (a branch nothing uses) may lend its
+            # address to a later one: the later one is recorded, the dead one dropped below
+            if storage.nbytes() and key not in params and (held is None or held[0]() is None):
+                saved.pop(key, None)
+                saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                              storage.nbytes())
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out, _ = layer(x)
-        named = _named(saved, spec, x.untyped_storage().data_ptr())
+        held = [(key, *rest) for key, (alive, *rest) in saved.items() if alive() is not None]
+        named = _named(held, spec, x.untyped_storage().data_ptr())
         out.float().sum().backward()
         results.put((rank, received[0], named))
         parallel_state.destroy_model_parallel()

@@ -267,3 +267,11 @@ def test_shared_experts_keep_a_tensor_parallel_mlps_rows_and_their_gate(actmem):
 ])
 def test_shared_expert_settings_that_cannot_be_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_the_qwen3_moe_preset_is_its_config_json(actmem):
+    """The preset's numbers are the published config.json's: the same parameters and rows."""
+    preset = actmem.json("estimate", "--model", "qwen3-30b-a3b")
+    config = actmem.json("estimate", "--model", f"{HF}/qwen3-30b-a3b/config.json", "--seq-len", "4096")
+    assert preset["parameters"]["count"] == config["parameters"]["count"] == 30_532_122_624
+    assert _terms(preset) == _terms(config)

@@ -32,7 +32,7 @@ def test_aliases():
 
 
 def test_all_presets_smallest_first():
-    assert [p.name for p in all_presets()] == ["llama-3.1-8b", "mixtral-8x7b", "qwen3-8b", "22b", "llama-3.1-70b", "175b",
+    assert [p.name for p in all_presets()] == ["qwen3-30b-a3b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-8b", "22b", "llama-3.1-70b", "175b",
                                                "llama-3.1-405b", "llama-3.1-405b-128k", "530b", "1t"]
 
 

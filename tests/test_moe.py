@@ -194,10 +194,9 @@ def test_qwen3_moes_config_json_is_its_published_30_5b_parameters(actmem):
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"model_type": "qwen2_moe"}, "a mixture-of-experts model (qwen2_moe) is not supported yet"),
+    ({"model_type": "deepseek_v3"}, "a mixture-of-experts model (deepseek_v3) is not supported yet"),
     ({"mlp_only_layers": [0, 1]}, "dense layers among the MoE layers"),
     ({"decoder_sparse_step": 2}, "dense layers among the MoE layers"),
-    ({"norm_topk_prob": False}, "norm_topk_prob false keeps the softmax over every expert"),
 ])
 def test_moe_configs_actmem_does_not_model_are_refused(actmem, tmp_path, changes, fragment):
     import json
@@ -275,3 +274,24 @@ def test_the_qwen3_moe_preset_is_its_config_json(actmem):
     config = actmem.json("estimate", "--model", f"{HF}/qwen3-30b-a3b/config.json", "--seq-len", "4096")
     assert preset["parameters"]["count"] == config["parameters"]["count"] == 30_532_122_624
     assert _terms(preset) == _terms(config)
+
+
+def test_qwen15_moes_config_json_is_its_published_14_3b_with_a_gated_shared_expert(actmem):
+    """Qwen1.5-MoE-A2.7B (qwen2_moe): a layer's QKV 2048·6144 = 12,582,912 and its biases 6,144,
+    projection 2048² = 4,194,304, two norms 4,096, router 60·2048 = 122,880, the shared expert's gate
+    2,048 and MLP 3·2048·5632 = 34,603,008, 60 experts of 3·2048·1408: 519,045,120: 570,560,512 a layer;
+    x 24 = 13,693,452,288; embedding and output 2·151,936·2048 = 622,329,856; final norm 2,048:
+    14,315,784,192 (the model card's 14.3B). norm_topk_prob false: the softmax over every expert comes
+    first (Megatron's --moe-router-pre-softmax), keeping its fp32 [N, E]: 4·60·4096 = 983,040 B at s = 4096."""
+    out = actmem.json("estimate", "--model", f"{HF}/qwen1.5-moe-a2.7b/config.json", "--seq-len", "4096")
+    assert out["parameters"]["count"] == 14_315_784_192
+    terms = _terms(out)
+    assert terms["router_softmax_probs"] == 983_040 and "router_topk_probs" not in terms
+    assert terms["shared_experts_gate_score"] == 2 * 4096 and terms["shared_experts_output"] == 2 * 4096 * 2048
+
+
+def test_top1_routing_is_priced_with_the_softmax_over_every_expert(actmem):
+    """--moe-router-topk 1 --moe-router-pre-softmax (Megatron requires both): T = N = 4096 rows at t = 1,
+    the experts' input 2·4096·4096 = 33,554,432 B; the router's fp32 softmax [N, E] 4·8·4096 = 131,072 B."""
+    terms = _terms(actmem.json("estimate", *_with("--moe-router-topk", "1"), "--moe-router-pre-softmax"))
+    assert (terms["experts_input"], terms["router_softmax_probs"]) == (33_554_432, 131_072)

@@ -15,7 +15,7 @@ import sympy
 from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
+    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, moe_pre_softmax, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
     shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -256,7 +256,11 @@ _MOE_TERMS = (
          "the router's top-k expert indices, int64 [N, k] (moe_utils.py, topk_routing_with_score_function: "
          "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe),
     Term("router_topk_probs", lambda arch: F32 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the softmax over the top-k scores keeps its fp32 output (softmax(scores, dtype=float32); 4sbk)", moe),
+         "the softmax over the top-k scores keeps its fp32 output (softmax(scores, dtype=float32); 4sbk)",
+         moe_topk_softmax),
+    Term("router_softmax_probs", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "with --moe-router-pre-softmax the softmax runs over every expert before the top-k and keeps its fp32 "
+         "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax),
     Term("aux_loss_scores", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the aux loss's softmax over every expert keeps its fp32 output, [N, E] (moe_utils.py, "
          "compute_routing_scores_for_aux_loss; 4sbE)", moe_aux_loss),

@@ -113,6 +113,10 @@ class Architecture:
     moe_shared_overlap: bool = False
     """The shared experts run beside the dispatcher's communication (--moe-shared-expert-overlap,
     alltoall only), their fc1 keeping its all-gathered input."""
+    moe_pre_softmax: bool = False
+    """The router's softmax over every expert before its top-k (--moe-router-pre-softmax; Megatron's
+    default is the softmax over the top-k scores, which renormalises them): Qwen2-MoE's and OLMoE's
+    routing (norm_topk_prob false), and what top-1 routing needs."""
     moe_router_dtype: str | None = None
     """The router's logits and probabilities (--moe-router-dtype): None, the activations' 16 bits
     (Megatron's default), 'fp32' or 'fp64'."""
@@ -155,7 +159,7 @@ class Architecture:
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
                      "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_shared_gate",
-                     "moe_shared_overlap"):
+                     "moe_shared_overlap", "moe_pre_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -504,6 +508,16 @@ def dense_mlp(arch: Architecture) -> bool:
 def moe(arch: Architecture) -> bool:
     """the MLP is a mixture of experts"""
     return arch.moe
+
+
+def moe_topk_softmax(arch: Architecture) -> bool:
+    """the MoE router's softmax runs over the top-k scores (Megatron's default)"""
+    return arch.moe and not arch.moe_pre_softmax
+
+
+def moe_pre_softmax(arch: Architecture) -> bool:
+    """the MoE router's softmax runs over every expert before the top-k (--moe-router-pre-softmax)"""
+    return arch.moe and arch.moe_pre_softmax
 
 
 def moe_aux_loss(arch: Architecture) -> bool:

@@ -18,7 +18,7 @@ from actmem.errors import SpecError
 #: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
 DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False,
-            "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False}
+            "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
@@ -44,9 +44,9 @@ def check_experts(arch) -> None:
         return
     if not arch.moe_topk <= arch.num_experts:
         raise SpecError(f"--moe-router-topk ({arch.moe_topk}) must be at most --num-experts ({arch.num_experts})")
-    if arch.moe_topk == 1:
+    if arch.moe_topk == 1 and not arch.moe_pre_softmax:
         raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
-                        "transformer_config.py), whose softmax over every expert actmem does not model yet")
+                        "transformer_config.py): give it")
     if arch.moe_shared_ffn is None and (arch.moe_shared_gate or arch.moe_shared_overlap):
         raise SpecError("--moe-shared-expert-gate and --moe-shared-expert-overlap shape shared experts: give "
                         "--moe-shared-expert-intermediate-size")

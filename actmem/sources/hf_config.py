@@ -15,10 +15,10 @@ from actmem.errors import SpecError
 #: config keys and model types that make a mixture of experts: read for Mixtral and Qwen3-MoE
 #: (as Megatron-Core's MoE layer trains them), refused for the others, one line
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-MOE_TYPES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
+MOE_TYPES = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 #: the mixtures of experts read, and the dense family each one's attention is
-MOE_READ = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+MOE_READ = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED = LLAMA_LIKE + tuple(MOE_READ) + ("gpt2", "gpt_neox")
 
 
@@ -37,7 +37,7 @@ def read_hf_config(path: Path) -> dict:
         raise SpecError(f"{path}: model_type {kind!r} is not supported; actmem reads "
                         f"{', '.join(SUPPORTED)}")
     model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "gpt2": _gpt2,
-                                  "gpt_neox": _gpt_neox, "mixtral": _moe, "qwen3_moe": _moe}[kind](config, path)
+                                  "gpt_neox": _gpt_neox, "mixtral": _moe, "qwen2_moe": _moe, "qwen3_moe": _moe}[kind](config, path)
     learned_rows = model["seq_len"] if architecture.get("position_embedding") == "learned" else None
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
@@ -156,20 +156,21 @@ def _llama(config, path):
 
 
 def _moe(config, path):
-    """MixtralConfig and Qwen3MoeConfig: the dense family's attention (Mistral's, Qwen3's with its q and
-    k norms) and a MoE MLP in every layer: num_local_experts (Mixtral) or num_experts (Qwen3) SwiGLU
-    experts of intermediate_size (Mixtral: MixtralSparseMoeBlock) or moe_intermediate_size (Qwen3),
-    top num_experts_per_tok. Both renormalise the top-k probabilities (Mixtral always; Qwen3 with
-    norm_topk_prob), which is Megatron's softmax over the top-k scores; Qwen3's dense layers
-    (mlp_only_layers, decoder_sparse_step > 1) are not modelled. The token dispatcher is the run's
-    choice: Megatron's default, allgather, unless --moe-token-dispatcher-type says otherwise."""
+    """MixtralConfig, Qwen2MoeConfig and Qwen3MoeConfig: the dense family's attention (Mistral's; Qwen2's
+    with q, k, v biases; Qwen3's with its q and k norms) and a MoE MLP in every layer: num_local_experts
+    (Mixtral) or num_experts SwiGLU experts of intermediate_size (Mixtral: MixtralSparseMoeBlock) or
+    moe_intermediate_size, top num_experts_per_tok. Mixtral renormalises the top-k probabilities, as
+    Qwen does with norm_topk_prob: Megatron's softmax over the top-k scores; without it the softmax
+    over every expert comes first, Megatron's --moe-router-pre-softmax. Qwen2-MoE's shared expert
+    (shared_expert_intermediate_size) is gated by sigmoid(shared_expert_gate(x)) (modeling_qwen2_moe.py,
+    Qwen2MoeSparseMoeBlock): --moe-shared-expert-gate. Qwen's dense layers (mlp_only_layers,
+    decoder_sparse_step > 1) are not modelled. The token dispatcher is the run's choice: Megatron's
+    default, allgather, unless --moe-token-dispatcher-type says otherwise."""
     kind = config["model_type"]
-    if kind == "qwen3_moe" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+    if kind != "mixtral" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
         raise SpecError(f"{path}: dense layers among the MoE layers (mlp_only_layers, decoder_sparse_step) are not "
                         "modelled yet: actmem models a MoE MLP in every layer")
-    if kind == "qwen3_moe" and not _switch(config, path, "norm_topk_prob", False):
-        raise SpecError(f"{path}: norm_topk_prob false keeps the softmax over every expert (Megatron's "
-                        "--moe-router-pre-softmax), which actmem does not model yet")
+    renormalised = kind == "mixtral" or _switch(config, path, "norm_topk_prob", False)
     dense = dict(config, model_type=MOE_READ[kind])
     if kind == "mixtral" and config.get("head_dim") is None:
         dense.pop("head_dim", None)
@@ -179,8 +180,10 @@ def _moe(config, path):
     coeff = config.get("router_aux_loss_coef", 0.0)
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
         raise SpecError(f"{path}: router_aux_loss_coef must be a number >= 0, got {coeff!r}")
+    shared = _optional_int(config, path, "shared_expert_intermediate_size") if kind == "qwen2_moe" else None
     architecture |= dict(num_experts=experts, moe_topk=_need(config, path, "num_experts_per_tok"),
-                         moe_ffn_hidden=expert_ffn, moe_aux_loss_coeff=float(coeff))
+                         moe_ffn_hidden=expert_ffn, moe_aux_loss_coeff=float(coeff), moe_pre_softmax=not renormalised,
+                         moe_shared_ffn=shared, moe_shared_gate=shared is not None)
     return model, architecture, notes + (
         f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer, as Megatron-Core's MoE layer "
         f"trains them, the aux loss at the config's router_aux_loss_coef ({coeff:g}; --moe-aux-loss-coeff); the "

@@ -42,7 +42,8 @@ class MoEConfig:
         return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
-                   if arch.moe_shared_ffn else "") + f"aux {arch.moe_aux_loss_coeff:g}")
+                   if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
+                + f"aux {arch.moe_aux_loss_coeff:g}")
 
     @property
     def world_size(self) -> int:
@@ -52,14 +53,15 @@ class MoEConfig:
 
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
-             gate: bool = False, overlap: bool = False) -> Spec:
+             gate: bool = False, overlap: bool = False, pre_softmax: bool = False) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
                         moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
-                        moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap)
+                        moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
+                        moe_pre_softmax=pre_softmax)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -72,10 +74,10 @@ def moe_grid() -> list:
     default coefficient, 0, which computes none. The
     allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
     (--moe-router-dtype) on two of them; shared experts on three (alone; gated and overlapping at t = 2;
-    gated beside EP = 2)."""
+    gated beside EP = 2); the softmax over every expert, top-1 (--moe-router-pre-softmax), on one."""
     specs = (moe_spec(shared=True), moe_spec(ep=2), moe_spec(t=2, shared=True, gate=True, overlap=True),
              moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True),
-             moe_spec(aux=False, ep=2), moe_spec(ep=2, dispatcher="allgather"),
+             moe_spec(aux=False, ep=2), moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1),
              moe_spec(t=2, dispatcher="allgather", router_dtype="fp64"))
     return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
 
@@ -109,9 +111,10 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     columns = (e, n) if arch.moe_dispatcher == "alltoall" else (e // run.expert_parallel,
                                                                  n * run.etp * run.expert_parallel)
     probs = {None: "bfloat16", "fp32": "float32", "fp64": "float64"}[arch.moe_router_dtype]
-    by_shape = {("float32", (n, k)): "router_topk_probs", ("float32", (n, e)): "aux_loss_scores",
-                ("float32", ()): "aux_loss_value", ("bool", columns): "permute_routing_map",
-                (probs, columns): "permute_probs"}
+    by_shape = {("float32", (n, k)): "router_topk_probs", ("float32", ()): "aux_loss_value",
+                ("bool", columns): "permute_routing_map", (probs, columns): "permute_probs"}
+    # fp32 [N, E] in the order saved: the router's softmax over every expert, then the aux loss's
+    scores = iter(("router_softmax_probs",) * arch.moe_pre_softmax + ("aux_loss_scores",) * moe_aux_loss(arch))
     by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
     if len(by_width) != 4:   # (the probabilities: width 1, in the router's dtype)
         raise ValueError(f"h = {h} and f_e/ETP = {f} give two expert tensors one width: pick other dims")
@@ -136,6 +139,8 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
             name = "router_input"
         elif (dtype, shape) == ("int64", (n, k)):
             name = next(topk_indices, f"unnamed {dtype} {list(shape)}")
+        elif (dtype, shape) == ("float32", (n, e)):
+            name = next(scores, f"unnamed {dtype} {list(shape)}")
         elif dtype == "int64" and len(shape) == 1:
             name = next(vectors, f"unnamed {dtype} {list(shape)}")
         elif (dtype, shape) in by_shape:
@@ -211,7 +216,7 @@ def _layer(spec: Spec):
         moe_token_dispatcher_type=arch.moe_dispatcher, moe_router_load_balancing_type=arch.moe_load_balancing,
         moe_aux_loss_coeff=arch.moe_aux_loss_coeff, moe_router_dtype=arch.moe_router_dtype, add_bias_linear=False,
         moe_shared_expert_intermediate_size=arch.moe_shared_ffn, moe_shared_expert_gate=arch.moe_shared_gate,
-        moe_shared_expert_overlap=arch.moe_shared_overlap,
+        moe_shared_expert_overlap=arch.moe_shared_overlap, moe_router_pre_softmax=arch.moe_pre_softmax,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,

@@ -295,3 +295,21 @@ def test_top1_routing_is_priced_with_the_softmax_over_every_expert(actmem):
     the experts' input 2·4096·4096 = 33,554,432 B; the router's fp32 softmax [N, E] 4·8·4096 = 131,072 B."""
     terms = _terms(actmem.json("estimate", *_with("--moe-router-topk", "1"), "--moe-router-pre-softmax"))
     assert (terms["experts_input"], terms["router_softmax_probs"]) == (33_554_432, 131_072)
+
+
+def test_the_sigmoid_router_keeps_its_scores_their_sum_and_the_chosen_ones(actmem):
+    """--moe-router-score-function sigmoid with the expert bias (DeepSeek-V3's router), t = 1, s = 4096,
+    E = 8, k = 2, 16-bit logits: sigmoid's fp32 output 4·N·E = 4·4096·8 = 131,072 B; the gather's 16-bit
+    scores 2NE = 65,536 B (the bias); their sum 2N = 8,192 B and the chosen scores 2Nk = 16,384 B (k > 1);
+    the aux loss's sigmoid scores in 16 bits, 2NE = 65,536 B, their sum 8,192 B and the loss 2 B; no
+    softmax row. In fp32 the gather's scores are sigmoid's own storage: no row."""
+    sigmoid = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    terms = _terms(actmem.json("estimate", *MOE, *sigmoid))
+    assert (terms["router_sigmoid"], terms["router_sigmoid_scores"], terms["router_score_sum"],
+            terms["router_topk_scores"]) == (131_072, 65_536, 8_192, 16_384)
+    assert (terms["aux_loss_scores"], terms["aux_loss_score_sum"], terms["aux_loss_value"]) == (65_536, 8_192, 2)
+    assert "router_topk_probs" not in terms
+    fp32 = _terms(actmem.json("estimate", *MOE, *sigmoid, "--moe-router-dtype", "fp32"))
+    assert "router_sigmoid_scores" not in fp32 and fp32["aux_loss_value"] == 4 and fp32["router_score_sum"] == 16_384
+    assert_one_line_error(actmem("estimate", *MOE, "--moe-router-enable-expert-bias"),
+                          "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")

@@ -180,7 +180,7 @@ def _moe_notes(spec: Spec) -> list:
     return [
         f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), "
         f"{arch.moe_dispatcher} dispatcher{' (Megatron default)' if arch.moe_dispatcher == 'allgather' else ''}, "
-        f"dropless, softmax top-{arch.moe_topk} of {arch.num_experts} experts"
+        f"dropless, {arch.moe_score_function} top-{arch.moe_topk} of {arch.num_experts} experts"
         + (" with the aux loss" if arch.moe_load_balancing == "aux_loss" else "")
         + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
         "expert rows: "
@@ -193,6 +193,8 @@ def _moe_notes(spec: Spec) -> list:
         "router's weight gradient) are not in the peak floor yet: it is a floor; nor are the dispatcher's own "
         "references to its last microbatch's routing (token_dispatcher.py: alltoall's probs and routing_map, "
         "[N, E] 16-bit and bool, allgather's local_map), held once a layer until its next forward",
+        *(["the expert bias's fp32 buffers (router.py: expert_bias and local_tokens_per_expert, 8E B a layer) are "
+           "not counted"] if arch.moe_expert_bias else []),
         "TE's grouped GEMM (--moe-grouped-gemm) hands autograd one cached dummy weight gradient a shape from "
         "Transformer Engine 2.10 (grouped_linear.py: get_dummy_wgrad); 2.9, which megatron-core 0.16.1 allows, "
         "makes one for each expert's weight at its backward, a transient not modelled",

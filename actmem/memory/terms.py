@@ -15,7 +15,8 @@ import sympy
 from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, moe_pre_softmax, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
+    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
+    moe_sigmoid_normalised, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
     shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -240,6 +241,11 @@ def _router_bytes(arch) -> int:
     return ROUTER_BYTES[arch.moe_router_dtype] if arch.moe else A16
 
 
+def _aux_bytes(arch) -> int:
+    """Bytes of an aux-loss score: the softmax's fp32, or the sigmoid's logits' dtype."""
+    return _router_bytes(arch) if arch.moe and arch.moe_score_function == "sigmoid" else F32
+
+
 def _experts_probs(arch):
     return _router_bytes(arch) * expert_rows(arch)
 
@@ -261,15 +267,35 @@ _MOE_TERMS = (
     Term("router_softmax_probs", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "with --moe-router-pre-softmax the softmax runs over every expert before the top-k and keeps its fp32 "
          "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax),
-    Term("aux_loss_scores", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the aux loss's softmax over every expert keeps its fp32 output, [N, E] (moe_utils.py, "
-         "compute_routing_scores_for_aux_loss; 4sbE)", moe_aux_loss),
+    # the sigmoid router (topk_routing_with_score_function, score_function "sigmoid"): sigmoid(logits.float()),
+    # cast back to the logits' dtype; with the expert bias the top-k chooses on scores + bias and gathers the
+    # scores; for k > 1 the chosen scores are divided by their sum
+    Term("router_sigmoid", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the sigmoid router keeps sigmoid's fp32 output, [N, E] (sigmoid(logits.float()); 4sbE)", moe_sigmoid),
+    Term("router_sigmoid_scores", lambda arch: (_router_bytes(arch) if _router_bytes(arch) != F32 else 0)
+         * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "with the expert bias, gather keeps the scores it picks from, [N, E] in the logits' dtype (none under "
+         "--moe-router-dtype fp32: the same storage as sigmoid's output)",
+         lambda arch: moe_sigmoid(arch) and arch.moe_expert_bias),
+    Term("router_score_sum", lambda arch: _router_bytes(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "for k > 1 the sigmoid router divides the chosen scores by their sum: the division keeps the sum, [N, 1]",
+         moe_sigmoid_normalised),
+    Term("router_topk_scores", lambda arch: _router_bytes(arch) * _topk(arch) * s * b, Region.BOUNDARY, _STORED,
+         Scope.LAYER, "... and the chosen scores, [N, k] in the logits' dtype", moe_sigmoid_normalised),
+    Term("aux_loss_scores", lambda arch: _aux_bytes(arch) * _experts(arch) * s * b, Region.BOUNDARY, _STORED,
+         Scope.LAYER,
+         "the aux loss's scores over every expert, [N, E] (moe_utils.py, compute_routing_scores_for_aux_loss): "
+         "the softmax's fp32 output (4sbE), or the sigmoid's in the logits' dtype, which its normalisation "
+         "keeps", moe_aux_loss),
+    Term("aux_loss_score_sum", lambda arch: _router_bytes(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... and, under the sigmoid, the sum it divides by, [N, 1]", moe_sigmoid_aux_loss),
     # its own top-k (torch.topk(scores)) saves indices too, but its values are discarded (`_, top_indices =`),
     # so autograd frees that node, and the indices with it, before the forward ends: measured, not held
     Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch), Region.REPLICATED, _STORED,
          Scope.LAYER, "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E)", moe_aux_loss),
-    Term("aux_loss_value", sympy.Integer(F32), Region.REPLICATED, _STORED, Scope.LAYER,
-         "MoEAuxLossAutoScaler keeps the fp32 aux loss (save_for_backward(aux_loss); 4 B)", moe_aux_loss),
+    Term("aux_loss_value", lambda arch: sympy.Integer(_aux_bytes(arch)), Region.REPLICATED, _STORED, Scope.LAYER,
+         "MoEAuxLossAutoScaler keeps the aux loss (save_for_backward(aux_loss)): fp32 from the softmax's scores "
+         "(4 B), the logits' dtype from the sigmoid's", moe_aux_loss),
     Term("permute_routing_map", lambda arch: MASK * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
          _STORED, Scope.LAYER,
          "permute's masked_select keeps the routing map transposed, bool [E, N] (moe_utils.py, permute: "

@@ -113,6 +113,12 @@ class Architecture:
     moe_shared_overlap: bool = False
     """The shared experts run beside the dispatcher's communication (--moe-shared-expert-overlap,
     alltoall only), their fc1 keeping its all-gathered input."""
+    moe_score_function: str = "softmax"
+    """The router's scores (--moe-router-score-function): 'softmax' (Megatron's default) or 'sigmoid'
+    (DeepSeek-V3, GLM-4.5, Kimi K2), whose top-k is normalised by its sum."""
+    moe_expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for the choice only (--moe-router-enable-expert-bias;
+    DeepSeek-V3's aux-loss-free balancing): the scores are gathered at the chosen experts."""
     moe_pre_softmax: bool = False
     """The router's softmax over every expert before its top-k (--moe-router-pre-softmax; Megatron's
     default is the softmax over the top-k scores, which renormalises them): Qwen2-MoE's and OLMoE's
@@ -159,7 +165,7 @@ class Architecture:
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
                      "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_shared_gate",
-                     "moe_shared_overlap", "moe_pre_softmax"):
+                     "moe_shared_overlap", "moe_pre_softmax", "moe_expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.qkv_bias is False and self.bias:
@@ -512,12 +518,27 @@ def moe(arch: Architecture) -> bool:
 
 def moe_topk_softmax(arch: Architecture) -> bool:
     """the MoE router's softmax runs over the top-k scores (Megatron's default)"""
-    return arch.moe and not arch.moe_pre_softmax
+    return arch.moe and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax
 
 
 def moe_pre_softmax(arch: Architecture) -> bool:
     """the MoE router's softmax runs over every expert before the top-k (--moe-router-pre-softmax)"""
-    return arch.moe and arch.moe_pre_softmax
+    return arch.moe and arch.moe_score_function == "softmax" and arch.moe_pre_softmax
+
+
+def moe_sigmoid(arch: Architecture) -> bool:
+    """the MoE router scores by sigmoid (--moe-router-score-function sigmoid)"""
+    return arch.moe and arch.moe_score_function == "sigmoid"
+
+
+def moe_sigmoid_normalised(arch: Architecture) -> bool:
+    """the MoE router scores by sigmoid and routes to k > 1 experts, so it divides by their sum"""
+    return moe_sigmoid(arch) and arch.moe_topk > 1
+
+
+def moe_sigmoid_aux_loss(arch: Architecture) -> bool:
+    """the MoE router scores by sigmoid and computes the aux loss, whose scores it normalises too"""
+    return moe_sigmoid(arch) and moe_aux_loss(arch)
 
 
 def moe_aux_loss(arch: Architecture) -> bool:

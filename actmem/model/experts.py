@@ -18,7 +18,8 @@ from actmem.errors import SpecError
 #: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
 DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False,
-            "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False}
+            "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False,
+            "moe_score_function": "softmax", "moe_expert_bias": False}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
@@ -44,7 +45,14 @@ def check_experts(arch) -> None:
         return
     if not arch.moe_topk <= arch.num_experts:
         raise SpecError(f"--moe-router-topk ({arch.moe_topk}) must be at most --num-experts ({arch.num_experts})")
-    if arch.moe_topk == 1 and not arch.moe_pre_softmax:
+    if arch.moe_score_function not in ("softmax", "sigmoid"):
+        raise SpecError(f"moe_score_function must be softmax or sigmoid; got {arch.moe_score_function!r}")
+    if arch.moe_expert_bias and arch.moe_score_function != "sigmoid":
+        raise SpecError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron raises: "
+                        "transformer_config.py)")
+    if arch.moe_pre_softmax and arch.moe_score_function != "softmax":
+        raise SpecError("--moe-router-pre-softmax is a softmax router's: the sigmoid router has no softmax")
+    if arch.moe_topk == 1 and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax:
         raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
                         "transformer_config.py): give it")
     if arch.moe_shared_ffn is None and (arch.moe_shared_gate or arch.moe_shared_overlap):

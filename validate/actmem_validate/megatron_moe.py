@@ -35,6 +35,9 @@ class MoEConfig:
 
     spec: Spec
     technique: Technique
+    ignored: tuple = ()
+    """(TransformerConfig field, value): Megatron settings actmem reads as changing no saved byte
+    (megatron_memory.toml, 'ignored'), set here so that the measurement shows they change none."""
 
     @property
     def label(self) -> str:
@@ -43,6 +46,8 @@ class MoEConfig:
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
                    if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
+                + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
+                + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
                 + f"aux {arch.moe_aux_loss_coeff:g}")
 
     @property
@@ -53,7 +58,8 @@ class MoEConfig:
 
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
-             gate: bool = False, overlap: bool = False, pre_softmax: bool = False) -> Spec:
+             gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
+             expert_bias: bool = False) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -61,7 +67,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
                         moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
                         moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
-                        moe_pre_softmax=pre_softmax)
+                        moe_pre_softmax=pre_softmax, moe_score_function="sigmoid" if sigmoid else "softmax",
+                        moe_expert_bias=expert_bias)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -74,12 +81,16 @@ def moe_grid() -> list:
     default coefficient, 0, which computes none. The
     allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
     (--moe-router-dtype) on two of them; shared experts on three (alone; gated and overlapping at t = 2;
-    gated beside EP = 2); the softmax over every expert, top-1 (--moe-router-pre-softmax), on one."""
-    specs = (moe_spec(shared=True), moe_spec(ep=2), moe_spec(t=2, shared=True, gate=True, overlap=True),
-             moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True),
-             moe_spec(aux=False, ep=2), moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1),
-             moe_spec(t=2, dispatcher="allgather", router_dtype="fp64"))
-    return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
+    gated beside EP = 2); the softmax over every expert, top-1 (--moe-router-pre-softmax), on one; the
+    sigmoid router on three (with the expert bias, DeepSeek-V3's group-limited routing and scaling factor,
+    which keep nothing more, beside EP = 2; in fp32 without bias; in fp64 with bias)."""
+    deepseek = (("moe_router_num_groups", 4), ("moe_router_group_topk", 2), ("moe_router_topk_scaling_factor", 2.5))
+    specs = ((moe_spec(shared=True), ()), (moe_spec(ep=2, sigmoid=True, expert_bias=True), deepseek),
+             (moe_spec(t=2, shared=True, gate=True, overlap=True), ()),
+             (moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True, sigmoid=True), ()),
+             (moe_spec(aux=False, ep=2), ()), (moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1), ()),
+             (moe_spec(t=2, dispatcher="allgather", router_dtype="fp64", sigmoid=True, expert_bias=True), ()))
+    return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE), ignored) for spec, ignored in specs]
 
 
 def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
@@ -111,10 +122,8 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     columns = (e, n) if arch.moe_dispatcher == "alltoall" else (e // run.expert_parallel,
                                                                  n * run.etp * run.expert_parallel)
     probs = {None: "bfloat16", "fp32": "float32", "fp64": "float64"}[arch.moe_router_dtype]
-    by_shape = {("float32", (n, k)): "router_topk_probs", ("float32", ()): "aux_loss_value",
-                ("bool", columns): "permute_routing_map", (probs, columns): "permute_probs"}
-    # fp32 [N, E] in the order saved: the router's softmax over every expert, then the aux loss's
-    scores = iter(("router_softmax_probs",) * arch.moe_pre_softmax + ("aux_loss_scores",) * moe_aux_loss(arch))
+    by_shape = {("bool", columns): "permute_routing_map"}
+    router = _router_saves(arch, n, k, e, probs)
     by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
     if len(by_width) != 4:   # (the probabilities: width 1, in the router's dtype)
         raise ValueError(f"h = {h} and f_e/ETP = {f} give two expert tensors one width: pick other dims")
@@ -139,8 +148,10 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
             name = "router_input"
         elif (dtype, shape) == ("int64", (n, k)):
             name = next(topk_indices, f"unnamed {dtype} {list(shape)}")
-        elif (dtype, shape) == ("float32", (n, e)):
-            name = next(scores, f"unnamed {dtype} {list(shape)}")
+        elif (dtype, shape) in [(d, sh) for d, sh, _ in router]:      # the first not yet named, in order
+            name = router.pop([(d, sh) for d, sh, _ in router].index((dtype, shape)))[2]
+        elif (dtype, shape) == (probs, columns):
+            name = "permute_probs"
         elif dtype == "int64" and len(shape) == 1:
             name = next(vectors, f"unnamed {dtype} {list(shape)}")
         elif (dtype, shape) in by_shape:
@@ -153,6 +164,30 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
             name = f"unnamed {dtype} {list(shape)}"
         named[name] = named.get(name, 0) + n_bytes
     return named
+
+
+def _router_saves(arch, n: int, k: int, e: int, logits: str) -> list:
+    """(dtype, shape, term) of what the router and the aux loss save, in the order they save it: a
+    storage takes the first entry of its dtype and shape not taken yet."""
+    sigmoid = arch.moe_score_function == "sigmoid"
+    saves = []
+    if arch.moe_pre_softmax:
+        saves.append(("float32", (n, e), "router_softmax_probs"))
+    if sigmoid:
+        saves.append(("float32", (n, e), "router_sigmoid"))
+        if arch.moe_expert_bias and logits != "float32":         # fp32: sigmoid's own output
+            saves.append((logits, (n, e), "router_sigmoid_scores"))
+        if k > 1:
+            saves += [(logits, (n, 1), "router_score_sum"), (logits, (n, k), "router_topk_scores")]
+    elif not arch.moe_pre_softmax:
+        saves.append(("float32", (n, k), "router_topk_probs"))
+    if moe_aux_loss(arch):
+        aux = logits if sigmoid else "float32"
+        saves.append((aux, (n, e), "aux_loss_scores"))
+        if sigmoid:
+            saves.append((logits, (n, 1), "aux_loss_score_sum"))
+        saves.append((aux, (), "aux_loss_value"))
+    return saves
 
 
 def _cpu_shims() -> None:
@@ -202,7 +237,7 @@ def _cpu_shims() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
-def _layer(spec: Spec):
+def _layer(spec: Spec, ignored: tuple = ()):
     """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -217,6 +252,8 @@ def _layer(spec: Spec):
         moe_aux_loss_coeff=arch.moe_aux_loss_coeff, moe_router_dtype=arch.moe_router_dtype, add_bias_linear=False,
         moe_shared_expert_intermediate_size=arch.moe_shared_ffn, moe_shared_expert_gate=arch.moe_shared_gate,
         moe_shared_expert_overlap=arch.moe_shared_overlap, moe_router_pre_softmax=arch.moe_pre_softmax,
+        moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
+        **dict(ignored),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
@@ -225,7 +262,7 @@ def _layer(spec: Spec):
     return MoELayer(config, submodules)
 
 
-def _rank(rank: int, world: int, port: int, spec: Spec, results) -> None:
+def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
     import torch.distributed as dist
@@ -236,11 +273,12 @@ def _rank(rank: int, world: int, port: int, spec: Spec, results) -> None:
         _cpu_shims()
         from megatron.core import parallel_state
 
+        spec = config.spec
         run = spec.run
         parallel_state.initialize_model_parallel(run.tensor_parallel, 1, expert_model_parallel_size=run.expert_parallel,
                                                  expert_tensor_parallel_size=run.etp)
         torch.manual_seed(0)                      # the same weights on every rank of a group
-        layer = _layer(spec)
+        layer = _layer(spec, config.ignored)
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -284,7 +322,7 @@ def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
     with socket.socket() as probe:                  # a free port for this run's rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.start_processes(_rank, args=(config.world_size, port, config.spec, results), nprocs=config.world_size,
+    mp.start_processes(_rank, args=(config.world_size, port, config, results), nprocs=config.world_size,
                        start_method="spawn")
     return sorted(results.get() for _ in range(config.world_size))
 

@@ -313,3 +313,31 @@ def test_the_sigmoid_router_keeps_its_scores_their_sum_and_the_chosen_ones(actme
     assert "router_sigmoid_scores" not in fp32 and fp32["aux_loss_value"] == 4 and fp32["router_score_sum"] == 16_384
     assert_one_line_error(actmem("estimate", *MOE, "--moe-router-enable-expert-bias"),
                           "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+
+
+def test_group_limited_routing_keeps_its_mask_where_its_top_k_gives_the_probabilities(actmem):
+    """--moe-router-num-groups 4 --moe-router-group-topk 2: masked_fill keeps the bool mask of the groups
+    not chosen, [N, E]: 4096·8 = 32,768 B at t = 1, s = 4096 (softmax, or sigmoid without the bias); with
+    the expert bias the top-k's values are discarded and the mask with them: no row."""
+    groups = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]
+    assert _terms(actmem.json("estimate", *MOE, *groups))["router_group_mask"] == 32_768
+    biased = _terms(actmem.json("estimate", *MOE, *groups, "--moe-router-score-function", "sigmoid",
+                                "--moe-router-enable-expert-bias"))
+    assert "router_group_mask" not in biased
+    assert_one_line_error(actmem("estimate", *MOE, "--moe-router-num-groups", "4"),
+                          "give --moe-router-num-groups and --moe-router-group-topk together")
+    assert_one_line_error(actmem("estimate", *MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "2"),
+                          "--moe-router-num-groups (3) must divide the experts (8)")
+
+
+def test_the_sigmoid_router_ignores_pre_softmax_as_megatron_does(actmem):
+    """DeepSeek-R1's and Kimi K2's Megatron scripts pass --moe-router-pre-softmax beside the sigmoid
+    router, whose branch never reads it (moe_utils.py): the same rows as without it."""
+    sigmoid = ["--moe-router-score-function", "sigmoid"]
+    assert _terms(actmem.json("estimate", *MOE, *sigmoid, "--moe-router-pre-softmax")) == \
+        _terms(actmem.json("estimate", *MOE, *sigmoid))
+
+
+def test_shared_experts_split_over_t_need_t_to_divide_them(actmem):
+    assert_one_line_error(actmem("estimate", *MOE, "--tp", "2", "--sp", "--moe-shared-expert-intermediate-size",
+                                 "1001"), "t (2) must divide the shared experts' hidden size f_s (1001)")

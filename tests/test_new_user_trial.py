@@ -242,7 +242,8 @@ def test_one_unit_a_column_and_singular_words(actmem):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--moe-layer-freq", "2"), "--moe-layer-freq is a Megatron-LM argument that actmem does not model yet"),
+    (("--moe-expert-capacity-factor", "1.0"),
+     "--moe-expert-capacity-factor is a Megatron-LM argument that actmem does not model yet"),
     (("--recompute-modules", "moe"), "--recompute-modules moe applies to mixture-of-experts layers"),
 ])
 def test_a_megatron_argument_actmem_does_not_model_says_so(actmem, args, fragment):

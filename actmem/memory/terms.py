@@ -16,7 +16,7 @@ from actmem.model.architecture import PAPER, always, counts_norm_statistics, dat
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
     hidden_dropout, keeps_norm_input, moe, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
-    moe_sigmoid_normalised, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
+    moe_group_mask, moe_sigmoid_normalised, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
     shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -267,6 +267,10 @@ _MOE_TERMS = (
     Term("router_softmax_probs", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "with --moe-router-pre-softmax the softmax runs over every expert before the top-k and keeps its fp32 "
          "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax),
+    Term("router_group_mask", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "group-limited routing masks the experts of the groups not chosen: masked_fill keeps its bool mask, "
+         "[N, E], where the top-k's values become the probabilities (moe_utils.py, group_limited_topk; sbE); "
+         "the expert bias's choice discards them, and the mask with them", moe_group_mask),
     # the sigmoid router (topk_routing_with_score_function, score_function "sigmoid"): sigmoid(logits.float()),
     # cast back to the logits' dtype; with the expert bias the top-k chooses on scores + bias and gathers the
     # scores; for k > 1 the chosen scores are divided by their sum

@@ -115,14 +115,19 @@ class Architecture:
     alltoall only), their fc1 keeping its all-gathered input."""
     moe_score_function: str = "softmax"
     """The router's scores (--moe-router-score-function): 'softmax' (Megatron's default) or 'sigmoid'
-    (DeepSeek-V3, GLM-4.5, Kimi K2), whose top-k is normalised by its sum."""
+    (DeepSeek-V3, GLM-4.5, Kimi K2), whose top-k (k > 1) is normalised by its sum."""
     moe_expert_bias: bool = False
     """A per-expert bias added to the sigmoid scores for the choice only (--moe-router-enable-expert-bias;
     DeepSeek-V3's aux-loss-free balancing): the scores are gathered at the chosen experts."""
     moe_pre_softmax: bool = False
     """The router's softmax over every expert before its top-k (--moe-router-pre-softmax; Megatron's
-    default is the softmax over the top-k scores, which renormalises them): Qwen2-MoE's and OLMoE's
-    routing (norm_topk_prob false), and what top-1 routing needs."""
+    default is the softmax over the top-k scores, which renormalises them): Qwen2-MoE's routing
+    (norm_topk_prob false), and what top-1 routing needs. The sigmoid router ignores it."""
+    moe_router_groups: int | None = None
+    """Group-limited routing (--moe-router-num-groups, DeepSeek-V3's node-limited choice): the experts in
+    this many groups, the top-k taken among the best --moe-router-group-topk groups."""
+    moe_router_group_topk: int | None = None
+    """The groups a token's experts may come from (--moe-router-group-topk)."""
     moe_router_dtype: str | None = None
     """The router's logits and probabilities (--moe-router-dtype): None, the activations' 16 bits
     (Megatron's default), 'fp32' or 'fp64'."""
@@ -153,7 +158,7 @@ class Architecture:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise SpecError(f"{name} must be a probability in [0, 1), got {value!r}")
         for name in ("ffn_hidden", "query_groups", "head_dim", "position_rows", "num_experts", "moe_topk",
-                     "moe_ffn_hidden", "moe_shared_ffn"):
+                     "moe_ffn_hidden", "moe_shared_ffn", "moe_router_groups", "moe_router_group_topk"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
@@ -524,6 +529,13 @@ def moe_topk_softmax(arch: Architecture) -> bool:
 def moe_pre_softmax(arch: Architecture) -> bool:
     """the MoE router's softmax runs over every expert before the top-k (--moe-router-pre-softmax)"""
     return arch.moe and arch.moe_score_function == "softmax" and arch.moe_pre_softmax
+
+
+def moe_group_mask(arch: Architecture) -> bool:
+    """group-limited routing whose top-k values become the probabilities (not the expert bias's choice):
+    its masked_fill keeps the group mask"""
+    return arch.moe and arch.moe_router_groups is not None and not (
+        arch.moe_score_function == "sigmoid" and arch.moe_expert_bias)
 
 
 def moe_sigmoid(arch: Architecture) -> bool:

@@ -19,7 +19,8 @@ from actmem.errors import SpecError
 DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_loss", "moe_aux_loss_coeff": 0.0,
             "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False,
             "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False,
-            "moe_score_function": "softmax", "moe_expert_bias": False}
+            "moe_score_function": "softmax", "moe_expert_bias": False, "moe_router_groups": None,
+            "moe_router_group_topk": None}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
@@ -50,8 +51,13 @@ def check_experts(arch) -> None:
     if arch.moe_expert_bias and arch.moe_score_function != "sigmoid":
         raise SpecError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron raises: "
                         "transformer_config.py)")
-    if arch.moe_pre_softmax and arch.moe_score_function != "softmax":
-        raise SpecError("--moe-router-pre-softmax is a softmax router's: the sigmoid router has no softmax")
+    groups, group_topk = arch.moe_router_groups, arch.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise SpecError("give --moe-router-num-groups and --moe-router-group-topk together: Megatron limits the "
+                        "routing to groups only with both (moe_utils.py, topk_routing_with_score_function)")
+    if groups is not None and (arch.num_experts % groups or group_topk > groups):
+        raise SpecError(f"--moe-router-num-groups ({groups}) must divide the experts ({arch.num_experts}) and be at "
+                        f"least --moe-router-group-topk ({group_topk})")
     if arch.moe_topk == 1 and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax:
         raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
                         "transformer_config.py): give it")

@@ -278,6 +278,8 @@ RULES = (
          lambda v: f"EP ({v.ep}) must divide the experts ({v.experts}): each rank holds E/EP of them", ("experts",)),
     Rule(lambda v: v.expert_ffn % v.etp == 0,
          lambda v: f"ETP ({v.etp}) must divide the experts' hidden size f_e ({v.expert_ffn})", ("experts",)),
+    Rule(lambda v: _implies(v.shared_ffn is not None, (v.shared_ffn or 1) % v.t == 0),
+         lambda v: f"t ({v.t}) must divide the shared experts' hidden size f_s ({v.shared_ffn})", ("experts",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
          "modelled yet", ("experts",)),
     Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
@@ -362,6 +364,8 @@ class Values:
     """ETP, the expert-tensor-parallel size."""
     expert_ffn: object = None
     """f_e, an expert's hidden size."""
+    shared_ffn: object = None
+    """f_s, the shared experts' hidden size, where there are shared experts."""
     recompute_shape: object = None
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None

@@ -220,7 +220,8 @@ class Spec:
             else (run.recompute_method, run.recompute_layers),
             recompute_modules=run.recompute_modules,
             experts=self.architecture.num_experts, dense=None if self.architecture.moe else True,
-            ep=run.expert_parallel, etp=run.etp, expert_ffn=self.architecture.expert_ffn(model.hidden))
+            ep=run.expert_parallel, etp=run.etp, expert_ffn=self.architecture.expert_ffn(model.hidden),
+            shared_ffn=self.architecture.moe_shared_ffn)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

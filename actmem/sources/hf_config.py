@@ -12,7 +12,7 @@ from pathlib import Path
 
 from actmem.errors import SpecError
 
-#: config keys and model types that make a mixture of experts: read for Mixtral and Qwen3-MoE
+#: config keys and model types that make a mixture of experts: read for Mixtral, Qwen2-MoE and Qwen3-MoE
 #: (as Megatron-Core's MoE layer trains them), refused for the others, one line
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 MOE_TYPES = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
@@ -180,7 +180,12 @@ def _moe(config, path):
     coeff = config.get("router_aux_loss_coef", 0.0)
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
         raise SpecError(f"{path}: router_aux_loss_coef must be a number >= 0, got {coeff!r}")
-    shared = _optional_int(config, path, "shared_expert_intermediate_size") if kind == "qwen2_moe" else None
+    # Qwen2MoeConfig (transformers 5.23, configuration_qwen2_moe.py): shared_expert_intermediate_size
+    # defaults to 5632 and Qwen2MoeSparseMoeBlock always builds it with its gate; qkv_bias defaults to true
+    shared = (_need(dict(config, shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 5632)),
+                    path, "shared_expert_intermediate_size") if kind == "qwen2_moe" else None)
+    if kind == "qwen2_moe" and not _switch(config, path, "qkv_bias", True):
+        architecture["qkv_bias"] = None
     architecture |= dict(num_experts=experts, moe_topk=_need(config, path, "num_experts_per_tok"),
                          moe_ffn_hidden=expert_ffn, moe_aux_loss_coeff=float(coeff), moe_pre_softmax=not renormalised,
                          moe_shared_ffn=shared, moe_shared_gate=shared is not None)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from actmem.memory.techniques import Technique, run_technique
-from actmem.model.architecture import Architecture, moe_aux_loss
+from actmem.model.architecture import Architecture, moe_aux_loss, moe_group_mask
 from actmem.model.recompute import NONE
 from actmem.model.spec import Model, Run, Spec
 
@@ -47,6 +47,7 @@ class MoEConfig:
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
                    if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
+                + (f"groups {arch.moe_router_groups}/{arch.moe_router_group_topk} " if arch.moe_router_groups else "")
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
                 + f"aux {arch.moe_aux_loss_coeff:g}")
 
@@ -59,7 +60,7 @@ class MoEConfig:
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
-             expert_bias: bool = False) -> Spec:
+             expert_bias: bool = False, groups: tuple | None = None) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -68,7 +69,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
                         moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
                         moe_pre_softmax=pre_softmax, moe_score_function="sigmoid" if sigmoid else "softmax",
-                        moe_expert_bias=expert_bias)
+                        moe_expert_bias=expert_bias, moe_router_groups=groups and groups[0],
+                        moe_router_group_topk=groups and groups[1])
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -82,14 +84,16 @@ def moe_grid() -> list:
     allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
     (--moe-router-dtype) on two of them; shared experts on three (alone; gated and overlapping at t = 2;
     gated beside EP = 2); the softmax over every expert, top-1 (--moe-router-pre-softmax), on one; the
-    sigmoid router on three (with the expert bias, DeepSeek-V3's group-limited routing and scaling factor,
-    which keep nothing more, beside EP = 2; in fp32 without bias; in fp64 with bias)."""
-    deepseek = (("moe_router_num_groups", 4), ("moe_router_group_topk", 2), ("moe_router_topk_scaling_factor", 2.5))
-    specs = ((moe_spec(shared=True), ()), (moe_spec(ep=2, sigmoid=True, expert_bias=True), deepseek),
+    sigmoid router on three (with the expert bias, DeepSeek-V3's group-limited routing and its scaling factor,
+    which keeps nothing more, beside EP = 2; in fp32 without bias; in fp64 with bias at top-1); group-limited
+    routing under the softmax too (its mask kept)."""
+    scaling = (("moe_router_topk_scaling_factor", 2.5),)
+    specs = ((moe_spec(shared=True), ()), (moe_spec(ep=2, sigmoid=True, expert_bias=True, groups=(4, 2)), scaling),
              (moe_spec(t=2, shared=True, gate=True, overlap=True), ()),
              (moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True, sigmoid=True), ()),
-             (moe_spec(aux=False, ep=2), ()), (moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1), ()),
-             (moe_spec(t=2, dispatcher="allgather", router_dtype="fp64", sigmoid=True, expert_bias=True), ()))
+             (moe_spec(aux=False, ep=2, groups=(4, 2)), ()),
+             (moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1), ()),
+             (moe_spec(t=2, dispatcher="allgather", router_dtype="fp64", sigmoid=True, expert_bias=True, topk=1), ()))
     return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE), ignored) for spec, ignored in specs]
 
 
@@ -170,8 +174,9 @@ def _router_saves(arch, n: int, k: int, e: int, logits: str) -> list:
     """(dtype, shape, term) of what the router and the aux loss save, in the order they save it: a
     storage takes the first entry of its dtype and shape not taken yet."""
     sigmoid = arch.moe_score_function == "sigmoid"
+    pre_softmax = arch.moe_pre_softmax and not sigmoid               # the sigmoid router ignores it
     saves = []
-    if arch.moe_pre_softmax:
+    if pre_softmax:
         saves.append(("float32", (n, e), "router_softmax_probs"))
     if sigmoid:
         saves.append(("float32", (n, e), "router_sigmoid"))
@@ -179,8 +184,10 @@ def _router_saves(arch, n: int, k: int, e: int, logits: str) -> list:
             saves.append((logits, (n, e), "router_sigmoid_scores"))
         if k > 1:
             saves += [(logits, (n, 1), "router_score_sum"), (logits, (n, k), "router_topk_scores")]
-    elif not arch.moe_pre_softmax:
+    elif not pre_softmax:
         saves.append(("float32", (n, k), "router_topk_probs"))
+    if moe_group_mask(arch):
+        saves.append(("bool", (n, e), "router_group_mask"))
     if moe_aux_loss(arch):
         aux = logits if sigmoid else "float32"
         saves.append((aux, (n, e), "aux_loss_scores"))
@@ -253,6 +260,7 @@ def _layer(spec: Spec, ignored: tuple = ()):
         moe_shared_expert_intermediate_size=arch.moe_shared_ffn, moe_shared_expert_gate=arch.moe_shared_gate,
         moe_shared_expert_overlap=arch.moe_shared_overlap, moe_router_pre_softmax=arch.moe_pre_softmax,
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
+        moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
         **dict(ignored),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,

@@ -341,3 +341,8 @@ def test_the_sigmoid_router_ignores_pre_softmax_as_megatron_does(actmem):
 def test_shared_experts_split_over_t_need_t_to_divide_them(actmem):
     assert_one_line_error(actmem("estimate", *MOE, "--tp", "2", "--sp", "--moe-shared-expert-intermediate-size",
                                  "1001"), "t (2) must divide the shared experts' hidden size f_s (1001)")
+
+
+def test_flops_refuses_a_moe_model_rather_than_count_it_as_dense(actmem):
+    assert_one_line_error(actmem("flops", "--model", "mixtral-8x7b"),
+                          "a mixture-of-experts layer's (k experts a token, the router, shared experts) are not counted")

@@ -3,6 +3,7 @@
 Arithmetic only, so it runs on ints, floats and numpy arrays alike.
 """
 
+from actmem.errors import SpecError
 from actmem.model.architecture import PAPER
 from actmem.memory.techniques import PLAN_RECOMPUTE
 from actmem.model.recompute import DEFAULT_MODULES, Recompute
@@ -98,6 +99,9 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
                  seconds: float | None, arch=PAPER) -> dict:
     """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
     iteration time is given."""
+    if arch.moe:
+        raise SpecError("flops counts a dense layer's matmuls; a mixture-of-experts layer's (k experts a token, "
+                        "the router, shared experts) are not counted yet")
     dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch,
                 heads=model.heads)
     flops = model_flops(**dims)

@@ -104,8 +104,8 @@ def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(ac
                           "multi-token prediction (issue 27)", "sharded data parallelism (issue 30)",
                           "HuggingFaceTokenizer takes its vocabulary from its files")
     names = _refused_names(result.stderr)
-    assert {"--moe-layer-freq", "--multi-latent-attention", "--mtp-num-layers", "--use-megatron-fsdp"} <= names
-    assert "--num-experts" not in names                      # read: the experts are modelled
+    assert {"--moe-flex-dispatcher-backend", "--multi-latent-attention", "--mtp-num-layers", "--use-megatron-fsdp"} <= names
+    assert not {"--num-experts", "--moe-layer-freq"} & names       # read: the experts and their layout are modelled
     assert not names & {"--num-layers", "--hidden-size", "--seq-length", "--lr", "--save", "--bf16"}
     assert "not an argument" not in result.stderr
 

@@ -346,3 +346,42 @@ def test_shared_experts_split_over_t_need_t_to_divide_them(actmem):
 def test_flops_refuses_a_moe_model_rather_than_count_it_as_dense(actmem):
     assert_one_line_error(actmem("flops", "--model", "mixtral-8x7b"),
                           "a mixture-of-experts layer's (k experts a token, the router, shared experts) are not counted")
+
+
+def test_dense_layers_among_moe_layers_are_counted_by_kind(actmem):
+    """--moe-layer-freq '([0]*1+[1]*3)' (DeepSeek-V3's first-k-dense, k = 1) at L = 4, p = 2, 1F1B: the
+    first stage holds layers 0 (dense) and 1 (MoE) for its p = 2 microbatches in flight. At t = 1,
+    s = 4096, b = 1, f = f_e = 14,336, E = 8, k = 2 (T = 8192 rows):
+    - attention and the MLP's norm, alike in both: 4 x 2sbh + 2 x 2sb·gd + 4bas + 2 x 4sb (RMSNorm's rsigma)
+      + 2sbh = 5·33,554,432 + 2·8,388,608 + 524,288 + 2·16,384;
+    - the dense MLP: fc1's input 2sbh, SwiGLU's 4sbf, fc2's 2sbf;
+    - the MoE MLP: router 2sbh + 8Nk + 4Nk, aux 4NE + 8E + 4, permute NE + 2NE + 8Nk, experts 2hT + 4f_e·T
+      + 2T + 2f_e·T.
+    Parameters of the first stage: the dense layer 25,165,824 + 16,777,216 + 8,192 + 3·4096·14,336 =
+    218,112,000; the MoE layer 41,984,000 and its 8 experts 1,409,286,144; the embedding 131,072,000."""
+    s, h, g_d, f, N, k, E, T = 4096, 4096, 1024, 14336, 4096, 2, 8, 8192
+    shared = 5 * 2 * s * h + 2 * 2 * s * g_d + 4 * 32 * s + 2 * 4 * s
+    dense = shared + 2 * s * h + 4 * s * f + 2 * s * f
+    moe = (shared + 2 * s * h + 8 * N * k + 4 * N * k + 4 * N * E + 8 * E + 4 + N * E + 2 * N * E + 8 * N * k
+           + 2 * h * T + 4 * f * T + 2 * T + 2 * f * T)
+    args = [*_with("--layers", "4"), "--moe-layer-freq", "([0]*1+[1]*3)", "--pp", "2", "--gpus", "2",
+            "--global-batch", "8"]
+    out = actmem.json("estimate", *args)
+    assert out["activations_bytes"] == 2 * (dense + moe)
+    assert out["parameters"]["count"] == 218_112_000 + 41_984_000 + 1_409_286_144 + 131_072_000
+    counts = {row["term"]: row["count"] for row in out["run_terms"]}
+    assert (counts["qkv_input"], counts["fc1_input"], counts["router_input"], counts["experts_input"]) == (4, 2, 2, 2)
+    last = actmem.json("estimate", *args, "--stage", "1")            # two MoE layers, one microbatch in flight
+    assert {row["term"]: row["count"] for row in last["run_terms"]}["experts_input"] == 2
+    assert "fc1_input" not in {row["term"] for row in last["run_terms"]}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (_with("--layers", "4") + ["--moe-layer-freq", "([0]*1+[1]*2)"], "--moe-layer-freq lists 3 layers; the model has 4"),
+    (_with("--layers", "4") + ["--moe-layer-freq", "2", "--pp", "2", "--interleave", "2"],
+     "dense layers among MoE layers (--moe-layer-freq) are modelled without interleaving"),
+    (MOE + ["--moe-layer-freq", "[0]*2+[2]*30"], "--moe-layer-freq must list 0 (dense) and 1 (MoE) layers"),
+    (MOE[:MOE.index("--num-experts")] + ["--moe-layer-freq", "2"], "give --num-experts"),
+])
+def test_layer_patterns_that_cannot_be_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *args), fragment)

@@ -172,6 +172,9 @@ ARCHITECTURE_FLAGS = (
          "a mixture-of-experts MLP of E experts in every layer (Megatron's switch; modelled: the allgather and "
          "alltoall dispatchers, SwiGLU experts without biases, dropless routing)"),
     Flag(("--moe-router-topk",), "moe_topk", "experts each token is routed to, k (default 2)"),
+    Flag(("--moe-layer-freq",), "moe_layer_freq",
+         "which layers are MoE layers: N (every N-th from the first; default 1, all) or Megatron's pattern of 0 "
+         "(dense) and 1 (MoE), e.g. '([0]*3+[1]*58)'", str),
     Flag(("--moe-ffn-hidden-size",), "moe_ffn_hidden", "an expert's hidden size f_e (default: --ffn)"),
     Flag(("--moe-load-balancing", "--moe-router-load-balancing-type"), "moe_load_balancing",
          "the router's load balancing: aux_loss (default; above a coefficient of 0 it keeps its own scores over "

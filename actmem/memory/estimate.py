@@ -6,12 +6,13 @@ from functools import cached_property
 from actmem.memory import assumptions, engine
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
-from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, expert_parameters, parameter_bytes, \
-    stage_parameters
+from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, expert_parameters, layer_parameters, \
+    parameter_bytes, stage_parameters
+from actmem.model.experts import dense_twin
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.memory.pipeline import StageOccupancy, stage_occupancy
-from actmem.memory.stages import StageLoad, stage_layers
+from actmem.memory.stages import StageLoad, stage_layers, stage_moe_layers
 from actmem.errors import SpecError
 from actmem.model.spec import Spec, padded_vocab
 from actmem.memory.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
@@ -230,6 +231,25 @@ def modelled_techniques(spec: Spec) -> tuple:
                  and not (moe_needs_sp and tech.tensor_parallel and not tech.sequence_parallel))
 
 
+def layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
+    """(the stage's last layer's architecture, its kind's layers or None where every layer is of it,
+    ((the other kind's architecture, its layers),) or ()): a MoE model's dense layers
+    (--moe-layer-freq) are its dense twin's (actmem.model.experts.dense_twin)."""
+    if not arch.moe:
+        return arch, None, ()
+    from actmem.model.experts import dense_twin
+
+    kinds = stage_moe_layers(spec, stage)
+    moe, dense = sum(kinds), len(kinds) - sum(kinds)
+    if not dense:
+        return arch, None, ()
+    if not moe:
+        return dense_twin(arch), None, ()
+    last_moe = kinds[-1] == 1
+    last, other = (arch, dense_twin(arch)) if last_moe else (dense_twin(arch), arch)
+    return last, (moe if last_moe else dense), ((other, dense if last_moe else moe),)
+
+
 def _counts(occupancy: StageOccupancy) -> tuple:
     return occupancy.layer_activations, occupancy.microbatches, int(occupancy.holds_output_layer)
 
@@ -243,6 +263,10 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     """The run's terms. With partial full recompute, a chunk's checkpoints count the layer
     input and its whole layers count everything the same run without recompute keeps."""
     arch, bindings = spec.architecture_at(spec.run.tensor_parallel), spec.bindings()
+    last, n_last, others = layer_kinds(spec, occupancy.stage, arch)
+    if others:
+        return _mixed_terms(run, occupancy, bindings, ((last, n_last),) + others)
+    arch = last
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
     chunks = occupancy.layer_activations // occupancy.chunk_layers
@@ -258,6 +282,27 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     return tuple(rows)
 
 
+def _mixed_terms(run: Technique, occupancy, bindings, kinds: tuple) -> tuple:
+    """The terms of a stage of dense and MoE layers: a layer's rows counted for the layers of each
+    kind that have them (the attention's and the norms', alike in both, for all)."""
+    chunks = occupancy.layer_activations // occupancy.chunk_layers
+    rows = {}
+    for arch, layers in kinds:
+        for term in TERMS:
+            row = _term_row(term, run, occupancy, bindings, arch)
+            if term.scope is Scope.LAYER:
+                row = TermRow(term, row.bytes_each, chunks * layers if row.bytes_each else 0)
+                held = rows.get(term.name)
+                if held is not None and held.count:
+                    if row.count and held.bytes_each != row.bytes_each:
+                        raise ValueError(f"{term.name} differs between the layer kinds")
+                    row = TermRow(term, held.bytes_each, held.count + row.count)
+            elif term.name in rows:
+                continue
+            rows[term.name] = row
+    return tuple(rows[term.name] for term in TERMS)
+
+
 def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int,
                    arch: Architecture | None = None) -> TechniqueRow:
     """A technique's row; ``arch``: in place of the spec's architecture as the run executes it."""
@@ -267,10 +312,11 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
                                   engine.microbatches_held: microbatches,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = arch or spec.architecture_at(t)
+    arch, n_last, others = layer_kinds(spec, occupancy.stage, arch)
     per_chunk = occupancy.chunk_layers
-    counts = StageCounts(per_chunk, layer_activations // per_chunk if per_chunk else 0)
-    stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts)
-    per_layer = (stage.layers_bytes / layer_activations if technique.partial else
+    counts = StageCounts(per_chunk if n_last is None else n_last, layer_activations // per_chunk if per_chunk else 0)
+    stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts, others)
+    per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
                         _parameters(spec, t, occupancy.stage, stage_layers),
@@ -278,18 +324,22 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
 
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
-    model, run = spec.model, spec.run
+    model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
+    moe = sum(stage_moe_layers(spec, stage)) if arch.moe else layers     # dense layers of a MoE model: its twin's
+    dense = dense_twin(arch) if arch.moe else arch
     count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
-                             spec.architecture, model.heads, layers, stage)
+                             arch, model.heads, moe, stage) + (layers - moe) * layer_parameters(model.hidden, t, dense,
+                                                                                                model.heads)
     etp = run.etp if t == run.tensor_parallel else 1
-    dummies = dummy_wgrad_elements(model.hidden, t, vocab, spec.architecture, model.heads,
-                                   holds_output=int(stage == run.pipeline_parallel - 1), etp=etp)
+    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if moe else dense, model.heads,
+                                   holds_output=int(stage == run.pipeline_parallel - 1), etp=etp,
+                                   dense_too=bool(arch.moe and moe and layers - moe))
     dense = parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
                             spec.optimizer.bytes_per_parameter)
     if not spec.architecture.moe:
         return dense
-    experts = layers * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
+    experts = moe * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
     return dense + parameter_bytes(experts, spec.expert_optimizer_shards, run.distributed_optimizer, 0,
                                    spec.gradient_bytes, spec.optimizer.bytes_per_parameter)
 

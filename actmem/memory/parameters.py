@@ -78,7 +78,7 @@ def stage_parameters(h, L, p, t, v, s, arch=PAPER, heads=None, stage_layers=None
     return layers * layer_parameters(h, t, arch, heads) + first * (v * h // t + positions) + head
 
 
-def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=None):
+def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=None, dense_too=False):
     """Elements of the 16-bit dummy weight gradients a stage keeps for the process. Under
     Megatron's DDP a linear that accumulates its weight gradient into main_grad (gradient
     accumulation fusion) still returns a tensor of the weight's shape, uncomputed, so that
@@ -98,7 +98,9 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
     shared = arch.moe_shared_ffn if arch.moe and arch.moe_shared_ffn is not None else 0   # TE linears over t
     shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
               (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output),
-              (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)))
+              (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)),
+              # a MoE model's dense layers on the stage (dense_too): their MLP's fc1 and fc2, of ffn_hidden
+              (arch.fc1_width * arch.ffn(h) // t, h, int(dense_too)), (h, arch.ffn(h) // t, int(dense_too)))
     total = 0
     for i, (rows, cols, here) in enumerate(shapes):
         seen = 0                              # an earlier shape on the stage equal to this one

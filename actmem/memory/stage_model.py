@@ -76,15 +76,23 @@ class StageActivations:
 HELD = "the saved activations of every microbatch in flight (sections 4.4, 4.5)"
 
 
-def stage_activations(technique: Technique, arch, value: Callable, counts: StageCounts) -> StageActivations:
+def stage_activations(technique: Technique, arch, value: Callable, counts: StageCounts,
+                      others: tuple = ()) -> StageActivations:
     """The stage's saved activations and the moments of its first backward. ``value`` evaluates
-    an engine expression (exactly, or over a sweep); ``technique`` is the stage's recompute."""
+    an engine expression (exactly, or over a sweep); ``technique`` is the stage's recompute.
+    ``arch`` is the stage's last layer's, ``counts.per_chunk`` the layers of its kind; ``others``:
+    (architecture, layers a chunk) of the stage's layers of another kind (a MoE model's dense
+    layers, or its MoE layers where the last is dense), held as every layer is, never last."""
     n = technique.policy.layers if counts.recompute_layers is None else counts.recompute_layers
     per_layer = value(engine.per_layer_bytes(technique, arch))
     checkpoints, whole = chunk_layers(technique, counts.per_chunk, n)
     layers = counts.chunks * checkpoints * per_layer
     if technique.partial:
+        if others:
+            raise ValueError("layers of two kinds are held whole or checkpointed alone (a rule)")
         layers = layers + counts.chunks * whole * value(engine.per_layer_bytes(technique.whole(), arch))
+    for other, other_layers in others:
+        layers = layers + counts.chunks * other_layers * value(engine.per_layer_bytes(technique, other))
     extra = value(engine.extra_bytes(technique, engine.microbatches_held, engine.holds_output, arch))
     held = layers + extra
     moments = (StageMoment("start", "the first backward's start, every microbatch held", (PeakRow(

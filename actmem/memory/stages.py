@@ -41,6 +41,16 @@ class StageLoad:
         return peak_floor(self.row)
 
 
+def stage_moe_layers(spec, stage: int) -> tuple:
+    """1 for each MoE layer of a stage, 0 for each dense one, in order (a stage's layers follow the
+    stages before it's: no interleaving where the kinds are mixed, a rule)."""
+    from actmem.model.experts import moe_layers
+
+    counts = stage_layers(spec)
+    start = sum(counts[:stage])
+    return moe_layers(spec.architecture, spec.model.layers)[start:start + counts[stage]]
+
+
 def stage_layers(spec) -> list[int]:
     """Layers of each stage: the first and last as given, the rest shared evenly."""
     run, p = spec.run, spec.run.pipeline_parallel

@@ -95,6 +95,10 @@ class Architecture:
     num_experts: int | None = None
     """E: a mixture-of-experts MLP in every layer, of E experts (Megatron's --num-experts); None:
     the dense MLP. actmem.model.experts holds what it is modelled for."""
+    moe_layer_freq: object = 1
+    """Which layers are MoE layers (--moe-layer-freq): an int N, every N-th from the first (1: all,
+    Megatron's default), or a tuple of 0 (dense) and 1 (MoE) a layer (DeepSeek-V3's first three
+    dense: (0, 0, 0, 1, ...)); actmem.model.experts.layer_pattern reads Megatron's spellings."""
     moe_topk: int = 2
     """k: experts each token is routed to (--moe-router-topk; Megatron's default 2)."""
     moe_ffn_hidden: int | None = None
@@ -182,8 +186,9 @@ class Architecture:
         if not self.rope_fusion and self.position_embedding != "rope":
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
-        from actmem.model.experts import check_experts
+        from actmem.model.experts import check_experts, layer_pattern
 
+        object.__setattr__(self, "moe_layer_freq", layer_pattern(self.moe_layer_freq))
         check_experts(self)
         self.code.check(self)
 

@@ -37,10 +37,64 @@ _NOT_MODELLED = {
 }
 
 
+def layer_pattern(freq) -> int | tuple:
+    """Megatron's --moe-layer-freq (arguments.py, moe_freq_type): an int N, one MoE layer every N
+    (layer i is MoE where i % N == 0), or a list expression of 0 (dense) and 1 (MoE) such as
+    "([0]*3+[1]*58)" or "([1]*3+[0]*2)*2", read here without eval: lists of 0 and 1, + and * by ints."""
+    import ast
+
+    if isinstance(freq, bool):
+        raise SpecError(f"--moe-layer-freq must be an integer or a list pattern, got {freq!r}")
+    if isinstance(freq, int) or (isinstance(freq, str) and freq.strip().isdigit()):
+        if int(freq) < 1:
+            raise SpecError(f"--moe-layer-freq must be at least 1, got {freq}")
+        return int(freq)
+    if isinstance(freq, (tuple, list)):
+        pattern = tuple(freq)
+    else:
+        try:
+            pattern = tuple(_pattern(ast.parse(str(freq).strip(), mode="eval").body))
+        except (SyntaxError, ValueError):
+            raise SpecError(f"--moe-layer-freq {freq}: not an integer nor a list of 0 and 1 such as ([0]*3+[1]*58)")
+    if not pattern or any(layer not in (0, 1) or isinstance(layer, bool) for layer in pattern):
+        raise SpecError(f"--moe-layer-freq must list 0 (dense) and 1 (MoE) layers, got {freq!r}")
+    return pattern
+
+
+def _pattern(node) -> list:
+    import ast
+
+    if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and type(e.value) is int for e in node.elts):
+        return [e.value for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _pattern(node.left) + _pattern(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        list_side, count = (node.left, node.right) if isinstance(node.right, ast.Constant) else (node.right, node.left)
+        if isinstance(count, ast.Constant) and type(count.value) is int and count.value >= 0:
+            return _pattern(list_side) * count.value
+    raise ValueError("not a pattern")
+
+
+def moe_layers(arch, layers: int) -> tuple:
+    """1 for each MoE layer of the model's ``layers``, 0 for each dense one."""
+    freq = arch.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(int(i % freq == 0) for i in range(layers))
+    return tuple(freq)
+
+
+def dense_twin(arch):
+    """The architecture of the model's dense layers: the same, its MLP dense (of ffn_hidden)."""
+    from dataclasses import replace
+
+    return replace(arch, num_experts=None, moe_layer_freq=1, **DEFAULTS)
+
+
 def check_experts(arch) -> None:
     """Refuse a MoE setting without experts, and a MoE layer actmem does not model, with why."""
     if not arch.moe:
         given = [name for name, default in DEFAULTS.items() if getattr(arch, name) != default]
+        given += ["moe_layer_freq"] * (arch.moe_layer_freq != 1)
         if given:
             raise SpecError(f"{', '.join(given)} shape a mixture-of-experts MLP: give --num-experts")
         return

@@ -280,6 +280,13 @@ RULES = (
          lambda v: f"ETP ({v.etp}) must divide the experts' hidden size f_e ({v.expert_ffn})", ("experts",)),
     Rule(lambda v: _implies(v.shared_ffn is not None, (v.shared_ffn or 1) % v.t == 0),
          lambda v: f"t ({v.t}) must divide the shared experts' hidden size f_s ({v.shared_ffn})", ("experts",)),
+    Rule(lambda v: isinstance(v.moe_freq, int) or len(v.moe_freq) == v.layers,
+         lambda v: f"--moe-layer-freq lists {len(v.moe_freq)} layers; the model has {v.layers} (Megatron asserts "
+                   "the pattern's length: gpt_layer_specs.py)", ("experts",)),
+    Rule(lambda v: not v.mixed_layers or ((v.m == 1) & (v.recompute_shape is None)),
+         lambda v: f"dense layers among MoE layers (--moe-layer-freq) are modelled without interleaving and without "
+                   f"--recompute-method (m = {v.m}): which layers a model chunk or a checkpoint holds is not "
+                   "counted yet", ("experts",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
          "modelled yet", ("experts",)),
     Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
@@ -366,6 +373,10 @@ class Values:
     """f_e, an expert's hidden size."""
     shared_ffn: object = None
     """f_s, the shared experts' hidden size, where there are shared experts."""
+    moe_freq: object = 1
+    """--moe-layer-freq: an int, or a tuple of 0 and 1 a layer."""
+    mixed_layers: object = False
+    """Dense layers among the MoE layers."""
     recompute_shape: object = None
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None

@@ -221,7 +221,8 @@ class Spec:
             recompute_modules=run.recompute_modules,
             experts=self.architecture.num_experts, dense=None if self.architecture.moe else True,
             ep=run.expert_parallel, etp=run.etp, expert_ffn=self.architecture.expert_ffn(model.hidden),
-            shared_ffn=self.architecture.moe_shared_ffn)
+            shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
+            mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers))
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
@@ -303,6 +304,14 @@ class Spec:
         over the run's ETP at the run's t, over none at t = 1."""
         expert_split = self.run.etp if t == self.run.tensor_parallel else 1
         return self.bindings() | {symbols.t: t, symbols.e: expert_split}
+
+
+def _pattern_or_all(arch, layers) -> tuple:
+    """The MoE pattern where its length fits the model (the rule checks it), else every layer MoE."""
+    from actmem.model.experts import moe_layers
+
+    freq = arch.moe_layer_freq
+    return moe_layers(arch, layers) if isinstance(freq, int) or len(freq) == layers else (1,)
 
 
 def padded_vocab(vocab, t, divisible_by):

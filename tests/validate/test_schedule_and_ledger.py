@@ -51,6 +51,26 @@ def test_a_dead_label_does_not_stick_to_a_reused_address():
     assert set(ledger.by_term()) <= {"unattributed"}
 
 
+def test_what_autograd_frees_before_the_forward_ends_is_not_held():
+    """A branch nothing uses (the values of a top-k thrown away, as Megatron's aux loss does): its node
+    and what it saved die with it, so the ledger drops them, and a later storage that takes the freed
+    one's address is counted, not hidden behind it."""
+    import torch
+
+    x = torch.randn(64, 8, requires_grad=True)
+    ledger = Ledger([])
+    with ledger.recording():
+        kept = torch.tanh(x)                             # tanh saves its output: held
+        _, indices = torch.topk(x * 2, k=2, dim=1)        # mul saves nothing of x's (a scalar); topk its indices
+        saved_then = len(ledger.saved)
+        del _, indices                                    # the values discarded: the indices die with their node
+        later = torch.sigmoid(x + 1)                      # sigmoid saves its output: held
+    assert saved_then == 2                                # tanh's output and topk's indices were saved
+    ledger.drop_freed()
+    held = sum(n for _, n in ledger.saved.values())
+    assert held == kept.untyped_storage().nbytes() + later.untyped_storage().nbytes()
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_checkpointed_region_shows_the_ledger_only_its_inputs(reentrant):
     """The ledger does not depend on use_reentrant: either way the checkpoint's inputs (q, k:

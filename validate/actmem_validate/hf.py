@@ -215,6 +215,7 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
         ledger = Ledger([*model.parameters(), *model.buffers()])
         with ledger.recording(), naming(model, rules):
             loss = model(input_ids=tokens, labels=tokens).loss
+        ledger.drop_freed()
         measured = ledger.by_term()
         loss.backward()
     return _compare(config, rank, measured)

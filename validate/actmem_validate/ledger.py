@@ -80,6 +80,7 @@ class Ledger:
         self.names: dict = {}
         self.scopes: list = []
         self.saved: dict = {}        # storage key -> (term, bytes)
+        self.storages: dict = {}     # storage key -> a weak reference to the storage, to see it freed
         self.by_scope: set = set()   # keys filed under a scope, not a label
 
     def name_saved_output(self, key, term: str) -> None:
@@ -92,15 +93,28 @@ class Ledger:
 
     def _pack(self, tensor):
         key = storage_key(tensor)
+        held = self.storages.get(key)
+        if held is not None and held() is None:          # a node autograd freed lent its storage's address
+            self.saved.pop(key, None)
+            self.by_scope.discard(key)
         if key not in self.excluded and key not in self.saved:
             fallback = self.scopes[-1] if self.scopes else UNATTRIBUTED
             term, alive = self.names.get(key, (fallback, None))
             if alive is not None and alive() is None:   # a freed tensor's storage was reused
                 term = fallback
-            self.saved[key] = (term, local_tensor(tensor).untyped_storage().nbytes())
+            storage = local_tensor(tensor).untyped_storage()
+            self.saved[key] = (term, storage.nbytes())
+            self.storages[key] = weakref.ref(storage)
             if term == fallback:
                 self.by_scope.add(key)
         return tensor
+
+    def drop_freed(self) -> None:
+        """Forget what autograd has freed since it was saved (a branch of the graph nothing uses):
+        only storages still alive are held."""
+        for key in [key for key, alive in self.storages.items() if alive() is None and key in self.saved]:
+            del self.saved[key]
+            self.by_scope.discard(key)
 
     @contextmanager
     def recording(self):

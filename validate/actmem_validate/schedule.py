@@ -102,6 +102,7 @@ def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, 
             ledger = Ledger(model_state)
             with ledger.recording():
                 out = stage.forward_chunk(chunk, received, tokens, tokens)
+            ledger.drop_freed()
             shape = deallocate_output_tensor(out)
             in_flight[(microbatch, chunk)] = (out, shape, ledger)
             if _track_peak(result, in_flight):

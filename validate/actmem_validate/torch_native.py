@@ -69,6 +69,7 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
         ledger = Ledger([*model.parameters(), *model.buffers()])
         with ledger.recording(), naming(model, RULES), loss_parallel() if mesh is not None else nullcontext():
             loss = cross_entropy_loss(model(tokens), labels)
+        ledger.drop_freed()
         measured = ledger.by_term()
         with loss_parallel() if mesh is not None else nullcontext():
             loss.backward()

@@ -557,7 +557,8 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
     command = _paste_command()
     takes_value = megatron_spellings()
     words, notes, launcher_gpus = megatron_args.read(flags["megatron_args"])
-    vocab_given = any(flags.get(flag.dest(i)) for flag in MODEL_FLAGS if flag.key == "vocab" for i in range(2))
+    vocab_given = any(flags.get(flag.dest(i)) for flag in MODEL_FLAGS if flag.key == "vocab"
+                      for i in range(len(flag.names)))
     used, ignored, checks = megatron_args.sort(words, takes_value, vocab_given)
     notes += megatron_args.vocabulary_notes(words + ["--vocab-size"] * vocab_given, checks) + checks.pop("notes", [])
     default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)

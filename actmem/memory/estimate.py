@@ -326,20 +326,21 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
-    moe = sum(stage_moe_layers(spec, stage)) if arch.moe else layers     # dense layers of a MoE model: its twin's
+    # a MoE model's dense layers are its dense twin's; a dense model's layers are all of its own kind
+    own = sum(stage_moe_layers(spec, stage)) if arch.moe else layers
     dense = dense_twin(arch) if arch.moe else arch
     count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
-                             arch, model.heads, moe, stage) + (layers - moe) * layer_parameters(model.hidden, t, dense,
+                             arch, model.heads, own, stage) + (layers - own) * layer_parameters(model.hidden, t, dense,
                                                                                                 model.heads)
     etp = run.etp if t == run.tensor_parallel else 1
-    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if moe else dense, model.heads,
+    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if own else dense, model.heads,
                                    holds_output=int(stage == run.pipeline_parallel - 1), etp=etp,
-                                   dense_too=bool(arch.moe and moe and layers - moe))
+                                   dense_too=bool(arch.moe and own and layers - own))
     dense = parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
                             spec.optimizer.bytes_per_parameter)
     if not spec.architecture.moe:
         return dense
-    experts = moe * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
+    experts = own * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
     return dense + parameter_bytes(experts, spec.expert_optimizer_shards, run.distributed_optimizer, 0,
                                    spec.gradient_bytes, spec.optimizer.bytes_per_parameter)
 

@@ -254,7 +254,7 @@ def _experts_probs(arch):
 #: grouped GEMM keeps the same tensors): what each of its steps saves, in the order they run.
 #: N = s·b (over t under SP) tokens a rank, k = top-k, E = experts; the T rows are the busiest
 #: rank's expert rows (expert_rows), whole on the rank (REPLICATED: the t is inside T).
-_MOE_TERMS = (
+MOE_TERMS = (
     Term("router_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
          "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh)", moe),
@@ -462,7 +462,7 @@ TERMS = (
     Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
          "(the eager core) it is what the MLP's checkpoint keeps", dense_mlp, module=_mlp_with_fused_norm),
-    *_MOE_TERMS,
+    *MOE_TERMS,
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
          "bias-GeLU saves its input and the bias, a parameter", _dense(gelu), module="mlp"),

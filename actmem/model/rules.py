@@ -278,7 +278,7 @@ RULES = (
          lambda v: f"EP ({v.ep}) must divide the experts ({v.experts}): each rank holds E/EP of them", ("experts",)),
     Rule(lambda v: v.expert_ffn % v.etp == 0,
          lambda v: f"ETP ({v.etp}) must divide the experts' hidden size f_e ({v.expert_ffn})", ("experts",)),
-    Rule(lambda v: _implies(v.shared_ffn is not None, (v.shared_ffn or 1) % v.t == 0),
+    Rule(lambda v: v.shared_ffn is None or v.shared_ffn % v.t == 0,
          lambda v: f"t ({v.t}) must divide the shared experts' hidden size f_s ({v.shared_ffn})", ("experts",)),
     Rule(lambda v: isinstance(v.moe_freq, int) or len(v.moe_freq) == v.layers,
          lambda v: f"--moe-layer-freq lists {len(v.moe_freq)} layers; the model has {v.layers} (Megatron asserts "

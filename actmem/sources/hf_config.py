@@ -182,8 +182,7 @@ def _moe(config, path):
         raise SpecError(f"{path}: router_aux_loss_coef must be a number >= 0, got {coeff!r}")
     # Qwen2MoeConfig (transformers 5.23, configuration_qwen2_moe.py): shared_expert_intermediate_size
     # defaults to 5632 and Qwen2MoeSparseMoeBlock always builds it with its gate; qkv_bias defaults to true
-    shared = (_need(dict(config, shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 5632)),
-                    path, "shared_expert_intermediate_size") if kind == "qwen2_moe" else None)
+    shared = (_optional_int(config, path, "shared_expert_intermediate_size") or 5632) if kind == "qwen2_moe" else None
     if kind == "qwen2_moe" and not _switch(config, path, "qkv_bias", True):
         architecture["qkv_bias"] = None
     architecture |= dict(num_experts=experts, moe_topk=_need(config, path, "num_experts_per_tok"),

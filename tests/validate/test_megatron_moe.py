@@ -8,12 +8,11 @@ pytest.importorskip("megatron.core")
 
 from actmem_validate.compare import judge, term_rows  # noqa: E402
 from actmem_validate.megatron_moe import formula, measure, moe_grid, moe_spec, rows  # noqa: E402
-from actmem.memory.terms import TERMS  # noqa: E402
+from actmem.memory.terms import MOE_TERMS as TERMS_OF_MOE  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
 
 #: every row of the table's MoE layer: the grid must measure each on some layout
-MOE_TERMS = {term.name for term in TERMS if term.name.startswith(("router_", "aux_loss_", "permute_", "experts_",
-                                                                   "shared_experts_"))}
+MOE_TERMS = {term.name for term in TERMS_OF_MOE}
 
 
 @pytest.fixture(scope="module")

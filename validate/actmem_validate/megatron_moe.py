@@ -100,19 +100,15 @@ def moe_grid() -> list:
 def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
     """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows."""
     from actmem.memory import engine
-    from actmem.memory.terms import expert_rows as balanced_rows, layer_terms
+    from actmem.memory.terms import MOE_TERMS, expert_rows as balanced_rows
     from actmem.model import symbols
 
     arch, t = spec.architecture, spec.run.tensor_parallel
     bindings = spec.bindings_at(t)
     balanced = engine.exact(balanced_rows(arch), bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
-    first = [term.name for term in layer_terms(arch)].index("router_input")
-    moe_terms = [term for term in layer_terms(arch)[first:] if term.name.startswith(_MOE_PREFIXES)]
-    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in moe_terms}
-
-
-_MOE_PREFIXES = ("router_", "aux_loss_", "permute_", "experts_", "shared_experts_")
+    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS
+            if term.present(arch)}
 
 
 def _named(saved: list, spec: Spec, x_key) -> dict:

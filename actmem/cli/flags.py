@@ -151,6 +151,17 @@ ARCHITECTURE_FLAGS = (
     Flag(("--qk-norm/--no-qk-norm", "--qk-layernorm"), "qk_norm",
          "a norm on each head of q and k before rope, of the model's normalization (Qwen3; Megatron's "
          "--qk-layernorm; flash core): keeps a contiguous copy of q and k and fp32 statistics a head", bool),
+    Flag(("--multi-latent-attention",), "multi_latent_attention",
+         "multi-head latent attention (DeepSeek-V2/V3; Megatron's switch): q, k and v projected up from low-rank "
+         "latents; modelled under TE's flash core with Megatron's fused YaRN rope", constant=True),
+    Flag(("--q-lora-rank",), "q_lora_rank", "MLA: the q latent's width (default: none, q from the hidden state)"),
+    Flag(("--kv-lora-rank",), "kv_lora_rank", "MLA: the kv latent's width (Megatron's default 32)"),
+    Flag(("--qk-head-dim",), "qk_head_dim", "MLA: each head's q and k width without rope (default 128)"),
+    Flag(("--qk-pos-emb-head-dim",), "qk_pos_emb_head_dim", "MLA: each head's rope part of q and k (default 64)"),
+    Flag(("--v-head-dim",), "v_head_dim", "MLA: each head's v width (default 128)"),
+    Flag(("--rope-type",), "rope_type",
+         "Megatron's rope kind: yarn (multi-latent attention's default, the only one modelled there) or rope (other "
+         "attention's)", click.Choice(["rope", "yarn"])),
     Flag(("--attention-mask/--no-attention-mask",), "attention_mask",
          "count the causal mask Megatron's dataloader makes for each microbatch, b·s² bytes of bool, "
          "which the recompute checkpoints keep (Megatron's default; a pasted argument list without "

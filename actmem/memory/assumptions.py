@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from actmem.memory import engine
 from actmem.model import rules
-from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, te_layer_spec, torch_softmax, \
-    unfused_weight_gradients
+from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, qk_norm, te_layer_spec, \
+    torch_softmax, unfused_weight_gradients
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.pipeline import StageOccupancy
 from actmem.model.spec import Spec
@@ -27,16 +27,21 @@ def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
                   "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32")
-    if not arch.qk_norm and not arch.moe and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
+    plain = not (arch.qk_norm or arch.moe or arch.multi_latent_attention)
+    if plain and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
     attention = "4h²" if arch.query_groups is None and arch.head_dim is None else "h·(ad + 2gd) + ad·h"
+    if arch.multi_latent_attention:
+        q = "h·a(d_qk + d_rope)/t" if arch.q_lora_rank is None else "h·q_r + q_r·a(d_qk + d_rope)/t"
+        attention = f"MLA's {q} + h·(kv_r + d_rope) + kv_r·a(d_qk + d_v)/t + a·d_v·h/t (down projections whole)"
     f = "4h" if arch.ffn_hidden is None else "f"
     mlp = (f"{arch.fc1_width + 1}h·{f}" if not arch.moe else
            "a router's E·h (whole on every rank) + E/EP experts of 3h·f_e/ETP"
            + (" + shared experts of 3h·f_s/t" if arch.moe and arch.moe_shared_ffn else ""))
     return (f"{attention} + {mlp} weights, {arch.activation}, {arch.normalization}"
             + ("" if arch.biases == "biases" else f", {arch.biases}")
-            + (f", q and k {arch.normalization}s of d" if arch.qk_norm else ""))
+            + (f", q and k {arch.normalization}s of d" if qk_norm(arch) else "")
+            + (f", latent {arch.normalization}s of q_r and kv_r" if arch.multi_latent_attention and arch.qk_norm else ""))
 
 
 def _attention_notes(spec: Spec, rows: tuple) -> list:
@@ -57,7 +62,9 @@ def _attention_notes(spec: Spec, rows: tuple) -> list:
         notes.append("flash attention regenerates its dropout mask from the RNG state and keeps none "
                      "(flash_attn_interface.py); the CPU harness cannot measure this (SDPA's CPU flash "
                      "kernel has no dropout), so it rests on the kernels' source")
-    if arch.position_embedding == "rope" and arch.rope_fusion:
+    if arch.multi_latent_attention:
+        notes += _latent_notes(spec)
+    elif arch.position_embedding == "rope" and arch.rope_fusion:
         notes.append("rotary embedding as Megatron-Core's fused kernel applies it: q and k are rotated "
                      "into tensors of their own; its fp32 frequency table (4sd bytes, cached once) is "
                      "held like a buffer, not counted as activations")
@@ -65,7 +72,7 @@ def _attention_notes(spec: Spec, rows: tuple) -> list:
         notes.append("rotary embedding unfused (--no-rope-fusion; Megatron-Core's rope_utils.py): q and k are "
                      "rotated into tensors of their own, and the 16-bit cos and sin made for each are kept "
                      "(rope_cos_sin, whole on every rank); the fp32 frequency table is held like a buffer")
-    if arch.qk_norm:
+    if qk_norm(arch):
         notes.append("q and k normalised per head (--qk-layernorm; TENorm, Transformer Engine's op-based "
                      f"{arch.normalization}, as in TE 2): each keeps its input made contiguous, a copy out of the "
                      "QKV output, and fp32 statistics a head a token (qk_norm_input, qk_norm_statistics)")
@@ -86,6 +93,25 @@ def _attention_notes(spec: Spec, rows: tuple) -> list:
                      "tensors a layer are not counted)")
     left_out = arch.unmodelled_recompute(spec.model.heads)
     notes += [f"technique rows left out: {why}" for why in left_out.values()]
+    return notes
+
+
+def _latent_notes(spec: Spec) -> list:
+    """What multi-latent attention keeps, in words (terms.MLA_TERMS), and what it leaves out."""
+    arch = spec.architecture
+    notes = ["multi-latent attention as megatron-core 0.16.1's MLASelfAttention runs it in TE's layer spec: the "
+             "down projections keep the input norm's output (qkv_input); the up projections keep the latents "
+             + ("and, under --qk-layernorm, their norms' outputs and fp32 statistics " if arch.qk_norm else "")
+             + "(mla_q_latent, mla_kv_latent: the kv latent a contiguous copy TE makes of a view); the fused "
+             "attention keeps q and k, a·(d_qk + d_rope) wide, v and its output, a·d_v wide (mla_query, mla_key, "
+             "mla_value, projection_input), and the log-sum-exp",
+             "rope: Megatron's fused YaRN kernel (fused_mla_yarn_rope_apply.py) rotates q in place and writes k and "
+             "v new, keeping only the layer's cached cos and sin, s x d_rope each in 16 bits, buffers of the "
+             "layer (4s·d_rope bytes a layer), not counted as activations; --rotary-scaling-factor and --mscale "
+             "change values only"]
+    if arch.head_dim is not None:
+        notes.append(f"--kv-channels {arch.head_dim} is not read by multi-latent attention (its widths are "
+                     "--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim)")
     return notes
 
 

@@ -29,13 +29,34 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
         mlp = 3 * h * arch.moe_shared_ffn
     split = h * qkv + arch.attention_width(h, heads) * h + mlp + int(arch.has_qkv_bias) * qkv
     replicated = bias * 2 * h + 2 * arch.norm_parameters * h
+    if arch.multi_latent_attention:     # its projections in place of the QKV linear
+        split += latent_parameters(h, arch, heads)[0] - h * qkv - int(arch.has_qkv_bias) * qkv
+        replicated += latent_parameters(h, arch, heads)[1]
     if arch.moe:          # the router's [E, h] weight, whole on every rank (router.py, TopKRouter)
         replicated += arch.num_experts * h + h * int(arch.moe_shared_gate)   # the shared gate's [1, h]
-    if arch.qk_norm:
+    if arch.qk_norm and not arch.multi_latent_attention:
         if heads is None:
             raise ValueError("QK norms need the head count")
         replicated += 2 * arch.norm_parameters * arch.head_dim_or(h, heads)
     return split // t + replicated
+
+
+def latent_parameters(h, arch, heads):
+    """Multi-latent attention's projections and latent norms, (split over t, whole on every rank),
+    as multi_latent_attention.py builds them, none with a bias: q from h straight [a(d_qk + d_rope), h]
+    (linear_q_proj, column-parallel) or through its latent, down [q_r, h] (TELinear 'duplicated': whole on
+    every tensor-parallel rank) and up [a(d_qk + d_rope), q_r]; kv down [kv_r + d_rope, h] (whole) and up
+    [a(d_qk + d_v), kv_r]; under --qk-layernorm the latents' norms, of q_r and kv_r (the up projections'
+    fused layer_norm_weight, whole). The output projection (a·d_v·h) is counted with the layer's."""
+    if heads is None:
+        raise ValueError("multi-latent attention needs the head count")
+    q_heads = heads * (arch.qk_head_dim + arch.qk_pos_emb_head_dim)
+    q_rank, kv_rank = arch.q_lora_rank, arch.kv_lora_rank
+    split = (h if q_rank is None else q_rank) * q_heads + kv_rank * heads * (arch.qk_head_dim + arch.v_head_dim)
+    whole = (0 if q_rank is None else h * q_rank) + h * (kv_rank + arch.qk_pos_emb_head_dim)
+    if arch.qk_norm:
+        whole += arch.norm_parameters * (kv_rank + (0 if q_rank is None else q_rank))
+    return split, whole
 
 
 def expert_parameters(h, arch, ep, etp):
@@ -86,7 +107,8 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
     (transformer_engine/pytorch/module/base.py; TE PR #1651, 2025) caches one per distinct
     (shape, dtype) for the life of the process, and Megatron's own ColumnParallelLinear
     (tensor_parallel/layers.py) takes it from TE too. The shapes: QKV [(ad + 2gd)/t, h],
-    the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t], and on the stage
+    the projection [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (multi-latent attention's four
+    projections in place of QKV: _attention_shapes), and on the stage
     with the output layer [v/t, h]; shapes that coincide are one tensor. A MoE layer's experts in
     place of fc1 and fc2: [2f_e/ETP, h] and [h, f_e/ETP], one a shape whatever the expert count
     (TE's grouped_linear.py asks get_dummy_wgrad per expert weight, by main_grad's shape); its router
@@ -96,7 +118,7 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
         return 0                   # real gradients: autograd's own, or unfused 16-bit ones made and freed
     f, split = (arch.expert_ffn(h), etp) if arch.moe else (arch.ffn(h), t)      # the experts' linears: over ETP
     shared = arch.moe_shared_ffn if arch.moe and arch.moe_shared_ffn is not None else 0   # TE linears over t
-    shapes = ((qkv_width(h, arch, heads) // t, h, 1), (h, arch.attention_width(h, heads) // t, 1),
+    shapes = (*_attention_shapes(h, t, arch, heads), (h, arch.attention_width(h, heads) // t, 1),
               (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output),
               (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)),
               # a MoE model's dense layers on the stage (dense_too): their MLP's fc1 and fc2, of ffn_hidden
@@ -108,6 +130,18 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
             seen = seen + (rows == earlier_rows) * (cols == earlier_cols) * there
         total = total + rows * cols * here * (seen == 0)
     return total
+
+
+def _attention_shapes(h, t, arch, heads) -> tuple:
+    """(rows, cols, 1) of the linears before the attention core: the QKV linear [(ad + 2gd)/t, h], or
+    multi-latent attention's (latent_parameters: its down projections whole, TE linears all)."""
+    if not arch.multi_latent_attention:
+        return ((qkv_width(h, arch, heads) // t, h, 1),)
+    q_heads = heads * (arch.qk_head_dim + arch.qk_pos_emb_head_dim)
+    q_rank = arch.q_lora_rank
+    query = ((q_heads // t, h, 1),) if q_rank is None else ((q_rank, h, 1), (q_heads // t, q_rank, 1))
+    return query + ((arch.kv_lora_rank + arch.qk_pos_emb_head_dim, h, 1),
+                    (heads * (arch.qk_head_dim + arch.v_head_dim) // t, arch.kv_lora_rank, 1))
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ import sympy
 from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    hidden_dropout, keeps_norm_input, moe, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
+    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_norms, latent_query, latent_query_norm, moe, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
     moe_group_mask, moe_sigmoid_normalised, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
     shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
-    qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_layer_spec, \
+    qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
     squared_relu, torch_softmax, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
     unfused_weight_gradients
 from actmem.model.recompute import Recompute
@@ -347,6 +347,61 @@ MOE_TERMS = (
          "... and the shared experts' output it scales (2sbh)", shared_experts_gate),
 )
 
+def _latent_query(arch):
+    return arch.q_lora_rank if latent_query(arch) else symbols.q_r
+
+
+def _latent_kv(arch):
+    return arch.kv_lora_rank if latent(arch) else symbols.kv_r
+
+
+def _latent_heads(arch):
+    """a·(d_qk + d_rope): MLA's q and k, each head's rope part appended (latent.query_width)."""
+    from actmem.model.latent import query_width
+
+    return query_width(arch, a) if latent(arch) else a * (symbols.d_qk + symbols.d_rope)
+
+
+def _latent_values(arch):
+    return a * arch.v_head_dim if latent(arch) else a * symbols.d_v
+
+
+#: megatron-core 0.16.1's MLASelfAttention in TE's layer spec (multi_latent_attention.py,
+#: get_query_key_value_tensors; gpt_layer_specs.py: the down projections TELinear, replicated over t;
+#: the up projections TEColumnParallelLinear, or TELayerNormColumnParallelLinear under --qk-layernorm),
+#: with Megatron's fused YaRN rope (fused_mla_yarn_rope_apply.py), between the down projections' input
+#: (qkv_input) and TE's fused attention (softmax_lse, projection_input at a·d_v): what each step keeps.
+MLA_TERMS = (
+    Term("mla_q_latent", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the q up projection keeps its input, the q latent [N, q_r] (2sb·q_r): TE's column-parallel linear "
+         "(saved_inputmat, its own shard of the sequence under SP), or with --qk-layernorm the fused norm's "
+         "input (layernorm_linear.py, _LayerNormLinear: inputmat)", latent_query),
+    Term("mla_q_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm),
+    Term("mla_q_latent_normed", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED,
+         Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's gather; "
+         "2sb·q_r)", latent_query_norm),
+    Term("mla_kv_latent", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the kv up projection keeps its input, the kv latent [N, kv_r] (2sb·kv_r): a strided view of the kv down "
+         "projection's [N, kv_r + d_rope] output (torch.split), which TE copies contiguous first (base.py, "
+         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed", latent),
+    Term("mla_kv_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms),
+    Term("mla_kv_latent_normed", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED,
+         Scope.LAYER, "... and its output (ln_out; 2sb·kv_r)", latent_norms),
+    Term("mla_query", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "the attention core keeps q, the q up projection's output [s, b, a/t, d_qk + d_rope], whose rope part the "
+         "fused YaRN kernel rotates in place (ApplyMLARotaryEmbQ: saves only the cached cos and sin; 2sb·a(d_qk + "
+         "d_rope))", latent),
+    Term("mla_key", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "... k, which the fused kernel writes new from the kv up projection's output and the shared rope key "
+         "(ApplyMLARotaryEmbKV: o_key, [s·b, a/t, d_qk + d_rope]; the kv up output is then freed)", latent),
+    Term("mla_value", lambda arch: A16 * _latent_values(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
+         "... and v, which it writes new too (o_value, [s·b, a/t, d_v]; 2sb·a·d_v); TE's fused attention takes the "
+         "three as they are (qkv_layout sbhd_sbhd_sbhd) and keeps its output, a·d_v wide (projection_input)", latent),
+)
+
+
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -358,7 +413,9 @@ TERMS = (
          "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
          "other code", counts_norm_statistics),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "Q, K, V matmuls keep their shared input (4.1, 2sbh)"),
+         "Q, K, V matmuls keep their shared input (4.1, 2sbh); under multi-latent attention the q and kv down "
+         "projections keep it, one storage (TELinear: saved_inputmat = inputmat)"),
+    *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward
     # (ops/basic/rmsnorm.py, layer_norm.py) saves x = input_.contiguous() and fp32 rstdevs (and
@@ -415,7 +472,7 @@ TERMS = (
     # out and aux_ctx_tensors = softmax stats, rng state) and flash-attn
     # (flash_attn_interface.py, FlashAttnFunc: q, k, v, out, softmax_lse, rng_state)
     Term("query", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "flash attention keeps q (2sb·ad): after rope, a tensor of its own", flash),
+         "flash attention keeps q (2sb·ad): after rope, a tensor of its own", flash_heads),
     Term("key", _sb_keys, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps k, g groups wide, never expanded to a heads (2sb·gd): after rope (or the "
          "k norm), a tensor of its own", flash_grouped_key_value),
@@ -431,7 +488,7 @@ TERMS = (
     Term("qkv_output", _sb_qkv_output, Region.BLOCK, _CHECKPOINTED, Scope.LAYER,
          "the core_attn checkpoint keeps v as the QKV linear made it, a view of that output, so the whole "
          "output (2sb·(a + 2g)d) stays: kept only under selective recompute of the attention core",
-         te_flash_core, kept_by="core_attn"),
+         te_flash_core_heads, kept_by="core_attn"),
     Term("repeated_key_value", _repeated_keys_values, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps k and v expanded to a heads (2 x 2sb·ad): torchtitan's Attention "
          "calls repeat_kv (expand, then reshape: a copy) before F.scaled_dot_product_attention "

@@ -67,7 +67,23 @@ class Architecture:
     --no-rope-fusion, Megatron's own rope_utils.py, whose 16-bit cos and sin are kept."""
     qk_norm: bool = False
     """A norm on each head of q and of k before rope (Megatron's --qk-layernorm; Qwen3's
-    q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it."""
+    q_norm and k_norm), of the model's normalization, d wide, as TE's TENorm runs it. Under
+    multi-latent attention, the norms of the q and kv latents instead (fused into the up projections)."""
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (Megatron's --multi-latent-attention; DeepSeek-V2/V3): q, k and v
+    projected up from low-rank latents (actmem.model.latent)."""
+    q_lora_rank: int | None = None
+    """The q latent's width (--q-lora-rank); None: q projected from the hidden state directly."""
+    kv_lora_rank: int = 32
+    """The kv latent's width (--kv-lora-rank; Megatron's default 32, DeepSeek-V3's 512)."""
+    qk_head_dim: int = 128
+    """Each head's q and k width without rope (--qk-head-dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Each head's rope part of q and k (--qk-pos-emb-head-dim); k's is one for all heads."""
+    v_head_dim: int = 128
+    """Each head's v width (--v-head-dim): a·d_v is the attention's output width."""
+    rope_type: str | None = None
+    """Megatron's --rope-type: None (its default: yarn under MLA, rope otherwise), 'rope' or 'yarn'."""
     attention_mask: bool = False
     """Megatron's dataloader builds a causal mask for each microbatch, [b, 1, s, s] of bool, and
     hands it to every layer of the first and last stages (under context parallelism a rank's
@@ -172,7 +188,9 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "attention_mask", "masked_softmax_fusion",
+        if self.rope_type is not None and self.rope_type not in ("rope", "yarn"):
+            raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
+        for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",
                      "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_shared_gate",
                      "moe_shared_overlap", "moe_pre_softmax", "moe_expert_bias"):
             if not isinstance(getattr(self, name), bool):
@@ -187,9 +205,11 @@ class Architecture:
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
         from actmem.model.experts import check_experts, layer_pattern
+        from actmem.model.latent import check_latent
 
         object.__setattr__(self, "moe_layer_freq", layer_pattern(self.moe_layer_freq))
         check_experts(self)
+        check_latent(self)
         self.code.check(self)
 
     @property
@@ -221,7 +241,10 @@ class Architecture:
         return 4 * hidden if self.ffn_hidden is None else self.ffn_hidden
 
     def attention_width(self, hidden, heads):
-        """a·d, the width of the queries and of the attention's output: h unless d is given."""
+        """a·d, the width of the queries and of the attention's output: h unless d is given; under
+        multi-latent attention the output's a·d_v (the queries are a·(d_qk + d_rope): latent.query_width)."""
+        if self.multi_latent_attention:
+            return heads * self.v_head_dim
         return hidden if self.head_dim is None else heads * self.head_dim
 
     def query_groups_or(self, heads):
@@ -263,6 +286,10 @@ class Architecture:
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if self.multi_latent_attention:
+            return {"selective": "selective recompute of a multi-latent attention layer (core_attn, mla_up_proj, "
+                                 "layernorm) keeps its checkpoints' inputs, the latents and the rope key, which actmem "
+                                 "has not measured yet: choose none or full"}
         if self.moe and modules is not None and "layernorm" in modules:
             return {"selective": "--recompute-modules layernorm of a mixture-of-experts layer recomputes its pre-MLP "
                                  "TENorm and frees the output the router keeps (transformer_layer.py, "
@@ -298,10 +325,14 @@ class Architecture:
         """One line a person reads: 'gelu MLP (f = 4h) · layernorm · biases · tied output'."""
         f = "4h" if self.ffn_hidden is None else f"{self.ffn_hidden:,}"
         groups = "" if self.query_groups is None else f"g = {self.query_groups} query groups · "
-        groups += "QK norm · " if self.qk_norm else ""
+        groups += "QK norm · " if qk_norm(self) else ""
+        if self.multi_latent_attention:
+            q = "q from h" if self.q_lora_rank is None else f"q_r = {self.q_lora_rank}"
+            groups += (f"MLA ({q}, kv_r = {self.kv_lora_rank}{', latent norms' if self.qk_norm else ''}, "
+                       f"d = {self.qk_head_dim} + {self.qk_pos_emb_head_dim} rope, d_v = {self.v_head_dim}) · ")
         groups += "" if self.masked_softmax_fusion or not torch_softmax_possible(self) else "torch softmax · "
         groups += "softmax in fp32 · " if self.softmax_in_fp32 and torch_softmax_possible(self) else ""
-        head = "" if self.head_dim is None else f"d = {self.head_dim} · "
+        head = "" if self.head_dim is None or self.multi_latent_attention else f"d = {self.head_dim} · "
         core = {"eager": "", "flash": "flash attention · ", "flash-attn": "flash attention (flash-attn) · "}
         rope = {"learned": "", "rope": "rope · " if self.rope_fusion else "rope (unfused) · ",
                 "none": "no positions · "}[self.position_embedding]
@@ -379,8 +410,33 @@ def flash_repeated_key_value(arch: Architecture) -> bool:
 
 
 def flash_grouped_key_value(arch: Architecture) -> bool:
-    """the attention core is flash and keeps k and v g groups wide"""
-    return flash(arch) and not flash_repeated_key_value(arch)
+    """the attention core is flash and keeps k and v g groups wide (not multi-latent attention's)"""
+    return flash(arch) and not flash_repeated_key_value(arch) and not latent(arch)
+
+
+def flash_heads(arch: Architecture) -> bool:
+    """the attention core is flash over the QKV linear's heads (not multi-latent attention's)"""
+    return flash(arch) and not latent(arch)
+
+
+def latent(arch: Architecture) -> bool:
+    """multi-latent attention (--multi-latent-attention)"""
+    return arch.multi_latent_attention
+
+
+def latent_query(arch: Architecture) -> bool:
+    """multi-latent attention projecting q through a latent (--q-lora-rank)"""
+    return latent(arch) and arch.q_lora_rank is not None
+
+
+def latent_norms(arch: Architecture) -> bool:
+    """multi-latent attention normalising its latents (--qk-layernorm), each norm fused into the up projection"""
+    return latent(arch) and arch.qk_norm
+
+
+def latent_query_norm(arch: Architecture) -> bool:
+    """multi-latent attention normalising its q latent"""
+    return latent_query(arch) and arch.qk_norm
 
 
 def eager_or_flash_grouped_value(arch: Architecture) -> bool:
@@ -397,6 +453,12 @@ def te_flash_core(arch: Architecture) -> bool:
     """the attention core is Transformer Engine's flash core under Megatron-Core, which makes v
     contiguous inside the core, where Megatron's core_attn checkpoint wraps it"""
     return flash(arch) and "te_flash_core" in arch.code.has
+
+
+def te_flash_core_heads(arch: Architecture) -> bool:
+    """TE's flash core under Megatron-Core over the QKV linear's heads (not multi-latent attention's,
+    whose v is a contiguous copy of its own)"""
+    return te_flash_core(arch) and not latent(arch)
 
 
 def swiglu_keeping_silu_output(arch: Architecture) -> bool:
@@ -483,18 +545,19 @@ def unfused_rope(arch: Architecture) -> bool:
 def qk_norm_keeping_input(arch: Architecture) -> bool:
     """q and k are normalised per head before rope (--qk-layernorm), by a norm that keeps its
     16-bit input (TE's)"""
-    return arch.qk_norm and keeps_norm_input(arch)
+    return qk_norm(arch) and keeps_norm_input(arch)
 
 
 def qk_norm_keeping_fp32_copy(arch: Architecture) -> bool:
     """q and k are normalised per head by a norm that keeps an fp32 copy of its input and a
     16-bit normalized tensor (transformers' Qwen3RMSNorm)"""
-    return arch.qk_norm and norm_keeps_fp32_copy(arch)
+    return qk_norm(arch) and norm_keeps_fp32_copy(arch)
 
 
 def qk_norm(arch: Architecture) -> bool:
-    """q and k are normalised per head before rope (--qk-layernorm)"""
-    return arch.qk_norm
+    """q and k are normalised per head before rope (--qk-layernorm; under multi-latent attention it
+    normalises the latents instead: latent_norms)"""
+    return arch.qk_norm and not latent(arch)
 
 
 def te_layer_spec(arch: Architecture) -> bool:

@@ -289,6 +289,9 @@ RULES = (
                    "counted yet", ("experts",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
          "modelled yet", ("experts",)),
+    Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with multi-latent attention is not "
+         "modelled yet (TE's ring attention over MLA's unequal q, k and v widths keeps what actmem has not read)",
+         ("latent",)),
     Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
          lambda v: "--expert-model-parallel-size and --expert-tensor-parallel-size shape a mixture-of-experts "
                    "layer: give --num-experts", ("dense",)),
@@ -375,6 +378,8 @@ class Values:
     """f_s, the shared experts' hidden size, where there are shared experts."""
     moe_freq: object = 1
     """--moe-layer-freq: an int, or a tuple of 0 and 1 a layer."""
+    latent: object = None
+    """True where the attention is multi-latent (--multi-latent-attention)."""
     mixed_layers: object = False
     """Dense layers among the MoE layers."""
     recompute_shape: object = None

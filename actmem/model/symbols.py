@@ -20,3 +20,6 @@ BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": 
 #: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the
 #: shared experts' f_s
 E, k, f_e, f_s = sympy.symbols("E k f_e f_s", positive=True, integer=True)
+#: multi-latent attention's own widths, as the formulas view shows its rows: the q and kv latents'
+#: ranks, each head's q and k width without rope, its rope part, its v width
+q_r, kv_r, d_qk, d_rope, d_v = sympy.symbols("q_r kv_r d_qk d_rope d_v", positive=True, integer=True)

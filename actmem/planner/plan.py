@@ -77,6 +77,9 @@ class PlanRequest:
         if self.architecture.moe:
             raise SpecError("plan does not sweep mixture-of-experts runs yet (EP, ETP and the dispatcher's "
                             "traffic): size one with `actmem estimate`")
+        if self.architecture.multi_latent_attention:
+            raise SpecError("plan does not sweep multi-latent attention yet (its time model counts the QKV "
+                            "linear's matmuls): size one with `actmem estimate`")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)

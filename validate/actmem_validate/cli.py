@@ -24,11 +24,12 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@option("--grid", type=click.Choice(["small", "presets", "moe"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets", "moe", "mla"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs), 'presets' (the Table 3 models at full scale, for --mode fake, or "
-                   "--mode rank0 on a GPU) or 'moe' (megatron-core's own MoELayer over gloo ranks, "
-                   "expert and tensor parallel; needs megatron-core==0.16.1). "
+                   "--mode rank0 on a GPU), 'moe' (megatron-core's own MoELayer over gloo ranks, "
+                   "expert and tensor parallel; needs megatron-core==0.16.1) or 'mla' (its "
+                   "MLASelfAttention over gloo ranks, TE's modules as stand-ins; the same). "
                    "A grid sets the model, run and techniques itself.")
 @option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
@@ -89,8 +90,8 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         raise click.ClickException(_TORCH_MISSING)
     from actmem_validate.compare import judge
 
-    if grid == "moe":
-        rows = _moe_rows(mode, techniques, microbatches, flags, timeout)
+    if grid in ("moe", "mla"):
+        rows = _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout)
         failures = judge(rows, max_error, max_peak_gap)
         _emit(rows, fmt, output)
         click.echo(_summary(rows, failures), err=True)
@@ -120,20 +121,28 @@ def _exit_on(failures) -> None:
         sys.exit(1)
 
 
-def _moe_rows(mode, techniques, microbatches, flags, timeout) -> list:
-    """--grid moe: megatron-core's own MoE layer, one forward a configuration, over real gloo ranks."""
+def _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout) -> list:
+    """--grid moe or mla: megatron-core's own MoE layer or multi-latent attention, one forward a
+    configuration, over real gloo ranks."""
     given = given_flags(flags) + [name for name, value in (("--techniques", techniques),
                                                            ("--microbatches", microbatches)) if value is not None]
     if given:
-        raise SpecError(f"--grid moe sets the model, run and techniques itself; drop {', '.join(given)}")
+        raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop {', '.join(given)}")
+    layer = {"moe": "MoE layer", "mla": "multi-latent attention"}[grid]
     if mode != "real":
-        raise SpecError(f"--grid moe runs megatron-core's MoE layer on real CPU ranks (its dispatcher reads the "
-                        f"routing's counts on the host, which --mode {mode} cannot give): drop --mode {mode}")
+        why = {"moe": "its dispatcher reads the routing's counts on the host",
+               "mla": "its sequence-parallel gathers make the tensors it keeps"}[grid]
+        raise SpecError(f"--grid {grid} runs megatron-core's {layer} on real CPU ranks ({why}, which --mode {mode} "
+                        f"cannot give): drop --mode {mode}")
     try:
         import megatron.core  # noqa: F401
     except ImportError:
-        raise click.ClickException("--grid moe runs megatron-core's own MoE layer: "
+        raise click.ClickException(f"--grid {grid} runs megatron-core's own {layer}: "
                                    "pip install megatron-core==0.16.1 --no-deps (beside torch)")
+    if grid == "mla":
+        from actmem_validate.megatron_mla import mla_grid, rows as mla_rows
+
+        return mla_rows(mla_grid())
     from actmem_validate.megatron_moe import moe_grid, rows
 
     return rows(moe_grid(), timeout)
@@ -218,6 +227,9 @@ def _configs(grid, techniques, microbatches, flags):
     if spec.architecture.moe:
         raise SpecError("validate measures mixture-of-experts layers with --grid moe (megatron-core's own "
                         "MoELayer at small shapes) so far, not a model's whole stage")
+    if spec.architecture.multi_latent_attention:
+        raise SpecError("validate measures multi-latent attention with --grid mla (megatron-core's own "
+                        "MLASelfAttention at small shapes) so far, not a model's whole stage")
     if techniques is None:
         chosen = grids.default_techniques(spec)
     else:

@@ -1,0 +1,79 @@
+"""megatron-core's own multi-latent attention measured against the MLA rows of actmem's table
+(issue 27): `actmem validate --grid mla` runs megatron-core 0.16.1's MLASelfAttention over real gloo
+ranks, Transformer Engine's modules replaced by stand-ins that keep what they keep."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from actmem_validate.compare import judge, term_rows  # noqa: E402
+from actmem_validate.megatron_mla import formula, measure, mla_grid, mla_spec, rows  # noqa: E402
+from actmem.memory.terms import MLA_TERMS  # noqa: E402
+from tests.conftest import assert_one_line_error  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def grid_rows():
+    return rows(mla_grid())
+
+
+def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
+    """Four layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
+    with SP), every rank: each row measured equals its formula, nothing unnamed, the totals equal; and
+    every MLA row of the table is measured, non-zero, on some layout."""
+    assert judge(grid_rows, 0.0) == []
+    assert len({row["config"] for row in grid_rows}) == 4
+    measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
+    assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input"} <= measured
+
+
+def test_the_measured_bytes_are_the_hand_derived_ones(grid_rows):
+    """One rank, h = 16, a = 4, s = 16, b = 2, q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4, d_v = 10, 2-byte
+    activations: the down projections' input 2·s·b·h = 1024; the q latent and its norm's output
+    2·s·b·q_r = 1152 each, rsigma 4·s·b = 128; the kv latent (a contiguous copy) 2·s·b·kv_r = 768;
+    q and k 2·s·b·a·(d_qk + d_rope) = 2560 each; v 2·s·b·a·d_v = 2560; the output 2560; the log-sum-exp
+    4·b·a·s = 512. At t = 2 with SP every one halves (the latents' sequence, the heads)."""
+    one = {row["term"]: row["measured_bytes"] for row in grid_rows if row["config"].startswith("mla q_r=18 kv_r=12 "
+                                                                                                 "norms t=1")}
+    assert one == {"qkv_input": 1024, "mla_q_latent": 1152, "mla_q_latent_statistics": 128,
+                   "mla_q_latent_normed": 1152, "mla_kv_latent": 768, "mla_kv_latent_statistics": 128,
+                   "mla_kv_latent_normed": 768, "mla_query": 2560, "mla_key": 2560, "mla_value": 2560,
+                   "softmax_lse": 512, "projection_input": 2560, "total": 15872}
+    sp = [row for row in grid_rows if " norms t=2 sp" in row["config"] and row["term"] != "total"]
+    assert {row["term"]: row["measured_bytes"] for row in sp} == {name: n // 2 for name, n in one.items()
+                                                                    if name != "total"}
+
+
+def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names():
+    """Inject the failures: the formula without the kv latent's copy (measured, not in the formula),
+    the formula with a row the layer does not keep, and a saved tensor named by no row."""
+    config = mla_grid()[0]
+    rank, named = measure(config)[0]
+    expected = formula(config.spec, config.technique)
+    assert judge(term_rows(config, rank, expected, named), 0.0) == []
+    missing = {name: n for name, n in expected.items() if name != "mla_kv_latent"}
+    assert any("mla_kv_latent measured" in line for line in judge(term_rows(config, rank, missing, named), 0.0))
+    extra = expected | {"mla_value": expected["mla_value"] + 2}
+    assert judge(term_rows(config, rank, extra, named), 0.0)
+    stray = named | {"unnamed bfloat16 [16, 2, 16]": 1024}
+    assert any("no term or named residual" in line for line in judge(term_rows(config, rank, expected, stray), 0.0))
+
+
+def test_dims_that_would_make_two_rows_alike_are_refused():
+    """The saved tensors are named by their shape: a q latent as wide as h could not be told apart."""
+    from actmem_validate.megatron_mla import _named
+
+    with pytest.raises(ValueError, match="two rows one shape"):
+        _named([], mla_spec(q_rank=16), 0)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--grid", "mla", "--mode", "fake"], ["--grid mla runs megatron-core's multi-latent attention on real CPU"]),
+    (["--grid", "mla", "--tp", "2"], ["--grid mla sets the model, run and techniques itself; drop --tp"]),
+    (["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "128", "--swiglu",
+      "--attention-core", "flash", "--position-embedding", "rope", "--multi-latent-attention"],
+     ["validate measures multi-latent attention with --grid mla"]),
+])
+def test_validate_refuses_an_mla_run_it_cannot_measure(actmem, args, fragments):
+    assert_one_line_error(actmem("validate", *args), *fragments)

@@ -1,0 +1,399 @@
+"""Megatron-Core's own multi-latent attention, measured: megatron-core's MLASelfAttention (the
+PyPI release this harness pins, 0.16.1) run forward on a CPU over real gloo ranks (tensor and
+sequence parallelism), every tensor autograd saves recorded, and the MLA rows of actmem's table
+(terms.py: qkv_input, MLA_TERMS, softmax_lse, projection_input) compared with them, rank by rank.
+
+The layer's own code runs: its projections' wiring, the splits, the sequence-parallel gathers, the
+contiguous copies and Megatron's fused YaRN rope Functions (fused_mla_yarn_rope_apply.py, whose
+Triton kernels are no-ops where Triton cannot run: the Functions still allocate and save what they
+do; the rotated values are not computed). Transformer Engine's modules, which need a GPU, are
+replaced in the layer spec by stand-ins that keep what TE's keep (TE at d0067d0, see each class):
+TELinear, TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear and
+DotProductAttention's fused (cuDNN) path. Two shims let the layer run (``_cpu_shims``); neither
+makes or keeps a tensor.
+
+A saved tensor counts where its storage is still alive when the forward ends, once a storage; the
+layer's parameters and buffers (the cached cos and sin) are model state, not counted. Each is named
+by its dtype and shape, and where two rows share both (the q latent and its norm's output, q and
+k) by the order the layer saves them (``_named``); any other is unnamed and fails the gate.
+"""
+
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+
+from actmem.memory.techniques import Technique, run_technique
+from actmem.model.architecture import Architecture
+from actmem.model.recompute import NONE
+from actmem.model.spec import Model, Run, Spec
+
+MEGATRON_CORE = "0.16.1"
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """One MLA layer measured over ``world_size`` gloo ranks (t of them)."""
+
+    spec: Spec
+    technique: Technique
+
+    @property
+    def label(self) -> str:
+        arch, run = self.spec.architecture, self.spec.run
+        q = "q from h" if arch.q_lora_rank is None else f"q_r={arch.q_lora_rank}"
+        return (f"mla {q} kv_r={arch.kv_lora_rank}{' norms' if arch.qk_norm else ''} t={run.tensor_parallel}"
+                f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}")
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.run.tensor_parallel
+
+
+def mla_spec(t: int = 1, q_rank: int | None = 18, norms: bool = True, sp: bool | None = None, b: int = 2) -> Spec:
+    """A small MLA layer whose saved tensors' shapes are all distinct: h = 16, a = 4, s = 16, q_r = 18,
+    kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10."""
+    arch = Architecture(multi_latent_attention=True, q_lora_rank=q_rank, kv_lora_rank=12, qk_head_dim=6,
+                        qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=norms, activation="swiglu", bias=False,
+                        normalization="rmsnorm", attention_core="flash", position_embedding="rope",
+                        attention_dropout=0.0, hidden_dropout=0.0, tied_output=False)
+    run = Run(tensor_parallel=t, sequence_parallel=t > 1 if sp is None else sp, micro_batch=b)
+    return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="mla", architecture=arch)
+
+
+def mla_grid() -> list:
+    """The paths MLASelfAttention takes: one rank, with q through its latent and the latents normalised
+    (DeepSeek-V3's shape); t = 2 with SP (the up projections gather the latents, the rope key is gathered
+    for the kv kernel); t = 2 without SP (the down projections see the whole sequence); q straight from
+    the hidden state (--q-lora-rank unset: DeepSeek-V2-Lite) without the latent norms, at t = 2 with SP."""
+    specs = (mla_spec(), mla_spec(t=2), mla_spec(t=2, sp=False, b=1), mla_spec(t=2, q_rank=None, norms=False))
+    return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
+
+
+#: the rows the layer's forward keeps, from its input to its output projection's input
+def measured_terms(arch) -> list:
+    from actmem.memory.terms import MLA_TERMS
+
+    return ["qkv_input", *(term.name for term in MLA_TERMS if term.present(arch)), "softmax_lse", "projection_input"]
+
+
+def formula(spec: Spec, technique: Technique) -> dict:
+    """{term: bytes} of the layer's rows on a rank."""
+    from actmem.memory import engine
+    from actmem.memory.terms import TERMS
+
+    arch = spec.architecture
+    bindings = spec.bindings_at(spec.run.tensor_parallel)
+    wanted = measured_terms(arch)
+    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in TERMS
+            if term.name in wanted}
+
+
+def _named(saved: list, spec: Spec, x_key) -> dict:
+    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved."""
+    arch, run = spec.architecture, spec.run
+    t, s, b, heads = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.heads // run.tensor_parallel
+    n = s // t if run.sequence_parallel and t > 1 else s
+    qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
+    # (dtype, shape) -> the rows that share it, in the order the layer saves them
+    order = {}
+    for dtype, shape, name in (
+            ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent"),
+            ("float32", (n, b, 1), "mla_q_latent_statistics"),
+            ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent_normed"),
+            ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent"),
+            ("float32", (n, b, 1), "mla_kv_latent_statistics"),
+            ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent_normed"),
+            ("bfloat16", (s, b, heads, qk), "mla_query"),
+            ("bfloat16", (s, b, heads, qk), "mla_key"),
+            ("bfloat16", (s, b, heads, arch.v_head_dim), "mla_value"),
+            ("float32", (b, heads, s), "softmax_lse"),
+            ("bfloat16", (s, b, heads * arch.v_head_dim), "projection_input")):
+        if name in measured_terms(arch):
+            order.setdefault((dtype, shape), []).append(name)
+    widths = [shape[-1] for (dtype, shape) in order if dtype == "bfloat16" and len(shape) == 3] + [spec.model.hidden]
+    if len(set(widths)) != len(widths):
+        raise ValueError(f"{spec.model.hidden=}, the latents' ranks and a·d_v/t give two rows one shape: pick other dims")
+    named = {}
+    for key, dtype, shape, n_bytes in saved:
+        rows = order.get((dtype, shape))
+        name = "qkv_input" if key == x_key else rows.pop(0) if rows else f"unnamed {dtype} {list(shape)}"
+        named[name] = named.get(name, 0) + n_bytes
+    return named
+
+
+def _stand_ins():
+    """Transformer Engine's modules as the layer spec names them, each keeping what TE's keeps (module/
+    linear.py, _Linear.forward: saved_inputmat = inputmat, the local shard under SP; module/
+    layernorm_linear.py, _LayerNormLinear.forward: inputmat, ln_out (before SP's gather), mu, rsigma;
+    base.py, prepare_forward: a non-contiguous input is copied contiguous first; dot_product_attention/
+    backends.py, FusedAttnFunc: q, k, v, out and the fp32 softmax statistics, [b, a/t, s] here)."""
+    import torch
+    from megatron.core.tensor_parallel.mappings import (_gather_along_first_dim, _reduce_scatter_along_first_dim,
+                                                        reduce_from_tensor_model_parallel_region,
+                                                        reduce_scatter_to_sequence_parallel_region)
+    from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
+
+    from actmem_validate.fused import Norm
+
+    class _GatheredLinear(torch.autograd.Function):
+        """y = gather(x)·Wᵀ, saving x as given (the local shard under SP) and re-gathering in backward."""
+
+        @staticmethod
+        def forward(ctx, x, weight, group, gather):
+            ctx.save_for_backward(x, weight)
+            ctx.group, ctx.gather = group, gather
+            total = _gather_along_first_dim(x, group) if gather else x
+            return total @ weight.t()
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight = ctx.saved_tensors
+            total = _gather_along_first_dim(x, ctx.group) if ctx.gather else x
+            grad_x = grad @ weight
+            if ctx.gather:
+                grad_x = _reduce_scatter_along_first_dim(grad_x, ctx.group)
+            return grad_x, grad.flatten(0, -2).t() @ total.flatten(0, -2), None, None
+
+    class TELinear(torch.nn.Module):
+        """TE's Linear: 'duplicated' (the down projections: whole weight, no communication), 'column'
+        (split output, the input gathered under SP) or 'row' (split input, the output reduced)."""
+
+        def __init__(self, input_size, output_size, *, config, parallel_mode="duplicated", tp_group=None,
+                     input_is_parallel=False, **kwargs):
+            super().__init__()
+            if parallel_mode != "duplicated":     # Megatron's TE wrappers take the model's group where given none
+                tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+            t = 1 if parallel_mode == "duplicated" else get_pg_size(tp_group)
+            rows, cols = (output_size // t, input_size) if parallel_mode != "row" else (output_size, input_size // t)
+            self.weight = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02)
+            self.parallel_mode, self.tp_group, self.t = parallel_mode, tp_group, t
+            self.sequence_parallel = config.sequence_parallel and t > 1
+
+        def forward(self, x):
+            x = x.contiguous()                                  # prepare_forward
+            out = _GatheredLinear.apply(x, self.weight, self.tp_group,
+                                        self.parallel_mode == "column" and self.sequence_parallel)
+            if self.parallel_mode == "row" and self.t > 1:
+                out = (reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group) if self.sequence_parallel
+                       else reduce_from_tensor_model_parallel_region(out, group=self.tp_group))
+            return out, None
+
+    class TEColumnParallelLinear(TELinear):
+        def __init__(self, input_size, output_size, *, config, tp_group=None, **kwargs):
+            super().__init__(input_size, output_size, config=config, parallel_mode="column", tp_group=tp_group)
+
+    class TERowParallelLinear(TELinear):
+        def __init__(self, input_size, output_size, *, config, tp_group=None, **kwargs):
+            super().__init__(input_size, output_size, config=config, parallel_mode="row", tp_group=tp_group)
+
+    class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
+        """The norm fused before the column-parallel GEMM: the norm keeps its (contiguous) input and
+        rsigma (fused.Norm), the GEMM its output, ln_out."""
+
+        def __init__(self, input_size, output_size, *, config, tp_group=None, **kwargs):
+            super().__init__(input_size, output_size, config=config, tp_group=tp_group)
+            self.norm = Norm(input_size, config.normalization.lower(), dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return super().forward(self.norm(x.contiguous()))
+
+    class _FusedAttention(torch.autograd.Function):
+        """Causal attention saving q, k, v, out and the fp32 log-sum-exp, as TE's FusedAttnFunc does; q and
+        k (s, b, n, d_qk), v (s, b, n, d_v) -> out (s, b, n·d_v). The math runs in fp32 outside autograd."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            s, b, n, _ = q.shape
+            scores = torch.einsum("sbnd,tbnd->bnst", q.float(), k.float()) * scale
+            scores.masked_fill_(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)                                  # (b, n, s) fp32
+            out = torch.einsum("bnst,tbnd->sbnd", (scores - lse[..., None]).exp(), v.float())
+            out = out.to(q.dtype).reshape(s, b, -1)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.scale = scale
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            s, b, n, _ = q.shape
+            scores = torch.einsum("sbnd,tbnd->bnst", q.float(), k.float()) * ctx.scale
+            scores.masked_fill_(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            probs = (scores - lse[..., None]).exp()
+            grad = grad.float().view(s, b, n, -1)
+            grad_v = torch.einsum("bnst,sbnd->tbnd", probs, grad)
+            grad_p = torch.einsum("sbnd,tbnd->bnst", grad, v.float())
+            grad_s = probs * (grad_p - (grad_p * probs).sum(-1, keepdim=True)) * ctx.scale
+            grad_q = torch.einsum("bnst,tbnd->sbnd", grad_s, k.float())
+            grad_k = torch.einsum("bnst,sbnd->tbnd", grad_s, q.float())
+            return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None
+
+    class TEDotProductAttention(torch.nn.Module):
+        def __init__(self, *, config, softmax_scale=None, k_channels=None, **kwargs):
+            super().__init__()
+            # (the Attention base class builds one first, unscaled; MLA's own replaces it)
+            self.scale = softmax_scale if softmax_scale is not None else 1.0
+
+        def forward(self, query, key, value, attention_mask, **kwargs):
+            return _FusedAttention.apply(query, key, value, self.scale)
+
+    return dict(linear=TELinear, column=TEColumnParallelLinear, row=TERowParallelLinear,
+                layernorm_column=TELayerNormColumnParallelLinear, core=TEDotProductAttention)
+
+
+class _Kernel:
+    """A Triton kernel's launch, ``kernel[grid](*args)``, done by a torch function on the CPU."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __getitem__(self, grid):
+        return self.run
+
+
+def _rotated(x, cos, sin, batch: int, inverse: bool = False):
+    """x (T, n, d) rotated by the cached cos and sin ([s, 1, 1, d]) of its token's position, T = s·b in
+    sbhd order (rotate-half; the fused kernel's layout of the values does not change a byte)."""
+    import torch
+
+    position = torch.arange(x.shape[0]) // batch
+    cos, sin = cos.view(cos.shape[0], -1)[position, None, :], sin.view(sin.shape[0], -1)[position, None, :]
+    first, second = x.chunk(2, dim=-1)
+    half = torch.cat((-second, first), dim=-1)
+    return x * cos - half * sin if inverse else x * cos + half * sin
+
+
+def _rope_q(q, cos, sin, qk_dim, emb_dim, heads, batch, *rest):
+    q[..., qk_dim:] = _rotated(q[..., qk_dim:], cos, sin, batch)
+
+
+def _rope_q_backward(grad, cos, sin, qk_dim, emb_dim, heads, batch, *rest):
+    grad[..., qk_dim:] = _rotated(grad[..., qk_dim:], cos, sin, batch, inverse=True)
+
+
+def _rope_kv(kv, k_pos_emb, key, value, cos, sin, emb_dim, k_dim, v_dim, heads, batch, *rest):
+    key[..., :k_dim] = kv[..., :k_dim]
+    key[..., k_dim:] = _rotated(k_pos_emb.view(-1, 1, emb_dim), cos, sin, batch)
+    value.copy_(kv[..., k_dim:])
+
+
+def _rope_kv_backward(d_key, d_value, d_kv, d_emb, cos, sin, emb_dim, k_dim, v_dim, heads, batch, *rest):
+    d_kv[..., :k_dim] = d_key[..., :k_dim]
+    d_kv[..., k_dim:] = d_value
+    d_emb.copy_(_rotated(d_key[..., k_dim:], cos, sin, batch, inverse=True).sum(1, keepdim=True))
+
+
+def _cpu_shims(stand_ins: dict) -> None:
+    """What lets megatron-core 0.16.1's MLASelfAttention run on a CPU; none makes or keeps a tensor.
+    - multi_latent_attention.TELinear: the module chooses the down projections' 'duplicated' mode by
+      comparing the spec's class with TE's TELinear (None where TE does not import): the stand-in's;
+    - torch.cuda.current_device: the rotary embedding places its frequencies on the GPU: here the CPU;
+    - the fused YaRN rope's four Triton kernels, which need a GPU: each launch done by torch on the
+      tensors the Functions (ApplyMLARotaryEmbQ, ApplyMLARotaryEmbKV) allocated, writing them in place
+      as the kernels do; the Functions themselves, what they allocate and save, run as they are."""
+    import torch
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as rope
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.TELinear = stand_ins["linear"]
+    torch.cuda.current_device = lambda: "cpu"
+    rope.rotary_fwd_q_kernel, rope.rotary_bwd_q_kernel = _Kernel(_rope_q), _Kernel(_rope_q_backward)
+    rope.rotary_fwd_kv_kernel, rope.rotary_bwd_kv_kernel = _Kernel(_rope_kv), _Kernel(_rope_kv_backward)
+    multi_latent_attention.fused_apply_mla_rope_for_q = rope.fused_apply_mla_rope_for_q
+    multi_latent_attention.fused_apply_mla_rope_for_kv = rope.fused_apply_mla_rope_for_kv
+
+
+def _layer(spec: Spec, stand_ins: dict):
+    """megatron-core's MLASelfAttention of this spec, in TE's layer spec with the stand-ins."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    arch, run, model = spec.architecture, spec.run, spec.model
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, multi_latent_attention=True,
+        q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
+        qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim, rope_type="yarn",
+        rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm", add_bias_linear=False,
+        attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
+        sequence_parallel=run.sequence_parallel)
+    config.apply_rope_fusion = True       # Megatron's default; __post_init__ would look for TE's rope first
+    up = stand_ins["layernorm_column"] if arch.qk_norm else stand_ins["column"]
+    submodules = MLASelfAttentionSubmodules(
+        linear_q_proj=stand_ins["column"], linear_q_down_proj=stand_ins["linear"], linear_q_up_proj=up,
+        linear_kv_down_proj=stand_ins["linear"], linear_kv_up_proj=up, core_attention=stand_ins["core"],
+        linear_proj=stand_ins["row"], q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
+    return MLASelfAttention(config, submodules, layer_number=1, attn_mask_type=AttnMaskType.causal)
+
+
+def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
+    """One rank: build the layer, run it forward recording what autograd saves, then backward."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stand_ins = _stand_ins()
+        _cpu_shims(stand_ins)
+        from megatron.core import parallel_state
+
+        spec, run = config.spec, config.spec.run
+        parallel_state.initialize_model_parallel(run.tensor_parallel, 1)
+        torch.manual_seed(0)
+        layer = _layer(spec, stand_ins)
+        torch.manual_seed(1 + rank)
+        rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
+        x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
+        saved = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            held = saved.get(key)
+            if storage.nbytes() and (held is None or held[0]() is None):
+                saved.pop(key, None)
+                saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                              storage.nbytes())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out, _ = layer(x, None)
+        state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
+        held = [(key, *rest) for key, (alive, *rest) in saved.items() if alive() is not None and key not in state]
+        named = _named(held, spec, x.untyped_storage().data_ptr())
+        out.float().sum().backward()
+        results.put((rank, named))
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(config: MLAConfig) -> list[tuple]:
+    """(rank, {term: bytes saved}) of every rank of one configuration."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(_rank, args=(config.world_size, port, config, results), nprocs=config.world_size,
+                       start_method="spawn")
+    return sorted(results.get() for _ in range(config.world_size))
+
+
+def rows(configs) -> list[dict]:
+    """The error table's rows (compare.term_rows) of every rank of every configuration."""
+    from actmem_validate.compare import term_rows
+
+    table = []
+    for config in configs:
+        expected = formula(config.spec, config.technique)
+        for rank, named in measure(config):
+            table += term_rows(config, rank, expected, named)
+    return table

@@ -120,7 +120,7 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
     (MOE + ["--tp", "2"], ["a mixture-of-experts layer at t = 2 needs sequence parallelism"]),
     (MOE + ["--tp", "2", "--sp", "--etp", "3"], ["ETP (3) must divide the experts' hidden size f_e (14336)"]),
     (MOE + ["--moe-imbalance", "0.9"], ["routing imbalance must be at least 1"]),
-    (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss"], ["seq_aux_loss: its per-sequence aux loss"]),
+    (MOE + ["--moe-router-load-balancing-type", "global_aux_loss"], ["global_aux_loss: its global aux loss"]),
     (_with("--moe-router-topk", "9"), ["--moe-router-topk (9) must be at most --num-experts (8)"]),
     (MOE[:MOE.index("--num-experts")] + ["--ep", "2"], ["give --num-experts"]),
     (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
@@ -145,6 +145,18 @@ def test_the_formulas_show_the_moe_rows_in_the_papers_symbols(actmem):
     result = actmem("formulas", "--latex")
     assert result.exit_code == 0, result.output
     assert "% term experts_fc1_output" in result.stdout and "f_{e}" in result.stdout
+
+
+def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):
+    """--moe-router-load-balancing-type seq_aux_loss (DeepSeek-V2/V3): the router views its routing map
+    [s, b·E] (router.py, _apply_seq_aux_loss), so switch_load_balancing_loss_func keeps tokens_per_expert
+    int64 [b·E]: at b = 2, 8·2·8 = 128 B against the batch-wide aux loss's 8E = 64; its scores are the same
+    4NE = 4·8192·8 = 262,144 B (N = s·b = 8192)."""
+    args = _with("--micro-batch", "2") if "--micro-batch" in MOE else MOE + ["--micro-batch", "2"]
+    plain = _terms(actmem.json("estimate", *args))
+    seq = _terms(actmem.json("estimate", *args, "--moe-router-load-balancing-type", "seq_aux_loss"))
+    assert (plain["aux_loss_tokens_per_expert"], seq["aux_loss_tokens_per_expert"]) == (64, 128)
+    assert plain["aux_loss_scores"] == seq["aux_loss_scores"] == 262_144
 
 
 def test_a_pasted_load_balancing_list_is_read_as_megatron_reads_it(actmem, tmp_path):

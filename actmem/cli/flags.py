@@ -189,7 +189,7 @@ ARCHITECTURE_FLAGS = (
     Flag(("--moe-ffn-hidden-size",), "moe_ffn_hidden", "an expert's hidden size f_e (default: --ffn)"),
     Flag(("--moe-load-balancing", "--moe-router-load-balancing-type"), "moe_load_balancing",
          "the router's load balancing: aux_loss (default; above a coefficient of 0 it keeps its own scores over "
-         "every expert) or none",
+         "every expert), seq_aux_loss (the same a sequence; DeepSeek) or none",
          click.Choice(["aux_loss", "none", "seq_aux_loss", "global_aux_loss", "sinkhorn"])),
     Flag(("--moe-aux-loss", "--moe-aux-loss-coeff"), "moe_aux_loss_coeff",
          "the aux loss's coefficient (default 0, Megatron's: no aux loss is computed, nor its scores kept)", float),

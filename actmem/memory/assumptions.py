@@ -207,7 +207,8 @@ def _moe_notes(spec: Spec) -> list:
         f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), "
         f"{arch.moe_dispatcher} dispatcher{' (Megatron default)' if arch.moe_dispatcher == 'allgather' else ''}, "
         f"dropless, {arch.moe_score_function} top-{arch.moe_topk} of {arch.num_experts} experts"
-        + (" with the aux loss" if arch.moe_load_balancing == "aux_loss" else "")
+        + ({"aux_loss": " with the aux loss", "seq_aux_loss": " with the sequence-wise aux loss"}.get(
+            arch.moe_load_balancing, "") if arch.moe_aux_loss_coeff > 0 else "")
         + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
         "expert rows: "
         + ("balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "

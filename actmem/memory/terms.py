@@ -246,6 +246,10 @@ def _aux_bytes(arch) -> int:
     return _router_bytes(arch) if arch.moe and arch.moe_score_function == "sigmoid" else F32
 
 
+def _sequence_aux(arch) -> bool:
+    return arch.moe and arch.moe_load_balancing == "seq_aux_loss"
+
+
 def _experts_probs(arch):
     return _router_bytes(arch) * expert_rows(arch)
 
@@ -295,8 +299,11 @@ MOE_TERMS = (
          "... and, under the sigmoid, the sum it divides by, [N, 1]", moe_sigmoid_aux_loss),
     # its own top-k (torch.topk(scores)) saves indices too, but its values are discarded (`_, top_indices =`),
     # so autograd frees that node, and the indices with it, before the forward ends: measured, not held
-    Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch), Region.REPLICATED, _STORED,
-         Scope.LAYER, "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E)", moe_aux_loss),
+    Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch) * (b if _sequence_aux(arch) else 1),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E); the sequence-wise aux loss "
+         "(seq_aux_loss) counts them a sequence, the routing map viewed [s, b·E] (router.py, _apply_seq_aux_loss): "
+         "int64 [b·E] (8bE)", moe_aux_loss),
     Term("aux_loss_value", lambda arch: sympy.Integer(_aux_bytes(arch)), Region.REPLICATED, _STORED, Scope.LAYER,
          "MoEAuxLossAutoScaler keeps the aux loss (save_for_backward(aux_loss)): fp32 from the softmax's scores "
          "(4 B), the logits' dtype from the sigmoid's", moe_aux_loss),

@@ -121,7 +121,8 @@ class Architecture:
     """f_e: each expert's hidden size (--moe-ffn-hidden-size); None: ffn_hidden, as Megatron sets it."""
     moe_load_balancing: str = "aux_loss"
     """The router's load balancing (--moe-router-load-balancing-type): 'aux_loss' (Megatron's
-    default, which keeps its own softmax over every expert) or 'none'."""
+    default, which keeps its own softmax over every expert), 'seq_aux_loss' (the same a sequence:
+    DeepSeek-V2/V3) or 'none'."""
     moe_aux_loss_coeff: float = 0.0
     """The aux loss's coefficient (--moe-aux-loss-coeff; Megatron's default 0): the router computes the
     aux loss, and keeps its scores, only above 0 (router.py, TopKRouter.routing)."""
@@ -624,7 +625,7 @@ def moe_sigmoid_aux_loss(arch: Architecture) -> bool:
 def moe_aux_loss(arch: Architecture) -> bool:
     """the MLP is a mixture of experts whose router keeps the aux loss's scores (aux_loss at a
     coefficient above 0)"""
-    return arch.moe and arch.moe_load_balancing == "aux_loss" and arch.moe_aux_loss_coeff > 0
+    return arch.moe and arch.moe_load_balancing in ("aux_loss", "seq_aux_loss") and arch.moe_aux_loss_coeff > 0
 
 
 def shared_experts(arch: Architecture) -> bool:

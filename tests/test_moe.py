@@ -206,7 +206,7 @@ def test_qwen3_moes_config_json_is_its_published_30_5b_parameters(actmem):
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"model_type": "deepseek_v3"}, "a mixture-of-experts model (deepseek_v3) is not supported yet"),
+    ({"model_type": "dbrx"}, "a mixture-of-experts model (dbrx) is not supported yet"),
     ({"mlp_only_layers": [0, 1]}, "dense layers among the MoE layers"),
     ({"decoder_sparse_step": 2}, "dense layers among the MoE layers"),
 ])

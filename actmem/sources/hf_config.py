@@ -12,13 +12,13 @@ from pathlib import Path
 
 from actmem.errors import SpecError
 
-#: config keys and model types that make a mixture of experts: read for Mixtral, Qwen2-MoE and Qwen3-MoE
-#: (as Megatron-Core's MoE layer trains them), refused for the others, one line
+#: config keys and model types that make a mixture of experts: read for Mixtral, Qwen2-MoE, Qwen3-MoE and
+#: DeepSeek-V2/V3 (as Megatron-Core's MoE layer trains them), refused for the others, one line
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-MOE_TYPES = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe")
+MOE_TYPES = ("dbrx", "jamba", "olmoe")
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-#: the mixtures of experts read, and the dense family each one's attention is
-MOE_READ = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+#: the mixtures of experts read, and the dense family each one's attention is (DeepSeek's: its own, MLA)
+MOE_READ = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "deepseek_v2": None, "deepseek_v3": None}
 SUPPORTED = LLAMA_LIKE + tuple(MOE_READ) + ("gpt2", "gpt_neox")
 
 
@@ -37,7 +37,8 @@ def read_hf_config(path: Path) -> dict:
         raise SpecError(f"{path}: model_type {kind!r} is not supported; actmem reads "
                         f"{', '.join(SUPPORTED)}")
     model, architecture, notes = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "gpt2": _gpt2,
-                                  "gpt_neox": _gpt_neox, "mixtral": _moe, "qwen2_moe": _moe, "qwen3_moe": _moe}[kind](config, path)
+                                  "gpt_neox": _gpt_neox, "mixtral": _moe, "qwen2_moe": _moe, "qwen3_moe": _moe,
+                                  "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}[kind](config, path)
     learned_rows = model["seq_len"] if architecture.get("position_embedding") == "learned" else None
     return dict(name=f"{kind}:{path.parent.name or path.stem}", source=str(path), model=model,
                 position_table=learned_rows,
@@ -192,6 +193,78 @@ def _moe(config, path):
         f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer, as Megatron-Core's MoE layer "
         f"trains them, the aux loss at the config's router_aux_loss_coef ({coeff:g}; --moe-aux-loss-coeff); the "
         "token dispatcher is the run's choice (--moe-token-dispatcher-type; Megatron's default allgather)",)
+
+
+def _deepseek(config, path):
+    """DeepseekV2Config and DeepseekV3Config (transformers 5.23, modeling_deepseek_v2.py and _v3.py): multi-latent
+    attention (q_lora_rank, null for a q projected straight from h; kv_lora_rank; qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim; q_a_layernorm and kv_a_layernorm, RMSNorms of the latents: Megatron's --qk-layernorm) and a MoE MLP
+    after the first first_k_dense_replace dense layers (intermediate_size): n_routed_experts SwiGLU experts of
+    moe_intermediate_size, top num_experts_per_tok, and n_shared_experts as one ungated MLP of n_shared_experts x
+    moe_intermediate_size. The router's logits are fp32 (F.linear of fp32 copies: --moe-router-dtype fp32).
+    V2 scores by softmax over every expert, renormalised over the top-k with norm_topk_prob (else
+    --moe-router-pre-softmax), group-limited under topk_method group_limited_greedy; V3 by sigmoid with
+    e_score_correction_bias choosing (topk_method noaux_tc: --moe-router-enable-expert-bias), its top-k
+    renormalised, group-limited over n_group groups (--moe-router-num-groups, --moe-router-group-topk).
+    DeepSeek's own configs name a sequence-wise aux loss (seq_aux, aux_loss_alpha): seq_aux_loss at that
+    coefficient. The multi-token-prediction layers (num_nextn_predict_layers) are not priced."""
+    kind = config["model_type"]
+    if config.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"{path}: hidden_act {config.get('hidden_act')!r}: actmem models the gated MLP with silu only")
+    model = _dims(config, path, "num_attention_heads", "hidden_size", "num_hidden_layers", "max_position_embeddings")
+    if config.get("moe_layer_freq", 1) != 1:
+        raise SpecError(f"{path}: moe_layer_freq {config['moe_layer_freq']!r}: DeepSeek's MoE layers every N-th layer "
+                        "after the dense ones are not read yet (1: every layer after first_k_dense_replace)")
+    dense = config.get("first_k_dense_replace", 3 if kind == "deepseek_v3" else 0)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < model["layers"]:
+        raise SpecError(f"{path}: first_k_dense_replace must be an integer from 0 to num_hidden_layers - 1, got {dense!r}")
+    v3 = kind == "deepseek_v3"
+    renormalised = _switch(config, path, "norm_topk_prob", v3)
+    method = config.get("topk_method", "noaux_tc" if v3 else "greedy")
+    if v3 and (method != "noaux_tc" or config.get("scoring_func", "sigmoid") != "sigmoid" or not renormalised):
+        raise SpecError(f"{path}: {kind} with topk_method {method!r}, scoring_func {config.get('scoring_func')!r}, "
+                        f"norm_topk_prob {renormalised}: actmem reads DeepSeek-V3's router (sigmoid, noaux_tc, "
+                        "renormalised), as Megatron runs it")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise SpecError(f"{path}: topk_method {method!r}: actmem reads greedy and group_limited_greedy for {kind}")
+    grouped = v3 or method == "group_limited_greedy"
+    groups = _optional_int(config, path, "n_group") if grouped else None
+    shared = config.get("n_shared_experts") or 0
+    expert_ffn = _need(config, path, "moe_intermediate_size")
+    coeff = config.get("aux_loss_alpha", 0.0) if config.get("seq_aux", False) else 0.0
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
+        raise SpecError(f"{path}: aux_loss_alpha must be a number >= 0, got {coeff!r}")
+    layers = model["layers"]
+    architecture = dict(
+        ffn_hidden=_need(config, path, "intermediate_size"), activation="swiglu", normalization="rmsnorm", bias=False,
+        tied_output=_switch(config, path, "tie_word_embeddings", False), position_embedding="rope",
+        attention_dropout=_probability(config, path, "attention_dropout", 0.0), hidden_dropout=0.0,
+        multi_latent_attention=True, q_lora_rank=_optional_int(config, path, "q_lora_rank"),
+        kv_lora_rank=_need(config, path, "kv_lora_rank"), qk_head_dim=_need(config, path, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_need(config, path, "qk_rope_head_dim"), v_head_dim=_need(config, path, "v_head_dim"),
+        qk_norm=True, num_experts=_need(config, path, "n_routed_experts"),
+        moe_topk=_need(config, path, "num_experts_per_tok"), moe_ffn_hidden=expert_ffn,
+        moe_layer_freq=(0,) * dense + (1,) * (layers - dense) if dense else 1, moe_router_dtype="fp32",
+        moe_score_function="sigmoid" if v3 else "softmax", moe_expert_bias=v3,
+        moe_pre_softmax=not v3 and not renormalised,
+        moe_router_groups=groups if groups and groups > 1 else None,
+        moe_router_group_topk=_optional_int(config, path, "topk_group") if groups and groups > 1 else None,
+        moe_shared_ffn=shared * expert_ffn if shared else None,
+        moe_load_balancing="seq_aux_loss" if coeff else "aux_loss", moe_aux_loss_coeff=float(coeff))
+    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0))
+    notes = _seq_note(config, "max_position_embeddings") + (
+        f"{kind}: multi-latent attention and {architecture['num_experts']} experts, top-{architecture['moe_topk']}, "
+        f"after {dense} dense layer{'s' if dense != 1 else ''}, as Megatron-Core trains them (the router in fp32, as "
+        "transformers computes it; the token dispatcher the run's choice, Megatron's default allgather)"
+        + (f"; the sequence-wise aux loss at the config's aux_loss_alpha ({coeff:g})" if coeff else
+           "; no aux loss (the config names none: DeepSeek-V3 trains with a sequence-wise one, "
+           "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4)"),)
+    if mtp:
+        notes += (f"num_nextn_predict_layers {mtp}: the multi-token-prediction layers are not priced "
+                  "(--mtp-num-layers is not modelled yet)",)
+    if config.get("quantization_config"):
+        notes += ("quantization_config: the released weights' format, not the training precision: priced in 16 bits",)
+    return model, architecture, notes
 
 
 def _gpt2(config, path):

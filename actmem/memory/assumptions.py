@@ -108,7 +108,12 @@ def _latent_notes(spec: Spec) -> list:
              "rope: Megatron's fused YaRN kernel (fused_mla_yarn_rope_apply.py) rotates q in place and writes k and "
              "v new, keeping only the layer's cached cos and sin, s x d_rope each in 16 bits, buffers of the "
              "layer (4s·d_rope bytes a layer), not counted as activations; --rotary-scaling-factor and --mscale "
-             "change values only"]
+             "change values only",
+             "MLA's core: TE's cuDNN fused attention, as TE picks it on Hopper (cuDNN 9.5 or newer) for d_qk + d_rope "
+             "!= d_v; under FlashAttention 3 (NVTE_FUSED_ATTN=0) TE copies q, k and v and, at b > 1, the output "
+             "(2sb·a·d_v/t more), and on A100 it falls back to its unfused attention: neither is modelled",
+             "peak within the forward: the kv down projection's whole output, [N, kv_r + d_rope], stays referenced "
+             "until the attention returns (a transient of the layer being run, not counted)"]
     if arch.head_dim is not None:
         notes.append(f"--kv-channels {arch.head_dim} is not read by multi-latent attention (its widths are "
                      "--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim)")

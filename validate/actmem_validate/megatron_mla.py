@@ -4,13 +4,14 @@ sequence parallelism), every tensor autograd saves recorded, and the MLA rows of
 (terms.py: qkv_input, MLA_TERMS, softmax_lse, projection_input) compared with them, rank by rank.
 
 The layer's own code runs: its projections' wiring, the splits, the sequence-parallel gathers, the
-contiguous copies and Megatron's fused YaRN rope Functions (fused_mla_yarn_rope_apply.py, whose
-Triton kernels are no-ops where Triton cannot run: the Functions still allocate and save what they
-do; the rotated values are not computed). Transformer Engine's modules, which need a GPU, are
+contiguous copies and Megatron's fused YaRN rope Functions (fused_mla_yarn_rope_apply.py), which
+allocate and save what they do; only their four Triton kernels, which need a GPU, are launched as
+torch functions writing the same tensors in place. Transformer Engine's modules, which need a GPU, are
 replaced in the layer spec by stand-ins that keep what TE's keep (TE at d0067d0, see each class):
 TELinear, TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear and
-DotProductAttention's fused (cuDNN) path. Two shims let the layer run (``_cpu_shims``); neither
-makes or keeps a tensor.
+DotProductAttention's fused (cuDNN) path, whose int64[2] RNG state a layer (16 B) the stand-in does not
+keep (actmem leaves it out, and says so). Three shims let the layer run (``_cpu_shims``); none makes
+or keeps a tensor.
 
 A saved tensor counts where its storage is still alive when the forward ends, once a storage; the
 layer's parameters and buffers (the cached cos and sin) are model state, not counted. Each is named
@@ -320,8 +321,7 @@ def _layer(spec: Spec, stand_ins: dict):
         rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm", add_bias_linear=False,
         attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
-        sequence_parallel=run.sequence_parallel)
-    config.apply_rope_fusion = True       # Megatron's default; __post_init__ would look for TE's rope first
+        sequence_parallel=run.sequence_parallel, apply_rope_fusion=True)   # Megatron's default
     up = stand_ins["layernorm_column"] if arch.qk_norm else stand_ins["column"]
     submodules = MLASelfAttentionSubmodules(
         linear_q_proj=stand_ins["column"], linear_q_down_proj=stand_ins["linear"], linear_q_up_proj=up,

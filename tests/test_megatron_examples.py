@@ -98,17 +98,18 @@ def test_the_other_examples_are_refused_naming_only_what_is_not_modelled(actmem,
 
 def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(actmem):
     """The training command lives in TRAINING_CMD, run by `srun bash -c "${TRAINING_CMD}"` inside
-    an sbatch here-document: its arguments are refused for the flex dispatcher, MTP and Megatron-FSDP;
-    its multi-latent attention is read (--multi-latent-attention, the ranks and head dims; YaRN's
-    scaling changes values only)."""
+    an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP; its
+    multi-latent attention and multi-token prediction are read (--multi-latent-attention, the ranks and head
+    dims, --mtp-num-layers; YaRN's scaling and the MTP loss's factor change values only)."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'sbatch_mfsdp_deepseek_v3.sh'}")
-    assert_one_line_error(result, "mixture of experts (issue 27)", "multi-token prediction (issue 27)",
-                          "sharded data parallelism (issue 30)", "HuggingFaceTokenizer takes its vocabulary from its files")
+    assert_one_line_error(result, "mixture of experts (issue 27)", "sharded data parallelism (issue 30)",
+                          "HuggingFaceTokenizer takes its vocabulary from its files")
     names = _refused_names(result.stderr)
-    assert {"--moe-flex-dispatcher-backend", "--mtp-num-layers", "--use-megatron-fsdp"} <= names
+    assert {"--moe-flex-dispatcher-backend", "--use-megatron-fsdp"} <= names
     assert not {"--num-experts", "--moe-layer-freq"} & names       # read: the experts and their layout are modelled
     assert not {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim"} & names
+                "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--mtp-num-layers",
+                "--mtp-loss-scaling-factor"} & names
     assert not names & {"--num-layers", "--hidden-size", "--seq-length", "--lr", "--save", "--bf16"}
     assert "not an argument" not in result.stderr
 

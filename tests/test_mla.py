@@ -148,7 +148,7 @@ def test_deepseek_v3s_config_json_is_read_as_megatron_trains_it(actmem):
             terms["shared_experts_swiglu_input"]) == (201_326_592, 4_194_304, 469_762_048, 33_554_432)
     assert "router_sigmoid_scores" not in terms
     notes = " ".join(out["assumptions"])
-    assert "multi-token-prediction layers are not priced" in notes and "no aux loss" in notes
+    assert "1 multi-token-prediction layer on the last stage" in notes and "no aux loss" in notes
 
 
 def test_deepseeks_sequence_wise_aux_loss_is_read_from_its_own_config(actmem, tmp_path):
@@ -172,6 +172,7 @@ def test_deepseek_v3s_config_json_is_its_published_671b_parameters(actmem):
     norms 14,336: 187,121,664. Dense MLP 3·7168·18,432 = 396,361,728; a MoE MLP's 256 experts
     256·3·7168·2048 = 11,274,289,152, shared expert 44,040,192, router 256·7168 = 1,835,008 (the expert bias is
     a buffer): 11,320,164,352. 3 x 583,483,392 + 58 x 11,507,286,016 + embedding and output 2·129,280·7168
-    = 1,853,358,080 (129,280 = 1010·128) + final norm 7168 = 671,026,404,352."""
-    out = actmem.json("estimate", "--model", str(HF_V3), "--seq-len", "4096")
+    = 1,853,358,080 (129,280 = 1010·128) + final norm 7168 = 671,026,404,352 (--mtp-num-layers 0: the
+    config's num_nextn_predict_layers 1 left out)."""
+    out = actmem.json("estimate", "--model", str(HF_V3), "--seq-len", "4096", "--mtp-num-layers", "0")
     assert out["parameters"]["count"] == 671_026_404_352

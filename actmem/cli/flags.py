@@ -159,6 +159,9 @@ ARCHITECTURE_FLAGS = (
     Flag(("--qk-head-dim",), "qk_head_dim", "MLA: each head's q and k width without rope (default 128)"),
     Flag(("--qk-pos-emb-head-dim",), "qk_pos_emb_head_dim", "MLA: each head's rope part of q and k (default 64)"),
     Flag(("--v-head-dim",), "v_head_dim", "MLA: each head's v width (default 128)"),
+    Flag(("--mtp-num-layers",), "mtp_layers",
+         "multi-token prediction (DeepSeek-V3's 1; Megatron's name): D more layers on the last stage, each with its "
+         "norms, projection and logits (default 0: none)"),
     Flag(("--rope-type",), "rope_type",
          "Megatron's rope kind: yarn (multi-latent attention's default, the only one modelled there) or rope (other "
          "attention's)", click.Choice(["rope", "yarn"])),

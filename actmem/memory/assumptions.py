@@ -120,6 +120,20 @@ def _latent_notes(spec: Spec) -> list:
     return notes
 
 
+def _mtp_notes(spec: Spec) -> list:
+    """What multi-token prediction adds, and where."""
+    d = spec.architecture.mtp_layers
+    if not d:
+        return []
+    return [f"multi-token prediction (--mtp-num-layers {d}): megatron-core 0.16.1's MultiTokenPredictionBlock on the "
+            f"last stage: {d} more layer{'s' if d > 1 else ''} of the model's last kind, counted as layers of that "
+            "stage (none under full recompute, where each is checkpointed whole and keeps its arguments, the "
+            "embedding's output and the hidden states), each with its tokens, norms, eh_proj input and, under SP, "
+            "the whole gathered input its layer's first norm keeps (mtp_*); the output layer keeps the main and the "
+            f"{d} predictions' hidden states as one tensor and the loss {d} more fp32 logits; at p > 1 the last stage "
+            "holds its own copy of the word embedding (parameters); the losses' [b, s] tensors are not counted"]
+
+
 def _eager_core_notes(spec: Spec, rows: tuple) -> list:
     """The local core's softmax: the fused kernel where it runs; where it does not (or is switched
     off), torch's fallback, what it keeps, and the paper's rows with the kernel's bytes beside."""
@@ -255,6 +269,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec, rows),
         *_moe_notes(spec),
+        *_mtp_notes(spec),
         *_recompute_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")

@@ -7,12 +7,12 @@ from actmem.memory import assumptions, engine
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
 from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, expert_parameters, layer_parameters, \
-    parameter_bytes, stage_parameters
+    mtp_parameters, parameter_bytes, stage_parameters
 from actmem.model.experts import dense_twin
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.memory.pipeline import StageOccupancy, stage_occupancy
-from actmem.memory.stages import StageLoad, stage_layers, stage_moe_layers
+from actmem.memory.stages import StageLoad, mtp_layer_kind, mtp_layers_held, stage_layers, stage_moe_layers
 from actmem.errors import SpecError
 from actmem.model.spec import Spec, padded_vocab
 from actmem.memory.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
@@ -225,16 +225,31 @@ def modelled_techniques(spec: Spec) -> tuple:
     unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
     parallel = "tensor" in spec.architecture.code.runs
     # Megatron's MoE layer refuses t > 1 without sequence parallelism (moe_layer.py, MoELayer.forward)
-    moe_needs_sp = spec.architecture.moe and spec.run.tensor_parallel > 1
+    moe_needs_sp = (spec.architecture.moe or spec.architecture.mtp_layers) and spec.run.tensor_parallel > 1
     return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
                  and (parallel or not tech.tensor_parallel)
                  and not (moe_needs_sp and tech.tensor_parallel and not tech.sequence_parallel))
 
 
-def layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
+def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tuple:
     """(the stage's last layer's architecture, its kind's layers or None where every layer is of it,
     ((the other kind's architecture, its layers),) or ()): a MoE model's dense layers
-    (--moe-layer-freq) are its dense twin's (actmem.model.experts.dense_twin)."""
+    (--moe-layer-freq) are its dense twin's (actmem.model.experts.dense_twin). ``mtp``: the
+    multi-token-prediction layers the stage counts (stages.mtp_layers_held), of the model's last
+    layer's kind, after the stage's own: the last kind's count then includes them."""
+    last, n_last, others = _layer_kinds(spec, stage, arch)
+    if not mtp:
+        return last, n_last, others
+    if not arch.moe or mtp_layer_kind(spec) == (last.moe and 1):
+        own = len(stage_moe_layers(spec, stage)) if arch.moe else stage_layers(spec)[stage]
+        return last, (own if n_last is None else n_last) + mtp, others
+    from actmem.model.experts import dense_twin
+
+    kind = arch if mtp_layer_kind(spec) else dense_twin(arch)   # the stage ends in the other kind
+    return kind, mtp, ((last, len(stage_moe_layers(spec, stage)) if n_last is None else n_last),) + others
+
+
+def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
     if not arch.moe:
         return arch, None, ()
     from actmem.model.experts import dense_twin
@@ -263,8 +278,9 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     """The run's terms. With partial full recompute, a chunk's checkpoints count the layer
     input and its whole layers count everything the same run without recompute keeps."""
     arch, bindings = spec.architecture_at(spec.run.tensor_parallel), spec.bindings()
-    last, n_last, others = layer_kinds(spec, occupancy.stage, arch)
-    if others:
+    mtp = mtp_layers_held(spec, occupancy.stage, run.recompute is Recompute.FULL)
+    last, n_last, others = layer_kinds(spec, occupancy.stage, arch, mtp)
+    if others or mtp:
         return _mixed_terms(run, occupancy, bindings, ((last, n_last),) + others)
     arch = last
     if not run.partial:
@@ -312,7 +328,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
                                   engine.microbatches_held: microbatches,
                                   symbols.v: padded_vocab(spec.model.vocab, t, spec.vocab_divisible_by)}
     arch = arch or spec.architecture_at(t)
-    arch, n_last, others = layer_kinds(spec, occupancy.stage, arch)
+    mtp = mtp_layers_held(spec, occupancy.stage, technique.recompute is Recompute.FULL)
+    arch, n_last, others = layer_kinds(spec, occupancy.stage, arch, mtp)
     per_chunk = occupancy.chunk_layers
     counts = StageCounts(per_chunk if n_last is None else n_last, layer_activations // per_chunk if per_chunk else 0)
     stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts, others)
@@ -333,14 +350,20 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                              arch, model.heads, own, stage) + (layers - own) * layer_parameters(model.hidden, t, dense,
                                                                                                 model.heads)
     etp = run.etp if t == run.tensor_parallel else 1
-    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if own else dense, model.heads,
+    mtp = mtp_layers_held(spec, stage, full_recompute=False)      # their weights, whatever the recompute
+    moe_mtp = mtp * mtp_layer_kind(spec)
+    if mtp:
+        count += mtp_parameters(model.hidden, t, vocab, arch, run.pipeline_parallel) + (mtp - moe_mtp) * \
+            layer_parameters(model.hidden, t, dense, model.heads) + moe_mtp * layer_parameters(model.hidden, t, arch,
+                                                                                               model.heads)
+    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if own or moe_mtp else dense, model.heads,
                                    holds_output=int(stage == run.pipeline_parallel - 1), etp=etp,
-                                   dense_too=bool(arch.moe and own and layers - own))
+                                   dense_too=bool(arch.moe and (own or moe_mtp) and layers - own + mtp - moe_mtp))
     dense = parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
                             spec.optimizer.bytes_per_parameter)
     if not spec.architecture.moe:
         return dense
-    experts = own * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
+    experts = (own + moe_mtp) * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
     return dense + parameter_bytes(experts, spec.expert_optimizer_shards, run.distributed_optimizer, 0,
                                    spec.gradient_bytes, spec.optimizer.bytes_per_parameter)
 

@@ -59,6 +59,17 @@ def latent_parameters(h, arch, heads):
     return split, whole
 
 
+def mtp_parameters(h, t, v, arch, p):
+    """The multi-token-prediction layers' own parameters on the last stage, beside their transformer
+    layers (counted as layers of the stage): each its enorm, hnorm and final norm (h each, RMSNorm's weight)
+    and eh_proj [h/t, 2h] (multi_token_prediction.py, MultiTokenPredictionLayer); and at p > 1 the stage's own
+    copy of the word embedding, which the predictions look their tokens up in (gpt_model.py: the
+    embedding is built where pre_process or mtp_process), v·h/t."""
+    if not arch.mtp_layers:
+        return 0
+    return arch.mtp_layers * (3 * arch.norm_parameters * h + 2 * h * h // t) + (p > 1) * v * h // t
+
+
 def expert_parameters(h, arch, ep, etp):
     """One MoE layer's expert weights on one rank: E/EP experts, each SwiGLU's fc1 [2f_e, h] and
     fc2 [h, f_e] split over ETP (experts.py: SequentialMLP, TEGroupedMLP); 0 for a dense MLP.
@@ -122,7 +133,9 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
               (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output),
               (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)),
               # a MoE model's dense layers on the stage (dense_too): their MLP's fc1 and fc2, of ffn_hidden
-              (arch.fc1_width * arch.ffn(h) // t, h, int(dense_too)), (h, arch.ffn(h) // t, int(dense_too)))
+              (arch.fc1_width * arch.ffn(h) // t, h, int(dense_too)), (h, arch.ffn(h) // t, int(dense_too)),
+              # the multi-token-prediction layers' eh_proj on the stage with the output layer
+              (h // t, 2 * h, holds_output * int(arch.mtp_layers > 0)))
     total = 0
     for i, (rows, cols, here) in enumerate(shapes):
         seen = 0                              # an earlier shape on the stage equal to this one

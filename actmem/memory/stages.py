@@ -94,3 +94,20 @@ def stage_name(stage: int, p: int, article: bool = False) -> str:
     if 0 < stage < p - 1:
         return f"stage {stage}"
     return ("the " if article else "") + ("first stage" if stage == 0 else "last stage")
+
+
+def mtp_layers_held(spec, stage: int, full_recompute: bool) -> int:
+    """The multi-token-prediction layers a stage counts as layers of its own: the D of the last stage
+    (multi_token_prediction.py, mtp_on_this_rank: the last pipeline stage without a custom layout), none
+    under full recompute, where Megatron checkpoints each whole and keeps its arguments (terms.MTP_TERMS)."""
+    last = stage == spec.run.pipeline_parallel - 1
+    return spec.architecture.mtp_layers if last and not full_recompute else 0
+
+
+def mtp_layer_kind(spec) -> int:
+    """1 where the model's last layer, whose spec the multi-token-prediction layers take, is a MoE
+    layer (gpt_layer_specs.py, get_gpt_mtp_block_spec: the decoder's last layer spec), else 0."""
+    from actmem.model.experts import moe_layers
+
+    arch = spec.architecture
+    return moe_layers(arch, spec.model.layers)[-1] if arch.moe else 0

@@ -15,7 +15,7 @@ import sympy
 from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_norms, latent_query, latent_query_norm, moe, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
+    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_norms, latent_query, latent_query_norm, moe, mtp, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
     moe_group_mask, moe_sigmoid_normalised, moe_topk_softmax, norm_keeps_fp32_copy, shared_experts, shared_experts_gate, \
     shared_experts_overlap, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
@@ -409,6 +409,50 @@ MLA_TERMS = (
 )
 
 
+def _mtp(arch):
+    return arch.mtp_layers
+
+
+#: megatron-core 0.16.1's multi-token prediction (transformer/multi_token_prediction.py,
+#: MultiTokenPredictionLayer), D layers on the stage with the output layer, each around a transformer
+#: layer of the model's last kind (counted as a layer of the stage): what the rest of each keeps, a
+#: microbatch, all D together (the factor D in each row). Under full recompute Megatron checkpoints
+#: _proj_and_transformer_layer whole, keeping its arguments, the embedding's output and the hidden states.
+MTP_TERMS = (
+    Term("mtp_token_ids", lambda arch: I64 * b * s * _mtp(arch), Region.REPLICATED, _ALWAYS, Scope.OUTPUT,
+         "each prediction embeds the tokens rolled one further (roll_tensor: a new int64 [b, s]), and the "
+         "embedding keeps the indices it looked up (VocabParallelEmbedding: F.embedding saves them; at t > 1 the "
+         "masked copy), whole on every rank (8bs)", mtp),
+    Term("mtp_token_mask", lambda arch: MASK * b * s * _mtp(arch) * sympy.Piecewise((0, sympy.Eq(t, 1)), (1, True)),
+         Region.REPLICATED, _ALWAYS, Scope.OUTPUT,
+         "... at t > 1 its mask of the tokens outside the rank's vocabulary, which the masked write keeps "
+         "(output_parallel[input_mask, :] = 0.0: bool [b, s], bs)", mtp),
+    Term("mtp_embedding_output", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "enorm keeps its input, the embedding's output (2sbh/t: TENorm; under full recompute the checkpoint's "
+         "argument, the same storage)", mtp),
+    Term("mtp_embedding_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
+         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics (4sb for RMSNorm)", mtp),
+    Term("mtp_hidden_input", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "hnorm keeps its input, the hidden states of the depth before (the main model's final norm's output for "
+         "the first; 2sbh/t; under full recompute the checkpoint's argument)", mtp),
+    Term("mtp_hidden_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
+         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
+    Term("mtp_eh_proj_input", lambda arch: A16 * 2 * _sbh * _mtp(arch), Region.BOUNDARY, _STORED, Scope.OUTPUT,
+         "eh_proj (TEColumnParallelLinear, [h/t, 2h]) keeps its input, the two norms' outputs side by side "
+         "(torch.cat: [s/t, b, 2h], 4sbh/t)", mtp),
+    Term("mtp_layer_input_gathered", lambda arch: A16 * s * b * h * (t - 1) / t * _mtp(arch), Region.REPLICATED,
+         _STORED, Scope.OUTPUT,
+         "under SP the projection's output is gathered whole ([s, b, h]: gather_from_tensor_model_parallel_region) "
+         "and scattered again as a view of it (_split_along_first_dim: input_[...].contiguous(), no copy), which "
+         "the transformer layer's first norm keeps: the whole 2sbh, not the layer's own 2sbh/t, so 2sbh(t - 1)/t "
+         "more", mtp),
+    Term("mtp_final_norm_input", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _STORED, Scope.OUTPUT,
+         "the prediction's final norm keeps its input, the layer's output (2sbh/t)", mtp),
+    Term("mtp_final_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
+         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
+)
+
+
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -593,10 +637,16 @@ TERMS = (
          "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", norm_keeps_fp32_copy),
     Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "the final norm's fp32 statistics (as attention_norm_statistics)", counts_norm_statistics),
-    Term("output_layer_input", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "output layer keeps its input (4.5, 2sbh/t under SP)"),
-    Term("logits_fp32", F32 * s * b * v, Region.BLOCK, _ALWAYS, Scope.OUTPUT,
-         "cross entropy keeps fp32 logits, split over the vocabulary (4.5, 4sbv/t)"),
+    Term("output_layer_input", lambda arch: A16 * _sbh * (1 + arch.mtp_layers), Region.BOUNDARY, _ALWAYS,
+         Scope.OUTPUT, "output layer keeps its input (4.5, 2sbh/t under SP); with D multi-token-prediction layers "
+         "the main and the D predictions' hidden states are one tensor, torch.cat along the sequence "
+         "(multi_token_prediction.py, MultiTokenPredictionBlock.forward), whose chunks the D + 1 output layers "
+         "keep: (1 + D)·2sbh/t"),
+    Term("logits_fp32", lambda arch: F32 * s * b * v * (1 + arch.mtp_layers), Region.BLOCK, _ALWAYS, Scope.OUTPUT,
+         "cross entropy keeps fp32 logits, split over the vocabulary (4.5, 4sbv/t); with D multi-token-prediction "
+         "layers D more, one a prediction (gpt_model.py, _postprocess: output_layer and "
+         "compute_language_model_loss a depth)"),
+    *MTP_TERMS,
 )
 
 def layer_terms(arch) -> tuple:

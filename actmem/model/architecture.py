@@ -82,6 +82,9 @@ class Architecture:
     """Each head's rope part of q and k (--qk-pos-emb-head-dim); k's is one for all heads."""
     v_head_dim: int = 128
     """Each head's v width (--v-head-dim): a·d_v is the attention's output width."""
+    mtp_layers: int = 0
+    """Multi-token prediction (Megatron's --mtp-num-layers; DeepSeek-V3's 1): D more layers on the last
+    pipeline stage, each predicting one token further (actmem.memory.terms, MTP_TERMS), and D more logits."""
     rope_type: str | None = None
     """Megatron's --rope-type: None (its default: yarn under MLA, rope otherwise), 'rope' or 'yarn'."""
     attention_mask: bool = False
@@ -189,6 +192,11 @@ class Architecture:
                 raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise SpecError(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
+        if self.mtp_layers and self.implementation != MEGATRON:
+            raise SpecError(f"multi-token prediction is modelled as Megatron-Core runs it; --implementation "
+                            f"{self.implementation} has none")
         if self.rope_type is not None and self.rope_type not in ("rope", "yarn"):
             raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",
@@ -641,6 +649,11 @@ def shared_experts_gate(arch: Architecture) -> bool:
 def shared_experts_overlap(arch: Architecture) -> bool:
     """the MoE layer's shared experts overlap the dispatcher's communication"""
     return shared_experts(arch) and arch.moe_shared_overlap
+
+
+def mtp(arch: Architecture) -> bool:
+    """multi-token prediction layers on the last stage (--mtp-num-layers)"""
+    return arch.mtp_layers > 0
 
 
 def always(arch: Architecture) -> bool:

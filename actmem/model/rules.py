@@ -292,6 +292,13 @@ RULES = (
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with multi-latent attention is not "
          "modelled yet (TE's ring attention over MLA's unequal q, k and v widths keeps what actmem has not read)",
          ("latent",)),
+    Rule(lambda v: (v.m == 1) & (v.c == 1) & (v.recompute_shape is None),
+         lambda v: "multi-token prediction is modelled without interleaving, context parallelism and "
+                   "--recompute-method (Megatron checkpoints its layers alone, uniform 1, or not at all under block): "
+                   f"m = {v.m}, c = {v.c}", ("mtp",)),
+    Rule(lambda v: _implies(v.t > 1, v.sequence_parallel),
+         lambda v: f"multi-token prediction at t = {v.t} is modelled with sequence parallelism (--sequence-parallel)",
+         ("mtp",)),
     Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
          lambda v: "--expert-model-parallel-size and --expert-tensor-parallel-size shape a mixture-of-experts "
                    "layer: give --num-experts", ("dense",)),
@@ -380,6 +387,8 @@ class Values:
     """--moe-layer-freq: an int, or a tuple of 0 and 1 a layer."""
     latent: object = None
     """True where the attention is multi-latent (--multi-latent-attention)."""
+    mtp: object = None
+    """True where the model has multi-token-prediction layers (--mtp-num-layers)."""
     mixed_layers: object = False
     """Dense layers among the MoE layers."""
     recompute_shape: object = None

@@ -102,6 +102,8 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
     if arch.moe:
         raise SpecError("flops counts a dense layer's matmuls; a mixture-of-experts layer's (k experts a token, "
                         "the router, shared experts) are not counted yet")
+    if arch.mtp_layers:
+        raise SpecError("flops does not count the multi-token-prediction layers and logits yet")
     if arch.multi_latent_attention:
         raise SpecError("flops counts a QKV linear's matmuls; multi-latent attention's down and up projections "
                         "are not counted yet")

@@ -77,6 +77,9 @@ class PlanRequest:
         if self.architecture.moe:
             raise SpecError("plan does not sweep mixture-of-experts runs yet (EP, ETP and the dispatcher's "
                             "traffic): size one with `actmem estimate`")
+        if self.architecture.mtp_layers:
+            raise SpecError("plan does not sweep multi-token prediction yet (its layers and logits on the last "
+                            "stage): size one with `actmem estimate`")
         if self.architecture.multi_latent_attention:
             raise SpecError("plan does not sweep multi-latent attention yet (its time model counts the QKV "
                             "linear's matmuls): size one with `actmem estimate`")

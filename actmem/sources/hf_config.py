@@ -207,7 +207,8 @@ def _deepseek(config, path):
     e_score_correction_bias choosing (topk_method noaux_tc: --moe-router-enable-expert-bias), its top-k
     renormalised, group-limited over n_group groups (--moe-router-num-groups, --moe-router-group-topk).
     DeepSeek's own configs name a sequence-wise aux loss (seq_aux, aux_loss_alpha): seq_aux_loss at that
-    coefficient. The multi-token-prediction layers (num_nextn_predict_layers) are not priced."""
+    coefficient. The multi-token-prediction layers it was trained with (num_nextn_predict_layers, V3's 1) are
+    Megatron's --mtp-num-layers."""
     kind = config["model_type"]
     if config.get("hidden_act", "silu") != "silu":
         raise SpecError(f"{path}: hidden_act {config.get('hidden_act')!r}: actmem models the gated MLP with silu only")
@@ -251,7 +252,10 @@ def _deepseek(config, path):
         moe_router_group_topk=_optional_int(config, path, "topk_group") if groups and groups > 1 else None,
         moe_shared_ffn=shared * expert_ffn if shared else None,
         moe_load_balancing="seq_aux_loss" if coeff else "aux_loss", moe_aux_loss_coeff=float(coeff))
-    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0))
+    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)) or 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise SpecError(f"{path}: num_nextn_predict_layers must be an integer >= 0, got {mtp!r}")
+    architecture["mtp_layers"] = mtp
     notes = _seq_note(config, "max_position_embeddings") + (
         f"{kind}: multi-latent attention and {architecture['num_experts']} experts, top-{architecture['moe_topk']}, "
         f"after {dense} dense layer{'s' if dense != 1 else ''}, as Megatron-Core trains them (the router in fp32, as "
@@ -260,8 +264,9 @@ def _deepseek(config, path):
            "; no aux loss (the config names none: DeepSeek-V3 trains with a sequence-wise one, "
            "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4)"),)
     if mtp:
-        notes += (f"num_nextn_predict_layers {mtp}: the multi-token-prediction layers are not priced "
-                  "(--mtp-num-layers is not modelled yet)",)
+        notes += (f"num_nextn_predict_layers {mtp}: {mtp} multi-token-prediction layer{'s' if mtp > 1 else ''} on the "
+                  "last stage, as Megatron trains them (--mtp-num-layers; give --mtp-num-layers 0 to leave "
+                  f"{'them' if mtp > 1 else 'it'} out)",)
     if config.get("quantization_config"):
         notes += ("quantization_config: the released weights' format, not the training precision: priced in 16 bits",)
     return model, architecture, notes

@@ -24,12 +24,13 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@option("--grid", type=click.Choice(["small", "presets", "moe", "mla"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets", "moe", "mla", "mtp"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs), 'presets' (the Table 3 models at full scale, for --mode fake, or "
                    "--mode rank0 on a GPU), 'moe' (megatron-core's own MoELayer over gloo ranks, "
-                   "expert and tensor parallel; needs megatron-core==0.16.1) or 'mla' (its "
-                   "MLASelfAttention over gloo ranks, TE's modules as stand-ins; the same). "
+                   "expert and tensor parallel; needs megatron-core==0.16.1), 'mla' (its "
+                   "MLASelfAttention over gloo ranks, TE's modules as stand-ins; the same) or 'mtp' "
+                   "(its multi-token prediction block, the same way). "
                    "A grid sets the model, run and techniques itself.")
 @option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
@@ -90,7 +91,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         raise click.ClickException(_TORCH_MISSING)
     from actmem_validate.compare import judge
 
-    if grid in ("moe", "mla"):
+    if grid in ("moe", "mla", "mtp"):
         rows = _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout)
         failures = judge(rows, max_error, max_peak_gap)
         _emit(rows, fmt, output)
@@ -128,10 +129,11 @@ def _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout) -
                                                            ("--microbatches", microbatches)) if value is not None]
     if given:
         raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop {', '.join(given)}")
-    layer = {"moe": "MoE layer", "mla": "multi-latent attention"}[grid]
+    layer = {"moe": "MoE layer", "mla": "multi-latent attention", "mtp": "multi-token prediction"}[grid]
     if mode != "real":
         why = {"moe": "its dispatcher reads the routing's counts on the host",
-               "mla": "its sequence-parallel gathers make the tensors it keeps"}[grid]
+               "mla": "its sequence-parallel gathers make the tensors it keeps",
+               "mtp": "its sequence-parallel gathers make the tensors it keeps"}[grid]
         raise SpecError(f"--grid {grid} runs megatron-core's {layer} on real CPU ranks ({why}, which --mode {mode} "
                         f"cannot give): drop --mode {mode}")
     try:
@@ -143,6 +145,10 @@ def _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout) -
         from actmem_validate.megatron_mla import mla_grid, rows as mla_rows
 
         return mla_rows(mla_grid())
+    if grid == "mtp":
+        from actmem_validate.megatron_mtp import mtp_grid, rows as mtp_rows
+
+        return mtp_rows(mtp_grid())
     from actmem_validate.megatron_moe import moe_grid, rows
 
     return rows(moe_grid(), timeout)
@@ -227,6 +233,9 @@ def _configs(grid, techniques, microbatches, flags):
     if spec.architecture.moe:
         raise SpecError("validate measures mixture-of-experts layers with --grid moe (megatron-core's own "
                         "MoELayer at small shapes) so far, not a model's whole stage")
+    if spec.architecture.mtp_layers:
+        raise SpecError("validate measures multi-token prediction with --grid mtp (megatron-core's own "
+                        "MultiTokenPredictionBlock at small shapes) so far, not a model's whole stage")
     if spec.architecture.multi_latent_attention:
         raise SpecError("validate measures multi-latent attention with --grid mla (megatron-core's own "
                         "MLASelfAttention at small shapes) so far, not a model's whole stage")

@@ -199,6 +199,16 @@ def _stand_ins():
         def forward(self, x):
             return super().forward(self.norm(x.contiguous()))
 
+    class TENorm(torch.nn.Module):
+        """TE's RMSNorm (ops/basic/rmsnorm.py): keeps its (contiguous) input and fp32 rsigma (fused.Norm)."""
+
+        def __init__(self, config, hidden_size, eps=1e-5, **kwargs):
+            super().__init__()
+            self.norm = Norm(hidden_size, config.normalization.lower(), dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.norm(x.contiguous())
+
     class _FusedAttention(torch.autograd.Function):
         """Causal attention saving q, k, v, out and the fp32 log-sum-exp, as TE's FusedAttnFunc does; q and
         k (s, b, n, d_qk), v (s, b, n, d_v) -> out (s, b, n·d_v). The math runs in fp32 outside autograd."""
@@ -240,7 +250,7 @@ def _stand_ins():
             return _FusedAttention.apply(query, key, value, self.scale)
 
     return dict(linear=TELinear, column=TEColumnParallelLinear, row=TERowParallelLinear,
-                layernorm_column=TELayerNormColumnParallelLinear, core=TEDotProductAttention)
+                layernorm_column=TELayerNormColumnParallelLinear, core=TEDotProductAttention, norm=TENorm)
 
 
 class _Kernel:

@@ -11,7 +11,8 @@ eh_proj), with its shims; one more: Megatron forks its CUDA RNG tracker around t
 dropout and the layer under SP, which on a CPU has no state: a tracker whose fork does nothing
 (``_cpu_rng_tracker``), and under full recompute the checkpoint's CUDA RNG state, which it copies
 onto its context (not a saved tensor) and a CPU has none of: neither makes or keeps a tensor. The output layer and the losses are not run
-here: the main model's code computes them (the main harness measures the output layer).
+here beyond the output layer's input (the chunks of the block's output it keeps): the losses are the main
+model's code (the main harness measures them).
 
 A saved tensor counts where its storage is alive when the forward ends, once a storage; the layer's
 parameters and buffers are model state. Tensors are named by dtype and shape and, where rows share
@@ -75,14 +76,15 @@ def mtp_grid() -> list:
 
 
 def formula(spec: Spec, technique: Technique) -> dict:
-    """{term: bytes} of the block on a rank: the MTP rows (D of each) and D layers' rows, without the
-    output layer's and the losses' (not run here)."""
+    """{term: bytes} of the block on a rank: the MTP rows (D of each), D layers' rows and the output layer's
+    input, (1 + D)·2Nh; not the losses' (not run here: the main model's code)."""
     from actmem.memory import engine
-    from actmem.memory.terms import MTP_TERMS, layer_terms
+    from actmem.memory.terms import MTP_TERMS, TERMS, layer_terms
 
     arch = spec.architecture
     bindings = spec.bindings_at(spec.run.tensor_parallel)
-    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MTP_TERMS}
+    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MTP_TERMS
+            + tuple(term for term in TERMS if term.name == "output_layer_input")}
     # under full recompute the prediction layers are not layers of the stage: their checkpoints keep the
     # MTP rows' arguments, nothing of the transformer layer (stages.mtp_layers_held)
     for term in layer_terms(arch) if technique.recompute is not Recompute.FULL else ():
@@ -90,11 +92,11 @@ def formula(spec: Spec, technique: Technique) -> dict:
     return {name: n for name, n in rows.items() if n}
 
 
-def _order(spec: Spec) -> dict:
+def _order(spec: Spec, full: bool = False) -> dict:
     """(dtype, shape) -> the rows that save it, in the order the prediction layers save them: each its
     tokens, enorm's input and statistics, hnorm's (the first's input is the hidden states handed in, named
     by their storage; a later one's is the output of the one before), eh_proj's input, the layer's rows,
-    the final norm's."""
+    the final norm's; under full recompute (``full``) the checkpoint's arguments only."""
     arch, run = spec.architecture, spec.run
     t, s, b, h = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.hidden
     n, heads, f = s // t, spec.model.heads // t, arch.ffn(h) // t
@@ -122,17 +124,23 @@ def _order(spec: Spec) -> dict:
                     ("float32", (n, b, 1), "mtp_embedding_norm_statistics")]
                  + [("bfloat16", (n, b, h), "mtp_hidden_input")] * (depth > 0)
                  + [("float32", (n, b, 1), "mtp_hidden_norm_statistics")] + layer)
+        if full:
+            saves = [save for save in saves if save[2] in ("mtp_token_ids", "mtp_token_mask", "mtp_embedding_output",
+                                                           "mtp_hidden_input")]
         for dtype, shape, name in saves:
             order.setdefault((dtype, shape), []).append(name)
     return order
 
 
-def _named(saved: list, spec: Spec, hidden_key) -> dict:
+def _named(saved: list, spec: Spec, hidden_key, full: bool = False) -> dict:
     """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved."""
-    order, named = _order(spec), {}
+    order, named = _order(spec, full), {}
     for key, dtype, shape, n_bytes in saved:
         rows = order.get((dtype, shape))
         name = "mtp_hidden_input" if key == hidden_key else rows.pop(0) if rows else f"unnamed {dtype} {list(shape)}"
+        if name.startswith("unnamed") and dtype == "bfloat16" and shape == (shape[0], spec.run.micro_batch,
+                                                                             spec.model.hidden):
+            name = "output_layer_input"   # a chunk of the block's output: the whole (1 + D)-long storage
         named[name] = named.get(name, 0) + n_bytes
     return named
 
@@ -245,14 +253,18 @@ def _rank(rank: int, world: int, port: int, config: MTPConfig, results) -> None:
                               storage.nbytes())
             return tensor
 
+        output_layer = stand_ins["column"](spec.model.hidden, spec.model.vocab, config=block.config)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = block(input_ids=tokens, position_ids=positions, hidden_states=hidden, attention_mask=None,
                         embedding=embedding)
-        state = {tensor.untyped_storage().data_ptr() for module in (block, embedding)
+            # gpt_model.py, _postprocess: the main and each prediction's hidden states, chunks of the block's
+            # one output, each through the output layer (its column-parallel linear keeps its input)
+            logits = [output_layer(chunk)[0] for chunk in torch.chunk(out, 1 + spec.architecture.mtp_layers, dim=0)]
+        state = {tensor.untyped_storage().data_ptr() for module in (block, embedding, output_layer)
                  for tensor in (*module.parameters(), *module.buffers())}
         held = [(key, *rest) for key, (alive, *rest) in saved.items() if alive() is not None and key not in state]
-        named = _named(held, spec, hidden.untyped_storage().data_ptr())
-        out.float().sum().backward()
+        named = _named(held, spec, hidden.untyped_storage().data_ptr(), config.full)
+        sum(part.float().sum() for part in logits).backward()
         results.put((rank, named))
         parallel_state.destroy_model_parallel()
     finally:

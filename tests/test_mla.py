@@ -82,7 +82,8 @@ def test_deepseek_v3s_layer_parameters(actmem):
     (["--no-rope-fusion"], ["the unfused rope (--no-rope-fusion"]),
     (["--rope-type", "rope"], ["modelled with Megatron's fused YaRN rope"]),
     (["--query-groups", "8"], ["--num-query-groups with multi-latent attention"]),
-    (["--recompute", "selective"], ["selective recompute of a multi-latent attention layer"]),
+    (["--tp", "2", "--no-sp", "--recompute", "selective", "--recompute-modules", "mla_up_proj"],
+     ["--recompute-modules mla_up_proj at t = 2 is modelled with sequence parallelism"]),
     (["--cp", "2"], ["context parallelism (c = 2) with multi-latent attention"]),
     (["--qk-pos-emb-head-dim", "66"], ["must be a multiple of 4"]),
 ])
@@ -92,6 +93,31 @@ def test_what_mla_does_not_model_is_refused(actmem, extra, fragments):
         args[args.index(extra[0]) + 1] = extra[1]
         extra = []
     assert_one_line_error(actmem("estimate", *args, *extra), *fragments)
+
+
+def test_deepseeks_selective_recompute_of_the_up_projections_norm_and_mlp(actmem):
+    """--recompute-modules mla_up_proj layernorm mlp (Megatron's DeepSeek-V3 recipes) at t = 4 with SP, s = 4096,
+    b = 1, N = 1024 tokens a rank: the layer keeps
+    - the input norm's input (its checkpoint's) 2·1024·7168 = 14,680,064, not its statistics nor its output;
+    - the up projections' checkpoint's arguments: the q latent 2·1024·1536 = 3,145,728, the kv latent as a view of
+      the kv down projection's whole output 2·1024·(512 + 64) = 1,179,648, the gathered rope key 2·4096·64 =
+      524,288; none of q, k, v (discarded once the core has run) nor the latents' norms' rows;
+    - the log-sum-exp 4·32·4096 = 524,288 and the core's output 2·4096·32·128 = 33,554,432;
+    - the MLP's checkpoint's input 14,680,064 and nothing else of the MLP: 68,288,512 a layer."""
+    out = actmem.json("estimate", *V3, "--tp", "4", "--sp", "--recompute", "selective", "--recompute-modules",
+                      "mla_up_proj,layernorm,mlp")
+    terms = {name: n for name, n in _terms(out).items()}
+    layer = {name: n for name, n in terms.items() if not name.startswith(("final", "output", "logits"))}
+    assert layer == {"attention_layernorm_input": 14_680_064, "mla_q_latent": 3_145_728,
+                     "mla_kv_down_output": 1_179_648, "mla_rope_key_gathered": 524_288, "softmax_lse": 524_288,
+                     "projection_input": 33_554_432, "mlp_layernorm_input": 14_680_064}
+    assert sum(layer.values()) == 68_288_512
+
+
+def test_mla_up_proj_without_mla_is_refused(actmem):
+    dense = [arg for arg in V3[:V3.index("--multi-latent-attention")]]
+    assert_one_line_error(actmem("estimate", *dense, "--recompute", "selective", "--recompute-modules", "mla_up_proj"),
+                          "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections")
 
 
 @pytest.mark.parametrize("args, fragments", [

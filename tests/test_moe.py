@@ -124,7 +124,6 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
     (_with("--moe-router-topk", "9"), ["--moe-router-topk (9) must be at most --num-experts (8)"]),
     (MOE[:MOE.index("--num-experts")] + ["--ep", "2"], ["give --num-experts"]),
     (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
-    (MOE + ["--recompute", "selective", "--recompute-modules", "mlp"], ["--recompute-modules mlp of a mixture"]),
     (MOE + ["--tp", "2", "--sp", "--cp", "2"], ["context parallelism (c = 2) with mixture-of-experts"]),
     (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
     (_with("--attention-core", "eager") + ["--moe-grouped-gemm"], ["legacy GroupedMLP"]),
@@ -145,6 +144,15 @@ def test_the_formulas_show_the_moe_rows_in_the_papers_symbols(actmem):
     result = actmem("formulas", "--latex")
     assert result.exit_code == 0, result.output
     assert "% term experts_fc1_output" in result.stdout and "f_{e}" in result.stdout
+
+
+def test_recompute_modules_mlp_leaves_a_moe_layer_whole(actmem):
+    """--recompute-modules mlp recomputes a dense layer's MLP only (transformer_layer.py: recompute_mlp is set
+    where not is_moe_layer; a MoE layer's own modules are moe, moe_act and shared_experts): a model whose every
+    layer is MoE keeps under it what it keeps without recompute, row for row, the pre-MLP norm's too."""
+    plain = _terms(actmem.json("estimate", *MOE))
+    mlp = _terms(actmem.json("estimate", *MOE, "--recompute", "selective", "--recompute-modules", "mlp"))
+    assert mlp == plain and plain["router_input"] and plain["mlp_norm_statistics"]
 
 
 def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):

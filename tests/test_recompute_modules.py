@@ -110,9 +110,9 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
      "--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then; a preset "
      "names it recompute_modules); this run's recompute is full"),
     (("--recompute", "selective", "--recompute-modules", "moe_act"),
-     "--recompute-modules moe_act applies to mixture-of-experts layers"),
+     "--recompute-modules moe_act recomputes parts of a mixture-of-experts layer, which actmem does not model yet"),
     (("--recompute", "selective", "--recompute-modules", "mla_up_proj"),
-     "--recompute-modules mla_up_proj applies to multi-latent attention"),
+     "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections; this model has none"),
     (("--recompute", "selective", "--recompute-modules", "attention"),
      "--recompute-modules attention is not one of Megatron's modules"),
     (("--recompute", "selective", "--recompute-modules", ","), "--recompute-modules names no module"),

@@ -171,8 +171,17 @@ def _norm_statistics(norms: int):
 def _mlp_with_fused_norm(arch):
     """'mlp' where the MLP's norm is fused into linear_fc1, inside the MLP's checkpoint (TE's
     layer spec: the checkpoint keeps the norm's input); under Megatron's local spec (the eager
-    core) the norm is a module of its own, outside, and the checkpoint keeps its output."""
-    return "mlp" if te_layer_spec(arch) else None
+    core) the norm is a module of its own, outside, and the checkpoint keeps its output. A MoE
+    layer's pre-MLP norm is a TENorm of its own, and 'mlp' leaves a MoE layer whole
+    (transformer_layer.py: recompute_mlp only where not is_moe_layer): None."""
+    return "mlp" if te_layer_spec(arch) and not moe(arch) else None
+
+
+def _latent_input_norm(arch):
+    """'layernorm' where the input norm is a TENorm of its own (multi-latent attention's layer spec), which
+    --recompute-modules layernorm reruns (transformer_layer.py: CheckpointWithoutOutput, its output
+    discarded once the attention has run); None where TE fuses it into the QKV linear (IdentityOp)."""
+    return "layernorm" if latent(arch) else None
 
 
 def _sbf(width: int):
@@ -369,6 +378,10 @@ def _latent_heads(arch):
     return query_width(arch, a) if latent(arch) else a * (symbols.d_qk + symbols.d_rope)
 
 
+def _rope_dim(arch):
+    return arch.qk_pos_emb_head_dim if latent(arch) else symbols.d_rope
+
+
 def _latent_values(arch):
     return a * arch.v_head_dim if latent(arch) else a * symbols.d_v
 
@@ -384,28 +397,42 @@ MLA_TERMS = (
          "(saved_inputmat, its own shard of the sequence under SP), or with --qk-layernorm the fused norm's "
          "input (layernorm_linear.py, _LayerNormLinear: inputmat)", latent_query),
     Term("mla_q_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm),
+         "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm, module="mla_up_proj"),
     Term("mla_q_latent_normed", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED,
          Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's gather; "
-         "2sb·q_r)", latent_query_norm),
+         "2sb·q_r)", latent_query_norm, module="mla_up_proj"),
     Term("mla_kv_latent", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the kv up projection keeps its input, the kv latent [N, kv_r] (2sb·kv_r): a strided view of the kv down "
          "projection's [N, kv_r + d_rope] output (torch.split), which TE copies contiguous first (base.py, "
-         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed", latent),
+         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed", latent, module="mla_up_proj"),
     Term("mla_kv_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms),
+         "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms, module="mla_up_proj"),
     Term("mla_kv_latent_normed", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and its output (ln_out; 2sb·kv_r)", latent_norms),
+         Scope.LAYER, "... and its output (ln_out; 2sb·kv_r)", latent_norms, module="mla_up_proj"),
     Term("mla_query", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "the attention core keeps q, the q up projection's output [s, b, a/t, d_qk + d_rope], whose rope part the "
          "fused YaRN kernel rotates in place (ApplyMLARotaryEmbQ: saves only the cached cos and sin; 2sb·a(d_qk + "
-         "d_rope))", latent),
+         "d_rope))", latent, module="mla_up_proj"),
     Term("mla_key", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "... k, which the fused kernel writes new from the kv up projection's output and the shared rope key "
-         "(ApplyMLARotaryEmbKV: o_key, [s·b, a/t, d_qk + d_rope]; the kv up output is then freed)", latent),
+         "(ApplyMLARotaryEmbKV: o_key, [s·b, a/t, d_qk + d_rope]; the kv up output is then freed)", latent, module="mla_up_proj"),
     Term("mla_value", lambda arch: A16 * _latent_values(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "... and v, which it writes new too (o_value, [s·b, a/t, d_v]; 2sb·a·d_v); TE's fused attention takes the "
-         "three as they are (qkv_layout sbhd_sbhd_sbhd) and keeps its output, a·d_v wide (projection_input)", latent),
+         "three as they are (qkv_layout sbhd_sbhd_sbhd) and keeps its output, a·d_v wide (projection_input)", latent, module="mla_up_proj"),
+    # --recompute-modules mla_up_proj (multi_latent_attention.py, qkv_up_checkpoint: CheckpointWithoutOutput of
+    # qkv_up_proj_and_rope_apply, under no_grad, its outputs q, k and v discarded once the core has run):
+    # ctx.save_for_backward of its arguments, the q latent (the row above), the kv latent, a view of the kv
+    # down projection's whole output, and the rope key
+    Term("mla_kv_down_output", lambda arch: A16 * (_latent_kv(arch) + _rope_dim(arch)) * s * b, Region.BOUNDARY,
+         _CHECKPOINTED, Scope.LAYER,
+         "the mla_up_proj checkpoint keeps the kv latent as it gets it, a view of the kv down projection's "
+         "output, so that whole output, [N, kv_r + d_rope] (2sb·(kv_r + d_rope))", latent, kept_by="mla_up_proj"),
+    Term("mla_rope_key_gathered", lambda arch: A16 * _rope_dim(arch) * s * b * sympy.Piecewise((0, sympy.Eq(t, 1)),
+                                                                                               (1, True)),
+         Region.REPLICATED, _CHECKPOINTED, Scope.LAYER,
+         "... and the rope key, which under SP at t > 1 is all-gathered over the sequence first "
+         "(gather_from_sequence_parallel_region: [s, b, d_rope], 2sb·d_rope whole on every rank; at t = 1 a view "
+         "of the same output)", latent, kept_by="mla_up_proj"),
 )
 
 
@@ -462,10 +489,11 @@ TERMS = (
     Term("attention_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before attention keeps fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and "
          "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
-         "other code", counts_norm_statistics),
+         "other code", counts_norm_statistics, module=_latent_input_norm),
     Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh); under multi-latent attention the q and kv down "
-         "projections keep it, one storage (TELinear: saved_inputmat = inputmat)"),
+         "projections keep it, one storage (TELinear: saved_inputmat = inputmat), which --recompute-modules "
+         "layernorm frees once the attention has run", module=_latent_input_norm),
     *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward

@@ -28,9 +28,9 @@ class Recompute(Enum):
     """Recompute the whole layer; keep only its input (checkpoint)."""
 
 
-#: Megatron's --recompute-modules that a dense layer has (TransformerConfig.recompute_modules),
-#: in its order; core_attn is its default and the paper's selective recompute
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+#: Megatron's --recompute-modules actmem models (TransformerConfig.recompute_modules), in its order;
+#: core_attn is its default and the paper's selective recompute; mla_up_proj is multi-latent attention's
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp")
 DEFAULT_MODULES = frozenset({"core_attn"})
 
 METHODS = ("uniform", "block")

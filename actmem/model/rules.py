@@ -289,6 +289,11 @@ RULES = (
                    "counted yet", ("experts",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
          "modelled yet", ("experts",)),
+    Rule(lambda v: _implies((v.t > 1) & (v.recompute == "selective") & ("mla_up_proj" in (v.recompute_modules or ())),
+                            v.sequence_parallel),
+         lambda v: f"--recompute-modules mla_up_proj at t = {v.t} is modelled with sequence parallelism "
+                   "(--sequence-parallel): without it the checkpoint's rope key is a view, not the gathered copy "
+                   "actmem counts", ("latent",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with multi-latent attention is not "
          "modelled yet (TE's ring attention over MLA's unequal q, k and v widths keeps what actmem has not read)",
          ("latent",)),

@@ -43,6 +43,9 @@ RESIDUALS = {
                              "token, when the stage holds the output layer (p = 1); transformers' "
                              "loss keeps its shifted int64 labels, 8 B a token",
     "cross_entropy_total_weight": "transformers' loss (nll_loss) keeps its fp32 total weight, 4 B",
+    "core_attn_mask_type": "Megatron's core_attn checkpoint keeps the attention mask type as a tensor, "
+                           "torch.tensor([value], dtype=torch.int) (attention.py, _checkpointed_attention_forward): "
+                           "4 B a layer, left out as the paper leaves it",
     "flash_rng_state": "on a GPU, SDPA's flash kernel keeps its philox state for the backward, 24 B a "
                        "call: rng_state, 2 uint64, and an unused uint64 scalar (PyTorch's flash_api.cpp, "
                        "mha_fwd); TE's and flash-attn's kernels keep a like 16-byte rng_state",

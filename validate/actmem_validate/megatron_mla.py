@@ -21,12 +21,11 @@ k) by the order the layer saves them (``_named``); any other is unnamed and fail
 
 import os
 import socket
-import weakref
 from dataclasses import dataclass
 
 from actmem.memory.techniques import Technique, run_technique
 from actmem.model.architecture import Architecture
-from actmem.model.recompute import NONE
+from actmem.model.recompute import NONE, Recompute, RecomputePolicy
 from actmem.model.spec import Model, Run, Spec
 
 MEGATRON_CORE = "0.16.1"
@@ -34,7 +33,7 @@ MEGATRON_CORE = "0.16.1"
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """One MLA layer measured over ``world_size`` gloo ranks (t of them)."""
+    """One layer of MLA and a SwiGLU MLP measured over ``world_size`` gloo ranks (t of them)."""
 
     spec: Spec
     technique: Technique
@@ -43,8 +42,11 @@ class MLAConfig:
     def label(self) -> str:
         arch, run = self.spec.architecture, self.spec.run
         q = "q from h" if arch.q_lora_rank is None else f"q_r={arch.q_lora_rank}"
+        policy = self.technique.policy
+        recompute = (f" selective:{'+'.join(policy.ordered_modules)}"
+                     if policy.granularity is Recompute.SELECTIVE else "")
         return (f"mla {q} kv_r={arch.kv_lora_rank}{' norms' if arch.qk_norm else ''} t={run.tensor_parallel}"
-                f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}")
+                f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}{recompute}")
 
     @property
     def world_size(self) -> int:
@@ -52,73 +54,84 @@ class MLAConfig:
 
 
 def mla_spec(t: int = 1, q_rank: int | None = 18, norms: bool = True, sp: bool | None = None, b: int = 2) -> Spec:
-    """A small MLA layer whose saved tensors' shapes are all distinct: h = 16, a = 4, s = 16, q_r = 18,
-    kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10."""
+    """A small layer whose saved tensors' shapes are all distinct where they must be: h = 16, a = 4, s = 16,
+    q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10, f = 14."""
     arch = Architecture(multi_latent_attention=True, q_lora_rank=q_rank, kv_lora_rank=12, qk_head_dim=6,
-                        qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=norms, activation="swiglu", bias=False,
-                        normalization="rmsnorm", attention_core="flash", position_embedding="rope",
+                        qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=norms, activation="swiglu", ffn_hidden=14,
+                        bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, tied_output=False)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1 if sp is None else sp, micro_batch=b)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="mla", architecture=arch)
 
 
 def mla_grid() -> list:
-    """The paths MLASelfAttention takes: one rank, with q through its latent and the latents normalised
+    """The paths MLA's layer takes: one rank, with q through its latent and the latents normalised
     (DeepSeek-V3's shape); t = 2 with SP (the up projections gather the latents, the rope key is gathered
     for the kv kernel); t = 2 without SP (the down projections see the whole sequence); q straight from
-    the hidden state (--q-lora-rank unset: DeepSeek-V2-Lite) without the latent norms, at t = 2 with SP."""
-    specs = (mla_spec(), mla_spec(t=2), mla_spec(t=2, sp=False, b=1), mla_spec(t=2, q_rank=None, norms=False))
-    return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in specs]
+    the hidden state (--q-lora-rank unset: DeepSeek-V2-Lite) without the latent norms, at t = 2 with SP.
+    Selective recompute: mla_up_proj, layernorm and mlp (Megatron's DeepSeek-V3 recipes) at t = 2 with SP
+    and on one rank; core_attn at t = 2 with SP; mla_up_proj with q from h (its checkpoint keeps the input
+    norm's output as the q latent) beside layernorm."""
+    def selective(*modules):
+        return RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
 
-
-#: the rows the layer's forward keeps, from its input to its output projection's input
-def measured_terms(arch) -> list:
-    from actmem.memory.terms import MLA_TERMS
-
-    return ["qkv_input", *(term.name for term in MLA_TERMS if term.present(arch)), "softmax_lse", "projection_input"]
+    layouts = ((mla_spec(), NONE), (mla_spec(t=2), NONE), (mla_spec(t=2, sp=False, b=1), NONE),
+               (mla_spec(t=2, q_rank=None, norms=False), NONE),
+               (mla_spec(t=2), selective("mla_up_proj", "layernorm", "mlp")), (mla_spec(), selective("mla_up_proj")),
+               (mla_spec(t=2), selective("core_attn")),
+               (mla_spec(t=2, q_rank=None, norms=False), selective("mla_up_proj", "layernorm")))
+    return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]
 
 
 def formula(spec: Spec, technique: Technique) -> dict:
-    """{term: bytes} of the layer's rows on a rank."""
+    """{term: bytes} of the layer's rows on a rank (every row of one layer the table has)."""
     from actmem.memory import engine
-    from actmem.memory.terms import TERMS
+    from actmem.memory.terms import layer_terms
 
     arch = spec.architecture
     bindings = spec.bindings_at(spec.run.tensor_parallel)
-    wanted = measured_terms(arch)
-    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in TERMS
-            if term.name in wanted}
+    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in layer_terms(arch)}
+    if technique.recompute is Recompute.SELECTIVE and "core_attn" in technique.policy.modules:
+        rows["core_attn_mask_type"] = 4           # a residual (compare.RESIDUALS), not a row of the table
+    return {name: n for name, n in rows.items() if n}
 
 
-def _named(saved: list, spec: Spec, x_key) -> dict:
-    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved."""
+def layer_saves(spec: Spec) -> list:
+    """(dtype, shape, row) of what one layer of MLA and a SwiGLU MLP in TE's spec saves, in order (the rows a
+    technique keeps are a subsequence); its input is named by its storage, not here."""
     arch, run = spec.architecture, spec.run
-    t, s, b, heads = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.heads // run.tensor_parallel
-    n = s // t if run.sequence_parallel and t > 1 else s
+    t, s, b, h = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.hidden
+    n, heads, f = (s // t if run.sequence_parallel else s), spec.model.heads // t, arch.ffn(h) // t
     qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
-    # (dtype, shape) -> the rows that share it, in the order the layer saves them
+    return [
+        ("float32", (n, b, 1), "attention_norm_statistics"), ("bfloat16", (n, b, h), "qkv_input"),
+        ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent"), ("float32", (n, b, 1), "mla_q_latent_statistics"),
+        ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent_normed"),
+        ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent"), ("float32", (n, b, 1), "mla_kv_latent_statistics"),
+        ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent_normed"),
+        ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_down_output"),        # the checkpoint's view of it
+        ("bfloat16", (s, b, arch.qk_pos_emb_head_dim), "mla_rope_key_gathered"),
+        ("bfloat16", (s, b, heads, qk), "mla_query"), ("bfloat16", (s, b, heads, qk), "mla_key"),
+        ("bfloat16", (s, b, heads, arch.v_head_dim), "mla_value"), ("float32", (b, heads, s), "softmax_lse"),
+        ("bfloat16", (s, b, heads * arch.v_head_dim), "projection_input"),
+        ("bfloat16", (n, b, h), "mlp_layernorm_input"), ("float32", (n, b, 1), "mlp_norm_statistics"),
+        ("bfloat16", (n, b, h), "fc1_input"), ("bfloat16", (s * b, 2 * f), "swiglu_input"),
+        ("bfloat16", (s, b, f), "fc2_input")]
+
+
+def _named(saved: list, spec: Spec, technique: Technique, x_key) -> dict:
+    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved: the layer's input
+    by its storage, the rest by dtype and shape, in the order the technique's rows are saved."""
+    kept = formula(spec, technique)
     order = {}
-    for dtype, shape, name in (
-            ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent"),
-            ("float32", (n, b, 1), "mla_q_latent_statistics"),
-            ("bfloat16", (n, b, arch.q_lora_rank), "mla_q_latent_normed"),
-            ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent"),
-            ("float32", (n, b, 1), "mla_kv_latent_statistics"),
-            ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent_normed"),
-            ("bfloat16", (s, b, heads, qk), "mla_query"),
-            ("bfloat16", (s, b, heads, qk), "mla_key"),
-            ("bfloat16", (s, b, heads, arch.v_head_dim), "mla_value"),
-            ("float32", (b, heads, s), "softmax_lse"),
-            ("bfloat16", (s, b, heads * arch.v_head_dim), "projection_input")):
-        if name in measured_terms(arch):
+    for dtype, shape, name in layer_saves(spec) + [("int32", (1,), "core_attn_mask_type")]:
+        if name in kept:
             order.setdefault((dtype, shape), []).append(name)
-    widths = [shape[-1] for (dtype, shape) in order if dtype == "bfloat16" and len(shape) == 3] + [spec.model.hidden]
-    if len(set(widths)) != len(widths):
-        raise ValueError(f"{spec.model.hidden=}, the latents' ranks and a·d_v/t give two rows one shape: pick other dims")
     named = {}
     for key, dtype, shape, n_bytes in saved:
         rows = order.get((dtype, shape))
-        name = "qkv_input" if key == x_key else rows.pop(0) if rows else f"unnamed {dtype} {list(shape)}"
+        name = ("attention_layernorm_input" if key == x_key else rows.pop(0) if rows
+                else f"unnamed {dtype} {list(shape)}")
         named[name] = named.get(name, 0) + n_bytes
     return named
 
@@ -296,15 +309,23 @@ def _rope_kv_backward(d_key, d_value, d_kv, d_emb, cos, sin, emb_dim, k_dim, v_d
 
 
 def _cpu_shims(stand_ins: dict) -> None:
-    """What lets megatron-core 0.16.1's MLASelfAttention run on a CPU; none makes or keeps a tensor.
+    """What lets megatron-core 0.16.1's MLA layer run on a CPU; none makes or keeps a tensor.
     - multi_latent_attention.TELinear: the module chooses the down projections' 'duplicated' mode by
       comparing the spec's class with TE's TELinear (None where TE does not import): the stand-in's;
     - torch.cuda.current_device: the rotary embedding places its frequencies on the GPU: here the CPU;
     - the fused YaRN rope's four Triton kernels, which need a GPU: each launch done by torch on the
       tensors the Functions (ApplyMLARotaryEmbQ, ApplyMLARotaryEmbKV) allocated, writing them in place
-      as the kernels do; the Functions themselves, what they allocate and save, run as they are."""
+      as the kernels do; the Functions themselves, what they allocate and save, run as they are;
+    - the CUDA RNG tracker and state, which Megatron forks around dropout under SP and copies onto the
+      recompute checkpoints' contexts (tensor_parallel/random.py: not saved tensors): a tracker whose
+      fork does nothing and no CUDA state, a CPU having none (every dropout here is 0);
+    - Transformer Engine's FP8 state, which the recompute checkpoints ask: FP8 off, its contexts no-ops."""
+    import contextlib
+
     import torch
+    from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_mla_yarn_rope_apply as rope
+    from megatron.core.tensor_parallel import random
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.TELinear = stand_ins["linear"]
@@ -314,30 +335,115 @@ def _cpu_shims(stand_ins: dict) -> None:
     multi_latent_attention.fused_apply_mla_rope_for_q = rope.fused_apply_mla_rope_for_q
     multi_latent_attention.fused_apply_mla_rope_for_kv = rope.fused_apply_mla_rope_for_kv
 
+    class _Tracker:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
 
-def _layer(spec: Spec, stand_ins: dict):
-    """megatron-core's MLASelfAttention of this spec, in TE's layer spec with the stand-ins."""
+        def get_states(self):
+            return {}
+
+        def set_states(self, states):
+            pass
+
+    class _NoFP8:
+        @staticmethod
+        def is_fp8_enabled():
+            return False
+
+    tracker = _Tracker()
+    tensor_parallel.get_cuda_rng_tracker = random.get_cuda_rng_tracker = lambda *args, **kwargs: tracker
+    random._get_cuda_rng_state = random._set_cuda_rng_state = lambda *args, **kwargs: None
+    # CheckpointWithoutOutput(fp8=False) sets self.fp8 = fp8 is not None, True, and asks TE's FP8 state
+    # (random.py, CheckpointWithoutOutputFunction.forward), which does not import here: FP8 off, and TE's
+    # activation_recompute_forward and fp8_autocast, which with FP8 off keep nothing, as no-op contexts
+    random.FP8GlobalStateManager = _NoFP8
+    random.activation_recompute_forward = random.fp8_autocast = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def config_for(spec: Spec, technique: Technique, **extra):
+    """megatron-core's MLATransformerConfig of this spec and technique."""
     import torch
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     arch, run, model = spec.architecture, spec.run, spec.model
-    config = MLATransformerConfig(
-        num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, multi_latent_attention=True,
-        q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
-        qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim, rope_type="yarn",
-        rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm", add_bias_linear=False,
-        attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+    policy = technique.policy
+    recompute = {}
+    if policy.granularity is Recompute.SELECTIVE:
+        recompute = dict(recompute_granularity="selective", recompute_modules=list(policy.ordered_modules))
+    elif policy.granularity is Recompute.FULL:
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return MLATransformerConfig(
+        num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
+        multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_head_dim, qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+        rope_type="yarn", rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
-        sequence_parallel=run.sequence_parallel, apply_rope_fusion=True)   # Megatron's default
+        sequence_parallel=run.sequence_parallel, apply_rope_fusion=True, **recompute, **extra)   # rope fusion: the default
+
+
+def layer_spec(arch, stand_ins: dict):
+    """TE's layer spec for MLA and a dense MLP (gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec,
+    multi_latent_attention=True: input_layernorm a TENorm, pre_mlp_layernorm an IdentityOp, the MLP's norm
+    fused into linear_fc1), its TE modules the stand-ins."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
     up = stand_ins["layernorm_column"] if arch.qk_norm else stand_ins["column"]
-    submodules = MLASelfAttentionSubmodules(
-        linear_q_proj=stand_ins["column"], linear_q_down_proj=stand_ins["linear"], linear_q_up_proj=up,
-        linear_kv_down_proj=stand_ins["linear"], linear_kv_up_proj=up, core_attention=stand_ins["core"],
-        linear_proj=stand_ins["row"], q_layernorm=IdentityOp, kv_layernorm=IdentityOp)
-    return MLASelfAttention(config, submodules, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    attention = ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                           submodules=MLASelfAttentionSubmodules(
+                               linear_q_proj=stand_ins["column"], linear_q_down_proj=stand_ins["linear"],
+                               linear_q_up_proj=up, linear_kv_down_proj=stand_ins["linear"], linear_kv_up_proj=up,
+                               core_attention=stand_ins["core"], linear_proj=stand_ins["row"],
+                               q_layernorm=IdentityOp, kv_layernorm=IdentityOp))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=stand_ins["norm"], self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=IdentityOp, mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=stand_ins["layernorm_column"], linear_fc2=stand_ins["row"])), mlp_bda=get_bias_dropout_add))
+
+
+def held_storages(saved: dict, state: set) -> list:
+    """(key, dtype, shape, bytes) of the saved storages alive when the forward ends, at their size then (a
+    recompute checkpoint that discards its output resizes that storage to 0: it holds nothing), less the
+    model's state."""
+    held = []
+    for key, (alive, dtype, shape) in saved.items():
+        storage = alive()
+        if storage is not None and storage.nbytes() and key not in state:
+            held.append((key, dtype, shape, storage.nbytes()))
+    return held
+
+
+def recorder():
+    """(saved, pack): the pack hook of saved_tensors_hooks, recording each saved storage once, its weak
+    reference, dtype and shape, in the order first saved (a dead or emptied one's address reused: the later
+    one)."""
+    import weakref
+
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        held = saved.get(key)
+        if storage.nbytes() and (held is None or _dead(held[0]())):
+            saved.pop(key, None)
+            saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        return tensor
+
+    return saved, pack
+
+
+def _dead(storage) -> bool:
+    """A recorded storage that holds nothing now: freed, or resized to 0 by a recompute checkpoint that
+    discards its output (its address free for a later one)."""
+    return storage is None or not storage.nbytes()
 
 
 def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
@@ -351,31 +457,21 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
         stand_ins = _stand_ins()
         _cpu_shims(stand_ins)
         from megatron.core import parallel_state
+        from megatron.core.transformer.spec_utils import build_module
 
         spec, run = config.spec, config.spec.run
         parallel_state.initialize_model_parallel(run.tensor_parallel, 1)
         torch.manual_seed(0)
-        layer = _layer(spec, stand_ins)
+        layer = build_module(layer_spec(spec.architecture, stand_ins), config=config_for(spec, config.technique),
+                             layer_number=1)
         torch.manual_seed(1 + rank)
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
-        saved = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            held = saved.get(key)
-            if storage.nbytes() and (held is None or held[0]() is None):
-                saved.pop(key, None)
-                saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                              storage.nbytes())
-            return tensor
-
+        saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out, _ = layer(x, None)
+            out, _ = layer(hidden_states=x, attention_mask=None)
         state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
-        held = [(key, *rest) for key, (alive, *rest) in saved.items() if alive() is not None and key not in state]
-        named = _named(held, spec, x.untyped_storage().data_ptr())
+        named = _named(held_storages(saved, state), spec, config.technique, x.untyped_storage().data_ptr())
         out.float().sum().backward()
         results.put((rank, named))
         parallel_state.destroy_model_parallel()

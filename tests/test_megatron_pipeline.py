@@ -36,10 +36,13 @@ def test_layout_counts():
     virtual stages a rank (rank 0: stages 0 and 2, 7 + 8; rank 1: 8 + 7)."""
     assert layout_counts("Et*7|(t*8|)*2,t*7L", 30, 4) == ([7, 8, 8, 7], 1)
     assert layout_counts("Et*7|(t*8|)*2,t*7L", 30, 2) == ([15, 15], 2)
+    # a multi-token-prediction layer on the last stage, as Megatron's DeepSeek-V3 recipe lays it out
+    assert layout_counts("Et*7|(t*8|)*2,t*7mL", 30, 4, mtp=1) == ([7, 8, 8, 7], 1)
 
 
 @pytest.mark.parametrize("layout, message", [
-    ("Et*7|(t*8|)*2,t*7mL", "multi-token prediction"),
+    ("Et*7|(t*8|)*2,t*7mL", "its 1 'm' (multi-token prediction) layers must be --mtp-num-layers (0)"),
+    ("Etm*7|(t*8|)*2,t*7L", "its 7 'm' (multi-token prediction) layers must be --mtp-num-layers (0)"),
     ("Et*7|(t*8|)*2,t*7xL", "only E, L, t and m"),
     ("t*7|(t*8|)*2,t*7EL", "one E, first, and one L, last"),
     ("Et*7|(t*8|)*2,t*6L", "it has 29 layers (t), and --num-layers is 30"),

@@ -75,6 +75,42 @@ def test_deepseek_v3s_config_trains_its_prediction_layer(actmem):
     assert out["parameters"]["count"] == 682_636_472_320
 
 
+def test_the_predictions_embedding_keeps_its_dropout_mask(actmem):
+    """At --hidden-dropout 0.1 each prediction's embedding dropout keeps a 1-byte mask, sbh/t = 4096·2048/2 =
+    4,194,304, outside full recompute's checkpoint too."""
+    args = list(BASE)
+    args[args.index("--hidden-dropout") + 1] = "0.1"
+    for recompute in ("none", "full"):
+        assert _terms(actmem.json("estimate", *args, "--recompute", recompute))["mtp_embedding_dropout_mask"] == \
+            (4_194_304, 1)
+
+
+def test_megatrons_own_full_recompute_arguments_are_every_layer_alone(actmem):
+    """Megatron needs --recompute-method with full recompute; uniform 1 is actmem's full, and the predictions'
+    checkpoints assert N = 1."""
+    explicit = actmem.json("estimate", *BASE, "--recompute", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1")
+    assert _terms(explicit) == _terms(actmem.json("estimate", *BASE, "--recompute", "full"))
+
+
+def test_a_layout_places_the_prediction_on_the_last_stage(actmem):
+    """--pipeline-model-parallel-layout with its 'm' last (Megatron's DeepSeek-V3 recipe: "Et|(tt|)*30mL") reads as
+    actmem's placement; its 'm' count must be --mtp-num-layers, and on an earlier stage it is refused."""
+    megatron = ("--num-layers 4 --hidden-size 2048 --num-attention-heads 16 --seq-length 4096 --vocab-size 102400 "
+                "--ffn-hidden-size 8192 --swiglu --disable-bias-linear --normalization RMSNorm --bf16 "
+                "--position-embedding-type rope --attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 "
+                "--global-batch-size 8 --pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights")
+    out = actmem.json("estimate", "--megatron-args", megatron + " --mtp-num-layers 1 --pipeline-model-parallel-layout "
+                      "Ett|ttmL", "--gpus", "2", "--stage", "1")
+    assert _terms(out)["mtp_eh_proj_input"][0] > 0
+    assert_one_line_error(actmem("estimate", "--megatron-args", megatron + " --mtp-num-layers 1 "
+                                 "--pipeline-model-parallel-layout Ett|ttL", "--gpus", "2"),
+                          "its 0 'm' (multi-token prediction) layers must be --mtp-num-layers (1)")
+    assert_one_line_error(actmem("estimate", "--megatron-args", megatron + " --mtp-num-layers 1 "
+                                 "--pipeline-model-parallel-layout Ettm|ttL", "--gpus", "2"),
+                          "multi-token prediction layers on a stage before the last are not modelled")
+
+
 def test_what_mtp_does_not_model_is_refused(actmem):
     no_sp = [arg for arg in BASE if arg != "--sp"]
     assert_one_line_error(actmem("estimate", *no_sp), "multi-token prediction at t = 2 is modelled with sequence "

@@ -259,8 +259,10 @@ RUN_FLAGS = (
          "N for --recompute-method (default: every layer checkpointed alone, uniform 1)"),
     Flag(("--recompute-modules",), "recompute_modules",
          "with selective recompute: what it recomputes, from core_attn (the attention core, the "
-         "default and the paper's), mlp (the MLP with its fused norm, keeping its input) and "
-         "layernorm (no change under TE's fused norms), e.g. core_attn,mlp", str,
+         "default and the paper's), mlp (a dense layer's MLP with its fused norm, keeping its input), "
+         "layernorm (the norms that are modules of their own: multi-latent attention's input norm; no "
+         "change under TE's fused norms) and mla_up_proj (multi-latent attention's up projections), e.g. "
+         "core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
          "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (Megatron carves ETP·EP from "

@@ -454,6 +454,10 @@ MTP_TERMS = (
          Region.REPLICATED, _ALWAYS, Scope.OUTPUT,
          "... at t > 1 its mask of the tokens outside the rank's vocabulary, which the masked write keeps "
          "(output_parallel[input_mask, :] = 0.0: bool [b, s], bs)", mtp),
+    Term("mtp_embedding_dropout_mask", lambda arch: MASK * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+         "the embedding's dropout keeps its 1-byte mask, as the main embedding's does (language_model_embedding.py: "
+         "embedding_dropout, outside full recompute's checkpoint; sbh/t under SP); read from the source, the harness "
+         "runs at dropout 0", lambda arch: mtp(arch) and hidden_dropout(arch)),
     Term("mtp_embedding_output", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "enorm keeps its input, the embedding's output (2sbh/t: TENorm; under full recompute the checkpoint's "
          "argument, the same storage)", mtp),

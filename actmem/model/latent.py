@@ -14,7 +14,8 @@ actmem.memory.terms (MLA_TERMS); the down projections are replicated over the te
 ranks (TELinear, parallel_mode 'duplicated'), the up projections split by heads.
 
 Modelled: Megatron's layer with TE's flash core, rotary positions by the fused YaRN kernel
-(Megatron's default for MLA), no recompute or full recompute. The rest is refused with its reason.
+(Megatron's default for MLA), no recompute, full recompute, and selective recompute of core_attn,
+layernorm, mla_up_proj and mlp. The rest is refused with its reason.
 """
 
 from actmem.errors import SpecError

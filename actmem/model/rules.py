@@ -297,10 +297,11 @@ RULES = (
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with multi-latent attention is not "
          "modelled yet (TE's ring attention over MLA's unequal q, k and v widths keeps what actmem has not read)",
          ("latent",)),
-    Rule(lambda v: (v.m == 1) & (v.c == 1) & (v.recompute_shape is None),
-         lambda v: "multi-token prediction is modelled without interleaving, context parallelism and "
-                   "--recompute-method (Megatron checkpoints its layers alone, uniform 1, or not at all under block): "
-                   f"m = {v.m}, c = {v.c}", ("mtp",)),
+    Rule(lambda v: (v.m == 1) & (v.c == 1) & _every_layer_alone(v.recompute_shape),
+         lambda v: "multi-token prediction is modelled without interleaving and context parallelism, and with full "
+                   "recompute of every layer alone (Megatron checkpoints its layers uniform 1, asserting N = 1, and "
+                   f"not at all under block): m = {v.m}, c = {v.c}, --recompute-method "
+                   f"{' '.join(str(x) for x in v.recompute_shape or ('uniform', 1) if x is not None)}", ("mtp",)),
     Rule(lambda v: _implies(v.t > 1, v.sequence_parallel),
          lambda v: f"multi-token prediction at t = {v.t} is modelled with sequence parallelism (--sequence-parallel)",
          ("mtp",)),
@@ -400,6 +401,11 @@ class Values:
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
     """--recompute-modules, where given."""
+
+
+def _every_layer_alone(shape) -> bool:
+    """--recompute-method and --recompute-num-layers, where given, are uniform and 1: each layer its own checkpoint."""
+    return shape is None or (shape[0] in (None, "uniform") and shape[1] in (None, 1))
 
 
 def _unmodelled_run(v, what: str) -> str:

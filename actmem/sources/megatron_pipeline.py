@@ -86,7 +86,7 @@ def _split(words: list[str], settings: dict) -> tuple:
     if LAYOUT in settings:
         if any(name in words for name in _CHUNKS):
             raise SpecError(f"Megatron refuses {LAYOUT} beside {' or '.join(_CHUNKS)} (arguments.py: no more than one)")
-        counts, chunks = layout_counts(settings[LAYOUT], layers, p)
+        counts, chunks = layout_counts(settings[LAYOUT], layers, p, _int_after(words, "--mtp-num-layers", 0))
         if chunks > 1:
             if len(set(stage_counts(settings[LAYOUT]))) > 1:
                 raise SpecError(f"{LAYOUT} with {chunks} virtual stages a rank of different layers is not modelled: "
@@ -118,18 +118,23 @@ def account_counts(layers: int, p: int, embedding: int, loss: int) -> list[int]:
     return counts
 
 
-def layout_counts(text, layers: int, p: int) -> tuple[list[int], int]:
+def layout_counts(text, layers: int, p: int, mtp: int = 0) -> tuple[list[int], int]:
     """(transformer layers of each pipeline rank, virtual stages a rank) of a layout string, with
     the checks Megatron makes (pipeline_parallel_layer_layout.py: parse_str_to_list,
-    validate_layer_layout)."""
+    validate_layer_layout); its 'm' (multi-token prediction) layers must be --mtp-num-layers (``mtp``)
+    and, as actmem models them, on the last stage (Megatron's placement without a layout)."""
     text = text[0] if isinstance(text, tuple) else text
     spelled = _spelled_out(text)
     stages = spelled.split("|")
     wrong = sorted(set(spelled) - set("ELtm|"))
     if wrong:
         raise SpecError(f"{LAYOUT} {text}: Megatron reads only E, L, t and m in it (not {', '.join(wrong)})")
-    if "m" in spelled:
-        raise SpecError(f"{LAYOUT} {text}: its 'm' stages are multi-token prediction (issue 27), not modelled yet")
+    if spelled.count("m") != mtp:
+        raise SpecError(f"{LAYOUT} {text}: its {spelled.count('m')} 'm' (multi-token prediction) layers must be "
+                        f"--mtp-num-layers ({mtp}) (Megatron asserts: pipeline_parallel_layer_layout.py)")
+    if "m" in spelled and "m" in "".join(stages[:-1]):
+        raise SpecError(f"{LAYOUT} {text}: multi-token prediction layers on a stage before the last are not modelled "
+                        "(actmem places them on the last stage, as Megatron does without a layout)")
     if len(stages) % p:
         raise SpecError(f"{LAYOUT} {text}: Megatron requires its {len(stages)} stages to be a multiple of the "
                         f"pipeline size {p}")

@@ -20,12 +20,13 @@ def grid_rows():
 
 
 def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
-    """Eight layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
+    """Nine layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
     with SP; selective recompute of mla_up_proj, layernorm and mlp, of mla_up_proj alone, of core_attn, of
-    mla_up_proj and layernorm with q from h), every rank: each row measured equals its formula, nothing
-    unnamed, the totals equal; and every MLA row of the table is measured, non-zero, on some layout."""
+    core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h), every rank: each row measured
+    equals its formula, nothing unnamed, the totals equal; and every MLA row of the table is measured,
+    non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 8
+    assert len({row["config"] for row in grid_rows}) == 9
     measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
     assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input",
                                                 "core_attn_mask_type"} <= measured

@@ -69,16 +69,17 @@ def mla_grid() -> list:
     (DeepSeek-V3's shape); t = 2 with SP (the up projections gather the latents, the rope key is gathered
     for the kv kernel); t = 2 without SP (the down projections see the whole sequence); q straight from
     the hidden state (--q-lora-rank unset: DeepSeek-V2-Lite) without the latent norms, at t = 2 with SP.
-    Selective recompute: mla_up_proj, layernorm and mlp (Megatron's DeepSeek-V3 recipes) at t = 2 with SP
-    and on one rank; core_attn at t = 2 with SP; mla_up_proj with q from h (its checkpoint keeps the input
-    norm's output as the q latent) beside layernorm."""
+    Selective recompute: mla_up_proj, layernorm and mlp (Megatron's DeepSeek-V3 recipes) at t = 2 with SP;
+    mla_up_proj alone on one rank; core_attn at t = 2 with SP, alone and beside mla_up_proj (whose discarded
+    q, k and v the core's checkpoint saved); mla_up_proj with q from h (its checkpoint keeps the input norm's
+    output as the q latent) beside layernorm."""
     def selective(*modules):
         return RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
 
     layouts = ((mla_spec(), NONE), (mla_spec(t=2), NONE), (mla_spec(t=2, sp=False, b=1), NONE),
                (mla_spec(t=2, q_rank=None, norms=False), NONE),
                (mla_spec(t=2), selective("mla_up_proj", "layernorm", "mlp")), (mla_spec(), selective("mla_up_proj")),
-               (mla_spec(t=2), selective("core_attn")),
+               (mla_spec(t=2), selective("core_attn")), (mla_spec(t=2), selective("core_attn", "mla_up_proj")),
                (mla_spec(t=2, q_rank=None, norms=False), selective("mla_up_proj", "layernorm")))
     return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]
 

@@ -125,6 +125,8 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
     (MOE[:MOE.index("--num-experts")] + ["--ep", "2"], ["give --num-experts"]),
     (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
     (MOE + ["--tp", "2", "--sp", "--cp", "2"], ["context parallelism (c = 2) with mixture-of-experts"]),
+    (MOE + ["--recompute", "selective", "--recompute-modules", "shared_experts"],
+     ["--recompute-modules shared_experts: this MoE layer has no shared experts"]),
     (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
     (_with("--attention-core", "eager") + ["--moe-grouped-gemm"], ["legacy GroupedMLP"]),
     (MOE + ["--recompute", "selective", "--recompute-modules", "core_attn,layernorm"],
@@ -153,6 +155,25 @@ def test_recompute_modules_mlp_leaves_a_moe_layer_whole(actmem):
     plain = _terms(actmem.json("estimate", *MOE))
     mlp = _terms(actmem.json("estimate", *MOE, "--recompute", "selective", "--recompute-modules", "mlp"))
     assert mlp == plain and plain["router_input"] and plain["mlp_norm_statistics"]
+
+
+def test_recompute_modules_moe_and_shared_experts(actmem):
+    """--recompute-modules moe checkpoints the whole MoE layer (moe_layer.py, forward: tensor_parallel.checkpoint):
+    it keeps the router's input, 2Nh = 2·4096·4096 = 33,554,432 at t = 1, and no other MoE row; the attention
+    and the norms keep theirs. With Qwen2-MoE-like gated shared experts of f_s = 5632, shared_experts keeps their
+    input (the same storage) and drops SwiGLU's input 4·5632·4096 = 92,274,688, fc2's 46,137,344, the gate's score
+    and the output it scales; the routed rows stay."""
+    plain = _terms(actmem.json("estimate", *MOE))
+    moe = _terms(actmem.json("estimate", *MOE, "--recompute", "selective", "--recompute-modules", "moe"))
+    assert moe["router_input"] == 33_554_432
+    assert not [name for name in moe if name.startswith(("router_t", "aux_", "permute", "experts"))]
+    assert moe["qkv_input"] == plain["qkv_input"] and moe["mlp_layernorm_input"] == plain["mlp_layernorm_input"]
+    gated = MOE + ["--moe-shared-expert-intermediate-size", "5632", "--moe-shared-expert-gate"]
+    whole = _terms(actmem.json("estimate", *gated))
+    shared = _terms(actmem.json("estimate", *gated, "--recompute", "selective", "--recompute-modules", "shared_experts"))
+    assert (whole["shared_experts_swiglu_input"], whole["shared_experts_fc2_input"]) == (92_274_688, 46_137_344)
+    assert not [name for name in shared if name.startswith("shared_experts")]
+    assert shared["experts_fc1_output"] == whole["experts_fc1_output"]
 
 
 def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):

@@ -244,7 +244,7 @@ def test_one_unit_a_column_and_singular_words(actmem):
 @pytest.mark.parametrize("args, fragment", [
     (("--moe-expert-capacity-factor", "1.0"),
      "--moe-expert-capacity-factor is a Megatron-LM argument that actmem does not model yet"),
-    (("--recompute-modules", "moe"), "--recompute-modules moe recomputes parts of a mixture-of-experts layer"),
+    (("--recompute-modules", "moe_act"), "--recompute-modules moe_act recomputes the experts' activation"),
 ])
 def test_a_megatron_argument_actmem_does_not_model_says_so(actmem, args, fragment):
     result = actmem("estimate", "--model", "530b", *args)

@@ -44,7 +44,9 @@ class Technique:
         kept_by = term.kept_by_for(arch)
         if kept_by is not None and kept_by not in self.policy.modules:
             return True
-        return term.module_of(arch) in self.policy.modules
+        module = term.module_of(arch)
+        # the moe module's checkpoint wraps the whole MoE layer, its shared experts too (moe_layer.py: forward)
+        return module in self.policy.modules or (module == "shared_experts" and "moe" in self.policy.modules)
 
     def whole(self) -> "Technique":
         """The same switches with nothing recomputed: what a layer kept whole keeps."""

@@ -264,7 +264,10 @@ def _experts_probs(arch):
 
 
 #: megatron-core 0.16.1's MoE layer (the local spec's SequentialMLP, as the harness runs it; TE's
-#: grouped GEMM keeps the same tensors): what each of its steps saves, in the order they run.
+#: grouped GEMM keeps the same tensors): what each of its steps saves, in the order they run. Under
+#: --recompute-modules moe its checkpoint (moe_layer.py, forward: tensor_parallel.checkpoint of the whole
+#: layer) keeps only its input, the router's input; under shared_experts the shared experts' checkpoint
+#: keeps that same input and drops their rows.
 #: N = s·b (over t under SP) tokens a rank, k = top-k, E = experts; the T rows are the busiest
 #: rank's expert rows (expert_rows), whole on the rank (REPLICATED: the t is inside T).
 MOE_TERMS = (
@@ -273,94 +276,94 @@ MOE_TERMS = (
          "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh)", moe),
     Term("router_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's top-k expert indices, int64 [N, k] (moe_utils.py, topk_routing_with_score_function: "
-         "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe),
+         "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe, module="moe"),
     Term("router_topk_probs", lambda arch: F32 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the softmax over the top-k scores keeps its fp32 output (softmax(scores, dtype=float32); 4sbk)",
-         moe_topk_softmax),
+         moe_topk_softmax, module="moe"),
     Term("router_softmax_probs", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "with --moe-router-pre-softmax the softmax runs over every expert before the top-k and keeps its fp32 "
-         "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax),
+         "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax, module="moe"),
     Term("router_group_mask", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "group-limited routing masks the experts of the groups not chosen: masked_fill keeps its bool mask, "
          "[N, E], where the top-k's values become the probabilities (moe_utils.py, group_limited_topk; sbE); "
-         "the expert bias's choice discards them, and the mask with them", moe_group_mask),
-    # the sigmoid router (topk_routing_with_score_function, score_function "sigmoid"): sigmoid(logits.float()),
+         "the expert bias's choice discards them, and the mask with them", moe_group_mask, module="moe"),
+    # the sigmoid router (topk_routing_with_score_function, score_function "sigmoid"): sigmoid(logits.float(), module="moe"),
     # cast back to the logits' dtype; with the expert bias the top-k chooses on scores + bias and gathers the
     # scores; for k > 1 the chosen scores are divided by their sum
     Term("router_sigmoid", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the sigmoid router keeps sigmoid's fp32 output, [N, E] (sigmoid(logits.float()); 4sbE)", moe_sigmoid),
+         "the sigmoid router keeps sigmoid's fp32 output, [N, E] (sigmoid(logits.float()); 4sbE)", moe_sigmoid, module="moe"),
     Term("router_sigmoid_scores", lambda arch: (_router_bytes(arch) if _router_bytes(arch) != F32 else 0)
          * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "with the expert bias, gather keeps the scores it picks from, [N, E] in the logits' dtype (none under "
          "--moe-router-dtype fp32: the same storage as sigmoid's output)",
-         lambda arch: moe_sigmoid(arch) and arch.moe_expert_bias),
+         lambda arch: moe_sigmoid(arch) and arch.moe_expert_bias, module="moe"),
     Term("router_score_sum", lambda arch: _router_bytes(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "for k > 1 the sigmoid router divides the chosen scores by their sum: the division keeps the sum, [N, 1]",
-         moe_sigmoid_normalised),
+         moe_sigmoid_normalised, module="moe"),
     Term("router_topk_scores", lambda arch: _router_bytes(arch) * _topk(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and the chosen scores, [N, k] in the logits' dtype", moe_sigmoid_normalised),
+         Scope.LAYER, "... and the chosen scores, [N, k] in the logits' dtype", moe_sigmoid_normalised, module="moe"),
     Term("aux_loss_scores", lambda arch: _aux_bytes(arch) * _experts(arch) * s * b, Region.BOUNDARY, _STORED,
          Scope.LAYER,
          "the aux loss's scores over every expert, [N, E] (moe_utils.py, compute_routing_scores_for_aux_loss): "
          "the softmax's fp32 output (4sbE), or the sigmoid's in the logits' dtype, which its normalisation "
-         "keeps", moe_aux_loss),
+         "keeps", moe_aux_loss, module="moe"),
     Term("aux_loss_score_sum", lambda arch: _router_bytes(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... and, under the sigmoid, the sum it divides by, [N, 1]", moe_sigmoid_aux_loss),
-    # its own top-k (torch.topk(scores)) saves indices too, but its values are discarded (`_, top_indices =`),
+         "... and, under the sigmoid, the sum it divides by, [N, 1]", moe_sigmoid_aux_loss, module="moe"),
+    # its own top-k (torch.topk(scores)) saves indices too, but its values are discarded (`_, top_indices =`, module="moe"),
     # so autograd frees that node, and the indices with it, before the forward ends: measured, not held
     Term("aux_loss_tokens_per_expert", lambda arch: I64 * _experts(arch) * (b if _sequence_aux(arch) else 1),
          Region.REPLICATED, _STORED, Scope.LAYER,
          "switch_load_balancing_loss_func keeps tokens_per_expert, int64 [E] (8E); the sequence-wise aux loss "
          "(seq_aux_loss) counts them a sequence, the routing map viewed [s, b·E] (router.py, _apply_seq_aux_loss): "
-         "int64 [b·E] (8bE)", moe_aux_loss),
+         "int64 [b·E] (8bE)", moe_aux_loss, module="moe"),
     Term("aux_loss_value", lambda arch: sympy.Integer(_aux_bytes(arch)), Region.REPLICATED, _STORED, Scope.LAYER,
          "MoEAuxLossAutoScaler keeps the aux loss (save_for_backward(aux_loss)): fp32 from the softmax's scores "
-         "(4 B), the logits' dtype from the sigmoid's", moe_aux_loss),
+         "(4 B), the logits' dtype from the sigmoid's", moe_aux_loss, module="moe"),
     Term("permute_routing_map", lambda arch: MASK * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
          _STORED, Scope.LAYER,
          "permute's masked_select keeps the routing map transposed, bool [E, N] (moe_utils.py, permute: "
          "routing_map.bool().T.contiguous(); sbE); the allgather dispatcher's is its local experts' map of the "
          "tokens gathered over ETP·EP ranks, [E/EP, N·ETP·EP] (token_dispatcher.py, MoEAllGatherTokenDispatcher."
-         "dispatch_postprocess: local_map; sbE·ETP)", moe),
+         "dispatch_postprocess: local_map; sbE·ETP)", moe, module="moe"),
     Term("permute_probs", lambda arch: _router_bytes(arch) * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
          _STORED, Scope.LAYER,
          "... and the probabilities it selects from, transposed, in the logits' dtype (probs.T.contiguous()"
          ".masked_select(routing_map) saves its input; 2sbE in 16 bits, 4sbE under --moe-router-dtype fp32; the "
-         "allgather dispatcher's local_probs x ETP)", moe),
+         "allgather dispatcher's local_probs x ETP)", moe, module="moe"),
     Term("permute_sorted_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
-         "its expanded view; 8sbk)", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall"),
+         "its expanded view; 8sbk)", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall", module="moe"),
     Term("permute_local_indices", lambda arch: I64 * expert_rows(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the allgather dispatcher permutes the gathered tokens its experts receive: their indices, int64 [T], "
-         "which index_select saves (8T)", lambda arch: moe(arch) and arch.moe_dispatcher == "allgather"),
+         "which index_select saves (8T)", lambda arch: moe(arch) and arch.moe_dispatcher == "allgather", module="moe"),
     Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
-         "one storage that each expert's input is a view of", moe),
+         "one storage that each expert's input is a view of", moe, module="moe"),
     Term("experts_fc1_output", _experts_fc1_output, Region.REPLICATED, _STORED, Scope.LAYER,
          "the weighted SwiGLU keeps its input, fc1's output [T, 2f_e/ETP] (fused_bias_swiglu.py, "
-         "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP)", moe),
+         "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP)", moe, module="moe"),
     Term("experts_probs", _experts_probs, Region.REPLICATED, _STORED, Scope.LAYER,
          "... and the routing probabilities it scales by, [T, 1] in the logits' dtype (2T in 16 bits, 4T in fp32)",
-         moe),
+         moe, module="moe"),
     Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
-         "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe),
+         "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe, module="moe"),
     # the shared experts (shared_experts.py, SharedExpertMLP): one tensor-parallel MLP of f_s that every
-    # token passes, its fc1 keeping the router's input (the same storage) unless it overlaps
+    # token passes, its fc1 keeping the router's input (the same storage, module="moe") unless it overlaps
     Term("shared_experts_fc1_input_gathered", lambda arch: sympy.Piecewise((0, sympy.Eq(t, 1)), (A16 * _sbh, True)),
          Region.REPLICATED, _STORED, Scope.LAYER,
          "overlapping the dispatcher (--moe-shared-expert-overlap), the shared experts' fc1 keeps the input it "
          "all-gathers ahead (shared_experts.py, pre_forward_comm: cached_fc1_input; 2sbh at t > 1; at t = 1 the "
-         "router's input itself)", shared_experts_overlap),
+         "router's input itself)", shared_experts_overlap, module="moe"),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
-         "SwiGLUFunction; 4sbf_s)", shared_experts),
+         "SwiGLUFunction; 4sbf_s)", shared_experts, module="shared_experts"),
     Term("shared_experts_fc2_input", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts),
+         "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts, module="shared_experts"),
     Term("shared_experts_gate_score", A16 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the shared experts' gate keeps its sigmoid output, [N, 1], which the product saves too "
-         "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate),
+         "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate, module="shared_experts"),
     Term("shared_experts_output", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... and the shared experts' output it scales (2sbh)", shared_experts_gate),
+         "... and the shared experts' output it scales (2sbh)", shared_experts_gate, module="shared_experts"),
 )
 
 def _latent_query(arch):

@@ -295,6 +295,14 @@ class Architecture:
                     "full": self.code.full_recompute}
         if self.code.selective_recompute is not None:
             return {"selective": self.code.selective_recompute}
+        if modules is not None and {"moe", "shared_experts"} & set(modules) and not self.moe:
+            return {"selective": f"--recompute-modules {' '.join(sorted({'moe', 'shared_experts'} & set(modules)))} "
+                                 "recomputes parts of a mixture-of-experts layer; this model has none"}
+        if modules is not None and "shared_experts" in modules and (not self.moe_shared_ffn or self.moe_shared_overlap):
+            return {"selective": "--recompute-modules shared_experts needs shared experts that do not overlap the "
+                                 "dispatcher (Megatron raises with --moe-shared-expert-overlap: transformer_config.py)"
+                                 if self.moe_shared_ffn else "--recompute-modules shared_experts: this MoE layer has "
+                                 "no shared experts (--moe-shared-expert-intermediate-size)"}
         if modules is not None and "mla_up_proj" in modules and not self.multi_latent_attention:
             return {"selective": "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections; "
                                  "this model has none (Megatron raises: transformer_config.py)"}

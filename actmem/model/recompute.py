@@ -29,8 +29,9 @@ class Recompute(Enum):
 
 
 #: Megatron's --recompute-modules actmem models (TransformerConfig.recompute_modules), in its order;
-#: core_attn is its default and the paper's selective recompute; mla_up_proj is multi-latent attention's
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp")
+#: core_attn is its default and the paper's selective recompute; mla_up_proj is multi-latent attention's;
+#: moe (the whole MoE layer) and shared_experts a mixture of experts' (moe_layer.py)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 DEFAULT_MODULES = frozenset({"core_attn"})
 
 METHODS = ("uniform", "block")

@@ -128,8 +128,8 @@ def _check_recompute_shape(run) -> None:
 
 
 #: Megatron's recompute modules for layers actmem does not model, and why
-_OTHER_MODULES = dict.fromkeys(("moe", "moe_act", "shared_experts"), "recomputes parts of a mixture-of-experts layer, "
-                                                                      "which actmem does not model yet")
+_OTHER_MODULES = {"moe_act": "recomputes the experts' activation (TE's grouped GEMM only), which actmem does not "
+                              "model yet"}
 
 
 def _checked_modules(run) -> tuple:
@@ -145,8 +145,7 @@ def _checked_modules(run) -> tuple:
             raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")
         if module not in RECOMPUTE_MODULES:
             raise SpecError(f"--recompute-modules {module} is not one of Megatron's modules: actmem models "
-                            f"{', '.join(RECOMPUTE_MODULES)} (and names moe, moe_act, shared_experts as not "
-                            "modelled)")
+                            f"{', '.join(RECOMPUTE_MODULES)} (and names moe_act as not modelled)")
     return tuple(module for module in RECOMPUTE_MODULES if module in given)
 
 

@@ -321,12 +321,8 @@ def _cpu_shims(stand_ins: dict) -> None:
       recompute checkpoints' contexts (tensor_parallel/random.py: not saved tensors): a tracker whose
       fork does nothing and no CUDA state, a CPU having none (every dropout here is 0);
     - Transformer Engine's FP8 state, which the recompute checkpoints ask: FP8 off, its contexts no-ops."""
-    import contextlib
-
     import torch
-    from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_mla_yarn_rope_apply as rope
-    from megatron.core.tensor_parallel import random
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.TELinear = stand_ins["linear"]
@@ -335,6 +331,16 @@ def _cpu_shims(stand_ins: dict) -> None:
     rope.rotary_fwd_kv_kernel, rope.rotary_bwd_kv_kernel = _Kernel(_rope_kv), _Kernel(_rope_kv_backward)
     multi_latent_attention.fused_apply_mla_rope_for_q = rope.fused_apply_mla_rope_for_q
     multi_latent_attention.fused_apply_mla_rope_for_kv = rope.fused_apply_mla_rope_for_kv
+    rng_shims()
+
+
+def rng_shims() -> None:
+    """The CUDA RNG tracker and state, and TE's FP8 state, as Megatron's recompute checkpoints and dropout
+    forks ask them (tensor_parallel/random.py), on a CPU (see _cpu_shims); none makes or keeps a tensor."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
 
     class _Tracker:
         def fork(self, *args, **kwargs):

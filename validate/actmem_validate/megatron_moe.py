@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from actmem.memory.techniques import Technique, run_technique
 from actmem.model.architecture import Architecture, moe_aux_loss, moe_group_mask
-from actmem.model.recompute import NONE
+from actmem.model.recompute import NONE, Recompute, RecomputePolicy
 from actmem.model.spec import Model, Run, Spec
 
 MEGATRON_CORE = "0.16.1"
@@ -49,7 +49,9 @@ class MoEConfig:
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
                 + (f"groups {arch.moe_router_groups}/{arch.moe_router_group_topk} " if arch.moe_router_groups else "")
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
-                + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}")
+                + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}"
+                + (f" selective:{'+'.join(self.technique.modules)}" if self.technique.recompute is Recompute.SELECTIVE
+                   else ""))
 
     @property
     def world_size(self) -> int:
@@ -95,7 +97,14 @@ def moe_grid() -> list:
              (moe_spec(aux=False, ep=2, groups=(4, 2)), ()),
              (moe_spec(ep=2, dispatcher="allgather", pre_softmax=True, topk=1), ()),
              (moe_spec(t=2, dispatcher="allgather", router_dtype="fp64", sigmoid=True, expert_bias=True, topk=1), ()))
-    return [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE), ignored) for spec, ignored in specs]
+    configs = [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE), ignored) for spec, ignored in specs]
+    # selective recompute of the whole MoE layer (its checkpoint keeps the router's input alone) and of the
+    # shared experts (theirs the same input), beside t = 2
+    for spec, modules in ((moe_spec(t=2, shared=True, gate=True), ("moe",)),
+                          (moe_spec(t=2, ep=2, etp=1, shared=True, gate=True, sigmoid=True), ("shared_experts",))):
+        policy = RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
+        configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel, policy)))
+    return configs
 
 
 def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
@@ -239,9 +248,12 @@ def _cpu_shims() -> None:
         return tensor.numpy() if torch.is_tensor(tensor) and as_numpy else tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    from actmem_validate.megatron_mla import rng_shims
+
+    rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
 
 
-def _layer(spec: Spec, ignored: tuple = ()):
+def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None):
     """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -258,13 +270,20 @@ def _layer(spec: Spec, ignored: tuple = ()):
         moe_shared_expert_overlap=arch.moe_shared_overlap, moe_router_pre_softmax=arch.moe_pre_softmax,
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
         moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
-        **dict(ignored),
+        **dict(ignored), **_recompute(technique),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
         expert_tensor_parallel_size=run.etp)
     submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
     return MoELayer(config, submodules)
+
+
+def _recompute(technique) -> dict:
+    """TransformerConfig's recompute settings of a technique's selective modules (none: {})."""
+    if technique is None or technique.recompute is not Recompute.SELECTIVE:
+        return {}
+    return dict(recompute_granularity="selective", recompute_modules=list(technique.modules))
 
 
 def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
@@ -283,7 +302,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         parallel_state.initialize_model_parallel(run.tensor_parallel, 1, expert_model_parallel_size=run.expert_parallel,
                                                  expert_tensor_parallel_size=run.etp)
         torch.manual_seed(0)                      # the same weights on every rank of a group
-        layer = _layer(spec, config.ignored)
+        layer = _layer(spec, config.ignored, config.technique)
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)

@@ -15,8 +15,6 @@ dtype and shape, which the layer's dims make distinct (``_named``); any other is
 """
 
 import os
-import socket
-import weakref
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -291,6 +289,8 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from actmem_validate.megatron_mla import held_storages, recorder
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -310,25 +310,13 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         experts_forward = layer.experts.forward
         layer.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
-        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        saved = {}             # address -> (a weak reference to the storage, dtype, shape, bytes), in order
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            held = saved.get(key)
-            # an expert that receives no token saves empty tensors: they hold nothing, and share address 0;
-            # a storage saved by a node autograd has already freed (a branch nothing uses) may lend its
-            # address to a later one: the later one is recorded, the dead one dropped below
-            if storage.nbytes() and key not in params and (held is None or held[0]() is None):
-                saved.pop(key, None)
-                saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                              storage.nbytes())
-            return tensor
-
+        # an expert that receives no token saves empty tensors: they hold nothing (recorder skips them); a
+        # storage saved by a node autograd has already freed may lend its address to a later one (the later
+        # one recorded); the layer's parameters are model state
+        saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out, _ = layer(x)
-        held = [(key, *rest) for key, (alive, *rest) in saved.items() if alive() is not None]
+        held = held_storages(saved, {p.untyped_storage().data_ptr() for p in layer.parameters()})
         named = _named(held, spec, x.untyped_storage().data_ptr())
         out.float().sum().backward()
         results.put((rank, received[0], named))
@@ -339,16 +327,9 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
 
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
     """(rank, expert rows received, {term: bytes saved}) of every rank of one configuration."""
-    import torch.multiprocessing as mp
+    from actmem_validate.gloo import spawn
 
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with socket.socket() as probe:                  # a free port for this run's rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_rank, args=(config.world_size, port, config, results), nprocs=config.world_size,
-                       start_method="spawn")
-    return sorted(results.get() for _ in range(config.world_size))
+    return spawn(_rank, config)
 
 
 def rows(configs, timeout: int = 300) -> list[dict]:

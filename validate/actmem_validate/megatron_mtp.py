@@ -21,7 +21,6 @@ the gathered projection output under SP) is named 'a+b' and checked against thei
 """
 
 import os
-import socket
 from dataclasses import dataclass
 
 from actmem.memory.techniques import Technique, run_technique
@@ -199,25 +198,13 @@ def _rank(rank: int, world: int, port: int, config: MTPConfig, results) -> None:
 
 def measure(config: MTPConfig) -> list[tuple]:
     """(rank, {term: bytes saved}) of every rank of one configuration."""
-    import torch.multiprocessing as mp
+    from actmem_validate.gloo import spawn
 
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_rank, args=(config.world_size, port, config, results), nprocs=config.world_size,
-                       start_method="spawn")
-    return sorted(results.get() for _ in range(config.world_size))
+    return spawn(_rank, config)
 
 
 def rows(configs) -> list[dict]:
     """The error table's rows (compare.term_rows) of every rank of every configuration."""
-    from actmem_validate.compare import term_rows
+    from actmem_validate.gloo import term_table
 
-    table = []
-    for config in configs:
-        expected = formula(config.spec, config.technique)
-        for rank, named in measure(config):
-            table += term_rows(config, rank, expected, named)
-    return table
+    return term_table(configs, measure, formula)

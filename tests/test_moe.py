@@ -129,8 +129,8 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
      ["--recompute-modules shared_experts: this MoE layer has no shared experts"]),
     (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
     (_with("--attention-core", "eager") + ["--moe-grouped-gemm"], ["legacy GroupedMLP"]),
-    (MOE + ["--recompute", "selective", "--recompute-modules", "core_attn,layernorm"],
-     ["--recompute-modules layernorm of a mixture-of-experts layer"]),
+    (MOE + ["--recompute", "selective", "--recompute-modules", "moe_act"],
+     ["--recompute-modules moe_act recomputes the experts' activation"]),
     (_with("--moe-aux-loss-coeff", "-1"), ["moe_aux_loss_coeff must be a number >= 0"]),
 ])
 def test_what_is_not_modelled_or_not_possible_is_refused(actmem, args, fragments):
@@ -174,6 +174,17 @@ def test_recompute_modules_moe_and_shared_experts(actmem):
     assert (whole["shared_experts_swiglu_input"], whole["shared_experts_fc2_input"]) == (92_274_688, 46_137_344)
     assert not [name for name in shared if name.startswith("shared_experts")]
     assert shared["experts_fc1_output"] == whole["experts_fc1_output"]
+
+
+def test_recompute_modules_layernorm_frees_the_pre_mlp_norms_output(actmem):
+    """A MoE layer's pre-MLP norm is a TENorm of its own: --recompute-modules layernorm reruns it and frees its
+    output, the router's input (2Nh = 33,554,432 at t = 1), once the layer has run, and keeps no statistics; the
+    norm's input (the checkpoint's) stays."""
+    plain = _terms(actmem.json("estimate", *MOE))
+    norm = _terms(actmem.json("estimate", *MOE, "--recompute", "selective", "--recompute-modules", "layernorm"))
+    assert plain["router_input"] == 33_554_432 and "router_input" not in norm
+    assert "mlp_norm_statistics" in plain and "mlp_norm_statistics" not in norm
+    assert norm["mlp_layernorm_input"] == plain["mlp_layernorm_input"] == 33_554_432
 
 
 def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):

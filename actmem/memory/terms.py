@@ -173,8 +173,11 @@ def _mlp_with_fused_norm(arch):
     layer spec: the checkpoint keeps the norm's input); under Megatron's local spec (the eager
     core) the norm is a module of its own, outside, and the checkpoint keeps its output. A MoE
     layer's pre-MLP norm is a TENorm of its own, and 'mlp' leaves a MoE layer whole
-    (transformer_layer.py: recompute_mlp only where not is_moe_layer): None."""
-    return "mlp" if te_layer_spec(arch) and not moe(arch) else None
+    (transformer_layer.py: recompute_mlp only where not is_moe_layer): 'layernorm', which reruns that
+    norm (CheckpointWithoutOutput) and frees its output once the MoE layer has run."""
+    if moe(arch):      # its pre-MLP norm: a TENorm of its own, which --recompute-modules layernorm reruns
+        return "layernorm"
+    return "mlp" if te_layer_spec(arch) else None
 
 
 def _latent_input_norm(arch):
@@ -273,7 +276,9 @@ def _experts_probs(arch):
 MOE_TERMS = (
     Term("router_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
-         "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh)", moe),
+         "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh), which "
+         "--recompute-modules layernorm frees once the MoE layer has run (transformer_layer.py, "
+         "_forward_post_mlp: discard_output_and_register_recompute)", moe, module="layernorm"),
     Term("router_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's top-k expert indices, int64 [N, k] (moe_utils.py, topk_routing_with_score_function: "
          "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe, module="moe"),

@@ -306,11 +306,6 @@ class Architecture:
         if modules is not None and "mla_up_proj" in modules and not self.multi_latent_attention:
             return {"selective": "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections; "
                                  "this model has none (Megatron raises: transformer_config.py)"}
-        if self.moe and modules is not None and "layernorm" in modules:
-            return {"selective": "--recompute-modules layernorm of a mixture-of-experts layer recomputes its pre-MLP "
-                                 "TENorm and frees the output the router keeps (transformer_layer.py, "
-                                 "CheckpointWithoutOutput), which actmem does not model yet: choose core_attn, full "
-                                 "or none"}
         if modules is not None and "layernorm" in modules and not te_layer_spec(self):
             return {"selective": "--recompute-modules layernorm under the eager core: Megatron runs that core in "
                                  "its local spec, whose norms are modules of their own, and frees their outputs "

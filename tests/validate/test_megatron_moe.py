@@ -24,11 +24,12 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     """Seven layouts (the alltoall and allgather dispatchers; EP = 2; t = ETP = 2; t = 2 beside EP = 2 and
     ETP = 1; the softmax router over the top-k, over every expert at top-1, and the sigmoid router with and
     without the expert bias; the router in fp32 and fp64; shared experts, gated and overlapping; the aux loss
-    at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts),
-    every rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
-    table is measured, non-zero, on some layout."""
+    at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts;
+    inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed), every rank: each row
+    measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the table is measured,
+    non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 9
+    assert len({row["config"] for row in grid_rows}) == 11
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -38,7 +39,8 @@ def test_the_experts_rows_are_what_the_rank_received(grid_rows):
     so both ranks' experts receive every routed row, balanced whatever the routing: T = k·s·b = 2·16·2 = 64,
     the experts' input 2·h·T = 2·16·64 = 2048 B on each rank."""
     gathered = [row for row in grid_rows if "t=2 EP=1 ETP=2 alltoall" in row["config"]
-                and "selective" not in row["config"] and row["term"] == "experts_input"]
+                and "selective" not in row["config"] and "in a layer" not in row["config"]
+                and row["term"] == "experts_input"]
     assert [row["measured_bytes"] for row in gathered] == [2048, 2048]
 
 
@@ -48,6 +50,18 @@ def test_the_moe_modules_checkpoint_keeps_the_routers_input_alone(grid_rows):
     kept = [(row["term"], row["measured_bytes"]) for row in grid_rows
             if row["config"].endswith("selective:moe") and row["measured_bytes"]]
     assert kept == [("router_input", 512), ("total", 512)] * 2
+
+
+def test_layernorm_frees_the_norms_output_the_router_keeps(grid_rows):
+    """Inside a TransformerLayer at t = 2 (SP), h = 16, s = 16, b = 2: the pre-MLP norm keeps its input 2·8·2·16
+    = 512 B and rsigma 4·8·2 = 64, and the router its output, 512; with --recompute-modules layernorm the norm's
+    output is freed once the MoE layer has run, and its statistics are not kept: the input alone stays."""
+    def kept(suffix):
+        return {row["term"]: row["measured_bytes"] for row in grid_rows if row["config"].endswith(suffix)
+                and row["rank"] == 0 and row["term"] in ("mlp_layernorm_input", "mlp_norm_statistics", "router_input")}
+    assert kept("aux 0.01 in a layer") == {"mlp_layernorm_input": 512, "mlp_norm_statistics": 64, "router_input": 512}
+    assert kept("selective:layernorm in a layer") == {"mlp_layernorm_input": 512, "mlp_norm_statistics": 0,
+                                                      "router_input": 0}
 
 
 def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names():

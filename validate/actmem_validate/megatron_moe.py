@@ -36,6 +36,9 @@ class MoEConfig:
     ignored: tuple = ()
     """(TransformerConfig field, value): Megatron settings actmem reads as changing no saved byte
     (megatron_memory.toml, 'ignored'), set here so that the measurement shows they change none."""
+    in_layer: bool = False
+    """Run inside megatron-core's TransformerLayer, after its pre-MLP TENorm (the MLA harness's stand-in)
+    and no attention: what --recompute-modules layernorm does to a MoE layer's norm and the router's input."""
 
     @property
     def label(self) -> str:
@@ -49,7 +52,7 @@ class MoEConfig:
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
                 + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}"
                 + (f" selective:{'+'.join(self.technique.modules)}" if self.technique.recompute is Recompute.SELECTIVE
-                   else ""))
+                   else "") + (" in a layer" if self.in_layer else ""))
 
     @property
     def world_size(self) -> int:
@@ -102,25 +105,33 @@ def moe_grid() -> list:
                           (moe_spec(t=2, ep=2, etp=1, shared=True, gate=True, sigmoid=True), ("shared_experts",))):
         policy = RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
         configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel, policy)))
+    # inside a TransformerLayer after its pre-MLP TENorm: as it is, and with layernorm recomputed (the norm's
+    # output, the router's input, freed once the layer has run), at t = 2 with shared experts
+    spec = moe_spec(t=2, shared=True)
+    for policy in (NONE, RecomputePolicy(Recompute.SELECTIVE, frozenset({"layernorm"}))):
+        configs.append(MoEConfig(spec, run_technique(True, policy), in_layer=True))
     return configs
 
 
-def formula(spec: Spec, technique: Technique, expert_rows: int) -> dict:
-    """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows."""
+def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool = False) -> dict:
+    """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows; ``in_layer``: with
+    its pre-MLP norm's rows."""
     from actmem.memory import engine
-    from actmem.memory.terms import MOE_TERMS, expert_rows as balanced_rows
+    from actmem.memory.terms import MOE_TERMS, TERMS, expert_rows as balanced_rows
     from actmem.model import symbols
 
     arch, t = spec.architecture, spec.run.tensor_parallel
     bindings = spec.bindings_at(t)
     balanced = engine.exact(balanced_rows(arch), bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
-    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS
+    norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
+    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
             if term.present(arch)}
 
 
-def _named(saved: list, spec: Spec, x_key) -> dict:
-    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved."""
+def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
+    """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved; ``x_key`` the
+    router's input, ``norm_input_key`` the pre-MLP norm's where the layer runs in a TransformerLayer."""
     arch, run = spec.architecture, spec.run
     s, b, h = spec.model.seq_len, run.micro_batch, spec.model.hidden
     n = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
@@ -154,6 +165,10 @@ def _named(saved: list, spec: Spec, x_key) -> dict:
     for key, dtype, shape, n_bytes in saved:
         if key == x_key:
             name = "router_input"
+        elif key == norm_input_key:
+            name = "mlp_layernorm_input"
+        elif norm_input_key is not None and (dtype, shape) == ("float32", (n // b, b, 1)):
+            name = "mlp_norm_statistics"
         elif (dtype, shape) == ("int64", (n, k)):
             name = next(topk_indices, f"unnamed {dtype} {list(shape)}")
         elif (dtype, shape) in [(d, sh) for d, sh, _ in router]:      # the first not yet named, in order
@@ -251,7 +266,7 @@ def _cpu_shims() -> None:
     rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
 
 
-def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None):
+def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, in_layer: bool = False):
     """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -269,12 +284,26 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None):
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
         moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
         **dict(ignored), **_recompute(technique),
+        normalization="RMSNorm", hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
         expert_tensor_parallel_size=run.etp)
     submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
-    return MoELayer(config, submodules)
+    if not in_layer:
+        return MoELayer(config, submodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from actmem_validate.megatron_mla import _stand_ins
+
+    # TE's layer spec for a MoE layer: its pre-MLP norm a TENorm of its own; no attention here (IdentityOp)
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    spec_ = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=_stand_ins()["norm"], mlp=ModuleSpec(module=MoELayer, submodules=submodules),
+        mlp_bda=get_bias_dropout_add))
+    return build_module(spec_, config=config, layer_number=1)
 
 
 def _recompute(technique) -> dict:
@@ -302,22 +331,28 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         parallel_state.initialize_model_parallel(run.tensor_parallel, 1, expert_model_parallel_size=run.expert_parallel,
                                                  expert_tensor_parallel_size=run.etp)
         torch.manual_seed(0)                      # the same weights on every rank of a group
-        layer = _layer(spec, config.ignored, config.technique)
+        layer = _layer(spec, config.ignored, config.technique, config.in_layer)
+        norm_output = []                   # the pre-MLP norm's output: the router's input, in a layer
+        if config.in_layer:
+            layer.pre_mlp_layernorm.register_forward_hook(
+                lambda module, args, out: norm_output.append(out.untyped_storage().data_ptr()))
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
         received = []
-        experts_forward = layer.experts.forward
-        layer.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
+        moe = layer.mlp if config.in_layer else layer
+        experts_forward = moe.experts.forward
+        moe.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
         # an expert that receives no token saves empty tensors: they hold nothing (recorder skips them); a
         # storage saved by a node autograd has already freed may lend its address to a later one (the later
         # one recorded); the layer's parameters are model state
         saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out, _ = layer(x)
+            out, _ = layer(hidden_states=x, attention_mask=None) if config.in_layer else layer(x)
         held = held_storages(saved, {p.untyped_storage().data_ptr() for p in layer.parameters()})
-        named = _named(held, spec, x.untyped_storage().data_ptr())
+        x_key = x.untyped_storage().data_ptr()
+        named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
         out.float().sum().backward()
         results.put((rank, received[0], named))
         parallel_state.destroy_model_parallel()
@@ -339,5 +374,5 @@ def rows(configs, timeout: int = 300) -> list[dict]:
     table = []
     for config in configs:
         for rank, received, named in measure(config, timeout):
-            table += term_rows(config, rank, formula(config.spec, config.technique, received), named)
+            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer), named)
     return table

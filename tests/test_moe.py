@@ -187,6 +187,17 @@ def test_recompute_modules_layernorm_frees_the_pre_mlp_norms_output(actmem):
     assert norm["mlp_layernorm_input"] == plain["mlp_layernorm_input"] == 33_554_432
 
 
+def test_a_capacity_factor_bounds_the_busiest_ranks_rows(actmem):
+    """--moe-expert-capacity-factor 1.0 at t = 1, k = 2, E = 8, N = 4096: each expert takes at most ⌈2·4096/8·1.0⌉ =
+    1024 tokens from a rank, so a rank's experts at most 8·1024 = 8192 rows, whatever --moe-imbalance says: at 1.5
+    the experts' input is 2·4096·8192 = 67,108,864 B (dropless: 2·4096·12,288 = 100,663,296); the router keeps
+    the capacity's bool map, N·E = 32,768 B."""
+    dropless = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.5"))
+    capped = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.5", "--moe-expert-capacity-factor", "1.0"))
+    assert dropless["experts_input"] == 100_663_296 and capped["experts_input"] == 67_108_864
+    assert capped["router_capacity_map"] == 32_768 and "router_capacity_map" not in dropless
+
+
 def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):
     """--moe-router-load-balancing-type seq_aux_loss (DeepSeek-V2/V3): the router views its routing map
     [s, b·E] (router.py, _apply_seq_aux_loss), so switch_load_balancing_loss_func keeps tokens_per_expert

@@ -220,6 +220,12 @@ ARCHITECTURE_FLAGS = (
     Flag(("--moe-token-dispatcher-type",), "moe_dispatcher",
          "how tokens reach their experts: allgather (Megatron's default), alltoall or flex (not modelled)",
          click.Choice(["alltoall", "allgather", "flex"])),
+    Flag(("--moe-expert-capacity-factor",), "moe_capacity_factor",
+         "each expert's capacity, ⌈k·N/E·factor⌉ tokens from each rank (Megatron's name; default none: dropless): "
+         "the tokens over it are dropped, which bounds the busiest rank's rows", float),
+    Flag(("--moe-token-drop-policy",), "moe_drop_policy",
+         "with a capacity factor, which tokens are dropped: probs (the lowest probabilities; default) or position",
+         click.Choice(["probs", "position"])),
     Flag(("--moe-grouped-gemm",), "moe_grouped_gemm",
          "the experts as TE's grouped GEMM (the same saved tensors as one MLP each)", constant=True),
     Flag(("--implementation",), "implementation",

@@ -230,8 +230,23 @@ def expert_rows(arch):
     MoELayer.forward). The alltoall dispatcher sends each of a rank's N·k routed copies to the
     expert's EP rank and all-gathers them over the expert-tensor-parallel group
     (token_dispatcher.py, MoEAlltoAllTokenDispatcher.token_dispatch); balanced, each rank
-    receives k·N·ETP, and r >= 1 scales it on the busiest."""
-    return sympy.ceiling(r * _topk(arch) * s * b * e / t)
+    receives k·N·ETP, and r >= 1 scales it on the busiest. Under a capacity factor each expert takes at
+    most ⌈k·N/E·factor⌉ tokens from each rank (moe_utils.py, get_capacity, apply_router_token_dropping), so a
+    rank's E/EP experts at most E·⌈k·N·factor/E⌉·ETP rows whatever the imbalance."""
+    rows = sympy.ceiling(r * _topk(arch) * s * b * e / t)
+    if not (arch.moe and arch.moe_capacity_factor is not None):
+        return rows
+    return sympy.Min(rows, _routed_copies(arch) * e)
+
+
+def _routed_copies(arch):
+    """The routed copies of a rank's N = s·b/t tokens it permutes, k·N, or under a capacity factor those each
+    expert keeps, at most E·⌈k·N·factor/E⌉ (the source side of expert_rows: no imbalance there)."""
+    copies = _topk(arch) * s * b / t
+    if not (arch.moe and arch.moe_capacity_factor is not None):
+        return copies
+    experts, factor = arch.num_experts, sympy.Rational(str(arch.moe_capacity_factor))
+    return sympy.Min(copies, experts * sympy.ceiling(copies * factor / experts))
 
 
 def _experts_input(arch):
@@ -288,6 +303,11 @@ MOE_TERMS = (
     Term("router_softmax_probs", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "with --moe-router-pre-softmax the softmax runs over every expert before the top-k and keeps its fp32 "
          "output, [N, E] (moe_utils.py, topk_routing_with_score_function: use_pre_softmax; 4sbE)", moe_pre_softmax, module="moe"),
+    Term("router_capacity_map", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "under a capacity factor the probabilities are masked to the tokens each expert keeps (moe_utils.py, "
+         "apply_router_token_dropping: routing_probs * final_map saves the bool map, [N, E]; sbE); the top-k over "
+         "each expert's tokens that chooses them saves nothing held (its values discarded)",
+         lambda arch: moe(arch) and arch.moe_capacity_factor is not None, module="moe"),
     Term("router_group_mask", lambda arch: MASK * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "group-limited routing masks the experts of the groups not chosen: masked_fill keeps its bool mask, "
          "[N, E], where the top-k's values become the probabilities (moe_utils.py, group_limited_topk; sbE); "
@@ -335,9 +355,10 @@ MOE_TERMS = (
          "... and the probabilities it selects from, transposed, in the logits' dtype (probs.T.contiguous()"
          ".masked_select(routing_map) saves its input; 2sbE in 16 bits, 4sbE under --moe-router-dtype fp32; the "
          "allgather dispatcher's local_probs x ETP)", moe, module="moe"),
-    Term("permute_sorted_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("permute_sorted_indices", lambda arch: I64 * _routed_copies(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
-         "its expanded view; 8sbk)", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall", module="moe"),
+         "its expanded view; 8sbk/t, N = sb/t under SP); under a capacity factor only the copies kept, at most "
+         "E·⌈k·N·factor/E⌉", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall", module="moe"),
     Term("permute_local_indices", lambda arch: I64 * expert_rows(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the allgather dispatcher permutes the gathered tokens its experts receive: their indices, int64 [T], "
          "which index_select saves (8T)", lambda arch: moe(arch) and arch.moe_dispatcher == "allgather", module="moe"),

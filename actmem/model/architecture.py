@@ -158,6 +158,13 @@ class Architecture:
     moe_dispatcher: str = "allgather"
     """How tokens reach their experts (--moe-token-dispatcher-type): Megatron's default 'allgather',
     'alltoall' or 'flex'; actmem models alltoall."""
+    moe_capacity_factor: float | None = None
+    """Each expert's capacity, ⌈k·N/E·factor⌉ tokens from each rank's N (--moe-expert-capacity-factor): the
+    router drops the tokens over it (moe_utils.py, apply_router_token_dropping); None: dropless (Megatron's
+    default)."""
+    moe_drop_policy: str = "probs"
+    """Which tokens over capacity are dropped (--moe-token-drop-policy): 'probs' (the lowest probabilities,
+    Megatron's default) or 'position' (the last)."""
     moe_grouped_gemm: bool = False
     """The experts as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP) rather than one MLP each
     (SequentialMLP): the same saved tensors (actmem.model.experts)."""

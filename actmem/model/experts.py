@@ -20,7 +20,7 @@ DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_lo
             "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False,
             "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False,
             "moe_score_function": "softmax", "moe_expert_bias": False, "moe_router_groups": None,
-            "moe_router_group_topk": None}
+            "moe_router_group_topk": None, "moe_capacity_factor": None, "moe_drop_policy": "probs"}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
@@ -137,6 +137,14 @@ def check_experts(arch) -> None:
                         f"got {arch.moe_load_balancing!r}")
     if arch.moe_dispatcher not in DISPATCHERS:
         raise SpecError(f"moe_dispatcher must be alltoall, allgather or flex; got {arch.moe_dispatcher!r}")
+    factor = arch.moe_capacity_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+        raise SpecError(f"moe_capacity_factor must be a number > 0, got {factor!r}")
+    if arch.moe_drop_policy not in ("probs", "position"):
+        raise SpecError(f"moe_drop_policy must be probs or position; got {arch.moe_drop_policy!r}")
+    if factor is None and arch.moe_drop_policy != "probs":
+        raise SpecError("--moe-token-drop-policy chooses which tokens over capacity are dropped: give "
+                        "--moe-expert-capacity-factor")
     if arch.activation != "swiglu":
         raise SpecError(f"mixture-of-experts layers are modelled with SwiGLU experts (Mixtral, Qwen3, DeepSeek); "
                         f"{arch.activation} experts keep what actmem has not measured yet")

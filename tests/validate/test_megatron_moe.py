@@ -25,11 +25,12 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     ETP = 1; the softmax router over the top-k, over every expert at top-1, and the sigmoid router with and
     without the expert bias; the router in fp32 and fp64; shared experts, gated and overlapping; the aux loss
     at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts;
-    inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed), every rank: each row
+    inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed; a capacity factor
+    of 0.5 dropping by probability under alltoall and by position under allgather), every rank: each row
     measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the table is measured,
     non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 11
+    assert len({row["config"] for row in grid_rows}) == 13
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 

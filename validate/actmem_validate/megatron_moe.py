@@ -15,7 +15,7 @@ dtype and shape, which the layer's dims make distinct (``_named``); any other is
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from actmem.memory.techniques import Technique, run_technique
@@ -50,6 +50,8 @@ class MoEConfig:
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
                 + (f"groups {arch.moe_router_groups}/{arch.moe_router_group_topk} " if arch.moe_router_groups else "")
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
+                + (f"capacity {arch.moe_capacity_factor:g} by {arch.moe_drop_policy} " if arch.moe_capacity_factor
+                   else "")
                 + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}"
                 + (f" selective:{'+'.join(self.technique.modules)}" if self.technique.recompute is Recompute.SELECTIVE
                    else "") + (" in a layer" if self.in_layer else ""))
@@ -63,7 +65,8 @@ class MoEConfig:
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
-             expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False) -> Spec:
+             expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False,
+             capacity: float | None = None, drop_policy: str = "probs") -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -74,7 +77,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_pre_softmax=pre_softmax, moe_score_function="sigmoid" if sigmoid else "softmax",
                         moe_expert_bias=expert_bias, moe_router_groups=groups and groups[0],
                         moe_router_group_topk=groups and groups[1],
-                        moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss")
+                        moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss", moe_capacity_factor=capacity,
+                        moe_drop_policy=drop_policy)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -105,6 +109,10 @@ def moe_grid() -> list:
                           (moe_spec(t=2, ep=2, etp=1, shared=True, gate=True, sigmoid=True), ("shared_experts",))):
         policy = RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
         configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel, policy)))
+    # a capacity factor that drops tokens (0.5: half of each expert's balanced share), by probability under
+    # alltoall beside EP = 2, by position under allgather at t = 2
+    configs += [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in (
+        moe_spec(ep=2, capacity=0.5), moe_spec(t=2, dispatcher="allgather", capacity=0.5, drop_policy="position"))]
     # inside a TransformerLayer after its pre-MLP TENorm: as it is, and with layernorm recomputed (the norm's
     # output, the router's input, freed once the layer has run), at t = 2 with shared experts
     spec = moe_spec(t=2, shared=True)
@@ -122,7 +130,9 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
 
     arch, t = spec.architecture, spec.run.tensor_parallel
     bindings = spec.bindings_at(t)
-    balanced = engine.exact(balanced_rows(arch), bindings | {symbols.r: 1})
+    # r against the balanced rows without a capacity: T = min(⌈r·k·N·ETP⌉, the capacity's) is then what was received
+    balanced = engine.exact(balanced_rows(replace(arch, moe_capacity_factor=None, moe_drop_policy="probs")),
+                            bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
     norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
     return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
@@ -207,6 +217,8 @@ def _router_saves(arch, n: int, k: int, e: int, logits: str) -> list:
         saves.append(("float32", (n, k), "router_topk_probs"))
     if moe_group_mask(arch):
         saves.append(("bool", (n, e), "router_group_mask"))
+    if arch.moe_capacity_factor is not None:     # after the routing, before the aux loss (router.py, routing)
+        saves.append(("bool", (n, e), "router_capacity_map"))
     if moe_aux_loss(arch):
         aux = logits if sigmoid else "float32"
         saves.append((aux, (n, e), "aux_loss_scores"))
@@ -283,6 +295,7 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         moe_shared_expert_overlap=arch.moe_shared_overlap, moe_router_pre_softmax=arch.moe_pre_softmax,
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
         moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
+        moe_expert_capacity_factor=arch.moe_capacity_factor, moe_token_drop_policy=arch.moe_drop_policy,
         **dict(ignored), **_recompute(technique),
         normalization="RMSNorm", hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,

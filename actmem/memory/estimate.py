@@ -240,13 +240,11 @@ def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tup
     last, n_last, others = _layer_kinds(spec, stage, arch)
     if not mtp:
         return last, n_last, others
-    if not arch.moe or mtp_layer_kind(spec) == (last.moe and 1):
-        own = len(stage_moe_layers(spec, stage)) if arch.moe else stage_layers(spec)[stage]
-        return last, (own if n_last is None else n_last) + mtp, others
-    from actmem.model.experts import dense_twin
-
+    last_count = stage_layers(spec)[stage] if n_last is None else n_last
+    if mtp_layer_kind(spec) == int(last.moe):      # the predictions are of the stage's last kind
+        return last, last_count + mtp, others
     kind = arch if mtp_layer_kind(spec) else dense_twin(arch)   # the stage ends in the other kind
-    return kind, mtp, ((last, len(stage_moe_layers(spec, stage)) if n_last is None else n_last),) + others
+    return kind, mtp, ((last, last_count),) + others
 
 
 def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:

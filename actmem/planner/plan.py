@@ -47,6 +47,15 @@ SATURATED_BYTES = 2**62
 as at most this, which no GPU holds; the fits verdict is unaffected."""
 
 
+#: (architecture -> true where the sweep does not model it, what it is, why not)
+_NOT_SWEPT = (
+    (lambda arch: arch.moe, "mixture-of-experts runs", "EP, ETP and the dispatcher's traffic"),
+    (lambda arch: arch.mtp_layers, "multi-token prediction", "its layers and logits on the last stage"),
+    (lambda arch: arch.multi_latent_attention, "multi-latent attention",
+     "its time model counts the QKV linear's matmuls"),
+)
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     model: Model
@@ -74,15 +83,9 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
-        if self.architecture.moe:
-            raise SpecError("plan does not sweep mixture-of-experts runs yet (EP, ETP and the dispatcher's "
-                            "traffic): size one with `actmem estimate`")
-        if self.architecture.mtp_layers:
-            raise SpecError("plan does not sweep multi-token prediction yet (its layers and logits on the last "
-                            "stage): size one with `actmem estimate`")
-        if self.architecture.multi_latent_attention:
-            raise SpecError("plan does not sweep multi-latent attention yet (its time model counts the QKV "
-                            "linear's matmuls): size one with `actmem estimate`")
+        for unswept, what, why in _NOT_SWEPT:
+            if unswept(self.architecture):
+                raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         sizes = {name: getattr(self, name, None) for name in LIMITS} | vars(self.model)

@@ -1,6 +1,8 @@
 """Megatron-Core's own layers run over real gloo ranks on a CPU: one process a rank, spawned, each
 putting its (rank, ...) result on a queue (the MoE, MLA and MTP harnesses' common launch)."""
 
+import contextlib
+import os
 import socket
 
 
@@ -30,3 +32,75 @@ def term_table(configs, measure, formula) -> list[dict]:
         for rank, named in measure(config):
             table += term_rows(config, rank, expected, named)
     return table
+
+
+@contextlib.contextmanager
+def rank_group(rank: int, world: int, port: int, shims, tensor_parallel: int, **parallel):
+    """This process as one of ``world`` gloo ranks with megatron-core's parallel state initialised (t =
+    ``tensor_parallel``; ``parallel``: initialize_model_parallel's expert sizes), the CPU ``shims`` applied
+    first; torn down after, whatever happens."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        shims()
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(tensor_parallel, 1, **parallel)
+        yield
+        parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def recompute_settings(technique) -> dict:
+    """TransformerConfig's recompute fields of a technique: selective with its modules, full as every layer
+    alone (uniform 1), none: {}."""
+    from actmem.model.recompute import Recompute
+
+    if technique is None or technique.recompute is Recompute.NONE:
+        return {}
+    if technique.recompute is Recompute.SELECTIVE:
+        return dict(recompute_granularity="selective", recompute_modules=list(technique.modules))
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def held_storages(saved: dict, *modules) -> list:
+    """(key, dtype, shape, bytes) of the saved storages alive when the forward ends, at their size then (a
+    recompute checkpoint that discards its output resizes that storage to 0: it holds nothing), less the
+    modules' parameters and buffers (model state)."""
+    state = {tensor.untyped_storage().data_ptr() for module in modules
+             for tensor in (*module.parameters(), *module.buffers())}
+    held = []
+    for key, (alive, dtype, shape) in saved.items():
+        storage = alive()
+        if storage is not None and storage.nbytes() and key not in state:
+            held.append((key, dtype, shape, storage.nbytes()))
+    return held
+
+
+def recorder():
+    """(saved, pack): the pack hook of saved_tensors_hooks, recording each saved storage once, its weak
+    reference, dtype and shape, in the order first saved (a dead or emptied one's address reused: the later
+    one)."""
+    import weakref
+
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        held = saved.get(key)
+        if storage.nbytes() and (held is None or _dead(held[0]())):
+            saved.pop(key, None)
+            saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        return tensor
+
+    return saved, pack
+
+
+def _dead(storage) -> bool:
+    """A recorded storage that holds nothing now: freed, or resized to 0 by a recompute checkpoint that
+    discards its output (its address free for a later one)."""
+    return storage is None or not storage.nbytes()

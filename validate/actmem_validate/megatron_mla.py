@@ -10,8 +10,8 @@ torch functions writing the same tensors in place. Transformer Engine's modules,
 replaced in the layer spec by stand-ins that keep what TE's keep (TE at d0067d0, see each class):
 TELinear, TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear and
 DotProductAttention's fused (cuDNN) path, whose int64[2] RNG state a layer (16 B) the stand-in does not
-keep (actmem leaves it out, and says so). Three shims let the layer run (``_cpu_shims``); none makes
-or keeps a tensor.
+keep (actmem leaves it out, and says so). The shims that let the layer run (``_cpu_shims``) make
+or keep no tensor.
 
 A saved tensor counts where its storage is still alive when the forward ends, once a storage; the
 layer's parameters and buffers (the cached cos and sin) are model state, not counted. Each is named
@@ -19,7 +19,6 @@ by its dtype and shape, and where two rows share both (the q latent and its norm
 k) by the order the layer saves them (``_named``); any other is unnamed and fails the gate.
 """
 
-import os
 from dataclasses import dataclass
 
 from actmem.memory.techniques import Technique, run_technique
@@ -372,12 +371,9 @@ def config_for(spec: Spec, technique: Technique, **extra):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     arch, run, model = spec.architecture, spec.run, spec.model
-    policy = technique.policy
-    recompute = {}
-    if policy.granularity is Recompute.SELECTIVE:
-        recompute = dict(recompute_granularity="selective", recompute_modules=list(policy.ordered_modules))
-    elif policy.granularity is Recompute.FULL:
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    from actmem_validate.gloo import recompute_settings
+
+    recompute = recompute_settings(technique)
     return MLATransformerConfig(
         num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
         multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
@@ -414,59 +410,17 @@ def layer_spec(arch, stand_ins: dict):
             linear_fc1=stand_ins["layernorm_column"], linear_fc2=stand_ins["row"])), mlp_bda=get_bias_dropout_add))
 
 
-def held_storages(saved: dict, state: set) -> list:
-    """(key, dtype, shape, bytes) of the saved storages alive when the forward ends, at their size then (a
-    recompute checkpoint that discards its output resizes that storage to 0: it holds nothing), less the
-    model's state."""
-    held = []
-    for key, (alive, dtype, shape) in saved.items():
-        storage = alive()
-        if storage is not None and storage.nbytes() and key not in state:
-            held.append((key, dtype, shape, storage.nbytes()))
-    return held
-
-
-def recorder():
-    """(saved, pack): the pack hook of saved_tensors_hooks, recording each saved storage once, its weak
-    reference, dtype and shape, in the order first saved (a dead or emptied one's address reused: the later
-    one)."""
-    import weakref
-
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        held = saved.get(key)
-        if storage.nbytes() and (held is None or _dead(held[0]())):
-            saved.pop(key, None)
-            saved[key] = (weakref.ref(storage), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        return tensor
-
-    return saved, pack
-
-
-def _dead(storage) -> bool:
-    """A recorded storage that holds nothing now: freed, or resized to 0 by a recompute checkpoint that
-    discards its output (its address free for a later one)."""
-    return storage is None or not storage.nbytes()
-
-
 def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
-    import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        stand_ins = _stand_ins()
-        _cpu_shims(stand_ins)
-        from megatron.core import parallel_state
+    from actmem_validate.gloo import held_storages, rank_group, recorder
+
+    stand_ins = _stand_ins()
+    spec, run = config.spec, config.spec.run
+    with rank_group(rank, world, port, lambda: _cpu_shims(stand_ins), run.tensor_parallel):
         from megatron.core.transformer.spec_utils import build_module
 
-        spec, run = config.spec, config.spec.run
-        parallel_state.initialize_model_parallel(run.tensor_parallel, 1)
         torch.manual_seed(0)
         layer = build_module(layer_spec(spec.architecture, stand_ins), config=config_for(spec, config.technique),
                              layer_number=1)
@@ -476,13 +430,9 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
         saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out, _ = layer(hidden_states=x, attention_mask=None)
-        state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
-        named = _named(held_storages(saved, state), spec, config.technique, x.untyped_storage().data_ptr())
+        named = _named(held_storages(saved, layer), spec, config.technique, x.untyped_storage().data_ptr())
         out.float().sum().backward()
         results.put((rank, named))
-        parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(config: MLAConfig) -> list[tuple]:

@@ -14,7 +14,6 @@ node autograd frees on the way, with what it saved, holds nothing), once a stora
 dtype and shape, which the layer's dims make distinct (``_named``); any other is unnamed and fails the gate.
 """
 
-import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -285,6 +284,8 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from actmem_validate.gloo import recompute_settings
+
     arch, run, model = spec.architecture, spec.run, spec.model
     config = TransformerConfig(
         num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
@@ -296,7 +297,7 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
         moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
         moe_expert_capacity_factor=arch.moe_capacity_factor, moe_token_drop_policy=arch.moe_drop_policy,
-        **dict(ignored), **_recompute(technique),
+        **dict(ignored), **recompute_settings(technique),
         normalization="RMSNorm", hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
@@ -305,44 +306,28 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
     if not in_layer:
         return MoELayer(config, submodules)
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from actmem_validate.megatron_mla import _stand_ins
 
     # TE's layer spec for a MoE layer: its pre-MLP norm a TENorm of its own; no attention here (IdentityOp)
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-
     spec_ = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=_stand_ins()["norm"], mlp=ModuleSpec(module=MoELayer, submodules=submodules),
         mlp_bda=get_bias_dropout_add))
     return build_module(spec_, config=config, layer_number=1)
 
 
-def _recompute(technique) -> dict:
-    """TransformerConfig's recompute settings of a technique's selective modules (none: {})."""
-    if technique is None or technique.recompute is not Recompute.SELECTIVE:
-        return {}
-    return dict(recompute_granularity="selective", recompute_modules=list(technique.modules))
-
-
 def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
-    import torch.distributed as dist
 
-    from actmem_validate.megatron_mla import held_storages, recorder
+    from actmem_validate.gloo import held_storages, rank_group, recorder
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _cpu_shims()
-        from megatron.core import parallel_state
-
-        spec = config.spec
-        run = spec.run
-        parallel_state.initialize_model_parallel(run.tensor_parallel, 1, expert_model_parallel_size=run.expert_parallel,
-                                                 expert_tensor_parallel_size=run.etp)
+    spec, run = config.spec, config.spec.run
+    with rank_group(rank, world, port, _cpu_shims, run.tensor_parallel, expert_model_parallel_size=run.expert_parallel,
+                    expert_tensor_parallel_size=run.etp):
         torch.manual_seed(0)                      # the same weights on every rank of a group
         layer = _layer(spec, config.ignored, config.technique, config.in_layer)
         norm_output = []                   # the pre-MLP norm's output: the router's input, in a layer
@@ -359,18 +344,15 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
             received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
         # an expert that receives no token saves empty tensors: they hold nothing (recorder skips them); a
         # storage saved by a node autograd has already freed may lend its address to a later one (the later
-        # one recorded); the layer's parameters are model state
+        # one recorded); the layer's parameters and buffers are model state
         saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out, _ = layer(hidden_states=x, attention_mask=None) if config.in_layer else layer(x)
-        held = held_storages(saved, {p.untyped_storage().data_ptr() for p in layer.parameters()})
+        held = held_storages(saved, layer)
         x_key = x.untyped_storage().data_ptr()
         named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
         out.float().sum().backward()
         results.put((rank, received[0], named))
-        parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:

@@ -20,7 +20,6 @@ final norm's output) by their storage. A storage several rows share (the layer's
 the gathered projection output under SP) is named 'a+b' and checked against their sum.
 """
 
-import os
 from dataclasses import dataclass
 
 from actmem.memory.techniques import Technique, run_technique
@@ -156,19 +155,13 @@ def _block(spec: Spec, technique: Technique, stand_ins: dict):
 def _rank(rank: int, world: int, port: int, config: MTPConfig, results) -> None:
     """One rank: build the block, run it forward recording what autograd saves, then backward."""
     import torch
-    import torch.distributed as dist
 
-    from actmem_validate.megatron_mla import _cpu_shims, _stand_ins, held_storages, recorder
+    from actmem_validate.gloo import held_storages, rank_group, recorder
+    from actmem_validate.megatron_mla import _cpu_shims, _stand_ins
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        stand_ins = _stand_ins()
-        _cpu_shims(stand_ins)
-        from megatron.core import parallel_state
-
-        spec, run = config.spec, config.spec.run
-        parallel_state.initialize_model_parallel(run.tensor_parallel, 1)
+    stand_ins = _stand_ins()
+    spec, run = config.spec, config.spec.run
+    with rank_group(rank, world, port, lambda: _cpu_shims(stand_ins), run.tensor_parallel):
         torch.manual_seed(0)
         block, embedding = _block(spec, config.technique, stand_ins)
         s, b = spec.model.seq_len, run.micro_batch
@@ -185,15 +178,10 @@ def _rank(rank: int, world: int, port: int, config: MTPConfig, results) -> None:
             # gpt_model.py, _postprocess: the main and each prediction's hidden states, chunks of the block's
             # one output, each through the output layer (its column-parallel linear keeps its input)
             logits = [output_layer(chunk)[0] for chunk in torch.chunk(out, 1 + spec.architecture.mtp_layers, dim=0)]
-        state = {tensor.untyped_storage().data_ptr() for module in (block, embedding, output_layer)
-                 for tensor in (*module.parameters(), *module.buffers())}
-        held = held_storages(saved, state)
+        held = held_storages(saved, block, embedding, output_layer)
         named = _named(held, spec, config.technique, hidden.untyped_storage().data_ptr())
         sum(part.float().sum() for part in logits).backward()
         results.put((rank, named))
-        parallel_state.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(config: MTPConfig) -> list[tuple]:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from actmem.memory import engine
 from actmem.model import rules
-from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, qk_norm, te_layer_spec, \
+from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, megatron_moe, qk_norm, te_layer_spec, \
     torch_softmax, unfused_weight_gradients
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.pipeline import StageOccupancy
@@ -219,7 +219,7 @@ def _mask_notes(spec: Spec) -> list:
 def _moe_notes(spec: Spec) -> list:
     """What a mixture-of-experts layer is counted as, and what it leaves out."""
     arch, run = spec.architecture, spec.run
-    if not arch.moe:
+    if not megatron_moe(arch):          # transformers' experts: their model class's notes say what they keep
         return []
     imbalance = run.routing_imbalance
     return [

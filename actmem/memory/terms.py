@@ -6,13 +6,13 @@ activations (2 bytes an element), 1-byte dropout masks, fp32 logits. Every
 equation of the paper is a composition of this table (see ``engine``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
 import sympy
 
-from actmem.model.architecture import PAPER, always, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
+from actmem.model.architecture import PAPER, always, grouped_mm_experts, grouped_mm_renormalised, megatron_moe, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
     flash_heads, hidden_dropout, keeps_norm_input, latent, latent_norms, latent_query, latent_query_norm, moe, mtp, moe_aux_loss, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, \
@@ -24,7 +24,8 @@ from actmem.model.architecture import PAPER, always, counts_norm_statistics, dat
 from actmem.model.recompute import Recompute
 from actmem.model import symbols
 from actmem.model.symbols import a, b, c, e, h, r, s, t, v
-from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK
+from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK, \
+    OFFSET_BYTES as I32
 
 
 class Region(Enum):
@@ -281,6 +282,15 @@ def _experts_probs(arch):
     return _router_bytes(arch) * expert_rows(arch)
 
 
+def _megatron(present):
+    """A row of Megatron's MoELayer: present where ``present`` says and the code is Megatron-Core's."""
+    def megatron_and(arch):
+        return megatron_moe(arch) and present(arch)
+
+    megatron_and.__doc__ = f"{present.__doc__} (Megatron-Core's MoELayer)"
+    return megatron_and
+
+
 #: megatron-core 0.16.1's MoE layer (the local spec's SequentialMLP, as the harness runs it; TE's
 #: grouped GEMM keeps the same tensors): what each of its steps saves, in the order they run. Under
 #: --recompute-modules moe its checkpoint (moe_layer.py, forward: tensor_parallel.checkpoint of the whole
@@ -288,7 +298,7 @@ def _experts_probs(arch):
 #: keeps that same input and drops their rows.
 #: N = s·b (over t under SP) tokens a rank, k = top-k, E = experts; the T rows are the busiest
 #: rank's expert rows (expert_rows), whole on the rank (REPLICATED: the t is inside T).
-MOE_TERMS = (
+MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
     Term("router_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
          "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh), which "
@@ -390,6 +400,63 @@ MOE_TERMS = (
          "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate, module="shared_experts"),
     Term("shared_experts_output", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "... and the shared experts' output it scales (2sbh)", shared_experts_gate, module="shared_experts"),
+))
+
+
+def _hf_copies(arch):
+    """k·N: the routed copies of the N = s·b tokens, every expert on the one device (any routing)."""
+    return _topk(arch) * s * b
+
+
+def _hf_routing_weight_bytes(arch) -> int:
+    """Mixtral's router hands the experts its fp32 top-k values; Qwen3-MoE's casts them to the logits' 16 bits."""
+    return F32 if "fp32_routing_weights" in arch.keeps else A16
+
+
+#: transformers 5.23.0's sparse MoE block (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock) with its default
+#: experts implementation, grouped_mm (integrations/moe.py, grouped_mm_experts_forward), on one device: what
+#: each step saves, read off the source and measured (validate/actmem_validate/hf.py). N = s·b tokens, k the
+#: top-k, E the experts; every expert is on the device, so the rows are k·N whatever the routing.
+HF_MOE_TERMS = (
+    Term("gate_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the router's F.linear keeps its input, the post-attention norm's output (MixtralTopKRouter, "
+         "Qwen3MoeTopKRouter; 2sbh)", grouped_mm_experts),
+    Term("gate_softmax_fp32", lambda arch: F32 * _experts(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "softmax(router_logits, dtype=float32) over every expert keeps its fp32 output, [N, E] (4sbE)",
+         grouped_mm_experts),
+    Term("gate_topk_indices", lambda arch: I64 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "torch.topk keeps its int64 indices, [N, k] (8sbk)", grouped_mm_experts),
+    Term("gate_topk_values_fp32", lambda arch: F32 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "router_top_value /= its sum, in place, keeps the fp32 top-k values as they were (autograd's copy of "
+         "div_'s self), [N, k] (4sbk)", grouped_mm_renormalised),
+    Term("gate_topk_sum", F32 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "... and their sum, fp32 [N, 1] (4sb)", grouped_mm_renormalised),
+    Term("experts_token_indices", lambda arch: I64 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "hidden_states[perm // k] keeps its int64 indices, the token of each routed copy in expert order, "
+         "[N·k] (8sbk)", grouped_mm_experts),
+    Term("experts_sort_permutation", lambda arch: I64 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "sample_weights[perm] keeps the sort's int64 permutation, [N·k] (8sbk)", grouped_mm_experts),
+    Term("experts_offsets", lambda arch: I32 * _experts(arch), Region.REPLICATED, _STORED, Scope.LAYER,
+         "both grouped_mm keep the int32 offsets where each expert's rows end (cumsum of histc), [E] (4E)",
+         grouped_mm_experts),
+    Term("experts_gathered_input", lambda arch: A16 * h * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "the gate_up grouped_mm keeps its input, the token rows in expert order, [N·k, h] (2sbkh)",
+         grouped_mm_experts),
+    Term("experts_gate_up_output", lambda arch: A16 * 2 * _expert_ffn(arch) * _hf_copies(arch), Region.BOUNDARY,
+         _STORED, Scope.LAYER, "the gate_up grouped_mm's output, [N·k, 2f_e], which silu (its gate half) and the "
+         "product (its up half) keep as views (4sbkf_e)", grouped_mm_experts),
+    Term("experts_silu_output", lambda arch: A16 * _expert_ffn(arch) * _hf_copies(arch), Region.BOUNDARY, _STORED,
+         Scope.LAYER, "the product act_fn(gate) * up keeps silu's output, [N·k, f_e] (2sbkf_e)", grouped_mm_experts),
+    Term("experts_down_input", lambda arch: A16 * _expert_ffn(arch) * _hf_copies(arch), Region.BOUNDARY, _STORED,
+         Scope.LAYER, "the down grouped_mm keeps its input, the product, [N·k, f_e] (2sbkf_e)", grouped_mm_experts),
+    Term("experts_down_output", lambda arch: A16 * h * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "proj_out * sample_weights_g keeps the down grouped_mm's output, [N·k, h] (2sbkh)", grouped_mm_experts),
+    Term("experts_routing_weights", lambda arch: _hf_routing_weight_bytes(arch) * _hf_copies(arch), Region.BOUNDARY,
+         _STORED, Scope.LAYER, "... and the routing weights in expert order, [N·k, 1]: Qwen3-MoE's 16-bit "
+         "(router_top_value.to(router_logits.dtype)), Mixtral's fp32 (its router returns the softmax's values; "
+         "2sbk or 4sbk)", grouped_mm_experts),
+    Term("experts_inverse_permutation", lambda arch: I64 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
+         "weighted_out[inv_perm] keeps the inverse permutation, int64 [N·k] (8sbk)", grouped_mm_experts),
 )
 
 def _latent_query(arch):
@@ -632,6 +699,7 @@ TERMS = (
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
          "(the eager core) it is what the MLP's checkpoint keeps", dense_mlp, module=_mlp_with_fused_norm),
     *MOE_TERMS,
+    *HF_MOE_TERMS,
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
          "GeLU keeps its input (4.1, 8sbh; 2sbf for an MLP of size f); Megatron's fused "
          "bias-GeLU saves its input and the bias, a parameter", _dense(gelu), module="mlp"),

@@ -603,6 +603,21 @@ def moe(arch: Architecture) -> bool:
     return arch.moe
 
 
+def megatron_moe(arch: Architecture) -> bool:
+    """the MLP is Megatron-Core's MoELayer"""
+    return arch.moe and "moe" in arch.code.has
+
+
+def grouped_mm_experts(arch: Architecture) -> bool:
+    """the MLP is transformers' sparse MoE block, its experts run by grouped_mm (its default)"""
+    return arch.moe and "grouped_mm_experts" in arch.keeps
+
+
+def grouped_mm_renormalised(arch: Architecture) -> bool:
+    """transformers' router divides the top-k probabilities by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)"""
+    return grouped_mm_experts(arch) and not arch.moe_pre_softmax
+
+
 def moe_topk_softmax(arch: Architecture) -> bool:
     """the MoE router's softmax runs over the top-k scores (Megatron's default)"""
     return arch.moe and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax

@@ -43,9 +43,11 @@ class Implementation:
     """Behaviours that add rows of the term table, by name (terms.py's predicates ask)."""
     architecture: tuple = ()
     """(field, allowed values, why): the architecture the implementation is modelled for."""
-    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer"})
-    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, and the
-    distributed optimizer (model state is counted as Megatron's mixed-precision Adam)."""
+    runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer",
+                                 "expert"})
+    """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, the
+    distributed optimizer (model state is counted as Megatron's mixed-precision Adam), and experts
+    spread over ranks (EP > 1, and with them a routing imbalance between ranks)."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
@@ -111,8 +113,14 @@ class Implementation:
             raise SpecError(f"--implementation {self.name} is modelled for {_why(self.architecture, arch)}")
         model = self.model_class(arch)
         if self.models and model is None:
-            fewest = min(len(_broken(model.architecture, arch)) for model in self.models)
-            closest = [model for model in self.models if len(_broken(model.architecture, arch)) == fewest]
+            # the closest: a class with experts for a mixture of experts (and none for a dense MLP), then the
+            # fewest broken constraints
+            def distance(model):
+                broken = _broken(model.architecture, arch)
+                return (any(field == "moe" for field, _, _ in broken), len(broken))
+
+            fewest = min(distance(model) for model in self.models)
+            closest = [model for model in self.models if distance(model) == fewest]
             raise SpecError(f"--implementation {self.name} is modelled for "
                             f"{', '.join(model.name for model in self.models)}; the closest: "
                             + "; ".join(f"{model.name}, for {_why(model.architecture, arch)}" for model in closest))
@@ -144,7 +152,12 @@ def _broken(constraints: tuple, arch) -> list:
 
 
 #: the flag that sets a field, where it is not --field
-_FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias"}
+_FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias", "moe": "--num-experts",
+          "moe_layer_freq": "--moe-layer-freq", "moe_score_function": "--moe-router-score-function",
+          "moe_router_dtype": "--moe-router-dtype", "moe_router_groups": "--moe-router-num-groups",
+          "moe_expert_bias": "--moe-router-enable-expert-bias", "moe_shared_ffn": "--moe-shared-expert-intermediate-size",
+          "moe_capacity_factor": "--moe-expert-capacity-factor", "moe_dispatcher": "--moe-token-dispatcher-type",
+          "moe_load_balancing": "--moe-router-load-balancing-type", "moe_pre_softmax": "--moe-router-pre-softmax"}
 
 
 def _why(constraints: tuple, arch) -> str:
@@ -181,10 +194,13 @@ _LLAMA_LAYER = (
     ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
                                 "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
     ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"))
+_DENSE = ("moe", (False,), "transformers' {} layer, a dense MLP (MixtralForCausalLM and Qwen3MoeForCausalLM have "
+                           "experts)")
 _HF_LLAMA = ModelClass(
     "LlamaForCausalLM",
     architecture=_LLAMA_LAYER + (("qk_norm", (False,), "transformers' Llama layer, which has no q and k "
-                                                       "norms (Qwen3ForCausalLM has them)"),),
+                                                       "norms (Qwen3ForCausalLM has them)"),
+                                 (_DENSE[0], _DENSE[1], _DENSE[2].format("Llama"))),
     keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
     notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
            "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
@@ -199,6 +215,7 @@ _HF_QWEN3 = ModelClass(
     "Qwen3ForCausalLM",
     architecture=_LLAMA_LAYER + (
         ("qk_norm", (True,), "transformers' Qwen3 layer, whose q_norm and k_norm normalise each head"),
+        (_DENSE[0], _DENSE[1], _DENSE[2].format("Qwen3")),
         ("bias", (False,), "transformers' Qwen3 layer, whose MLP has no biases"),
         ("qkv_bias", (None,), "transformers' Qwen3 layer, whose attention_bias puts biases on q, k, v and o "
                               "alike, which actmem cannot express")),
@@ -220,7 +237,8 @@ _HF_GPT2 = ModelClass(
         ("query_groups", (None,), "transformers' GPT2Attention, one key a head"),
         ("head_dim", (None,), "transformers' GPT2Attention, head dim h/a"),
         ("bias", (True,), "transformers' Conv1D, which always has a bias"),
-        ("qk_norm", (False,), "transformers' GPT2Attention, which has no q and k norms")),
+        ("qk_norm", (False,), "transformers' GPT2Attention, which has no q and k norms"),
+        (_DENSE[0], _DENSE[1], _DENSE[2].format("GPT2"))),
     keeps=frozenset({"gelu_tanh_intermediates"}),
     rules=((lambda arch: arch.attention_core == "eager" or arch.attention_dropout == 0,
             "transformers' GPT2 under sdpa with no attention dropout: with dropout a GPU's flash kernel "
@@ -232,15 +250,69 @@ _HF_GPT2 = ModelClass(
            "copies (eager, b > 1), the same bytes; gelu_new, written in Python, keeps its input and three "
            "more f-wide tensors; dropout keeps 1-byte masks (torch.native_dropout, as on a GPU); the "
            "int64 position ids (8s B) are not counted",))
+# transformers 5.23.0's sparse MoE blocks (models/mixtral/modeling_mixtral.py, models/qwen3_moe/
+# modeling_qwen3_moe.py): a softmax router over every expert, top-k, and the experts as 3-D weights run by
+# the experts implementation transformers picks by default, grouped_mm (modeling_utils.py,
+# get_correct_experts_implementation; integrations/moe.py, grouped_mm_experts_forward), on one device.
+_HF_EXPERTS = (
+    ("moe", (True,), "transformers' sparse MoE block"),
+    ("moe_layer_freq", (1,), "transformers' sparse MoE block in every layer (Qwen3-MoE's mlp_only_layers are "
+                             "not modelled)"),
+    ("moe_score_function", ("softmax",), "transformers' router, a softmax over every expert"),
+    ("moe_router_dtype", (None,), "transformers' router, whose logits are the model's 16 bits"),
+    ("moe_router_groups", (None,), "transformers' router, which routes over every expert (no groups)"),
+    ("moe_expert_bias", (False,), "transformers' router, which has no expert bias"),
+    ("moe_shared_ffn", (None,), "transformers' Mixtral and Qwen3-MoE blocks, which have no shared experts "
+                                "(Qwen2-MoE's are not modelled)"),
+    ("moe_capacity_factor", (None,), "transformers' sparse MoE block, which drops no tokens"),
+    ("moe_dispatcher", ("allgather",), "transformers' sparse MoE block on one device, with no token dispatcher "
+                                       "(--moe-token-dispatcher-type is Megatron's)"),
+    ("moe_grouped_gemm", (False,), "transformers' experts, run by its grouped_mm by default (--moe-grouped-gemm "
+                                   "is Megatron's)"),
+    ("moe_load_balancing", ("aux_loss", "none"), "transformers' sparse MoE block, whose aux loss "
+                                                 "(load_balancing_loss_func) is a function of the router logits"),
+    ("bias", (False,), "transformers' Mixtral and Qwen3-MoE layers, which have no biases"),
+    ("qkv_bias", (None,), "transformers' Mixtral and Qwen3-MoE layers, which have no biases"),
+)
+_HF_EXPERTS_NOTE = ("hf: the experts run by transformers' default experts implementation, grouped_mm (the token "
+                    "rows sorted by expert, int64 indices and int32 offsets kept); eager and batched_mm keep other "
+                    "tensors and are not modelled; every expert sits on the one device, so the rows are k·N "
+                    "whatever the routing; the aux loss is not computed (output_router_logits false, the configs' "
+                    "default): with it, the router logits of every layer are kept, not counted")
+_HF_MIXTRAL = ModelClass(
+    "MixtralForCausalLM",
+    architecture=_LLAMA_LAYER + _HF_EXPERTS + (
+        ("qk_norm", (False,), "transformers' Mixtral layer, which has no q and k norms (Qwen3MoeForCausalLM has "
+                              "them)"),
+        ("moe_pre_softmax", (False,), "transformers' MixtralTopKRouter, which always renormalises the top-k "
+                                      "probabilities")),
+    keeps=_HF_LLAMA.keeps | {"grouped_mm_experts", "fp32_routing_weights"},
+    notes=("hf: transformers 5.23 MixtralForCausalLM on one device, as measured by the harness: Llama's attention "
+           "and norms (see LlamaForCausalLM); the router keeps its fp32 softmax over every expert and renormalises "
+           "the top-k in place, handing the experts fp32 weights", _HF_EXPERTS_NOTE))
+_HF_QWEN3_MOE = ModelClass(
+    "Qwen3MoeForCausalLM",
+    architecture=_LLAMA_LAYER + _HF_EXPERTS + (
+        ("qk_norm", (True,), "transformers' Qwen3-MoE layer, whose q_norm and k_norm normalise each head"),),
+    keeps=_HF_LLAMA.keeps | {"grouped_mm_experts"},
+    notes=("hf: transformers 5.23 Qwen3MoeForCausalLM on one device, as measured by the harness: Qwen3's attention "
+           "and norms (see Qwen3ForCausalLM); the router keeps its fp32 softmax over every expert, renormalises the "
+           "top-k in place where norm_topk_prob (else --moe-router-pre-softmax) and hands the experts 16-bit "
+           "weights", _HF_EXPERTS_NOTE))
+
 #: Megatron's kernel choice (--no-rope-fusion) and its dataloader's attention mask, which other codes have not
 _NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
 
-_HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON, unpadded_vocab="transformers keeps the config's vocabulary",
+#: ... and Megatron's MoE settings transformers has no use for: one device has no token dispatcher, and its
+#: experts run by its own grouped_mm
+_NOT_MEGATRON_EXPERTS = (("moe_dispatcher", "allgather"), ("moe_grouped_gemm", False))
+
+_HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON + _NOT_MEGATRON_EXPERTS, unpadded_vocab="transformers keeps the config's vocabulary",
            flash_head_dim_limit=256,
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
                               "which actmem does not count yet",
-           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2),
+           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE),
            selective_recompute="transformers has no selective recompute: choose none",
            full_recompute="transformers' activation checkpointing also keeps what each layer's call "
                           "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
@@ -276,9 +348,10 @@ SWITCHES = (
     ("wgrad_fusion", lambda arch: not arch.gradient_accumulation_fusion,
      "--no-gradient-accumulation-fusion is Megatron's switch; --implementation {code} computes its weight "
      "gradients with autograd already"),
-    ("moe", lambda arch: arch.moe,
-     "mixture-of-experts layers are modelled as Megatron-Core's MoELayer; --implementation {code}'s own "
-     "(torchtitan's, transformers') keeps what actmem has not read yet: give --implementation megatron"),
+    ("moe", lambda arch: arch.moe and not any("grouped_mm_experts" in model.keeps for model in arch.code.models),
+     "mixture-of-experts layers are modelled as Megatron-Core's MoELayer and as transformers' MixtralForCausalLM "
+     "and Qwen3MoeForCausalLM; --implementation {code}'s own keeps what actmem has not read yet: give "
+     "--implementation megatron"),
     ("rotary_percent", lambda arch: arch.rotary_percent != 1,
      "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "
      "{arch.position_embedding} under {code}"),

@@ -218,7 +218,7 @@ class Spec:
             experts=self.architecture.num_experts, dense=None if self.architecture.moe else True,
             latent=True if self.architecture.multi_latent_attention else None,
             mtp=True if self.architecture.mtp_layers else None,
-            ep=run.expert_parallel, etp=run.etp, expert_ffn=self.architecture.expert_ffn(model.hidden),
+            ep=run.expert_parallel, etp=run.etp, imbalance=run.routing_imbalance, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers))
 

@@ -52,10 +52,18 @@ def read_hf_config(path: Path) -> dict:
 
 def _hf_unmeasured(kind: str, config: dict) -> str | None:
     """Why transformers runs this config with code the harness has not measured: the harness
-    runs LlamaForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel with gelu_new (hf.py); None where
-    it is that."""
-    if kind not in ("llama", "qwen3", "gpt2"):
+    runs LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel with gelu_new, MixtralForCausalLM and
+    Qwen3MoeForCausalLM without their aux loss or router jitter (hf.py); None where it is that."""
+    if kind not in ("llama", "qwen3", "gpt2", "mixtral", "qwen3_moe"):
         return f"{kind} is a class of its own in transformers, whose own code actmem has not measured"
+    if kind in MOE_READ and config.get("output_router_logits"):
+        return ("output_router_logits: transformers then adds the aux loss, keeping every layer's router logits "
+                "(load_balancing_loss_func), which actmem has not measured")
+    if kind == "mixtral" and config.get("router_jitter_noise"):
+        return "router_jitter_noise: the jitter's noise and its product are kept, which actmem has not measured"
+    if kind == "mixtral" and config.get("sliding_window"):
+        return ("sliding_window: sdpa is then handed a mask, which it keeps beside k and v repeated to every head; "
+                "actmem has not measured it")
     act = config.get("activation_function", "gelu_new")
     if kind == "gpt2" and act != "gelu_new":
         return (f"its activation_function is {act}, and only gelu_new, GPT-2's own, is measured "
@@ -190,9 +198,9 @@ def _moe(config, path):
                          moe_ffn_hidden=expert_ffn, moe_aux_loss_coeff=float(coeff), moe_pre_softmax=not renormalised,
                          moe_shared_ffn=shared, moe_shared_gate=shared is not None)
     return model, architecture, notes + (
-        f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer, as Megatron-Core's MoE layer "
-        f"trains them, the aux loss at the config's router_aux_loss_coef ({coeff:g}; --moe-aux-loss-coeff); the "
-        "token dispatcher is the run's choice (--moe-token-dispatcher-type; Megatron's default allgather)",)
+        f"{kind}: {experts} experts, top-{architecture['moe_topk']}, in every layer; as Megatron-Core's MoE layer "
+        f"trains them, the aux loss at the config's router_aux_loss_coef ({coeff:g}; --moe-aux-loss-coeff) and the "
+        "token dispatcher the run's choice (--moe-token-dispatcher-type; Megatron's default allgather)",)
 
 
 def _deepseek(config, path):

@@ -1,5 +1,5 @@
-"""The hf backend: transformers' own LlamaForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel,
-unmodified, keep what actmem's hf rows say, to the byte, eager and sdpa, at small shapes for
+"""The hf backend: transformers' own LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel,
+MixtralForCausalLM and Qwen3MoeForCausalLM, unmodified, keep what actmem's hf rows say, to the byte, eager and sdpa, at small shapes for
 real and at Llama 3.1 8B's, Qwen3 8B's and the paper's 22B dims with fake tensors; a saved
 tensor no rule names turns the gate red. Numbers by hand below."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from actmem_validate import hf  # noqa: E402
 from actmem_validate.compare import judge  # noqa: E402
-from actmem_validate.grid import HF, HF_GPT2, configs_for, hf_presets, small_spec  # noqa: E402
+from actmem_validate.grid import HF, HF_GPT2, HF_MIXTRAL, HF_QWEN3_MOE, configs_for, hf_presets, small_spec  # noqa: E402
 from actmem_validate.launch import run_fake  # noqa: E402
 
 
@@ -172,7 +172,7 @@ def test_gpt2_at_the_paper_22b_dims_with_fake_tensors():
     eager keeps the softmax, 2·64·2048² = 536,870,912 B a layer, a 1-byte mask of 268,435,456 B,
     and gelu_new's 3 x 2·2048·24,576 = 301,989,888 B; sdpa's one QKV storage is 6·2048·6144 =
     75,497,472 B a layer."""
-    *_, eager, sdpa = hf_presets()
+    eager, sdpa = (config for config in hf_presets() if config.spec.name.startswith("22b"))
     rows = run_fake([eager, sdpa])
     assert judge(rows, 0.0) == []
     by = {(r["config"], r["term"]): r["measured_bytes"] for r in rows}
@@ -217,3 +217,99 @@ def test_gpt2_formula_forgetting_gelu_new_turns_the_gate_red(monkeypatch):
         rows, failures = _gpt2("eager", 2)
     assert rows["gelu_tanh_intermediates"]["formula_bytes"] == 0
     assert rows["gelu_tanh_intermediates"]["gate"] == "fail"
+
+
+# MixtralForCausalLM and Qwen3MoeForCausalLM at small shapes (h = 64, E = 8, k = 2, f_e = 48, s = 32,
+# b = 2, L = 2): N = 64 tokens, N·k = 128 routed copies, their experts run by grouped_mm.
+
+
+def _moe(extra, fake=False):
+    config = configs_for(small_spec(2, 1, name="small-hf-moe", **(HF | extra)), ["none"], 1)[0]
+    rows = hf.measure(config, fake=fake)
+    return {r["term"]: r for r in rows}, judge(rows, 0.0)
+
+
+@pytest.mark.parametrize("extra, weight_bytes", [(HF_MIXTRAL, 4), (HF_QWEN3_MOE, 2)])
+def test_the_sparse_moe_block_keeps_its_rows_to_the_byte(extra, weight_bytes):
+    """A layer: the gate_up output 4·128·48 = 24,576 B, the gathered rows 2·128·64 = 16,384, the three
+    int64 permutations 8·128 = 1,024 each, the int32 offsets 4·8 = 32, the router's fp32 softmax
+    4·64·8 = 2,048, the division's copy of the fp32 top-k values 4·128 = 512 and their sum 4·64 = 256;
+    the routing weights 128·4 = 512 (Mixtral: fp32) or 128·2 = 256 (Qwen3-MoE: 16-bit)."""
+    rows, failures = _moe(extra)
+    assert failures == [] and "unattributed" not in rows
+    measured = {name: row["measured_bytes"] for name, row in rows.items()}
+    assert measured["experts_gate_up_output"] == 2 * 24_576 and measured["experts_gathered_input"] == 2 * 16_384
+    assert measured["experts_token_indices"] == measured["experts_sort_permutation"] \
+        == measured["experts_inverse_permutation"] == 2 * 1_024
+    assert measured["experts_offsets"] == 2 * 32 and measured["gate_softmax_fp32"] == 2 * 2_048
+    assert measured["gate_topk_values_fp32"] == 2 * 512 and measured["gate_topk_sum"] == 2 * 256
+    assert measured["experts_routing_weights"] == 2 * 128 * weight_bytes
+
+
+def test_qwen3_moe_without_norm_topk_prob_keeps_no_division():
+    """norm_topk_prob false (--moe-router-pre-softmax): no in-place division, so no copy of the values
+    and no sum is kept, and the gate finds nothing unattributed."""
+    rows, failures = _moe(HF_QWEN3_MOE | dict(moe_pre_softmax=True))
+    assert failures == []
+    assert not {"gate_topk_values_fp32", "gate_topk_sum", "unattributed"} & set(rows)
+
+
+def test_mixtral_and_qwen3_moe_at_full_dims_with_fake_tensors():
+    """Two layers at Mixtral 8x7B's dims (s = 4096, k = 2, f_e = 14,336): the gate_up output
+    4·4096·2·14,336 = 469,762,048 B a layer; at Qwen3-30B-A3B's (k = 8, f_e = 768, E = 128):
+    4·4096·8·768 = 100,663,296 B a layer, the fp32 softmax 4·4096·128 = 2,097,152."""
+    mixtral, qwen3_moe = (config for config in hf_presets() if config.spec.architecture.moe)
+    rows = run_fake([mixtral, qwen3_moe])
+    assert judge(rows, 0.0) == []
+    by = {(r["config"], r["term"]): r["measured_bytes"] for r in rows}
+    assert by[(mixtral.label, "experts_gate_up_output")] == 2 * 469_762_048
+    assert by[(qwen3_moe.label, "experts_gate_up_output")] == 2 * 100_663_296
+    assert by[(qwen3_moe.label, "gate_softmax_fp32")] == 2 * 2_097_152
+    assert (mixtral.label, "unattributed") not in by
+
+
+def test_mixtral_weights_counted_in_16_bits_turn_the_gate_red(monkeypatch):
+    """Were actmem to count Mixtral's routing weights at 16 bits, the measured fp32 ones are twice it: red."""
+    with _forgetting(monkeypatch, "MixtralForCausalLM", "fp32_routing_weights"):
+        rows, failures = _moe(HF_MIXTRAL)
+    row = rows["experts_routing_weights"]
+    assert row["measured_bytes"] == 2 * row["formula_bytes"] and row["gate"] == "fail"
+
+
+def test_an_expert_tensor_named_as_the_dense_mlp_turns_the_gate_red(monkeypatch):
+    """Without the experts' silu rule, the dense rule names the storage silu_output, a row a MoE layer
+    does not have: measured but not in the formula, red (and the experts' own row measured as nothing)."""
+    monkeypatch.setattr(hf, "EXPERT_RULES", tuple(rule for rule in hf.EXPERT_RULES if rule[3] != "experts_silu_output"))
+    rows, failures = _moe(HF_QWEN3_MOE)
+    assert rows["silu_output"]["formula_bytes"] == 0 and rows["silu_output"]["gate"] == "fail"
+    assert rows["experts_silu_output"]["measured_bytes"] == 0 and rows["experts_silu_output"]["gate"] == "fail"
+
+
+def test_an_unnamed_permutation_turns_the_gate_red(monkeypatch):
+    """Without the rule for the inverse permutation, it lands in 'unattributed': red."""
+    monkeypatch.setattr(hf, "EXPERT_RULES", tuple(rule for rule in hf.EXPERT_RULES
+                                                  if rule[3] != "experts_inverse_permutation"))
+    rows, failures = _moe(HF_MIXTRAL)
+    assert rows["unattributed"]["gate"] == "fail" and rows["unattributed"]["measured_bytes"] == 2 * 1_024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("core", ["eager", "flash"])
+@pytest.mark.parametrize("extra", [HF_MIXTRAL, HF_QWEN3_MOE], ids=["mixtral", "qwen3-moe"])
+def test_on_a_gpu_the_cuda_kernels_keep_the_same_bytes(extra, core):
+    """On a GPU the experts run grouped_mm's CUDA kernel and histc over int ids, the eager core CUDA's bmm
+    and softmax, sdpa cuDNN's attention (q, k, v, its output and log-sum-exp, and its 16-byte philox state):
+    every row as on the CPU, 0 B off, nothing unattributed (small shapes, real tensors)."""
+    config = configs_for(small_spec(2, 1, name="small-hf-moe", **(HF | extra | dict(attention_core=core))),
+                         ["none"], 1)[0]
+    rows = hf.measure(config, device="cuda")
+    assert judge(rows, 0.0) == [] and "unattributed" not in {row["term"] for row in rows}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_every_hf_preset_keeps_the_formula_bytes():
+    """hf_presets' two layers (Llama 3.1 8B and Qwen3 8B eager and sdpa, GPT-2 at 22B's dims with dropout,
+    Mixtral 8x7B and Qwen3-30B-A3B), real tensors and real routing on the GPU: 0 B off on every row, the
+    norms' statistics at the GPU's fp32 and dropout's masks bool."""
+    for config in hf_presets():
+        assert judge(hf.measure(config, device="cuda"), 0.0) == [], config.label

@@ -175,7 +175,8 @@ def _rank0_runs(configs, grid):
 
 
 def _check_backends(configs, mode: str, microbatches) -> None:
-    """The torch-native and hf backends measure one microbatch's forward on the CPU."""
+    """The torch-native and hf backends measure one microbatch's forward: torch-native on the CPU,
+    hf on a GPU too."""
     import torch
 
     others = {config.spec.architecture.implementation for config in configs} - {"megatron"}
@@ -184,9 +185,11 @@ def _check_backends(configs, mode: str, microbatches) -> None:
     if microbatches not in (None, 1):
         raise SpecError(f"the {', '.join(sorted(others))} backend measures one microbatch's forward: "
                         f"drop --microbatches {microbatches}")
-    if mode == "real" and torch.cuda.is_available():
-        raise SpecError(f"the {', '.join(sorted(others))} backend runs on the CPU so far; on a GPU "
-                        "measure --implementation megatron, or use --mode fake")
+    if mode == "fake" or not torch.cuda.is_available():
+        return
+    if "torch-native" in others and mode == "real":
+        raise SpecError("the torch-native backend runs on the CPU so far; on a GPU measure --implementation "
+                        "megatron or hf, or use --mode fake")
 
 
 def _check_output(output) -> None:

@@ -46,6 +46,8 @@ RESIDUALS = {
     "core_attn_mask_type": "Megatron's core_attn checkpoint keeps the attention mask type as a tensor, "
                            "torch.tensor([value], dtype=torch.int) (attention.py, _checkpointed_attention_forward): "
                            "4 B a layer, left out as the paper leaves it",
+    "sdpa_rng_state": "on a GPU, transformers' sdpa runs cuDNN's attention (on an H200, torch 2.11), which keeps "
+                      "its philox seed and offset for the backward: 16 B a layer",
     "flash_rng_state": "on a GPU, SDPA's flash kernel keeps its philox state for the backward, 24 B a "
                        "call: rng_state, 2 uint64, and an unused uint64 scalar (PyTorch's flash_api.cpp, "
                        "mha_fwd); TE's and flash-attn's kernels keep a like 16-byte rng_state",

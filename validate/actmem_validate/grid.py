@@ -74,6 +74,12 @@ TORCH_NATIVE = FLASH | dict(implementation="torch-native")
 #: FLASH as transformers' LlamaForCausalLM runs it (attention_core eager or flash: sdpa)
 HF = FLASH | dict(implementation="hf")
 
+#: HF as transformers' MixtralForCausalLM and Qwen3MoeForCausalLM run it: 8 experts of f_e = 48, top-2
+HF_MIXTRAL = dict(num_experts=8, moe_topk=2, moe_ffn_hidden=48)
+HF_QWEN3_MOE = HF_MIXTRAL | dict(qk_norm=True)
+#: a Megatron preset's MoE settings that transformers has no use for (one device, its own grouped_mm)
+HF_EXPERTS = dict(moe_dispatcher="allgather", moe_grouped_gemm=False)
+
 #: the paper's layer as transformers' GPT2LMHeadModel runs it, by attention core (sdpa only
 #: without attention dropout: a CPU's SDPA with dropout is its math kernel)
 HF_GPT2 = {"eager": dict(implementation="hf", attention_core="eager"),
@@ -220,6 +226,10 @@ def small_grid() -> list[Config]:
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf-qwen3", qk_norm=True,
                                           **(HF | dict(attention_core=core))), ["none"], 1)
+    # and its MixtralForCausalLM and Qwen3MoeForCausalLM (8 experts, top-2, grouped_mm; Qwen3-MoE with and
+    # without norm_topk_prob), sdpa
+    for extra in (HF_MIXTRAL, HF_QWEN3_MOE, HF_QWEN3_MOE | dict(moe_pre_softmax=True)):
+        configs += configs_for(small_spec(2, 1, name="small-hf-moe", **(HF | extra)), ["none"], 1)
     # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout
     for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):
@@ -303,11 +313,14 @@ TORCH_NATIVE_RUNS = {"llama-3.1-8b": 8, "llama-3.1-70b": 4}
 
 def hf_presets() -> list[Config]:
     """transformers' LlamaForCausalLM at Llama 3.1 8B's dims, Qwen3ForCausalLM at Qwen3 8B's
-    and GPT2LMHeadModel at the paper's 22B dims, two layers, eager and sdpa."""
+    and GPT2LMHeadModel at the paper's 22B dims, two layers, eager and sdpa; MixtralForCausalLM at
+    Mixtral 8x7B's and Qwen3MoeForCausalLM at Qwen3-30B-A3B's, two layers, sdpa."""
     llama, qwen3, gpt = load_preset("llama-3.1-8b"), load_preset("qwen3-8b"), load_preset("22b")
     archs = [(model, {"implementation": "hf", "attention_core": core}) for model in (llama, qwen3)
              for core in ("eager", "flash")]
     archs += [(gpt, HF_GPT2[core]) for core in ("eager", "flash")]
+    archs += [(load_preset(name), {"implementation": "hf", "attention_core": "flash"} | HF_EXPERTS)
+              for name in ("mixtral-8x7b", "qwen3-30b-a3b")]
     return [config_for(build_spec(preset.model | {"layers": 2}, {}, name=f"{preset.name}·2 layers",
                                   architecture=preset.architecture | arch), BY_NAME["none"], 1)
             for preset, arch in archs]

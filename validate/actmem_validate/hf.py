@@ -31,6 +31,9 @@ from actmem_validate.naming import naming
 from actmem_validate.torch_compat import fake_tensor_mode
 
 TRANSFORMERS_VERSION = "5.23.0"
+#: on a GPU, the philox seed and offset cuDNN's attention keeps a call: two int64 [1] (measured on an
+#: H200 with torch 2.11: 32 B over two layers); none from the CPU's flash kernel
+CUDNN_RNG_STATE_BYTES = 2 * 8
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _STATISTICS = {"input_layernorm": "attention_norm_statistics", "post_attention_layernorm": "mlp_norm_statistics",
                "ln_1": "attention_norm_statistics", "ln_2": "mlp_norm_statistics"}
@@ -49,6 +52,15 @@ def _rms_norm_rules(norm: str, copy: str, statistics: str, normalized: str) -> t
     the mul by rsqrt; rsqrt's result; the 16-bit normalized tensor kept by weight * x."""
     return ((norm, "_to_copy.default", "out:float32", copy), (norm, "rsqrt.default", "out", statistics),
             (norm, "_to_copy.default", "out:bfloat16", normalized))
+
+
+def _cudnn_sdpa_rules(attention: str) -> tuple:
+    """aten._scaled_dot_product_cudnn_attention: q, k, v, its output and fp32 log-sum-exp, and the
+    philox state its backward reads (derivatives.yaml: philox_seed, philox_offset)."""
+    op = "_scaled_dot_product_cudnn_attention.default"
+    return ((attention, op, 0, "query"), (attention, op, 1, "key"), (attention, op, 2, "value"),
+            (attention, op, "out0", "projection_input"), (attention, op, "out1", "softmax_lse"),
+            (attention, op, "out", "sdpa_rng_state"))
 
 
 RULES = (
@@ -77,11 +89,37 @@ RULES = (
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", 2, "value"),
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out0", "projection_input"),
     ("self_attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
+    # on a GPU, the kernel sdpa chose on an H200 (torch 2.11): cuDNN's, which keeps the same and its
+    # philox seed and offset (the op's other tensor outputs)
+    *_cudnn_sdpa_rules("self_attn"),
     # LlamaRotaryEmbedding: cos and sin, made once a forward, kept by every layer's rotation
     ("rotary_emb", "_to_copy.default", "out:bfloat16", "rotary_tables"),
     # the embedding keeps its int64 token ids
     ("embed_tokens", "embedding.default", 1, "token_ids"),
     *_LOSS,
+)
+
+
+#: Read off modeling_mixtral.py, modeling_qwen3_moe.py and integrations/moe.py (5.23.0,
+#: grouped_mm_experts_forward, transformers' default experts implementation): the router
+#: (module 'mlp.gate') and the experts ('mlp.experts'). They come first: the experts' silu is
+#: an 'act_fn' too, which the dense rule below would name otherwise.
+EXPERT_RULES = (
+    ("mlp.gate", "mm.default", "in", "gate_input"),
+    ("mlp.gate", "_softmax.default", "out", "gate_softmax_fp32"),
+    ("mlp.gate", "topk.default", "out1", "gate_topk_indices"),
+    ("mlp.gate", "clone.default", "out", "gate_topk_values_fp32"),      # autograd's copy of div_'s self
+    ("mlp.gate", "sum.dim_IntList", "out", "gate_topk_sum"),
+    ("mlp.experts", "floor_divide.default", "out", "experts_token_indices"),         # perm // k
+    ("mlp.experts", "sort.default", "out1", "experts_sort_permutation"),
+    ("mlp.experts", "cumsum.default", "out", "experts_offsets"),
+    ("mlp.experts", "index.Tensor#0", "out", "experts_gathered_input"),             # hidden_states[perm // k]
+    ("mlp.experts", "index.Tensor#1", "out", "experts_routing_weights"),            # sample_weights[perm]
+    ("mlp.experts", "_grouped_mm.default#0", "out", "experts_gate_up_output"),
+    ("mlp.experts.act_fn", "silu.default", "out", "experts_silu_output"),
+    ("mlp.experts", "mul.Tensor#0", "out", "experts_down_input"),                   # act_fn(gate) * up
+    ("mlp.experts", "_grouped_mm.default#1", "out", "experts_down_output"),
+    ("mlp.experts", "empty_like.default", "out", "experts_inverse_permutation"),    # inv_perm
 )
 
 
@@ -113,6 +151,7 @@ def gpt2_rules(attention_core: str) -> tuple:
         ("attn", "bmm.default#1", "in", "value"),
         ("attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out0", "projection_input"),
         ("attn", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
+        *_cudnn_sdpa_rules("attn")[3:],        # q, k, v are views of c_attn's output, named above
         ("attn.c_proj", "addmm.default", 1, "projection_input"),
         ("resid_dropout", "native_dropout.default", "out1", "attention_dropout_mask"),
         ("c_fc", "addmm.default", 1, "fc1_input"),
@@ -165,6 +204,8 @@ def _model(spec):
 
     model, arch = spec.model, spec.architecture
     core = "eager" if arch.attention_core == "eager" else "sdpa"
+    if arch.moe:
+        return _moe_model(spec, core)
     if _class_name(spec) == "Qwen3ForCausalLM":       # no biases: the model class refuses them
         return Qwen3ForCausalLM(Qwen3Config(
             vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=arch.ffn(model.hidden),
@@ -189,6 +230,37 @@ def _model(spec):
         attn_implementation=core))
 
 
+def _moe_model(spec, core: str):
+    """MixtralForCausalLM or Qwen3MoeForCausalLM as the spec describes it: no aux loss
+    (output_router_logits false), no router jitter, no sliding window, the experts run by
+    transformers' default implementation (grouped_mm), every layer sparse."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model, arch = spec.model, spec.architecture
+    common = dict(vocab_size=model.vocab, hidden_size=model.hidden, num_hidden_layers=model.layers,
+                  num_attention_heads=model.heads, num_key_value_heads=arch.query_groups_or(model.heads),
+                  head_dim=arch.head_dim_or(model.hidden, model.heads), max_position_embeddings=model.seq_len,
+                  num_experts_per_tok=arch.moe_topk, tie_word_embeddings=arch.tied_output, use_cache=False,
+                  attention_dropout=0.0, output_router_logits=False, attn_implementation=core)
+    if _class_name(spec) == "MixtralForCausalLM":
+        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=arch.expert_ffn(model.hidden),
+                                                num_local_experts=arch.num_experts, router_jitter_noise=0.0,
+                                                sliding_window=None))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **common, intermediate_size=arch.ffn(model.hidden), moe_intermediate_size=arch.expert_ffn(model.hidden),
+        num_experts=arch.num_experts, norm_topk_prob=not arch.moe_pre_softmax, decoder_sparse_step=1,
+        mlp_only_layers=[], attention_bias=False))
+
+
+def _rules(spec) -> tuple:
+    """The rules of the spec's model class."""
+    name = _class_name(spec)
+    if name == "GPT2LMHeadModel":
+        return gpt2_rules(spec.architecture.attention_core)
+    rules = QWEN3_RULES if name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") else RULES
+    return EXPERT_RULES + rules if spec.architecture.moe else rules
+
+
 def _class_name(spec) -> str:
     return spec.architecture.code.model_class(spec.architecture).name
 
@@ -200,16 +272,14 @@ def _is_gpt2(spec) -> bool:
 def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> list[dict]:
     """Saved bytes by term of one microbatch through the whole model, against actmem."""
     spec = config.spec
-    if device != "cpu":          # validate refuses it in one line first (cli._check_backends)
-        raise NotImplementedError("the hf backend runs on the CPU only so far")
     torch.manual_seed(1234)
-    rules = gpt2_rules(spec.architecture.attention_core) if _is_gpt2(spec) else \
-        QWEN3_RULES if _class_name(spec) == "Qwen3ForCausalLM" else RULES
+    rules = _rules(spec)
     with ExitStack() as stack:
         if fake:
             stack.enter_context(fake_tensor_mode())
             stack.enter_context(_masks_as_in_a_real_run())
         stack.enter_context(_dropout_as_on_a_gpu())
+        stack.enter_context(torch.device(device))     # the model, its tokens and what it makes, there
         model = build_model(spec)
         tokens = torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len))
         ledger = Ledger([*model.parameters(), *model.buffers()])
@@ -218,7 +288,7 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
         ledger.drop_freed()
         measured = ledger.by_term()
         loss.backward()
-    return _compare(config, rank, measured)
+    return _compare(config, rank, measured, on_a_cpu=torch.device(device).type == "cpu")
 
 
 @contextmanager
@@ -269,10 +339,10 @@ def _masks_as_in_a_real_run():
         masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa = packed, decide
 
 
-def _compare(config, rank: int, measured: dict) -> list[dict]:
+def _compare(config, rank: int, measured: dict, on_a_cpu: bool) -> list[dict]:
     """A row a term of the estimate (one microbatch, every layer: p = 1) and a residual (int64
     token ids, GPT-2's position ids and the shifted targets; the loss's fp32 total weight),
-    against the ledger's; GPT-2's norm statistics at a CPU's width."""
+    against the ledger's; GPT-2's norm statistics at a CPU's width there, cuDNN's philox state on a GPU."""
     spec = config.spec
     s, b = spec.model.seq_len, spec.run.micro_batch
     # the shifted targets: pad(labels, (0, 1))[..., 1:].contiguous() copies (b, s), except at
@@ -283,5 +353,7 @@ def _compare(config, rank: int, measured: dict) -> list[dict]:
     gpt2 = _is_gpt2(spec)
     if gpt2:
         residuals["position_ids"] = s * INDEX_BYTES     # torch.arange(s).unsqueeze(0): (1, s)
+    if not on_a_cpu and spec.architecture.attention_core == "flash":
+        residuals["sdpa_rng_state"] = spec.model.layers * CUDNN_RNG_STATE_BYTES
     formula = {row.term.name: row.total_bytes for row in estimate(spec).run_terms}
-    return term_rows(config, rank, formula | residuals, measured, CPU_WIDTHS if gpt2 else {})
+    return term_rows(config, rank, formula | residuals, measured, CPU_WIDTHS if gpt2 and on_a_cpu else {})

@@ -137,11 +137,6 @@ def test_what_is_not_modelled_or_not_possible_is_refused(actmem, args, fragments
     assert_one_line_error(actmem("estimate", *args), *fragments)
 
 
-def test_the_plan_refuses_a_moe_model_rather_than_sweep_it_as_dense(actmem):
-    assert_one_line_error(actmem("plan", *MOE, "--gpus", "64", "--global-batch", "64"),
-                          "plan does not sweep mixture-of-experts runs yet")
-
-
 def test_the_formulas_show_the_moe_rows_in_the_papers_symbols(actmem):
     result = actmem("formulas", "--latex")
     assert result.exit_code == 0, result.output
@@ -406,9 +401,23 @@ def test_shared_experts_split_over_t_need_t_to_divide_them(actmem):
                                  "1001"), "t (2) must divide the shared experts' hidden size f_s (1001)")
 
 
-def test_flops_refuses_a_moe_model_rather_than_count_it_as_dense(actmem):
-    assert_one_line_error(actmem("flops", "--model", "mixtral-8x7b"),
-                          "a mixture-of-experts layer's (k experts a token, the router, shared experts) are not counted")
+def test_flops_counts_dense_layers_among_moe_layers_at_their_own_weights():
+    """--moe-layer-freq '([0]*1+[1]*3)' at L = 4 with Mixtral's dims: a MoE layer's token multiplies
+    W_e = 394,297,344 weights (attention 41,943,040, the router 32,768, two experts of 3h·f_e =
+    176,160,768), the dense layer's W = 41,943,040 + 3h·f = 218,103,808: 6·B·s·(3·W_e + W) beside the
+    scores 12·B·s²·L·ad and the logits 6·B·s·h·v, B = 8."""
+    from actmem.model.architecture import Architecture
+    from actmem.model.spec import Model
+    from actmem.planner.flops import flops_report
+    from actmem.sources.presets import load_preset
+
+    preset = load_preset("mixtral-8x7b")
+    arch = Architecture(**preset.architecture | {"moe_layer_freq": "([0]*1+[1]*3)"})
+    out = flops_report(Model(**preset.model | {"layers": 4}), 8, None, 989e12, None, arch)
+    B, s, h, v = 8, 4096, 4096, 32000
+    assert out["model_flops"] == pytest.approx(6 * B * s * (3 * 394_297_344 + 218_103_808)
+                                               + 12 * B * s * s * 4 * 4096 + 6 * B * s * h * v)
+    assert "L_e = 3, L_d = 1" in out["model_flops_formula"]["where"]
 
 
 def test_dense_layers_among_moe_layers_are_counted_by_kind(actmem):

@@ -238,6 +238,9 @@ ARCHITECTURE_FLAGS = (
 GPUS = Flag(("--gpus",), "gpus", "GPUs in the run (data parallel d = gpus/(t·c·p))")
 GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
                     "global batch: sequences per iteration; with --gpus gives the microbatches")
+MOE_IMBALANCE = Flag(("--moe-imbalance",), "routing_imbalance",
+                     "the busiest rank's expert rows over the balanced count, r >= 1 (default 1: balanced routing); "
+                     "1.25 prices a rank that receives 25% more tokens than its share", _RATIO)
 RUN_FLAGS = (
     Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
     Flag(("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
@@ -275,9 +278,7 @@ RUN_FLAGS = (
          "the t·c·d ranks)"),
     Flag(("--etp", "--expert-tensor-parallel-size"), "expert_tensor_parallel",
          "expert-tensor-parallel size ETP: ranks each expert's linears are split over (default t)"),
-    Flag(("--moe-imbalance",), "routing_imbalance",
-         "the busiest rank's expert rows over the balanced count, r >= 1 (default 1: balanced routing); "
-         "1.25 prices a rank that receives 25% more tokens than its share", _RATIO),
+    MOE_IMBALANCE,
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -6,8 +6,7 @@ from functools import cached_property
 from actmem.memory import assumptions, engine
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
-from actmem.memory.parameters import ParameterBytes, dummy_wgrad_elements, expert_parameters, layer_parameters, \
-    mtp_parameters, parameter_bytes, stage_parameters
+from actmem.memory.parameters import ParameterBytes, mtp_parameters, stage_state
 from actmem.model.experts import dense_twin
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
@@ -341,28 +340,16 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
-    # a MoE model's dense layers are its dense twin's; a dense model's layers are all of its own kind
-    own = sum(stage_moe_layers(spec, stage)) if arch.moe else layers
-    dense = dense_twin(arch) if arch.moe else arch
-    count = stage_parameters(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len,
-                             arch, model.heads, own, stage) + (layers - own) * layer_parameters(model.hidden, t, dense,
-                                                                                                model.heads)
-    etp = run.etp if t == run.tensor_parallel else 1
-    mtp = mtp_layers_held(spec, stage, full_recompute=False)      # their weights, whatever the recompute
-    moe_mtp = mtp * mtp_layer_kind(spec)
-    if mtp:
-        count += mtp_parameters(model.hidden, t, vocab, arch, run.pipeline_parallel) + (mtp - moe_mtp) * \
-            layer_parameters(model.hidden, t, dense, model.heads) + moe_mtp * layer_parameters(model.hidden, t, arch,
-                                                                                               model.heads)
-    dummies = dummy_wgrad_elements(model.hidden, t, vocab, arch if own or moe_mtp else dense, model.heads,
-                                   holds_output=int(stage == run.pipeline_parallel - 1), etp=etp,
-                                   dense_too=bool(arch.moe and (own or moe_mtp) and layers - own + mtp - moe_mtp))
-    dense = parameter_bytes(count, spec.optimizer_shards, run.distributed_optimizer, dummies, spec.gradient_bytes,
-                            spec.optimizer.bytes_per_parameter)
-    if not spec.architecture.moe:
-        return dense
-    experts = (own + moe_mtp) * expert_parameters(model.hidden, spec.architecture, run.expert_parallel, etp)
-    return dense + parameter_bytes(experts, spec.expert_optimizer_shards, run.distributed_optimizer, 0,
-                                   spec.gradient_bytes, spec.optimizer.bytes_per_parameter)
+    # the multi-token-prediction layers' weights, whatever the recompute, are layers of the last model kind
+    # beside their own norms and projection; a MoE model's dense layers are its dense twin's
+    mtp = mtp_layers_held(spec, stage, full_recompute=False)
+    moe = sum(stage_moe_layers(spec, stage)) + mtp * mtp_layer_kind(spec) if arch.moe else None
+    extra = mtp_parameters(model.hidden, t, vocab, arch, run.pipeline_parallel) if mtp else 0
+    return stage_state(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len, arch, model.heads,
+                       stage_layers=layers + mtp, stage=stage, shards=spec.optimizer_shards,
+                       expert_shards=spec.expert_optimizer_shards, distributed_optimizer=run.distributed_optimizer,
+                       gradient_bytes=spec.gradient_bytes, optimizer_bytes=spec.optimizer.bytes_per_parameter,
+                       ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
+                       extra=extra, dense_layers_too=bool(moe and layers + mtp - moe))
 
 

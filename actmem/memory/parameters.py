@@ -189,3 +189,29 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
     optimizer = -(-optimizer_bytes * count // shards)
     return ParameterBytes(count, WEIGHT_BYTES * count, gradient_bytes * count, optimizer,
                           WEIGHT_BYTES * dummy_wgrads)
+
+
+def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
+                distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
+                extra=0, dense_layers_too=False) -> ParameterBytes:
+    """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
+    holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
+    data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
+    ``expert_shards``. ``moe_layers``: how many of the stage's layers have experts (None: all, or none
+    for a dense model); the others are ``arch``'s dense twin's (actmem.model.experts.dense_twin).
+    ``extra``: parameters beside the layers (the multi-token-prediction layers'), sharded as the dense.
+    Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
+    from actmem.model.experts import dense_twin
+
+    own = stage_layers if moe_layers is None else moe_layers
+    dense = dense_twin(arch) if arch.moe else arch
+    count = stage_parameters(h, L, p, t, v, s, arch, heads, own, stage) + extra
+    if moe_layers is not None:
+        count = count + (stage_layers - own) * layer_parameters(h, t, dense, heads)
+    dummies = dummy_wgrad_elements(h, t, v, arch if moe_layers is None or own else dense, heads,
+                                   holds_output=(stage == p - 1) * 1, etp=etp, dense_too=dense_layers_too)
+    state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
+    if not arch.moe:
+        return state
+    experts = own * expert_parameters(h, arch, ep, etp)
+    return state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)

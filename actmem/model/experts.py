@@ -151,3 +151,11 @@ def check_experts(arch) -> None:
     if arch.bias:
         raise SpecError("mixture-of-experts layers are modelled without biases (--disable-bias-linear), as "
                         "Mixtral, Qwen3 and DeepSeek train")
+
+
+def expert_shards(shards, gpus, etp, ep, p):
+    """The ranks the distributed optimizer shards the experts' state over: the expert data-parallel
+    group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); at EP = 1 the dense
+    parameters' own ``shards``, d·c (the experts join their buffers: transformer_engine.py, allreduce =
+    not (is_expert and EP > 1)). Arithmetic only: ints, or arrays over a sweep."""
+    return shards + (ep != 1) * (gpus // (etp * ep * p) - shards)

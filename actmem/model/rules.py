@@ -309,9 +309,9 @@ RULES = (
     Rule(lambda v: _implies(v.t > 1, v.sequence_parallel),
          lambda v: f"multi-token prediction at t = {v.t} is modelled with sequence parallelism (--sequence-parallel)",
          ("mtp",)),
-    Rule(lambda v: (v.ep == 1) & (v.etp == v.t),
-         lambda v: "--expert-model-parallel-size and --expert-tensor-parallel-size shape a mixture-of-experts "
-                   "layer: give --num-experts", ("dense",)),
+    Rule(lambda v: (v.ep == 1) & (v.etp == v.t) & (v.imbalance == 1),
+         lambda v: "--expert-model-parallel-size, --expert-tensor-parallel-size and --moe-imbalance shape a "
+                   "mixture-of-experts layer: give --num-experts", ("dense",)),
     Rule(lambda v: v.gpus % (v.etp * v.ep * v.p) == 0,
          lambda v: f"ETP·EP·p ({v.etp}·{v.ep}·{v.p} = {v.etp * v.ep * v.p}) must divide gpus ({v.gpus}): Megatron "
                    "lays the experts out over the same GPUs (parallel_state.py, initialize_model_parallel)",

@@ -89,7 +89,7 @@ class Run:
 
     def __post_init__(self):
         _require_positive_ints(self)
-        _check_imbalance(self.routing_imbalance)
+        check_imbalance(self.routing_imbalance)
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
@@ -111,7 +111,7 @@ class Run:
                                       self.recompute_modules)
 
 
-def _check_imbalance(value) -> None:
+def check_imbalance(value) -> None:
     from fractions import Fraction
 
     if isinstance(value, bool) or not isinstance(value, (int, Fraction)) or value < 1:
@@ -267,12 +267,12 @@ class Spec:
         """Ranks the distributed optimizer shards the experts' state over: the expert data-parallel
         group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); at EP = 1 the dense
         parameters' d·c (the experts join their buffers); 1 when the GPU count is not given."""
+        from actmem.model.experts import expert_shards
+
         run = self.run
-        if run.expert_parallel == 1:        # experts are dense parameters there: DDP's and the optimizer's own
-            return self.optimizer_shards    # (transformer_engine.py: allreduce = not (is_expert and EP > 1))
         if run.gpus is None:
-            return 1
-        return run.gpus // (run.etp * run.expert_parallel * run.pipeline_parallel)
+            return self.optimizer_shards if run.expert_parallel == 1 else 1
+        return expert_shards(self.optimizer_shards, run.gpus, run.etp, run.expert_parallel, run.pipeline_parallel)
 
     @property
     def microbatches(self) -> int | None:

@@ -12,9 +12,10 @@ from actmem.model.recompute import Recompute
 
 #: What a config string may leave out, when the preset's run does not say either.
 DEFAULT_RUN = {"tensor_parallel": 1, "context_parallel": 1, "pipeline_parallel": 1, "interleave": 1,
-               "micro_batch": 1, "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False}
+               "micro_batch": 1, "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False,
+               "expert_parallel": 1, "expert_tensor_parallel": None}
 _KEYS = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
-         "b": "micro_batch"}
+         "b": "micro_batch", "ep": "expert_parallel", "etp": "expert_tensor_parallel"}
 #: an uneven pipeline's split, which a preset's p brings along and a p of the text's own drops
 _SPLIT = ("first_stage_layers", "last_stage_layers")
 #: p as an uneven pipeline's layers, as config_label writes it: first + between x stages + last
@@ -127,7 +128,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     row = pd.DataFrame([{"t": run.tensor_parallel, "c": run.context_parallel, "p": run.pipeline_parallel,
                          "first_stage_layers": layers[0], "stage_layers": between,
                          "last_stage_layers": layers[-1],
-                         "d": probe.data_parallel,
+                         "d": probe.data_parallel, "ep": run.expert_parallel, "etp": run.etp,
                          "b": run.micro_batch, "n": probe.microbatches, "m": run.interleave,
                          "sequence_parallel": run.sequence_parallel,
                          "recompute": PLAN_BLOCK if block else sweep_name(run.policy),

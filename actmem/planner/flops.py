@@ -11,18 +11,49 @@ from actmem.model.recompute import DEFAULT_MODULES, Recompute
 
 def matmul_weights(h, arch=PAPER, heads=None):
     """W: the weights one token multiplies in a layer's linears: QKV h·(ad + 2gd) and the
-    projection ad·h (4h² with ad = h, g = a), the MLP (1 + fc1 width)·h·f. The paper's: 12h²."""
+    projection ad·h (4h² with ad = h, g = a), the MLP's (mlp_weights). The paper's: 12h²."""
     from actmem.memory.parameters import qkv_width
 
     attention = h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
-    return attention + (arch.fc1_width + 1) * h * arch.ffn(h)
+    return attention + mlp_weights(h, arch)
+
+
+def mlp_weights(h, arch=PAPER):
+    """The MLP's weights a token multiplies: (1 + fc1 width)·h·f; in a mixture of experts the router's
+    E·h, the k experts it is routed to, (1 + fc1 width)·h·f_e each, and the shared experts' 3h·f_s
+    (the FLOPs of the rows the experts really receive: as many as k a token, dropless or balanced)."""
+    if not arch.moe:
+        return (arch.fc1_width + 1) * h * arch.ffn(h)
+    shared = 0 if arch.moe_shared_ffn is None else 3 * h * arch.moe_shared_ffn
+    return arch.num_experts * h + arch.moe_topk * (arch.fc1_width + 1) * h * arch.expert_ffn(h) + shared
+
+
+def _layer_counts(L, arch) -> tuple:
+    """(layers of the architecture's own kind, dense layers among them): a MoE model's dense layers
+    (--moe-layer-freq) are its dense twin's."""
+    if not arch.moe:
+        return L, 0
+    from actmem.model.experts import moe_layers
+
+    moe = sum(moe_layers(arch, L))
+    return moe, L - moe
+
+
+def layers_weights(h, L, arch=PAPER, heads=None):
+    """Σ W over the L layers: L·W, or a MoE model's MoE layers' and dense layers' each at theirs."""
+    own, dense = _layer_counts(L, arch)
+    if not dense:
+        return L * matmul_weights(h, arch, heads)
+    from actmem.model.experts import dense_twin
+
+    return own * matmul_weights(h, arch, heads) + dense * matmul_weights(h, dense_twin(arch), heads)
 
 
 def _parts(B, s, L, h, v, arch, heads=None):
     """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs, in float64:
     a 1T-parameter iteration is ~4e19 FLOPs, past int64, and the planner passes int64
     arrays. The scores (QKᵀ and ·V) are 4·B·s²·L·ad."""
-    return (2.0 * B * s * L * matmul_weights(h, arch, heads),
+    return (2.0 * B * s * layers_weights(h, L, arch, heads),
             4.0 * B * s * s * L * arch.attention_width(h, heads), 2.0 * B * s * h * v)
 
 
@@ -56,6 +87,8 @@ def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
     mlp = (f"the {_ACTIVATION[arch.activation]} MLP's "
            f"{'gate and up, then down' if arch.fc1_width == 2 else 'fc1 and fc2'}, f = {arch.ffn(h):,}")
     weights_text = f"{'h·(a·d + 2·g·d) + a·d·h' if grouped else '4h²'} + {arch.fc1_width + 1}·h·f"
+    if arch.moe:
+        return _moe_formula(model, arch, weights_text, scores, dims, grouped, width)
     return {"formula": f"6·B·s·L·W + 12·B·s²·L·{scores} + 6·B·s·h·v",
             "where": [f"W = {weights_text} = {weights:,}", *([f"a·d = {width:,}"] if grouped else []), dims],
             "counts": f"per-layer matmul FLOPs of this architecture, forward and backward (3 × the forward), "
@@ -65,10 +98,42 @@ def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
                       f"W = 12h², a·d = h, which this layer is not"}
 
 
+def _moe_formula(model, arch, dense_text: str, scores: str, dims: str, grouped: bool, width) -> dict:
+    """model_flops_formula of a mixture of experts: W_e of a MoE layer (the router, k experts of f_e and the
+    shared experts in place of the MLP), W of its dense layers where it has them."""
+    from actmem.model.experts import dense_twin
+
+    h, heads = model.hidden, model.heads
+    own, dense = _layer_counts(model.layers, arch)
+    attention = dense_text.rsplit(" + ", 1)[0]
+    shared = " + 3·h·f_s" if arch.moe_shared_ffn is not None else ""
+    moe_text = f"{attention} + E·h + k·{arch.fc1_width + 1}·h·f_e{shared}"
+    layers = "(L_e·W_e + L_d·W)" if dense else "L·W_e"
+    where = [f"W_e = {moe_text} = {matmul_weights(h, arch, heads):,}",
+             *([f"W = {dense_text} = {matmul_weights(h, dense_twin(arch), heads):,}", f"L_e = {own:,}, L_d = {dense:,}"]
+               if dense else []),
+             f"E = {arch.num_experts:,}, k = {arch.moe_topk}, f_e = {arch.expert_ffn(h):,}"
+             + (f", f_s = {arch.moe_shared_ffn:,}" if shared else ""),
+             *([f"a·d = {width:,}"] if grouped else []), dims]
+    return {"formula": f"6·B·s·{layers} + 12·B·s²·L·{scores} + 6·B·s·h·v", "where": where,
+            "counts": "per-layer matmul FLOPs, forward and backward (3 × the forward), the paper's appendix "
+                      "generalised to a mixture of experts: a token multiplies the router's E·h and the k experts "
+                      "it is routed to (and the shared experts), not all E; "
+                      + ("its dense layers their MLP; " if dense else "")
+                      + f"12·B·s²·L·{scores} the attention scores; 6·B·s·h·v the logits. Dropped tokens "
+                      "(a capacity factor) would do less: not counted"}
+
+
 def mlp_forward_flops(B, s, L, h, arch=PAPER):
-    """One forward of the MLPs' matmuls: 2·B·s·L·(1 + fc1 width)·h·f (16·B·s·L·h² for the
-    paper's, f = 4h)."""
-    return 2.0 * B * s * L * (arch.fc1_width + 1) * h * arch.ffn(h)
+    """One forward of the dense MLPs' matmuls, what --recompute-modules mlp reruns: 2·B·s·L·(1 + fc1
+    width)·h·f (16·B·s·L·h² for the paper's, f = 4h); of a MoE model its dense layers alone (the mlp
+    module leaves a MoE layer whole)."""
+    own, dense = _layer_counts(L, arch)
+    if arch.moe:
+        from actmem.model.experts import dense_twin
+
+        return 2.0 * B * s * dense * mlp_weights(h, dense_twin(arch))
+    return 2.0 * B * s * L * mlp_weights(h, arch)
 
 
 def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
@@ -99,9 +164,6 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
                  seconds: float | None, arch=PAPER) -> dict:
     """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
     iteration time is given."""
-    if arch.moe:
-        raise SpecError("flops counts a dense layer's matmuls; a mixture-of-experts layer's (k experts a token, "
-                        "the router, shared experts) are not counted yet")
     if arch.mtp_layers:
         raise SpecError("flops does not count the multi-token-prediction layers and logits yet")
     if arch.multi_latent_attention:

@@ -1,7 +1,7 @@
 """A small, transparent model of the time per iteration, each part shown.
 
-    time = (compute + tensor-parallel + context-parallel + pipeline point-to-point communication)
-           x pipeline bubble + data-parallel communication
+    time = (compute + tensor-parallel + context-parallel + expert-parallel + pipeline point-to-point
+            communication) x pipeline bubble + data-parallel communication
 
 Arithmetic on numpy arrays (one element per configuration); none of it is overlapped,
 which makes it a ranking model, not a promise.
@@ -74,3 +74,19 @@ def pipeline_p2p_seconds(s, b, h, t, p, m, n, bandwidth):
     and backward (gradients): 2·m sends of 2sbh/t bytes (Megatron scatters them over the t
     tensor-parallel ranks). None with p = 1."""
     return (p > 1) * n * 2 * m * ACTIVATION_BYTES * s * b * h / t / bandwidth
+
+
+def expert_parallel_seconds(s, b, h, stage_layers, t, ep, etp, n, k, dispatcher, recompute, bandwidth, share=1):
+    """A MoE layer's token dispatcher (token_dispatcher.py), per microbatch, each rank's N = s·b/t tokens
+    (SP): the alltoall dispatcher sends each of its k·N routed copies to its expert's rank, (EP-1)/EP of
+    them away, then all-gathers the received rows over ETP ((ETP-1)·k·N rows); the combine returns them
+    (reduce-scatter, all-to-all). The allgather dispatcher gathers every token of the ETP·EP ranks
+    ((ETP·EP-1)·N rows, h wide) and reduce-scatters the result back. Each moves 2h bytes a row forward
+    (dispatch and combine) and again backward (their gradients), and once more forward under full recompute
+    (its second forward). Not overlapped here, though Megatron can overlap it (--overlap-moe-expert-parallel-comm)."""
+    passes = 4 + 2 * share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
+                                 if choice.granularity is Recompute.FULL)
+    tokens = s * b / t
+    rows = (k * tokens * ((ep - 1) / ep + (etp - 1)) if dispatcher == "alltoall"
+            else tokens * (etp * ep - 1))
+    return n * stage_layers * passes * rows * ACTIVATION_BYTES * h / bandwidth

@@ -21,9 +21,10 @@ from actmem.errors import SpecError
 from actmem.planner.flops import model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
-from actmem.memory.parameters import dummy_wgrad_elements, first_stage_parameters, parameter_bytes, stage_parameters
+from actmem.memory.parameters import first_stage_parameters, stage_state
+from actmem.model.experts import expert_shards
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
-from actmem.model.spec import Model, padded_vocab, require_positive_int
+from actmem.model.spec import Model, check_imbalance, padded_vocab, require_positive_int
 from actmem.memory.stage_model import StageCounts, largest_bytes, stage_activations
 from actmem.memory.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, row_policy, run_technique
 from actmem.units import parse_bytes
@@ -49,7 +50,8 @@ as at most this, which no GPU holds; the fits verdict is unaffected."""
 
 #: (architecture -> true where the sweep does not model it, what it is, why not)
 _NOT_SWEPT = (
-    (lambda arch: arch.moe, "mixture-of-experts runs", "EP, ETP and the dispatcher's traffic"),
+    (lambda arch: arch.moe and arch.moe_layer_freq != 1, "dense layers among mixture-of-experts layers",
+     "which layers of each kind a stage holds moves with p"),
     (lambda arch: arch.mtp_layers, "multi-token prediction", "its layers and logits on the last stage"),
     (lambda arch: arch.multi_latent_attention, "multi-latent attention",
      "its time model counts the QKV linear's matmuls"),
@@ -78,11 +80,17 @@ class PlanRequest:
     optimizer: OptimizerState = OptimizerState()
     """Adam's state, as estimate's Spec.optimizer: the precision-aware optimizer keeps only the
     distributed optimizer's rows (rules.py)."""
+    routing_imbalance: object = 1
+    """r >= 1 of a mixture of experts: the busiest rank's expert rows over the balanced count, as
+    estimate's Run.routing_imbalance; the verdict is that rank's."""
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        check_imbalance(self.routing_imbalance)
+        if self.routing_imbalance != 1 and not self.architecture.moe:
+            raise SpecError("--moe-imbalance shapes a mixture-of-experts layer: give --num-experts")
         for unswept, what, why in _NOT_SWEPT:
             if unswept(self.architecture):
                 raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
@@ -169,10 +177,23 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
     return sizes
 
 
-def _switches() -> pd.DataFrame:
-    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations."""
+def expert_sizes(req: PlanRequest) -> pd.DataFrame:
+    """(ep, etp) a mixture of experts is swept over: EP dividing the experts, ETP 1 or t (Megatron's
+    default); (1, t) for a dense model. A column etp_is_t: the grid's own t stands for it."""
+    if not req.architecture.moe:
+        return pd.DataFrame({"ep": [1], "etp_is_t": [True]})
+    return (_frame("ep", [ep for ep in divisors(req.architecture.num_experts) if ep <= req.gpus])
+            .merge(_frame("etp_is_t", [True, False]), how="cross"))
+
+
+def _switches(req: PlanRequest) -> pd.DataFrame:
+    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; without
+    the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
+    the same rows as without it)."""
+    choices = [name for name, choice in PLAN_RECOMPUTE.items()
+               if not (req.architecture.moe and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
-            .merge(_frame("recompute", list(PLAN_RECOMPUTE)), how="cross")
+            .merge(_frame("recompute", choices), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
 
 
@@ -180,12 +201,16 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     """Every valid configuration, one a row: t p d b n m sequence_parallel recompute
     distributed_optimizer. Built in stages, each filtered before the next multiplies it."""
     model = req.model
-    grid = _parallel_sizes(req).merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
+    grid = _parallel_sizes(req).merge(expert_sizes(req), how="cross")
+    grid["etp"] = np.where(grid.etp_is_t, grid.t, 1)
+    grid = grid[(grid.etp_is_t | (grid.t > 1)) & (req.gpus % (grid.etp * grid.ep * grid.p) == 0)].drop(
+        columns="etp_is_t")                              # ETP 1 at t = 1 is ETP t; the experts' ranks fit the GPUs
+    grid = grid.merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
     grid = grid[req.global_batch % (grid.b * grid.d) == 0]
     grid = grid.merge(_frame("m", divisors(model.layers)), how="cross")
     # interleaving in even pipelines only (Megatron's uneven split takes m = 1: rules.py)
     grid = grid[(grid.stage_layers % grid.m == 0) & ((grid.m == 1) | ~_uneven(grid))]
-    switches = _switches()
+    switches = _switches(req)
     if len(grid) * len(switches) > MAX_CONFIGURATIONS:
         raise SpecError(f"the sweep would hold {len(grid) * len(switches):,} configurations, more "
                         f"than the planner evaluates at once ({MAX_CONFIGURATIONS:,}): lower "
@@ -231,7 +256,17 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
                         first=grid.first_stage_layers if uneven else None,
                         last=grid.last_stage_layers if uneven else None, architecture=req.architecture,
-                        precision_aware=req.optimizer.precision_aware)
+                        precision_aware=req.optimizer.precision_aware, **_expert_values(req, grid))
+
+
+def _expert_values(req: PlanRequest, grid: pd.DataFrame) -> dict:
+    """The rules' names of a mixture of experts (Spec.rule_values'), for rows of the sweep."""
+    arch = req.architecture
+    if not arch.moe:
+        return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance)
+    return dict(experts=arch.num_experts, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance,
+                expert_ffn=arch.expert_ffn(req.model.hidden), shared_ffn=arch.moe_shared_ffn,
+                moe_freq=arch.moe_layer_freq)
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -309,12 +344,13 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     memory = pd.DataFrame(index=grid.index)
     memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
-    dummies = dummy_wgrad_elements(h, grid.t, grid.vocab, req.architecture, model.heads,
-                                   holds_output=(stage == grid.p - 1).astype("int64"))
-    params = parameter_bytes(stage_parameters(h, L, grid.p, grid.t, grid.vocab, s, req.architecture,
-                                              model.heads, stage_layers=layers, stage=stage),
-                             grid.d * grid.c, grid.distributed_optimizer.astype("int64"), dummies,
-                             req.gradient_bytes, req.optimizer.bytes_per_parameter)   # shards: d·c
+    shards = grid.d * grid.c
+    params = stage_state(h, L, grid.p, grid.t, grid.vocab, s, req.architecture, model.heads, stage_layers=layers,
+                         stage=stage, shards=shards, expert_shards=expert_shards(shards, req.gpus, grid.etp, grid.ep,
+                                                                                 grid.p),
+                         distributed_optimizer=grid.distributed_optimizer.astype("int64"),
+                         gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
+                         ep=grid.ep, etp=grid.etp)
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
@@ -358,7 +394,8 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     s, h, a, L = (float(x) for x in (req.model.seq_len, req.model.hidden, req.model.heads, req.model.layers))
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
-            values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"))
+            values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
+            values("etp"), float(req.routing_imbalance))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:
@@ -387,6 +424,11 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     grid["context_parallel_s"] = iteration.context_parallel_seconds(
         s_rank, grid.b, paced, grid.t, grid.c, grid.n, grid.recompute,
         req.architecture.kv_width(h, model.heads), ring, share)
+    arch = req.architecture
+    # the dispatcher's group: ETP·EP consecutive ranks (parallel_state.py orders the experts' ranks etp-ep-dp-pp)
+    grid["expert_parallel_s"] = 0.0 if not arch.moe else iteration.expert_parallel_seconds(
+        s_rank, grid.b, h, paced, grid.t, grid.ep, grid.etp, grid.n, arch.moe_topk, arch.moe_dispatcher, grid.recompute,
+        np.where(grid.etp * grid.ep <= req.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth), share)
     grid["pipeline_p2p_s"] = iteration.pipeline_p2p_seconds(s_rank, grid.b, h, grid.t, grid.p, grid.m,
                                                              grid.n, across_nodes)
     # each stage reduces its own gradients at once: the one with the most parameters finishes last
@@ -394,7 +436,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     grid["data_parallel_s"] = iteration.data_parallel_seconds(reduced, grid.d * grid.c, grid.distributed_optimizer,
                                                               across_nodes, req.gradient_bytes)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
-                            + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
+                            + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
     grid["mfu"] = flops / (grid.iteration_s * req.gpus * gpu.peak_flops)
 
@@ -444,8 +486,8 @@ def plan(req: PlanRequest) -> Plan:
 
 
 #: what a configuration is, beside its recompute: the columns its rows share
-_CONFIGURATION = ["t", "c", "p", "m", "b", "sequence_parallel", "distributed_optimizer"]
-CANDIDATE_COLUMNS = ["t", "c", "p", *STAGE_LAYERS, "d", "b", "m", "sequence_parallel", "recompute",
+_CONFIGURATION = ["t", "c", "p", "ep", "etp", "m", "b", "sequence_parallel", "distributed_optimizer"]
+CANDIDATE_COLUMNS = ["t", "c", "p", *STAGE_LAYERS, "d", "ep", "etp", "b", "m", "sequence_parallel", "recompute",
                      "distributed_optimizer", "n"]
 """A configuration as candidates() gives it, before evaluate()."""
 
@@ -511,7 +553,8 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
 
 
 def config_label(row) -> str:
-    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism; an uneven
+    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism, then a mixture of
+    experts' 'ep=8' where EP > 1 and 'etp=1' where ETP is not t; an uneven
     pipeline's layers as p, 'p=7+8x14+7', and no m; full recompute of N layers a chunk by
     Megatron's block method as 'block=N'): what --explain takes back (a recompute the plan
     does not sweep is written as given)."""
@@ -523,5 +566,7 @@ def config_label(row) -> str:
     first, last = getattr(row, "first_stage_layers", between), getattr(row, "last_stage_layers", between)
     if (first, last) != (between, between):                 # uneven, so m = 1: Llama 3's 7+8x14+7
         pipeline = f"p={split_text(first, between, last, row.p)}"
-    label = f"t={row.t}{cp} {pipeline} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} {short}"
+    experts = (f" ep={row.ep}" if getattr(row, "ep", 1) > 1 else "") + (
+        f" etp={row.etp}" if getattr(row, "etp", row.t) != row.t else "")
+    label = f"t={row.t}{cp}{experts} {pipeline} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} {short}"
     return label + (" dopt" if row.distributed_optimizer else "")

@@ -28,17 +28,21 @@ def render_plan(plan, top: int, nothing=None) -> None:
     table = _table("Fastest that fit (seconds per iteration, estimated)")
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
     ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
-    columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + ("pp", "bub", "dp", "MFU")
+    experts = req.architecture.moe                   # an ep column only for a mixture of experts
+    columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + (("ep",) if experts else ()) \
+        + ("pp", "bub", "dp", "MFU")
     for column in columns:
         table.add_column(column, **_column_kind(text=("config",))(column))
     for row in _shown(plan.fitting, top).itertuples():
         cells = [config_label(row), f"{gib(row.peak_bytes):.1f}", f"{row.iteration_s:.2f}",
                  f"{row.compute_s:.2f}", f"{row.tensor_parallel_s:.2f}"]
         cells += [f"{row.context_parallel_s:.2f}"] if ring else []
+        cells += [f"{row.expert_parallel_s:.2f}"] if experts else []
         table.add_row(*cells, f"{row.pipeline_p2p_s:.2f}", f"+{100 * (row.bubble - 1):.0f}%",
                       f"{row.data_parallel_s:.2f}", f"{100 * row.mfu:.0f}%")
-    table.caption = (f"time = (comp + tp{' + cp' if ring else ''} + pp) × (1 + bub) + dp: compute; "
-                     f"tensor-parallel, {'context-parallel, ' if ring else ''}pipeline and data-parallel "
+    table.caption = (f"time = (comp + tp{' + cp' if ring else ''}{' + ep' if experts else ''} + pp) × (1 + bub) "
+                     f"+ dp: compute; tensor-parallel, {'context-parallel, ' if ring else ''}"
+                     f"{'the token dispatcher, ' if experts else ''}pipeline and data-parallel "
                      f"communication; d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
     table.caption_justify = "left"
     if not plan.fitting.empty:
@@ -130,7 +134,19 @@ def _plan_assumptions(req) -> list[str]:
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
-         "softmax_switches" in req.architecture.code.has else [])
+         "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else [])
+
+
+def _experts_note(req) -> str:
+    arch, r = req.architecture, req.routing_imbalance
+    return (f"mixture of experts: EP dividing the {arch.num_experts} experts and ETP 1 or t (written ep= where EP > 1, "
+            "etp= where ETP is not t), ETP·EP·p dividing the GPUs, SP at t > 1 (Megatron's MoELayer needs it); "
+            + ("balanced routing (--moe-imbalance for a busier rank)" if r == 1 else
+               f"the busiest rank's experts receive {r} x the balanced rows (--moe-imbalance), whose memory decides")
+            + f"; the {arch.moe_dispatcher} dispatcher's dispatch and combine, forward and backward, not overlapped, "
+            "inside a node where ETP·EP fits one; compute: the k experts a token is routed to, balanced; the experts' "
+            "gradients reduced over d·c like the rest (Megatron reduces them over the expert data-parallel ranks); "
+            "the MLP's recompute (mlp, sel+mlp) not swept: it leaves a MoE layer whole")
 
 
 _FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where the kernel runs (16 < s ≤ 4096, "
@@ -147,10 +163,11 @@ def render_explain(est, row) -> None:
     for part, value in (("compute (hardware FLOPs)", row.compute_s),
                         ("tensor-parallel communication", row.tensor_parallel_s),
                         ("context-parallel ring (k, v and their gradients)", row.context_parallel_s),
+                        ("the MoE token dispatcher (dispatch and combine)", row.expert_parallel_s),
                         ("pipeline point-to-point communication", row.pipeline_p2p_s),
                         (f"pipeline bubble × {row.bubble:.4f}",
-                         (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.pipeline_p2p_s)
-                         * (row.bubble - 1)),
+                         (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.expert_parallel_s
+                          + row.pipeline_p2p_s) * (row.bubble - 1)),
                         ("data-parallel gradient reduction", row.data_parallel_s),
                         ("iteration", row.iteration_s)):
         table.add_row(part, f"{value:.3f}")

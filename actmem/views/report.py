@@ -166,12 +166,12 @@ def to_markdown(est: Estimate, codes=None) -> str:
     return head + "\n" + "\n".join(parts) + f"\n## Assumptions\n\n{notes}\n"
 
 
-PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage_layers", "m", "b", "d", "n",
+PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage_layers", "m", "b", "d", "n", "ep", "etp",
                 "sequence_parallel", "recompute", "recompute_layers", "distributed_optimizer", "activations_bytes",
                 "weights_bytes",
                 "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "transient_bytes", "total_bytes",
                 "first_peak_bytes", "middle_peak_bytes", "last_peak_bytes", "peak_bytes", "peak_stage", "fits",
-                "compute_s", "tensor_parallel_s", "context_parallel_s", "pipeline_p2p_s", "bubble",
+                "compute_s", "tensor_parallel_s", "context_parallel_s", "expert_parallel_s", "pipeline_p2p_s", "bubble",
                 "data_parallel_s", "iteration_s", "mfu"]
 """A plan row as JSON and CSV write it: the split of its pipeline (plan.STAGE_LAYERS), N of a
 full recompute by Megatron's block method (recompute_layers; 0: every layer alone, or none), the

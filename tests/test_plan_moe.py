@@ -1,0 +1,129 @@
+"""`actmem plan` over a mixture of experts (issues 27 and 28): EP and ETP swept beside t, c, p, m, b,
+each row's memory the exact estimate's, the k experts' FLOPs and the token dispatcher in the time.
+
+Mixtral 8x7B (Megatron-LM's examples/mixtral run: 32 H100s, global batch 256) by hand where a
+number is asserted: h = 4096, a = 32, g = 8, d = 128, L = 32, E = 8, k = 2, f_e = 14,336, s = 4096.
+"""
+
+from fractions import Fraction
+
+import pytest
+
+from actmem.memory.estimate import estimate
+from actmem.model.architecture import Architecture
+from actmem.model.hardware import GPUS
+from actmem.model.spec import Model, build_spec
+from actmem.planner.explain import parse_config
+from actmem.planner.flops import matmul_weights, model_flops
+from actmem.planner.plan import PlanRequest, candidates, config_label, plan
+from actmem.sources.presets import load_preset
+from tests.conftest import assert_one_line_error
+
+MIXTRAL = load_preset("mixtral-8x7b")
+
+
+def _request(imbalance=1, **architecture):
+    return PlanRequest(model=Model(**MIXTRAL.model), gpus=32, global_batch=256, gpu=GPUS["h100"],
+                       gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=2,
+                       architecture=Architecture(**MIXTRAL.architecture | architecture),
+                       routing_imbalance=imbalance)
+
+
+@pytest.fixture(scope="module")
+def mixtral_plan():
+    return plan(_request())
+
+
+def test_the_sweep_spreads_the_experts_as_megatron_lays_them_out():
+    """EP divides the 8 experts, ETP is 1 or t, ETP·EP·p divides the 32 GPUs, SP at t > 1, and the MLP's
+    recompute is not swept (the mlp module leaves a MoE layer whole: its rows are recompute none's)."""
+    frame = candidates(_request())
+    assert set(frame.ep) == {1, 2, 4, 8}
+    assert ((frame.etp == 1) | (frame.etp == frame.t)).all() and set(frame.etp[frame.t == 4]) == {1, 4}
+    assert (32 % (frame.etp * frame.ep * frame.p) == 0).all()
+    assert frame.sequence_parallel[frame.t > 1].all()
+    assert not frame.recompute.isin(["mlp", "sel+mlp"]).any()
+
+
+def _sampled(evaluated, per_group=3):
+    """Rows of every (ep, etp at t or 1, recompute), fitting or not."""
+    groups = evaluated.assign(etp_is_t=evaluated.etp == evaluated.t).groupby(["ep", "etp_is_t", "recompute"])
+    return [row for _, rows in groups for row in rows.sample(min(len(rows), per_group), random_state=3).itertuples()]
+
+
+@pytest.mark.parametrize("imbalance", [1, Fraction(5, 4)])
+def test_every_row_is_the_estimate_s_verdict(imbalance):
+    """The sweep's peak of a row is the exact estimate's of the same run (its configuration read back
+    from its label), balanced and with the busiest rank receiving 5/4 of its share: the stage model
+    is one, evaluated twice."""
+    req = _request(imbalance)
+    evaluated = plan(req).evaluated
+    for row in _sampled(evaluated):
+        run = parse_config(config_label(row), layers=32) | {"gpus": 32, "global_batch": 256,
+                                                            "routing_imbalance": imbalance}
+        spec = build_spec(MIXTRAL.model, run, architecture=MIXTRAL.architecture, gpu_name="h100")
+        assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
+
+
+def test_an_imbalance_adds_to_the_busiest_rank_s_memory_only_through_its_expert_rows():
+    """Same configuration, r = 5/4: the experts' rows T = ⌈r·k·N·ETP⌉ grow by 1/4 (t = 1, N = 4096:
+    8192 -> 10,240 rows); those rows keep 2h + 4f_e + 2f_e + 2 = 94,210 B each (input, fc1 output, fc2
+    input, probabilities: tests/test_moe.py), so each layer held keeps 2048 x 94,210 B more."""
+    label = "t=1 ep=8 p=4 m=1 b=1 nosp none dopt"
+    rows = [plan(_request(r)).evaluated for r in (1, Fraction(5, 4))]
+    balanced, busy = (frame[frame.apply(config_label, axis=1) == label].iloc[0] for frame in rows)
+    assert busy.activations_bytes - balanced.activations_bytes == balanced.layer_activations * 2048 * (
+        2 * 4096 + 6 * 14336 + 2)
+
+
+def test_the_dispatcher_s_time_by_hand(mixtral_plan):
+    """t=1 ep=8 p=4 m=1 b=1: d = 8, n = 256/8 = 32 microbatches, 8 layers a stage. The alltoall
+    dispatcher sends 7/8 of each rank's k·N = 8192 routed copies away, 7168 rows of 2h = 8192 B, at
+    dispatch and at combine, forward and backward: 4 x 32 x 8 x 7168 x 8192 B at NVLink's 360 GB/s
+    (ETP·EP = 8 ranks, one node) = 0.16704 s."""
+    evaluated = mixtral_plan.evaluated
+    row = evaluated[evaluated.apply(config_label, axis=1) == "t=1 ep=8 p=4 m=1 b=1 nosp none dopt"].iloc[0]
+    assert row.expert_parallel_s == pytest.approx(4 * 32 * 8 * 7168 * 8192 / 360e9)
+    assert row.iteration_s == pytest.approx((row.compute_s + row.expert_parallel_s + row.pipeline_p2p_s)
+                                            * row.bubble + row.data_parallel_s)
+
+
+def test_a_token_multiplies_k_experts_not_all():
+    """A MoE layer's weights a token multiplies: attention h·(ad + 2gd) + ad·h = 25,165,824 + 16,777,216,
+    the router E·h = 32,768 and k = 2 experts of 3h·f_e = 176,160,768: 394,297,344 (Mixtral's ~12.9B
+    active parameters over 32 layers, with the embedding). Model FLOPs 6·B·s·L·W + 12·B·s²·L·ad + 6·B·s·h·v."""
+    arch = Architecture(**MIXTRAL.architecture)
+    assert matmul_weights(4096, arch, 32) == 394_297_344
+    B, s, L, h, v = 256, 4096, 32, 4096, 32000
+    assert model_flops(B, s, L, h, v, arch, 32) == pytest.approx(
+        6 * B * s * L * 394_297_344 + 12 * B * s * s * L * 4096 + 6 * B * s * h * v)
+
+
+def test_flops_prices_a_mixture_of_experts(actmem):
+    out = actmem.json("flops", "--model", "mixtral-8x7b")
+    assert out["model_flops_formula"]["formula"].startswith("6·B·s·L·W_e")
+    assert "W_e = h·(a·d + 2·g·d) + a·d·h + E·h + k·3·h·f_e = 394,297,344" in out["model_flops_formula"]["where"]
+
+
+def test_the_plan_cli_shows_ep_and_names_the_dispatcher(actmem):
+    result = actmem("plan", "--model", "mixtral-8x7b", "--max-micro-batch", "2", "--top", "3")
+    assert result.exit_code == 0, result.output
+    assert " ep " in result.output.splitlines()[6] and "ep=8" in result.output
+    assert "the alltoall dispatcher's dispatch and combine" in " ".join(result.output.split())
+    explained = actmem("plan", "--model", "mixtral-8x7b", "--explain", "t=1 ep=8 p=4 b=1 nosp none dopt")
+    assert explained.exit_code == 0 and "the MoE token dispatcher" in explained.output
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--model", "mixtral-8x7b", "--moe-layer-freq", "2"), "plan does not sweep dense layers among mixture-of-experts"),
+    (("--model", "22b", "--moe-imbalance", "1.5"), "--moe-imbalance shapes a mixture-of-experts layer"),
+    (("--model", "mixtral-8x7b", "--moe-imbalance", "0.5"), "routing imbalance must be at least 1"),
+])
+def test_what_the_plan_does_not_sweep_is_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("plan", *args), fragment)
+
+
+def test_an_imbalance_on_a_dense_estimate_is_refused(actmem):
+    """It was silently accepted before: a dense model has no expert rows to scale."""
+    assert_one_line_error(actmem("estimate", "--model", "22b", "--moe-imbalance", "1.5"),
+                          "--moe-imbalance shape a mixture-of-experts layer")

@@ -103,7 +103,8 @@ def test_what_transformers_experts_do_not_do_is_refused(actmem, args, fragment):
 @pytest.mark.parametrize("change, fragment", [
     ({"output_router_logits": True}, "output_router_logits: transformers then adds the aux loss"),
     ({"router_jitter_noise": 0.01}, "router_jitter_noise"),
-    ({"sliding_window": 4096}, "sliding_window"),
+    ({"sliding_window": 4096}, "a sliding window"),
+    ({"experts_implementation": "batched_mm"}, "experts_implementation 'batched_mm'"),
 ])
 def test_unmeasured_mixtral_configs_are_refused_under_hf(actmem, tmp_path, change, fragment):
     path = tmp_path / "config.json"
@@ -116,3 +117,20 @@ def test_a_moe_model_transformers_has_no_measured_class_for_is_refused(actmem):
     """Qwen1.5-MoE (qwen2_moe: shared experts) is a class of its own in transformers."""
     assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/qwen1.5-moe-a2.7b/config.json",
                                  "--implementation", "hf"), "qwen2_moe is a class of its own")
+
+
+def test_qwen3_moe_with_a_sliding_window_is_refused_under_hf(actmem, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(open(QWEN3_MOE).read()) | {"use_sliding_window": True}))
+    assert_one_line_error(actmem("estimate", "--model", str(path), "--implementation", "hf"), "a sliding window")
+
+
+def test_top_1_routing_renormalises_under_transformers(actmem, tmp_path):
+    """Megatron refuses top-1 with its softmax over the top-k (it needs --moe-router-pre-softmax); transformers
+    renormalises one value to 1, in place, keeping the copy and the sum as for k = 2: priced, N = 4096,
+    4Nk = 16,384 and 4N = 16,384."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(open(MIXTRAL).read()) | {"num_experts_per_tok": 1}))
+    _, terms, _ = _estimate(actmem, str(path))
+    assert terms["gate_topk_values_fp32"] == 16_384 and terms["gate_topk_sum"] == 16_384
+    assert_one_line_error(actmem("estimate", "--model", str(path)), "top-1 routing with a softmax router needs")

@@ -129,13 +129,22 @@ def test_an_mla_setting_without_mla_is_refused(actmem, args, fragments):
     assert_one_line_error(actmem("estimate", *dense, *args), *fragments)
 
 
-def test_plan_and_flops_refuse_mla(actmem):
-    assert_one_line_error(actmem("plan", *V3, "--gpus", "8", "--global-batch", "8"), "multi-latent attention")
+def test_plan_and_flops_price_mla(actmem):
+    """A dense MLA layer's token multiplies q down h·q_r = 7168·1536 and up q_r·a(d_qk + d_r) = 1536·128·192,
+    kv down h·(kv_r + d_r) = 7168·576 and up kv_r·a(d_qk + d_v) = 512·128·256, the projection a·d_v·h =
+    128·128·7168 (187,105,280) and the SwiGLU MLP 3h·f = 396,361,728: W = 583,467,008. The scores multiply
+    over a(d_qk + d_r) = 24,576 (QKᵀ) and a·d_v = 16,384 (·V): 6·B·s²·L·40,960, B = 8, s = 4096, L = 4.
+    The plan's rows are the estimate's (tests/test_plan_moe.py checks DeepSeek-V3's)."""
+    plan = actmem("plan", *V3, "--gpus", "8", "--global-batch", "8")
+    assert plan.exit_code == 0, plan.output
     megatron = ("--num-layers 4 --hidden-size 7168 --num-attention-heads 128 --seq-length 4096 --vocab-size 129280 "
                 "--ffn-hidden-size 18432 --swiglu --disable-bias-linear --normalization RMSNorm --bf16 "
                 "--position-embedding-type rope --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
                 "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 --global-batch-size 8")
-    assert_one_line_error(actmem("flops", "--megatron-args", megatron), "multi-latent attention's down and up")
+    out = actmem.json("flops", "--megatron-args", megatron)
+    B, s, L, h, v = 8, 4096, 4, 7168, 129280          # model FLOPs count the vocabulary unpadded
+    assert out["model_flops"] == pytest.approx(6 * B * s * L * 583_467_008 + 6 * B * s * s * L * 40_960
+                                               + 6 * B * s * h * v)
 
 
 def test_kv_channels_is_named_as_not_read(actmem):

@@ -84,14 +84,20 @@ def test_a_layer_under_tensor_and_expert_parallelism(actmem):
 
 
 def test_the_routing_imbalance_scales_the_expert_rows_only(actmem):
-    """--moe-imbalance 1.25 at t = 1, s = 4096: T = ⌈1.25·2·4096⌉ = 10,240 rows, the experts'
+    """--moe-imbalance 1.25 at t = 1, EP = 8, s = 4096: T = ⌈1.25·2·4096⌉ = 10,240 rows, the experts'
     input 2·4096·10,240 = 83,886,080 B; 1.0001 rounds up: ⌈1.0001·8192⌉ = 8193 rows, 67,117,056 B.
-    The router's rows are per token: unchanged."""
-    balanced = _terms(actmem.json("estimate", *MOE))
-    heavy = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.25"))
+    The router's rows are per token: unchanged. At EP = 1 a rank holds every expert and receives its own
+    k·N rows whatever the routing: r is capped at EP, so 1.25 changes nothing there; at EP = 2 a rank
+    receives at most both ranks' copies, 2x: 8 is read as 2."""
+    ep8 = [*MOE, "--ep", "8", "--gpus", "8"]
+    balanced = _terms(actmem.json("estimate", *ep8))
+    heavy = _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.25"))
     assert heavy["experts_input"] == 83_886_080 and balanced["experts_input"] == 67_108_864
-    assert _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.0001"))["experts_input"] == 67_117_056
+    assert _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.0001"))["experts_input"] == 67_117_056
     assert heavy["router_input"] == balanced["router_input"] and heavy["aux_loss_scores"] == balanced["aux_loss_scores"]
+    assert _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.25"))["experts_input"] == 67_108_864
+    ep2 = _terms(actmem.json("estimate", *MOE, "--ep", "2", "--gpus", "2", "--moe-imbalance", "8"))
+    assert ep2["experts_input"] == 2 * 67_108_864
 
 
 def test_without_the_aux_loss_its_rows_go(actmem):
@@ -183,12 +189,13 @@ def test_recompute_modules_layernorm_frees_the_pre_mlp_norms_output(actmem):
 
 
 def test_a_capacity_factor_bounds_the_busiest_ranks_rows(actmem):
-    """--moe-expert-capacity-factor 1.0 at t = 1, k = 2, E = 8, N = 4096: each expert takes at most ⌈2·4096/8·1.0⌉ =
+    """--moe-expert-capacity-factor 1.0 at t = 1, EP = 8, k = 2, E = 8, N = 4096: each expert takes at most ⌈2·4096/8·1.0⌉ =
     1024 tokens from a rank, so a rank's experts at most 8·1024 = 8192 rows, whatever --moe-imbalance says: at 1.5
     the experts' input is 2·4096·8192 = 67,108,864 B (dropless: 2·4096·12,288 = 100,663,296); the router keeps
     the capacity's bool map, N·E = 32,768 B."""
-    dropless = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.5"))
-    capped = _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.5", "--moe-expert-capacity-factor", "1.0"))
+    ep8 = [*MOE, "--ep", "8", "--gpus", "8"]
+    dropless = _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.5"))
+    capped = _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.5", "--moe-expert-capacity-factor", "1.0"))
     assert dropless["experts_input"] == 100_663_296 and capped["experts_input"] == 67_108_864
     assert capped["router_capacity_map"] == 32_768 and "router_capacity_map" not in dropless
 

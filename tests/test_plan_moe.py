@@ -43,6 +43,18 @@ def test_the_sweep_spreads_the_experts_as_megatron_lays_them_out():
     assert (32 % (frame.etp * frame.ep * frame.p) == 0).all()
     assert frame.sequence_parallel[frame.t > 1].all()
     assert not frame.recompute.isin(["mlp", "sel+mlp"]).any()
+    # ETP below t only beside EP > 1: at EP = 1 Megatron reduces the experts' gradients over d·c alone
+    assert not ((frame.etp < frame.t) & (frame.ep == 1)).any()
+
+
+def test_a_moe_layer_s_routed_experts_run_no_tensor_parallel_collectives(mixtral_plan):
+    """t=2 ep=4 p=4 m=1 b=1 sp: d = 4, n = 64, 8 layers a stage. Under SP a dense layer all-gathers and
+    reduce-scatters 2sbh twice forward and twice backward (4); a MoE layer without shared experts only its
+    attention's 2 (its experts' tokens travel by the dispatcher): 64 x 8 x 2 x 2(1/2) x 2·4096·4096 B at
+    360 GB/s."""
+    evaluated = mixtral_plan.evaluated
+    row = evaluated[evaluated.apply(config_label, axis=1) == "t=2 ep=4 p=4 m=1 b=1 sp none dopt"].iloc[0]
+    assert row.tensor_parallel_s == pytest.approx(64 * 8 * 2 * 2 * (1 / 2) * 2 * 4096 * 4096 / 360e9)
 
 
 def _sampled(evaluated, per_group=3):
@@ -115,7 +127,8 @@ def test_the_plan_cli_shows_ep_and_names_the_dispatcher(actmem):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--model", "mixtral-8x7b", "--moe-layer-freq", "2"), "plan does not sweep dense layers among mixture-of-experts"),
+    (("--model", "mixtral-8x7b", "--moe-layer-freq", "([1]*2+[0]*30)"), "plan does not sweep this --moe-layer-freq "
+                                                                         "pattern yet"),
     (("--model", "22b", "--moe-imbalance", "1.5"), "--moe-imbalance shapes a mixture-of-experts layer"),
     (("--model", "mixtral-8x7b", "--moe-imbalance", "0.5"), "routing imbalance must be at least 1"),
 ])
@@ -127,3 +140,41 @@ def test_an_imbalance_on_a_dense_estimate_is_refused(actmem):
     """It was silently accepted before: a dense model has no expert rows to scale."""
     assert_one_line_error(actmem("estimate", "--model", "22b", "--moe-imbalance", "1.5"),
                           "--moe-imbalance shape a mixture-of-experts layer")
+
+
+DEEPSEEK = load_preset("tests/data/hf/deepseek-v3/config.json")
+
+
+def _deepseek_request(**architecture):
+    """DeepSeek-V3's config.json (MLA, 256 experts top-8 and a shared expert, its first 3 layers dense),
+    at s = 4096 without its multi-token-prediction layer (not swept yet), on 256 H100s."""
+    arch = Architecture(**DEEPSEEK.architecture | {"mtp_layers": 0} | architecture)
+    return PlanRequest(model=Model(**DEEPSEEK.model | {"seq_len": 4096}), gpus=256, global_batch=512, gpu=GPUS["h100"],
+                       gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=2, architecture=arch)
+
+
+@pytest.mark.parametrize("pattern", [None, 2], ids=["first-3-dense", "every-other"])
+def test_deepseek_v3_rows_are_the_estimate_s_verdict(pattern):
+    """Multi-latent attention, experts and dense layers among them (DeepSeek's first 3; and one MoE layer
+    every 2): every stage's layers counted by kind, and of the stages between the first and the last the
+    heaviest, which with a dense prefix is not stage 1 (in 2+4x14+3, stage 1 holds a dense layer, stage 2
+    none): the sweep's peak equals the exact estimate's on sampled rows of every EP, ETP and recompute."""
+    req = _deepseek_request(**({} if pattern is None else {"moe_layer_freq": pattern}))
+    evaluated = plan(req).evaluated
+    architecture = DEEPSEEK.architecture | {"mtp_layers": 0} | ({} if pattern is None else {"moe_layer_freq": pattern})
+    for row in _sampled(evaluated, per_group=1):
+        run = parse_config(config_label(row), layers=61) | {"gpus": 256, "global_batch": 512}
+        spec = build_spec(DEEPSEEK.model | {"seq_len": 4096}, run, architecture=architecture, gpu_name="h100")
+        assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
+    if pattern is None:
+        assert "stage 2" in set(evaluated.peak_stage)
+
+
+def test_deepseek_v3_s_weights_a_token_multiplies():
+    """DeepSeek-V3's MoE layer: MLA's q down h·q_r = 7168·1536 and up q_r·a(d_qk + d_r) = 1536·128·192, kv down
+    h·(kv_r + d_r) = 7168·576 and up kv_r·a(d_qk + d_v) = 512·128·256, the projection a·d_v·h = 128·128·7168:
+    187,105,280; the router E·h = 256·7168, 8 experts and the shared one of 3h·f_e = 3·7168·2048: 398,196,736.
+    585,302,016 in all (58 such layers, 3 dense of 3h·18432 = 396,361,728 MLP each: ~37B active with the
+    embedding and the output layer, as the report says)."""
+    arch = Architecture(**DEEPSEEK.architecture)
+    assert matmul_weights(7168, arch, 128) == 585_302_016

@@ -233,8 +233,11 @@ def _moe_notes(spec: Spec) -> list:
         + ("balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "
            "rank of a real step receives more (give --moe-imbalance, e.g. 1.25 for 25% over its share)"
            if imbalance == 1 else
-           f"the busiest rank's experts receive {imbalance} x the balanced k·N·ETP token rows (--moe-imbalance), "
-           "rounded up; the router's and the permutation's rows are per token and do not scale"),
+           f"the busiest rank's experts receive {spec.effective_imbalance} x the balanced k·N·ETP token rows "
+           f"(--moe-imbalance {imbalance}"
+           + (f", at most EP = {run.expert_parallel} x: a rank receives at most every EP rank's copies"
+              if spec.effective_imbalance != imbalance else "")
+           + "), rounded up; the router's and the permutation's rows are per token and do not scale"),
         "the MoE layer's backward transients (the experts' gradients, the dispatcher's buffers, the "
         "router's weight gradient) are not in the peak floor yet: it is a floor; nor are the dispatcher's own "
         "references to its last microbatch's routing (token_dispatcher.py: alltoall's probs and routing_map, "

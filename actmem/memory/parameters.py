@@ -133,7 +133,7 @@ def dummy_wgrad_elements(h, t, v, arch=PAPER, heads=None, holds_output=0, etp=No
               (arch.fc1_width * f // split, h, 1), (h, f // split, 1), (v // t, h, holds_output),
               (2 * shared // t, h, int(shared > 0)), (h, shared // t, int(shared > 0)),
               # a MoE model's dense layers on the stage (dense_too): their MLP's fc1 and fc2, of ffn_hidden
-              (arch.fc1_width * arch.ffn(h) // t, h, int(dense_too)), (h, arch.ffn(h) // t, int(dense_too)),
+              (arch.fc1_width * arch.ffn(h) // t, h, 1 * dense_too), (h, arch.ffn(h) // t, 1 * dense_too),
               # the multi-token-prediction layers' eh_proj on the stage with the output layer
               (h // t, 2 * h, holds_output * int(arch.mtp_layers > 0)))
     total = 0
@@ -206,10 +206,12 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     own = stage_layers if moe_layers is None else moe_layers
     dense = dense_twin(arch) if arch.moe else arch
     count = stage_parameters(h, L, p, t, v, s, arch, heads, own, stage) + extra
-    if moe_layers is not None:
+    holds_output = (stage == p - 1) * 1
+    dummies = dummy_wgrad_elements(h, t, v, arch, heads, holds_output=holds_output, etp=etp, dense_too=dense_layers_too)
+    if moe_layers is not None:           # a stage of dense layers alone: their shapes (ints, or arrays over a sweep)
         count = count + (stage_layers - own) * layer_parameters(h, t, dense, heads)
-    dummies = dummy_wgrad_elements(h, t, v, arch if moe_layers is None or own else dense, heads,
-                                   holds_output=(stage == p - 1) * 1, etp=etp, dense_too=dense_layers_too)
+        only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
+        dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if not arch.moe:
         return state

@@ -111,7 +111,8 @@ def check_experts(arch) -> None:
     if groups is not None and (arch.num_experts % groups or group_topk > groups):
         raise SpecError(f"--moe-router-num-groups ({groups}) must divide the experts ({arch.num_experts}) and be at "
                         f"least --moe-router-group-topk ({group_topk})")
-    if arch.moe_topk == 1 and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax:
+    if arch.moe_topk == 1 and arch.moe_score_function == "softmax" and not arch.moe_pre_softmax \
+            and "moe" in arch.code.has:            # Megatron's own rule; transformers renormalises k = 1 too
         raise SpecError("top-1 routing with a softmax router needs --moe-router-pre-softmax (Megatron raises: "
                         "transformer_config.py): give it")
     if arch.moe_shared_ffn is None and (arch.moe_shared_gate or arch.moe_shared_overlap):
@@ -159,3 +160,11 @@ def expert_shards(shards, gpus, etp, ep, p):
     parameters' own ``shards``, d·c (the experts join their buffers: transformer_engine.py, allreduce =
     not (is_expert and EP > 1)). Arithmetic only: ints, or arrays over a sweep."""
     return shards + (ep != 1) * (gpus // (etp * ep * p) - shards)
+
+
+def capped_imbalance(imbalance, ep):
+    """The routing imbalance r a rank can see: at most EP (it receives at most every EP rank's routed
+    copies for its experts, EP times its share), so 1 at EP = 1. Ints, Fractions or arrays."""
+    import numpy as np
+
+    return np.minimum(imbalance, ep) if isinstance(ep, np.ndarray) else min(imbalance, ep)

@@ -278,7 +278,8 @@ _HF_EXPERTS_NOTE = ("hf: the experts run by transformers' default experts implem
                     "rows sorted by expert, int64 indices and int32 offsets kept); eager and batched_mm keep other "
                     "tensors and are not modelled; every expert sits on the one device, so the rows are k·N "
                     "whatever the routing; the aux loss is not computed (output_router_logits false, the configs' "
-                    "default): with it, the router logits of every layer are kept, not counted")
+                    "default; its coefficient, --moe-aux-loss-coeff, changes nothing): with it, the router logits of "
+                    "every layer are kept, not counted")
 _HF_MIXTRAL = ModelClass(
     "MixtralForCausalLM",
     architecture=_LLAMA_LAYER + _HF_EXPERTS + (

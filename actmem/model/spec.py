@@ -263,6 +263,14 @@ class Spec:
         return self.data_parallel * self.run.context_parallel
 
     @property
+    def effective_imbalance(self):
+        """r as the busiest rank can receive it: at most EP times its share (every rank's tokens routed to
+        its experts), 1 at EP = 1, where each rank holds every expert and receives its own k·N·ETP rows."""
+        from actmem.model.experts import capped_imbalance
+
+        return capped_imbalance(self.run.routing_imbalance, self.run.expert_parallel)
+
+    @property
     def expert_optimizer_shards(self) -> int:
         """Ranks the distributed optimizer shards the experts' state over: the expert data-parallel
         group, gpus/(ETP·EP·p) (parallel_state.py: expert_data_parallel_size); at EP = 1 the dense
@@ -294,7 +302,7 @@ class Spec:
         values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
                   "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel,
-                  "e": run.etp, "r": run.routing_imbalance}
+                  "e": run.etp, "r": self.effective_imbalance}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
 
     def bindings_at(self, t: int) -> dict:

@@ -3,19 +3,42 @@
 Arithmetic only, so it runs on ints, floats and numpy arrays alike.
 """
 
-from actmem.errors import SpecError
 from actmem.model.architecture import PAPER
 from actmem.memory.techniques import PLAN_RECOMPUTE
 from actmem.model.recompute import DEFAULT_MODULES, Recompute
 
 
 def matmul_weights(h, arch=PAPER, heads=None):
-    """W: the weights one token multiplies in a layer's linears: QKV h·(ad + 2gd) and the
-    projection ad·h (4h² with ad = h, g = a), the MLP's (mlp_weights). The paper's: 12h²."""
+    """W: the weights one token multiplies in a layer's linears: the attention's (attention_weights)
+    and the MLP's (mlp_weights). The paper's: 12h²."""
+    return attention_weights(h, arch, heads) + mlp_weights(h, arch)
+
+
+def attention_weights(h, arch=PAPER, heads=None):
+    """QKV h·(ad + 2gd) and the projection ad·h (4h² with ad = h, g = a); under multi-latent attention
+    its projections (actmem.model.latent): q down h·q_r and up q_r·a(d_qk + d_r) (or h·a(d_qk + d_r)
+    without a q latent), kv down h·(kv_r + d_r) and up kv_r·a(d_qk + d_v), and the projection a·d_v·h."""
     from actmem.memory.parameters import qkv_width
 
-    attention = h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
-    return attention + mlp_weights(h, arch)
+    output = arch.attention_width(h, heads) * h
+    if not arch.multi_latent_attention:
+        return h * qkv_width(h, arch, heads) + output
+    from actmem.model.latent import query_width
+
+    q, q_rank, kv_rank = query_width(arch, heads), arch.q_lora_rank, arch.kv_lora_rank
+    query = h * q if q_rank is None else h * q_rank + q_rank * q
+    kv = h * (kv_rank + arch.qk_pos_emb_head_dim) + kv_rank * heads * (arch.qk_head_dim + arch.v_head_dim)
+    return query + kv + output
+
+
+def score_width(h, arch=PAPER, heads=None):
+    """The widths the attention scores multiply over, QKᵀ's and ·V's: 2ad (2h), or under multi-latent
+    attention a(d_qk + d_r) + a·d_v."""
+    if not arch.multi_latent_attention:
+        return 2 * arch.attention_width(h, heads)
+    from actmem.model.latent import query_width
+
+    return query_width(arch, heads) + arch.attention_width(h, heads)
 
 
 def mlp_weights(h, arch=PAPER):
@@ -39,6 +62,13 @@ def _layer_counts(L, arch) -> tuple:
     return moe, L - moe
 
 
+def mlp_tensor_parallel_share(arch, L) -> float:
+    """The share of the L layers whose MLP runs tensor-parallel collectives: every dense MLP, and a MoE
+    layer's shared experts (its routed experts move their tokens through the dispatcher)."""
+    own, dense = _layer_counts(L, arch)
+    return (dense + own * (arch.moe_shared_ffn is not None)) / L if arch.moe else 1
+
+
 def layers_weights(h, L, arch=PAPER, heads=None):
     """Σ W over the L layers: L·W, or a MoE model's MoE layers' and dense layers' each at theirs."""
     own, dense = _layer_counts(L, arch)
@@ -52,9 +82,23 @@ def layers_weights(h, L, arch=PAPER, heads=None):
 def _parts(B, s, L, h, v, arch, heads=None):
     """(layers' matmuls, attention scores, logits) of one forward pass, FLOPs, in float64:
     a 1T-parameter iteration is ~4e19 FLOPs, past int64, and the planner passes int64
-    arrays. The scores (QKᵀ and ·V) are 4·B·s²·L·ad."""
-    return (2.0 * B * s * layers_weights(h, L, arch, heads),
-            4.0 * B * s * s * L * arch.attention_width(h, heads), 2.0 * B * s * h * v)
+    arrays. The scores (QKᵀ and ·V) are 2·B·s²·L·score_width: 4·B·s²·L·ad. D multi-token-prediction
+    layers (mtp_weights) add their layers' matmuls and scores and D more logits."""
+    depth = arch.mtp_layers
+    return (2.0 * B * s * (layers_weights(h, L, arch, heads) + mtp_weights(h, L, arch, heads)),
+            2.0 * B * s * s * (L + depth) * score_width(h, arch, heads), 2.0 * B * s * h * v * (1 + depth))
+
+
+def mtp_weights(h, L, arch=PAPER, heads=None):
+    """The weights a token multiplies in the D multi-token-prediction layers (multi_token_prediction.py,
+    MultiTokenPredictionLayer): eh_proj [h, 2h] and a transformer layer of the model's last layer's kind
+    (gpt_layer_specs.py, get_gpt_mtp_block_spec) each."""
+    if not arch.mtp_layers:
+        return 0
+    from actmem.model.experts import dense_twin, moe_layers
+
+    last = arch if arch.moe and moe_layers(arch, L)[-1] else (dense_twin(arch) if arch.moe else arch)
+    return arch.mtp_layers * (2 * h * h + matmul_weights(h, last, heads))
 
 
 def model_flops(B, s, L, h, v, arch=PAPER, heads=None):
@@ -72,7 +116,22 @@ _ACTIVATION = {"gelu": "GeLU", "swiglu": "SwiGLU", "squared_relu": "squared-ReLU
 def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
     """What model_flops counts for this model, as text: the appendix's closed form where the layer
     is the paper's (W = 12h², a·d = h, whatever its norms, biases or positions), else the sum it
-    generalises, W written out. {'formula', 'where': lines of its letters' values, 'counts'}."""
+    generalises, W written out; + MTP where the model has multi-token-prediction layers.
+    {'formula', 'where': lines of its letters' values, 'counts'}."""
+    if not arch.mtp_layers:
+        return _formula(model, global_batch, arch)
+    from dataclasses import replace
+
+    text = _formula(model, global_batch, replace(arch, mtp_layers=0))
+    args = (global_batch, model.seq_len, model.layers, model.hidden, model.vocab)
+    mtp = model_flops(*args, arch, model.heads) - model_flops(*args, replace(arch, mtp_layers=0), model.heads)
+    return text | {"formula": f"{text['formula']} + MTP",
+                   "where": [*text["where"], f"MTP = {mtp:.4e}: D = {arch.mtp_layers} multi-token-prediction layers, "
+                             "each eh_proj's 2h² and a layer of the last layer's kind a token, its scores, and the "
+                             "logits once more"]}
+
+
+def _formula(model, global_batch: int, arch) -> dict:
     h, heads = model.hidden, model.heads
     weights, width = matmul_weights(h, arch, heads), arch.attention_width(h, heads)
     dims = f"B={global_batch:,} s={model.seq_len:,} L={model.layers:,} h={h:,} v={model.vocab:,}"
@@ -81,24 +140,40 @@ def model_flops_formula(model, global_batch: int, arch=PAPER) -> dict:
                 "counts": "the paper's appendix: each layer's matmuls (12h² weights a token), its attention "
                           "scores (s/(6h)) and the logits (v/(12hL)), forward and backward"}
     grouped = arch.query_groups is not None or arch.head_dim is not None
-    scores = "a·d" if grouped else "h"
-    qkv = (f"QKV with {arch.query_groups_or(heads):,} query groups of d = {arch.head_dim_or(h, heads):,}"
-           if grouped else "QKV")
+    attention, scores, qkv, letters = _attention_text(model, arch, grouped, width)
     mlp = (f"the {_ACTIVATION[arch.activation]} MLP's "
            f"{'gate and up, then down' if arch.fc1_width == 2 else 'fc1 and fc2'}, f = {arch.ffn(h):,}")
-    weights_text = f"{'h·(a·d + 2·g·d) + a·d·h' if grouped else '4h²'} + {arch.fc1_width + 1}·h·f"
+    weights_text = f"{attention} + {arch.fc1_width + 1}·h·f"
     if arch.moe:
-        return _moe_formula(model, arch, weights_text, scores, dims, grouped, width)
-    return {"formula": f"6·B·s·L·W + 12·B·s²·L·{scores} + 6·B·s·h·v",
-            "where": [f"W = {weights_text} = {weights:,}", *([f"a·d = {width:,}"] if grouped else []), dims],
+        return _moe_formula(model, arch, weights_text, scores, dims, letters)
+    return {"formula": f"6·B·s·L·W + {scores} + 6·B·s·h·v",
+            "where": [f"W = {weights_text} = {weights:,}", *letters, dims],
             "counts": f"per-layer matmul FLOPs of this architecture, forward and backward (3 × the forward), "
                       f"the paper's appendix generalised: W the weights a token multiplies in a layer ({qkv}; "
-                      f"the projection; {mlp}); 12·B·s²·L·{scores} the attention scores QKᵀ and ·V over the "
+                      f"the projection; {mlp}); {scores} the attention scores QKᵀ and ·V over the "
                       f"whole s²; 6·B·s·h·v the logits. The appendix's {APPENDIX_MODEL_FLOPS} is the case "
                       f"W = 12h², a·d = h, which this layer is not"}
 
 
-def _moe_formula(model, arch, dense_text: str, scores: str, dims: str, grouped: bool, width) -> dict:
+def _attention_text(model, arch, grouped: bool, width) -> tuple:
+    """(the attention's weights as text, the scores' FLOPs as text, what the linears before the core are,
+    the where-lines of their letters)."""
+    heads = model.heads
+    if arch.multi_latent_attention:
+        q_rank = arch.q_lora_rank
+        query = "h·a·(d_qk + d_r)" if q_rank is None else "h·q_r + q_r·a·(d_qk + d_r)"
+        ranks = ("" if q_rank is None else f"q_r = {q_rank:,}, ") + f"kv_r = {arch.kv_lora_rank:,}"
+        return (f"{query} + h·(kv_r + d_r) + kv_r·a·(d_qk + d_v) + a·d_v·h", "6·B·s²·L·(a·(d_qk + d_r) + a·d_v)",
+                "multi-latent attention's down and up projections",
+                [f"{ranks}, a = {heads:,}, d_qk = {arch.qk_head_dim:,}, d_r = {arch.qk_pos_emb_head_dim:,}, "
+                 f"d_v = {arch.v_head_dim:,}"])
+    qkv = (f"QKV with {arch.query_groups_or(heads):,} query groups of d = {arch.head_dim_or(model.hidden, heads):,}"
+           if grouped else "QKV")
+    return ("h·(a·d + 2·g·d) + a·d·h" if grouped else "4h²", f"12·B·s²·L·{'a·d' if grouped else 'h'}", qkv,
+            [f"a·d = {width:,}"] if grouped else [])
+
+
+def _moe_formula(model, arch, dense_text: str, scores: str, dims: str, letters: list) -> dict:
     """model_flops_formula of a mixture of experts: W_e of a MoE layer (the router, k experts of f_e and the
     shared experts in place of the MLP), W of its dense layers where it has them."""
     from actmem.model.experts import dense_twin
@@ -114,13 +189,13 @@ def _moe_formula(model, arch, dense_text: str, scores: str, dims: str, grouped: 
                if dense else []),
              f"E = {arch.num_experts:,}, k = {arch.moe_topk}, f_e = {arch.expert_ffn(h):,}"
              + (f", f_s = {arch.moe_shared_ffn:,}" if shared else ""),
-             *([f"a·d = {width:,}"] if grouped else []), dims]
-    return {"formula": f"6·B·s·{layers} + 12·B·s²·L·{scores} + 6·B·s·h·v", "where": where,
+             *letters, dims]
+    return {"formula": f"6·B·s·{layers} + {scores} + 6·B·s·h·v", "where": where,
             "counts": "per-layer matmul FLOPs, forward and backward (3 × the forward), the paper's appendix "
                       "generalised to a mixture of experts: a token multiplies the router's E·h and the k experts "
                       "it is routed to (and the shared experts), not all E; "
                       + ("its dense layers their MLP; " if dense else "")
-                      + f"12·B·s²·L·{scores} the attention scores; 6·B·s·h·v the logits. Dropped tokens "
+                      + f"{scores} the attention scores; 6·B·s·h·v the logits. Dropped tokens "
                       "(a capacity factor) would do less: not counted"}
 
 
@@ -164,11 +239,6 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
                  seconds: float | None, arch=PAPER) -> dict:
     """Model and hardware FLOPs per iteration for each recompute mode; MFU and HFU when an
     iteration time is given."""
-    if arch.mtp_layers:
-        raise SpecError("flops does not count the multi-token-prediction layers and logits yet")
-    if arch.multi_latent_attention:
-        raise SpecError("flops counts a QKV linear's matmuls; multi-latent attention's down and up projections "
-                        "are not counted yet")
     dims = dict(B=global_batch, s=model.seq_len, L=model.layers, h=model.hidden, v=model.vocab, arch=arch,
                 heads=model.heads)
     flops = model_flops(**dims)

@@ -29,24 +29,26 @@ def bubble_factor(p, m, n):
     return 1 + (p - 1) / (m * n)
 
 
-def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, share=1):
+def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, share=1, mlp_share=1):
     """Each layer of a stage (stage_layers: the slowest's, L/p when even) all-reduces its
     2sbh-byte output twice forward and twice backward, and again what recompute reruns: both
     forward ones with full recompute, the MLP's with the MLP recomputed (the attention core
     has none); sequence parallelism moves the same bytes as an all-gather plus a
     reduce-scatter. A ring moves 2(t-1)/t of the buffer a GPU. share: of the rerun, the part
-    run (compute_seconds)."""
-    per_layer = 4 + share * sum((recompute == name) * _rerun_collectives(choice)
-                                for name, choice in PLAN_CHOICES.items())
+    run (compute_seconds). mlp_share: the layers whose MLP has these collectives, a dense MLP's or
+    a MoE layer's shared experts (a MoE layer's routed experts exchange their tokens through the
+    dispatcher instead: expert_parallel_seconds)."""
+    per_layer = 2 + 2 * mlp_share + share * sum((recompute == name) * _rerun_collectives(choice, mlp_share)
+                                                for name, choice in PLAN_CHOICES.items())
     volume = n * stage_layers * per_layer * 2 * (t - 1) / t * ACTIVATION_BYTES * s * b * h
     return volume / bandwidth
 
 
-def _rerun_collectives(choice) -> int:
+def _rerun_collectives(choice, mlp_share=1):
     """Forward collectives of a layer that recompute runs again."""
     if choice.granularity is Recompute.FULL:
-        return 2
-    return int(choice.granularity is Recompute.SELECTIVE and "mlp" in choice.modules)
+        return 1 + mlp_share
+    return mlp_share * int(choice.granularity is Recompute.SELECTIVE and "mlp" in choice.modules)
 
 
 def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, bandwidth, share=1):

@@ -18,11 +18,11 @@ from actmem.memory import engine
 from actmem.planner import iteration
 from actmem.model.architecture import PAPER, Architecture
 from actmem.errors import SpecError
-from actmem.planner.flops import model_flops
+from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
-from actmem.memory.parameters import first_stage_parameters, stage_state
-from actmem.model.experts import expert_shards
+from actmem.memory.parameters import expert_parameters, first_stage_parameters, stage_state
+from actmem.model.experts import capped_imbalance, dense_twin, expert_shards, moe_layers
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
 from actmem.model.spec import Model, check_imbalance, padded_vocab, require_positive_int
 from actmem.memory.stage_model import StageCounts, largest_bytes, stage_activations
@@ -50,12 +50,19 @@ as at most this, which no GPU holds; the fits verdict is unaffected."""
 
 #: (architecture -> true where the sweep does not model it, what it is, why not)
 _NOT_SWEPT = (
-    (lambda arch: arch.moe and arch.moe_layer_freq != 1, "dense layers among mixture-of-experts layers",
-     "which layers of each kind a stage holds moves with p"),
+    (lambda arch: arch.moe and not _prefix_or_periodic(arch.moe_layer_freq), "this --moe-layer-freq pattern",
+     "the sweep sizes dense layers first then MoE layers, as DeepSeek's first-k-dense, or one MoE layer every N"),
     (lambda arch: arch.mtp_layers, "multi-token prediction", "its layers and logits on the last stage"),
-    (lambda arch: arch.multi_latent_attention, "multi-latent attention",
-     "its time model counts the QKV linear's matmuls"),
 )
+
+
+def _prefix_or_periodic(freq) -> bool:
+    """--moe-layer-freq N, or a pattern of dense layers then MoE layers ([0]*3+[1]*58): the stages between
+    the first and the last then hold at most three mixes of the two kinds (_middle_stages)."""
+    if isinstance(freq, int):
+        return True
+    moe = list(freq)
+    return moe == sorted(moe)
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ class PlanRequest:
                 raise SpecError(f"plan: {name} ({sizes[name]:,}) is above the largest the planner "
                                 f"sweeps ({limit:,})")
         whole = first_stage_parameters(self.model.hidden, self.model.layers, 1, 1, self.model.vocab,
-                                       self.model.seq_len, self.architecture, self.model.heads)
+                                       self.model.seq_len, self.architecture, self.model.heads) \
+            + self.model.layers * expert_parameters(self.model.hidden, self.architecture, 1, 1)
         per_parameter = WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
         if whole * per_parameter >= 2**62:      # Python ints here; the sweep counts in int64
             raise SpecError(f"plan: the model has {whole:,} parameters, more than the planner "
@@ -203,8 +211,11 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     model = req.model
     grid = _parallel_sizes(req).merge(expert_sizes(req), how="cross")
     grid["etp"] = np.where(grid.etp_is_t, grid.t, 1)
-    grid = grid[(grid.etp_is_t | (grid.t > 1)) & (req.gpus % (grid.etp * grid.ep * grid.p) == 0)].drop(
-        columns="etp_is_t")                              # ETP 1 at t = 1 is ETP t; the experts' ranks fit the GPUs
+    # ETP 1 at t = 1 is ETP t; ETP 1 < t only where EP > 1: at EP = 1 Megatron reduces the experts' gradients
+    # with the dense ones, over d·c (transformer_engine.py: allreduce = not (is_expert and EP > 1)), which would
+    # leave whole experts on the t ranks training apart; the experts' ranks fit the GPUs
+    grid = grid[(grid.etp_is_t | ((grid.t > 1) & (grid.ep > 1))) & (req.gpus % (grid.etp * grid.ep * grid.p) == 0)]
+    grid = grid.drop(columns="etp_is_t")
     grid = grid.merge(_frame("b", range(1, req.max_micro_batch + 1)), how="cross")
     grid = grid[req.global_batch % (grid.b * grid.d) == 0]
     grid = grid.merge(_frame("m", divisors(model.layers)), how="cross")
@@ -266,7 +277,55 @@ def _expert_values(req: PlanRequest, grid: pd.DataFrame) -> dict:
         return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance)
     return dict(experts=arch.num_experts, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance,
                 expert_ffn=arch.expert_ffn(req.model.hidden), shared_ffn=arch.moe_shared_ffn,
-                moe_freq=arch.moe_layer_freq)
+                moe_freq=arch.moe_layer_freq, mixed_layers=_mixed(req))
+
+
+def _mixed(req: PlanRequest) -> bool:
+    """Dense layers among the MoE layers (--moe-layer-freq)."""
+    return req.architecture.moe and 0 in moe_layers(req.architecture, req.model.layers)
+
+
+def _stage_kinds(req: PlanRequest, grid: pd.DataFrame, name: str, layers: pd.Series, stage) -> tuple:
+    """(MoE layers of the stage, whether its last layer is one), by row: the first stage holds layers
+    [0, first), a stage j between [first + (j - 1)·between, first + j·between), the last [L - last, L)
+    (m = 1: a rule); None, None for a model whose layers are all of one kind."""
+    if not _mixed(req):
+        return None, None
+    L = req.model.layers
+    start = {"first": 0, "last": L - layers}.get(name, grid.first_stage_layers + (stage - 1) * grid.stage_layers)
+    end = np.minimum(start + layers, L).to_numpy()            # a stage between where p < 3: none (zeroed)
+    start = np.minimum(np.broadcast_to(start, len(grid)), end - 1)
+    moe = _moe_before(req)
+    return moe[end] - moe[start], moe[end] - moe[end - 1] == 1
+
+
+def _moe_before(req: PlanRequest) -> np.ndarray:
+    """The MoE layers among the first i, for i = 0..L."""
+    return np.concatenate([[0], np.cumsum(moe_layers(req.architecture, req.model.layers))])
+
+
+def _middle_stages(req: PlanRequest, grid: pd.DataFrame) -> tuple:
+    """The stages between the first and the last that may hold the most, by row, where the model mixes
+    dense and MoE layers: of the stages holding the fewest MoE layers, of those holding the most, and of
+    those holding some other count, the earliest (the most microbatches in flight; the same layers).
+    A dense-first pattern or one MoE layer every N gives at most three counts (_prefix_or_periodic)."""
+    moe, L = _moe_before(req), req.model.layers
+    first, between, p = (grid[name].to_numpy() for name in ("first_stage_layers", "stage_layers", "p"))
+
+    def count(j):
+        start = np.minimum(first + (j - 1) * between, L)
+        return moe[np.minimum(start + between, L)] - moe[start]
+
+    least, most = count(1), count(1)
+    for j in range(2, max(p.max() - 1, 2)):
+        here = j <= p - 2
+        least, most = np.where(here, np.minimum(least, count(j)), least), np.where(here, np.maximum(most, count(j)), most)
+    found = {kind: np.zeros(len(grid), dtype="int64") for kind in ("least", "most", "other")}
+    for j in range(1, max(p.max() - 1, 2)):
+        here, c = j <= p - 2, count(j)
+        for kind, match in (("least", c == least), ("most", c == most), ("other", (c > least) & (c < most))):
+            found[kind] = np.where(here & match & (found[kind] == 0), j, found[kind])
+    return tuple(np.where(found[kind] == 0, 1, found[kind]) for kind in ("least", "most", "other"))
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -314,8 +373,10 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["vocab"] = padded_vocab(req.model.vocab, grid.t, req.vocab_divisible_by)
     grid["fused_softmax"] = fused_softmax(req, grid)
     peaks = {}
+    grid["middle_stage"] = 1
     for name, stage in STAGES:
-        memory = _stage_memory(req, grid, name, stage)
+        memory = _stage_memory(req, grid, name, stage) if not (name == "middle" and _mixed(req)) else \
+            _heaviest_middle(req, grid)
         for part in MEMORY_PARTS + ("parameters", "layer_activations"):
             grid[stage_column(name, part)] = memory[part]
         peaks[name] = memory[list(MEMORY_PARTS)].sum(axis=1)
@@ -323,10 +384,28 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     grid["total_bytes"] = grid[list(MEMORY_PARTS[:-1])].sum(axis=1)
     grid["peak_bytes"] = grid[[f"{name}_peak_bytes" for name, _ in STAGES]].max(axis=1)
     grid["peak_stage"] = np.select([peaks["first"] == grid.peak_bytes, peaks["middle"] == grid.peak_bytes],
-                                   ["first", "stage 1"], "last")
+                                   ["first", "stage " + grid.middle_stage.astype(str)], "last")
     grid["fits"] = grid.peak_bytes <= req.budget_bytes
     _add_time(req, grid)
     return grid
+
+
+def _heaviest_middle(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
+    """The stage between the first and the last whose peak is the largest, by row, among _middle_stages';
+    its index goes to grid.middle_stage (the earliest where two tie)."""
+    best, best_peak = None, None
+    for stage in _middle_stages(req, grid):
+        memory = _stage_memory(req, grid, "middle", stage)
+        peak = memory[list(MEMORY_PARTS)].sum(axis=1)
+        if best is None:
+            best, best_peak = memory, peak
+            grid["middle_stage"] = stage
+            continue
+        heavier = peak > best_peak
+        best = best.where(~heavier, memory)
+        best_peak = best_peak.where(~heavier, peak)
+        grid["middle_stage"] = np.where(heavier, stage, grid.middle_stage)
+    return best
 
 
 def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.DataFrame:
@@ -341,6 +420,9 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                            "holds_output": (stage == grid.p - 1).astype("int64"),
                            "chunk_layers": layers // grid.m, "chunks": chunks_held(grid.p, grid.m, grid.n, stage)},
                           index=grid.index)
+    moe, last_moe = _stage_kinds(req, grid, name, layers, stage)
+    if moe is not None:
+        counts["moe_layers"], counts["last_moe"] = moe, last_moe
     memory = pd.DataFrame(index=grid.index)
     memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
@@ -350,7 +432,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                                                                                  grid.p),
                          distributed_optimizer=grid.distributed_optimizer.astype("int64"),
                          gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
-                         ep=grid.ep, etp=grid.etp)
+                         ep=grid.ep, etp=grid.etp, moe_layers=moe,
+                         dense_layers_too=False if moe is None else (moe > 0) & (moe < layers))
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
@@ -376,14 +459,23 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     Megatron's block method with N = recompute_layers, a count of the model like the others."""
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
-    for (sp, recompute, fused), rows in grid.groupby(["sequence_parallel", "recompute", "fused_softmax"]):
-        arch = req.architecture.with_fused_softmax(bool(fused))
+    kind = counts.last_moe if "last_moe" in counts else pd.Series(True, index=grid.index)
+    for (sp, recompute, fused, last_moe), rows in grid.assign(last_moe=kind).groupby(
+            ["sequence_parallel", "recompute", "fused_softmax", "last_moe"]):
+        model_arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]
         technique = run_technique(bool(sp), choice)
         values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
         args = _numeric_args(req, values)
+        per_chunk, arch, others = values("chunk_layers"), model_arch, ()
+        if "moe_layers" in counts:        # dense layers among the MoE layers: the stage's last layer's kind and the other
+            moe = values("moe_layers")
+            dense = dense_twin(model_arch)
+            arch, other = (model_arch, dense) if last_moe else (dense, model_arch)
+            per_chunk, others = (moe, per_chunk - moe) if last_moe else (per_chunk - moe, moe)
+            others = ((other, others),)
         stage = stage_activations(technique, arch, lambda expr: engine.numeric(expr)(*args), StageCounts(
-            values("chunk_layers"), values("chunks"), values("recompute_layers") if recompute == PLAN_BLOCK else None))
+            per_chunk, values("chunks"), values("recompute_layers") if recompute == PLAN_BLOCK else None), others)
         held[rows.index] = _whole_bytes(stage.held_bytes, len(rows))
         transient[rows.index] = _whole_bytes(largest_bytes(stage) - stage.held_bytes, len(rows))
     return held, transient
@@ -395,7 +487,7 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
-            values("etp"), float(req.routing_imbalance))
+            values("etp"), capped_imbalance(float(req.routing_imbalance), values("ep")))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:
@@ -417,7 +509,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                   req.architecture, model.heads, share) * (grid.p * paced / L)
     s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
-        s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth, share)
+        s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth, share,
+        mlp_tensor_parallel_share(req.architecture, L))
     grid["bubble"] = iteration.bubble_factor(grid.p, grid.m, grid.n)
     across_nodes = gpu.inter_node_bandwidth if req.gpus > req.gpus_per_node else gpu.intra_node_bandwidth
     ring = np.where(grid.t * grid.c <= req.gpus_per_node, gpu.intra_node_bandwidth, gpu.inter_node_bandwidth)
@@ -471,8 +564,8 @@ class Plan:
             part = leanest[[stage_column(name, part) for part in MEMORY_PARTS]].idxmax(axis=1)
             largest[name] = part.str.removeprefix(stage_column(name, "")).str.removesuffix("_bytes")
         leanest["largest_part"] = np.select(
-            [leanest.peak_stage == "first", leanest.peak_stage == "stage 1"],
-            [largest["first"], largest["middle"] + " (stage 1)"], largest["last"] + " (last stage)")
+            [leanest.peak_stage == "first", leanest.peak_stage.str.startswith("stage ")],
+            [largest["first"], largest["middle"] + " (" + leanest.peak_stage + ")"], largest["last"] + " (last stage)")
         any_fit = self.evaluated.groupby("t").fits.any()
         leanest["t_fits"] = leanest.t.map(any_fit)
         return leanest.reset_index(drop=True)
@@ -521,7 +614,7 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     of them, at most the first stage's chunk (rules.py) and short of the largest chunk
     (else it is full recompute). A larger N may fit too but recomputes more, which the time
     model charges."""
-    if "partial_recompute" not in req.architecture.code.runs:
+    if "partial_recompute" not in req.architecture.code.runs or _mixed(req):   # mixed layers: no block (a rule)
         return evaluated.iloc[:0]
     transients = [stage_column(name, "transient_bytes") for name, _ in STAGES]
     none = evaluated.loc[evaluated.recompute == "none", _CONFIGURATION + ["fits"] + transients]

@@ -61,9 +61,14 @@ def _hf_unmeasured(kind: str, config: dict) -> str | None:
                 "(load_balancing_loss_func), which actmem has not measured")
     if kind == "mixtral" and config.get("router_jitter_noise"):
         return "router_jitter_noise: the jitter's noise and its product are kept, which actmem has not measured"
-    if kind == "mixtral" and config.get("sliding_window"):
-        return ("sliding_window: sdpa is then handed a mask, which it keeps beside k and v repeated to every head; "
-                "actmem has not measured it")
+    if (kind == "mixtral" and config.get("sliding_window")) or (kind in ("qwen3", "qwen3_moe")
+                                                                and config.get("use_sliding_window")):
+        return ("a sliding window: sdpa is then handed a mask, which it keeps beside k and v repeated to every head "
+                "(sdpa_attention.py, use_gqa_in_sdpa: no enable_gqa with a mask); actmem has not measured it")
+    experts = config.get("experts_implementation")
+    if kind in MOE_READ and experts not in (None, "grouped_mm"):
+        return (f"experts_implementation {experts!r}: its experts keep other tensors than grouped_mm's, transformers' "
+                "default, which alone actmem has measured")
     act = config.get("activation_function", "gelu_new")
     if kind == "gpt2" and act != "gelu_new":
         return (f"its activation_function is {act}, and only gelu_new, GPT-2's own, is measured "

@@ -229,13 +229,14 @@ def _moe(extra, fake=False):
     return {r["term"]: r for r in rows}, judge(rows, 0.0)
 
 
+@pytest.mark.parametrize("core", ["flash", "eager"])
 @pytest.mark.parametrize("extra, weight_bytes", [(HF_MIXTRAL, 4), (HF_QWEN3_MOE, 2)])
-def test_the_sparse_moe_block_keeps_its_rows_to_the_byte(extra, weight_bytes):
+def test_the_sparse_moe_block_keeps_its_rows_to_the_byte(extra, weight_bytes, core):
     """A layer: the gate_up output 4·128·48 = 24,576 B, the gathered rows 2·128·64 = 16,384, the three
     int64 permutations 8·128 = 1,024 each, the int32 offsets 4·8 = 32, the router's fp32 softmax
     4·64·8 = 2,048, the division's copy of the fp32 top-k values 4·128 = 512 and their sum 4·64 = 256;
     the routing weights 128·4 = 512 (Mixtral: fp32) or 128·2 = 256 (Qwen3-MoE: 16-bit)."""
-    rows, failures = _moe(extra)
+    rows, failures = _moe(extra | dict(attention_core=core))
     assert failures == [] and "unattributed" not in rows
     measured = {name: row["measured_bytes"] for name, row in rows.items()}
     assert measured["experts_gate_up_output"] == 2 * 24_576 and measured["experts_gathered_input"] == 2 * 16_384

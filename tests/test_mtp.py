@@ -119,6 +119,15 @@ def test_what_mtp_does_not_model_is_refused(actmem):
                           "multi-token prediction is modelled without interleaving")
     assert_one_line_error(actmem("estimate", *BASE, "--recompute", "full", "--recompute-method", "block",
                                  "--recompute-num-layers", "1"), "multi-token prediction is modelled without")
+
+
+def test_the_plan_sweeps_mtp_within_megatron_s_rules(actmem):
+    """The sweep keeps what the rules allow with prediction layers (no interleaving, SP at t > 1, no block
+    method) and sizes the last stage with its D layers, their norms and projection and D more logits
+    (tests/test_plan_moe.py checks rows against the estimate)."""
     model = [arg for i, arg in enumerate(BASE) if arg not in ("--micro-batch", "--tp", "--sp")
              and BASE[i - 1] not in ("--micro-batch", "--tp")]
-    assert_one_line_error(actmem("plan", *model, "--gpus", "8", "--global-batch", "8"), "multi-token prediction")
+    out = actmem.json("plan", *model, "--gpus", "8", "--global-batch", "8", "--top", "0")
+    rows = out["best"]
+    assert rows and all(row["m"] == 1 and row["recompute"] != "full:block" for row in rows)
+    assert all(row["sequence_parallel"] for row in rows if row["t"] > 1)

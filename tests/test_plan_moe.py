@@ -146,28 +146,30 @@ DEEPSEEK = load_preset("tests/data/hf/deepseek-v3/config.json")
 
 
 def _deepseek_request(**architecture):
-    """DeepSeek-V3's config.json (MLA, 256 experts top-8 and a shared expert, its first 3 layers dense),
-    at s = 4096 without its multi-token-prediction layer (not swept yet), on 256 H100s."""
-    arch = Architecture(**DEEPSEEK.architecture | {"mtp_layers": 0} | architecture)
+    """DeepSeek-V3's config.json (MLA, 256 experts top-8 and a shared expert, its first 3 layers dense, one
+    multi-token-prediction layer) at s = 4096 on 256 H100s."""
+    arch = Architecture(**DEEPSEEK.architecture | architecture)
     return PlanRequest(model=Model(**DEEPSEEK.model | {"seq_len": 4096}), gpus=256, global_batch=512, gpu=GPUS["h100"],
                        gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=2, architecture=arch)
 
 
-@pytest.mark.parametrize("pattern", [None, 2], ids=["first-3-dense", "every-other"])
-def test_deepseek_v3_rows_are_the_estimate_s_verdict(pattern):
+@pytest.mark.parametrize("pattern, mtp", [(None, 1), (2, 0), (None, 2)], ids=["v3", "every-other", "two-mtp"])
+def test_deepseek_v3_rows_are_the_estimate_s_verdict(pattern, mtp):
     """Multi-latent attention, experts and dense layers among them (DeepSeek's first 3; and one MoE layer
     every 2): every stage's layers counted by kind, and of the stages between the first and the last the
     heaviest, which with a dense prefix is not stage 1 (in 2+4x14+3, stage 1 holds a dense layer, stage 2
-    none): the sweep's peak equals the exact estimate's on sampled rows of every EP, ETP and recompute."""
-    req = _deepseek_request(**({} if pattern is None else {"moe_layer_freq": pattern}))
+    none); the last stage with its D prediction layers: the sweep's peak equals the exact estimate's on
+    sampled rows of every EP, ETP and recompute."""
+    change = ({} if pattern is None else {"moe_layer_freq": pattern}) | {"mtp_layers": mtp}
+    req = _deepseek_request(**change)
     evaluated = plan(req).evaluated
-    architecture = DEEPSEEK.architecture | {"mtp_layers": 0} | ({} if pattern is None else {"moe_layer_freq": pattern})
+    architecture = DEEPSEEK.architecture | change
     for row in _sampled(evaluated, per_group=1):
         run = parse_config(config_label(row), layers=61) | {"gpus": 256, "global_batch": 512}
         spec = build_spec(DEEPSEEK.model | {"seq_len": 4096}, run, architecture=architecture, gpu_name="h100")
         assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
     if pattern is None:
-        assert "stage 2" in set(evaluated.peak_stage)
+        assert {"stage 2", "last"} <= set(evaluated.peak_stage)
 
 
 def test_deepseek_v3_s_weights_a_token_multiplies():
@@ -178,3 +180,20 @@ def test_deepseek_v3_s_weights_a_token_multiplies():
     embedding and the output layer, as the report says)."""
     arch = Architecture(**DEEPSEEK.architecture)
     assert matmul_weights(7168, arch, 128) == 585_302_016
+
+
+@pytest.mark.parametrize("name, mtp", [("mixtral-8x7b", 2), ("llama-3.1-8b", 1)])
+def test_prediction_layers_on_the_last_stage_are_the_estimate_s(name, mtp):
+    """A model of one kind with D prediction layers: the last stage's rows (its D layers held unless full
+    recompute, their norms, projection and the logits D more times) match the estimate's verdict."""
+    preset = load_preset(name)
+    architecture = preset.architecture | {"mtp_layers": mtp}
+    req = PlanRequest(model=Model(**preset.model), gpus=32, global_batch=256, gpu=GPUS["h100"],
+                      gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=2,
+                      architecture=Architecture(**architecture))
+    evaluated = plan(req).evaluated
+    assert "last" in set(evaluated.peak_stage) and (evaluated.m == 1).all()
+    for row in _sampled(evaluated, per_group=2):
+        run = parse_config(config_label(row), layers=preset.model["layers"]) | {"gpus": 32, "global_batch": 256}
+        spec = build_spec(preset.model, run, architecture=architecture, gpu_name="h100")
+        assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)

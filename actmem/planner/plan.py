@@ -21,9 +21,10 @@ from actmem.errors import SpecError
 from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
-from actmem.memory.parameters import expert_parameters, first_stage_parameters, stage_state
+from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
 from actmem.model.experts import capped_imbalance, dense_twin, expert_shards, moe_layers
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
+from actmem.model.recompute import Recompute
 from actmem.model.spec import Model, check_imbalance, padded_vocab, require_positive_int
 from actmem.memory.stage_model import StageCounts, largest_bytes, stage_activations
 from actmem.memory.techniques import PLAN_BLOCK, PLAN_CHOICES, PLAN_RECOMPUTE, row_policy, run_technique
@@ -52,7 +53,6 @@ as at most this, which no GPU holds; the fits verdict is unaffected."""
 _NOT_SWEPT = (
     (lambda arch: arch.moe and not _prefix_or_periodic(arch.moe_layer_freq), "this --moe-layer-freq pattern",
      "the sweep sizes dense layers first then MoE layers, as DeepSeek's first-k-dense, or one MoE layer every N"),
-    (lambda arch: arch.mtp_layers, "multi-token prediction", "its layers and logits on the last stage"),
 )
 
 
@@ -273,11 +273,12 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
 def _expert_values(req: PlanRequest, grid: pd.DataFrame) -> dict:
     """The rules' names of a mixture of experts (Spec.rule_values'), for rows of the sweep."""
     arch = req.architecture
+    mtp = {"mtp": True} if arch.mtp_layers else {}
     if not arch.moe:
-        return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance)
+        return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance, **mtp)
     return dict(experts=arch.num_experts, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance,
                 expert_ffn=arch.expert_ffn(req.model.hidden), shared_ffn=arch.moe_shared_ffn,
-                moe_freq=arch.moe_layer_freq, mixed_layers=_mixed(req))
+                moe_freq=arch.moe_layer_freq, mixed_layers=_mixed(req), **mtp)
 
 
 def _mixed(req: PlanRequest) -> bool:
@@ -418,6 +419,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
     counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
                            "holds_output": (stage == grid.p - 1).astype("int64"),
+                           # the multi-token-prediction layers, on the last stage (stages.mtp_layers_held)
+                           "mtp_layers": (stage == grid.p - 1).astype("int64") * req.architecture.mtp_layers,
                            "chunk_layers": layers // grid.m, "chunks": chunks_held(grid.p, grid.m, grid.n, stage)},
                           index=grid.index)
     moe, last_moe = _stage_kinds(req, grid, name, layers, stage)
@@ -427,13 +430,19 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
     shards = grid.d * grid.c
-    params = stage_state(h, L, grid.p, grid.t, grid.vocab, s, req.architecture, model.heads, stage_layers=layers,
+    # the multi-token-prediction layers' weights on the last stage, of the model's last layer's kind, beside
+    # their own norms and projection (mtp_parameters), as estimate counts them
+    mtp = counts.mtp_layers
+    if moe is not None:
+        moe = moe + mtp * moe_layers(req.architecture, L)[-1]
+    extra = mtp_parameters(h, grid.t, grid.vocab, req.architecture, grid.p) * (mtp > 0)
+    params = stage_state(h, L, grid.p, grid.t, grid.vocab, s, req.architecture, model.heads, stage_layers=layers + mtp,
                          stage=stage, shards=shards, expert_shards=expert_shards(shards, req.gpus, grid.etp, grid.ep,
                                                                                  grid.p),
                          distributed_optimizer=grid.distributed_optimizer.astype("int64"),
                          gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
-                         ep=grid.ep, etp=grid.etp, moe_layers=moe,
-                         dense_layers_too=False if moe is None else (moe > 0) & (moe < layers))
+                         ep=grid.ep, etp=grid.etp, moe_layers=moe, extra=extra,
+                         dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp))
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
@@ -474,6 +483,9 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
             arch, other = (model_arch, dense) if last_moe else (dense, model_arch)
             per_chunk, others = (moe, per_chunk - moe) if last_moe else (per_chunk - moe, moe)
             others = ((other, others),)
+        # the multi-token-prediction layers, of the last stage's last layer's kind, held as its layers are; none under
+        # full recompute, where Megatron checkpoints each whole (stages.mtp_layers_held)
+        per_chunk = per_chunk + values("mtp_layers") * (choice.granularity is not Recompute.FULL)
         stage = stage_activations(technique, arch, lambda expr: engine.numeric(expr)(*args), StageCounts(
             per_chunk, values("chunks"), values("recompute_layers") if recompute == PLAN_BLOCK else None), others)
         held[rows.index] = _whole_bytes(stage.held_bytes, len(rows))
@@ -614,7 +626,8 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     of them, at most the first stage's chunk (rules.py) and short of the largest chunk
     (else it is full recompute). A larger N may fit too but recomputes more, which the time
     model charges."""
-    if "partial_recompute" not in req.architecture.code.runs or _mixed(req):   # mixed layers: no block (a rule)
+    if "partial_recompute" not in req.architecture.code.runs or _mixed(req) or req.architecture.mtp_layers:
+        # dense layers among MoE layers, or multi-token prediction: no block method (rules.py)
         return evaluated.iloc[:0]
     transients = [stage_column(name, "transient_bytes") for name, _ in STAGES]
     none = evaluated.loc[evaluated.recompute == "none", _CONFIGURATION + ["fits"] + transients]

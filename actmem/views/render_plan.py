@@ -134,7 +134,14 @@ def _plan_assumptions(req) -> list[str]:
         f"t ≤ {req.gpus_per_node} (one node), b ≤ {req.max_micro_batch}; interleaving needs "
         "microbatches a multiple of p, as Megatron does",
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
-         "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else [])
+         "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
+        + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else [])
+
+
+_MTP_NOTE = ("multi-token prediction: the last stage holds its {d} prediction layer(s), of the model's last layer's "
+             "kind (none held under full recompute, which checkpoints each), their norms and projection and {d} more "
+             "logits; no interleaving or block method (Megatron's rules); their FLOPs are in the compute, not in the "
+             "last stage's pace")
 
 
 def _experts_note(req) -> str:

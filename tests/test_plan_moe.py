@@ -129,7 +129,7 @@ def test_the_plan_cli_shows_ep_and_names_the_dispatcher(actmem):
 @pytest.mark.parametrize("args, fragment", [
     (("--model", "mixtral-8x7b", "--moe-layer-freq", "([1]*2+[0]*30)"), "plan does not sweep this --moe-layer-freq "
                                                                          "pattern yet"),
-    (("--model", "22b", "--moe-imbalance", "1.5"), "--moe-imbalance shapes a mixture-of-experts layer"),
+    (("--model", "22b", "--moe-imbalance", "1.5"), "--moe-imbalance and --moe-load-histogram shape a mixture-of-experts"),
     (("--model", "mixtral-8x7b", "--moe-imbalance", "0.5"), "routing imbalance must be at least 1"),
 ])
 def test_what_the_plan_does_not_sweep_is_refused(actmem, args, fragment):

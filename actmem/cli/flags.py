@@ -72,6 +72,22 @@ class _Ratio(click.ParamType):
 
 
 _RATIO = _Ratio()
+
+
+class _Loads(click.ParamType):
+    """A per-expert load histogram file, read (actmem.sources.expert_loads)."""
+
+    name = "FILE"
+
+    def convert(self, value, param, ctx):
+        from actmem.sources.expert_loads import read_loads
+
+        if isinstance(value, tuple):
+            return value
+        try:
+            return read_loads(value)
+        except SpecError as error:
+            self.fail(str(error), param, ctx)
 POSITION_EMBEDDING_NAMES = _Named({name: name for name in POSITION_EMBEDDINGS} | POSITION_EMBEDDING_ALIASES)
 
 
@@ -241,6 +257,10 @@ GLOBAL_BATCH = Flag(("--global-batch", "--global-batch-size"), "global_batch",
 MOE_IMBALANCE = Flag(("--moe-imbalance",), "routing_imbalance",
                      "the busiest rank's expert rows over the balanced count, r >= 1 (default 1: balanced routing); "
                      "1.25 prices a rank that receives 25% more tokens than its share", _RATIO)
+MOE_LOADS = Flag(("--moe-load-histogram",), "expert_loads",
+                 "a per-expert load histogram: the tokens each expert received, one row of E counts a layer (JSON, or "
+                 "text/CSV a layer a line), as Megatron logs tokens_per_expert; the busiest EP rank's share of it, in "
+                 "its busiest layer, sizes the expert rows (in place of --moe-imbalance)", _Loads())
 RUN_FLAGS = (
     Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),
     Flag(("--pp", "--pipeline-model-parallel-size"), "pipeline_parallel", "pipeline-parallel size p"),
@@ -279,6 +299,7 @@ RUN_FLAGS = (
     Flag(("--etp", "--expert-tensor-parallel-size"), "expert_tensor_parallel",
          "expert-tensor-parallel size ETP: ranks each expert's linears are split over (default t)"),
     MOE_IMBALANCE,
+    MOE_LOADS,
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -14,7 +14,7 @@ import click
 
 from actmem.model import defaults
 from actmem.errors import SpecError
-from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU, GPU_FLAGS, GPUS, MEGATRON_ARGS, MOE_IMBALANCE,
+from actmem.cli.flags import (ARCHITECTURE_FLAGS, GLOBAL_BATCH, GPU, GPU_FLAGS, GPUS, MEGATRON_ARGS, MOE_IMBALANCE, MOE_LOADS,
                               STATE_FLAGS,
                               VOCAB_PADDING, add_flags, build_spec_from_flags, model_from_flags, model_options,
                               option, resolve, spec_options)
@@ -199,7 +199,7 @@ def plan_options(command):
                      show_default=True, help="Output format."),
     ]
     command = MEGATRON_ARGS(add_flags(_gpus_and_batch(command), ARCHITECTURE_FLAGS + STATE_FLAGS + GPU_FLAGS
-                                      + (VOCAB_PADDING, MOE_IMBALANCE)))
+                                      + (VOCAB_PADDING, MOE_IMBALANCE, MOE_LOADS)))
     for decorator in reversed(options):
         command = decorator(command)
     return model_options(command)
@@ -261,7 +261,7 @@ def plan_request(flags: dict):
     choice = model_from_flags(flags)
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
-    flags = resolve(flags, GPU_FLAGS + (MOE_IMBALANCE,))
+    flags = resolve(flags, GPU_FLAGS + (MOE_IMBALANCE, MOE_LOADS))
     gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
     memory = gpu_options(flags, choice.gpu)
     request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
@@ -274,6 +274,7 @@ def plan_request(flags: dict):
                           optimizer=choice.optimizer,
                           routing_imbalance=choice.preset_run.get("routing_imbalance", 1)
                           if flags["routing_imbalance"] is None else flags["routing_imbalance"],
+                          expert_loads=flags["expert_loads"],
                           **({} if choice.gradient_bytes is None else {"gradient_bytes": choice.gradient_bytes}))
     return choice.name, request, choice.preset_run
 

@@ -216,6 +216,21 @@ def _mask_notes(spec: Spec) -> list:
             "counts it (a pasted argument list without that switch has it)"]
 
 
+def _histogram_note(spec: Spec) -> str:
+    """Where the load histogram puts the busiest rank (actmem.model.experts.busiest_rank)."""
+    from actmem.model.experts import busiest_rank
+
+    loads, ep = spec.run.expert_loads, spec.run.expert_parallel
+    busiest = busiest_rank(loads, ep)
+    first, last = busiest.experts
+    where = f"layer {busiest.layer} of the histogram's {len(loads)}" if len(loads) > 1 else "the histogram"
+    return (f"expert rows: from the load histogram (--moe-load-histogram): the busiest of the EP = {ep} ranks, rank "
+            f"{busiest.rank} (experts {first}-{last}), receives {busiest.imbalance} (= {float(busiest.imbalance):.4g}) "
+            f"x its balanced k·N·ETP rows in "
+            f"{where}, and every layer is counted at that; rounded up; the router's and the permutation's rows are "
+            "per token and do not scale")
+
+
 def _moe_notes(spec: Spec) -> list:
     """What a mixture-of-experts layer is counted as, and what it leaves out."""
     arch, run = spec.architecture, spec.run
@@ -229,7 +244,7 @@ def _moe_notes(spec: Spec) -> list:
         + ({"aux_loss": " with the aux loss", "seq_aux_loss": " with the sequence-wise aux loss"}.get(
             arch.moe_load_balancing, "") if arch.moe_aux_loss_coeff > 0 else "")
         + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
-        "expert rows: "
+        _histogram_note(spec) if run.expert_loads is not None else "expert rows: "
         + ("balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "
            "rank of a real step receives more (give --moe-imbalance, e.g. 1.25 for 25% over its share)"
            if imbalance == 1 else

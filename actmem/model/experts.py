@@ -13,6 +13,8 @@ dropless routing, softmax top-k with the aux loss or no load balancing, TE's gro
 SequentialMLP. The rest is refused with its reason here, never priced as something else.
 """
 
+from dataclasses import dataclass, replace
+
 from actmem.errors import SpecError
 
 #: Megatron's defaults of the MoE settings (megatron/training/arguments.py, transformer_config.py)
@@ -168,3 +170,41 @@ def capped_imbalance(imbalance, ep):
     import numpy as np
 
     return np.minimum(imbalance, ep) if isinstance(ep, np.ndarray) else min(imbalance, ep)
+
+
+@dataclass(frozen=True)
+class BusiestRank:
+    """Where a load histogram puts the most expert rows: r, the rows of the busiest EP rank over its balanced
+    share, and which rank (its experts) in which layer of the histogram."""
+    imbalance: object
+    rank: int
+    experts: tuple
+    layer: int
+
+
+def busiest_rank(loads: tuple, ep: int) -> BusiestRank:
+    """The busiest EP rank of a per-expert load histogram (``loads``: a row of E token counts a layer, as
+    Megatron logs tokens_per_expert): Megatron gives rank j experts j·E/EP .. (j+1)·E/EP - 1 (moe_layer.py,
+    local_expert_indices), so its rows are their loads' sum, and its share the layer's total over EP. r is
+    the largest ratio over the ranks and the layers, exact; at most EP, 1 at EP = 1."""
+    from fractions import Fraction
+
+    best = None
+    for layer, row in enumerate(loads):
+        local = len(row) // ep
+        for rank in range(ep):
+            ratio = Fraction(sum(row[rank * local:(rank + 1) * local]) * ep, sum(row))
+            if best is None or ratio > best.imbalance:
+                best = BusiestRank(ratio, rank, (rank * local, (rank + 1) * local - 1), layer)
+    r = best.imbalance
+    return replace(best, imbalance=int(r) if r.denominator == 1 else r)
+
+
+def check_loads(loads: tuple, experts: int, ep: int) -> None:
+    """A histogram of E non-negative counts a layer, some tokens in each, E/EP experts a rank."""
+    for layer, row in enumerate(loads):
+        if len(row) != experts:
+            raise SpecError(f"the expert load histogram's layer {layer} has {len(row)} counts; the model has {experts} "
+                            "experts")
+        if sum(row) <= 0:
+            raise SpecError(f"the expert load histogram's layer {layer} routes no tokens")

@@ -261,10 +261,11 @@ RULES = (
     Rule(lambda v: _implies(v.precision_aware, v.distributed_optimizer),
          lambda v: "--use-precision-aware-optimizer needs the distributed optimizer (Megatron raises: "
                    "optimizer/__init__.py, 'only supported with distributed optimizer')", ("precision_aware",)),
-    Rule(lambda v: _implies((v.ep > 1) | (v.imbalance > 1), "expert" in v.code.runs),
+    Rule(lambda v: _implies((v.ep > 1) | (v.imbalance > 1) | v.load_histogram, "expert" in v.code.runs),
          lambda v: _unmodelled_run(v, f"expert parallelism (EP = {v.ep})") if v.ep > 1 else
-         f"--moe-imbalance {v.imbalance}: under --implementation {v.code.name} every expert sits on the one device, "
-         "whose expert rows are k·N whatever the routing", ("code", "experts")),
+         f"{'--moe-load-histogram' if v.load_histogram else f'--moe-imbalance {v.imbalance}'}: under --implementation "
+         f"{v.code.name} every expert sits on the one device, whose expert rows are k·N whatever the routing",
+         ("code", "experts")),
     Rule(lambda v: _implies(v.distributed_optimizer, "distributed_optimizer" in v.code.runs),
          lambda v: _unmodelled_run(v, "Megatron's distributed optimizer"), ("code",)),
     Rule(lambda v: _implies(v.code.flash_head_dim_limit is not None and v.core == "flash",
@@ -390,7 +391,9 @@ class Values:
     etp: object = None
     """ETP, the expert-tensor-parallel size."""
     imbalance: object = 1
-    """r, the routing imbalance: the busiest rank's expert rows over the balanced count."""
+    """r, the routing imbalance asked for: the busiest rank's expert rows over the balanced count."""
+    load_histogram: object = False
+    """True where a per-expert load histogram gives r (--moe-load-histogram)."""
     expert_ffn: object = None
     """f_e, an expert's hidden size."""
     shared_ffn: object = None

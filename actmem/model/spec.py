@@ -86,10 +86,16 @@ class Run:
     routing_imbalance: object = 1
     """r >= 1: the rows the busiest rank's experts receive over the balanced count (a Fraction,
     or an int; 1: perfectly balanced routing, Megatron's aux loss at its goal)."""
+    expert_loads: tuple | None = None
+    """A per-expert load histogram, one row of E token counts a layer (--moe-load-histogram), in place
+    of r: the busiest EP rank's share of it is r (actmem.model.experts.busiest_rank)."""
 
     def __post_init__(self):
         _require_positive_ints(self)
         check_imbalance(self.routing_imbalance)
+        if self.expert_loads is not None and self.routing_imbalance != 1:
+            raise SpecError("give --moe-imbalance or --moe-load-histogram, not both: the histogram gives the "
+                            "busiest rank's imbalance")
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
@@ -189,6 +195,12 @@ class Spec:
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
+        if self.run.expert_loads is not None:
+            if not self.architecture.moe:
+                raise SpecError("--moe-load-histogram shapes a mixture-of-experts layer: give --num-experts")
+            from actmem.model.experts import check_loads
+
+            check_loads(self.run.expert_loads, self.architecture.num_experts, self.run.expert_parallel)
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:
@@ -218,7 +230,8 @@ class Spec:
             experts=self.architecture.num_experts, dense=None if self.architecture.moe else True,
             latent=True if self.architecture.multi_latent_attention else None,
             mtp=True if self.architecture.mtp_layers else None,
-            ep=run.expert_parallel, etp=run.etp, imbalance=run.routing_imbalance, expert_ffn=self.architecture.expert_ffn(model.hidden),
+            ep=run.expert_parallel, etp=run.etp, imbalance=run.routing_imbalance,
+            load_histogram=run.expert_loads is not None, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers))
 
@@ -265,9 +278,12 @@ class Spec:
     @property
     def effective_imbalance(self):
         """r as the busiest rank can receive it: at most EP times its share (every rank's tokens routed to
-        its experts), 1 at EP = 1, where each rank holds every expert and receives its own k·N·ETP rows."""
-        from actmem.model.experts import capped_imbalance
+        its experts), 1 at EP = 1, where each rank holds every expert and receives its own k·N·ETP rows;
+        from the load histogram where one is given."""
+        from actmem.model.experts import busiest_rank, capped_imbalance
 
+        if self.run.expert_loads is not None:
+            return busiest_rank(self.run.expert_loads, self.run.expert_parallel).imbalance
         return capped_imbalance(self.run.routing_imbalance, self.run.expert_parallel)
 
     @property

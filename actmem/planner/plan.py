@@ -22,7 +22,7 @@ from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
-from actmem.model.experts import capped_imbalance, dense_twin, expert_shards, moe_layers
+from actmem.model.experts import busiest_rank, capped_imbalance, check_loads, dense_twin, expert_shards, moe_layers
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
 from actmem.model.recompute import Recompute
 from actmem.model.spec import Model, check_imbalance, padded_vocab, require_positive_int
@@ -90,14 +90,22 @@ class PlanRequest:
     routing_imbalance: object = 1
     """r >= 1 of a mixture of experts: the busiest rank's expert rows over the balanced count, as
     estimate's Run.routing_imbalance; the verdict is that rank's."""
+    expert_loads: tuple | None = None
+    """A per-expert load histogram in place of r (Run.expert_loads): each EP swept takes its busiest rank's."""
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
         check_imbalance(self.routing_imbalance)
-        if self.routing_imbalance != 1 and not self.architecture.moe:
-            raise SpecError("--moe-imbalance shapes a mixture-of-experts layer: give --num-experts")
+        if (self.routing_imbalance != 1 or self.expert_loads is not None) and not self.architecture.moe:
+            raise SpecError("--moe-imbalance and --moe-load-histogram shape a mixture-of-experts layer: give "
+                            "--num-experts")
+        if self.expert_loads is not None:
+            if self.routing_imbalance != 1:
+                raise SpecError("give --moe-imbalance or --moe-load-histogram, not both: the histogram gives the "
+                                "busiest rank's imbalance")
+            check_loads(self.expert_loads, self.architecture.num_experts, 1)
         for unswept, what, why in _NOT_SWEPT:
             if unswept(self.architecture):
                 raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
@@ -277,6 +285,7 @@ def _expert_values(req: PlanRequest, grid: pd.DataFrame) -> dict:
     if not arch.moe:
         return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance, **mtp)
     return dict(experts=arch.num_experts, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance,
+                load_histogram=req.expert_loads is not None,
                 expert_ffn=arch.expert_ffn(req.model.hidden), shared_ffn=arch.moe_shared_ffn,
                 moe_freq=arch.moe_layer_freq, mixed_layers=_mixed(req), **mtp)
 
@@ -499,7 +508,15 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
-            values("etp"), capped_imbalance(float(req.routing_imbalance), values("ep")))
+            values("etp"), _imbalance(req, values("ep")))
+
+
+def _imbalance(req: PlanRequest, ep: np.ndarray) -> np.ndarray:
+    """r by row: the load histogram's busiest rank at each row's EP, or the given r capped at EP."""
+    if req.expert_loads is None:
+        return capped_imbalance(float(req.routing_imbalance), ep)
+    by_ep = {int(value): float(busiest_rank(req.expert_loads, int(value)).imbalance) for value in np.unique(ep)}
+    return np.vectorize(by_ep.get)(ep.astype("int64"))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:

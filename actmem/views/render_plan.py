@@ -148,8 +148,11 @@ def _experts_note(req) -> str:
     arch, r = req.architecture, req.routing_imbalance
     return (f"mixture of experts: EP dividing the {arch.num_experts} experts and ETP 1 or t (written ep= where EP > 1, "
             "etp= where ETP is not t), ETP·EP·p dividing the GPUs, SP at t > 1 (Megatron's MoELayer needs it); "
-            + ("balanced routing (--moe-imbalance for a busier rank)" if r == 1 else
-               f"the busiest rank's experts receive {r} x the balanced rows (--moe-imbalance), whose memory decides")
+            + ("the busiest rank at each EP of the load histogram (--moe-load-histogram), whose memory decides"
+               if req.expert_loads is not None else
+               "balanced routing (--moe-imbalance for a busier rank)" if r == 1 else
+               f"the busiest rank's experts receive {r} x the balanced rows (--moe-imbalance, at most EP), whose memory "
+               "decides")
             + f"; the {arch.moe_dispatcher} dispatcher's dispatch and combine, forward and backward, not overlapped, "
             "inside a node where ETP·EP fits one; compute: the k experts a token is routed to, balanced; the experts' "
             "gradients reduced over d·c like the rest (Megatron reduces them over the expert data-parallel ranks); "

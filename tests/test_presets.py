@@ -32,8 +32,22 @@ def test_aliases():
 
 
 def test_all_presets_smallest_first():
-    assert [p.name for p in all_presets()] == ["qwen3-30b-a3b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-8b", "22b", "llama-3.1-70b", "175b",
+    assert [p.name for p in all_presets()] == ["qwen3-30b-a3b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-8b",
+                                               "qwen3-235b-a22b", "22b", "deepseek-v3", "llama-3.1-70b", "175b",
                                                "llama-3.1-405b", "llama-3.1-405b-128k", "530b", "1t"]
+
+
+def test_the_moe_presets_count_their_published_parameters(actmem):
+    """On one GPU (t = p = EP = 1) the first stage holds every parameter. Qwen3-235B-A22B: a layer's q
+    4096·8192 = 33,554,432, k and v 2·4096·512 = 4,194,304, o 8192·4096 = 33,554,432, q and k norms 2·128, two
+    norms 2·4096, the router 128·4096 = 524,288, 128 experts of 3·4096·1536 = 2,415,919,104: 2,487,755,008;
+    x 94 = 233,848,970,752, with the embedding and the output layer 2·151,936·4096 = 1,244,659,712 and the
+    final norm 4096: 235,093,634,560, the report's 235B. DeepSeek-V3 without its prediction layer:
+    671,026,404,352, the report's 671B (its released config.json gives the same: tests/test_mla.py)."""
+    qwen = actmem.json("estimate", "--model", "qwen3-235b-a22b")
+    assert qwen["parameters"]["count"] == 235_093_634_560
+    deepseek = actmem.json("estimate", "--model", "deepseek-v3", "--mtp-num-layers", "0")
+    assert deepseek["parameters"]["count"] == 671_026_404_352
 
 
 def test_unknown_preset_lists_the_known_ones():

@@ -1,7 +1,7 @@
 """Benchmark: the planner's sweep, in configurations evaluated per second. A report, not a test.
 
-The targets: a full sweep for the 1T model on 3072 GPUs, and for Llama 3.1 405B on 16,384
-GPUs, each finishes in about a second.
+The targets: a full sweep for the 1T model on 3072 GPUs, for Llama 3.1 405B on 16,384 GPUs and
+for DeepSeek-V3 on 2,048 (EP and ETP swept too), each finishes in about a second.
 Usage: python benchmarks/plan_sweep.py
 """
 
@@ -52,11 +52,17 @@ def main() -> None:
     count, seconds = timed(request)
     print(f"{'Llama 3.1 405B at 128K on 16384 H100s, c swept, batch 128':58s} {count:7,d} configs "
           f"{seconds:6.3f} s {count / seconds:10,.0f} configs/s")
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "actmem", "plan", "--model", "1t", "--gpus", "3072",
-                    "--global-batch", "3072"], check=True, capture_output=True)
-    print(f"{'whole command: actmem plan --model 1t --gpus 3072 --global-batch 3072':58s} "
-          f"{time.perf_counter() - start:23.3f} s")
+    deepseek = load_preset("deepseek-v3")
+    request = PlanRequest(model=Model(**deepseek.model), gpus=2048, global_batch=8192, gpu=GPUS["h100"],
+                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**deepseek.architecture))
+    count, seconds = timed(request)
+    print(f"{'DeepSeek-V3 on 2048 H100s, EP and ETP swept, batch 8192':58s} {count:7,d} configs "
+          f"{seconds:6.3f} s {count / seconds:10,.0f} configs/s")
+    for command in (["--model", "1t", "--gpus", "3072", "--global-batch", "3072"],
+                    ["--model", "deepseek-v3", "--gpus", "2048", "--global-batch", "8192", "--gpu", "h100"]):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "actmem", "plan", *command], check=True, capture_output=True)
+        print(f"{'whole command: actmem plan ' + ' '.join(command[:2]):58s} {time.perf_counter() - start:23.3f} s")
 
 
 if __name__ == "__main__":

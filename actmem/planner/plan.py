@@ -22,7 +22,9 @@ from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
-from actmem.model.experts import busiest_rank, capped_imbalance, check_loads, dense_twin, expert_shards, moe_layers
+from actmem.model.experts import check_loads, dense_twin, expert_shards, moe_layers
+from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
+    stage_kinds
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
 from actmem.model.recompute import Recompute
 from actmem.model.spec import Model, check_imbalance, padded_vocab, require_positive_int
@@ -51,18 +53,9 @@ as at most this, which no GPU holds; the fits verdict is unaffected."""
 
 #: (architecture -> true where the sweep does not model it, what it is, why not)
 _NOT_SWEPT = (
-    (lambda arch: arch.moe and not _prefix_or_periodic(arch.moe_layer_freq), "this --moe-layer-freq pattern",
+    (lambda arch: arch.moe and not prefix_or_periodic(arch.moe_layer_freq), "this --moe-layer-freq pattern",
      "the sweep sizes dense layers first then MoE layers, as DeepSeek's first-k-dense, or one MoE layer every N"),
 )
-
-
-def _prefix_or_periodic(freq) -> bool:
-    """--moe-layer-freq N, or a pattern of dense layers then MoE layers ([0]*3+[1]*58): the stages between
-    the first and the last then hold at most three mixes of the two kinds (_middle_stages)."""
-    if isinstance(freq, int):
-        return True
-    moe = list(freq)
-    return moe == sorted(moe)
 
 
 @dataclass(frozen=True)
@@ -193,15 +186,6 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
     return sizes
 
 
-def expert_sizes(req: PlanRequest) -> pd.DataFrame:
-    """(ep, etp) a mixture of experts is swept over: EP dividing the experts, ETP 1 or t (Megatron's
-    default); (1, t) for a dense model. A column etp_is_t: the grid's own t stands for it."""
-    if not req.architecture.moe:
-        return pd.DataFrame({"ep": [1], "etp_is_t": [True]})
-    return (_frame("ep", [ep for ep in divisors(req.architecture.num_experts) if ep <= req.gpus])
-            .merge(_frame("etp_is_t", [True, False]), how="cross"))
-
-
 def _switches(req: PlanRequest) -> pd.DataFrame:
     """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; without
     the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
@@ -275,67 +259,7 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
                         first=grid.first_stage_layers if uneven else None,
                         last=grid.last_stage_layers if uneven else None, architecture=req.architecture,
-                        precision_aware=req.optimizer.precision_aware, **_expert_values(req, grid))
-
-
-def _expert_values(req: PlanRequest, grid: pd.DataFrame) -> dict:
-    """The rules' names of a mixture of experts (Spec.rule_values'), for rows of the sweep."""
-    arch = req.architecture
-    mtp = {"mtp": True} if arch.mtp_layers else {}
-    if not arch.moe:
-        return dict(dense=True, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance, **mtp)
-    return dict(experts=arch.num_experts, ep=grid.ep, etp=grid.etp, imbalance=req.routing_imbalance,
-                load_histogram=req.expert_loads is not None,
-                expert_ffn=arch.expert_ffn(req.model.hidden), shared_ffn=arch.moe_shared_ffn,
-                moe_freq=arch.moe_layer_freq, mixed_layers=_mixed(req), **mtp)
-
-
-def _mixed(req: PlanRequest) -> bool:
-    """Dense layers among the MoE layers (--moe-layer-freq)."""
-    return req.architecture.moe and 0 in moe_layers(req.architecture, req.model.layers)
-
-
-def _stage_kinds(req: PlanRequest, grid: pd.DataFrame, name: str, layers: pd.Series, stage) -> tuple:
-    """(MoE layers of the stage, whether its last layer is one), by row: the first stage holds layers
-    [0, first), a stage j between [first + (j - 1)·between, first + j·between), the last [L - last, L)
-    (m = 1: a rule); None, None for a model whose layers are all of one kind."""
-    if not _mixed(req):
-        return None, None
-    L = req.model.layers
-    start = {"first": 0, "last": L - layers}.get(name, grid.first_stage_layers + (stage - 1) * grid.stage_layers)
-    end = np.minimum(start + layers, L).to_numpy()            # a stage between where p < 3: none (zeroed)
-    start = np.minimum(np.broadcast_to(start, len(grid)), end - 1)
-    moe = _moe_before(req)
-    return moe[end] - moe[start], moe[end] - moe[end - 1] == 1
-
-
-def _moe_before(req: PlanRequest) -> np.ndarray:
-    """The MoE layers among the first i, for i = 0..L."""
-    return np.concatenate([[0], np.cumsum(moe_layers(req.architecture, req.model.layers))])
-
-
-def _middle_stages(req: PlanRequest, grid: pd.DataFrame) -> tuple:
-    """The stages between the first and the last that may hold the most, by row, where the model mixes
-    dense and MoE layers: of the stages holding the fewest MoE layers, of those holding the most, and of
-    those holding some other count, the earliest (the most microbatches in flight; the same layers).
-    A dense-first pattern or one MoE layer every N gives at most three counts (_prefix_or_periodic)."""
-    moe, L = _moe_before(req), req.model.layers
-    first, between, p = (grid[name].to_numpy() for name in ("first_stage_layers", "stage_layers", "p"))
-
-    def count(j):
-        start = np.minimum(first + (j - 1) * between, L)
-        return moe[np.minimum(start + between, L)] - moe[start]
-
-    least, most = count(1), count(1)
-    for j in range(2, max(p.max() - 1, 2)):
-        here = j <= p - 2
-        least, most = np.where(here, np.minimum(least, count(j)), least), np.where(here, np.maximum(most, count(j)), most)
-    found = {kind: np.zeros(len(grid), dtype="int64") for kind in ("least", "most", "other")}
-    for j in range(1, max(p.max() - 1, 2)):
-        here, c = j <= p - 2, count(j)
-        for kind, match in (("least", c == least), ("most", c == most), ("other", (c > least) & (c < most))):
-            found[kind] = np.where(here & match & (found[kind] == 0), j, found[kind])
-    return tuple(np.where(found[kind] == 0, 1, found[kind]) for kind in ("least", "most", "other"))
+                        precision_aware=req.optimizer.precision_aware, **expert_values(req, grid))
 
 
 def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
@@ -385,7 +309,7 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
     peaks = {}
     grid["middle_stage"] = 1
     for name, stage in STAGES:
-        memory = _stage_memory(req, grid, name, stage) if not (name == "middle" and _mixed(req)) else \
+        memory = _stage_memory(req, grid, name, stage) if not (name == "middle" and mixed(req)) else \
             _heaviest_middle(req, grid)
         for part in MEMORY_PARTS + ("parameters", "layer_activations"):
             grid[stage_column(name, part)] = memory[part]
@@ -401,10 +325,10 @@ def evaluate(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
 
 
 def _heaviest_middle(req: PlanRequest, grid: pd.DataFrame) -> pd.DataFrame:
-    """The stage between the first and the last whose peak is the largest, by row, among _middle_stages';
+    """The stage between the first and the last whose peak is the largest, by row, among expert_sweep.middle_stages';
     its index goes to grid.middle_stage (the earliest where two tie)."""
     best, best_peak = None, None
-    for stage in _middle_stages(req, grid):
+    for stage in middle_stages(req, grid):
         memory = _stage_memory(req, grid, "middle", stage)
         peak = memory[list(MEMORY_PARTS)].sum(axis=1)
         if best is None:
@@ -432,7 +356,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                            "mtp_layers": (stage == grid.p - 1).astype("int64") * req.architecture.mtp_layers,
                            "chunk_layers": layers // grid.m, "chunks": chunks_held(grid.p, grid.m, grid.n, stage)},
                           index=grid.index)
-    moe, last_moe = _stage_kinds(req, grid, name, layers, stage)
+    moe, last_moe = stage_kinds(req, grid, name, layers, stage)
     if moe is not None:
         counts["moe_layers"], counts["last_moe"] = moe, last_moe
     memory = pd.DataFrame(index=grid.index)
@@ -508,15 +432,7 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
-            values("etp"), _imbalance(req, values("ep")))
-
-
-def _imbalance(req: PlanRequest, ep: np.ndarray) -> np.ndarray:
-    """r by row: the load histogram's busiest rank at each row's EP, or the given r capped at EP."""
-    if req.expert_loads is None:
-        return capped_imbalance(float(req.routing_imbalance), ep)
-    by_ep = {int(value): float(busiest_rank(req.expert_loads, int(value)).imbalance) for value in np.unique(ep)}
-    return np.vectorize(by_ep.get)(ep.astype("int64"))
+            values("etp"), imbalance(req, values("ep")))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:
@@ -643,7 +559,7 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
     of them, at most the first stage's chunk (rules.py) and short of the largest chunk
     (else it is full recompute). A larger N may fit too but recomputes more, which the time
     model charges."""
-    if "partial_recompute" not in req.architecture.code.runs or _mixed(req) or req.architecture.mtp_layers:
+    if "partial_recompute" not in req.architecture.code.runs or mixed(req) or req.architecture.mtp_layers:
         # dense layers among MoE layers, or multi-token prediction: no block method (rules.py)
         return evaluated.iloc[:0]
     transients = [stage_column(name, "transient_bytes") for name, _ in STAGES]

@@ -87,8 +87,8 @@ def test_the_routing_imbalance_scales_the_expert_rows_only(actmem):
     """--moe-imbalance 1.25 at t = 1, EP = 8, s = 4096: T = ⌈1.25·2·4096⌉ = 10,240 rows, the experts'
     input 2·4096·10,240 = 83,886,080 B; 1.0001 rounds up: ⌈1.0001·8192⌉ = 8193 rows, 67,117,056 B.
     The router's rows are per token: unchanged. At EP = 1 a rank holds every expert and receives its own
-    k·N rows whatever the routing: r is capped at EP, so 1.25 changes nothing there; at EP = 2 a rank
-    receives at most both ranks' copies, 2x: 8 is read as 2."""
+    k·N rows whatever the routing: r is capped at min(EP, E/k), so 1.25 changes nothing there; at EP = 2 a
+    rank receives at most both ranks' copies, 2x: 8 is read as 2; at EP = 8, E/k = 4 caps it."""
     ep8 = [*MOE, "--ep", "8", "--gpus", "8"]
     balanced = _terms(actmem.json("estimate", *ep8))
     heavy = _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.25"))
@@ -98,6 +98,9 @@ def test_the_routing_imbalance_scales_the_expert_rows_only(actmem):
     assert _terms(actmem.json("estimate", *MOE, "--moe-imbalance", "1.25"))["experts_input"] == 67_108_864
     ep2 = _terms(actmem.json("estimate", *MOE, "--ep", "2", "--gpus", "2", "--moe-imbalance", "8"))
     assert ep2["experts_input"] == 2 * 67_108_864
+    # at EP = 8 a token sends at most min(k, E/EP) = 1 of its copies to a rank: at most 8·N
+    # rows against k·N = 2N, r at most E/k = 4
+    assert _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "8"))["experts_input"] == 4 * 67_108_864
 
 
 def test_without_the_aux_loss_its_rows_go(actmem):

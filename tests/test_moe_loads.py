@@ -33,6 +33,17 @@ def test_the_busiest_layer_decides():
     assert (busiest.imbalance, busiest.rank, busiest.layer) == (Fraction(20, 11), 2, 1)
 
 
+def test_large_counts_stay_exact_and_bad_nesting_is_one_line(actmem, tmp_path):
+    (tmp_path / "big.json").write_text(f"[{2**60 + 1}, \"12.0\", 3]")
+    assert read_loads(tmp_path / "big.json") == ((2**60 + 1, 12, 3),)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert_one_line_error(actmem("estimate", "--model", "mixtral-8x7b", "--moe-load-histogram",
+                                 str(tmp_path / "deep.json")), "not JSON")
+    (tmp_path / "huge.json").write_text("[1e400, 1]")
+    assert_one_line_error(actmem("estimate", "--model", "mixtral-8x7b", "--moe-load-histogram",
+                                 str(tmp_path / "huge.json")), "is not a whole number of tokens")
+
+
 def test_the_formats_read(tmp_path):
     (tmp_path / "one.json").write_text("[10, 10, 10, 10, 10, 10, 30, 10]")
     (tmp_path / "layers.json").write_text('{"tokens_per_expert": [[1, 2], [3.0, 4]]}')

@@ -197,3 +197,29 @@ def test_prediction_layers_on_the_last_stage_are_the_estimate_s(name, mtp):
         run = parse_config(config_label(row), layers=preset.model["layers"]) | {"gpus": 32, "global_batch": 256}
         spec = build_spec(preset.model, run, architecture=architecture, gpu_name="h100")
         assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
+
+
+def test_every_n_th_layer_a_moe_layer_sizes_each_mix_of_stage(actmem):
+    """Mixtral's dims at L = 38 with one MoE layer every 3 (layers 0, 3, ..., 36): in p = 8 (4 + 5 x 6 + 4) the
+    stages between hold 1 or 2 MoE layers and end in either kind, and the rerun of full recompute depends on
+    the last one's kind, so the heaviest is not always the earliest of a count: the sweep sizes the earliest
+    of each (count, last kind) and every sampled row is the estimate's verdict (a review's counterexample:
+    t=1 p=4+5x6+4 b=1 nosp full)."""
+    preset = load_preset("mixtral-8x7b")
+    model = preset.model | {"layers": 38}
+    architecture = preset.architecture | {"moe_layer_freq": 3}
+    req = PlanRequest(model=Model(**model), gpus=16, global_batch=8, gpu=GPUS["h100"],
+                      gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=1,
+                      architecture=Architecture(**architecture))
+    evaluated = plan(req).evaluated
+    rows = evaluated[evaluated.p == 8]
+    assert len(rows) and "t=1 p=4+5x6+4 b=1 nosp full" in set(rows.apply(config_label, axis=1))
+    for row in rows.itertuples():
+        run = parse_config(config_label(row), layers=38) | {"gpus": 16, "global_batch": 8}
+        spec = build_spec(model, run, architecture=architecture, gpu_name="h100")
+        assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
+
+
+def test_a_pattern_written_out_as_every_n_th_layer_is_swept(actmem):
+    out = actmem("plan", "--model", "mixtral-8x7b", "--moe-layer-freq", "([1,0]*16)", "--top", "1")
+    assert out.exit_code == 0, out.output

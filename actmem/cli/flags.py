@@ -259,7 +259,8 @@ MOE_IMBALANCE = Flag(("--moe-imbalance",), "routing_imbalance",
                      "1.25 prices a rank that receives 25% more tokens than its share", _RATIO)
 MOE_LOADS = Flag(("--moe-load-histogram",), "expert_loads",
                  "a per-expert load histogram: the tokens each expert received, one row of E counts a layer (JSON, or "
-                 "text/CSV a layer a line), as Megatron logs tokens_per_expert; the busiest EP rank's share of it, in "
+                 "text/CSV a layer a line), the counts Megatron's router makes (tokens_per_expert); the busiest EP "
+                 "rank's share of it, in "
                  "its busiest layer, sizes the expert rows (in place of --moe-imbalance)", _Loads())
 RUN_FLAGS = (
     Flag(("--tp", "--tensor-model-parallel-size"), "tensor_parallel", "tensor-parallel size t"),

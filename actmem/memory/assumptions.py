@@ -250,8 +250,8 @@ def _moe_notes(spec: Spec) -> list:
            if imbalance == 1 else
            f"the busiest rank's experts receive {spec.effective_imbalance} x the balanced k·N·ETP token rows "
            f"(--moe-imbalance {imbalance}"
-           + (f", at most EP = {run.expert_parallel} x: a rank receives at most every EP rank's copies"
-              if spec.effective_imbalance != imbalance else "")
+           + (f", at most min(EP, E/k) = {spec.effective_imbalance} x: a token sends at most min(k, E/EP) of its "
+              "copies to one rank" if spec.effective_imbalance != imbalance else "")
            + "), rounded up; the router's and the permutation's rows are per token and do not scale"),
         "the MoE layer's backward transients (the experts' gradients, the dispatcher's buffers, the "
         "router's weight gradient) are not in the peak floor yet: it is a floor; nor are the dispatcher's own "

@@ -164,12 +164,18 @@ def expert_shards(shards, gpus, etp, ep, p):
     return shards + (ep != 1) * (gpus // (etp * ep * p) - shards)
 
 
-def capped_imbalance(imbalance, ep):
-    """The routing imbalance r a rank can see: at most EP (it receives at most every EP rank's routed
-    copies for its experts, EP times its share), so 1 at EP = 1. Ints, Fractions or arrays."""
+def capped_imbalance(imbalance, ep, experts, topk):
+    """The routing imbalance r a rank can see: a token sends at most min(k, E/EP) of its k copies to one
+    rank, so a rank receives at most min(k, E/EP)·N·EP rows against its balanced k·N: r at most min(EP, E/k),
+    1 at EP = 1. Ints, Fractions or arrays of EP."""
+    from fractions import Fraction
+
     import numpy as np
 
-    return np.minimum(imbalance, ep) if isinstance(ep, np.ndarray) else min(imbalance, ep)
+    most = Fraction(experts, topk)
+    if isinstance(ep, np.ndarray):
+        return np.minimum(np.minimum(imbalance, ep), float(most))
+    return min(imbalance, ep, most)
 
 
 @dataclass(frozen=True)

@@ -277,14 +277,18 @@ class Spec:
 
     @property
     def effective_imbalance(self):
-        """r as the busiest rank can receive it: at most EP times its share (every rank's tokens routed to
-        its experts), 1 at EP = 1, where each rank holds every expert and receives its own k·N·ETP rows;
-        from the load histogram where one is given."""
+        """r as the busiest rank can receive it: at most min(EP, E/k) times its share (experts.capped_imbalance),
+        1 at EP = 1, where each rank holds every expert and receives its own k·N·ETP rows; from the load
+        histogram where one is given."""
         from actmem.model.experts import busiest_rank, capped_imbalance
 
         if self.run.expert_loads is not None:
             return busiest_rank(self.run.expert_loads, self.run.expert_parallel).imbalance
-        return capped_imbalance(self.run.routing_imbalance, self.run.expert_parallel)
+        arch = self.architecture
+        if not arch.moe:
+            return self.run.routing_imbalance
+        r = capped_imbalance(self.run.routing_imbalance, self.run.expert_parallel, arch.num_experts, arch.moe_topk)
+        return int(r) if r.denominator == 1 else r          # an int or a Fraction, as the run's own
 
     @property
     def expert_optimizer_shards(self) -> int:

@@ -11,12 +11,16 @@ from actmem.model.experts import busiest_rank, capped_imbalance, moe_layers
 
 
 def prefix_or_periodic(freq) -> bool:
-    """--moe-layer-freq N, or a pattern of dense layers then MoE layers ([0]*3+[1]*58): the stages between
-    the first and the last then hold at most three mixes of the two kinds (middle_stages)."""
+    """--moe-layer-freq N (or its pattern written out, ([1,0]*16)), or a pattern of dense layers then MoE
+    layers ([0]*3+[1]*58): the stages between the first and the last then hold at most three counts of
+    MoE layers (middle_stages)."""
     if isinstance(freq, int):
         return True
     moe = list(freq)
-    return moe == sorted(moe)
+    ones = [i for i, kind in enumerate(moe) if kind]
+    steps = {b - a for a, b in zip(ones, ones[1:])}
+    periodic = bool(ones) and ones[0] == 0 and len(steps) <= 1 and len(moe) - ones[-1] <= (steps or {1}).pop()
+    return moe == sorted(moe) or periodic
 
 
 def expert_sizes(req) -> pd.DataFrame:
@@ -67,31 +71,41 @@ def moe_before(req) -> np.ndarray:
 
 def middle_stages(req, grid: pd.DataFrame) -> tuple:
     """The stages between the first and the last that may hold the most, by row, where the model mixes
-    dense and MoE layers: of the stages holding the fewest MoE layers, of those holding the most, and of
-    those holding some other count, the earliest (the most microbatches in flight; the same layers).
-    A dense-first pattern or one MoE layer every N gives at most three counts (prefix_or_periodic)."""
+    dense and MoE layers: for each mix, the fewest MoE layers, the most or some other count, and each kind
+    of last layer (which sets the rerun's and the last layer's backward moments), the earliest stage of it
+    (the most microbatches in flight, the same layers). A dense-first pattern or one MoE layer every N gives
+    at most three counts (prefix_or_periodic): at most six stages a row, fewer sized where fewer occur."""
     moe, L = moe_before(req), req.model.layers
     first, between, p = (grid[name].to_numpy() for name in ("first_stage_layers", "stage_layers", "p"))
 
-    def count(j):
+    def mix(j):
+        """(MoE layers, whether the last is one) of stage j."""
         start = np.minimum(first + (j - 1) * between, L)
-        return moe[np.minimum(start + between, L)] - moe[start]
+        end = np.minimum(start + between, L)
+        return moe[end] - moe[start], moe[end] - moe[np.maximum(end - 1, 0)] == 1
 
-    least, most = count(1), count(1)
-    for j in range(2, max(p.max() - 1, 2)):
-        here = j <= p - 2
-        least, most = np.where(here, np.minimum(least, count(j)), least), np.where(here, np.maximum(most, count(j)), most)
-    found = {kind: np.zeros(len(grid), dtype="int64") for kind in ("least", "most", "other")}
-    for j in range(1, max(p.max() - 1, 2)):
-        here, c = j <= p - 2, count(j)
-        for kind, match in (("least", c == least), ("most", c == most), ("other", (c > least) & (c < most))):
-            found[kind] = np.where(here & match & (found[kind] == 0), j, found[kind])
-    return tuple(np.where(found[kind] == 0, 1, found[kind]) for kind in ("least", "most", "other"))
+    stages = range(1, max(p.max() - 1, 2))
+    least, most = mix(1)[0], mix(1)[0]
+    for j in stages:
+        here, count = j <= p - 2, mix(j)[0]
+        least, most = np.where(here, np.minimum(least, count), least), np.where(here, np.maximum(most, count), most)
+    found = {}
+    for j in stages:
+        here, (count, last_moe) = j <= p - 2, mix(j)
+        for kind, match in (("least", count == least), ("most", count == most),
+                            ("other", (count > least) & (count < most))):
+            for last in (True, False):
+                slot = found.setdefault((kind, last), np.zeros(len(grid), dtype="int64"))
+                found[(kind, last)] = np.where(here & match & (last_moe == last) & (slot == 0), j, slot)
+    return tuple(np.where(slot == 0, 1, slot) for slot in found.values() if slot.any())
 
 
 def imbalance(req, ep: np.ndarray) -> np.ndarray:
     """r by row: the load histogram's busiest rank at each row's EP, or the given r capped at EP."""
+    arch = req.architecture
+    if not arch.moe:                    # no expert rows: r unread
+        return np.ones(len(ep))
     if req.expert_loads is None:
-        return capped_imbalance(float(req.routing_imbalance), ep)
+        return capped_imbalance(float(req.routing_imbalance), ep, arch.num_experts, arch.moe_topk)
     by_ep = {int(value): float(busiest_rank(req.expert_loads, int(value)).imbalance) for value in np.unique(ep)}
     return np.vectorize(by_ep.get)(ep.astype("int64"))

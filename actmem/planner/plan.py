@@ -191,7 +191,7 @@ def _switches(req: PlanRequest) -> pd.DataFrame:
     the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
     the same rows as without it)."""
     choices = [name for name, choice in PLAN_RECOMPUTE.items()
-               if not (req.architecture.moe and "mlp" in choice.modules)]
+               if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", choices), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross"))

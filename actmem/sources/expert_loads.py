@@ -1,5 +1,6 @@
 """A per-expert load histogram (--moe-load-histogram FILE): the tokens each expert received, one row of E
-counts a layer, as Megatron's router counts them (tokens_per_expert; --moe-per-layer-logging logs them).
+counts a layer, as Megatron's router counts them (tokens_per_expert; Megatron-LM's main branch writes each
+rank's local counts with --save-tokens-per-expert-interval, which joined in EP order make a row).
 
 JSON: a list of E counts (one layer), a list of such lists (one a layer), or an object whose
 "tokens_per_expert" is either. Text or CSV: one layer a line, counts separated by commas or spaces, '#'
@@ -29,8 +30,8 @@ def read_loads(path) -> tuple:
 def _json_rows(text: str, path: Path) -> list:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise SpecError(f"{path}: not JSON ({error})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as error:
+        raise SpecError(f"{path}: not JSON ({str(error)[:80]})") from None
     if isinstance(data, dict):
         data = data.get("tokens_per_expert")
     if isinstance(data, list) and data and all(isinstance(row, list) for row in data):
@@ -51,11 +52,18 @@ def _text_rows(text: str, path: Path) -> list:
 
 
 def _count(value, path: Path) -> int:
-    """A whole number of tokens >= 0 ('12' or 12, or 12.0 as JSON may write it)."""
-    try:
-        number = float(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or number < 0 or not number.is_integer():
-        raise SpecError(f"{path}: {value!r} is not a whole number of tokens")
-    return int(number)
+    """A whole number of tokens >= 0 ('12' or 12, or 12.0 as JSON may write it), exact however large."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    elif isinstance(value, (str, float)) and not isinstance(value, bool):
+        try:
+            as_float = float(value)
+            number = int(as_float) if as_float.is_integer() else None
+        except (ValueError, OverflowError):
+            number = None
+    if number is None or number < 0:
+        raise SpecError(f"{path}: {repr(value)[:40]} is not a whole number of tokens")
+    return number

@@ -140,7 +140,8 @@ def _plan_assumptions(req) -> list[str]:
 
 _MTP_NOTE = ("multi-token prediction: the last stage holds its {d} prediction layer(s), of the model's last layer's "
              "kind (none held under full recompute, which checkpoints each), their norms and projection and {d} more "
-             "logits; no interleaving or block method (Megatron's rules); their FLOPs are in the compute, not in the "
+             "logits; no interleaving or block method (what actmem models of them); their FLOPs are in the compute, "
+             "not in the "
              "last stage's pace")
 
 
@@ -156,7 +157,7 @@ def _experts_note(req) -> str:
             + f"; the {arch.moe_dispatcher} dispatcher's dispatch and combine, forward and backward, not overlapped, "
             "inside a node where ETP·EP fits one; compute: the k experts a token is routed to, balanced; the experts' "
             "gradients reduced over d·c like the rest (Megatron reduces them over the expert data-parallel ranks); "
-            "the MLP's recompute (mlp, sel+mlp) not swept: it leaves a MoE layer whole")
+            "the MLP's recompute (mlp, sel+mlp) not swept where every layer has experts: it leaves a MoE layer whole")
 
 
 _FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where the kernel runs (16 < s ≤ 4096, "

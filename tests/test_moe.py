@@ -467,3 +467,10 @@ def test_dense_layers_among_moe_layers_are_counted_by_kind(actmem):
 ])
 def test_layer_patterns_that_cannot_be_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)
+
+
+def test_the_run_line_names_the_experts_layout(actmem):
+    """The header's run line writes EP and ETP as plan does: ep= where EP > 1, etp= where ETP is not t."""
+    assert "run    t=1 ep=8 p=4 m=1 b=1" in actmem("estimate", "--model", "mixtral-8x7b").stdout
+    out = actmem("estimate", "--model", "mixtral-8x7b", "--ep", "4", "--etp", "1", "--tp", "2", "--sp", "--gpus", "32")
+    assert "run    t=2 ep=4 etp=1 p=4 m=1 b=1" in out.stdout

@@ -150,6 +150,9 @@ def _header(est: Estimate) -> Text:
     text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
                 f"v={spec.padded_vocab} s={model.seq_len}\n")
     cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
+    if spec.architecture.moe:           # the experts' layout, as plan writes it
+        cp += (f" ep={run.expert_parallel}" if run.expert_parallel > 1 else "") + (
+            f" etp={run.etp}" if run.etp != run.tensor_parallel else "")
     split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "

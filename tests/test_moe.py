@@ -474,3 +474,14 @@ def test_the_run_line_names_the_experts_layout(actmem):
     assert "run    t=1 ep=8 p=4 m=1 b=1" in actmem("estimate", "--model", "mixtral-8x7b").stdout
     out = actmem("estimate", "--model", "mixtral-8x7b", "--ep", "4", "--etp", "1", "--tp", "2", "--sp", "--gpus", "32")
     assert "run    t=2 ep=4 etp=1 p=4 m=1 b=1" in out.stdout
+
+
+def test_forced_load_balancing_is_named_and_changes_nothing(actmem):
+    """--moe-router-force-load-balancing (Megatron's DeepSeek-V3 recipe) replaces the router's logits by random
+    ones through RandomSTE, which saves nothing (moe_utils.py): the same rows, balanced, and the argument is
+    named as ignored."""
+    plain = actmem.json("estimate", "--model", "mixtral-8x7b", "--megatron-args", "--bf16")
+    forced = actmem.json("estimate", "--model", "mixtral-8x7b", "--megatron-args",
+                         "--bf16 --moe-router-force-load-balancing")
+    assert forced["activations_bytes"] == plain["activations_bytes"]
+    assert any("--moe-router-force-load-balancing" in line for line in forced["assumptions"])

@@ -39,25 +39,16 @@ def main() -> None:
     ):
         count, seconds = timed_plan(model, gpus, batch, **options)
         print(f"{label:58s} {count:7,d} configs {seconds:6.3f} s {count / seconds:10,.0f} configs/s")
-    llama = load_preset("llama-3.1-405b")
-    request = PlanRequest(model=Model(**llama.model), gpus=16384, global_batch=2048, gpu=GPUS["h100"],
-                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**llama.architecture))
-    timed(request)                                   # lambdify the flash layer's formulas once
-    count, seconds = timed(request)
-    print(f"{'Llama 3.1 405B on 16384 H100s, global batch 2048':58s} {count:7,d} configs {seconds:6.3f} s "
-          f"{count / seconds:10,.0f} configs/s")
-    long = load_preset("llama-3.1-405b-128k")
-    request = PlanRequest(model=Model(**long.model), gpus=16384, global_batch=128, gpu=GPUS["h100"],
-                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**long.architecture))
-    count, seconds = timed(request)
-    print(f"{'Llama 3.1 405B at 128K on 16384 H100s, c swept, batch 128':58s} {count:7,d} configs "
-          f"{seconds:6.3f} s {count / seconds:10,.0f} configs/s")
-    deepseek = load_preset("deepseek-v3")
-    request = PlanRequest(model=Model(**deepseek.model), gpus=2048, global_batch=8192, gpu=GPUS["h100"],
-                          gpu_memory_bytes=80 * 2**30, architecture=Architecture(**deepseek.architecture))
-    count, seconds = timed(request)
-    print(f"{'DeepSeek-V3 on 2048 H100s, EP and ETP swept, batch 8192':58s} {count:7,d} configs "
-          f"{seconds:6.3f} s {count / seconds:10,.0f} configs/s")
+    for label, name, gpus, batch in (
+            ("Llama 3.1 405B on 16384 H100s, global batch 2048", "llama-3.1-405b", 16384, 2048),
+            ("Llama 3.1 405B at 128K on 16384 H100s, c swept, batch 128", "llama-3.1-405b-128k", 16384, 128),
+            ("DeepSeek-V3 on 2048 H100s, EP and ETP swept, batch 8192", "deepseek-v3", 2048, 8192)):
+        preset = load_preset(name)
+        request = PlanRequest(model=Model(**preset.model), gpus=gpus, global_batch=batch, gpu=GPUS["h100"],
+                              gpu_memory_bytes=80 * 2**30, architecture=Architecture(**preset.architecture))
+        timed(request)                               # lambdify the layer's formulas once
+        count, seconds = timed(request)
+        print(f"{label:58s} {count:7,d} configs {seconds:6.3f} s {count / seconds:10,.0f} configs/s")
     for command in (["--model", "1t", "--gpus", "3072", "--global-batch", "3072"],
                     ["--model", "deepseek-v3", "--gpus", "2048", "--global-batch", "8192", "--gpu", "h100"]):
         start = time.perf_counter()

@@ -121,9 +121,9 @@ def test_what_mtp_does_not_model_is_refused(actmem):
                                  "--recompute-num-layers", "1"), "multi-token prediction is modelled without")
 
 
-def test_the_plan_sweeps_mtp_within_megatron_s_rules(actmem):
-    """The sweep keeps what the rules allow with prediction layers (no interleaving, SP at t > 1, no block
-    method) and sizes the last stage with its D layers, their norms and projection and D more logits
+def test_the_plan_sweeps_mtp_within_what_actmem_models(actmem):
+    """The sweep keeps what actmem's rules allow with prediction layers (no interleaving, SP at t > 1, no block
+    method: its limits, not Megatron's) and sizes the last stage with its D layers, their norms and projection and D more logits
     (tests/test_plan_moe.py checks rows against the estimate)."""
     model = [arg for i, arg in enumerate(BASE) if arg not in ("--micro-batch", "--tp", "--sp")
              and BASE[i - 1] not in ("--micro-batch", "--tp")]

@@ -107,7 +107,6 @@ def mtp_layers_held(spec, stage: int, full_recompute: bool) -> int:
 def mtp_layer_kind(spec) -> int:
     """1 where the model's last layer, whose spec the multi-token-prediction layers take, is a MoE
     layer (gpt_layer_specs.py, get_gpt_mtp_block_spec: the decoder's last layer spec), else 0."""
-    from actmem.model.experts import moe_layers
+    from actmem.model.experts import last_layer_moe
 
-    arch = spec.architecture
-    return moe_layers(arch, spec.model.layers)[-1] if arch.moe else 0
+    return last_layer_moe(spec.architecture, spec.model.layers)

@@ -84,6 +84,12 @@ def moe_layers(arch, layers: int) -> tuple:
     return tuple(freq)
 
 
+def last_layer_moe(arch, layers: int) -> int:
+    """1 where the model's last layer is a MoE layer (the kind its multi-token-prediction layers take:
+    gpt_layer_specs.py, get_gpt_mtp_block_spec), else 0."""
+    return moe_layers(arch, layers)[-1] if arch.moe else 0
+
+
 def dense_twin(arch):
     """The architecture of the model's dense layers: the same, its MLP dense (of ffn_hidden)."""
     from dataclasses import replace
@@ -206,8 +212,21 @@ def busiest_rank(loads: tuple, ep: int) -> BusiestRank:
     return replace(best, imbalance=int(r) if r.denominator == 1 else r)
 
 
-def check_loads(loads: tuple, experts: int, ep: int) -> None:
-    """A histogram of E non-negative counts a layer, some tokens in each, E/EP experts a rank."""
+def check_routing(arch, imbalance, loads) -> None:
+    """The routing asked for: an imbalance or a load histogram, not both; a histogram only for a mixture of
+    experts, of E non-negative counts a layer with some tokens in each (an imbalance on a dense model is the
+    rules' to refuse)."""
+    if loads is None:
+        return
+    if imbalance != 1:
+        raise SpecError("give --moe-imbalance or --moe-load-histogram, not both: the histogram gives the "
+                        "busiest rank's imbalance")
+    if not arch.moe:
+        raise SpecError("--moe-load-histogram shapes a mixture-of-experts layer: give --num-experts")
+    _check_loads(loads, arch.num_experts)
+
+
+def _check_loads(loads: tuple, experts: int) -> None:
     for layer, row in enumerate(loads):
         if len(row) != experts:
             raise SpecError(f"the expert load histogram's layer {layer} has {len(row)} counts; the model has {experts} "

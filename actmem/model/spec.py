@@ -93,9 +93,6 @@ class Run:
     def __post_init__(self):
         _require_positive_ints(self)
         check_imbalance(self.routing_imbalance)
-        if self.expert_loads is not None and self.routing_imbalance != 1:
-            raise SpecError("give --moe-imbalance or --moe-load-histogram, not both: the histogram gives the "
-                            "busiest rank's imbalance")
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
@@ -195,12 +192,9 @@ class Spec:
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
-        if self.run.expert_loads is not None:
-            if not self.architecture.moe:
-                raise SpecError("--moe-load-histogram shapes a mixture-of-experts layer: give --num-experts")
-            from actmem.model.experts import check_loads
+        from actmem.model.experts import check_routing
 
-            check_loads(self.run.expert_loads, self.architecture.num_experts, self.run.expert_parallel)
+        check_routing(self.architecture, self.run.routing_imbalance, self.run.expert_loads)
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:

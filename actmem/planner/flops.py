@@ -95,9 +95,9 @@ def mtp_weights(h, L, arch=PAPER, heads=None):
     (gpt_layer_specs.py, get_gpt_mtp_block_spec) each."""
     if not arch.mtp_layers:
         return 0
-    from actmem.model.experts import dense_twin, moe_layers
+    from actmem.model.experts import dense_twin, last_layer_moe
 
-    last = arch if arch.moe and moe_layers(arch, L)[-1] else (dense_twin(arch) if arch.moe else arch)
+    last = dense_twin(arch) if arch.moe and not last_layer_moe(arch, L) else arch
     return arch.mtp_layers * (2 * h * h + matmul_weights(h, last, heads))
 
 
@@ -203,11 +203,10 @@ def mlp_forward_flops(B, s, L, h, arch=PAPER):
     """One forward of the dense MLPs' matmuls, what --recompute-modules mlp reruns: 2·B·s·L·(1 + fc1
     width)·h·f (16·B·s·L·h² for the paper's, f = 4h); of a MoE model its dense layers alone (the mlp
     module leaves a MoE layer whole)."""
-    own, dense = _layer_counts(L, arch)
     if arch.moe:
         from actmem.model.experts import dense_twin
 
-        return 2.0 * B * s * dense * mlp_weights(h, dense_twin(arch))
+        return 2.0 * B * s * _layer_counts(L, arch)[1] * mlp_weights(h, dense_twin(arch))
     return 2.0 * B * s * L * mlp_weights(h, arch)
 
 

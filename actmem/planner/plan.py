@@ -22,7 +22,7 @@ from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
-from actmem.model.experts import check_loads, dense_twin, expert_shards, moe_layers
+from actmem.model.experts import check_routing, dense_twin, expert_shards, last_layer_moe
 from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
     stage_kinds
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
@@ -94,11 +94,7 @@ class PlanRequest:
         if (self.routing_imbalance != 1 or self.expert_loads is not None) and not self.architecture.moe:
             raise SpecError("--moe-imbalance and --moe-load-histogram shape a mixture-of-experts layer: give "
                             "--num-experts")
-        if self.expert_loads is not None:
-            if self.routing_imbalance != 1:
-                raise SpecError("give --moe-imbalance or --moe-load-histogram, not both: the histogram gives the "
-                                "busiest rank's imbalance")
-            check_loads(self.expert_loads, self.architecture.num_experts, 1)
+        check_routing(self.architecture, self.routing_imbalance, self.expert_loads)
         for unswept, what, why in _NOT_SWEPT:
             if unswept(self.architecture):
                 raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
@@ -367,7 +363,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     # their own norms and projection (mtp_parameters), as estimate counts them
     mtp = counts.mtp_layers
     if moe is not None:
-        moe = moe + mtp * moe_layers(req.architecture, L)[-1]
+        moe = moe + mtp * last_layer_moe(req.architecture, L)
     extra = mtp_parameters(h, grid.t, grid.vocab, req.architecture, grid.p) * (mtp > 0)
     params = stage_state(h, L, grid.p, grid.t, grid.vocab, s, req.architecture, model.heads, stage_layers=layers + mtp,
                          stage=stage, shards=shards, expert_shards=expert_shards(shards, req.gpus, grid.etp, grid.ep,
@@ -414,8 +410,8 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
             moe = values("moe_layers")
             dense = dense_twin(model_arch)
             arch, other = (model_arch, dense) if last_moe else (dense, model_arch)
-            per_chunk, others = (moe, per_chunk - moe) if last_moe else (per_chunk - moe, moe)
-            others = ((other, others),)
+            per_chunk, other_layers = (moe, per_chunk - moe) if last_moe else (per_chunk - moe, moe)
+            others = ((other, other_layers),)
         # the multi-token-prediction layers, of the last stage's last layer's kind, held as its layers are; none under
         # full recompute, where Megatron checkpoints each whole (stages.mtp_layers_held)
         per_chunk = per_chunk + values("mtp_layers") * (choice.granularity is not Recompute.FULL)

@@ -5,7 +5,7 @@ rank's local counts with --save-tokens-per-expert-interval, which joined in EP o
 JSON: a list of E counts (one layer), a list of such lists (one a layer), or an object whose
 "tokens_per_expert" is either. Text or CSV: one layer a line, counts separated by commas or spaces, '#'
 starting a comment. Counts are whole numbers >= 0. Read here, checked against the model in
-actmem.model.experts.check_loads, and turned into the busiest rank's imbalance by busiest_rank.
+actmem.model.experts.check_routing, and turned into the busiest rank's imbalance by busiest_rank.
 """
 
 import json

@@ -139,7 +139,7 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
     (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
     (_with("--attention-core", "eager") + ["--moe-grouped-gemm"], ["legacy GroupedMLP"]),
     (MOE + ["--recompute", "selective", "--recompute-modules", "moe_act"],
-     ["--recompute-modules moe_act recomputes the experts' activation"]),
+     ["--recompute-modules moe_act recomputes the experts' activation", "give --moe-grouped-gemm"]),
     (_with("--moe-aux-loss-coeff", "-1"), ["moe_aux_loss_coeff must be a number >= 0"]),
 ])
 def test_what_is_not_modelled_or_not_possible_is_refused(actmem, args, fragments):
@@ -180,6 +180,36 @@ def test_recompute_modules_moe_and_shared_experts(actmem):
     assert shared["experts_fc1_output"] == whole["experts_fc1_output"]
 
 
+def test_recompute_modules_moe_act_frees_the_experts_fc2_input(actmem):
+    """--recompute-modules moe_act (TEGroupedMLP: the activation under CheckpointWithoutOutput, its output freed
+    once fc2 has saved it, made again in fc2's backward) drops the experts' fc2 input alone: at t = 1, k = 2,
+    N = 4096, T = k·N = 8192 rows, f_e = 14,336: 2·f_e·T = 234,881,024 B; the checkpoint keeps fc1's output and
+    the probabilities, which the SwiGLU kept before (4·f_e·T = 469,762,048 and 2T = 16,384). The rerun in the
+    last layer's fc2 backward makes the input again into the freed storage and keeps its own output too
+    (random.py, _recompute: ctx.outputs) until the checkpoint's backward: 2 x 234,881,024 = 469,762,048 B beside
+    what is held. moe (the whole layer's checkpoint) drops it too."""
+    from actmem.memory import engine
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
+
+    grouped = MOE + ["--moe-grouped-gemm"]
+    plain = _terms(actmem.json("estimate", *grouped))
+    act = _terms(actmem.json("estimate", *grouped, "--recompute", "selective", "--recompute-modules", "moe_act"))
+    assert plain["experts_fc2_input"] == 234_881_024 and "experts_fc2_input" not in act
+    assert act == {name: value for name, value in plain.items() if name != "experts_fc2_input"}
+    assert (act["experts_fc1_output"], act["experts_probs"]) == (469_762_048, 16_384)
+    both = _terms(actmem.json("estimate", *grouped, "--recompute", "selective", "--recompute-modules", "moe,moe_act"))
+    assert not [name for name in both if name.startswith("experts")]
+
+    preset = load_preset("mixtral-8x7b")        # the same layer: h 4096, f_e 14,336, k 2, t 1, s 4096, b 1
+    spec = build_spec(preset.model, {"micro_batch": 1}, architecture=preset.architecture)
+    technique = run_technique(False, RecomputePolicy.parse("selective:moe_act"))
+    rerun = engine.rematerialised_bytes(technique, spec.architecture, module="moe_act")
+    assert engine.exact(rerun, spec.bindings()) == 2 * 234_881_024
+
+
 def test_recompute_modules_layernorm_frees_the_pre_mlp_norms_output(actmem):
     """A MoE layer's pre-MLP norm is a TENorm of its own: --recompute-modules layernorm reruns it and frees its
     output, the router's input (2Nh = 33,554,432 at t = 1), once the layer has run, and keeps no statistics; the
@@ -201,6 +231,49 @@ def test_a_capacity_factor_bounds_the_busiest_ranks_rows(actmem):
     capped = _terms(actmem.json("estimate", *ep8, "--moe-imbalance", "1.5", "--moe-expert-capacity-factor", "1.0"))
     assert dropless["experts_input"] == 100_663_296 and capped["experts_input"] == 67_108_864
     assert capped["router_capacity_map"] == 32_768 and "router_capacity_map" not in dropless
+
+
+def test_above_a_capacity_factor_of_1_the_busiest_rank_receives_more_than_k_n(actmem):
+    """Each expert takes at most C = ⌈k·N/E·factor⌉ tokens from each rank, so a rank's E/EP experts at most
+    E·C·ETP rows: at factor 1.5, t = 1, EP = 8, k = 2, E = 8, N = 4096, C = ⌈2·4096/8·1.5⌉ = 1536 and the cap
+    8·1536 = 12,288 rows, above the balanced k·N = 8192. At --moe-imbalance 2 (r·k·N = 16,384) the cap holds:
+    the experts' input 2·4096·12,288 = 100,663,296 B (not the 67,108,864 of k·N rows)."""
+    out = _terms(actmem.json("estimate", *MOE, "--ep", "8", "--gpus", "8", "--moe-imbalance", "2",
+                             "--moe-expert-capacity-factor", "1.5"))
+    assert out["experts_input"] == 100_663_296
+
+
+def test_padding_to_capacity_gives_every_expert_c_rows_whatever_the_routing(actmem):
+    """--moe-pad-expert-input-to-capacity (Megatron's drop and pad): every expert's column of the map holds C
+    tokens, so a rank's experts receive E/EP·C·EP·ETP = E·C·ETP rows, balanced or not. At factor 1.5, t = 1,
+    EP = 8: C = 1536 (above), T = 12,288, the experts' input 100,663,296 B at r = 1 too. Under alltoall the
+    permute selects by index: its token indices and the probabilities' flat indices, int64 [E·C] each,
+    8·12,288 = 98,304 B, in place of the routing map and probabilities it keeps unpadded (N·E = 32,768 and
+    2·N·E = 65,536); the router's capacity map N·E = 32,768 stays. Under allgather the rows are the same
+    (its local experts' map of the gathered tokens, [E/EP, N·EP] = [1, 32,768], kept as before) and its local
+    indices 8T = 98,304."""
+    padded = ["--ep", "8", "--gpus", "8", "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"]
+    alltoall = _terms(actmem.json("estimate", *MOE, *padded))
+    assert alltoall["experts_input"] == 100_663_296
+    assert alltoall["permute_sorted_indices"] == alltoall["permute_probs_indices"] == 98_304
+    assert alltoall["router_capacity_map"] == 32_768
+    assert "permute_routing_map" not in alltoall and "permute_probs" not in alltoall
+    allgather = _terms(actmem.json("estimate", *_with("--moe-token-dispatcher-type", "allgather"), *padded))
+    assert allgather["experts_input"] == 100_663_296 and allgather["permute_local_indices"] == 98_304
+    assert (allgather["permute_routing_map"], allgather["permute_probs"]) == (32_768, 65_536)
+    assert "permute_probs_indices" not in allgather
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity pads each expert's input to its "
+                                              "capacity: give --moe-expert-capacity-factor"),
+    (["--moe-expert-capacity-factor", "5", "--moe-pad-expert-input-to-capacity"],
+     "C = ⌈k·N/E·factor⌉ (5120) at most the N = 4096 tokens a rank routes"),
+])
+def test_padding_that_megatron_refuses_or_fails_on_is_refused(actmem, args, fragment):
+    """Megatron raises padding without a capacity factor (transformer_config.py); under alltoall a capacity
+    above N, here ⌈2·4096/8·5⌉ = 5120 > 4096, fails in its permute (view(E, C) of E·N indices)."""
+    assert_one_line_error(actmem("estimate", *MOE, *args), fragment)
 
 
 def test_the_sequence_wise_aux_loss_counts_its_experts_a_sequence(actmem):

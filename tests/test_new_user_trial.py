@@ -242,8 +242,7 @@ def test_one_unit_a_column_and_singular_words(actmem):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--moe-pad-expert-input-to-capacity",),
-     "--moe-pad-expert-input-to-capacity is a Megatron-LM argument that actmem does not model yet"),
+    (("--moe-router-fusion",), "--moe-router-fusion is a Megatron-LM argument that actmem does not model yet"),
     (("--recompute-modules", "moe_act"), "--recompute-modules moe_act recomputes the experts' activation"),
 ])
 def test_a_megatron_argument_actmem_does_not_model_says_so(actmem, args, fragment):

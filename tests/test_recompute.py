@@ -41,7 +41,7 @@ def test_megatron_s_four_settings_and_back():
 @pytest.mark.parametrize("make, message", [
     (lambda: RecomputePolicy.parse("partial"), "give none, selective"),
     (lambda: RecomputePolicy.parse("full:block"), "give none, selective"),
-    (lambda: RecomputePolicy.parse("selective:attention"), "some of core_attn, layernorm, mla_up_proj, mlp, moe, shared_experts"),
+    (lambda: RecomputePolicy.parse("selective:attention"), "some of core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts"),
     (lambda: RecomputePolicy(Recompute.NONE, frozenset({"mlp"})), "choose what selective recompute reruns"),
     (lambda: RecomputePolicy(Recompute.SELECTIVE, method="block", layers=2), "groups full recompute"),
     (lambda: RecomputePolicy(Recompute.FULL, method="block", layers=0), "N >= 1"),

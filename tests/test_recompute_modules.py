@@ -110,8 +110,8 @@ def test_the_attention_rerun_is_the_peak_moment_when_it_frees_less(actmem):
      "--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then; a preset "
      "names it recompute_modules); this run's recompute is full"),
     (("--recompute", "selective", "--recompute-modules", "moe_act"),
-     "--recompute-modules moe_act recomputes the experts' activation (TE's grouped GEMM only), which actmem does not "
-     "model yet"),
+     "--recompute-modules moe_act recomputes the experts' activation, which Megatron does only in a grouped GEMM "
+     "(it raises otherwise: transformer_config.py): this model has no experts"),
     (("--recompute", "selective", "--recompute-modules", "moe"),
      "--recompute-modules moe recomputes parts of a mixture-of-experts layer; this model has none"),
     (("--recompute", "selective", "--recompute-modules", "mla_up_proj"),

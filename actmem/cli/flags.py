@@ -242,6 +242,12 @@ ARCHITECTURE_FLAGS = (
     Flag(("--moe-token-drop-policy",), "moe_drop_policy",
          "with a capacity factor, which tokens are dropped: probs (the lowest probabilities; default) or position",
          click.Choice(["probs", "position"])),
+    Flag(("--moe-pad-expert-input-to-capacity",), "moe_pad_to_capacity",
+         "with a capacity factor, every expert's input padded to its capacity C (Megatron's 'drop and pad'): "
+         "the experts then receive C·EP·ETP rows each whatever the routing", constant=True),
+    Flag(("--moe-permute-fusion",), "moe_permute_fusion",
+         "the permutation as Transformer Engine's fused kernels: an int32 row map in place of the routing map, "
+         "its probabilities and the int64 indices", constant=True),
     Flag(("--moe-grouped-gemm",), "moe_grouped_gemm",
          "the experts as TE's grouped GEMM (the same saved tensors as one MLP each)", constant=True),
     Flag(("--implementation",), "implementation",

@@ -11,17 +11,17 @@ import sympy
 
 from actmem.model.architecture import PAPER, Architecture
 from actmem.memory.pipeline import chunks_in_flight
-from actmem.model.symbols import L, a, b, c, e, h, m, p, r, s, t, v
+from actmem.model.symbols import L, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
-from actmem.model.recompute import Recompute
+from actmem.model.recompute import Recompute, reruns
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
     "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
 
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep)
 
 
 def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
@@ -63,6 +63,7 @@ def stage_count(term: Term, layer_activations, microbatches, holds_output):
             Scope.OUTPUT: holds_output}[term.scope]
 
 
+@cache
 def extra_bytes(technique: Technique, microbatches, holds_output, arch: Architecture = PAPER
                 ) -> sympy.Expr:
     """Section 4.5: the embedding and output-layer terms of the first stage."""
@@ -88,8 +89,10 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
 
 #: what a module's rerun makes again beyond the rows it dropped: the attention core's output,
 #: which the projection kept as its input and freed before the rerun (freed_before_rerun).
-#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor)
-_RERUN_OUTPUT = {"core_attn": "projection_input"}
+#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor). The experts'
+#: activation's rerun (moe_act, CheckpointWithoutOutput._recompute: random.py) copies what it made back into
+#: the freed fc2 input and keeps its own output too (ctx.outputs) until the checkpoint's backward: twice
+_RERUN_OUTPUT = {"core_attn": "projection_input", "moe_act": "experts_fc2_input"}
 
 
 @cache
@@ -106,9 +109,9 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
-        return sympy.Add(*(term_bytes(term, technique.whole(), arch) for term in layer_terms(arch)
-                           if (term.module_of(arch) == module and technique.drops(term, arch))
-                           or term.name == _RERUN_OUTPUT.get(module)))
+        return sympy.Add(*(term_bytes(term, technique.whole(), arch) * (
+            (reruns(module, term.module_of(arch)) and technique.drops(term, arch)) + (term.name == _RERUN_OUTPUT.get(module)))
+            for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)
@@ -133,7 +136,7 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
 
 def rows_after(module: str, arch: Architecture) -> int:
     """Where the term table's rows after a recompute module's own begin."""
-    return max((i + 1 for i, term in enumerate(TERMS) if term.module_of(arch) == module), default=len(TERMS))
+    return max((i + 1 for i, term in enumerate(TERMS) if reruns(module, term.module_of(arch))), default=len(TERMS))
 
 
 def output_rows(technique: Technique, arch: Architecture) -> sympy.Expr:

@@ -3,9 +3,8 @@ the recompute choices the planner sweeps."""
 
 from dataclasses import dataclass, replace
 
-from actmem.model.recompute import FULL, NONE, SELECTIVE, RecomputePolicy
+from actmem.model.recompute import FULL, NONE, SELECTIVE, Recompute, RecomputePolicy, reruns
 from actmem.memory.terms import Term
-from actmem.model.recompute import Recompute
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,7 @@ class Technique:
         if kept_by is not None and kept_by not in self.policy.modules:
             return True
         module = term.module_of(arch)
-        # the moe module's checkpoint wraps the whole MoE layer, its shared experts too (moe_layer.py: forward)
-        return module in self.policy.modules or (module == "shared_experts" and "moe" in self.policy.modules)
+        return any(reruns(given, module) for given in self.policy.modules)
 
     def whole(self) -> "Technique":
         """The same switches with nothing recomputed: what a layer kept whole keeps."""

@@ -232,22 +232,66 @@ def expert_rows(arch):
     expert's EP rank and all-gathers them over the expert-tensor-parallel group
     (token_dispatcher.py, MoEAlltoAllTokenDispatcher.token_dispatch); balanced, each rank
     receives k·N·ETP, and r >= 1 scales it on the busiest. Under a capacity factor each expert takes at
-    most ⌈k·N/E·factor⌉ tokens from each rank (moe_utils.py, get_capacity, apply_router_token_dropping), so a
-    rank's E/EP experts at most E·⌈k·N·factor/E⌉·ETP rows whatever the imbalance."""
-    rows = sympy.ceiling(r * _topk(arch) * s * b * e / t)
+    most C = ⌈k·N/E·factor⌉ tokens from each of the EP·ETP ranks that send to it, and no more than N
+    (moe_utils.py, get_capacity, apply_router_token_dropping), so a rank's E/EP experts at most
+    E·min(C, N)·ETP rows whatever the imbalance; padded to capacity (--moe-pad-expert-input-to-capacity) they
+    receive exactly that: every expert's column of the map holds C tokens, those not routed to it at
+    probability 0 (final_map = capacity_mask; the alltoall dispatcher's tokens per expert C·ETP·EP:
+    token_dispatcher.py, preprocess)."""
     if not (arch.moe and arch.moe_capacity_factor is not None):
-        return rows
-    return sympy.Min(rows, _routed_copies(arch) * e)
+        return sympy.ceiling(r * _topk(arch) * s * b * e / t)
+    full = arch.num_experts * sympy.Min(capacity(arch), s * b / t) * e
+    return full if arch.moe_pad_to_capacity else sympy.Min(sympy.ceiling(r * _topk(arch) * s * b * e / t), full)
+
+
+def capacity(arch):
+    """C: each expert's capacity, ⌈k·N/E·factor⌉ of a rank's N = s·b/t tokens (moe_utils.py, get_capacity,
+    called with num_tokens = N·k: apply_router_token_dropping)."""
+    experts, factor = arch.num_experts, sympy.Rational(str(arch.moe_capacity_factor))
+    return sympy.ceiling(_topk(arch) * s * b / t * factor / experts)
 
 
 def _routed_copies(arch):
     """The routed copies of a rank's N = s·b/t tokens it permutes, k·N, or under a capacity factor those each
-    expert keeps, at most E·⌈k·N·factor/E⌉ (the source side of expert_rows: no imbalance there)."""
+    expert keeps, at most E·C (the source side of expert_rows: no imbalance there); padded, exactly E·C."""
     copies = _topk(arch) * s * b / t
     if not (arch.moe and arch.moe_capacity_factor is not None):
         return copies
-    experts, factor = arch.num_experts, sympy.Rational(str(arch.moe_capacity_factor))
-    return sympy.Min(copies, experts * sympy.ceiling(copies * factor / experts))
+    padded = arch.num_experts * capacity(arch)
+    return padded if arch.moe_pad_to_capacity else sympy.Min(copies, padded)
+
+
+def _masked_select_maps(arch) -> bool:
+    """The routing map and probabilities kept by masked_select: the allgather dispatcher's own, and the
+    alltoall one's permute unless padded to capacity (it selects by index: moe_utils.py, permute:
+    drop_and_pad) or fused (TE's row map alone)."""
+    return moe(arch) and (arch.moe_dispatcher == "allgather" or not (arch.moe_pad_to_capacity or
+                                                                       arch.moe_permute_fusion))
+
+
+def _alltoall_unfused(arch) -> bool:
+    return moe(arch) and arch.moe_dispatcher == "alltoall" and not arch.moe_permute_fusion
+
+
+def _fused(arch) -> bool:
+    return moe(arch) and arch.moe_permute_fusion
+
+
+def _row_id_map(arch):
+    """TE's fused permutation map, int32 [tokens, 2·experts + 1] (triton/permutation.py, make_row_id_map): of
+    the rank's N tokens over E experts (alltoall), or of the N·ETP·EP gathered tokens over its E/EP local
+    experts (allgather)."""
+    if arch.moe_dispatcher == "allgather":
+        return I32 * s * b / t * e * symbols.ep * (2 * _experts(arch) / symbols.ep + 1)
+    return I32 * s * b / t * (2 * _experts(arch) + 1)
+
+
+def _chunk_maps(arch):
+    """TE's chunk sorts (moe_sort_chunks_by_index[_with_probs]) each keep an int32 [T] map, one before the
+    experts and one after, where the alltoall dispatcher sorts by local expert: E/EP > 1, and not padded to
+    capacity, where the sort is a view (token_dispatcher.py, dispatch_postprocess, combine_preprocess)."""
+    several = sympy.Min(1, _experts(arch) / symbols.ep - 1)
+    return 0 if arch.moe_pad_to_capacity else 2 * I32 * expert_rows(arch) * several
 
 
 def _experts_input(arch):
@@ -359,19 +403,35 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "permute's masked_select keeps the routing map transposed, bool [E, N] (moe_utils.py, permute: "
          "routing_map.bool().T.contiguous(); sbE); the allgather dispatcher's is its local experts' map of the "
          "tokens gathered over ETP·EP ranks, [E/EP, N·ETP·EP] (token_dispatcher.py, MoEAllGatherTokenDispatcher."
-         "dispatch_postprocess: local_map; sbE·ETP)", moe, module="moe"),
+         "dispatch_postprocess: local_map; sbE·ETP)", _masked_select_maps, module="moe"),
     Term("permute_probs", lambda arch: _router_bytes(arch) * _experts(arch) * s * b * _gathered(arch), Region.BOUNDARY,
          _STORED, Scope.LAYER,
          "... and the probabilities it selects from, transposed, in the logits' dtype (probs.T.contiguous()"
          ".masked_select(routing_map) saves its input; 2sbE in 16 bits, 4sbE under --moe-router-dtype fp32; the "
-         "allgather dispatcher's local_probs x ETP)", moe, module="moe"),
+         "allgather dispatcher's local_probs x ETP)", _masked_select_maps, module="moe"),
     Term("permute_sorted_indices", lambda arch: I64 * _routed_copies(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the permutation's token indices, int64 [N·k], which index_select saves (and unpermute's scatter "
          "its expanded view; 8sbk/t, N = sb/t under SP); under a capacity factor only the copies kept, at most "
-         "E·⌈k·N·factor/E⌉", lambda arch: moe(arch) and arch.moe_dispatcher == "alltoall", module="moe"),
+         "E·C, padded to capacity exactly E·C (the first C of each expert's argsorted column)",
+         _alltoall_unfused, module="moe"),
+    Term("permute_probs_indices", lambda arch: I64 * _routed_copies(arch), Region.REPLICATED, _STORED, Scope.LAYER,
+         "padded to capacity, the alltoall dispatcher's permute selects the probabilities by their flat index, "
+         "int64 [E·C], which index_select saves (moe_utils.py, permute: probs_T_1D.index_select(0, indices_1D); "
+         "8E·C)", lambda arch: _alltoall_unfused(arch) and arch.moe_pad_to_capacity, module="moe"),
     Term("permute_local_indices", lambda arch: I64 * expert_rows(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the allgather dispatcher permutes the gathered tokens its experts receive: their indices, int64 [T], "
-         "which index_select saves (8T)", lambda arch: moe(arch) and arch.moe_dispatcher == "allgather", module="moe"),
+         "which index_select saves (8T)",
+         lambda arch: moe(arch) and arch.moe_dispatcher == "allgather" and not arch.moe_permute_fusion, module="moe"),
+    Term("permute_row_id_map", _row_id_map, Region.REPLICATED, _STORED, Scope.LAYER,
+         "under --moe-permute-fusion TE's permute keeps its row map alone, int32 [N, 2E+1], and unpermute the "
+         "same map (permutation.py at TE 2.9-2.11, the releases megatron-core 0.16.1 takes: _moe_permute_mask_map"
+         ".forward, save_for_backward(row_id_map); 4N(2E+1)); the allgather dispatcher's of the N·ETP·EP tokens "
+         "it gathered over its E/EP experts (4N·ETP·(2E + EP))", _fused, module="moe"),
+    Term("permute_chunk_maps", _chunk_maps, Region.REPLICATED, _STORED, Scope.LAYER,
+         "... and where the alltoall dispatcher sorts the received rows by local expert (E/EP > 1, unpadded), "
+         "each of TE's two chunk sorts an int32 [T] map (_moe_chunk_sort.forward; 8T)",
+         lambda arch: _fused(arch) and arch.moe_dispatcher == "alltoall" and not arch.moe_pad_to_capacity,
+         module="moe"),
     Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
          "one storage that each expert's input is a view of", moe, module="moe"),
@@ -382,7 +442,10 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "... and the routing probabilities it scales by, [T, 1] in the logits' dtype (2T in 16 bits, 4T in fp32)",
          moe, module="moe"),
     Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
-         "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP)", moe, module="moe"),
+         "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP; TE's GroupedLinear: "
+         "split views of one storage); --recompute-modules moe_act frees it once fc2 has run and makes it again "
+         "in fc2's backward (experts.py, TEGroupedMLP: CheckpointWithoutOutput, discard_output_and_register_recompute)",
+         moe, module="moe_act"),
     # the shared experts (shared_experts.py, SharedExpertMLP): one tensor-parallel MLP of f_s that every
     # token passes, its fc1 keeping the router's input (the same storage, module="moe") unless it overlaps
     Term("shared_experts_fc1_input_gathered", lambda arch: sympy.Piecewise((0, sympy.Eq(t, 1)), (A16 * _sbh, True)),

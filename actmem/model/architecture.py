@@ -165,6 +165,15 @@ class Architecture:
     moe_drop_policy: str = "probs"
     """Which tokens over capacity are dropped (--moe-token-drop-policy): 'probs' (the lowest probabilities,
     Megatron's default) or 'position' (the last)."""
+    moe_pad_to_capacity: bool = False
+    """Every expert's input padded to its capacity (--moe-pad-expert-input-to-capacity, 'drop and pad'): its
+    map's column holds C tokens, those not routed to it at probability 0, so the rows are C·EP·ETP an
+    expert whatever the routing (moe_utils.py, apply_router_token_dropping: final_map = capacity_mask)."""
+    moe_permute_fusion: bool = False
+    """The permutation as Transformer Engine's fused kernels (--moe-permute-fusion): they keep an int32
+    row map [N, 2E+1] (E/EP local experts' of the gathered tokens under allgather) in place of the routing
+    map, its probabilities and the int64 indices, and under alltoall an int32 [T] map each way where a rank
+    has several experts (TE's permutation.py)."""
     moe_grouped_gemm: bool = False
     """The experts as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP) rather than one MLP each
     (SequentialMLP): the same saved tensors (actmem.model.experts)."""
@@ -207,7 +216,8 @@ class Architecture:
         if self.rope_type is not None and self.rope_type not in ("rope", "yarn"):
             raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",
-                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_shared_gate",
+                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_pad_to_capacity", "moe_permute_fusion",
+                     "moe_shared_gate",
                      "moe_shared_overlap", "moe_pre_softmax", "moe_expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -310,6 +320,10 @@ class Architecture:
                                  "dispatcher (Megatron raises with --moe-shared-expert-overlap: transformer_config.py)"
                                  if self.moe_shared_ffn else "--recompute-modules shared_experts: this MoE layer has "
                                  "no shared experts (--moe-shared-expert-intermediate-size)"}
+        if modules is not None and "moe_act" in modules and not (self.moe and self.moe_grouped_gemm):
+            return {"selective": "--recompute-modules moe_act recomputes the experts' activation, which Megatron "
+                                 "does only in a grouped GEMM (it raises otherwise: transformer_config.py): "
+                                 + ("give --moe-grouped-gemm" if self.moe else "this model has no experts")}
         if modules is not None and "mla_up_proj" in modules and not self.multi_latent_attention:
             return {"selective": "--recompute-modules mla_up_proj recomputes multi-latent attention's up projections; "
                                  "this model has none (Megatron raises: transformer_config.py)"}

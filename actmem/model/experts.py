@@ -22,7 +22,8 @@ DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_lo
             "moe_router_dtype": None, "moe_dispatcher": "allgather", "moe_grouped_gemm": False,
             "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False,
             "moe_score_function": "softmax", "moe_expert_bias": False, "moe_router_groups": None,
-            "moe_router_group_topk": None, "moe_capacity_factor": None, "moe_drop_policy": "probs"}
+            "moe_router_group_topk": None, "moe_capacity_factor": None, "moe_drop_policy": "probs",
+            "moe_pad_to_capacity": False, "moe_permute_fusion": False}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is
@@ -154,6 +155,9 @@ def check_experts(arch) -> None:
     if factor is None and arch.moe_drop_policy != "probs":
         raise SpecError("--moe-token-drop-policy chooses which tokens over capacity are dropped: give "
                         "--moe-expert-capacity-factor")
+    if factor is None and arch.moe_pad_to_capacity:
+        raise SpecError("--moe-pad-expert-input-to-capacity pads each expert's input to its capacity: give "
+                        "--moe-expert-capacity-factor (Megatron raises: transformer_config.py)")
     if arch.activation != "swiglu":
         raise SpecError(f"mixture-of-experts layers are modelled with SwiGLU experts (Mixtral, Qwen3, DeepSeek); "
                         f"{arch.activation} experts keep what actmem has not measured yet")

@@ -30,8 +30,17 @@ class Recompute(Enum):
 
 #: Megatron's --recompute-modules actmem models (TransformerConfig.recompute_modules), in its order;
 #: core_attn is its default and the paper's selective recompute; mla_up_proj is multi-latent attention's;
-#: moe (the whole MoE layer) and shared_experts a mixture of experts' (moe_layer.py)
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+#: moe (the whole MoE layer), moe_act (the experts' activation) and shared_experts a mixture of experts'
+#: (moe_layer.py, experts.py)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+#: the modules whose code runs inside another's: the moe module's checkpoint wraps the whole MoE layer, its
+#: shared experts and its experts' activation too (moe_layer.py, forward)
+INSIDE = {"moe_act": "moe", "shared_experts": "moe"}
+
+
+def reruns(given: str, module: str | None) -> bool:
+    """Whether recomputing ``given`` reruns a row that ``module`` drops: the module itself or one inside it."""
+    return module is not None and (module == given or INSIDE.get(module) == given)
 DEFAULT_MODULES = frozenset({"core_attn"})
 
 METHODS = ("uniform", "block")

@@ -294,6 +294,11 @@ RULES = (
                    "counted yet", ("experts",)),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
          "modelled yet", ("experts",)),
+    Rule(lambda v: not _padded_alltoall(v.architecture) or _capacity(v) <= _tokens(v),
+         lambda v: f"--moe-pad-expert-input-to-capacity under the alltoall dispatcher needs each expert's capacity "
+                   f"C = ⌈k·N/E·factor⌉ ({_capacity(v):.0f}) at most the N = {_tokens(v)} tokens a rank routes: "
+                   "Megatron's permute takes the first C of N and fails (moe_utils.py, permute: view(E, C)); lower "
+                   "--moe-expert-capacity-factor", ("experts", "architecture", "run_known")),
     Rule(lambda v: _implies((v.t > 1) & (v.recompute == "selective") & ("mla_up_proj" in (v.recompute_modules or ())),
                             v.sequence_parallel),
          lambda v: f"--recompute-modules mla_up_proj at t = {v.t} is modelled with sequence parallelism "
@@ -410,6 +415,23 @@ class Values:
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
     """--recompute-modules, where given."""
+
+
+def _padded_alltoall(arch) -> bool:
+    return arch.moe and arch.moe_pad_to_capacity and arch.moe_dispatcher == "alltoall"
+
+
+def _tokens(v):
+    """N: the tokens a rank routes, s·b/t (Megatron's MoE layer runs under sequence parallelism at t > 1)."""
+    return v.seq_len * v.b // v.t
+
+
+def _capacity(v):
+    """C = ⌈k·N/E·factor⌉ in floating point, as get_capacity computes it (moe_utils.py)."""
+    import numpy as np
+
+    arch = v.architecture
+    return np.ceil(arch.moe_topk * _tokens(v) / arch.num_experts * arch.moe_capacity_factor)
 
 
 def _every_layer_alone(shape) -> bool:

@@ -130,11 +130,6 @@ def _check_recompute_shape(run) -> None:
         raise SpecError(f"recompute_method must be uniform or block, got {run.recompute_method!r}")
 
 
-#: Megatron's recompute modules for layers actmem does not model, and why
-_OTHER_MODULES = {"moe_act": "recomputes the experts' activation (TE's grouped GEMM only), which actmem does not "
-                              "model yet"}
-
-
 def _checked_modules(run) -> tuple:
     """--recompute-modules as a tuple in Megatron's order, or the first thing wrong with it."""
     given = run.recompute_modules
@@ -144,11 +139,9 @@ def _checked_modules(run) -> tuple:
         raise SpecError("--recompute-modules names no module: give core_attn, layernorm or mlp "
                         "(or leave it out for core_attn, Megatron's default)")
     for module in given:
-        if module in _OTHER_MODULES:
-            raise SpecError(f"--recompute-modules {module} {_OTHER_MODULES[module]}")
         if module not in RECOMPUTE_MODULES:
-            raise SpecError(f"--recompute-modules {module} is not one of Megatron's modules: actmem models "
-                            f"{', '.join(RECOMPUTE_MODULES)} (and names moe_act as not modelled)")
+            raise SpecError(f"--recompute-modules {module} is not one of Megatron's modules: "
+                            f"{', '.join(RECOMPUTE_MODULES)}")
     return tuple(module for module in RECOMPUTE_MODULES if module in given)
 
 
@@ -316,7 +309,7 @@ class Spec:
         values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
                   "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel,
-                  "e": run.etp, "r": self.effective_imbalance}
+                  "e": run.etp, "r": self.effective_imbalance, "ep": run.expert_parallel}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
 
     def bindings_at(self, t: int) -> dict:

@@ -9,12 +9,15 @@ import sympy
 
 s, b, h, a, L, t, p, v, m, c = sympy.symbols("s b h a L t p v m c", positive=True, integer=True)
 #: mixture of experts: e, the expert-tensor-parallel size (ETP); r >= 1, the routing imbalance (the
-#: busiest rank's expert rows over the balanced count: a rational)
+#: busiest rank's expert rows over the balanced count: a rational); the expert-parallel size EP, where a
+#: row's shape has the E/EP local experts in it (TE's fused permutation maps)
 e = sympy.Symbol("e", positive=True, integer=True)
 r = sympy.Symbol("r", positive=True, rational=True)
+ep = sympy.Symbol("EP", positive=True, integer=True)
 
 #: name in the spec -> symbol, in the order of Table 1
-BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r}
+BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r,
+           "ep": ep}
 
 #: a mixture-of-experts layer's own sizes, as the formulas view shows its rows (an estimate binds
 #: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the

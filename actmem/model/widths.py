@@ -9,7 +9,7 @@ ACTIVATION_BYTES = 2   # bf16/fp16 activations (section 4)
 MASK_BYTES = 1         # dropout masks, one byte an element (section 4.1)
 LOGITS_BYTES = 4       # the cross entropy's fp32 logits (section 4.5)
 INDEX_BYTES = 8        # int64 indices (a MoE router's top-k choice, a permutation's token indices)
-OFFSET_BYTES = 4       # int32 group offsets (transformers' grouped_mm: where each expert's rows end)
+OFFSET_BYTES = 4       # int32 group offsets and row maps (transformers' grouped_mm; TE's fused MoE permutation)
 
 WEIGHT_BYTES = 2       # bf16/fp16 weights
 GRADIENT_BYTES = 4     # fp32 main gradients: Megatron accumulates and reduces them in fp32

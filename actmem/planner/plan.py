@@ -428,7 +428,7 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
-            values("etp"), imbalance(req, values("ep")))
+            values("etp"), imbalance(req, values("ep")), values("ep"))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:

@@ -26,11 +26,13 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     without the expert bias; the router in fp32 and fp64; shared experts, gated and overlapping; the aux loss
     at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts;
     inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed; a capacity factor
-    of 0.5 dropping by probability under alltoall and by position under allgather), every rank: each row
-    measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the table is measured,
-    non-zero, on some layout."""
+    of 0.5 dropping by probability under alltoall and by position under allgather, of 1.5 dropping beside EP = 2,
+    padded to capacity under both dispatchers; TE's grouped GEMM (TEGroupedMLP over a GroupedLinear stand-in),
+    with moe_act recomputed; TE's fused permutation (its stand-in) under both dispatchers, padded too), every
+    rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
+    table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 13
+    assert len({row["config"] for row in grid_rows}) == 22
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -43,6 +45,57 @@ def test_the_experts_rows_are_what_the_rank_received(grid_rows):
                 and "selective" not in row["config"] and "in a layer" not in row["config"]
                 and row["term"] == "experts_input"]
     assert [row["measured_bytes"] for row in gathered] == [2048, 2048]
+
+
+def _kept(grid_rows, fragment: str, term: str) -> list:
+    return [row["measured_bytes"] for row in grid_rows if fragment in row["config"] and row["term"] == term]
+
+
+def test_padded_to_capacity_every_expert_receives_c_rows_from_each_rank(grid_rows):
+    """Alltoall beside EP = 2, factor 1.5, h = 16, N = s·b = 32, k = 2, E = 8: C = ⌈2·32/8·1.5⌉ = 12, so each of a
+    rank's 4 experts receives C·EP = 24 rows, 96 a rank whatever the routing: the experts' input 2·16·96 = 3072 B;
+    the permute keeps two int64 [E·C] = [96] index vectors, 768 B each, and no [E, N] map. Allgather at t = 2,
+    factor 0.5: N = 16 a rank, C = ⌈2·16/8·0.5⌉ = 2, T = E·C·ETP = 8·2·2 = 32 rows, 2·16·32 = 1024 B."""
+    assert _kept(grid_rows, "EP=2 ETP=1 alltoall router bf16 capacity 1.5 by probs padded", "experts_input") == [3072] * 2
+    assert _kept(grid_rows, "EP=2 ETP=1 alltoall router bf16 capacity 1.5 by probs padded", "permute_probs_indices") \
+        == [768] * 2
+    assert _kept(grid_rows, "allgather router bf16 capacity 0.5 by probs padded", "experts_input") == [1024] * 2
+
+
+def test_above_factor_1_a_rank_receives_more_than_k_n_and_the_old_cap_fails(grid_rows):
+    """Factor 1.5 beside EP = 2 (drop only): each expert takes up to C = 12 rows from each of 2 ranks, so a rank's 4
+    experts up to 96, above the balanced k·N = 64: this routing gives one rank more than 64 (measured), which the
+    table's cap E·min(C, N)·ETP admits; the cap an earlier table had, min(k·N, E·C)·ETP = 64, fails the gate."""
+    config = next(c for c in moe_grid() if "capacity 1.5 by probs aux" in c.label)
+    ranks = measure(config)
+    assert max(received for _, received, _, _ in ranks) > 64
+    for rank, received, kept, named in ranks:
+        assert judge(term_rows(config, rank, formula(config.spec, config.technique, received, kept_copies=kept),
+                               named), 0.0) == []
+    rank, received, kept, named = max(ranks, key=lambda r: r[1])
+    capped = formula(config.spec, config.technique, min(received, 64), kept_copies=kept)
+    assert judge(term_rows(config, rank, capped, named), 0.0)
+
+
+def test_moe_act_frees_the_experts_fc2_input(grid_rows):
+    """TEGroupedMLP (its GroupedLinear a stand-in keeping TE's split views) at t = ETP = 2: T = k·s·b = 64 rows, f_e/ETP
+    = 5; without recompute fc2 keeps its input 2·5·T = 640 B (the SequentialMLP rows, test above); under
+    --recompute-modules moe_act it is freed once fc2 has run (0 B), fc1's output 4·5·64 = 1280 and the
+    probabilities 2·64 = 128 kept by the checkpoint."""
+    act = "grouped shared aux 0.01 selective:moe_act"
+    assert _kept(grid_rows, act, "experts_fc2_input") in ([], [0, 0])
+    assert _kept(grid_rows, act, "experts_fc1_output") == [1280] * 2 and _kept(grid_rows, act, "experts_probs") == [128] * 2
+
+
+def test_the_fused_permutation_keeps_tes_row_map(grid_rows):
+    """TE's fused permute (its stand-in) at EP = 1, N = 32, E = 8: the int32 row map [N, 2E+1], 4·32·17 = 2176 B, and
+    the two chunk sorts' int32 [T] maps of the 8 local experts, 2·4·64 = 512 B, in place of the [E, N] map, the
+    probabilities and the int64 indices (0 B); under allgather beside EP = 2 the map of the 64 gathered tokens
+    over the 4 local experts, 4·64·9 = 2304 B, the dispatcher's own map and probabilities kept."""
+    fused = "t=1 EP=1 ETP=1 alltoall router bf16 fused aux"
+    assert _kept(grid_rows, fused, "permute_row_id_map") == [2176] and _kept(grid_rows, fused, "permute_chunk_maps") == [512]
+    assert not [n for n in _kept(grid_rows, fused, "permute_sorted_indices") + _kept(grid_rows, fused, "permute_probs") if n]
+    assert _kept(grid_rows, "allgather router bf16 fused", "permute_row_id_map") == [2304] * 2
 
 
 def test_the_moe_modules_checkpoint_keeps_the_routers_input_alone(grid_rows):
@@ -69,8 +122,8 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
     """Inject the failures: the formula without the aux loss's scores (measured, not in the formula),
     the formula with a row the layer does not keep, and a saved tensor named by no row."""
     config = moe_grid()[0]
-    rank, received, named = measure(config)[0]
-    expected = formula(config.spec, config.technique, received)
+    rank, received, kept, named = measure(config)[0]
+    expected = formula(config.spec, config.technique, received, kept_copies=kept)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     missing = {name: n for name, n in expected.items() if name != "aux_loss_scores"}
     assert any("aux_loss_scores measured" in line for line in judge(term_rows(config, rank, missing, named), 0.0))

@@ -44,13 +44,14 @@ class MoEConfig:
         run, arch = self.spec.run, self.spec.architecture
         return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
+                + "grouped " * arch.moe_grouped_gemm + "fused " * arch.moe_permute_fusion
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
                    if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
                 + (f"groups {arch.moe_router_groups}/{arch.moe_router_group_topk} " if arch.moe_router_groups else "")
                 + "".join(f"{name.removeprefix('moe_router_')}={value} " for name, value in self.ignored)
-                + (f"capacity {arch.moe_capacity_factor:g} by {arch.moe_drop_policy} " if arch.moe_capacity_factor
-                   else "")
+                + (f"capacity {arch.moe_capacity_factor:g} by {arch.moe_drop_policy} "
+                   + "padded " * arch.moe_pad_to_capacity if arch.moe_capacity_factor else "")
                 + f"{'seq_aux' if arch.moe_load_balancing == 'seq_aux_loss' else 'aux'} {arch.moe_aux_loss_coeff:g}"
                 + (f" selective:{'+'.join(self.technique.modules)}" if self.technique.recompute is Recompute.SELECTIVE
                    else "") + (" in a layer" if self.in_layer else ""))
@@ -65,7 +66,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
              topk: int = 2, dispatcher: str = "alltoall", router_dtype: str | None = None, shared: bool = False,
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
              expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False,
-             capacity: float | None = None, drop_policy: str = "probs") -> Spec:
+             capacity: float | None = None, drop_policy: str = "probs", pad: bool = False,
+             grouped: bool = False, fused: bool = False) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -77,7 +79,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_expert_bias=expert_bias, moe_router_groups=groups and groups[0],
                         moe_router_group_topk=groups and groups[1],
                         moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss", moe_capacity_factor=capacity,
-                        moe_drop_policy=drop_policy)
+                        moe_drop_policy=drop_policy, moe_pad_to_capacity=pad, moe_grouped_gemm=grouped,
+                        moe_permute_fusion=fused)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
@@ -109,9 +112,24 @@ def moe_grid() -> list:
         policy = RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
         configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel, policy)))
     # a capacity factor that drops tokens (0.5: half of each expert's balanced share), by probability under
-    # alltoall beside EP = 2, by position under allgather at t = 2
+    # alltoall beside EP = 2, by position under allgather at t = 2; 1.5, where a rank's experts may receive more
+    # than the balanced k·N (up to E·C), beside EP = 2; padded to capacity (every expert C·EP·ETP rows) under
+    # alltoall beside EP = 2 and under allgather at t = 2
     configs += [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in (
-        moe_spec(ep=2, capacity=0.5), moe_spec(t=2, dispatcher="allgather", capacity=0.5, drop_policy="position"))]
+        moe_spec(ep=2, capacity=0.5), moe_spec(t=2, dispatcher="allgather", capacity=0.5, drop_policy="position"),
+        moe_spec(ep=2, capacity=1.5), moe_spec(ep=2, capacity=1.5, pad=True),
+        moe_spec(t=2, dispatcher="allgather", capacity=0.5, pad=True))]
+    # the experts as TE's grouped GEMM (TEGroupedMLP over the GroupedLinear stand-in) beside EP = 2, and with their
+    # activation recomputed (moe_act: fc2's input freed once fc2 has run) at t = ETP = 2 beside shared experts
+    act = RecomputePolicy(Recompute.SELECTIVE, frozenset({"moe_act"}))
+    configs += [MoEConfig(moe_spec(ep=2, grouped=True), run_technique(False, NONE)),
+                MoEConfig(moe_spec(t=2, grouped=True, shared=True), run_technique(True, act))]
+    # the permutation as TE's fused kernels (their CPU stand-in, te_permutation): under alltoall at EP = 1 (the
+    # chunk sorts of 8 local experts), beside EP = 2 with the router in fp32, padded to capacity beside EP = 2;
+    # under allgather beside EP = 2
+    configs += [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in (
+        moe_spec(fused=True), moe_spec(ep=2, fused=True, router_dtype="fp32"),
+        moe_spec(ep=2, fused=True, capacity=1.5, pad=True), moe_spec(ep=2, dispatcher="allgather", fused=True))]
     # inside a TransformerLayer after its pre-MLP TENorm: as it is, and with layernorm recomputed (the norm's
     # output, the router's input, freed once the layer has run), at t = 2 with shared experts
     spec = moe_spec(t=2, shared=True)
@@ -120,9 +138,12 @@ def moe_grid() -> list:
     return configs
 
 
-def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool = False) -> dict:
+def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool = False,
+            kept_copies: int | None = None) -> dict:
     """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows; ``in_layer``: with
-    its pre-MLP norm's rows."""
+    its pre-MLP norm's rows. Under a capacity factor that drops (not padded), the alltoall permute keeps the
+    indices of the ``kept_copies`` its rank kept, which the table bounds by min(k·N, E·C): the row is bound to
+    them where they are within it (as T to the rows received), and stays the bound, to fail, where they are not."""
     from actmem.memory import engine
     from actmem.memory.terms import MOE_TERMS, TERMS, expert_rows as balanced_rows
     from actmem.model import symbols
@@ -130,12 +151,17 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
     arch, t = spec.architecture, spec.run.tensor_parallel
     bindings = spec.bindings_at(t)
     # r against the balanced rows without a capacity: T = min(⌈r·k·N·ETP⌉, the capacity's) is then what was received
-    balanced = engine.exact(balanced_rows(replace(arch, moe_capacity_factor=None, moe_drop_policy="probs")),
+    balanced = engine.exact(balanced_rows(replace(arch, moe_capacity_factor=None, moe_drop_policy="probs",
+                                                  moe_pad_to_capacity=False)),
                             bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
     norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
-    return {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
+    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
             if term.present(arch)}
+    bound = rows.get("permute_sorted_indices")
+    if bound and arch.moe_capacity_factor is not None and not arch.moe_pad_to_capacity and 8 * kept_copies <= bound:
+        rows["permute_sorted_indices"] = 8 * kept_copies
+    return rows
 
 
 def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
@@ -151,6 +177,8 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
                                                                  n * run.etp * run.expert_parallel)
     probs = {None: "bfloat16", "fp32": "float32", "fp64": "float64"}[arch.moe_router_dtype]
     by_shape = {("bool", columns): "permute_routing_map"}
+    if arch.moe_permute_fusion:       # TE's row map: [tokens, 2·experts + 1] of the tokens it permutes (te_permutation)
+        by_shape[("int32", (columns[1], 2 * columns[0] + 1))] = "permute_row_id_map"
     router = _router_saves(arch, n, k, e, probs)
     by_width = {2 * f: "experts_fc1_output", f: "experts_fc2_input", 1: "experts_probs", h: "experts_input"}
     if len(by_width) != 4:   # (the probabilities: width 1, in the router's dtype)
@@ -159,7 +187,9 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
     # [N, k] int64 storage held is no row's, and fails the gate
     topk_indices = iter(("router_topk_indices",))
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
+    # (padded to capacity, the alltoall permute's probabilities' flat indices, selected first: moe_utils.py, permute)
     vectors = iter(("aux_loss_tokens_per_expert",) * moe_aux_loss(arch)
+                   + ("permute_probs_indices",) * (arch.moe_pad_to_capacity and arch.moe_dispatcher == "alltoall")
                    + ("permute_sorted_indices" if arch.moe_dispatcher == "alltoall" else "permute_local_indices",))
     if arch.moe_shared_ffn is not None:        # the shared experts': 3-D, or 2-D over the whole sequence
         f_s, t = arch.moe_shared_ffn // run.tensor_parallel, run.tensor_parallel
@@ -186,6 +216,8 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
             name = "permute_probs"
         elif dtype == "int64" and len(shape) == 1:
             name = next(vectors, f"unnamed {dtype} {list(shape)}")
+        elif dtype == "int32" and len(shape) == 1 and arch.moe_permute_fusion:
+            name = "permute_chunk_maps"           # TE's chunk sorts' maps, [T] each
         elif (dtype, shape) in by_shape:
             name = by_shape[(dtype, shape)]
         elif dtype == probs and len(shape) == 2 and shape[1] == 1:
@@ -277,8 +309,55 @@ def _cpu_shims() -> None:
     rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
 
 
+def _grouped_linear():
+    """(column, row): Transformer Engine's GroupedLinear as Megatron's TEColumn/TERowParallelGroupedLinear wrap
+    it for the experts, keeping what TE's keeps in 16 bits (module/grouped_linear.py, _GroupedLinear.forward:
+    the input split into views of its one storage, torch.split(inp, m_splits), and the weights, saved with
+    prepare_for_saving; the output one storage the grouped GEMM writes). No communication: with ETP or EP > 1
+    Megatron's expert linears leave it to the dispatcher (explicit_expert_comm). TE needs a GPU; this stand-in
+    runs its arithmetic on a CPU, so that megatron-core's own TEGroupedMLP (its moe_act checkpoint too) runs."""
+    import torch
+
+    class _GroupedGemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, m_splits, *weights):
+            inputs = torch.split(inp, m_splits)
+            out = torch.empty(inp.shape[0], weights[0].shape[0], dtype=inp.dtype)
+            for x, weight, y in zip(inputs, weights, torch.split(out, m_splits)):
+                torch.matmul(x, weight.t(), out=y)
+            ctx.save_for_backward(*inputs, *weights)
+            ctx.m_splits = m_splits
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            saved, n = ctx.saved_tensors, len(ctx.m_splits)
+            grads = torch.split(grad, ctx.m_splits)
+            grad_input = torch.cat([g @ w for g, w in zip(grads, saved[n:])])
+            return grad_input, None, *(g.t() @ x for g, x in zip(grads, saved[:n]))
+
+    class _GroupedLinear(torch.nn.Module):
+        column = True
+
+        def __init__(self, num_gemms, input_size, output_size, *, pg_collection, **kwargs):
+            super().__init__()
+            etp = pg_collection.expt_tp.size()
+            rows, cols = (output_size // etp, input_size) if self.column else (output_size, input_size // etp)
+            self.weights = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02) for _ in range(num_gemms))
+
+        def forward(self, x, m_splits):
+            return _GroupedGemm.apply(x, list(m_splits), *self.weights), None
+
+    class _RowGroupedLinear(_GroupedLinear):
+        column = False
+
+    return _GroupedLinear, _RowGroupedLinear
+
+
 def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, in_layer: bool = False):
-    """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts)."""
+    """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts), or with
+    --moe-grouped-gemm its TEGroupedMLP over TE's GroupedLinear's stand-in (_grouped_linear)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -297,15 +376,33 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         moe_router_score_function=arch.moe_score_function, moe_router_enable_expert_bias=arch.moe_expert_bias,
         moe_router_num_groups=arch.moe_router_groups, moe_router_group_topk=arch.moe_router_group_topk,
         moe_expert_capacity_factor=arch.moe_capacity_factor, moe_token_drop_policy=arch.moe_drop_policy,
+        moe_pad_expert_input_to_capacity=arch.moe_pad_to_capacity,
+        # built unfused: the alltoall dispatcher makes its chunk indices on "cuda" under fusion (token_dispatcher.py,
+        # __init__: permute_idx_device); turned on below, where the dispatchers read it at each call
+        moe_permute_fusion=False,
         **dict(ignored), **recompute_settings(technique),
         normalization="RMSNorm", hidden_dropout=arch.hidden_dropout, attention_dropout=arch.attention_dropout,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
-        expert_tensor_parallel_size=run.etp)
+        expert_tensor_parallel_size=run.etp, moe_grouped_gemm=arch.moe_grouped_gemm)
     submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
+    if arch.moe_grouped_gemm:
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        column, row = _grouped_linear()
+        submodules = replace(submodules, experts=ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
+            linear_fc1=column, linear_fc2=row)))
+    if arch.moe_permute_fusion:
+        from actmem_validate import te_permutation
+
+        te_permutation.install()
     if not in_layer:
-        return MoELayer(config, submodules)
+        layer = MoELayer(config, submodules)
+        config.moe_permute_fusion = arch.moe_permute_fusion
+        return layer
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -316,7 +413,9 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     spec_ = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=_stand_ins()["norm"], mlp=ModuleSpec(module=MoELayer, submodules=submodules),
         mlp_bda=get_bias_dropout_add))
-    return build_module(spec_, config=config, layer_number=1)
+    layer = build_module(spec_, config=config, layer_number=1)
+    config.moe_permute_fusion = arch.moe_permute_fusion
+    return layer
 
 
 def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
@@ -337,11 +436,14 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
-        received = []
+        received, kept = [], []
         moe = layer.mlp if config.in_layer else layer
         experts_forward = moe.experts.forward
         moe.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
+        preprocess = moe.token_dispatcher.dispatch_preprocess     # the routed copies this rank keeps, after capacity
+        moe.token_dispatcher.dispatch_preprocess = lambda tokens, routing_map, probs: (
+            kept.append(int(routing_map.sum())), preprocess(tokens, routing_map, probs))[1]
         # an expert that receives no token saves empty tensors: they hold nothing (recorder skips them); a
         # storage saved by a node autograd has already freed may lend its address to a later one (the later
         # one recorded); the layer's parameters and buffers are model state
@@ -352,11 +454,11 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         x_key = x.untyped_storage().data_ptr()
         named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
         out.float().sum().backward()
-        results.put((rank, received[0], named))
+        results.put((rank, received[0], kept[0], named))
 
 
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
-    """(rank, expert rows received, {term: bytes saved}) of every rank of one configuration."""
+    """(rank, expert rows received, routed copies kept, {term: bytes saved}) of every rank of one configuration."""
     from actmem_validate.gloo import spawn
 
     return spawn(_rank, config)
@@ -368,6 +470,7 @@ def rows(configs, timeout: int = 300) -> list[dict]:
 
     table = []
     for config in configs:
-        for rank, received, named in measure(config, timeout):
-            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer), named)
+        for rank, received, kept, named in measure(config, timeout):
+            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer, kept),
+                               named)
     return table

@@ -95,6 +95,7 @@ def test_megatron_prices_the_same_config_with_its_own_rows(actmem):
     (("--moe-router-score-function", "sigmoid"), "moe_score_function must be softmax"),
     (("--moe-expert-capacity-factor", "1.0"), "which drops no tokens"),
     (("--moe-shared-expert-intermediate-size", "1024"), "which have no shared experts"),
+    (("--moe-permute-fusion",), "which permute with torch's own ops"),
 ])
 def test_what_transformers_experts_do_not_do_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", MIXTRAL, "--implementation", "hf", *args), fragment)

@@ -133,7 +133,6 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
     (_with("--moe-router-topk", "9"), ["--moe-router-topk (9) must be at most --num-experts (8)"]),
     (MOE[:MOE.index("--num-experts")] + ["--ep", "2"], ["give --num-experts"]),
     (MOE[:MOE.index("--num-experts")] + ["--moe-ffn-hidden-size", "512"], ["give --num-experts"]),
-    (MOE + ["--tp", "2", "--sp", "--cp", "2"], ["context parallelism (c = 2) with mixture-of-experts"]),
     (MOE + ["--recompute", "selective", "--recompute-modules", "shared_experts"],
      ["--recompute-modules shared_experts: this MoE layer has no shared experts"]),
     (_with("--moe-router-topk", "1"), ["top-1 routing with a softmax router needs --moe-router-pre-softmax"]),
@@ -233,6 +232,18 @@ def test_a_capacity_factor_bounds_the_busiest_ranks_rows(actmem):
     assert capped["router_capacity_map"] == 32_768 and "router_capacity_map" not in dropless
 
 
+def test_beside_context_parallelism_a_rank_routes_its_s_over_c_tokens(actmem):
+    """Megatron's MoE layer gathers nothing over the context-parallel group (its aux losses all-reduce their
+    counts over t·c, which keeps nothing; the dispatchers use the EP and ETP groups alone), so a rank's rows are
+    the c = 1 rows of its s/c tokens (measured: tests/validate/test_megatron_moe.py). t = 2 (SP), c = 2:
+    N = 4096/(2·2) = 1024 tokens; the router's input 2Nh = 8,388,608 B, the aux scores 4NE = 32,768, the routing
+    map NE = 8192, the sorted indices 8Nk = 16,384; at ETP = t = 2 the experts receive k·N·ETP = 4096 rows,
+    2·4096·4096 = 33,554,432 B."""
+    out = _terms(actmem.json("estimate", *MOE, "--tp", "2", "--sp", "--cp", "2", "--gpus", "4"))
+    assert (out["router_input"], out["aux_loss_scores"], out["permute_routing_map"], out["permute_sorted_indices"],
+            out["experts_input"]) == (8_388_608, 32_768, 8192, 16_384, 33_554_432)
+
+
 def test_above_a_capacity_factor_of_1_the_busiest_rank_receives_more_than_k_n(actmem):
     """Each expert takes at most C = ⌈k·N/E·factor⌉ tokens from each rank, so a rank's E/EP experts at most
     E·C·ETP rows: at factor 1.5, t = 1, EP = 8, k = 2, E = 8, N = 4096, C = ⌈2·4096/8·1.5⌉ = 1536 and the cap
@@ -264,7 +275,44 @@ def test_padding_to_capacity_gives_every_expert_c_rows_whatever_the_routing(actm
     assert "permute_probs_indices" not in allgather
 
 
+def test_the_capacity_is_megatrons_floating_point_ceiling(actmem):
+    """get_capacity takes ceil((N·k / E) · factor) in floating point: at s = 400, t = 1, b = 1, k = 2, E = 8 and factor
+    1.1, (400·2/8)·1.1 = 110.00000000000001 in doubles, so C = 111 (not the exact 110): padded, the experts receive
+    E·C = 888 rows, 2·4096·888 = 7,274,496 B, and the permute's indices 8·888 = 7104 B each."""
+    out = _terms(actmem.json("estimate", *_with("--seq-len", "400"), "--moe-expert-capacity-factor", "1.1",
+                             "--moe-pad-expert-input-to-capacity"))
+    assert (out["experts_input"], out["permute_sorted_indices"], out["permute_probs_indices"]) == (7_274_496, 7104, 7104)
+
+
+def test_a_recomputed_module_inside_the_moe_modules_rerun_is_not_made_again_by_it():
+    """The moe module's rerun runs the layer again with grad, and inside it the shared experts' own checkpoint
+    keeps only its input and moe_act frees fc2's input once fc2 has run: with those recomputed too, the moe
+    rerun holds less by their rows. Gated shared experts of f_s = 5632 at t = 1, N = 4096 (the rows of
+    test_recompute_modules_moe_and_shared_experts): SwiGLU's input 92,274,688 + fc2's 46,137,344 + the gate's
+    score 2N = 8192 + the output it scales 2Nh = 33,554,432 = 171,974,656 B; the experts' fc2 input 2·f_e·k·N =
+    234,881,024 B."""
+    from actmem.memory import engine
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
+
+    preset = load_preset("mixtral-8x7b")
+    arch = preset.architecture | {"moe_shared_ffn": 5632, "moe_shared_gate": True}
+    spec = build_spec(preset.model, {"micro_batch": 1}, architecture=arch)
+
+    def moe_rerun(label):
+        technique = run_technique(False, RecomputePolicy.parse(label))
+        return engine.exact(engine.rematerialised_bytes(technique, spec.architecture, module="moe"), spec.bindings())
+
+    alone = moe_rerun("selective:moe")
+    assert alone - moe_rerun("selective:moe+shared_experts") == 171_974_656
+    assert alone - moe_rerun("selective:moe+moe_act") == 234_881_024
+
+
 @pytest.mark.parametrize("args, fragment", [
+    (["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity", "--moe-imbalance", "2", "--ep", "8",
+      "--gpus", "8"], "--moe-imbalance 2 with --moe-pad-expert-input-to-capacity: padded, every expert receives C rows"),
     (["--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity pads each expert's input to its "
                                               "capacity: give --moe-expert-capacity-factor"),
     (["--moe-expert-capacity-factor", "5", "--moe-pad-expert-input-to-capacity"],

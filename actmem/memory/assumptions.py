@@ -240,12 +240,15 @@ def _moe_notes(spec: Spec) -> list:
     return [
         f"mixture of experts: megatron-core 0.16.1's MoELayer (as the harness runs it on a CPU), "
         f"{arch.moe_dispatcher} dispatcher{' (Megatron default)' if arch.moe_dispatcher == 'allgather' else ''}, "
-        f"dropless, {arch.moe_score_function} top-{arch.moe_topk} of {arch.num_experts} experts"
+        f"{_capacity_text(arch)}, {arch.moe_score_function} top-{arch.moe_topk} of {arch.num_experts} experts"
         + ({"aux_loss": " with the aux loss", "seq_aux_loss": " with the sequence-wise aux loss"}.get(
             arch.moe_load_balancing, "") if arch.moe_aux_loss_coeff > 0 else "")
         + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
+        *_permutation_notes(spec),
         _histogram_note(spec) if run.expert_loads is not None else "expert rows: "
-        + ("balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "
+        + (f"padded to capacity, each expert receives C = {spec.expert_capacity(run.tensor_parallel)} rows from each "
+           f"of the EP·ETP ranks, whatever the routing (N = s·b/t a rank)" if arch.moe_pad_to_capacity else
+           "balanced routing, each rank's experts receive k·N·ETP token rows (N = s·b/t a rank); the busiest "
            "rank of a real step receives more (give --moe-imbalance, e.g. 1.25 for 25% over its share)"
            if imbalance == 1 else
            f"the busiest rank's experts receive {spec.effective_imbalance} x the balanced k·N·ETP token rows "
@@ -262,9 +265,27 @@ def _moe_notes(spec: Spec) -> list:
         "TE's grouped GEMM (--moe-grouped-gemm) hands autograd one cached dummy weight gradient a shape from "
         "Transformer Engine 2.10 (grouped_linear.py: get_dummy_wgrad); 2.9, which megatron-core 0.16.1 allows, "
         "makes one for each expert's weight at its backward, a transient not modelled",
-        "Megatron-LM's main branch (d98e8a64, 2026-08) permutes with an argsort whose [E·N] int64 result stays "
-        "pinned (8sbE/t a layer) in place of 0.16.1's bool map and 16-bit probabilities (3sbE/t)",
     ]
+
+
+def _capacity_text(arch) -> str:
+    if arch.moe_capacity_factor is None:
+        return "dropless"
+    return (f"capacity factor {arch.moe_capacity_factor:g} (C = ⌈k·N/E·factor⌉ rows an expert takes from a rank, "
+            f"dropping by {arch.moe_drop_policy}" + (", padded to C" if arch.moe_pad_to_capacity else "") + ")")
+
+
+def _permutation_notes(spec) -> list:
+    """What the permutation keeps where it is not 0.16.1's unfused masked_select, and Megatron-LM main's."""
+    arch = spec.architecture
+    if arch.moe_permute_fusion:
+        return ["--moe-permute-fusion: TE's fused permutation keeps an int32 row map (and, sorting by several local "
+                "experts, an int32 [T] map each way), read off TE 2.9-2.11's permutation.py; the harness checks "
+                "megatron-core keeps nothing beside it over a CPU stand-in, not TE's Triton kernels"]
+    if arch.moe_pad_to_capacity and arch.moe_dispatcher == "alltoall":
+        return []
+    return ["Megatron-LM's main branch (d98e8a64, 2026-08) permutes with an argsort whose [E·N] int64 result stays "
+            "pinned (8sbE/t a layer) in place of 0.16.1's bool map and 16-bit probabilities (3sbE/t)"]
 
 
 def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: ParameterBytes) -> tuple:

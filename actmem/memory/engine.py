@@ -11,17 +11,17 @@ import sympy
 
 from actmem.model.architecture import PAPER, Architecture
 from actmem.memory.pipeline import chunks_in_flight
-from actmem.model.symbols import L, a, b, c, e, ep, h, m, p, r, s, t, v
+from actmem.model.symbols import C, L, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
-from actmem.model.recompute import Recompute, reruns
+from actmem.model.recompute import Recompute, remakes, reruns
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
     "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
 
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep, C)
 
 
 def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
@@ -110,8 +110,8 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) * (
-            (reruns(module, term.module_of(arch)) and technique.drops(term, arch)) + (term.name == _RERUN_OUTPUT.get(module)))
-            for term in layer_terms(arch)))
+            (remakes(module, term.module_of(arch), technique.modules) and technique.drops(term, arch))
+            + (term.name == _RERUN_OUTPUT.get(module))) for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)

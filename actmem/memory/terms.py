@@ -246,9 +246,9 @@ def expert_rows(arch):
 
 def capacity(arch):
     """C: each expert's capacity, ⌈k·N/E·factor⌉ of a rank's N = s·b/t tokens (moe_utils.py, get_capacity,
-    called with num_tokens = N·k: apply_router_token_dropping)."""
-    experts, factor = arch.num_experts, sympy.Rational(str(arch.moe_capacity_factor))
-    return sympy.ceiling(_topk(arch) * s * b / t * factor / experts)
+    called with num_tokens = N·k: apply_router_token_dropping), a symbol the spec binds to the integer Megatron
+    computes in floating point (actmem.model.experts.capacity)."""
+    return symbols.C
 
 
 def _routed_copies(arch):
@@ -262,19 +262,29 @@ def _routed_copies(arch):
 
 
 def _masked_select_maps(arch) -> bool:
-    """The routing map and probabilities kept by masked_select: the allgather dispatcher's own, and the
-    alltoall one's permute unless padded to capacity (it selects by index: moe_utils.py, permute:
-    drop_and_pad) or fused (TE's row map alone)."""
+    """the allgather dispatcher, or the alltoall one's own permutation unpadded"""
     return moe(arch) and (arch.moe_dispatcher == "allgather" or not (arch.moe_pad_to_capacity or
                                                                        arch.moe_permute_fusion))
 
 
 def _alltoall_unfused(arch) -> bool:
+    """the alltoall dispatcher's own permutation (not --moe-permute-fusion)"""
     return moe(arch) and arch.moe_dispatcher == "alltoall" and not arch.moe_permute_fusion
 
 
 def _fused(arch) -> bool:
+    """--moe-permute-fusion (TE's kernels)"""
     return moe(arch) and arch.moe_permute_fusion
+
+
+def _padded_alltoall_unfused(arch) -> bool:
+    """padded to capacity (--moe-pad-expert-input-to-capacity) under the alltoall dispatcher's own permutation"""
+    return _alltoall_unfused(arch) and arch.moe_pad_to_capacity
+
+
+def _fused_alltoall_sorting(arch) -> bool:
+    """--moe-permute-fusion under the alltoall dispatcher, not padded to capacity"""
+    return _fused(arch) and arch.moe_dispatcher == "alltoall" and not arch.moe_pad_to_capacity
 
 
 def _row_id_map(arch):
@@ -289,7 +299,8 @@ def _row_id_map(arch):
 def _chunk_maps(arch):
     """TE's chunk sorts (moe_sort_chunks_by_index[_with_probs]) each keep an int32 [T] map, one before the
     experts and one after, where the alltoall dispatcher sorts by local expert: E/EP > 1, and not padded to
-    capacity, where the sort is a view (token_dispatcher.py, dispatch_postprocess, combine_preprocess)."""
+    capacity, where it reorders by transpose().contiguous(), which saves nothing (token_dispatcher.py,
+    dispatch_postprocess, combine_preprocess)."""
     several = sympy.Min(1, _experts(arch) / symbols.ep - 1)
     return 0 if arch.moe_pad_to_capacity else 2 * I32 * expert_rows(arch) * several
 
@@ -414,10 +425,10 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "its expanded view; 8sbk/t, N = sb/t under SP); under a capacity factor only the copies kept, at most "
          "E·C, padded to capacity exactly E·C (the first C of each expert's argsorted column)",
          _alltoall_unfused, module="moe"),
-    Term("permute_probs_indices", lambda arch: I64 * _routed_copies(arch), Region.REPLICATED, _STORED, Scope.LAYER,
+    Term("permute_probs_indices", lambda arch: I64 * _experts(arch) * symbols.C, Region.REPLICATED, _STORED, Scope.LAYER,
          "padded to capacity, the alltoall dispatcher's permute selects the probabilities by their flat index, "
          "int64 [E·C], which index_select saves (moe_utils.py, permute: probs_T_1D.index_select(0, indices_1D); "
-         "8E·C)", lambda arch: _alltoall_unfused(arch) and arch.moe_pad_to_capacity, module="moe"),
+         "8E·C)", _padded_alltoall_unfused, module="moe"),
     Term("permute_local_indices", lambda arch: I64 * expert_rows(arch), Region.REPLICATED, _STORED, Scope.LAYER,
          "the allgather dispatcher permutes the gathered tokens its experts receive: their indices, int64 [T], "
          "which index_select saves (8T)",
@@ -430,8 +441,7 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
     Term("permute_chunk_maps", _chunk_maps, Region.REPLICATED, _STORED, Scope.LAYER,
          "... and where the alltoall dispatcher sorts the received rows by local expert (E/EP > 1, unpadded), "
          "each of TE's two chunk sorts an int32 [T] map (_moe_chunk_sort.forward; 8T)",
-         lambda arch: _fused(arch) and arch.moe_dispatcher == "alltoall" and not arch.moe_pad_to_capacity,
-         module="moe"),
+         _fused_alltoall_sorting, module="moe"),
     Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
          "one storage that each expert's input is a view of", moe, module="moe"),

@@ -174,6 +174,22 @@ def expert_shards(shards, gpus, etp, ep, p):
     return shards + (ep != 1) * (gpus // (etp * ep * p) - shards)
 
 
+def capacity(arch, tokens):
+    """C, each expert's capacity from a rank's ``tokens`` N (an int, or an array over a sweep), as Megatron computes
+    it, in floating point: ceil((N·k / E) · factor) (moe_utils.py, get_capacity, called with N·k tokens:
+    apply_router_token_dropping); 1 where there is no capacity factor (no row reads it then)."""
+    import math
+
+    import numpy as np
+
+    if not (arch.moe and arch.moe_capacity_factor is not None):
+        return 1
+    if isinstance(tokens, (int, float)):
+        return math.ceil((tokens * arch.moe_topk / arch.num_experts) * arch.moe_capacity_factor)
+    return np.ceil((np.asarray(tokens, dtype="float64") * arch.moe_topk / arch.num_experts)
+                   * arch.moe_capacity_factor)
+
+
 def capped_imbalance(imbalance, ep, experts, topk):
     """The routing imbalance r a rank can see: a token sends at most min(k, E/EP) of its k copies to one
     rank, so a rank receives at most min(k, E/EP)·N·EP rows against its balanced k·N: r at most min(EP, E/k),
@@ -219,7 +235,11 @@ def busiest_rank(loads: tuple, ep: int) -> BusiestRank:
 def check_routing(arch, imbalance, loads) -> None:
     """The routing asked for: an imbalance or a load histogram, not both; a histogram only for a mixture of
     experts, of E non-negative counts a layer with some tokens in each (an imbalance on a dense model is the
-    rules' to refuse)."""
+    rules' to refuse); neither where the experts' input is padded to capacity, whose rows no routing changes."""
+    if arch.moe and arch.moe_pad_to_capacity and (imbalance != 1 or loads is not None):
+        raise SpecError(f"{'--moe-load-histogram' if loads is not None else f'--moe-imbalance {imbalance}'} with "
+                        "--moe-pad-expert-input-to-capacity: padded, every expert receives C rows from each rank "
+                        "whatever the routing, so the imbalance changes nothing; drop it")
     if loads is None:
         return
     if imbalance != 1:

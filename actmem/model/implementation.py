@@ -157,7 +157,8 @@ _FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias", "moe": 
           "moe_router_dtype": "--moe-router-dtype", "moe_router_groups": "--moe-router-num-groups",
           "moe_expert_bias": "--moe-router-enable-expert-bias", "moe_shared_ffn": "--moe-shared-expert-intermediate-size",
           "moe_capacity_factor": "--moe-expert-capacity-factor", "moe_dispatcher": "--moe-token-dispatcher-type",
-          "moe_load_balancing": "--moe-router-load-balancing-type", "moe_pre_softmax": "--moe-router-pre-softmax"}
+          "moe_load_balancing": "--moe-router-load-balancing-type", "moe_pre_softmax": "--moe-router-pre-softmax",
+          "moe_pad_to_capacity": "--moe-pad-expert-input-to-capacity"}
 
 
 def _why(constraints: tuple, arch) -> str:
@@ -265,6 +266,9 @@ _HF_EXPERTS = (
     ("moe_shared_ffn", (None,), "transformers' Mixtral and Qwen3-MoE blocks, which have no shared experts "
                                 "(Qwen2-MoE's are not modelled)"),
     ("moe_capacity_factor", (None,), "transformers' sparse MoE block, which drops no tokens"),
+    ("moe_pad_to_capacity", (False,), "transformers' sparse MoE block, which pads no expert's input"),
+    ("moe_permute_fusion", (False,), "transformers' experts, which permute with torch's own ops (--moe-permute-fusion "
+                                     "is Megatron's, TE's kernels)"),
     ("moe_dispatcher", ("allgather",), "transformers' sparse MoE block on one device, with no token dispatcher "
                                        "(--moe-token-dispatcher-type is Megatron's)"),
     ("moe_grouped_gemm", (False,), "transformers' experts, run by its grouped_mm by default (--moe-grouped-gemm "

@@ -39,8 +39,15 @@ INSIDE = {"moe_act": "moe", "shared_experts": "moe"}
 
 
 def reruns(given: str, module: str | None) -> bool:
-    """Whether recomputing ``given`` reruns a row that ``module`` drops: the module itself or one inside it."""
+    """Whether recomputing ``given`` drops a row that ``module`` drops: the module itself or one inside it."""
     return module is not None and (module == given or INSIDE.get(module) == given)
+
+
+def remakes(given: str, module: str | None, modules) -> bool:
+    """Whether ``given``'s rerun makes again, and holds at its end, a row ``module`` drops: its own, or one of a
+    module inside it that is not recomputed itself (a recomputed one's checkpoint runs inside the rerun and keeps
+    only its input, or frees its output once used: moe_layer.py, experts.py)."""
+    return module is not None and (module == given or (INSIDE.get(module) == given and module not in modules))
 DEFAULT_MODULES = frozenset({"core_attn"})
 
 METHODS = ("uniform", "block")

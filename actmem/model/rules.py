@@ -292,12 +292,11 @@ RULES = (
          lambda v: f"dense layers among MoE layers (--moe-layer-freq) are modelled without interleaving and without "
                    f"--recompute-method (m = {v.m}): which layers a model chunk or a checkpoint holds is not "
                    "counted yet", ("experts",)),
-    Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with mixture-of-experts layers is not "
-         "modelled yet", ("experts",)),
     Rule(lambda v: not _padded_alltoall(v.architecture) or _capacity(v) <= _tokens(v),
          lambda v: f"--moe-pad-expert-input-to-capacity under the alltoall dispatcher needs each expert's capacity "
                    f"C = ⌈k·N/E·factor⌉ ({_capacity(v):.0f}) at most the N = {_tokens(v)} tokens a rank routes: "
-                   "Megatron's permute takes the first C of N and fails (moe_utils.py, permute: view(E, C)); lower "
+                   "an expert's column holds at most N, so Megatron's permute fails (moe_utils.py, permute: "
+                   "view(E, C)), and fused, TE's is handed E·C rows its map cannot fill; lower "
                    "--moe-expert-capacity-factor", ("experts", "architecture", "run_known")),
     Rule(lambda v: _implies((v.t > 1) & (v.recompute == "selective") & ("mla_up_proj" in (v.recompute_modules or ())),
                             v.sequence_parallel),
@@ -422,16 +421,15 @@ def _padded_alltoall(arch) -> bool:
 
 
 def _tokens(v):
-    """N: the tokens a rank routes, s·b/t (Megatron's MoE layer runs under sequence parallelism at t > 1)."""
-    return v.seq_len * v.b // v.t
+    """N: the tokens a rank routes, (s/c)·b/t (Megatron's MoE layer runs under sequence parallelism at t > 1)."""
+    return v.seq_len // v.c * v.b // v.t
 
 
 def _capacity(v):
-    """C = ⌈k·N/E·factor⌉ in floating point, as get_capacity computes it (moe_utils.py)."""
-    import numpy as np
+    """C = ⌈k·N/E·factor⌉ in floating point, as get_capacity computes it (actmem.model.experts.capacity)."""
+    from actmem.model.experts import capacity
 
-    arch = v.architecture
-    return np.ceil(arch.moe_topk * _tokens(v) / arch.num_experts * arch.moe_capacity_factor)
+    return capacity(v.architecture, _tokens(v))
 
 
 def _every_layer_alone(shape) -> bool:

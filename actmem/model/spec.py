@@ -309,14 +309,22 @@ class Spec:
         values = {"s": model.seq_len // run.context_parallel, "b": run.micro_batch, "h": model.hidden, "a": model.heads,
                   "L": model.layers, "t": run.tensor_parallel, "p": run.pipeline_parallel,
                   "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel,
-                  "e": run.etp, "r": self.effective_imbalance, "ep": run.expert_parallel}
+                  "e": run.etp, "r": self.effective_imbalance, "ep": run.expert_parallel,
+                  "C": self.expert_capacity(run.tensor_parallel)}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
 
     def bindings_at(self, t: int) -> dict:
         """The bindings of a technique row run at t (the run's, or 1 for 'none'): its experts split
-        over the run's ETP at the run's t, over none at t = 1."""
+        over the run's ETP at the run's t, over none at t = 1, each expert's capacity of that t's tokens."""
         expert_split = self.run.etp if t == self.run.tensor_parallel else 1
-        return self.bindings() | {symbols.t: t, symbols.e: expert_split}
+        return self.bindings() | {symbols.t: t, symbols.e: expert_split, symbols.C: self.expert_capacity(t)}
+
+    def expert_capacity(self, t: int) -> int:
+        """C of the N = (s/c)·b/t tokens a rank routes at t (actmem.model.experts.capacity)."""
+        from actmem.model.experts import capacity
+
+        run = self.run
+        return capacity(self.architecture, self.model.seq_len // run.context_parallel * run.micro_batch // t)
 
 
 def _pattern_or_all(arch, layers) -> tuple:

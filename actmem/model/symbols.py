@@ -14,10 +14,13 @@ s, b, h, a, L, t, p, v, m, c = sympy.symbols("s b h a L t p v m c", positive=Tru
 e = sympy.Symbol("e", positive=True, integer=True)
 r = sympy.Symbol("r", positive=True, rational=True)
 ep = sympy.Symbol("EP", positive=True, integer=True)
+#: C, an expert's capacity under --moe-expert-capacity-factor: bound to the integer Megatron computes in floating
+#: point (actmem.model.experts.capacity), not a ceiling sympy would take exactly
+C = sympy.Symbol("C", positive=True, integer=True)
 
 #: name in the spec -> symbol, in the order of Table 1
 BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r,
-           "ep": ep}
+           "ep": ep, "C": C}
 
 #: a mixture-of-experts layer's own sizes, as the formulas view shows its rows (an estimate binds
 #: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the

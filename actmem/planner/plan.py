@@ -22,7 +22,7 @@ from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
-from actmem.model.experts import check_routing, dense_twin, expert_shards, last_layer_moe
+from actmem.model.experts import capacity, check_routing, dense_twin, expert_shards, last_layer_moe
 from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
     stage_kinds
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
@@ -255,6 +255,7 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         head_dim=req.architecture.head_dim_or(model.hidden, model.heads),
                         first=grid.first_stage_layers if uneven else None,
                         last=grid.last_stage_layers if uneven else None, architecture=req.architecture,
+                        latent=True if req.architecture.multi_latent_attention else None,
                         precision_aware=req.optimizer.precision_aware, **expert_values(req, grid))
 
 
@@ -428,7 +429,8 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
     # context parallelism: each rank keeps s/c of every sequence (spec.bindings does the same)
     return (s / values("c"), values("b"), h, a, L, values("t"), values("p"), values("vocab"), values("m"),
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
-            values("etp"), imbalance(req, values("ep")), values("ep"))
+            values("etp"), imbalance(req, values("ep")), values("ep"),
+            capacity(req.architecture, s / values("c") * values("b") / values("t")))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:

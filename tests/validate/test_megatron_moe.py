@@ -28,11 +28,12 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed; a capacity factor
     of 0.5 dropping by probability under alltoall and by position under allgather, of 1.5 dropping beside EP = 2,
     padded to capacity under both dispatchers; TE's grouped GEMM (TEGroupedMLP over a GroupedLinear stand-in),
-    with moe_act recomputed; TE's fused permutation (its stand-in) under both dispatchers, padded too), every
+    with moe_act recomputed; TE's fused permutation (its stand-in) under both dispatchers, padded too; beside
+    context parallelism c = 2 under both dispatchers, the sequence-wise aux loss too), every
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 22
+    assert len({row["config"] for row in grid_rows}) == 24
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 

@@ -42,7 +42,8 @@ class MoEConfig:
     @property
     def label(self) -> str:
         run, arch = self.spec.run, self.spec.architecture
-        return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} EP={run.expert_parallel} "
+        return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} "
+                + f"c={run.context_parallel} " * (run.context_parallel > 1) + f"EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
                 + "grouped " * arch.moe_grouped_gemm + "fused " * arch.moe_permute_fusion
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
@@ -59,7 +60,7 @@ class MoEConfig:
     @property
     def world_size(self) -> int:
         run = self.spec.run
-        return max(run.tensor_parallel, run.etp * run.expert_parallel)
+        return max(run.tensor_parallel * run.context_parallel, run.etp * run.expert_parallel)
 
 
 def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, experts: int = 8,
@@ -67,7 +68,7 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
              expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False,
              capacity: float | None = None, drop_policy: str = "probs", pad: bool = False,
-             grouped: bool = False, fused: bool = False) -> Spec:
+             grouped: bool = False, fused: bool = False, c: int = 1) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked."""
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
@@ -82,7 +83,7 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_drop_policy=drop_policy, moe_pad_to_capacity=pad, moe_grouped_gemm=grouped,
                         moe_permute_fusion=fused)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
-              expert_tensor_parallel=etp)
+              expert_tensor_parallel=etp, context_parallel=c)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
 
 
@@ -130,6 +131,11 @@ def moe_grid() -> list:
     configs += [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in (
         moe_spec(fused=True), moe_spec(ep=2, fused=True, router_dtype="fp32"),
         moe_spec(ep=2, fused=True, capacity=1.5, pad=True), moe_spec(ep=2, dispatcher="allgather", fused=True))]
+    # beside context parallelism (c = 2: each rank routes its s/c tokens; the aux losses reduce their counts over
+    # t·c, which keeps nothing): EP = 2 over the same two ranks under alltoall, the sequence-wise aux loss under
+    # allgather
+    configs += [MoEConfig(spec, run_technique(False, NONE)) for spec in (
+        moe_spec(ep=2, c=2), moe_spec(ep=2, c=2, dispatcher="allgather", seq_aux=True))]
     # inside a TransformerLayer after its pre-MLP TENorm: as it is, and with layernorm recomputed (the norm's
     # output, the router's input, freed once the layer has run), at t = 2 with shared experts
     spec = moe_spec(t=2, shared=True)
@@ -159,7 +165,8 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
     rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
             if term.present(arch)}
     bound = rows.get("permute_sorted_indices")
-    if bound and arch.moe_capacity_factor is not None and not arch.moe_pad_to_capacity and 8 * kept_copies <= bound:
+    if bound and arch.moe_capacity_factor is not None and not arch.moe_pad_to_capacity and kept_copies is not None \
+            and 8 * kept_copies <= bound:
         rows["permute_sorted_indices"] = 8 * kept_copies
     return rows
 
@@ -168,7 +175,7 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
     """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved; ``x_key`` the
     router's input, ``norm_input_key`` the pre-MLP norm's where the layer runs in a TransformerLayer."""
     arch, run = spec.architecture, spec.run
-    s, b, h = spec.model.seq_len, run.micro_batch, spec.model.hidden
+    s, b, h = spec.model.seq_len // run.context_parallel, run.micro_batch, spec.model.hidden
     n = s * b // (run.tensor_parallel if run.sequence_parallel else 1)
     k, e, f = arch.moe_topk, arch.num_experts, arch.expert_ffn(h) // run.etp
     # the permutation's map and probabilities: [E, N], or the allgather dispatcher's local experts'
@@ -385,7 +392,8 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=True, bf16=True,
         params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
         sequence_parallel=run.sequence_parallel, expert_model_parallel_size=run.expert_parallel,
-        expert_tensor_parallel_size=run.etp, moe_grouped_gemm=arch.moe_grouped_gemm)
+        expert_tensor_parallel_size=run.etp, context_parallel_size=run.context_parallel,
+        moe_grouped_gemm=arch.moe_grouped_gemm)
     submodules = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False).submodules.mlp.submodules
     if arch.moe_grouped_gemm:
         from megatron.core.transformer.mlp import MLPSubmodules
@@ -426,7 +434,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
 
     spec, run = config.spec, config.spec.run
     with rank_group(rank, world, port, _cpu_shims, run.tensor_parallel, expert_model_parallel_size=run.expert_parallel,
-                    expert_tensor_parallel_size=run.etp):
+                    expert_tensor_parallel_size=run.etp, context_parallel_size=run.context_parallel):
         torch.manual_seed(0)                      # the same weights on every rank of a group
         layer = _layer(spec, config.ignored, config.technique, config.in_layer)
         norm_output = []                   # the pre-MLP norm's output: the router's input, in a layer
@@ -434,7 +442,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
             layer.pre_mlp_layernorm.register_forward_hook(
                 lambda module, args, out: norm_output.append(out.untyped_storage().data_ptr()))
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
-        rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
+        rows = spec.model.seq_len // run.context_parallel // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
         received, kept = [], []
         moe = layer.mlp if config.in_layer else layer

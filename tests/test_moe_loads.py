@@ -9,6 +9,7 @@ one rank takes everything: 1.
 """
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,51 @@ def test_the_plan_takes_each_ep_s_busiest_rank(actmem, tmp_path):
         assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
     assert actmem("plan", "--model", "mixtral-8x7b", "--moe-load-histogram", _histogram(tmp_path), "--top",
                   "1").exit_code == 0
+
+
+MEGATRON_LOGS = "tests/data/megatron_tokens_per_expert"
+
+
+def test_megatrons_tokens_per_expert_logs_are_read_as_they_are_written(actmem):
+    """tests/data/megatron_tokens_per_expert: what Megatron-LM's --save-tokens-per-expert-interval writes
+    (its ActivationLogger.save_tpe made them: tools/megatron_tokens_per_expert.py), 4 ranks of EP = 4, each
+    logging the rows its 2 experts received in 2 layers x 2 microbatches. Joined in EP order, layer 1's first
+    microbatch is (1500, 1300, 1000, 1000, 1000, 900, 800, 692), 8192 rows: at EP = 4 rank 0 takes 2800
+    against 2048, r = 175/128; at EP = 2 rank 0 (experts 0-3) 4800 against 4096, 75/64; layer 0's first,
+    (1400, 600, 1000, 1048, 1100, 900, 1200, 944), gives no more (2144/2048 at EP = 4)."""
+    from actmem.sources.expert_loads import loads_for
+
+    rows = loads_for(read_loads(MEGATRON_LOGS), 8)
+    assert rows[2] == (1500, 1300, 1000, 1000, 1000, 900, 800, 692) and len(rows) == 4
+    assert busiest_rank(rows, 4).imbalance == Fraction(175, 128)
+    assert busiest_rank(rows, 2).imbalance == Fraction(75, 64)
+    out = actmem.json("estimate", "--model", "mixtral-8x7b", "--ep", "4", "--gpus", "32",
+                      "--moe-load-histogram", MEGATRON_LOGS)
+    assert Fraction(out["run"]["routing_imbalance"]) == Fraction(175, 128)
+
+
+def test_the_expert_tensor_parallel_ranks_are_read_once(tmp_path):
+    """At ETP = 2 each pair of neighbouring ranks receives the same gathered rows and logs the same: the files
+    doubled (rank 2j and 2j+1 as rank j wrote) join to the same rows."""
+    from actmem.sources.expert_loads import loads_for
+
+    for rank in range(8):
+        (tmp_path / f"rank{rank}.jsonl").write_text(
+            (Path(MEGATRON_LOGS) / f"rank{rank // 2}.jsonl").read_text())
+    assert loads_for(read_loads(tmp_path), 8) == loads_for(read_loads(MEGATRON_LOGS), 8)
+
+
+@pytest.mark.parametrize("files, experts, fragment", [
+    ({"rank0.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2]]}'}, 8,
+     "1 rank files do not make whole expert-parallel groups of EP·ETP = 4·1"),
+    ({"rank1.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2]]}'}, 8, "rank files missing: rank0"),
+    ({"rank0.jsonl": '{"iter": 1, "layer": 0, "tpe": [[1, 2]]}'}, 8, "not a tokens-per-expert record"),
+    ({"rank0.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2, 3]]}'}, 8,
+     "each rank logs 3 experts' rows; with 8 experts each must log the same E/EP"),
+    ({"notes.txt": "x"}, 8, "no rank<R>.jsonl files"),
+])
+def test_bad_logs_are_one_line(actmem, tmp_path, files, experts, fragment):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert_one_line_error(actmem("estimate", "--model", "mixtral-8x7b", "--moe-load-histogram", str(tmp_path)),
+                          fragment)

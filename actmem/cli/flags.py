@@ -75,9 +75,9 @@ _RATIO = _Ratio()
 
 
 class _Loads(click.ParamType):
-    """A per-expert load histogram file, read (actmem.sources.expert_loads)."""
+    """A per-expert load histogram file, read, or Megatron's logs' directory (actmem.sources.expert_loads)."""
 
-    name = "FILE"
+    name = "FILE|DIR"
 
     def convert(self, value, param, ctx):
         from actmem.sources.expert_loads import read_loads
@@ -265,7 +265,8 @@ MOE_IMBALANCE = Flag(("--moe-imbalance",), "routing_imbalance",
                      "1.25 prices a rank that receives 25% more tokens than its share", _RATIO)
 MOE_LOADS = Flag(("--moe-load-histogram",), "expert_loads",
                  "a per-expert load histogram: the tokens each expert received, one row of E counts a layer (JSON, or "
-                 "text/CSV a layer a line), the counts Megatron's router makes (tokens_per_expert); the busiest EP "
+                 "text/CSV a layer a line), the counts Megatron's router makes (tokens_per_expert), or the directory "
+                 "Megatron-LM's --save-tokens-per-expert-interval writes; the busiest EP "
                  "rank's share of it, in "
                  "its busiest layer, sizes the expert rows (in place of --moe-imbalance)", _Loads())
 RUN_FLAGS = (
@@ -652,6 +653,10 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
                             "--num-layers-per-virtual-pipeline-stage, not both")
         run["interleave"] = interleave_from_layers_per_chunk(
             model.get("layers", 0), run.get("pipeline_parallel", 1), flags["layers_per_chunk"])
+    if run.get("expert_loads") is not None:             # Megatron's logs: joined once E is known
+        from actmem.sources.expert_loads import loads_for
+
+        run["expert_loads"] = loads_for(run["expert_loads"], architecture.get("num_experts"))
     options = {"notes": notes} if notes else {}
     if dims_only:
         options["dims_only"] = True

@@ -257,6 +257,7 @@ def plan_request(flags: dict):
     from actmem.cli.flags import gpu_options
     from actmem.model.hardware import DEFAULT_GPU, gpu_named
     from actmem.planner.plan import PlanRequest
+    from actmem.sources.expert_loads import loads_for
 
     choice = model_from_flags(flags)
     if choice.gpus is None or choice.global_batch is None:
@@ -274,7 +275,7 @@ def plan_request(flags: dict):
                           optimizer=choice.optimizer,
                           routing_imbalance=choice.preset_run.get("routing_imbalance", 1)
                           if flags["routing_imbalance"] is None else flags["routing_imbalance"],
-                          expert_loads=flags["expert_loads"],
+                          expert_loads=loads_for(flags["expert_loads"], choice.architecture.num_experts),
                           **({} if choice.gradient_bytes is None else {"gradient_bytes": choice.gradient_bytes}))
     return choice.name, request, choice.preset_run
 

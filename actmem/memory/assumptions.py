@@ -223,7 +223,9 @@ def _histogram_note(spec: Spec) -> str:
     loads, ep = spec.run.expert_loads, spec.run.expert_parallel
     busiest = busiest_rank(loads, ep)
     first, last = busiest.experts
-    where = f"layer {busiest.layer} of the histogram's {len(loads)}" if len(loads) > 1 else "the histogram"
+    where = (f"row {busiest.layer} (from 0) of the histogram's {len(loads)} (a layer a row; from Megatron's "
+             "tokens_per_expert logs, an expert-parallel group's layer and microbatch)" if len(loads) > 1 else
+             "the histogram")
     return (f"expert rows: from the load histogram (--moe-load-histogram): the busiest of the EP = {ep} ranks, rank "
             f"{busiest.rank} (experts {first}-{last}), receives {busiest.imbalance} (= {float(busiest.imbalance):.4g}) "
             f"x its balanced k·N·ETP rows in "

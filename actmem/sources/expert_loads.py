@@ -1,26 +1,113 @@
 """A per-expert load histogram (--moe-load-histogram FILE): the tokens each expert received, one row of E
-counts a layer, as Megatron's router counts them (tokens_per_expert; Megatron-LM's main branch writes each
-rank's local counts with --save-tokens-per-expert-interval, which joined in EP order make a row).
+counts a layer, as Megatron's router counts them (tokens_per_expert).
 
 JSON: a list of E counts (one layer), a list of such lists (one a layer), or an object whose
 "tokens_per_expert" is either. Text or CSV: one layer a line, counts separated by commas or spaces, '#'
-starting a comment. Counts are whole numbers >= 0. Read here, checked against the model in
-actmem.model.experts.check_routing, and turned into the busiest rank's imbalance by busiest_rank.
+starting a comment. Counts are whole numbers >= 0. Or a directory: what Megatron-LM's
+--save-tokens-per-expert-interval writes (its main branch, activation_logging.py: save_tpe), one
+rank<R>.jsonl a rank, each line a layer's rows its local experts received, a list a microbatch; read once
+the experts are known (MegatronLogs.rows), each (EP group, iteration, layer, microbatch) a row of E.
+Read here, checked against the model in actmem.model.experts.check_routing, and turned into the busiest
+rank's imbalance by busiest_rank.
 """
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from actmem.errors import SpecError
 
 
-def read_loads(path) -> tuple:
-    """((count, ...), ...): one tuple a layer."""
-    path = Path(path)
+@dataclass(frozen=True)
+class MegatronLogs:
+    """Megatron-LM's tokens_per_expert/ directory, read into rows once E is known (rows)."""
+
+    path: Path
+
+    def rows(self, experts: int) -> tuple:
+        """One row of E counts for each EP group's (iteration, block, layer, microbatch): the rank files joined
+        in Megatron's expert layout (parallel_state.py, the expert mesh: ETP fastest, then EP), each rank
+        holding E/EP consecutive experts (moe_layer.py, local_expert_indices); ETP inferred as the ranks that
+        log alike (the expert-tensor-parallel ranks all receive the gathered rows)."""
+        logs = _rank_logs(self.path)
+        widths = {len(counts) for log in logs for *_, counts in log}
+        if len(widths) != 1 or experts % next(iter(widths)):
+            raise SpecError(f"{self.path}: each rank logs {', '.join(map(str, sorted(widths)))} experts' rows; with "
+                            f"{experts} experts each must log the same E/EP")
+        ep, world = experts // widths.pop(), len(logs)
+        etp = max(d for d in range(1, world + 1) if world % d == 0 and all(
+            logs[r] == logs[r - r % d] for r in range(world)))
+        if world % (etp * ep):
+            raise SpecError(f"{self.path}: {world} rank files do not make whole expert-parallel groups of "
+                            f"EP·ETP = {ep}·{etp} ranks (EP = {experts} experts / the {experts // ep} each rank logs)")
+        rows = []
+        for group in range(world // (etp * ep)):
+            members = [logs[group * etp * ep + j * etp] for j in range(ep)]
+            if any([key for *key, _ in log] != [key for *key, _ in members[0]] for log in members):
+                raise SpecError(f"{self.path}: the ranks of expert-parallel group {group} log different layers or "
+                                "iterations; give the files of one run")
+            rows += [tuple(count for log in members for count in log[i][-1]) for i in range(len(members[0]))]
+        return tuple(rows)
+
+
+def loads_for(loads, experts):
+    """The histogram's rows: as read, or Megatron's logs joined for E experts (None: a dense model)."""
+    if not isinstance(loads, MegatronLogs):
+        return loads
+    if not experts:
+        raise SpecError("--moe-load-histogram shapes a mixture-of-experts layer: give --num-experts")
+    return loads.rows(experts)
+
+
+def _rank_logs(path: Path) -> list:
+    """[(iteration, block, mtp index, layer, microbatch, counts), ...] of each rank, rank 0 first."""
+    files = {}
+    for file in path.glob("rank*.jsonl"):
+        match = re.fullmatch(r"rank(\d+)\.jsonl", file.name)
+        if match:
+            files[int(match.group(1))] = file
+    if not files:
+        raise SpecError(f"{path}: no rank<R>.jsonl files (Megatron-LM's --save-tokens-per-expert-interval writes "
+                        "them under <save>/tokens_per_expert)")
+    missing = sorted(set(range(max(files) + 1)) - set(files))
+    if missing:
+        raise SpecError(f"{path}: rank files missing: {', '.join(f'rank{r}.jsonl' for r in missing[:5])}")
+    return [_rank_log(files[rank]) for rank in range(len(files))]
+
+
+def _rank_log(file: Path) -> list:
+    log = []
+    for number, line in enumerate(_read(file).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            key = (record["iter"], record["block"], record.get("mtp_idx"), record["layer"])
+            microbatches = record["tpe"]
+        except (json.JSONDecodeError, RecursionError, ValueError, KeyError, TypeError) as error:
+            raise SpecError(f"{file}:{number}: not a tokens-per-expert record ({str(error)[:60]})") from None
+        if not isinstance(microbatches, list) or not all(isinstance(row, list) and row for row in microbatches):
+            raise SpecError(f"{file}:{number}: its \"tpe\" must be a list of each microbatch's per-expert rows")
+        log += [(*key, mb, tuple(_count(value, file) for value in row)) for mb, row in enumerate(microbatches)]
+    if not log:
+        raise SpecError(f"{file}: no tokens-per-expert records")
+    return log
+
+
+def _read(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise SpecError(f"{path}: cannot read the expert load histogram ({getattr(error, 'strerror', error)})")
+
+
+def read_loads(path):
+    """((count, ...), ...): one tuple a layer; for a directory of Megatron's logs, MegatronLogs."""
+    path = Path(path)
+    if path.is_dir():
+        return MegatronLogs(path / "tokens_per_expert" if (path / "tokens_per_expert").is_dir() else path)
+    text = _read(path)
     rows = _json_rows(text, path) if path.suffix == ".json" else _text_rows(text, path)
     if not rows:
         raise SpecError(f"{path}: the expert load histogram holds no counts")

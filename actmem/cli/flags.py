@@ -242,6 +242,18 @@ ARCHITECTURE_FLAGS = (
     Flag(("--moe-token-drop-policy",), "moe_drop_policy",
          "with a capacity factor, which tokens are dropped: probs (the lowest probabilities; default) or position",
          click.Choice(["probs", "position"])),
+    Flag(("--fp8-format",), "fp8_format",
+         "FP8 training through Transformer Engine (e4m3 or hybrid, one byte an element either way): TE's linears "
+         "keep their inputs quantized and cache FP8 copies of their weights (actmem.model.fp8)",
+         click.Choice(["e4m3", "hybrid"])),
+    Flag(("--fp8-recipe",), "fp8_recipe",
+         "with --fp8-format, FP8's scaling: delayed (Megatron's default) or tensorwise; mxfp8 and blockwise are "
+         "refused (not priced yet)", click.Choice(["delayed", "tensorwise", "mxfp8", "blockwise", "custom"])),
+    Flag(("--fp8-param-gather",), "fp8_param_gather",
+         "with --fp8-format, the linears' weights FP8 themselves (one byte), gathered in FP8; needs the "
+         "distributed optimizer", constant=True),
+    Flag(("--fp8-amax-history-len",), "fp8_amax_history_len",
+         "delayed scaling's amax history, rows (Megatron's default 1): fp32 [rows, 3] and [rows, 2] a TE linear"),
     Flag(("--moe-pad-expert-input-to-capacity",), "moe_pad_to_capacity",
          "with a capacity factor, every expert's input padded to its capacity C (Megatron's 'drop and pad'): "
          "the experts then receive C·EP·ETP rows each whatever the routing", constant=True),
@@ -684,7 +696,7 @@ def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
 
     gpu = gpu_named(flags.get("gpu_name") or preset_gpu or DEFAULT_GPU)
     memory = flags.get("gpu_memory")
-    return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}",
+    return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}", "gpu_fp8": gpu.fp8,
             "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
             "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}
 

@@ -26,7 +26,8 @@ def _positions_note(arch, s: int) -> str:
 def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
-                  "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32")
+                  "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32",
+                  "fp8_format", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len")
     plain = not (arch.qk_norm or arch.moe or arch.multi_latent_attention)
     if plain and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"

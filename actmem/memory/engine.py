@@ -43,7 +43,7 @@ def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> 
     the architecture has no such tensor."""
     if technique.recompute not in term.kept_under_for(arch) or not term.present(arch) or technique.drops(term, arch):
         return sympy.Integer(0)
-    return term.size(arch) / divisor(term, technique, arch)
+    return term.size(arch) / divisor(term, technique, arch) + term.fixed_bytes(arch)
 
 
 @cache

@@ -350,6 +350,6 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        expert_shards=spec.expert_optimizer_shards, distributed_optimizer=run.distributed_optimizer,
                        gradient_bytes=spec.gradient_bytes, optimizer_bytes=spec.optimizer.bytes_per_parameter,
                        ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
-                       extra=extra, dense_layers_too=bool(moe and layers + mtp - moe))
+                       extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8)
 
 

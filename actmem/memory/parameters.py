@@ -5,7 +5,7 @@ Figure 1 of the paper sets these beside the activations. The count follows
 Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actmem.model.architecture import PAPER
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
@@ -157,6 +157,27 @@ def _attention_shapes(h, t, arch, heads) -> tuple:
                     (heads * (arch.qk_head_dim + arch.v_head_dim) // t, arch.kv_lora_rank, 1))
 
 
+def fp8_linear_weights(h, t, arch, heads):
+    """Elements of a dense layer's TE linear weights on one of t GPUs, those FP8 quantizes: QKV [(ad + 2gd)/t, h],
+    proj [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (no biases nor norms)."""
+    return (h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
+            + (arch.fc1_width + 1) * h * arch.ffn(h)) // t
+
+
+def fp8_state(h, t, arch, heads, layers, generation):
+    """(bytes the weights shrink by, bytes TE keeps beside them) of ``layers`` dense layers under FP8
+    (actmem.model.fp8): --fp8-param-gather turns a linear weight's 2 bytes into 1; TE keeps a weight element's
+    FP8 workspace or Hopper transpose (weight_copy_bytes) and each module's scaling state. 0, 0 without FP8."""
+    from actmem.model import fp8
+
+    if not arch.fp8:
+        return 0, 0
+    elements = layers * fp8_linear_weights(h, t, arch, heads)
+    shrink = elements * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
+    kept = elements * fp8.weight_copy_bytes(arch, generation) + layers * fp8.MODULES_A_LAYER * fp8.module_state_bytes(arch)
+    return shrink, kept
+
+
 @dataclass(frozen=True)
 class ParameterBytes:
     count: int
@@ -166,16 +187,21 @@ class ParameterBytes:
     dummy_wgrads_bytes: int = 0
     """TE's cached 16-bit dummy weight gradients (dummy_wgrad_elements): model state too,
     allocated at the first backward and kept."""
+    fp8_bytes: int = 0
+    """What TE keeps for FP8 beside the weights (fp8_state): their cached FP8 copies (or Hopper's transposes of
+    FP8 weights), the scaling state; model state, kept from the first step on."""
 
     @property
     def total_bytes(self):
-        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
+                + self.fp8_bytes)
 
     def __add__(self, other: "ParameterBytes") -> "ParameterBytes":
         """Two groups of parameters on one GPU (a MoE layer's experts beside the rest: sharded over
         different data-parallel ranks)."""
         return ParameterBytes(*(getattr(self, name) + getattr(other, name) for name in
-                                ("count", "weights_bytes", "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes")))
+                                ("count", "weights_bytes", "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes",
+                                 "fp8_bytes")))
 
 
 def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
@@ -193,13 +219,14 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
-                extra=0, dense_layers_too=False) -> ParameterBytes:
+                extra=0, dense_layers_too=False, gpu_fp8=None) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
     ``expert_shards``. ``moe_layers``: how many of the stage's layers have experts (None: all, or none
     for a dense model); the others are ``arch``'s dense twin's (actmem.model.experts.dense_twin).
     ``extra``: parameters beside the layers (the multi-token-prediction layers'), sharded as the dense.
+    ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -214,6 +241,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if not arch.moe:
-        return state
+        shrink, kept = fp8_state(h, t, arch, heads, stage_layers, gpu_fp8)
+        return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept) if arch.fp8 else state
     experts = own * expert_parameters(h, arch, ep, etp)
     return state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)

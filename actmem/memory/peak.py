@@ -24,6 +24,10 @@ from dataclasses import dataclass
 DUMMY_WGRADS_SOURCE = ("16-bit tensors of the linears' weight shapes, one per distinct shape, that Megatron's "
                        "fused-wgrad linears return uncomputed and TE's get_dummy_wgrad caches for the process "
                        "(transformer_engine/pytorch/module/base.py): QKV, projection, fc1, fc2, the output layer")
+FP8_SOURCE = ("what TE keeps for FP8 training: the linears' weights cached in FP8 for the iteration's microbatches "
+              "(base.py, get_weight_workspace; on Hopper with their transposes), or with --fp8-param-gather the "
+              "FP8 weights' Hopper transposes; each weight's scale_inv and delayed scaling's amax history "
+              "(actmem.model.fp8)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ def peak_floor(row) -> PeakFloor:
         PeakRow("optimizer_state", params.optimizer_bytes,
                 "fp32 master weights and Adam's two moments (or this rank's shard of them)"),
     ) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
-         if params.dummy_wgrads_bytes else ())
+         if params.dummy_wgrads_bytes else ()) + ((PeakRow("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),)
+                                                  if params.fp8_bytes else ())
     moment = row.peak_moment
     return PeakFloor(state + moment.parts, moment.when)

@@ -24,6 +24,7 @@ from actmem.model.architecture import PAPER, always, grouped_mm_experts, grouped
 from actmem.model.recompute import Recompute
 from actmem.model import symbols
 from actmem.model.symbols import a, b, c, e, h, r, s, t, v
+from actmem.model.fp8 import SCALE_INV_BYTES
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK, \
     OFFSET_BYTES as I32
 
@@ -91,10 +92,16 @@ class Term:
     local core runs torch's softmax (architecture.torch_softmax), whichever module is recomputed:
     the dataloader's mask, which every layer's masked_fill_ keeps there (utils.py,
     attention_mask_func), not only the recompute checkpoints. None: as under the fused kernel."""
+    fixed: object = 0
+    """Bytes of one instance that no parallelism splits, beside ``bytes`` (a number, or a function of the
+    architecture): an FP8 tensor's fp32 scale_inv (actmem.model.fp8)."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
         return self.bytes(arch) if callable(self.bytes) else self.bytes
+
+    def fixed_bytes(self, arch=PAPER):
+        return self.fixed(arch) if callable(self.fixed) else self.fixed
 
     def module_of(self, arch=PAPER) -> str | None:
         """The recompute module that drops it in this architecture."""
@@ -114,6 +121,21 @@ class Term:
 
 
 _sbh = s * b * h
+
+
+def _gemm_input(arch) -> int:
+    """Bytes an element of a saved GEMM input TE quantizes: one under FP8 (actmem.model.fp8), else 16-bit."""
+    return 1 if arch.fp8 else A16
+
+
+def _fp8_scale(arch) -> int:
+    """An FP8 tensor's fp32 scale_inv, [1], kept beside it (actmem.model.fp8)."""
+    return SCALE_INV_BYTES if arch.fp8 else 0
+
+
+def _fp8_delayed(arch) -> bool:
+    """FP8 delayed scaling, where proj keeps its input quantized beside the 16-bit one (actmem.model.fp8)"""
+    return arch.fp8 == "delayed"
 
 
 def _sb_attention(width: int):
@@ -663,10 +685,12 @@ TERMS = (
          "the norm before attention keeps fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and "
          "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
          "other code", counts_norm_statistics, module=_latent_input_norm),
-    Term("qkv_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("qkv_input", lambda arch: _gemm_input(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh); under multi-latent attention the q and kv down "
          "projections keep it, one storage (TELinear: saved_inputmat = inputmat), which --recompute-modules "
-         "layernorm frees once the attention has run", module=_latent_input_norm),
+         "layernorm frees once the attention has run; under FP8 TE's LayerNormLinear keeps the norm's output "
+         "quantized, one byte an element, with its 4-byte scale_inv (layernorm_linear.py: ln_out)",
+         module=_latent_input_norm, fixed=_fp8_scale),
     *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward
@@ -759,6 +783,11 @@ TERMS = (
     Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
          "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
          "kernel's own output, one storage: TE's sbhd layout makes the reshape a view"),
+    Term("projection_input_fp8", lambda arch: s * b * arch.attention_width(h, a), Region.BLOCK, _STORED, Scope.LAYER,
+         "under FP8 delayed scaling the projection keeps its input quantized too, its transposed (columnwise) "
+         "copy, one byte an element, with its 4-byte scale_inv, beside the core's 16-bit output (linear.py: "
+         "update_usage(rowwise_usage=False); Megatron sets save_original_input, which keeps the 16-bit input "
+         "alone, under every other recipe: attention.py)", _fp8_delayed, fixed=_fp8_scale),
     Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
@@ -768,9 +797,10 @@ TERMS = (
     Term("mlp_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
          "into linear_fc1, inside the MLP's checkpoint (a MoE layer's is a TENorm of its own)", counts_norm_statistics, module=_mlp_with_fused_norm),
-    Term("fc1_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("fc1_input", lambda arch: _gemm_input(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
-         "(the eager core) it is what the MLP's checkpoint keeps", dense_mlp, module=_mlp_with_fused_norm),
+         "(the eager core) it is what the MLP's checkpoint keeps; under FP8 the norm's output quantized, one "
+         "byte an element, with its 4-byte scale_inv", dense_mlp, module=_mlp_with_fused_norm, fixed=_fp8_scale),
     *MOE_TERMS,
     *HF_MOE_TERMS,
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
@@ -796,8 +826,10 @@ TERMS = (
          "the same tensor as its input; under Megatron's jit_fuser (torch.compile) the partitioner "
          "saves one tensor of that shape, relu's input or output (its backward needs one of them); "
          "the bias, when there is one, is added before it and keeps nothing", _dense(squared_relu), module="mlp"),
-    Term("fc2_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
-         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf)", dense_mlp, module="mlp"),
+    Term("fc2_input", lambda arch: _gemm_input(arch) * s * b * arch.ffn(h), Region.BLOCK, _STORED, Scope.LAYER,
+         "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf); under FP8 its columnwise copy "
+         "(on Hopper the transpose), one byte an element, with its 4-byte scale_inv (linear.py: "
+         "update_usage(rowwise_usage=False))", dense_mlp, module="mlp", fixed=_fp8_scale),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),

@@ -82,6 +82,15 @@ class Architecture:
     """Each head's rope part of q and k (--qk-pos-emb-head-dim); k's is one for all heads."""
     v_head_dim: int = 128
     """Each head's v width (--v-head-dim): a·d_v is the attention's output width."""
+    fp8_format: str | None = None
+    """FP8 training through Transformer Engine (--fp8-format e4m3 or hybrid; None: 16-bit). Both formats keep
+    one byte an element; the recipe decides what more (actmem.model.fp8)."""
+    fp8_recipe: str | None = None
+    """--fp8-recipe: delayed (Megatron's default under --fp8-format) or tensorwise; None: the default."""
+    fp8_param_gather: bool = False
+    """--fp8-param-gather: the linears' weights are FP8 themselves (one byte), all-gathered as they are."""
+    fp8_amax_history_len: int = 1
+    """--fp8-amax-history-len: the rows of delayed scaling's amax history (Megatron's default 1)."""
     mtp_layers: int = 0
     """Multi-token prediction (Megatron's --mtp-num-layers; DeepSeek-V3's 1): D more layers on the last
     pipeline stage, each predicting one token further (actmem.memory.terms, MTP_TERMS), and D more logits."""
@@ -216,7 +225,7 @@ class Architecture:
         if self.rope_type is not None and self.rope_type not in ("rope", "yarn"):
             raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",
-                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_pad_to_capacity", "moe_permute_fusion",
+                     "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_pad_to_capacity", "moe_permute_fusion", "fp8_param_gather",
                      "moe_shared_gate",
                      "moe_shared_overlap", "moe_pre_softmax", "moe_expert_bias"):
             if not isinstance(getattr(self, name), bool):
@@ -231,12 +240,19 @@ class Architecture:
             raise SpecError(f"--no-rope-fusion chooses how rotary positions are applied; this model's positions "
                             f"are {self.position_embedding}")
         from actmem.model.experts import check_experts, layer_pattern
+        from actmem.model.fp8 import check_fp8
         from actmem.model.latent import check_latent
 
         object.__setattr__(self, "moe_layer_freq", layer_pattern(self.moe_layer_freq))
         check_experts(self)
         check_latent(self)
+        check_fp8(self)
         self.code.check(self)
+
+    @property
+    def fp8(self) -> str | None:
+        """The FP8 recipe the run trains with (Megatron's default, delayed, under --fp8-format), or None."""
+        return None if self.fp8_format is None else self.fp8_recipe or "delayed"
 
     @property
     def moe(self) -> bool:

@@ -35,6 +35,9 @@ class Gpu:
     """Bytes/s one GPU achieves in an NVLink all-reduce (NCCL bus bandwidth), for t."""
     inter_node_bandwidth: float
     """Bytes/s one GPU achieves across nodes (its InfiniBand share), for data parallelism."""
+    fp8: str | None = None
+    """Its FP8 tensor cores' generation as Transformer Engine tells them apart ('hopper', sm90: FP8 GEMMs TN
+    only, so TE keeps transposes; 'blackwell', sm100), or None (no FP8, or a GPU TE's FP8 is not read for)."""
 
 
 def _gib(gib: float) -> int:
@@ -55,14 +58,14 @@ GPUS = {
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 (900 GB/s both ways) ~360 GB/s bus
     # bandwidth; one 400 Gb/s NDR InfiniBand link a GPU is 50 GB/s. PyTorch reports 79.10-79.18
     # GiB total capacity (nvidia-smi: 81,559 MiB).
-    "h100": Gpu("H100 SXM 80GB", _gib(79.10), 989e12, 360e9, 50e9),
+    "h100": Gpu("H100 SXM 80GB", _gib(79.10), 989e12, 360e9, 50e9, "hopper"),
     # H200 SXM: the H100's compute and NVLink with 141 GB of HBM3e; PyTorch reports 139.72-139.81
     # GiB total capacity (139.80 most often).
-    "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9),
+    "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9, "hopper"),
     # B200 (HGX B200): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity); NVLink 5
     # (1.8 TB/s both ways), taken at the H100's share of it, ~720 GB/s bus bandwidth; one
     # 400 Gb/s ConnectX-7 link a GPU. PyTorch reports 178.35-178.36 GiB total capacity.
-    "b200": Gpu("B200 180GB", _gib(178.35), 2.25e15, 720e9, 50e9),
+    "b200": Gpu("B200 180GB", _gib(178.35), 2.25e15, 720e9, 50e9, "blackwell"),
     # AMD MI300X: 192 GB HBM3, 1307.4 TFLOP/s dense bf16; seven Infinity Fabric links of 64 GB/s,
     # ~300 GB/s all-reduce bus bandwidth in RCCL; 400 Gb/s a GPU across nodes. PyTorch (ROCm)
     # reports 191.69-191.98 GiB total capacity.

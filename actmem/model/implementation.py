@@ -338,9 +338,10 @@ _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT
 #: - paper_norms: the paper's eager layer, whose norm statistics the paper leaves out;
 #: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments);
 #: - megatron_args: it is what a Megatron-LM launch script runs (--megatron-args);
-#: - moe: its MoELayer (actmem.model.experts), the mixture of experts actmem models.
+#: - moe: its MoELayer (actmem.model.experts), the mixture of experts actmem models;
+#: - fp8: TE's FP8 linears (actmem.model.fp8).
 MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
-                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe"})
+                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe", "fp8"})
 
 #: (what the code must have, whether the architecture uses it, the refusal where it does not)
 SWITCHES = (

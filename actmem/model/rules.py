@@ -292,6 +292,9 @@ RULES = (
          lambda v: f"dense layers among MoE layers (--moe-layer-freq) are modelled without interleaving and without "
                    f"--recompute-method (m = {v.m}): which layers a model chunk or a checkpoint holds is not "
                    "counted yet", ("experts",)),
+    Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
+         lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
+                   "raises without it (arguments.py)", ("architecture", "run_known")),
     Rule(lambda v: not _padded_alltoall(v.architecture) or _capacity(v) <= _tokens(v),
          lambda v: f"--moe-pad-expert-input-to-capacity under the alltoall dispatcher needs each expert's capacity "
                    f"C = ⌈k·N/E·factor⌉ ({_capacity(v):.0f}) at most the N = {_tokens(v)} tokens a rank routes: "

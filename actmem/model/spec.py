@@ -155,6 +155,8 @@ class Spec:
     gpu_memory_bytes: int = GPUS[DEFAULT_GPU].memory_bytes
     """What the allocator can reach on one GPU (actmem.model.hardware), or --gpu-memory."""
     gpu_name: str = GPUS[DEFAULT_GPU].name
+    gpu_fp8: str | None = GPUS[DEFAULT_GPU].fp8
+    """The GPU's FP8 generation (actmem.model.hardware.Gpu.fp8): what TE keeps of an FP8 weight."""
     gradient_bytes: int = GRADIENT_BYTES
     """Bytes a main gradient: 4 (fp32, bf16 training's default) or 2 (the parameters' dtype: fp16
     training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)."""
@@ -188,6 +190,10 @@ class Spec:
         from actmem.model.experts import check_routing
 
         check_routing(self.architecture, self.run.routing_imbalance, self.run.expert_loads)
+        from actmem.model.fp8 import check_gpu
+
+        if not self.dims_only:        # the dims alone name no GPU yet (plan checks its own: PlanRequest)
+            check_gpu(self.architecture.fp8, self.gpu_fp8, self.gpu_name)
         rules.check(self.rule_values())
 
     def rule_values(self) -> rules.Values:

@@ -23,6 +23,7 @@ from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
 from actmem.model.experts import capacity, check_routing, dense_twin, expert_shards, last_layer_moe
+from actmem.model.fp8 import check_gpu
 from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
     stage_kinds
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
@@ -34,7 +35,7 @@ from actmem.units import parse_bytes
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
 MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes",
-                "transient_bytes")
+                "fp8_bytes", "transient_bytes")
 """The first stage's peak floor by part (actmem.memory.peak); they add to first_peak_bytes. Transient:
 what the peak moment holds above the total (the rerun less what was freed, or the loss's
 16-bit gradient where the stage holds the output layer)."""
@@ -95,6 +96,7 @@ class PlanRequest:
             raise SpecError("--moe-imbalance and --moe-load-histogram shape a mixture-of-experts layer: give "
                             "--num-experts")
         check_routing(self.architecture, self.routing_imbalance, self.expert_loads)
+        check_gpu(self.architecture.fp8, self.gpu.fp8, self.gpu.name)
         for unswept, what, why in _NOT_SWEPT:
             if unswept(self.architecture):
                 raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
@@ -372,12 +374,14 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                          distributed_optimizer=grid.distributed_optimizer.astype("int64"),
                          gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
                          ep=grid.ep, etp=grid.etp, moe_layers=moe, extra=extra,
-                         dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp))
+                         dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp),
+                         gpu_fp8=req.gpu.fp8)
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
     memory["optimizer_bytes"] = params.optimizer_bytes
     memory["dummy_wgrads_bytes"] = params.dummy_wgrads_bytes
+    memory["fp8_bytes"] = params.fp8_bytes
     if name == "middle":
         memory = memory.mul(grid.p >= 3, axis=0)
     return memory

@@ -24,6 +24,7 @@ _PARTS = {
     "gradients_bytes": ("gradients (fp32)", "#6fb386"),
     "optimizer_bytes": ("optimizer: fp32 master, Adam", "#b9dcc4"),
     "dummy_wgrads_bytes": ("dummy weight gradients (16-bit, TE's)", "#c9d98c"),
+    "fp8_bytes": ("FP8 weight copies and scaling state (TE's)", "#e3c98c"),
     "transient_bytes": ("at the peak: rerun, gradients", "#d9d9d9"),
 }
 _GPU_LINE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.2}

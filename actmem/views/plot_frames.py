@@ -32,7 +32,7 @@ MAP_MEMORY_COLUMN = "peak_bytes"
 
 #: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``.
 MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                "dummy_wgrads_bytes", "transient_bytes")
+                "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes")
 
 #: What ``actmem validate --format csv`` writes (actmem_validate.compare: the row, then its gate).
 VALIDATION_COLUMNS = ("config", "technique", "rank", "term", "kind", "formula_bytes", "measured_bytes",
@@ -92,6 +92,7 @@ def _technique_rows(est) -> list[dict]:
                      "layers_bytes": row.layers_bytes, "extra_bytes": row.extra_bytes,
                      "weights_bytes": params.weights_bytes, "gradients_bytes": params.gradients_bytes,
                      "optimizer_bytes": params.optimizer_bytes, "dummy_wgrads_bytes": params.dummy_wgrads_bytes,
+                     "fp8_bytes": params.fp8_bytes,
                      "total_bytes": row.total_bytes,
                      "transient_bytes": row.transient_bytes, "peak_bytes": row.peak_bytes,
                      "gpu_memory_bytes": spec.gpu_memory_bytes, "fits": est.technique_fits(row)})

@@ -221,13 +221,18 @@ def _memory_table(est: Estimate) -> Table:
     if est.spec.architecture.moe and est.spec.run.distributed_optimizer:     # experts: over their own ranks
         optimizer += f" (the experts' / {est.spec.expert_optimizer_shards})"
     rows = (("activations", est.activations_bytes, "the run's terms above"),
-            ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"),
+            ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"
+             + (", less 1 B an element of the linears' weights, FP8 (--fp8-param-gather)"
+                if est.spec.architecture.fp8_param_gather else "")),
             ("gradients", params.gradients_bytes, per_param + f"{est.spec.gradient_bytes} B "
              + ("(fp32)" if est.spec.gradient_bytes == GRADIENT_BYTES else "(16-bit)")),
             ("optimizer state", params.optimizer_bytes, per_param + optimizer))
     if params.dummy_wgrads_bytes:
         rows += (("dummy weight gradients", params.dummy_wgrads_bytes,
                   "16-bit, one a linear's weight shape, kept by TE (get_dummy_wgrad)"),)
+    if params.fp8_bytes:
+        rows += (("FP8 weight state", params.fp8_bytes,
+                  "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")

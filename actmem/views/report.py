@@ -42,6 +42,7 @@ def records(est: Estimate, codes=None) -> dict:
                        "gradients_bytes": est.parameters.gradients_bytes,
                        "optimizer_bytes": est.parameters.optimizer_bytes,
                        "dummy_wgrads_bytes": est.parameters.dummy_wgrads_bytes,
+                       "fp8_bytes": est.parameters.fp8_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
         "peak_floor": _floor(est.peak),
@@ -118,7 +119,7 @@ def frames(est: Estimate, codes=None) -> dict:
     memory = [{"item": item, "bytes": n_bytes} for item, n_bytes in (
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
-        ("dummy_wgrads", params["dummy_wgrads_bytes"]),
+        ("dummy_wgrads", params["dummy_wgrads_bytes"]), ("fp8_weight_state", params["fp8_bytes"]),
         ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]))]
@@ -170,7 +171,7 @@ def to_markdown(est: Estimate, codes=None) -> str:
 PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage_layers", "m", "b", "d", "n", "ep", "etp",
                 "sequence_parallel", "recompute", "recompute_layers", "distributed_optimizer", "activations_bytes",
                 "weights_bytes",
-                "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "transient_bytes", "total_bytes",
+                "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes", "total_bytes",
                 "first_peak_bytes", "middle_peak_bytes", "last_peak_bytes", "peak_bytes", "peak_stage", "fits",
                 "compute_s", "tensor_parallel_s", "context_parallel_s", "expert_parallel_s", "pipeline_p2p_s", "bubble",
                 "data_parallel_s", "iteration_s", "mfu"]

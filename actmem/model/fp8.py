@@ -1,0 +1,110 @@
+"""FP8 training as Megatron-Core 0.16.1 runs it through Transformer Engine (--fp8-format), read at TE v2.11
+(the releases megatron-core 0.16.1 takes are 2.9 to 2.11; the lines below are the same in all three).
+
+FP8 changes only what TE's linears keep, the GEMMs' inputs (actmem.memory.terms: qkv_input, fc1_input,
+fc2_input, and under delayed scaling projection_input_fp8), and the weights' FP8 copies TE caches for the
+microbatches of an iteration (model state). Everything else stays 16-bit: the norms' inputs, the attention
+core's q, k, v, output and statistics (FP8 attention is off by default), the activation's input.
+
+- QKV's and fc1's LayerNormLinear save the norm's output quantized, one byte an element, the local shard
+  under sequence parallelism (layernorm_linear.py: ln_out, rowwise under SP, its transpose without; the
+  same bytes), with its fp32 scale_inv [1];
+- proj's and fc2's Linear quantize their input rowwise and columnwise and keep the columnwise copy alone,
+  one byte an element (linear.py: update_usage(rowwise_usage=False); on Hopper the transpose), with its
+  scale_inv; Megatron hands proj save_original_input under every recipe but delayed (attention.py, TE >= 2.6),
+  so there proj keeps the 16-bit output of the attention core, already kept, and nothing more;
+- the weights: TE quantizes each linear's weight on an iteration's first microbatch into a workspace it keeps
+  (base.py, get_weight_workspace, cache_name "weight"): rowwise data and, on Hopper, its transpose (the FP8
+  GEMM there is TN only: utils.py, is_non_tn_fp8_gemm_supported), one byte an element each.
+
+- the scaling state: delayed scaling keeps, a module, fp32 scales and an amax history of
+  --fp8-amax-history-len rows for its 3 forward (input, weight, output) and 2 backward (grad output, grad
+  input) quantizers (quantization.py, DelayedScalingRecipeState; base.py, init_fp8_metadata: num_gemms 1),
+  and each FP8 weight its fp32 scale_inv [1].
+- --fp8-param-gather (fp8_model_init): the weights are FP8 themselves, one byte in DDP's uint8 buffer
+  (param_and_grad_buffer.py), all-gathered in place; on Hopper each keeps its transpose beside it, rewritten
+  after each gather (fp8_utils.py: post_all_gather_processing), and TE builds no workspace (base.py,
+  get_weight_workspace returns the parameter). Megatron needs the distributed optimizer for it.
+
+Modelled: the delayed and tensorwise (current) scaling recipes, on Hopper and Blackwell, with and without
+--fp8-param-gather. Refused with the reason: mxfp8 and blockwise (their block scales), FP8 beside experts or
+latent attention, and any code but Megatron-Core with TE.
+"""
+
+from actmem.errors import SpecError
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("delayed", "tensorwise")
+#: Megatron's other recipes, and why actmem does not price them yet
+_NOT_MODELLED = {
+    "mxfp8": "MXFP8 keeps each quantized input with E8M0 scales a 32 elements, padded (quantizer.cpp), and runs "
+             "on Blackwell only: read, not priced yet",
+    "blockwise": "blockwise FP8 keeps fp32 scales a 128 elements (1x128 activations, 128x128 weights): read, not "
+                 "priced yet",
+    "custom": "a custom recipe's quantizers are the user's own",
+}
+#: a GPU generation's FP8 weight copies: bytes a weight element TE caches (rowwise, and Hopper's transpose)
+WEIGHT_COPY_BYTES = {"hopper": 2, "blackwell": 1}
+#: ... under --fp8-param-gather, beside the FP8 parameter itself: Hopper's transpose alone
+PARAM_GATHER_COPY_BYTES = {"hopper": 1, "blackwell": 0}
+#: TE modules of a dense layer whose weights are FP8: QKV's and fc1's LayerNormLinear, proj's and fc2's Linear
+MODULES_A_LAYER = 4
+FORWARD_QUANTIZERS, BACKWARD_QUANTIZERS = 3, 2
+SCALE_INV_BYTES = 4
+"""Each quantized tensor's fp32 scale_inv, [1] (quantizer.cpp: Float8Quantizer, Float8CurrentScalingQuantizer)."""
+
+
+def check_fp8(arch) -> None:
+    """Refuse an FP8 setting actmem does not model, with why."""
+    if arch.fp8_format is None and (arch.fp8_param_gather or arch.fp8_amax_history_len != 1):
+        raise SpecError("--fp8-param-gather and --fp8-amax-history-len shape FP8 training: give --fp8-format")
+    if isinstance(arch.fp8_amax_history_len, bool) or not isinstance(arch.fp8_amax_history_len, int) \
+            or arch.fp8_amax_history_len < 1:
+        raise SpecError(f"--fp8-amax-history-len must be a whole number >= 1, got {arch.fp8_amax_history_len!r}")
+    if arch.fp8_recipe is not None and arch.fp8_format is None:
+        raise SpecError(f"--fp8-recipe {arch.fp8_recipe} chooses FP8's scaling; Megatron reads it only with "
+                        "--fp8-format (e4m3 or hybrid), which turns FP8 on: give it")
+    if arch.fp8_format is None:
+        return
+    if arch.fp8_format not in FORMATS:
+        raise SpecError(f"fp8_format must be e4m3 or hybrid; got {arch.fp8_format!r}")
+    recipe = arch.fp8
+    if recipe in _NOT_MODELLED:
+        raise SpecError(f"--fp8-recipe {recipe}: {_NOT_MODELLED[recipe]}; give delayed or tensorwise")
+    if recipe not in RECIPES:
+        raise SpecError(f"--fp8-recipe must be delayed, tensorwise, mxfp8, blockwise or custom; got {recipe!r}")
+    if "fp8" not in arch.code.has or arch.attention_core == "eager":
+        raise SpecError("FP8 runs in Transformer Engine's linears: modelled for Megatron-Core with TE's layer spec "
+                        f"(--attention-core flash or flash-attn), not {arch.implementation}'s "
+                        f"{arch.attention_core} core")
+    if arch.fp8_amax_history_len != 1 and recipe != "delayed":
+        raise SpecError(f"--fp8-amax-history-len {arch.fp8_amax_history_len} sizes delayed scaling's amax history; "
+                        f"the {recipe} recipe keeps none")
+    if arch.moe or arch.multi_latent_attention or arch.mtp_layers:
+        raise SpecError("FP8 beside experts, multi-latent attention or multi-token prediction: TE's grouped and "
+                        "latent linears quantize other tensors, not priced yet")
+
+
+def weight_copy_bytes(arch, generation) -> int:
+    """Bytes TE keeps a weight element beside the 16-bit weight (or, under --fp8-param-gather, beside the FP8
+    weight that replaces it): its cached FP8 workspace, or Hopper's transpose; 0 without FP8."""
+    if not arch.fp8:
+        return 0
+    return (PARAM_GATHER_COPY_BYTES if arch.fp8_param_gather else WEIGHT_COPY_BYTES)[generation]
+
+
+def module_state_bytes(arch) -> int:
+    """Fixed bytes a TE module keeps for FP8: its weight's scale_inv, and under delayed scaling its
+    quantizers' scales and amax history ([history, n] fp32 forward and backward)."""
+    if not arch.fp8:
+        return 0
+    history = arch.fp8_amax_history_len if arch.fp8 == "delayed" else 0
+    quantizers = FORWARD_QUANTIZERS + BACKWARD_QUANTIZERS
+    return SCALE_INV_BYTES + (SCALE_INV_BYTES * quantizers * (history + 1) if history else 0)
+
+
+def check_gpu(recipe, generation, gpu_name: str) -> None:
+    """FP8 needs FP8 tensor cores: Hopper or Blackwell (TE raises on older GPUs)."""
+    if recipe is not None and generation not in WEIGHT_COPY_BYTES:
+        raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {gpu_name} has none that "
+                        "actmem has read Transformer Engine for")

@@ -1,0 +1,123 @@
+"""FP8 training through Transformer Engine (issue 29, its first step): what TE 2.11's linears keep under the
+delayed and tensorwise recipes, and the FP8 weight state (actmem/model/fp8.py has the source lines). Numbers
+by hand, Llama 3 8B at s = 8192, b = 1, t = 1: h = 4096, a = 32, g = 8, d = 128, f = 14,336, L = 32.
+
+A layer's 16-bit rows (tp, no recompute): the two norms' inputs 2sh = 67,108,864 each, their rsigma 4s =
+32,768 each, the QKV input 67,108,864, q 67,108,864, k and v 2s·gd = 16,777,216 each, the softmax
+statistics 4·s·a = 1,048,576, the projection's input 67,108,864, fc1's input 67,108,864, SwiGLU's input
+2s·2f = 469,762,048 and fc2's input 2sf = 234,881,024: 5 x 67,108,864 + 67,108,864 + 2 x 32,768 + 2 x
+16,777,216 + 1,048,576 + 469,762,048 + 234,881,024 = 1,141,964,800 B.
+Under FP8 the QKV's and fc1's inputs (the norms' outputs) become sh + 4 = 33,554,436 (one byte an element and a
+4-byte fp32 scale_inv), fc2's s·f + 4 = 117,440,516; under delayed scaling the projection keeps its input
+quantized too, 33,554,436 more; the rest stays 16-bit.
+"""
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+from tests.test_megatron_examples import EXAMPLES
+
+LLAMA = ("--model", "llama-3.1-8b", "--gpu", "h100")
+BF16_LAYER = 1_141_964_800
+FP8_DELTA = -2 * (67_108_864 - 33_554_436) - (234_881_024 - 117_440_516)        # QKV's, fc1's, fc2's inputs
+
+
+def _layer(out) -> dict:
+    return {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+
+
+@pytest.mark.parametrize("recipe, extra", [("delayed", 33_554_436), ("tensorwise", 0)])
+def test_a_layer_keeps_its_gemm_inputs_in_one_byte(actmem, recipe, extra):
+    """delayed: 1,141,964,800 - 2·33,554,428 - 117,440,508 + 33,554,436 = 990,969,872 B a layer (0.87 of bf16);
+    tensorwise, whose projection keeps the 16-bit input alone (Megatron's save_original_input): 957,415,436."""
+    assert sum(_layer(actmem.json("estimate", *LLAMA)).values()) == BF16_LAYER
+    layer = _layer(actmem.json("estimate", *LLAMA, "--fp8-format", "hybrid", "--fp8-recipe", recipe))
+    assert (layer["qkv_input"], layer["fc1_input"], layer["fc2_input"]) == (33_554_436, 33_554_436, 117_440_516)
+    assert layer.get("projection_input_fp8", 0) == extra and layer["swiglu_input"] == 469_762_048
+    assert sum(layer.values()) == BF16_LAYER + FP8_DELTA + extra
+    assert BF16_LAYER + FP8_DELTA + 33_554_436 == 990_969_872 and BF16_LAYER + FP8_DELTA == 957_415_436
+
+
+def test_the_weight_state_on_hopper_and_blackwell(actmem):
+    """A layer's TE linear weights: QKV 4096·6144 = 25,165,824, proj 4096² = 16,777,216, fc1 4096·28,672 =
+    117,440,512, fc2 14,336·4096 = 58,720,256: 218,103,808, 6,979,321,856 over 32 layers. Delayed scaling at
+    --fp8-amax-history-len 1024 keeps a module (4 a layer) 4 B of weight scale_inv and fp32 scales and amax
+    history of 3 forward and 2 backward quantizers, 4·5·(1024 + 1) = 20,500: 20,504, so 128 modules 2,624,512.
+    On Hopper TE caches each weight in FP8 and its transpose, 2 B an element: 13,958,643,712 + 2,624,512 =
+    13,961,268,224; on Blackwell no transpose, 1 B: 6,979,321,856 + 2,624,512 = 6,981,946,368. Tensorwise keeps
+    no history: 128 x 4 = 512 beside the copies."""
+    fp8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024")
+    hopper = actmem.json("estimate", *LLAMA, *fp8)["parameters"]
+    blackwell = actmem.json("estimate", "--model", "llama-3.1-8b", "--gpu", "b200", *fp8)["parameters"]
+    tensorwise = actmem.json("estimate", *LLAMA, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise")["parameters"]
+    assert (hopper["fp8_bytes"], blackwell["fp8_bytes"]) == (13_961_268_224, 6_981_946_368)
+    assert tensorwise["fp8_bytes"] == 13_958_643_712 + 512
+    assert hopper["weights_bytes"] == 2 * hopper["count"]
+
+
+def test_fp8_param_gather_makes_the_weights_one_byte(actmem):
+    """--fp8-param-gather: the linears' weights are FP8 in DDP's uint8 buffer, 1 B an element: the weights
+    8,030,261,248·2 - 6,979,321,856 = 9,081,200,640 B; on Hopper each keeps its transpose (1 B), and TE builds no
+    workspace: 6,979,321,856 + 2,624,512 = 6,981,946,368. It needs the distributed optimizer."""
+    fp8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-param-gather")
+    assert_one_line_error(actmem("estimate", *LLAMA, *fp8), "--fp8-param-gather needs the distributed optimizer")
+    out = actmem.json("estimate", *LLAMA, *fp8, "--distributed-optimizer", "--gpus", "8", "--global-batch", "8")
+    assert out["parameters"]["weights_bytes"] == 9_081_200_640
+    assert out["parameters"]["fp8_bytes"] == 6_981_946_368
+
+
+def test_megatrons_llama3_fp8_example_is_priced_from_the_script_as_it_is(actmem):
+    """examples/llama/train_llama3_8b_h100_fp8.sh (DTYPE fp8: --fp8-format hybrid, --fp8-amax-history-len 1024,
+    --fp8-amax-compute-algo max, --fp8-param-gather, the distributed optimizer over its 8 GPUs) on an H100:
+    its layer the delayed one above (990,969,872 B), its FP8 state 6,981,946,368 B (param gather, Hopper);
+    on the script's default GPU, an A100 (the paper's), FP8 is refused."""
+    script = f"@{EXAMPLES / 'train_llama3_8b_h100_fp8.sh'}"
+    assert_one_line_error(actmem("estimate", "--megatron-args", script), "FP8 needs a GPU with FP8 tensor cores")
+    out = actmem.json("estimate", "--megatron-args", script, "--gpu", "h100")
+    assert sum(_layer(out).values()) == 990_969_872
+    assert out["parameters"]["fp8_bytes"] == 6_981_946_368
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--fp8-recipe", "tensorwise"), "--fp8-recipe tensorwise chooses FP8's scaling; Megatron reads it only with "
+                                     "--fp8-format"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"), "MXFP8 keeps each quantized input with E8M0 scales"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise"), "blockwise FP8 keeps fp32 scales a 128 elements"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"),
+     "the tensorwise recipe keeps none"),
+    (("--fp8-param-gather",), "give --fp8-format"),
+    (("--fp8-format", "hybrid", "--attention-core", "eager", "--position-embedding", "learned"),
+     "FP8 runs in Transformer Engine's linears"),
+])
+def test_fp8_settings_actmem_does_not_model_or_megatron_ignores_are_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *LLAMA, *args), fragment)
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused(actmem):
+    assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--gpu", "a100", "--fp8-format", "hybrid"),
+                          "FP8 needs a GPU with FP8 tensor cores")
+
+
+def test_every_sampled_plan_row_is_the_estimate_s_verdict_under_fp8():
+    """The sweep's peak of a row equals the exact estimate's of the same run under delayed FP8 with
+    --fp8-param-gather on H100s (its weight state and 1-byte inputs evaluated twice: one stage model)."""
+    from actmem.memory.estimate import estimate
+    from actmem.model.architecture import Architecture
+    from actmem.model.hardware import GPUS
+    from actmem.model.spec import Model, build_spec
+    from actmem.planner.explain import parse_config
+    from actmem.planner.plan import PlanRequest, config_label, plan
+    from actmem.sources.presets import load_preset
+
+    llama = load_preset("llama-3.1-8b")
+    fp8 = {"fp8_format": "hybrid", "fp8_amax_history_len": 1024, "fp8_param_gather": True}
+    req = PlanRequest(model=Model(**llama.model), gpus=64, global_batch=128, gpu=GPUS["h100"],
+                      gpu_memory_bytes=GPUS["h100"].memory_bytes, max_micro_batch=2,
+                      architecture=Architecture(**llama.architecture | fp8))
+    evaluated = plan(req).evaluated
+    assert evaluated.distributed_optimizer.all()          # --fp8-param-gather needs it: a rule of the sweep too
+    for row in evaluated.sample(12, random_state=5).itertuples():
+        run = parse_config(config_label(row), layers=32) | {"gpus": 64, "global_batch": 128}
+        spec = build_spec(llama.model, run, architecture=llama.architecture | fp8, gpu_name=GPUS["h100"].name,
+                          gpu_fp8="hopper")
+        assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from actmem_validate.context import context_parallel_attention
 from actmem_validate.fused import Norm, rotary_frequencies, rotate, scaled_causal_softmax, swiglu
-from actmem_validate.layers import ColumnParallelLinear, Dropout, RowParallelLinear, init_scaled, linear
+from actmem_validate.layers import ColumnParallelLinear, Dropout, Fp8Save, RowParallelLinear, init_scaled, linear
 from actmem_validate.ledger import label, name_of, name_saved_output, scope
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
@@ -52,6 +52,16 @@ class LayerSpec:
     position_rows: int | None = None      # rows of the learned table (--max-position-embeddings); None: s
     rotary_percent: float = 1.0           # the share of d rope rotates (--rotary-percent)
     wgrad_fusion: bool = True             # False: 16-bit weight gradients (--no-gradient-accumulation-fusion)
+    fp8: str | None = None                # TE's FP8 recipe (delayed, tensorwise): its linears' saves (Fp8Save)
+    fp8_history: int = 1                  # delayed scaling's amax history rows
+    fp8_generation: str | None = None     # the GPU's FP8 generation: hopper keeps weight transposes
+
+    def fp8_save(self, term: str) -> Fp8Save | None:
+        """What TE's FP8 linear keeps of its input, named ``term`` (actmem.model.fp8): the projection's quantized
+        copy only under delayed scaling, beside its 16-bit input (Megatron's save_original_input elsewhere)."""
+        if self.fp8 is None or (term == "projection_input_fp8" and self.fp8 != "delayed"):
+            return None
+        return Fp8Save(term, beside=term == "projection_input_fp8")
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":
@@ -72,7 +82,8 @@ class LayerSpec:
                    arch.head_dim, arch.attention_core, arch.position_embedding, arch.rope_fusion,
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32,
-                   arch.position_rows, arch.rotary_percent, arch.gradient_accumulation_fusion)
+                   arch.position_rows, arch.rotary_percent, arch.gradient_accumulation_fusion, arch.fp8,
+                   arch.fp8_amax_history_len, spec.gpu_fp8)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -224,8 +235,9 @@ class SelfAttention(nn.Module):
         kw = dict(dtype=spec.dtype, device=spec.device)
         width = (spec.heads + 2 * spec.groups) * spec.dim
         qkv_bias = spec.bias if spec.qkv_bias is None else spec.qkv_bias
-        self.qkv = ColumnParallelLinear(spec.hidden, width, tp, bias=qkv_bias, **kw)
-        self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias, **kw)
+        self.qkv = ColumnParallelLinear(spec.hidden, width, tp, bias=qkv_bias, fp8=spec.fp8_save("qkv_input"), **kw)
+        self.projection = RowParallelLinear(spec.heads * spec.dim, spec.hidden, tp, bias=spec.bias,
+                                            fp8=spec.fp8_save("projection_input_fp8"), **kw)
         init_scaled(self.projection, spec.layers)
         self.dropout = Dropout(spec.attention_dropout, "softmax_dropout_mask")
         self.softmax = LocalSoftmax(self.heads, spec.softmax_fusion, spec.softmax_in_fp32)
@@ -335,8 +347,9 @@ class MLP(nn.Module):
         self.gated = spec.activation == "swiglu"
         self.squared = spec.activation == "squared_relu"
         f = spec.ffn_hidden
-        self.fc1 = ColumnParallelLinear(spec.hidden, (2 if self.gated else 1) * f, tp, bias=spec.bias, **kw)
-        self.fc2 = RowParallelLinear(f, spec.hidden, tp, bias=spec.bias, **kw)
+        self.fc1 = ColumnParallelLinear(spec.hidden, (2 if self.gated else 1) * f, tp, bias=spec.bias,
+                                        fp8=spec.fp8_save("fc1_input"), **kw)
+        self.fc2 = RowParallelLinear(f, spec.hidden, tp, bias=spec.bias, fp8=spec.fp8_save("fc2_input"), **kw)
         init_scaled(self.fc2, spec.layers)
 
     def forward(self, x):
@@ -522,6 +535,12 @@ class OutputHead(nn.Module):
         with scope("cross_entropy_targets"):
             losses = _VocabParallelCrossEntropy.apply(logits, targets.t(), self.embedding.vocab_start, self.tp)
         return losses.mean()
+
+
+def fp8_weights(stage: nn.Module) -> list:
+    """The weights TE quantizes under FP8: the layers' column- and row-parallel linears' (not the output
+    layer's, Megatron's own ColumnParallelLinear, nor the embedding)."""
+    return [m.weight for m in stage.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
 def fused_wgrad_weights(stage: nn.Module) -> list:

@@ -97,7 +97,8 @@ UNFUSED, FP32_SOFTMAX = dict(masked_softmax_fusion=False), dict(softmax_in_fp32=
 
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
-               b: int = 2, modules: tuple | None = None, seq_len: int = 32, **architecture) -> Spec:
+               b: int = 2, modules: tuple | None = None, seq_len: int = 32, gpu_fp8: str | None = None,
+               **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; modules: what selective recompute
     recomputes (--recompute-modules); the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=seq_len, layers=layers)
@@ -106,8 +107,20 @@ def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1
                recompute_layers=recompute[1], recompute_modules=modules,
                recompute="full" if recompute[0] else "selective" if modules else "none")
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
+    gpu = {"gpu_fp8": gpu_fp8, "gpu_name": f"a {gpu_fp8} GPU"} if gpu_fp8 else {}
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
-                      architecture=architecture)
+                      architecture=architecture, **gpu)
+
+
+def fp8_configs() -> list[Config]:
+    """FLASH's layer under TE's FP8 recipes on a Hopper (actmem.model.fp8; the harness keeps what TE's linears
+    and weight workspaces keep, in float8_e4m3fn on a CPU)."""
+    configs = []
+    for recipe, t, technique in (("delayed", 1, "none"), ("delayed", 2, "tp-sp"), ("tensorwise", 2, "tp-sp-sel")):
+        configs += configs_for(small_spec(2, t, name=f"small-flash-fp8-{recipe}", gpu_fp8="hopper", fp8_format="hybrid",
+                                          fp8_recipe=recipe, fp8_amax_history_len=16 if recipe == "delayed" else 1,
+                                          **FLASH), [technique], 1)
+    return configs
 
 
 def fallback_softmax_configs() -> list[Config]:
@@ -245,6 +258,10 @@ def small_grid() -> list[Config]:
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
+    # FP8 (TE's linears over a CPU stand-in: layers.Fp8Save, make_fp8_state) on a Hopper: delayed scaling (16 rows
+    # of amax history) at t = 1 and with SP at t = 2, the projection's quantized copy beside its input;
+    # tensorwise with the attention core recomputed at t = 2
+    configs += fp8_configs()
     # Nemotron's MLP (--squared-relu): relu(x)² on FLASH's layer, without and with the MLP recomputed
     squared = FLASH | dict(activation="squared_relu")
     configs += configs_for(small_spec(2, 2, name="small-flash-squared-relu", **squared), ["tp-sp"], 1)

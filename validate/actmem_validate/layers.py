@@ -4,6 +4,7 @@ Shapes: activations are [s, b, h] (or [s/t, b, h] in the sequence-parallel regio
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,9 +32,13 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     not (it did until a GPU's allocator trace showed one live at 530B's peak, 400 MiB)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp, gather):
-        ctx.tp, ctx.gather, ctx.has_bias = tp, gather, bias is not None
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, tp, gather, fp8=None):
+        ctx.tp, ctx.gather, ctx.has_bias, ctx.fp8 = tp, gather, bias is not None, fp8
+        if fp8 is None:
+            ctx.save_for_backward(x, weight)
+        else:
+            quantized, scale_inv = fp8_copy(x, fp8)
+            ctx.save_for_backward(*((x,) if fp8.beside else ()), quantized, scale_inv, weight)
         ctx.parameter = weight         # saved_tensors hands back a new tensor, without main_grad
         total = all_gather(x, tp) if gather else x         # (s, b, h): a transient
         out = total @ weight.t()
@@ -41,7 +46,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight = _saved_input(ctx)
         total = all_gather(x, ctx.tp) if ctx.gather else x  # re-gathered, not stored
         if getattr(ctx.parameter, "unfused_wgrad", False):
             return _unfused_backward(ctx, grad, weight, total)
@@ -52,7 +57,33 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         if grad_weight is None:                # accumulated into main_grad: hand autograd the dummy
             grad_weight = dummy_wgrad(ctx.parameter)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+@dataclass(frozen=True)
+class Fp8Save:
+    """Transformer Engine's FP8 linear's save (TE 2.11; actmem.model.fp8), stood in for on a CPU: the input
+    quantized, one byte an element (float8_e4m3fn here; rowwise, or on Hopper its transpose: the same bytes),
+    named ``term``, with its fp32 scale_inv [1]; ``beside``: the 16-bit input kept too (delayed scaling's
+    projection). TE's FP8 GEMMs need a GPU; this keeps what TE's keeps and runs its arithmetic in 16 bits."""
+
+    term: str
+    beside: bool = False
+
+
+def fp8_copy(x, fp8: Fp8Save):
+    """(the quantized copy, its scale_inv), both named after ``fp8.term``."""
+    quantized = label(x.detach().to(torch.float8_e4m3fn), fp8.term)
+    return quantized, label(torch.ones(1, dtype=torch.float32, device=x.device), fp8.term)
+
+
+def _saved_input(ctx):
+    """(the input in 16 bits, the weight) from what the forward saved: the input, or its FP8 copy."""
+    saved = ctx.saved_tensors
+    if ctx.fp8 is None:
+        return saved
+    quantized, scale_inv, weight = saved[-3:]
+    return (quantized.to(weight.dtype) * scale_inv.to(weight.dtype)), weight
 
 
 def _unfused_backward(ctx, grad, weight, total):
@@ -66,7 +97,7 @@ def _unfused_backward(ctx, grad, weight, total):
     grad_weight = grad.flatten(0, -2).t() @ total.flatten(0, -2)
     del full
     grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-    return grad_input, grad_weight, grad_bias, None, None
+    return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def accumulate_weight_gradient(weight, grad_2d, input_2d):
@@ -133,6 +164,27 @@ def _add_to_main_grad(param: torch.Tensor) -> None:
 
 
 _DUMMY_WGRADS: dict = {}
+_FP8_STATE: list = []
+
+
+def make_fp8_state(weights, recipe: str | None, generation: str | None, history: int) -> None:
+    """TE's FP8 weight state (actmem.model.fp8), made by an iteration's first microbatch and kept: each
+    weight quantized into its workspace (base.py, get_weight_workspace), one byte an element, and on Hopper
+    its transpose; its fp32 scale_inv [1]; under delayed scaling each module's fp32 scales and amax history,
+    [history, 3] forward and [history, 2] backward (quantization.py, DelayedScalingRecipeState). None: clear."""
+    _FP8_STATE.clear()
+    if recipe is None:
+        return
+    for weight in weights:
+        kw = dict(device=weight.device)
+        _FP8_STATE.append(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, **kw))
+        if generation == "hopper":
+            _FP8_STATE.append(torch.empty(tuple(reversed(weight.shape)), dtype=torch.float8_e4m3fn, **kw))
+        _FP8_STATE.append(torch.ones(1, dtype=torch.float32, **kw))
+        if recipe == "delayed":
+            for quantizers in (3, 2):
+                _FP8_STATE.extend((torch.ones(quantizers, dtype=torch.float32, **kw),
+                                   torch.zeros(history, quantizers, dtype=torch.float32, **kw)))
 
 
 def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -161,17 +213,18 @@ def make_dummy_wgrads(weights) -> None:
 
 
 
-def linear(x, weight, bias, tp: TensorParallel, gather: bool = False):
-    """The one linear of the harness (see _LinearWithGradAccumulation)."""
-    return _LinearWithGradAccumulation.apply(x, weight, bias, tp, gather)
+def linear(x, weight, bias, tp: TensorParallel, gather: bool = False, fp8: Fp8Save | None = None):
+    """The one linear of the harness (see _LinearWithGradAccumulation); ``fp8``: TE's FP8 save."""
+    return _LinearWithGradAccumulation.apply(x, weight, bias, tp, gather, fp8)
 
 
 class ColumnParallelLinear(nn.Module):
     """Weight split along its output dim; the input is replicated (TP) or sequence-split (SP)."""
 
-    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, dtype=None, device=None):
+    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, dtype=None, device=None,
+                 fp8: Fp8Save | None = None):
         super().__init__()
-        self.tp = tp
+        self.tp, self.fp8 = tp, fp8
         kw = dict(dtype=dtype, device=device)
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features, **kw))
         self.bias = nn.Parameter(torch.zeros(out_features // tp.size, **kw)) if bias else None
@@ -179,9 +232,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.tp.sequence_parallel and self.tp.size > 1:
-            return linear(x, self.weight, self.bias, self.tp, gather=True)
+            return linear(x, self.weight, self.bias, self.tp, gather=True, fp8=self.fp8)
         x = copy_to_tensor_parallel_region(x, self.tp)
-        return linear(x, self.weight, self.bias, self.tp)        # saves x: 2sbh
+        return linear(x, self.weight, self.bias, self.tp, fp8=self.fp8)        # saves x: 2sbh
 
 
 class RowParallelLinear(nn.Module):
@@ -189,9 +242,10 @@ class RowParallelLinear(nn.Module):
     reduce-scatter into the sequence-parallel region under SP. The bias is replicated and
     added after the reduction."""
 
-    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, dtype=None, device=None):
+    def __init__(self, in_features, out_features, tp: TensorParallel, bias=True, dtype=None, device=None,
+                 fp8: Fp8Save | None = None):
         super().__init__()
-        self.tp = tp
+        self.tp, self.fp8 = tp, fp8
         kw = dict(dtype=dtype, device=device)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size, **kw))
         self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
@@ -200,7 +254,7 @@ class RowParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x):
-        partial = linear(x, self.weight, None, self.tp)            # saves x: 2sbh/t
+        partial = linear(x, self.weight, None, self.tp, fp8=self.fp8)            # saves x: 2sbh/t
         if self.tp.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:

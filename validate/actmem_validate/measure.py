@@ -12,8 +12,8 @@ from actmem.memory.stages import split_of
 from actmem.memory.techniques import Technique, matching, unnamed_run
 from actmem.model.recompute import Recompute
 from actmem_validate.compare import compare
-from actmem_validate.gpt import LayerSpec, fused_wgrad_weights
-from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads
+from actmem_validate.gpt import LayerSpec, fp8_weights, fused_wgrad_weights
+from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads, make_fp8_state
 from actmem_validate.context import tensor_and_context_groups
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
@@ -97,9 +97,11 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
             with _PeakMemory(stage, device) as peak:
                 attach_main_grads(stage)                  # fp32, allocated before the step (counted)
                 make_dummy_wgrads(fused if layer_spec.wgrad_fusion else [])   # TE's cache, made by the first step
+                make_fp8_state(fp8_weights(stage), layer_spec.fp8, layer_spec.fp8_generation, layer_spec.fp8_history)
                 result = schedule(peak.current)
         finally:
             make_dummy_wgrads([])                 # they go with the stage
+            make_fp8_state([], None, None, 1)
     mask_bytes = native_dropout_mask_bytes(device)       # a real probe, outside any fake mode
     return compare(config, estimate(spec), result, rank, peak.bytes, device, mask_bytes, kept_for_the_process)
 

@@ -1,0 +1,46 @@
+"""FP8 (issue 29) in the harness: TE's FP8 linears and weight workspaces over a CPU stand-in (layers.Fp8Save,
+make_fp8_state) keeping what TE 2.11's keep, measured against actmem's FP8 rows; each row can fail both ways."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from actmem_validate.compare import judge  # noqa: E402
+from actmem_validate.grid import fp8_configs  # noqa: E402
+from actmem_validate.launch import run_real  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fp8_rows():
+    return run_real(fp8_configs())
+
+
+def test_every_fp8_row_is_measured_to_the_byte(fp8_rows):
+    """Delayed at t = 1 and with SP at t = 2, tensorwise with the core recomputed: every term 0 B off, the peak
+    within the gate. Two layers of h = 64, s = 32, b = 2, f = 96 (SwiGLU): at t = 1 a layer's QKV and fc1 inputs
+    s·b·h + 4 = 4100 (one byte an element, a 4-byte scale_inv), fc2's s·b·f + 4 = 6148, the projection's
+    quantized copy 4100 beside its 16-bit 8192; at t = 2 with SP the shards, 2048 + 4 and 3072 + 4; tensorwise
+    keeps no projection copy."""
+    assert judge(fp8_rows, 0.0) == []
+    got = {(row["config"], row["rank"], row["term"]): row["measured_bytes"] for row in fp8_rows}
+
+    def measured(name, t, term):
+        return next(n for (config, rank, row_term), n in got.items()
+                    if config.startswith(f"{name} t={t} ") and rank == 0 and row_term == term)
+
+    assert (measured("small-flash-fp8-delayed", 1, "fc2_input"), measured("small-flash-fp8-delayed", 1, "qkv_input"),
+            measured("small-flash-fp8-delayed", 1, "projection_input_fp8")) == (2 * 6148, 2 * 4100, 2 * 4100)
+    assert (measured("small-flash-fp8-delayed", 2, "fc2_input"), measured("small-flash-fp8-delayed", 2, "fc1_input")) \
+        == (2 * 3076, 2 * 2052)
+    assert not [n for (config, _, term), n in got.items()
+                if config.startswith("small-flash-fp8-tensorwise") and term == "projection_input_fp8" and n]
+
+
+@pytest.mark.parametrize("term, wrong", [("fc2_input", 2), ("projection_input_fp8", 0), ("qkv_input", 0.5)])
+def test_the_gate_fails_an_fp8_row_counted_wrong(fp8_rows, term, wrong):
+    """Inject: the row counted 16-bit (x2), left out (x0), or without its scale (half): red."""
+    rows = [dict(row) for row in fp8_rows]
+    for row in rows:
+        if row["term"] == term and row["formula_bytes"]:
+            row["formula_bytes"] = int(row["formula_bytes"] * wrong)
+    assert judge(rows, 0.0)

@@ -45,13 +45,14 @@ def test_the_weight_state_on_hopper_and_blackwell(actmem):
     history of 3 forward and 2 backward quantizers, 4·5·(1024 + 1) = 20,500: 20,504, so 128 modules 2,624,512.
     On Hopper TE caches each weight in FP8 and its transpose, 2 B an element: 13,958,643,712 + 2,624,512 =
     13,961,268,224; on Blackwell no transpose, 1 B: 6,979,321,856 + 2,624,512 = 6,981,946,368. Tensorwise keeps
-    no history: 128 x 4 = 512 beside the copies."""
+    no history; each of a module's 5 quantizers keeps its own fp32 scale and amax, 4 + 5·8 = 44 B: 128 x 44 = 5632
+    beside the copies."""
     fp8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024")
     hopper = actmem.json("estimate", *LLAMA, *fp8)["parameters"]
     blackwell = actmem.json("estimate", "--model", "llama-3.1-8b", "--gpu", "b200", *fp8)["parameters"]
     tensorwise = actmem.json("estimate", *LLAMA, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise")["parameters"]
     assert (hopper["fp8_bytes"], blackwell["fp8_bytes"]) == (13_961_268_224, 6_981_946_368)
-    assert tensorwise["fp8_bytes"] == 13_958_643_712 + 512
+    assert tensorwise["fp8_bytes"] == 13_958_643_712 + 5632
     assert hopper["weights_bytes"] == 2 * hopper["count"]
 
 
@@ -121,3 +122,29 @@ def test_every_sampled_plan_row_is_the_estimate_s_verdict_under_fp8():
         spec = build_spec(llama.model, run, architecture=llama.architecture | fp8, gpu_name=GPUS["h100"].name,
                           gpu_fp8="hopper")
         assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
+
+
+def test_under_delayed_scaling_the_projection_keeps_no_16_bit_input(actmem):
+    """TE refuses save_original_input under delayed scaling: the projection keeps its quantized copy alone, so the
+    16-bit input is the core's own output, which the core's checkpoint does not keep (selective core_attn):
+    the row goes (67,108,864 B a layer), the quantized copy stays (33,554,436); tensorwise keeps the 16-bit input
+    (its save_original_input) and no copy. flash-attn hands the projection a copy at b > 1, which nothing keeps
+    under delayed scaling: b = 2 keeps its own bshd output (flash_output, 2·s·b·ad = 2·8192·2·4096 = 134,217,728 B)
+    and the quantized copy alone (s·b·ad + 4 = 67,108,868)."""
+    sel = ("--recompute", "selective")
+    delayed = _layer(actmem.json("estimate", *LLAMA, *sel, "--fp8-format", "hybrid"))
+    tensorwise = _layer(actmem.json("estimate", *LLAMA, *sel, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"))
+    assert "projection_input" not in delayed and delayed["projection_input_fp8"] == 33_554_436
+    assert tensorwise["projection_input"] == 67_108_864 and "projection_input_fp8" not in tensorwise
+    attn = _layer(actmem.json("estimate", *LLAMA, "--attention-core", "flash-attn", "--micro-batch", "2",
+                              "--fp8-format", "hybrid"))
+    assert "projection_input" not in attn and attn["flash_output"] == 134_217_728
+    assert attn["projection_input_fp8"] == 67_108_868
+
+
+def test_plan_explains_an_fp8_configuration(actmem):
+    """--explain builds its spec on the plan's GPU (an H100 here), not the paper's A100."""
+    out = actmem("plan", *LLAMA, "--fp8-format", "hybrid", "--gpus", "8", "--global-batch", "64",
+                 "--explain", "t=8 p=1 b=1 sp none dopt")
+    assert out.exit_code == 0, out.output
+    assert "projection_input_fp8" in out.stdout

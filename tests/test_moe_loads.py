@@ -157,10 +157,27 @@ def test_the_expert_tensor_parallel_ranks_are_read_once(tmp_path):
     assert loads_for(read_loads(tmp_path), 8) == loads_for(read_loads(MEGATRON_LOGS), 8)
 
 
+def test_a_stage_of_dense_layers_writes_no_files_and_alike_ranks_stay_one_group(tmp_path):
+    """A pipeline stage whose layers are all dense (DeepSeek-V3's first) logs nothing: ranks 0-3 have no file, ranks
+    4-7 (the next stage's EP group of 4) are read. Ranks that log alike (a forced or padded routing) are not taken
+    for one ETP group of the whole world: 4 files alike at EP = 4 are one EP group, ETP = 1."""
+    from actmem.sources.expert_loads import loads_for
+
+    for rank in range(4, 8):
+        (tmp_path / f"rank{rank}.jsonl").write_text((Path(MEGATRON_LOGS) / f"rank{rank - 4}.jsonl").read_text())
+    assert loads_for(read_loads(tmp_path), 8) == loads_for(read_loads(MEGATRON_LOGS), 8)
+    alike = tmp_path / "alike"
+    alike.mkdir()
+    for rank in range(4):
+        (alike / f"rank{rank}.jsonl").write_text('{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[512, 512]]}\n')
+    assert loads_for(read_loads(alike), 8) == ((512,) * 8,)
+
+
 @pytest.mark.parametrize("files, experts, fragment", [
     ({"rank0.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2]]}'}, 8,
-     "1 rank files do not make whole expert-parallel groups of EP·ETP = 4·1"),
-    ({"rank1.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2]]}'}, 8, "rank files missing: rank0"),
+     "rank files missing from expert-parallel group 0 (EP·ETP = 4·1): rank1.jsonl, rank2.jsonl, rank3.jsonl"),
+    ({"rank1.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2]]}'}, 8,
+     "rank files missing from expert-parallel group 0 (EP·ETP = 4·1): rank0.jsonl"),
     ({"rank0.jsonl": '{"iter": 1, "layer": 0, "tpe": [[1, 2]]}'}, 8, "not a tokens-per-expert record"),
     ({"rank0.jsonl": '{"iter": 1, "block": "decoder", "layer": 0, "tpe": [[1, 2, 3]]}'}, 8,
      "each rank logs 3 experts' rows; with 8 experts each must log the same E/EP"),

@@ -570,8 +570,9 @@ def model_from_flags(flags: dict) -> ModelChoice:
     flags = resolve(flags, (PRESET,) + MODEL_FLAGS + (GPUS, GLOBAL_BATCH) + ARCHITECTURE_FLAGS + STATE_FLAGS
                     + (VOCAB_PADDING,))
     preset = load_preset(flags["preset"]) if flags["preset"] else None
-    if preset is not None:       # a preset file is checked whole, whatever the flags change
-        build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture)
+    if preset is not None:       # a preset file is checked whole, whatever the flags change, on its own GPU
+        build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture,
+                   **gpu_options({}, preset.gpu))
     name, model, run, architecture, _ = _preset_and_flags(flags, preset)
     _check_paste(pasted, model, architecture)
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing

@@ -271,6 +271,24 @@ def _moe_notes(spec: Spec) -> list:
     ]
 
 
+def _fp8_notes(spec) -> list:
+    """What FP8 is counted as (actmem.model.fp8), and what it leaves out."""
+    arch = spec.architecture
+    if not arch.fp8:
+        return []
+    history = arch.fp8_amax_history_len
+    return [f"FP8 ({arch.fp8_format}, {arch.fp8} scaling, {spec.gpu_fp8}): Transformer Engine 2.11's linears keep "
+            "the QKV's and fc1's inputs and fc2's in one byte with a 4-byte scale_inv"
+            + (", and the projection its input quantized alone" if arch.fp8 == "delayed" else "")
+            + "; the rest stays 16-bit; read off TE's source, checked in the harness against a CPU stand-in that "
+            "keeps the same, not TE's own kernels",
+            "FP8 not counted: the quantized gradients of the backward (its floor counts fc1's gathered input in one "
+            "byte)" + (f"; under a recompute that reruns TE's linears (full, or the mlp module), each rerun module's "
+                       f"stash of its forward scales and amax history, 4·3·({history} + 1) B a module a microbatch in "
+                       "flight, and the clone it keeps after (quantization.py: "
+                       "copy_forward_fp8_meta_tensors_for_recompute)" if arch.fp8 == "delayed" else "")]
+
+
 def _capacity_text(arch) -> str:
     if arch.moe_capacity_factor is None:
         return "dropless"
@@ -311,6 +329,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
            " (a dropout of 0 keeps no mask, and no attention dropout keeps no separate output)"),
         *_attention_notes(spec, rows),
         *_moe_notes(spec),
+        *_fp8_notes(spec),
         *_mtp_notes(spec),
         *_recompute_notes(spec),
         *_mask_notes(spec),

@@ -93,6 +93,8 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
 #: activation's rerun (moe_act, CheckpointWithoutOutput._recompute: random.py) copies what it made back into
 #: the freed fc2 input and keeps its own output too (ctx.outputs) until the checkpoint's backward: twice
 _RERUN_OUTPUT = {"core_attn": "projection_input", "moe_act": "experts_fc2_input"}
+#: the reruns whose output is kept twice at their end, where the output is itself a row the module dropped
+_RERUN_KEEPS_TWICE = frozenset({"moe_act"})
 
 
 @cache
@@ -109,12 +111,21 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
-        return sympy.Add(*(term_bytes(term, technique.whole(), arch) * (
-            (remakes(module, term.module_of(arch), technique.modules) and technique.drops(term, arch))
-            + (term.name == _RERUN_OUTPUT.get(module))) for term in layer_terms(arch)))
+        return sympy.Add(*(term_bytes(term, technique.whole(), arch) * _rerun_copies(term, technique, arch, module)
+                           for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)
+
+
+def _rerun_copies(term, technique, arch, module) -> int:
+    """How many copies of a row a selective rerun of ``module`` holds at its end: the rows it dropped, once; its
+    output, once more where no dropped row is it (core_attn's, which the projection kept), twice where
+    the rerun keeps its own beside the one it restores (moe_act: random.py, CheckpointWithoutOutput)."""
+    dropped = remakes(module, term.module_of(arch), technique.modules) and technique.drops(term, arch)
+    if term.name != _RERUN_OUTPUT.get(module):
+        return int(dropped)
+    return 2 if dropped and module in _RERUN_KEEPS_TWICE else 1
 
 
 @cache

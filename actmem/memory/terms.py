@@ -133,6 +133,18 @@ def _fp8_scale(arch) -> int:
     return SCALE_INV_BYTES if arch.fp8 else 0
 
 
+def _projection_input(arch):
+    """The projection's 16-bit input: under FP8 delayed scaling only where it is the core's own output (flash-attn
+    hands the projection a copy at b > 1, which nothing keeps then)."""
+    whole = _sb_attention(1)(arch)
+    return whole * (1 - sympy.Min(b - 1, 1)) if arch.fp8 == "delayed" and arch.attention_core == "flash-attn" else whole
+
+
+def _core_attn_under_delayed_fp8(arch):
+    """Under FP8 delayed scaling the core's checkpoint is all that would keep its output: core_attn drops it."""
+    return "core_attn" if arch.fp8 == "delayed" else None
+
+
 def _fp8_delayed(arch) -> bool:
     """FP8 delayed scaling, where proj keeps its input quantized beside the 16-bit one (actmem.model.fp8)"""
     return arch.fp8 == "delayed"
@@ -780,14 +792,17 @@ TERMS = (
          "flash-attn keeps its output in its own bshd layout; TE's FlashAttention.forward hands the "
          "projection output.view(b, s, -1).transpose(0, 1).contiguous(), a second copy when b > 1 "
          "(2sb·ad, none at b = 1)", flash_attn, module="core_attn"),
-    Term("projection_input", _sb_attention(1), Region.BLOCK, _STORED, Scope.LAYER,
+    Term("projection_input", _projection_input, Region.BLOCK, _STORED, Scope.LAYER,
          "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
-         "kernel's own output, one storage: TE's sbhd layout makes the reshape a view"),
+         "kernel's own output, one storage: TE's sbhd layout makes the reshape a view; under FP8 delayed "
+         "scaling the projection keeps only its quantized copy (below), so this is the core's own output alone: "
+         "not kept where the core is recomputed, nor flash-attn's copy for the projection at b > 1",
+         module=_core_attn_under_delayed_fp8),
     Term("projection_input_fp8", lambda arch: s * b * arch.attention_width(h, a), Region.BLOCK, _STORED, Scope.LAYER,
-         "under FP8 delayed scaling the projection keeps its input quantized too, its transposed (columnwise) "
-         "copy, one byte an element, with its 4-byte scale_inv, beside the core's 16-bit output (linear.py: "
-         "update_usage(rowwise_usage=False); Megatron sets save_original_input, which keeps the 16-bit input "
-         "alone, under every other recipe: attention.py)", _fp8_delayed, fixed=_fp8_scale),
+         "under FP8 delayed scaling the projection keeps its input quantized, its transposed (columnwise) copy, "
+         "one byte an element, with its 4-byte scale_inv, and not the 16-bit input (linear.py: "
+         "update_usage(rowwise_usage=False); TE refuses save_original_input there, which Megatron sets under "
+         "every other recipe to keep the 16-bit input alone: attention.py)", _fp8_delayed, fixed=_fp8_scale),
     Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
@@ -910,8 +925,9 @@ MLP_BACKWARD_TERMS = (
     Term("fc1_output_gradient", lambda arch: A16 * arch.fc1_width * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS,
          Scope.LAYER, "the gradient fc1's backward starts from: the activation's input gradient (2sbf/t; "
          "4sbf/t for SwiGLU's 2f-wide input)"),
-    Term("fc1_input_gathered", A16 * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
-         "under SP, fc1's saved input shard all-gathered again for its weight gradient (2sbh)"),
+    Term("fc1_input_gathered", lambda arch: _gemm_input(arch) * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
+         "under SP, fc1's saved input shard all-gathered again for its weight gradient (2sbh; under FP8 the "
+         "quantized shard, one byte an element: on Hopper its transpose is made beside it, not counted, a floor)"),
     Term("fc1_input_gradient", A16 * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
          "fc1's input gradient for the whole sequence (dgrad, 2sbh), before its reduce-scatter (SP) or "
          "all-reduce (in place)"),

@@ -94,13 +94,15 @@ def weight_copy_bytes(arch, generation) -> int:
 
 
 def module_state_bytes(arch) -> int:
-    """Fixed bytes a TE module keeps for FP8: its weight's scale_inv, and under delayed scaling its
-    quantizers' scales and amax history ([history, n] fp32 forward and backward)."""
+    """Fixed bytes a TE module keeps for FP8: its weight's scale_inv; under delayed scaling its quantizers'
+    fp32 scales and amax history ([history, n] forward and backward: quantization.py,
+    DelayedScalingRecipeState); under tensorwise each quantizer's own fp32 scale and amax, [1] each
+    (float8_tensor.py, Float8CurrentScalingQuantizer)."""
     if not arch.fp8:
         return 0
-    history = arch.fp8_amax_history_len if arch.fp8 == "delayed" else 0
     quantizers = FORWARD_QUANTIZERS + BACKWARD_QUANTIZERS
-    return SCALE_INV_BYTES + (SCALE_INV_BYTES * quantizers * (history + 1) if history else 0)
+    rows = arch.fp8_amax_history_len + 1 if arch.fp8 == "delayed" else 2
+    return SCALE_INV_BYTES + SCALE_INV_BYTES * quantizers * rows
 
 
 def check_gpu(recipe, generation, gpu_name: str) -> None:

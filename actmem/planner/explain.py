@@ -120,8 +120,8 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     if run.micro_batch > req.max_micro_batch:
         raise SpecError(f"--explain: b ({run.micro_batch}) is above --max-micro-batch ({req.max_micro_batch})")
     _name_the_split(run, req.model.layers)
-    probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by,
-                 architecture=req.architecture)          # checks the rules, gives d and n
+    probe = Spec(req.model, run, vocab_divisible_by=req.vocab_divisible_by, gpu_name=req.gpu.name,
+                 gpu_fp8=req.gpu.fp8, architecture=req.architecture)          # checks the rules, gives d and n
     layers = stage_layers(probe)
     between = layers[1] if len(layers) >= 3 else layers[0]      # with no stage between, the first's
     block = _block_layers(run, max(layers) // run.interleave)      # the largest chunk: N short of it
@@ -136,7 +136,8 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                          "distributed_optimizer": run.distributed_optimizer}])
     evaluated = evaluate(req, row).iloc[0]
     spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",
-                gpu_memory_bytes=req.gpu_memory_bytes, gpu_name=req.gpu.name, reserve_bytes=req.reserve_bytes,
+                gpu_memory_bytes=req.gpu_memory_bytes, gpu_name=req.gpu.name, gpu_fp8=req.gpu.fp8,
+                reserve_bytes=req.reserve_bytes,
                 gradient_bytes=req.gradient_bytes, optimizer=req.optimizer,
                 vocab_divisible_by=req.vocab_divisible_by,
                 architecture=req.architecture)

@@ -31,19 +31,24 @@ class MegatronLogs:
         holding E/EP consecutive experts (moe_layer.py, local_expert_indices); ETP inferred as the ranks that
         log alike (the expert-tensor-parallel ranks all receive the gathered rows)."""
         logs = _rank_logs(self.path)
-        widths = {len(counts) for log in logs for *_, counts in log}
+        widths = {len(counts) for log in logs.values() for *_, counts in log}
         if len(widths) != 1 or experts % next(iter(widths)):
             raise SpecError(f"{self.path}: each rank logs {', '.join(map(str, sorted(widths)))} experts' rows; with "
                             f"{experts} experts each must log the same E/EP")
-        ep, world = experts // widths.pop(), len(logs)
-        etp = max(d for d in range(1, world + 1) if world % d == 0 and all(
-            logs[r] == logs[r - r % d] for r in range(world)))
-        if world % (etp * ep):
-            raise SpecError(f"{self.path}: {world} rank files do not make whole expert-parallel groups of "
-                            f"EP·ETP = {ep}·{etp} ranks (EP = {experts} experts / the {experts // ep} each rank logs)")
+        ep = experts // widths.pop()
+        world = -(-(max(logs) + 1) // ep) * ep         # ranks a stage of dense layers only leaves without a file
+        etp = max(d for d in range(1, world // ep + 1) if world % (d * ep) == 0 and all(
+            logs[r] == logs[r - r % d] for r in logs if r - r % d in logs))
         rows = []
-        for group in range(world // (etp * ep)):
-            members = [logs[group * etp * ep + j * etp] for j in range(ep)]
+        for group in range(-(-world // (etp * ep))):
+            ranks = [group * etp * ep + j * etp for j in range(ep)]
+            if not any(rank in logs for rank in ranks):
+                continue                       # a stage without MoE layers logs nothing
+            missing = [rank for rank in ranks if rank not in logs]
+            if missing:
+                raise SpecError(f"{self.path}: rank files missing from expert-parallel group {group} (EP·ETP = "
+                                f"{ep}·{etp}): {', '.join(f'rank{r}.jsonl' for r in missing[:5])}")
+            members = [logs[rank] for rank in ranks]
             if any([key for *key, _ in log] != [key for *key, _ in members[0]] for log in members):
                 raise SpecError(f"{self.path}: the ranks of expert-parallel group {group} log different layers or "
                                 "iterations; give the files of one run")
@@ -60,8 +65,9 @@ def loads_for(loads, experts):
     return loads.rows(experts)
 
 
-def _rank_logs(path: Path) -> list:
-    """[(iteration, block, mtp index, layer, microbatch, counts), ...] of each rank, rank 0 first."""
+def _rank_logs(path: Path) -> dict:
+    """{rank: [(iteration, block, mtp index, layer, microbatch, counts), ...]} of each rank that wrote a file (a
+    rank whose stage holds no MoE layer writes none)."""
     files = {}
     for file in path.glob("rank*.jsonl"):
         match = re.fullmatch(r"rank(\d+)\.jsonl", file.name)
@@ -70,10 +76,7 @@ def _rank_logs(path: Path) -> list:
     if not files:
         raise SpecError(f"{path}: no rank<R>.jsonl files (Megatron-LM's --save-tokens-per-expert-interval writes "
                         "them under <save>/tokens_per_expert)")
-    missing = sorted(set(range(max(files) + 1)) - set(files))
-    if missing:
-        raise SpecError(f"{path}: rank files missing: {', '.join(f'rank{r}.jsonl' for r in missing[:5])}")
-    return [_rank_log(files[rank]) for rank in range(len(files))]
+    return {rank: _rank_log(files[rank]) for rank in sorted(files)}
 
 
 def _rank_log(file: Path) -> list:

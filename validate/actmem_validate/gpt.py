@@ -58,10 +58,10 @@ class LayerSpec:
 
     def fp8_save(self, term: str) -> Fp8Save | None:
         """What TE's FP8 linear keeps of its input, named ``term`` (actmem.model.fp8): the projection's quantized
-        copy only under delayed scaling, beside its 16-bit input (Megatron's save_original_input elsewhere)."""
+        copy only under delayed scaling (Megatron's save_original_input elsewhere keeps its 16-bit input)."""
         if self.fp8 is None or (term == "projection_input_fp8" and self.fp8 != "delayed"):
             return None
-        return Fp8Save(term, beside=term == "projection_input_fp8")
+        return Fp8Save(term)
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":

@@ -116,10 +116,14 @@ def fp8_configs() -> list[Config]:
     """FLASH's layer under TE's FP8 recipes on a Hopper (actmem.model.fp8; the harness keeps what TE's linears
     and weight workspaces keep, in float8_e4m3fn on a CPU)."""
     configs = []
-    for recipe, t, technique in (("delayed", 1, "none"), ("delayed", 2, "tp-sp"), ("tensorwise", 2, "tp-sp-sel")):
+    for recipe, t, technique in (("delayed", 1, "none"), ("delayed", 2, "tp-sp"), ("delayed", 2, "tp-sp-sel"),
+                                 ("tensorwise", 2, "tp-sp-sel"), ("delayed", 2, "tp-sp-full")):
         configs += configs_for(small_spec(2, t, name=f"small-flash-fp8-{recipe}", gpu_fp8="hopper", fp8_format="hybrid",
                                           fp8_recipe=recipe, fp8_amax_history_len=16 if recipe == "delayed" else 1,
                                           **FLASH), [technique], 1)
+    # flash-attn's copy for the projection at b = 2, which under delayed scaling nothing keeps
+    configs += configs_for(small_spec(2, 2, name="small-flash-attn-fp8-delayed", gpu_fp8="hopper", fp8_format="hybrid",
+                                      **(FLASH | dict(attention_core="flash-attn"))), ["tp-sp"], 1)
     return configs
 
 
@@ -258,9 +262,7 @@ def small_grid() -> list[Config]:
     # flash with the paper's MLP, learned positions and dropout on the hidden states (MHA)
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu", attention_dropout=0.0,
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
-    # FP8 (TE's linears over a CPU stand-in: layers.Fp8Save, make_fp8_state) on a Hopper: delayed scaling (16 rows
-    # of amax history) at t = 1 and with SP at t = 2, the projection's quantized copy beside its input;
-    # tensorwise with the attention core recomputed at t = 2
+    # FP8 (TE's linears over a CPU stand-in: layers.Fp8Save, make_fp8_state) on a Hopper (fp8_configs)
     configs += fp8_configs()
     # Nemotron's MLP (--squared-relu): relu(x)² on FLASH's layer, without and with the MLP recomputed
     squared = FLASH | dict(activation="squared_relu")

@@ -37,8 +37,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         if fp8 is None:
             ctx.save_for_backward(x, weight)
         else:
-            quantized, scale_inv = fp8_copy(x, fp8)
-            ctx.save_for_backward(*((x,) if fp8.beside else ()), quantized, scale_inv, weight)
+            ctx.save_for_backward(*fp8_copy(x, fp8), weight)
         ctx.parameter = weight         # saved_tensors hands back a new tensor, without main_grad
         total = all_gather(x, tp) if gather else x         # (s, b, h): a transient
         out = total @ weight.t()
@@ -64,11 +63,10 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 class Fp8Save:
     """Transformer Engine's FP8 linear's save (TE 2.11; actmem.model.fp8), stood in for on a CPU: the input
     quantized, one byte an element (float8_e4m3fn here; rowwise, or on Hopper its transpose: the same bytes),
-    named ``term``, with its fp32 scale_inv [1]; ``beside``: the 16-bit input kept too (delayed scaling's
-    projection). TE's FP8 GEMMs need a GPU; this keeps what TE's keeps and runs its arithmetic in 16 bits."""
+    named ``term``, with its fp32 scale_inv [1], and not the 16-bit input. TE's FP8 GEMMs need a GPU; this
+    keeps what TE's keeps, read off its source, and runs its arithmetic in 16 bits."""
 
     term: str
-    beside: bool = False
 
 
 def fp8_copy(x, fp8: Fp8Save):
@@ -82,7 +80,7 @@ def _saved_input(ctx):
     saved = ctx.saved_tensors
     if ctx.fp8 is None:
         return saved
-    quantized, scale_inv, weight = saved[-3:]
+    quantized, scale_inv, weight = saved
     return (quantized.to(weight.dtype) * scale_inv.to(weight.dtype)), weight
 
 
@@ -171,7 +169,8 @@ def make_fp8_state(weights, recipe: str | None, generation: str | None, history:
     """TE's FP8 weight state (actmem.model.fp8), made by an iteration's first microbatch and kept: each
     weight quantized into its workspace (base.py, get_weight_workspace), one byte an element, and on Hopper
     its transpose; its fp32 scale_inv [1]; under delayed scaling each module's fp32 scales and amax history,
-    [history, 3] forward and [history, 2] backward (quantization.py, DelayedScalingRecipeState). None: clear."""
+    [history, 3] forward and [history, 2] backward (quantization.py, DelayedScalingRecipeState); under
+    tensorwise each of its 5 quantizers' fp32 scale and amax, [1] each (Float8CurrentScalingQuantizer). None: clear."""
     _FP8_STATE.clear()
     if recipe is None:
         return
@@ -185,6 +184,8 @@ def make_fp8_state(weights, recipe: str | None, generation: str | None, history:
             for quantizers in (3, 2):
                 _FP8_STATE.extend((torch.ones(quantizers, dtype=torch.float32, **kw),
                                    torch.zeros(history, quantizers, dtype=torch.float32, **kw)))
+        else:
+            _FP8_STATE.extend(torch.ones(1, dtype=torch.float32, **kw) for _ in range(2 * 5))
 
 
 def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,11 @@ def test_megatrons_llama3_fp8_example_is_priced_from_the_script_as_it_is(actmem)
 @pytest.mark.parametrize("args, fragment", [
     (("--fp8-recipe", "tensorwise"), "--fp8-recipe tensorwise chooses FP8's scaling; Megatron reads it only with "
                                      "--fp8-format"),
-    (("--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"), "MXFP8 keeps each quantized input with E8M0 scales"),
-    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise"), "blockwise FP8 keeps fp32 scales a 128 elements"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"), "--fp8-recipe mxfp8 runs on Blackwell"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "custom"), "a custom recipe's quantizers are the user's own"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--tp", "2"), "is modelled with sequence parallelism"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-param-gather", "--distributed-optimizer"),
+     "--fp8-param-gather under --fp8-recipe blockwise"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"),
      "the tensorwise recipe keeps none"),
     (("--fp8-param-gather",), "give --fp8-format"),
@@ -148,3 +151,29 @@ def test_plan_explains_an_fp8_configuration(actmem):
                  "--explain", "t=8 p=1 b=1 sp none dopt")
     assert out.exit_code == 0, out.output
     assert "projection_input_fp8" in out.stdout
+
+
+@pytest.mark.parametrize("gpu, recipe, weight_state", [("b200", "mxfp8", 14_394_851_328),
+                                                       ("h100", "blockwise", 13_962_051_584)])
+def test_the_block_scaled_recipes(actmem, gpu, recipe, weight_state):
+    """MXFP8 (Blackwell) keeps the saved inputs' columnwise copies with E8M0 scales a 32 elements, [roundup(M/32, 4),
+    roundup(K, 128)]: the norms' outputs 33,554,432 + 256·4096 = 1,048,576 each, fc2's 117,440,512 + 256·14,336 =
+    3,670,016; blockwise (Hopper) fp32 scales a 128, [ceil(M/128), K]: 4·64·4096 = 1,048,576 and 4·64·14,336 =
+    3,670,016, the same bytes here; neither keeps a scale_inv, and the projection keeps its 16-bit input (Megatron's
+    save_original_input). A layer: 1,141,964,800 - 2·33,554,432 - 117,440,512 + 2·1,048,576 + 3,670,016 =
+    963,182,592 (0.84 of bf16).
+    The weights: rowwise and columnwise copies, 2 B an element, and their scales. MXFP8: QKV [6144, 4096]
+    50,331,648 + 6144·128 + 192·4096 = 51,904,512; proj [4096, 4096] 33,554,432 + 2·524,288 = 34,603,008; fc1
+    [28,672, 4096] 234,881,024 + 28,672·128 + 896·4096 = 242,221,056; fc2 [4096, 14,336] 117,440,512 + 4096·448 +
+    128·14,336 = 121,110,528: 449,839,104 a layer, 14,394,851,328 over 32. Blockwise, 128x128 blocks in fp32 and
+    the transpose's: QKV 50,331,648 + 4·(48·32 + 32·48) = 50,343,936; proj 33,554,432 + 4·2·32·32 = 33,562,624;
+    fc1 234,881,024 + 4·(224·32 + 32·224) = 234,938,368; fc2 117,440,512 + 4·(32·112 + 112·32) = 117,469,184:
+    436,314,112 a layer, 13,962,051,584 over 32. No scaling state."""
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--gpu", gpu, "--fp8-format", "e4m3",
+                      "--fp8-recipe", recipe)
+    layer = _layer(out)
+    assert (layer["qkv_input"], layer["qkv_input_scales"], layer["fc2_input"], layer["fc2_input_scales"]) == \
+        (33_554_432, 1_048_576, 117_440_512, 3_670_016)
+    assert layer["projection_input"] == 67_108_864 and "projection_input_fp8" not in layer
+    assert sum(layer.values()) == 963_182_592
+    assert out["parameters"]["fp8_bytes"] == weight_state

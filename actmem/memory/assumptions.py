@@ -277,8 +277,10 @@ def _fp8_notes(spec) -> list:
     if not arch.fp8:
         return []
     history = arch.fp8_amax_history_len
+    scales = ("their block scales (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)"
+              if arch.fp8 in ("mxfp8", "blockwise") else "a 4-byte scale_inv")
     return [f"FP8 ({arch.fp8_format}, {arch.fp8} scaling, {spec.gpu_fp8}): Transformer Engine 2.11's linears keep "
-            "the QKV's and fc1's inputs and fc2's in one byte with a 4-byte scale_inv"
+            f"the QKV's and fc1's inputs and fc2's in one byte with {scales}"
             + (", and the projection its input quantized alone" if arch.fp8 == "delayed" else "")
             + "; the rest stays 16-bit; read off TE's source, checked in the harness against a CPU stand-in that "
             "keeps the same, not TE's own kernels",

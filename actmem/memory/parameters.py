@@ -157,11 +157,12 @@ def _attention_shapes(h, t, arch, heads) -> tuple:
                     (heads * (arch.qk_head_dim + arch.v_head_dim) // t, arch.kv_lora_rank, 1))
 
 
-def fp8_linear_weights(h, t, arch, heads):
-    """Elements of a dense layer's TE linear weights on one of t GPUs, those FP8 quantizes: QKV [(ad + 2gd)/t, h],
-    proj [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (no biases nor norms)."""
-    return (h * qkv_width(h, arch, heads) + arch.attention_width(h, heads) * h
-            + (arch.fc1_width + 1) * h * arch.ffn(h)) // t
+def fp8_linear_shapes(h, t, arch, heads) -> tuple:
+    """(rows, cols) of a dense layer's TE linear weights on one of t GPUs, those FP8 quantizes: QKV
+    [(ad + 2gd)/t, h], proj [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (no biases nor norms)."""
+    f = arch.ffn(h)
+    return ((qkv_width(h, arch, heads) // t, h), (h, arch.attention_width(h, heads) // t),
+            (arch.fc1_width * f // t, h), (h, f // t))
 
 
 def fp8_state(h, t, arch, heads, layers, generation):
@@ -172,9 +173,10 @@ def fp8_state(h, t, arch, heads, layers, generation):
 
     if not arch.fp8:
         return 0, 0
-    elements = layers * fp8_linear_weights(h, t, arch, heads)
-    shrink = elements * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
-    kept = elements * fp8.weight_copy_bytes(arch, generation) + layers * fp8.MODULES_A_LAYER * fp8.module_state_bytes(arch)
+    shapes = fp8_linear_shapes(h, t, arch, heads)
+    shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
+    kept = layers * (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in shapes)
+                     + fp8.MODULES_A_LAYER * fp8.module_state_bytes(arch))
     return shrink, kept
 
 

@@ -24,7 +24,7 @@ from actmem.model.architecture import PAPER, always, grouped_mm_experts, grouped
 from actmem.model.recompute import Recompute
 from actmem.model import symbols
 from actmem.model.symbols import a, b, c, e, h, r, s, t, v
-from actmem.model.fp8 import SCALE_INV_BYTES
+from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK, \
     OFFSET_BYTES as I32
 
@@ -129,8 +129,29 @@ def _gemm_input(arch) -> int:
 
 
 def _fp8_scale(arch) -> int:
-    """An FP8 tensor's fp32 scale_inv, [1], kept beside it (actmem.model.fp8)."""
-    return SCALE_INV_BYTES if arch.fp8 else 0
+    """An FP8 tensor's fp32 scale_inv, [1], kept beside it (actmem.model.fp8); the block-scaled recipes keep
+    block scales instead (_block_scales)."""
+    return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
+
+
+def _roundup(x, n):
+    return n * sympy.ceiling(x / n)
+
+
+def _block_scales(rows, cols, gathered: bool):
+    """The block scales of a saved input's columnwise copy, [rows, cols] (quantizer.cpp, get_scale_shape): MXFP8
+    [roundup(rows/32, 4), roundup(cols, 128)] of E8M0 bytes; blockwise fp32 [ceil(rows/128), cols] in the
+    gatherable COMPACT layout (the norms' outputs under SP), [ceil(rows/128), roundup(cols, 4)] GEMM_READY."""
+    def scales(arch):
+        if arch.fp8 == "mxfp8":
+            return _roundup(rows / 32, 4) * _roundup(cols, 128)
+        return SCALE_INV_BYTES * sympy.ceiling(rows / 128) * (cols if gathered else _roundup(cols, 4))
+    return scales
+
+
+def _block_recipe(arch) -> bool:
+    """a block-scaled FP8 recipe (mxfp8, blockwise), whose saved inputs keep block scales"""
+    return arch.fp8 in BLOCK_RECIPES
 
 
 def _projection_input(arch):
@@ -703,6 +724,9 @@ TERMS = (
          "layernorm frees once the attention has run; under FP8 TE's LayerNormLinear keeps the norm's output "
          "quantized, one byte an element, with its 4-byte scale_inv (layernorm_linear.py: ln_out)",
          module=_latent_input_norm, fixed=_fp8_scale),
+    Term("qkv_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
+         "under a block-scaled FP8 recipe the norm's output keeps its block scales beside it, of the rank's s·b/t "
+         "rows under SP (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)", _block_recipe, module=_latent_input_norm),
     *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward
@@ -816,6 +840,9 @@ TERMS = (
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
          "(the eager core) it is what the MLP's checkpoint keeps; under FP8 the norm's output quantized, one "
          "byte an element, with its 4-byte scale_inv", dense_mlp, module=_mlp_with_fused_norm, fixed=_fp8_scale),
+    Term("fc1_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
+         "... and under a block-scaled recipe its block scales, as the QKV's", _dense(_block_recipe),
+         module=_mlp_with_fused_norm),
     *MOE_TERMS,
     *HF_MOE_TERMS,
     Term("gelu_input", _sbf(1), Region.BLOCK, _STORED, Scope.LAYER,
@@ -845,6 +872,10 @@ TERMS = (
          "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf); under FP8 its columnwise copy "
          "(on Hopper the transpose), one byte an element, with its 4-byte scale_inv (linear.py: "
          "update_usage(rowwise_usage=False))", dense_mlp, module="mlp", fixed=_fp8_scale),
+    Term("fc2_input_scales", lambda arch: _block_scales(s * b, arch.ffn(h) / t, gathered=False)(arch),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "... and under a block-scaled recipe the block scales of its columnwise copy [s·b, f/t]", _dense(_block_recipe),
+         module="mlp"),
     Term("mlp_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the MLP keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- transformers' LlamaRMSNorm (modeling_llama.py, LlamaRMSNorm.forward): x.to(float32),

@@ -26,21 +26,29 @@ core's q, k, v, output and statistics (FP8 attention is off by default), the act
   after each gather (fp8_utils.py: post_all_gather_processing), and TE builds no workspace (base.py,
   get_weight_workspace returns the parameter). Megatron needs the distributed optimizer for it.
 
-Modelled: the delayed and tensorwise (current) scaling recipes, on Hopper and Blackwell, with and without
---fp8-param-gather. Refused with the reason: mxfp8 and blockwise (their block scales), FP8 beside experts or
-latent attention, and any code but Megatron-Core with TE.
+- the block-scaled recipes keep no per-tensor scale_inv but block scales beside the data (quantizer.cpp,
+  get_scale_shape), and no scaling state: MXFP8 (Blackwell) one E8M0 byte a 32 elements, the saved inputs'
+  columnwise copy [M, K] with scales [roundup(M/32, 4), roundup(K, 128)], a weight's rowwise and columnwise
+  copies with [roundup(M, 128), roundup(K/32, 4)] and the columnwise scales; blockwise (Hopper) fp32 scales a
+  128 elements, the norms' outputs in the gatherable COMPACT layout [ceil(M/128), K], fc2's input GEMM_READY
+  [ceil(M/128), roundup(K, 4)], a weight's 128x128 blocks [ceil(M/128), roundup(ceil(K/128), 4)] and its
+  transpose's; Megatron's projection keeps its 16-bit input under both (save_original_input).
+
+Modelled: delayed and tensorwise scaling on Hopper and Blackwell, with and without --fp8-param-gather; MXFP8 on
+Blackwell and blockwise on Hopper, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
+scales are counted for the local rows) and without --fp8-param-gather. Refused with the reason: the rest, FP8
+beside experts or latent attention, and any code but Megatron-Core with TE.
 """
 
 from actmem.errors import SpecError
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("delayed", "tensorwise")
+RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+BLOCK_RECIPES = ("mxfp8", "blockwise")
+#: the GPU generation each block-scaled recipe runs on (TE asserts: quantization.py, check_*_support)
+BLOCK_RECIPE_GPU = {"mxfp8": "blackwell", "blockwise": "hopper"}
 #: Megatron's other recipes, and why actmem does not price them yet
 _NOT_MODELLED = {
-    "mxfp8": "MXFP8 keeps each quantized input with E8M0 scales a 32 elements, padded (quantizer.cpp), and runs "
-             "on Blackwell only: read, not priced yet",
-    "blockwise": "blockwise FP8 keeps fp32 scales a 128 elements (1x128 activations, 128x128 weights): read, not "
-                 "priced yet",
     "custom": "a custom recipe's quantizers are the user's own",
 }
 #: a GPU generation's FP8 weight copies: bytes a weight element TE caches (rowwise, and Hopper's transpose)
@@ -70,13 +78,17 @@ def check_fp8(arch) -> None:
         raise SpecError(f"fp8_format must be e4m3 or hybrid; got {arch.fp8_format!r}")
     recipe = arch.fp8
     if recipe in _NOT_MODELLED:
-        raise SpecError(f"--fp8-recipe {recipe}: {_NOT_MODELLED[recipe]}; give delayed or tensorwise")
+        raise SpecError(f"--fp8-recipe {recipe}: {_NOT_MODELLED[recipe]}; give delayed, tensorwise, mxfp8 or "
+                        "blockwise")
     if recipe not in RECIPES:
         raise SpecError(f"--fp8-recipe must be delayed, tensorwise, mxfp8, blockwise or custom; got {recipe!r}")
     if "fp8" not in arch.code.has or arch.attention_core == "eager":
         raise SpecError("FP8 runs in Transformer Engine's linears: modelled for Megatron-Core with TE's layer spec "
                         f"(--attention-core flash or flash-attn), not {arch.implementation}'s "
                         f"{arch.attention_core} core")
+    if recipe in BLOCK_RECIPES and arch.fp8_param_gather:
+        raise SpecError(f"--fp8-param-gather under --fp8-recipe {recipe}: its FP8 weights keep both copies and their "
+                        "block scales, read but not priced yet; drop it")
     if arch.fp8_amax_history_len != 1 and recipe != "delayed":
         raise SpecError(f"--fp8-amax-history-len {arch.fp8_amax_history_len} sizes delayed scaling's amax history; "
                         f"the {recipe} recipe keeps none")
@@ -85,12 +97,24 @@ def check_fp8(arch) -> None:
                         "latent linears quantize other tensors, not priced yet")
 
 
-def weight_copy_bytes(arch, generation) -> int:
-    """Bytes TE keeps a weight element beside the 16-bit weight (or, under --fp8-param-gather, beside the FP8
-    weight that replaces it): its cached FP8 workspace, or Hopper's transpose; 0 without FP8."""
+def _up(x, n):
+    """roundup(x, n) of TE's quantizer.cpp, on ints or arrays."""
+    return -(-x // n) * n
+
+
+def weight_copy_bytes(arch, generation, rows, cols):
+    """Bytes TE keeps of a [rows, cols] weight (a TE module's out x in on this rank) beside the 16-bit weight (or,
+    under --fp8-param-gather, beside the FP8 weight that replaces it): its cached FP8 workspace, or Hopper's
+    transpose; under the block-scaled recipes its rowwise and columnwise copies with their scales; 0 without FP8."""
     if not arch.fp8:
         return 0
-    return (PARAM_GATHER_COPY_BYTES if arch.fp8_param_gather else WEIGHT_COPY_BYTES)[generation]
+    data = rows * cols
+    if arch.fp8 == "mxfp8":
+        return 2 * data + _up(rows, 128) * _up(cols // 32, 4) + _up(rows // 32, 4) * _up(cols, 128)
+    if arch.fp8 == "blockwise":
+        return 2 * data + SCALE_INV_BYTES * (-(-rows // 128) * _up(-(-cols // 128), 4)
+                                             + -(-cols // 128) * _up(-(-rows // 128), 4))
+    return (PARAM_GATHER_COPY_BYTES if arch.fp8_param_gather else WEIGHT_COPY_BYTES)[generation] * data
 
 
 def module_state_bytes(arch) -> int:
@@ -98,7 +122,7 @@ def module_state_bytes(arch) -> int:
     fp32 scales and amax history ([history, n] forward and backward: quantization.py,
     DelayedScalingRecipeState); under tensorwise each quantizer's own fp32 scale and amax, [1] each
     (float8_tensor.py, Float8CurrentScalingQuantizer)."""
-    if not arch.fp8:
+    if arch.fp8 in (None, *BLOCK_RECIPES):         # the block-scaled quantizers keep no state of their own
         return 0
     quantizers = FORWARD_QUANTIZERS + BACKWARD_QUANTIZERS
     rows = arch.fp8_amax_history_len + 1 if arch.fp8 == "delayed" else 2
@@ -106,7 +130,11 @@ def module_state_bytes(arch) -> int:
 
 
 def check_gpu(recipe, generation, gpu_name: str) -> None:
-    """FP8 needs FP8 tensor cores: Hopper or Blackwell (TE raises on older GPUs)."""
+    """FP8 needs FP8 tensor cores: Hopper or Blackwell (TE raises on older GPUs); MXFP8 runs on Blackwell and
+    blockwise on Hopper alone."""
     if recipe is not None and generation not in WEIGHT_COPY_BYTES:
         raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {gpu_name} has none that "
                         "actmem has read Transformer Engine for")
+    if recipe in BLOCK_RECIPE_GPU and generation != BLOCK_RECIPE_GPU[recipe]:
+        raise SpecError(f"--fp8-recipe {recipe} runs on {BLOCK_RECIPE_GPU[recipe].capitalize()} (Transformer Engine "
+                        f"asserts it); {gpu_name} is {generation.capitalize()}")

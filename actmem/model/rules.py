@@ -292,6 +292,14 @@ RULES = (
          lambda v: f"dense layers among MoE layers (--moe-layer-freq) are modelled without interleaving and without "
                    f"--recompute-method (m = {v.m}): which layers a model chunk or a checkpoint holds is not "
                    "counted yet", ("experts",)),
+    Rule(lambda v: not _block_fp8(v.architecture) or _implies(v.t > 1, v.sequence_parallel),
+         lambda v: f"--fp8-recipe {v.architecture.fp8} at t = {v.t} is modelled with sequence parallelism "
+                   "(--sequence-parallel): actmem counts the saved inputs' block scales of the rank's s·b/t rows",
+         ("architecture", "run_known")),
+    Rule(lambda v: v.architecture.fp8 != "mxfp8" or _mxfp8_dims_fit(v),
+         lambda v: f"--fp8-recipe mxfp8 needs every quantized tensor's dims divisible by 32 (Transformer Engine "
+                   f"asserts it: quantizer.cpp): s·b/t = {v.seq_len * v.b // v.t}, h = {v.hidden}, f/t, and the "
+                   f"linears' widths over t = {v.t}", ("architecture", "run_known")),
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
                    "raises without it (arguments.py)", ("architecture", "run_known")),
@@ -417,6 +425,25 @@ class Values:
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
     """--recompute-modules, where given."""
+
+
+def _block_fp8(arch) -> bool:
+    from actmem.model.fp8 import BLOCK_RECIPES
+
+    return arch.fp8 in BLOCK_RECIPES
+
+
+def _mxfp8_dims_fit(v):
+    """MXFP8's 32-element blocks fit every quantized tensor: the rows a rank saves (s·b/t under SP), h, f/t, and
+    the QKV's and the projection's widths over t."""
+    arch, heads = v.architecture, v.heads
+    widths = (v.seq_len * v.b // v.t, v.hidden, arch.ffn(v.hidden) // v.t,
+              (arch.attention_width(v.hidden, heads) + 2 * arch.kv_width(v.hidden, heads)) // v.t,
+              arch.attention_width(v.hidden, heads) // v.t)
+    fits = True
+    for width in widths:
+        fits = fits & (width % 32 == 0)
+    return fits
 
 
 def _padded_alltoall(arch) -> bool:

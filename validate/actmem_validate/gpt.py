@@ -61,7 +61,7 @@ class LayerSpec:
         copy only under delayed scaling (Megatron's save_original_input elsewhere keeps its 16-bit input)."""
         if self.fp8 is None or (term == "projection_input_fp8" and self.fp8 != "delayed"):
             return None
-        return Fp8Save(term)
+        return Fp8Save(term, self.fp8, compact=term in ("qkv_input", "fc1_input"))
 
     @classmethod
     def of(cls, spec, device: str = "cpu", dtype=torch.bfloat16) -> "LayerSpec":

@@ -98,14 +98,14 @@ UNFUSED, FP32_SOFTMAX = dict(masked_softmax_fusion=False), dict(softmax_in_fp32=
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
                b: int = 2, modules: tuple | None = None, seq_len: int = 32, gpu_fp8: str | None = None,
-               **architecture) -> Spec:
+               sp: bool = False, **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; modules: what selective recompute
     recomputes (--recompute-modules); the technique sets the mode."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=seq_len, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=b, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
                recompute_layers=recompute[1], recompute_modules=modules,
-               recompute="full" if recompute[0] else "selective" if modules else "none")
+               recompute="full" if recompute[0] else "selective" if modules else "none", sequence_parallel=sp)
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     gpu = {"gpu_fp8": gpu_fp8, "gpu_name": f"a {gpu_fp8} GPU"} if gpu_fp8 else {}
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
@@ -121,6 +121,11 @@ def fp8_configs() -> list[Config]:
         configs += configs_for(small_spec(2, t, name=f"small-flash-fp8-{recipe}", gpu_fp8="hopper", fp8_format="hybrid",
                                           fp8_recipe=recipe, fp8_amax_history_len=16 if recipe == "delayed" else 1,
                                           **FLASH), [technique], 1)
+    # the block-scaled recipes: MXFP8 on a Blackwell at t = 1 (its 32-element blocks fit f = 96, not f/2), blockwise
+    # on a Hopper at t = 2 with SP (the norms' outputs in the gatherable COMPACT scale layout)
+    for recipe, t, gpu in (("mxfp8", 1, "blackwell"), ("blockwise", 2, "hopper")):
+        configs += configs_for(small_spec(2, t, name=f"small-flash-fp8-{recipe}", gpu_fp8=gpu, fp8_format="e4m3",
+                                          fp8_recipe=recipe, sp=t > 1, **FLASH), ["tp-sp" if t > 1 else "none"], 1)
     # flash-attn's copy for the projection at b = 2, which under delayed scaling nothing keeps
     configs += configs_for(small_spec(2, 2, name="small-flash-attn-fp8-delayed", gpu_fp8="hopper", fp8_format="hybrid",
                                       **(FLASH | dict(attention_core="flash-attn"))), ["tp-sp"], 1)

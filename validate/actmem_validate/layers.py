@@ -63,16 +63,36 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 class Fp8Save:
     """Transformer Engine's FP8 linear's save (TE 2.11; actmem.model.fp8), stood in for on a CPU: the input
     quantized, one byte an element (float8_e4m3fn here; rowwise, or on Hopper its transpose: the same bytes),
-    named ``term``, with its fp32 scale_inv [1], and not the 16-bit input. TE's FP8 GEMMs need a GPU; this
-    keeps what TE's keeps, read off its source, and runs its arithmetic in 16 bits."""
+    named ``term``, with its fp32 scale_inv [1], and not the 16-bit input; under a block-scaled recipe its block
+    scales instead (block_scales), named ``term`` + "_scales". TE's FP8 GEMMs need a GPU; this keeps what TE's
+    keeps, read off its source, and runs its arithmetic in 16 bits."""
 
     term: str
+    recipe: str = "delayed"
+    compact: bool = False
+    """blockwise: the gatherable COMPACT scale layout (a column-parallel linear's input under SP)."""
 
 
 def fp8_copy(x, fp8: Fp8Save):
-    """(the quantized copy, its scale_inv), both named after ``fp8.term``."""
+    """(the quantized copy, its scale_inv or block scales)."""
     quantized = label(x.detach().to(torch.float8_e4m3fn), fp8.term)
-    return quantized, label(torch.ones(1, dtype=torch.float32, device=x.device), fp8.term)
+    if fp8.recipe not in ("mxfp8", "blockwise"):
+        return quantized, label(torch.ones(1, dtype=torch.float32, device=x.device), fp8.term)
+    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+    return quantized, label(block_scales(rows, cols, fp8.recipe, fp8.compact, x.device), fp8.term + "_scales")
+
+
+def _up(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def block_scales(rows: int, cols: int, recipe: str, compact: bool, device) -> torch.Tensor:
+    """A [rows, cols] tensor's columnwise block scales (TE 2.11, quantizer.cpp, get_scale_shape): MXFP8's E8M0
+    [roundup(rows/32, 4), roundup(cols, 128)]; blockwise's fp32 [ceil(rows/128), cols] (COMPACT) or
+    [ceil(rows/128), roundup(cols, 4)] (GEMM_READY)."""
+    if recipe == "mxfp8":
+        return torch.empty(_up(rows // 32, 4), _up(cols, 128), dtype=torch.uint8, device=device)
+    return torch.ones(-(-rows // 128), cols if compact else _up(cols, 4), dtype=torch.float32, device=device)
 
 
 def _saved_input(ctx):
@@ -80,8 +100,8 @@ def _saved_input(ctx):
     saved = ctx.saved_tensors
     if ctx.fp8 is None:
         return saved
-    quantized, scale_inv, weight = saved
-    return (quantized.to(weight.dtype) * scale_inv.to(weight.dtype)), weight
+    quantized, scales, weight = saved            # the stand-in's arithmetic: a per-tensor scale, or none
+    return quantized.to(weight.dtype) * (scales.to(weight.dtype) if scales.numel() == 1 else 1), weight
 
 
 def _unfused_backward(ctx, grad, weight, total):
@@ -176,6 +196,16 @@ def make_fp8_state(weights, recipe: str | None, generation: str | None, history:
         return
     for weight in weights:
         kw = dict(device=weight.device)
+        if recipe in ("mxfp8", "blockwise"):        # rowwise and columnwise copies, each with its block scales
+            rows, cols = weight.shape
+            _FP8_STATE.extend(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, **kw) for _ in range(2))
+            if recipe == "mxfp8":
+                _FP8_STATE.extend((torch.empty(_up(rows, 128), _up(cols // 32, 4), dtype=torch.uint8, **kw),
+                                   torch.empty(_up(rows // 32, 4), _up(cols, 128), dtype=torch.uint8, **kw)))
+            else:                                    # 128x128 blocks, fp32, of the weight and its transpose
+                _FP8_STATE.extend((torch.ones(-(-rows // 128), _up(-(-cols // 128), 4), **kw),
+                                   torch.ones(-(-cols // 128), _up(-(-rows // 128), 4), **kw)))
+            continue
         _FP8_STATE.append(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, **kw))
         if generation == "hopper":
             _FP8_STATE.append(torch.empty(tuple(reversed(weight.shape)), dtype=torch.float8_e4m3fn, **kw))

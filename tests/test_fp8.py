@@ -85,6 +85,9 @@ def test_megatrons_llama3_fp8_example_is_priced_from_the_script_as_it_is(actmem)
     (("--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"), "--fp8-recipe mxfp8 runs on Blackwell"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "custom"), "a custom recipe's quantizers are the user's own"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--tp", "2"), "is modelled with sequence parallelism"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--tp", "8", "--sp", "--seq-len", "512"),
+     "needs their rows and h divisible by 128"),
+    (("--fp8-format", "hybrid", "--seq-len", "8196"), "FP8 GEMMs need their inputs' and weights' rows divisible by 8"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-param-gather", "--distributed-optimizer"),
      "--fp8-param-gather under --fp8-recipe blockwise"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"),
@@ -154,7 +157,8 @@ def test_plan_explains_an_fp8_configuration(actmem):
 
 
 @pytest.mark.parametrize("gpu, recipe, weight_state", [("b200", "mxfp8", 14_394_851_328),
-                                                       ("h100", "blockwise", 13_962_051_584)])
+                                                       ("h100", "blockwise", 13_962_051_584),
+                                                       ("b200", "blockwise", 13_962_051_584)])
 def test_the_block_scaled_recipes(actmem, gpu, recipe, weight_state):
     """MXFP8 (Blackwell) keeps the saved inputs' columnwise copies with E8M0 scales a 32 elements, [roundup(M/32, 4),
     roundup(K, 128)]: the norms' outputs 33,554,432 + 256·4096 = 1,048,576 each, fc2's 117,440,512 + 256·14,336 =

@@ -248,7 +248,7 @@ ARCHITECTURE_FLAGS = (
          click.Choice(["e4m3", "hybrid"])),
     Flag(("--fp8-recipe",), "fp8_recipe",
          "with --fp8-format, FP8's scaling: delayed (Megatron's default), tensorwise, mxfp8 (Blackwell) or "
-         "blockwise (Hopper)", click.Choice(["delayed", "tensorwise", "mxfp8", "blockwise", "custom"])),
+         "blockwise (Hopper, Blackwell)", click.Choice(["delayed", "tensorwise", "mxfp8", "blockwise", "custom"])),
     Flag(("--fp8-param-gather",), "fp8_param_gather",
          "with --fp8-format, the linears' weights FP8 themselves (one byte), gathered in FP8; needs the "
          "distributed optimizer", constant=True),

@@ -29,13 +29,13 @@ core's q, k, v, output and statistics (FP8 attention is off by default), the act
 - the block-scaled recipes keep no per-tensor scale_inv but block scales beside the data (quantizer.cpp,
   get_scale_shape), and no scaling state: MXFP8 (Blackwell) one E8M0 byte a 32 elements, the saved inputs'
   columnwise copy [M, K] with scales [roundup(M/32, 4), roundup(K, 128)], a weight's rowwise and columnwise
-  copies with [roundup(M, 128), roundup(K/32, 4)] and the columnwise scales; blockwise (Hopper) fp32 scales a
+  copies with [roundup(M, 128), roundup(K/32, 4)] and the columnwise scales; blockwise fp32 scales a
   128 elements, the norms' outputs in the gatherable COMPACT layout [ceil(M/128), K], fc2's input GEMM_READY
   [ceil(M/128), roundup(K, 4)], a weight's 128x128 blocks [ceil(M/128), roundup(ceil(K/128), 4)] and its
   transpose's; Megatron's projection keeps its 16-bit input under both (save_original_input).
 
 Modelled: delayed and tensorwise scaling on Hopper and Blackwell, with and without --fp8-param-gather; MXFP8 on
-Blackwell and blockwise on Hopper, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
+Blackwell and blockwise on Hopper and Blackwell, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
 scales are counted for the local rows) and without --fp8-param-gather. Refused with the reason: the rest, FP8
 beside experts or latent attention, and any code but Megatron-Core with TE.
 """
@@ -45,8 +45,10 @@ from actmem.errors import SpecError
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 BLOCK_RECIPES = ("mxfp8", "blockwise")
-#: the GPU generation each block-scaled recipe runs on (TE asserts: quantization.py, check_*_support)
-BLOCK_RECIPE_GPU = {"mxfp8": "blackwell", "blockwise": "hopper"}
+#: the GPU generations each block-scaled recipe runs on (TE asserts: quantization.py, check_mxfp8_support,
+#: check_fp8_block_scaling_support; on Blackwell blockwise runs its GEMMs as MXFP8, converting the scales at
+#: each GEMM, a transient: gemm.cpp; it keeps the same bytes)
+BLOCK_RECIPE_GPU = {"mxfp8": ("blackwell",), "blockwise": ("hopper", "blackwell")}
 #: Megatron's other recipes, and why actmem does not price them yet
 _NOT_MODELLED = {
     "custom": "a custom recipe's quantizers are the user's own",
@@ -135,6 +137,6 @@ def check_gpu(recipe, generation, gpu_name: str) -> None:
     if recipe is not None and generation not in WEIGHT_COPY_BYTES:
         raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {gpu_name} has none that "
                         "actmem has read Transformer Engine for")
-    if recipe in BLOCK_RECIPE_GPU and generation != BLOCK_RECIPE_GPU[recipe]:
-        raise SpecError(f"--fp8-recipe {recipe} runs on {BLOCK_RECIPE_GPU[recipe].capitalize()} (Transformer Engine "
-                        f"asserts it); {gpu_name} is {generation.capitalize()}")
+    if recipe in BLOCK_RECIPE_GPU and generation not in BLOCK_RECIPE_GPU[recipe]:
+        raise SpecError(f"--fp8-recipe {recipe} runs on {' or '.join(g.capitalize() for g in BLOCK_RECIPE_GPU[recipe])} "
+                        f"(Transformer Engine asserts it); {gpu_name} is {generation.capitalize()}")

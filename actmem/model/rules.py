@@ -296,10 +296,20 @@ RULES = (
          lambda v: f"--fp8-recipe {v.architecture.fp8} at t = {v.t} is modelled with sequence parallelism "
                    "(--sequence-parallel): actmem counts the saved inputs' block scales of the rank's s·b/t rows",
          ("architecture", "run_known")),
-    Rule(lambda v: v.architecture.fp8 != "mxfp8" or _mxfp8_dims_fit(v),
+    Rule(lambda v: not v.architecture.fp8 or _fp8_dims_fit(v, 8, 16),
+         lambda v: f"FP8 GEMMs need their inputs' and weights' rows divisible by 8 and their last dims by 16 "
+                   f"(Transformer Engine asserts it: utils.py, assert_dim_for_fp8_exec): the rows a rank quantizes, "
+                   f"{_rows(v)}, h = {v.hidden}, f/t and the linears' widths over t = {v.t}",
+         ("architecture", "run_known")),
+    Rule(lambda v: v.architecture.fp8 != "mxfp8" or _fp8_dims_fit(v, 32, 32),
          lambda v: f"--fp8-recipe mxfp8 needs every quantized tensor's dims divisible by 32 (Transformer Engine "
-                   f"asserts it: quantizer.cpp): s·b/t = {v.seq_len * v.b // v.t}, h = {v.hidden}, f/t, and the "
-                   f"linears' widths over t = {v.t}", ("architecture", "run_known")),
+                   f"asserts it: quantizer.cpp): the rows a rank quantizes, {_rows(v)}, h = {v.hidden}, f/t, and "
+                   f"the linears' widths over t = {v.t}", ("architecture", "run_known")),
+    Rule(lambda v: v.architecture.fp8 != "blockwise" or not v.sequence_parallel or (
+        (_rows(v) % 128 == 0) & (v.hidden % 128 == 0)),
+         lambda v: f"--fp8-recipe blockwise under sequence parallelism gathers the norms' quantized outputs, which "
+                   f"needs their rows and h divisible by 128 (Transformer Engine asserts it: layernorm_linear.py, "
+                   f"assert_dim_for_all_gather): {_rows(v)} rows a rank, h = {v.hidden}", ("architecture", "run_known")),
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
                    "raises without it (arguments.py)", ("architecture", "run_known")),
@@ -433,16 +443,28 @@ def _block_fp8(arch) -> bool:
     return arch.fp8 in BLOCK_RECIPES
 
 
-def _mxfp8_dims_fit(v):
-    """MXFP8's 32-element blocks fit every quantized tensor: the rows a rank saves (s·b/t under SP), h, f/t, and
-    the QKV's and the projection's widths over t."""
-    arch, heads = v.architecture, v.heads
-    widths = (v.seq_len * v.b // v.t, v.hidden, arch.ffn(v.hidden) // v.t,
-              (arch.attention_width(v.hidden, heads) + 2 * arch.kv_width(v.hidden, heads)) // v.t,
-              arch.attention_width(v.hidden, heads) // v.t)
-    fits = True
-    for width in widths:
-        fits = fits & (width % 32 == 0)
+def _rows(v):
+    """The rows a rank quantizes of a norm's output: (s/c)·b, over t under sequence parallelism."""
+    import numpy as np
+
+    rows = v.seq_len // v.c * v.b
+    if isinstance(v.sequence_parallel, (bool, np.bool_)):
+        return rows // v.t if v.sequence_parallel else rows
+    return np.where(v.sequence_parallel, rows // v.t, rows)
+
+
+def _fp8_dims_fit(v, rows: int, cols: int):
+    """TE's quantized tensors' rows divisible by ``rows`` and last dims by ``cols``: the norms' outputs
+    [(s/c)·b(/t), h], fc2's input [(s/c)·b, f/t], the projection's [(s/c)·b, a·d/t], and the weights [out, in]
+    (QKV's (ad + 2gd)/t and fc1's width over t their rows)."""
+    arch, heads, t = v.architecture, v.heads, v.t
+    attention = arch.attention_width(v.hidden, heads) // t
+    fits = (_rows(v) % rows == 0) & ((v.seq_len // v.c * v.b) % rows == 0)
+    for width in (v.hidden, arch.ffn(v.hidden) // t, attention):
+        fits = fits & (width % cols == 0)
+    for width in ((arch.attention_width(v.hidden, heads) + 2 * arch.kv_width(v.hidden, heads)) // t,
+                  arch.fc1_width * arch.ffn(v.hidden) // t):
+        fits = fits & (width % rows == 0)
     return fits
 
 

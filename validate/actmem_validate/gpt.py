@@ -61,6 +61,8 @@ class LayerSpec:
         copy only under delayed scaling (Megatron's save_original_input elsewhere keeps its 16-bit input)."""
         if self.fp8 is None or (term == "projection_input_fp8" and self.fp8 != "delayed"):
             return None
+        # blockwise: the norms' outputs in the gatherable COMPACT scale layout (under SP), GEMM_READY otherwise
+        # (its scales' last dim rounded up to 4: the same bytes where h is a multiple of 4, as FP8 needs 16)
         return Fp8Save(term, self.fp8, compact=term in ("qkv_input", "fc1_input"))
 
     @classmethod

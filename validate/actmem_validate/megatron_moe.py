@@ -151,7 +151,8 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
     indices of the ``kept_copies`` its rank kept, which the table bounds by min(k·N, E·C): the row is bound to
     them where they are within it (as T to the rows received), and stays the bound, to fail, where they are not."""
     from actmem.memory import engine
-    from actmem.memory.terms import MOE_TERMS, TERMS, expert_rows as balanced_rows
+    from actmem.memory.terms import MOE_TERMS, TERMS
+    from actmem.memory.terms_experts import expert_rows as balanced_rows
     from actmem.model import symbols
 
     arch, t = spec.architecture, spec.run.tensor_parallel

@@ -10,6 +10,8 @@ import sympy
 
 from actmem.model.architecture import PAPER, always, torch_softmax
 from actmem.model.recompute import Recompute
+from actmem.model.symbols import b, s
+from actmem.model.widths import LOGITS_BYTES as F32
 
 
 class Region(Enum):
@@ -103,3 +105,9 @@ class Term:
 
     def _kept_by_torch_softmax(self, arch) -> bool:
         return self.kept_under_torch_softmax is not None and torch_softmax(arch)
+
+
+def norm_statistics(norms: int):
+    """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
+    LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
+    return lambda arch: norms * F32 * arch.norm_statistics * s * b

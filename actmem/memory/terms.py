@@ -12,19 +12,19 @@ import sympy
 from actmem.model.architecture import PAPER, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_norms, latent_query, latent_query_norm, moe, mtp, \
+    flash_heads, hidden_dropout, keeps_norm_input, latent, moe, \
     norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
     squared_relu, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
     unfused_weight_gradients
 from actmem.model.recompute import Recompute
-from actmem.model import symbols
 from actmem.model.symbols import a, b, c, h, s, t, v
 from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
-from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK
+from actmem.model.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
+from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
-    STORED as _STORED, Region, Scope, Term  # noqa: F401 (Region, Scope and Term: the table's API)
+    STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope and Term: the table's API)
 
 
 _sbh = s * b * h
@@ -125,12 +125,6 @@ def _repeated_keys_values(arch):
     return sympy.Piecewise((grouped, sympy.Eq(t, arch.query_groups)), (_sb_attention(2)(arch), True))
 
 
-def _norm_statistics(norms: int):
-    """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
-    LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
-    return lambda arch: norms * F32 * arch.norm_statistics * s * b
-
-
 def _mlp_with_fused_norm(arch):
     """'mlp' where the MLP's norm is fused into linear_fc1, inside the MLP's checkpoint (TE's
     layer spec: the checkpoint keeps the norm's input); under Megatron's local spec (the eager
@@ -164,134 +158,13 @@ def _dense(present):
     return dense_and
 
 
-def _latent_query(arch):
-    return arch.q_lora_rank if latent_query(arch) else symbols.q_r
-
-
-def _latent_kv(arch):
-    return arch.kv_lora_rank if latent(arch) else symbols.kv_r
-
-
-def _latent_heads(arch):
-    """a·(d_qk + d_rope): MLA's q and k, each head's rope part appended (latent.query_width)."""
-    from actmem.model.latent import query_width
-
-    return query_width(arch, a) if latent(arch) else a * (symbols.d_qk + symbols.d_rope)
-
-
-def _rope_dim(arch):
-    return arch.qk_pos_emb_head_dim if latent(arch) else symbols.d_rope
-
-
-def _latent_values(arch):
-    return a * arch.v_head_dim if latent(arch) else a * symbols.d_v
-
-
-#: megatron-core 0.16.1's MLASelfAttention in TE's layer spec (multi_latent_attention.py,
-#: get_query_key_value_tensors; gpt_layer_specs.py: the down projections TELinear, replicated over t;
-#: the up projections TEColumnParallelLinear, or TELayerNormColumnParallelLinear under --qk-layernorm),
-#: with Megatron's fused YaRN rope (fused_mla_yarn_rope_apply.py), between the down projections' input
-#: (qkv_input) and TE's fused attention (softmax_lse, projection_input at a·d_v): what each step keeps.
-MLA_TERMS = (
-    Term("mla_q_latent", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the q up projection keeps its input, the q latent [N, q_r] (2sb·q_r): TE's column-parallel linear "
-         "(saved_inputmat, its own shard of the sequence under SP), or with --qk-layernorm the fused norm's "
-         "input (layernorm_linear.py, _LayerNormLinear: inputmat)", latent_query),
-    Term("mla_q_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm, module="mla_up_proj"),
-    Term("mla_q_latent_normed", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's gather; "
-         "2sb·q_r)", latent_query_norm, module="mla_up_proj"),
-    Term("mla_kv_latent", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
-         "the kv up projection keeps its input, the kv latent [N, kv_r] (2sb·kv_r): a strided view of the kv down "
-         "projection's [N, kv_r + d_rope] output (torch.split), which TE copies contiguous first (base.py, "
-         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed", latent, module="mla_up_proj"),
-    Term("mla_kv_latent_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
-         "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms, module="mla_up_proj"),
-    Term("mla_kv_latent_normed", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and its output (ln_out; 2sb·kv_r)", latent_norms, module="mla_up_proj"),
-    Term("mla_query", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "the attention core keeps q, the q up projection's output [s, b, a/t, d_qk + d_rope], whose rope part the "
-         "fused YaRN kernel rotates in place (ApplyMLARotaryEmbQ: saves only the cached cos and sin; 2sb·a(d_qk + "
-         "d_rope))", latent, module="mla_up_proj"),
-    Term("mla_key", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "... k, which the fused kernel writes new from the kv up projection's output and the shared rope key "
-         "(ApplyMLARotaryEmbKV: o_key, [s·b, a/t, d_qk + d_rope]; the kv up output is then freed)", latent, module="mla_up_proj"),
-    Term("mla_value", lambda arch: A16 * _latent_values(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "... and v, which it writes new too (o_value, [s·b, a/t, d_v]; 2sb·a·d_v); TE's fused attention takes the "
-         "three as they are (qkv_layout sbhd_sbhd_sbhd) and keeps its output, a·d_v wide (projection_input)", latent, module="mla_up_proj"),
-    # --recompute-modules mla_up_proj (multi_latent_attention.py, qkv_up_checkpoint: CheckpointWithoutOutput of
-    # qkv_up_proj_and_rope_apply, under no_grad, its outputs q, k and v discarded once the core has run):
-    # ctx.save_for_backward of its arguments, the q latent (the row above), the kv latent, a view of the kv
-    # down projection's whole output, and the rope key
-    Term("mla_kv_down_output", lambda arch: A16 * (_latent_kv(arch) + _rope_dim(arch)) * s * b, Region.BOUNDARY,
-         _CHECKPOINTED, Scope.LAYER,
-         "the mla_up_proj checkpoint keeps the kv latent as it gets it, a view of the kv down projection's "
-         "output, so that whole output, [N, kv_r + d_rope] (2sb·(kv_r + d_rope))", latent, kept_by="mla_up_proj"),
-    Term("mla_rope_key_gathered", lambda arch: A16 * _rope_dim(arch) * s * b * sympy.Piecewise((0, sympy.Eq(t, 1)),
-                                                                                               (1, True)),
-         Region.REPLICATED, _CHECKPOINTED, Scope.LAYER,
-         "... and the rope key, which under SP at t > 1 is all-gathered over the sequence first "
-         "(gather_from_sequence_parallel_region: [s, b, d_rope], 2sb·d_rope whole on every rank; at t = 1 a view "
-         "of the same output)", latent, kept_by="mla_up_proj"),
-)
-
-
-def _mtp(arch):
-    return arch.mtp_layers
-
-
-#: megatron-core 0.16.1's multi-token prediction (transformer/multi_token_prediction.py,
-#: MultiTokenPredictionLayer), D layers on the stage with the output layer, each around a transformer
-#: layer of the model's last kind (counted as a layer of the stage): what the rest of each keeps, a
-#: microbatch, all D together (the factor D in each row). Under full recompute Megatron checkpoints
-#: _proj_and_transformer_layer whole, keeping its arguments, the embedding's output and the hidden states.
-MTP_TERMS = (
-    Term("mtp_token_ids", lambda arch: I64 * b * s * _mtp(arch), Region.REPLICATED, _ALWAYS, Scope.OUTPUT,
-         "each prediction embeds the tokens rolled one further (roll_tensor: a new int64 [b, s]), and the "
-         "embedding keeps the indices it looked up (VocabParallelEmbedding: F.embedding saves them; at t > 1 the "
-         "masked copy), whole on every rank (8bs)", mtp),
-    Term("mtp_token_mask", lambda arch: MASK * b * s * _mtp(arch) * sympy.Piecewise((0, sympy.Eq(t, 1)), (1, True)),
-         Region.REPLICATED, _ALWAYS, Scope.OUTPUT,
-         "... at t > 1 its mask of the tokens outside the rank's vocabulary, which the masked write keeps "
-         "(output_parallel[input_mask, :] = 0.0: bool [b, s], bs)", mtp),
-    Term("mtp_embedding_dropout_mask", lambda arch: MASK * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "the embedding's dropout keeps its 1-byte mask, as the main embedding's does (language_model_embedding.py: "
-         "embedding_dropout, outside full recompute's checkpoint; sbh/t under SP); read from the source, the harness "
-         "runs at dropout 0", lambda arch: mtp(arch) and hidden_dropout(arch)),
-    Term("mtp_embedding_output", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "enorm keeps its input, the embedding's output (2sbh/t: TENorm; under full recompute the checkpoint's "
-         "argument, the same storage)", mtp),
-    Term("mtp_embedding_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
-         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics (4sb for RMSNorm)", mtp),
-    Term("mtp_hidden_input", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
-         "hnorm keeps its input, the hidden states of the depth before (the main model's final norm's output for "
-         "the first; 2sbh/t; under full recompute the checkpoint's argument)", mtp),
-    Term("mtp_hidden_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
-         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
-    Term("mtp_eh_proj_input", lambda arch: A16 * 2 * _sbh * _mtp(arch), Region.BOUNDARY, _STORED, Scope.OUTPUT,
-         "eh_proj (TEColumnParallelLinear, [h/t, 2h]) keeps its input, the two norms' outputs side by side "
-         "(torch.cat: [s/t, b, 2h], 4sbh/t)", mtp),
-    Term("mtp_layer_input_gathered", lambda arch: A16 * s * b * h * (t - 1) / t * _mtp(arch), Region.REPLICATED,
-         _STORED, Scope.OUTPUT,
-         "under SP the projection's output is gathered whole ([s, b, h]: gather_from_tensor_model_parallel_region) "
-         "and scattered again as a view of it (_split_along_first_dim: input_[...].contiguous(), no copy), which "
-         "the transformer layer's first norm keeps: the whole 2sbh, not the layer's own 2sbh/t, so 2sbh(t - 1)/t "
-         "more", mtp),
-    Term("mtp_final_norm_input", lambda arch: A16 * _sbh * _mtp(arch), Region.BOUNDARY, _STORED, Scope.OUTPUT,
-         "the prediction's final norm keeps its input, the layer's output (2sbh/t)", mtp),
-    Term("mtp_final_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
-         Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
-)
-
-
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before attention keeps its input (4.1, layer norm 2sbh)", keeps_norm_input),
     # the norms' statistics: TE's fused norms keep them (layernorm_linear.py, _LayerNormLinear:
     # mu, rsigma); the paper leaves them out, and so does its eager path
-    Term("attention_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("attention_norm_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before attention keeps fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and "
          "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
          "other code", counts_norm_statistics, module=_latent_input_norm),
@@ -410,7 +283,7 @@ TERMS = (
     Term("mlp_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "layer norm before the MLP keeps its input (4.1, layer norm 2sbh); with the MLP recomputed "
          "under TE's spec it is what the MLP's checkpoint keeps, one storage", keeps_norm_input),
-    Term("mlp_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("mlp_norm_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
          "into linear_fc1, inside the MLP's checkpoint (a MoE layer's is a TENorm of its own)", counts_norm_statistics, module=_mlp_with_fused_norm),
     Term("fc1_input", lambda arch: _gemm_input(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -492,7 +365,7 @@ TERMS = (
          "the final LlamaRMSNorm keeps an fp32 copy of its input (4sbh)", norm_keeps_fp32_copy),
     Term("final_norm_normalized", A16 * _sbh, Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "the final LlamaRMSNorm keeps its 16-bit normalized tensor (2sbh)", norm_keeps_fp32_copy),
-    Term("final_norm_statistics", _norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
+    Term("final_norm_statistics", norm_statistics(1), Region.BOUNDARY, _ALWAYS, Scope.OUTPUT,
          "the final norm's fp32 statistics (as attention_norm_statistics)", counts_norm_statistics),
     Term("output_layer_input", lambda arch: A16 * _sbh * (1 + arch.mtp_layers), Region.BOUNDARY, _ALWAYS,
          Scope.OUTPUT, "output layer keeps its input (4.5, 2sbh/t under SP); with D multi-token-prediction layers "

@@ -181,3 +181,24 @@ def test_the_block_scaled_recipes(actmem, gpu, recipe, weight_state):
     assert layer["projection_input"] == 67_108_864 and "projection_input_fp8" not in layer
     assert sum(layer.values()) == 963_182_592
     assert out["parameters"]["fp8_bytes"] == weight_state
+
+
+@pytest.mark.parametrize("args, layer", [
+    (("--gpu", "h100"), 281_288_704),
+    (("--gpu", "h100", "--fp8-format", "hybrid"), 243_539_984),
+    (("--gpu", "b200", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"), 236_593_152),
+])
+def test_a_llama_70b_layer_under_tensor_and_sequence_parallelism(actmem, args, layer):
+    """Llama 3.1 70B at s = 8192, b = 1, t = 8 with SP (h = 8192, a = 64, g = 8, d = 128, f = 28,672): a rank keeps
+    the two norms' inputs 2·s·h/t = 16,777,216 each and their rsigma 4·s/t = 4096 each, the QKV input 16,777,216,
+    q 2·s·a·d/t = 16,777,216, k and v 2·s·g·d/t = 2,097,152 each, the log-sum-exp 4·s·a/t = 262,144, the
+    projection's input 16,777,216, fc1's 16,777,216, SwiGLU's 2·s·2f/t = 117,440,512 and fc2's 2·s·f/t =
+    58,720,256: 281,288,704 B in bf16.
+    Delayed FP8: the norms' outputs s·h/t + 4 = 8,388,612 each, fc2's s·f/t + 4 = 29,360,132, the projection's
+    quantized copy s·a·d/t + 4 = 8,388,612: 281,288,704 - 2·8,388,604 - 29,360,124 + 8,388,612 = 243,539,984.
+    MXFP8 on a B200: the norms' outputs 8,388,608 with scales [roundup(1024/32, 4), 8192] = 262,144 each, fc2's
+    29,360,128 with [roundup(8192/32, 4), roundup(3584, 128)] = 917,504: 281,288,704 - 2·8,388,608 - 29,360,128 +
+    2·262,144 + 917,504 = 236,593,152 (0.84)."""
+    out = actmem.json("estimate", "--model", "llama-3.1-70b", "--tp", "8", "--sp", "--micro-batch", "1",
+                      "--recompute", "none", *args)
+    assert sum(_layer(out).values()) == layer

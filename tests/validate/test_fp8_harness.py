@@ -44,3 +44,17 @@ def test_the_gate_fails_an_fp8_row_counted_wrong(fp8_rows, term, wrong):
         if row["term"] == term and row["formula_bytes"]:
             row["formula_bytes"] = int(row["formula_bytes"] * wrong)
     assert judge(rows, 0.0)
+
+
+def test_llama_8b_under_fp8_at_full_scale_with_fake_tensors():
+    """Llama 3.1 8B at t = 8 with SP, fake tensors at its full dims (validate --grid presets runs the same): delayed
+    scaling on an H100, with and without the core recomputed, and MXFP8 on a B200; every row 0 B off, and the
+    projection's quantized copy s·b·a·d/t + 4 = 8192·4096/8 + 4 = 4,194,308 B a layer, 32 layers: 134,217,856."""
+    from actmem_validate.grid import fp8_presets
+    from actmem_validate.launch import run_fake
+
+    rows = run_fake(fp8_presets())
+    assert judge(rows, 0.0) == []
+    copies = {row["config"].split()[0]: row["measured_bytes"] for row in rows
+              if row["term"] == "projection_input_fp8" and "tp-sp-sel" not in row["config"]}
+    assert copies == {"llama-3.1-8b-fp8-delayed": 134_217_856}

@@ -360,10 +360,26 @@ def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
     return configs
 
 
+def fp8_presets() -> list[Config]:
+    """Llama 3.1 8B at t = 8 under FP8 at full scale (TE's saves over the harness's stand-in, layers.Fp8Save):
+    delayed scaling with 1024 rows of amax history on an H100, as it is and with the core recomputed (where the
+    projection's 16-bit input goes); MXFP8 on a B200."""
+    preset = load_preset("llama-3.1-8b")
+    configs = []
+    for gpu, fp8, techniques in (("hopper", {"fp8_format": "hybrid", "fp8_amax_history_len": 1024},
+                                  ["tp-sp", "tp-sp-sel"]),
+                                 ("blackwell", {"fp8_format": "e4m3", "fp8_recipe": "mxfp8"}, ["tp-sp"])):
+        spec = build_spec(preset.model, {"tensor_parallel": 8, "sequence_parallel": True},
+                          name=f"{preset.name}-fp8-{fp8.get('fp8_recipe', 'delayed')}",
+                          architecture=preset.architecture | fp8, gpu_fp8=gpu, gpu_name=f"a {gpu} GPU")
+        configs += configs_for(spec, techniques)
+    return configs
+
+
 def presets_grid() -> list[Config]:
     """What CI measures at full scale: the paper's and the Llama presets under Megatron's
-    code, and the torch-native and hf implementations."""
-    return preset_grid() + torch_native_presets() + hf_presets()
+    code (FP8 too), and the torch-native and hf implementations."""
+    return preset_grid() + fp8_presets() + torch_native_presets() + hf_presets()
 
 
 GRIDS = {"small": small_grid, "presets": presets_grid}

@@ -10,7 +10,7 @@ import sympy
 
 from actmem.model.architecture import PAPER, always, torch_softmax
 from actmem.model.recompute import Recompute
-from actmem.model.symbols import b, s
+from actmem.model.symbols import b, h, s
 from actmem.model.widths import LOGITS_BYTES as F32
 
 
@@ -111,3 +111,7 @@ def norm_statistics(norms: int):
     """fp32 statistics of ``norms`` norms, one value each a token: mu and rsigma for
     LayerNorm, rsigma for RMSNorm (TE's normalization.cpp: at::empty({N}, at::kFloat))."""
     return lambda arch: norms * F32 * arch.norm_statistics * s * b
+
+
+SBH = s * b * h
+"""Elements of one [s, b, h] activation, the size the tables' rows are most often a multiple of."""

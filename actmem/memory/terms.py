@@ -24,10 +24,9 @@ from actmem.model.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MA
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
 from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
-    STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope and Term: the table's API)
+    SBH as _sbh, STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope, Term: API)
 
 
-_sbh = s * b * h
 
 
 def _gemm_input(arch) -> int:

@@ -6,14 +6,13 @@ from dataclasses import replace
 
 import sympy
 
-from actmem.memory.term import STORED as _STORED, Region, Scope, Term
+from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term
 from actmem.model import symbols
 from actmem.model.architecture import grouped_mm_experts, grouped_mm_renormalised, megatron_moe, moe, moe_aux_loss, \
     moe_group_mask, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, moe_sigmoid_normalised, moe_topk_softmax, \
     shared_experts, shared_experts_gate, shared_experts_overlap
 from actmem.model.symbols import b, e, h, r, s, t
 
-_sbh = s * b * h
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK, \
     OFFSET_BYTES as I32
 

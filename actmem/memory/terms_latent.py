@@ -5,13 +5,12 @@
 import sympy
 
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINTED as _CHECKPOINTED, STORED as _STORED, Region, Scope, \
-    Term, norm_statistics
+    Term, norm_statistics, SBH as _sbh
 from actmem.model import symbols
 from actmem.model.architecture import hidden_dropout, latent, latent_norms, latent_query, latent_query_norm, mtp
 from actmem.model.symbols import a, b, h, s, t
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK
 
-_sbh = s * b * h
 
 def _latent_query(arch):
     return arch.q_lora_rank if latent_query(arch) else symbols.q_r

@@ -178,16 +178,16 @@ def capacity(arch, tokens):
     """C, each expert's capacity from a rank's ``tokens`` N (an int, or an array over a sweep), as Megatron computes
     it, in floating point: ceil((N·k / E) · factor) (moe_utils.py, get_capacity, called with N·k tokens:
     apply_router_token_dropping); 1 where there is no capacity factor (no row reads it then)."""
-    import math
-
-    import numpy as np
-
     if not (arch.moe and arch.moe_capacity_factor is not None):
         return 1
-    if isinstance(tokens, (int, float)):
-        return math.ceil((tokens * arch.moe_topk / arch.num_experts) * arch.moe_capacity_factor)
-    return np.ceil((np.asarray(tokens, dtype="float64") * arch.moe_topk / arch.num_experts)
-                   * arch.moe_capacity_factor)
+    share = (tokens * arch.moe_topk / arch.num_experts) * arch.moe_capacity_factor
+    if isinstance(share, float):
+        import math
+
+        return math.ceil(share)
+    import numpy as np          # a sweep's column: numpy is the planner's already
+
+    return np.ceil(share)
 
 
 def capped_imbalance(imbalance, ep, experts, topk):

@@ -313,9 +313,9 @@ RULES = (
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
                    "raises without it (arguments.py)", ("architecture", "run_known")),
-    Rule(lambda v: not _padded_alltoall(v.architecture) or _capacity(v) <= _tokens(v),
+    Rule(lambda v: not _padded_alltoall(v.architecture) or _capacity(v) <= _rows(v),
          lambda v: f"--moe-pad-expert-input-to-capacity under the alltoall dispatcher needs each expert's capacity "
-                   f"C = ⌈k·N/E·factor⌉ ({_capacity(v):.0f}) at most the N = {_tokens(v)} tokens a rank routes: "
+                   f"C = ⌈k·N/E·factor⌉ ({_capacity(v):.0f}) at most the N = {_rows(v)} tokens a rank routes: "
                    "an expert's column holds at most N, so Megatron's permute fails (moe_utils.py, permute: "
                    "view(E, C)), and fused, TE's is handed E·C rows its map cannot fill; lower "
                    "--moe-expert-capacity-factor", ("experts", "architecture", "run_known")),
@@ -444,13 +444,10 @@ def _block_fp8(arch) -> bool:
 
 
 def _rows(v):
-    """The rows a rank quantizes of a norm's output: (s/c)·b, over t under sequence parallelism."""
-    import numpy as np
-
-    rows = v.seq_len // v.c * v.b
-    if isinstance(v.sequence_parallel, (bool, np.bool_)):
-        return rows // v.t if v.sequence_parallel else rows
-    return np.where(v.sequence_parallel, rows // v.t, rows)
+    """The tokens a rank holds of a microbatch, the rows its MoE layer routes and TE quantizes of a norm's output:
+    (s/c)·b, over t under sequence parallelism (the divisor t where SP is on, 1 where it is off: a bool, or a
+    sweep's column of them)."""
+    return v.seq_len // v.c * v.b // (1 + (v.t - 1) * v.sequence_parallel)
 
 
 def _fp8_dims_fit(v, rows: int, cols: int):
@@ -472,16 +469,11 @@ def _padded_alltoall(arch) -> bool:
     return arch.moe and arch.moe_pad_to_capacity and arch.moe_dispatcher == "alltoall"
 
 
-def _tokens(v):
-    """N: the tokens a rank routes, (s/c)·b/t (Megatron's MoE layer runs under sequence parallelism at t > 1)."""
-    return v.seq_len // v.c * v.b // v.t
-
-
 def _capacity(v):
     """C = ⌈k·N/E·factor⌉ in floating point, as get_capacity computes it (actmem.model.experts.capacity)."""
     from actmem.model.experts import capacity
 
-    return capacity(v.architecture, _tokens(v))
+    return capacity(v.architecture, _rows(v))
 
 
 def _every_layer_alone(shape) -> bool:

@@ -93,7 +93,7 @@ def test_uneven_rows_are_the_estimate_s_verdict_on_the_stage_it_names(name, gpus
 
 def test_an_uneven_pipeline_goes_at_its_fullest_stage_s_pace(llama_plan):
     """Compute and tensor-parallel time as if every stage had stage 1's 8 layers: the even
-    formula's compute x 16·8/126, and each of n = 16 microbatches' 8 layers all-reducing
+    formula's compute (at the row's measured kernel efficiencies) x 16·8/126, and each of n = 16 microbatches' 8 layers all-reducing
     2sbh four times, 2(t-1)/t of it a GPU, at the H100's 360 GB/s. The data-parallel
     reduction is the stage with the most parameters: stage 1's 8 layers of
     h(ad + 2gd)/t + ad·h/t + 3hf/t + 2h = 37,748,736 + 33,554,432 + 327,155,712 + 32,768
@@ -103,7 +103,8 @@ def test_an_uneven_pipeline_goes_at_its_fullest_stage_s_pace(llama_plan):
 
     row = _row(llama_plan, **PUBLISHED)
     s, h, arch = 8192, 16384, Architecture(**LLAMA.architecture)
-    even = iteration.compute_seconds(2048, s, 126, h, row.vocab, "none", 16384, 989e12, 0.6, arch, 128)
+    measured = (row.layers_efficiency, row.scores_efficiency, row.logits_efficiency)     # the H100's kernels
+    even = iteration.compute_seconds(2048, s, 126, h, row.vocab, "none", 16384, 989e12, measured, arch, 128)
     assert row.compute_s == pytest.approx(even * 16 * 8 / 126)
     assert row.tensor_parallel_s == pytest.approx(16 * 8 * 4 * 2 * 7 / 8 * 2 * s * h / 360e9)
     assert row.middle_parameters == 8 * 398_491_648 > row.parameters == 7 * 398_491_648 + 16128 * h

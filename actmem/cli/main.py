@@ -183,8 +183,10 @@ def plan_options(command):
         option("--gpus-per-node", type=click.IntRange(min=1), default=defaults.GPUS_PER_NODE,
                      show_default=True,
                      help="Tensor parallelism stays inside a node: t <= this."),
-        option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
-                     help="Share of the GPU's peak the matmuls reach (scales compute time)."),
+        option("--efficiency", type=float, default=None,
+                     help="Share of the GPU's peak every FLOP reaches (scales compute time alike). "
+                          "Default: the kernels measured on the GPU (H100, H200) at each configuration's "
+                          f"shapes, else {DEFAULT_EFFICIENCY}."),
         option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
                      show_default=True,
                      help="Largest b to try."),

@@ -38,6 +38,9 @@ class Gpu:
     fp8: str | None = None
     """Its FP8 tensor cores' generation as Transformer Engine tells them apart ('hopper', sm90: FP8 GEMMs TN
     only, so TE keeps transposes; 'blackwell', sm100), or None (no FP8, or a GPU TE's FP8 is not read for)."""
+    kernel_tables: str | None = None
+    """The measured kernel tables its compute time reads (actmem.planner.kernels: actmem/planner/data/
+    <name>_*.csv), or None: every FLOP at one efficiency (DEFAULT_EFFICIENCY, or --efficiency)."""
 
 
 def _gib(gib: float) -> int:
@@ -57,11 +60,14 @@ GPUS = {
     "a100-40": Gpu("A100 40GB", _gib(39.39), 312e12, 230e9, 25e9),
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 (900 GB/s both ways) ~360 GB/s bus
     # bandwidth; one 400 Gb/s NDR InfiniBand link a GPU is 50 GB/s. PyTorch reports 79.10-79.18
-    # GiB total capacity (nvidia-smi: 81,559 MiB).
-    "h100": Gpu("H100 SXM 80GB", _gib(79.10), 989e12, 360e9, 50e9, "hopper"),
+    # GiB total capacity (nvidia-smi: 81,559 MiB). Its kernel tables were measured on an H100 80GB HBM3.
+    "h100": Gpu("H100 SXM 80GB", _gib(79.10), 989e12, 360e9, 50e9, "hopper", "h100"),
     # H200 SXM: the H100's compute and NVLink with 141 GB of HBM3e; PyTorch reports 139.72-139.81
-    # GiB total capacity (139.80 most often).
-    "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9, "hopper"),
+    # GiB total capacity (139.80 most often). It reads the H100's kernel tables: the same GH100 chip
+    # and clocks (1980 MHz, 700 W, 132 multiprocessors on both here); one eager run of
+    # benchmarks/gpu_kernel_tables.py on each (2026-11-26) put the median bf16 GEMM of 4096-32768 a
+    # side at 676 TFLOP/s on the H200 against 692 on the H100, its faster memory helping the small ones.
+    "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9, "hopper", "h100"),
     # B200 (HGX B200): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity); NVLink 5
     # (1.8 TB/s both ways), taken at the H100's share of it, ~720 GB/s bus bandwidth; one
     # 400 Gb/s ConnectX-7 link a GPU. PyTorch reports 178.35-178.36 GiB total capacity.

@@ -17,18 +17,30 @@ def matmul_weights(h, arch=PAPER, heads=None):
 def attention_weights(h, arch=PAPER, heads=None):
     """QKV h·(ad + 2gd) and the projection ad·h (4h² with ad = h, g = a); under multi-latent attention
     its projections (actmem.model.latent): q down h·q_r and up q_r·a(d_qk + d_r) (or h·a(d_qk + d_r)
-    without a q latent), kv down h·(kv_r + d_r) and up kv_r·a(d_qk + d_v), and the projection a·d_v·h."""
+    without a q latent), kv down h·(kv_r + d_r) and up kv_r·a(d_qk + d_v), and the projection a·d_v·h:
+    the sum over attention_linears."""
+    return sum(inputs * outputs for inputs, outputs, _, _ in attention_linears(h, arch, heads))
+
+
+#: how tensor parallelism splits a linear: its outputs ('column'), its inputs ('row'), or neither
+#: ('whole': each rank runs it whole on its own tokens, as multi-latent attention's down projections)
+SPLITS = ("column", "row", "whole")
+
+
+def attention_linears(h, arch=PAPER, heads=None) -> list:
+    """The attention's linears a token goes through, (inputs, outputs, split: SPLITS, expert: False)."""
     from actmem.memory.parameters import qkv_width
 
-    output = arch.attention_width(h, heads) * h
+    output = (arch.attention_width(h, heads), h, "row", False)
     if not arch.multi_latent_attention:
-        return h * qkv_width(h, arch, heads) + output
+        return [(h, qkv_width(h, arch, heads), "column", False), output]
     from actmem.model.latent import query_width
 
     q, q_rank, kv_rank = query_width(arch, heads), arch.q_lora_rank, arch.kv_lora_rank
-    query = h * q if q_rank is None else h * q_rank + q_rank * q
-    kv = h * (kv_rank + arch.qk_pos_emb_head_dim) + kv_rank * heads * (arch.qk_head_dim + arch.v_head_dim)
-    return query + kv + output
+    query = ([(h, q, "column", False)] if q_rank is None
+             else [(h, q_rank, "whole", False), (q_rank, q, "column", False)])
+    return [*query, (h, kv_rank + arch.qk_pos_emb_head_dim, "whole", False),
+            (kv_rank, heads * (arch.qk_head_dim + arch.v_head_dim), "column", False), output]
 
 
 def score_width(h, arch=PAPER, heads=None):
@@ -44,11 +56,21 @@ def score_width(h, arch=PAPER, heads=None):
 def mlp_weights(h, arch=PAPER):
     """The MLP's weights a token multiplies: (1 + fc1 width)·h·f; in a mixture of experts the router's
     E·h, the k experts it is routed to, (1 + fc1 width)·h·f_e each, and the shared experts' 3h·f_s
-    (the FLOPs of the rows the experts really receive: as many as k a token, dropless or balanced)."""
+    (the FLOPs of the rows the experts really receive: as many as k a token, dropless or balanced):
+    the sum over mlp_linears, each expert linear k times."""
+    return sum(inputs * outputs * (arch.moe_topk if expert else 1) for inputs, outputs, _, expert in mlp_linears(h, arch))
+
+
+def mlp_linears(h, arch=PAPER) -> list:
+    """The MLP's linears a token goes through, (inputs, outputs, split: SPLITS, expert): fc1 (gate and up
+    under SwiGLU) and fc2; in a mixture of experts the router (whole), each routed expert's fc1 and fc2
+    (expert: a token goes through k of them, split by ETP) and the shared experts' (SwiGLU, 2f_s then f_s)."""
     if not arch.moe:
-        return (arch.fc1_width + 1) * h * arch.ffn(h)
-    shared = 0 if arch.moe_shared_ffn is None else 3 * h * arch.moe_shared_ffn
-    return arch.num_experts * h + arch.moe_topk * (arch.fc1_width + 1) * h * arch.expert_ffn(h) + shared
+        return [(h, arch.fc1_width * arch.ffn(h), "column", False), (arch.ffn(h), h, "row", False)]
+    f_e, f_s = arch.expert_ffn(h), arch.moe_shared_ffn
+    shared = [] if f_s is None else [(h, 2 * f_s, "column", False), (f_s, h, "row", False)]
+    return [(h, arch.num_experts, "whole", False), (h, arch.fc1_width * f_e, "column", True),
+            (f_e, h, "row", True), *shared]
 
 
 def _layer_counts(L, arch) -> tuple:
@@ -220,13 +242,19 @@ def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, 
     forward of every layer, not of the logits: 8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the
     appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
     """
+    return sum(hardware_parts(B, s, L, h, v, recompute, arch, heads, modules))
+
+
+def hardware_parts(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
+    """hardware_flops by part: (the layers' matmuls, the attention scores, the logits), each with
+    what recompute reruns of it; the planner times each at its own kernels' speed."""
     layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
     if recompute is Recompute.NONE:
-        return 3 * (layers + scores + logits)
+        return 3 * layers, 3 * scores, 3 * logits
     if recompute is Recompute.SELECTIVE:
-        return (3 * (layers + scores + logits) + 3 * scores * ("core_attn" in modules)
-                + mlp_forward_flops(B, s, L, h, arch) * ("mlp" in modules))
-    return 4 * (layers + scores) + 3 * logits
+        return (3 * layers + mlp_forward_flops(B, s, L, h, arch) * ("mlp" in modules),
+                3 * scores + 3 * scores * ("core_attn" in modules), 3 * logits)
+    return 4 * layers, 4 * scores, 3 * logits
 
 
 def utilization(flops, seconds, gpus, peak_flops):

@@ -7,21 +7,81 @@ Arithmetic on numpy arrays (one element per configuration); none of it is overla
 which makes it a ranking model, not a promise.
 """
 
-from actmem.planner.flops import hardware_flops
+import numpy as np
+
+from actmem.planner.flops import hardware_parts
 from actmem.memory.techniques import PLAN_CHOICES
 from actmem.model.recompute import Recompute
 from actmem.model.widths import ACTIVATION_BYTES, GRADIENT_BYTES, WEIGHT_BYTES
 
 
 def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch, heads, share=1):
-    """Hardware FLOPs (recompute included) shared by all GPUs at efficiency x peak (an even
-    pipeline's stage; the planner scales an uneven one's by its slowest stage). share: of
-    what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
+    """Hardware FLOPs (recompute included) shared by all GPUs, each part (the layers' matmuls, the
+    attention scores, the logits: flops.hardware_parts) at its efficiency x peak (an even pipeline's
+    stage; the planner scales an uneven one's by its slowest stage). efficiency: one share of the
+    peak for every part, or a (layers, scores, logits) triple of them (kernel_efficiencies). share:
+    of what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
     layers)."""
-    plain = hardware_flops(B, s, L, h, v, Recompute.NONE, arch, heads)
-    flops = sum((recompute == name) * hardware_flops(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
-                for name, choice in PLAN_CHOICES.items())
-    return (plain + share * (flops - plain)) / (gpus * efficiency * peak_flops)
+    efficiencies = efficiency if isinstance(efficiency, tuple) else (efficiency,) * 3
+    plain = hardware_parts(B, s, L, h, v, Recompute.NONE, arch, heads)
+    chosen = [hardware_parts(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
+              for choice in PLAN_CHOICES.values()]
+    seconds = 0.0
+    for part, (base, eff) in enumerate(zip(plain, efficiencies)):
+        flops = sum((recompute == name) * parts[part] for name, parts in zip(PLAN_CHOICES, chosen))
+        seconds = seconds + (base + share * (flops - base)) / eff
+    return seconds / (gpus * peak_flops)
+
+
+def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops):
+    """(layers, scores, logits): the share of the peak each part of compute_seconds runs at on one
+    rank, from the kernels measured on its GPU (kernels.py) at the shapes the rank runs; t, c, b,
+    ep, etp arrays (one a configuration).
+
+    The layers' matmuls: the FLOPs over the measured seconds of the linears (flops.attention_linears,
+    mlp_linears) of a layer of each kind, weighted by the number of such layers (a MoE model's
+    dense layers at its dense twin's). A linear runs on T = s·b/c rows (its sequence shard, gathered
+    over t under sequence parallelism), its outputs split by t ('column') or its inputs ('row'); a
+    'whole' one on the rank's T/t tokens; a routed expert's on k·(T/t)·EP·ETP/E rows (its share of
+    the routed tokens, balanced) split by ETP, E/EP of them. The scores: the attention core
+    (kernels.attention_seconds: TE's cuDNN attention under Megatron, flash otherwise), b·a/t heads,
+    against their counted FLOPs (the full s², as MFU counts them); an eager core at
+    DEFAULT_EFFICIENCY (no table of its softmax). The logits: the output layer's linear, v/t columns.
+    Multi-token-prediction layers are not in the weighting (their FLOPs go at the layers')."""
+    from actmem.model.experts import dense_twin
+    from actmem.model.hardware import DEFAULT_EFFICIENCY
+    from actmem.planner import kernels
+    from actmem.planner.flops import _layer_counts, attention_linears, mlp_linears, score_width
+
+    t, c, b, ep, etp = (np.asarray(x, dtype=float) for x in (t, c, b, ep, etp))
+    rows = s * b / c
+
+    def layer(kind):
+        flops = seconds = 0.0
+        for inputs, outputs, split, expert in attention_linears(h, kind, a) + mlp_linears(h, kind):
+            if expert:
+                count, tokens = kind.num_experts / ep, kind.moe_topk * rows / t * ep * etp / kind.num_experts
+                inputs, outputs = (inputs, outputs / etp) if split == "column" else (inputs / etp, outputs)
+            else:
+                count, tokens = 1.0, rows / t if split == "whole" else rows
+                inputs, outputs = ((inputs, outputs / t) if split == "column" else
+                                   (inputs / t, outputs) if split == "row" else (inputs, outputs))
+            flops = flops + count * 6.0 * tokens * inputs * outputs
+            seconds = seconds + count * kernels.linear_seconds(table, tokens, inputs, outputs)
+        return flops, seconds
+
+    own, dense = _layer_counts(L, arch)
+    kinds = [(arch, own)] + ([(dense_twin(arch), dense)] if dense else [])
+    flops, seconds = (sum(n * part for n, part in zip((n for _, n in kinds), parts))
+                      for parts in zip(*(layer(kind) for kind, _ in kinds)))
+    layers = flops / seconds / peak_flops
+    logits = 6.0 * rows * h * v / t / kernels.linear_seconds(table, rows, h, v / t) / peak_flops
+    if arch.attention_core == "eager":
+        return layers, np.full_like(layers, DEFAULT_EFFICIENCY), logits
+    width = score_width(h, arch, a)
+    backend = "cudnn" if arch.code.name == "megatron" else "flash"
+    attention = kernels.attention_seconds(table, backend, b * a / t, s, c, head_dim=width / (2 * a))
+    return layers, 3 * 2.0 * b * s * s * width / (t * c) / attention / peak_flops, logits
 
 
 def bubble_factor(p, m, n):

@@ -70,8 +70,9 @@ class PlanRequest:
     """Headroom kept free above the modelled peak for what no model knows (hardware.DEFAULT_RESERVE)."""
     gpus_per_node: int = defaults.GPUS_PER_NODE
     """Tensor parallelism stays inside a node: t <= gpus_per_node."""
-    efficiency: float = DEFAULT_EFFICIENCY
-    """Share of the peak the matmuls reach; scales every compute time alike."""
+    efficiency: float | None = None
+    """Share of the peak every FLOP reaches, scaling every compute time alike; None: the GPU's measured
+    kernels at each configuration's shapes where it has them (kernels.py), else DEFAULT_EFFICIENCY."""
     max_micro_batch: int = defaults.MAX_MICRO_BATCH
     vocab_divisible_by: int = defaults.VOCAB_DIVISIBLE_BY
     architecture: Architecture = PAPER
@@ -117,7 +118,7 @@ class PlanRequest:
         if not 0 <= self.reserve_bytes < self.gpu_memory_bytes:
             raise SpecError(f"reserve ({self.reserve_bytes:,} B) must be less than the GPU memory "
                             f"({self.gpu_memory_bytes:,} B)")
-        if not (math.isfinite(self.efficiency) and 0 < self.efficiency <= 1):
+        if self.efficiency is not None and not (math.isfinite(self.efficiency) and 0 < self.efficiency <= 1):
             raise SpecError(f"efficiency must be in (0, 1], got {self.efficiency}")
 
     @property
@@ -451,8 +452,11 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     # every other choice all it recomputes
     chunk = paced // grid.m
     share = np.where(grid.recompute == PLAN_BLOCK, np.minimum(grid.recompute_layers, chunk) / chunk, 1.0)
+    efficiency = _efficiencies(req, grid)
+    for part, values in zip(EFFICIENCY_PARTS, efficiency):
+        grid[part] = values
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
-                                                  req.gpus, gpu.peak_flops, req.efficiency,
+                                                  req.gpus, gpu.peak_flops, efficiency,
                                                   req.architecture, model.heads, share) * (grid.p * paced / L)
     s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
@@ -479,6 +483,27 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                             + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
     grid["mfu"] = flops / (grid.iteration_s * req.gpus * gpu.peak_flops)
+
+
+EFFICIENCY_PARTS = ("layers_efficiency", "scores_efficiency", "logits_efficiency")
+"""The share of the peak compute_seconds takes each part at: the layers' matmuls, the attention
+scores, the logits."""
+
+
+def _efficiencies(req: PlanRequest, grid: pd.DataFrame) -> tuple:
+    """compute_seconds' (layers, scores, logits) efficiencies, one a row: --efficiency for all where
+    given, else the GPU's measured kernels at each row's shapes (iteration.kernel_efficiencies,
+    evaluated once a distinct shape), else DEFAULT_EFFICIENCY."""
+    if req.efficiency is not None or req.gpu.kernel_tables is None:
+        flat = np.full(len(grid), DEFAULT_EFFICIENCY if req.efficiency is None else req.efficiency)
+        return flat, flat, flat
+    keys = ["t", "c", "b", "ep", "etp", "vocab"]
+    shapes, which = np.unique(grid[keys].to_numpy(), axis=0, return_inverse=True)
+    model = req.model
+    parts = iteration.kernel_efficiencies(req.gpu.kernel_tables, req.architecture, model.seq_len, model.hidden,
+                                          model.heads, shapes[:, 5], model.layers, *shapes[:, :5].T,
+                                          req.gpu.peak_flops)
+    return tuple(np.broadcast_to(part, len(shapes))[which.ravel()] for part in parts)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,21 @@ def _listed(values) -> str:
     return "{" + ", ".join(map(str, values)) + "}"
 
 
+def _compute_assumption(req) -> str:
+    from actmem.model.hardware import DEFAULT_EFFICIENCY
+    from actmem.views.report import compute_source
+
+    gpu, peak = req.gpu, f"{req.gpu.peak_flops / 1e12:.0f} TFLOP/s"
+    if compute_source(req) is None:
+        share = DEFAULT_EFFICIENCY if req.efficiency is None else req.efficiency
+        return f"compute: hardware FLOPs (recompute included) at {share:.0%} of {peak} ({gpu.name})"
+    return (f"compute: hardware FLOPs (recompute included), each linear's GEMMs and the attention core at the "
+            f"speed measured on an {gpu.kernel_tables.upper()} at the shapes one rank runs "
+            f"(actmem/planner/data/{gpu.kernel_tables}_*.csv, benchmarks/gpu_kernel_tables.py), of {peak} "
+            f"({gpu.name}); the other kernels (norms, activations, rope, copies) not charged; --efficiency "
+            "gives one share of the peak for all")
+
+
 def _plan_assumptions(req) -> list[str]:
     gpu = req.gpu
     return [
@@ -113,8 +128,7 @@ def _plan_assumptions(req) -> list[str]:
         "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
         "and the backward's transients other than those it counts (the rerun, the loss's logits "
         "gradient, the last layer's fc1 and eager core backward)",
-        f"compute: hardware FLOPs (recompute included) at {req.efficiency:.0%} of "
-        f"{gpu.peak_flops / 1e12:.0f} TFLOP/s ({gpu.name})",
+        _compute_assumption(req),
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
         f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "
         "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
@@ -182,7 +196,9 @@ def render_explain(est, row) -> None:
                         ("data-parallel gradient reduction", row.data_parallel_s),
                         ("iteration", row.iteration_s)):
         table.add_row(part, f"{value:.3f}")
-    table.caption = f"model FLOPs utilisation {100 * row.mfu:.1f}%"
+    table.caption = (f"model FLOPs utilisation {100 * row.mfu:.1f}%; compute at {row.layers_efficiency:.0%} of "
+                     f"the peak in the layers' matmuls, {row.scores_efficiency:.0%} in the attention core and "
+                     f"{row.logits_efficiency:.0%} in the logits")
     table.caption_justify = "left"
     _console().print(table)
 

@@ -173,12 +173,17 @@ PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage
                 "weights_bytes",
                 "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes", "total_bytes",
                 "first_peak_bytes", "middle_peak_bytes", "last_peak_bytes", "peak_bytes", "peak_stage", "fits",
-                "compute_s", "tensor_parallel_s", "context_parallel_s", "expert_parallel_s", "pipeline_p2p_s", "bubble",
+                "layers_efficiency", "scores_efficiency", "logits_efficiency", "compute_s", "tensor_parallel_s", "context_parallel_s", "expert_parallel_s", "pipeline_p2p_s", "bubble",
                 "data_parallel_s", "iteration_s", "mfu"]
 """A plan row as JSON and CSV write it: the split of its pipeline (plan.STAGE_LAYERS), N of a
 full recompute by Megatron's block method (recompute_layers; 0: every layer alone, or none), the
 first stage's peak floor by part, each sized stage's peak (middle: stage 1, 0 where p < 3),
 the busiest, and the time model's parts."""
+
+
+def compute_source(req) -> str | None:
+    """The measured kernel tables the plan's compute time reads, or None (one efficiency for all)."""
+    return req.gpu.kernel_tables if req.efficiency is None else None
 
 
 def _plan_rows(frame, top: int) -> list[dict]:
@@ -209,7 +214,7 @@ def plan_json(plan, top: int, nothing=None) -> str:
                     "gpus": req.gpus, "global_batch": req.global_batch,
                     "gpu": req.gpu.name, "gpu_memory_bytes": req.gpu_memory_bytes,
                     "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes,
-                    "efficiency": req.efficiency},
+                    "efficiency": req.efficiency, "kernel_tables": compute_source(req)},
         "evaluated": plan.swept,
         "block_rows": plan.block_rows,
         "fitting": len(plan.fitting),

@@ -1,0 +1,123 @@
+"""The planner's measured kernel tables (actmem.planner.kernels): every expected number is read
+straight from the CSV rows the H100 measured, and the shapes are derived by hand beside each test."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from actmem.model.architecture import Architecture
+from actmem.planner import iteration, kernels
+
+DATA = "actmem/planner/data/h100_{}.csv"
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    frame = pd.read_csv(DATA.format("gemm"), comment="#")
+    return lambda layout, m, n, k: frame[(frame.layout == layout) & (frame.m == m) & (frame.n == n)
+                                         & (frame.k == k)].graphed_seconds.item()
+
+
+@pytest.fixture(scope="module")
+def attention():
+    frame = pd.read_csv(DATA.format("attention"), comment="#")
+    return lambda backend, causal, heads, seq: frame[
+        (frame.backend == backend) & (frame.causal == causal) & (frame.heads == heads)
+        & (frame.seq == seq)].forward_backward_graphed_seconds.item()
+
+
+def test_the_tables_say_where_they_were_measured():
+    for table in ("gemm", "attention"):
+        with open(DATA.format(table)) as f:
+            first = f.readline()
+        assert first.startswith("# measured by benchmarks/gpu_kernel_tables.py on one NVIDIA H100"), first
+
+
+def test_a_linear_at_measured_shapes_is_its_three_gemms(gemm):
+    """y[1024, 4096] = x[1024, 8192]·Wᵀ: fprop (m=1024 n=4096 k=8192), dgrad dx[1024, 8192] = dy·W
+    (m=1024 n=8192 k=4096), wgrad dW[4096, 8192] = dyᵀ·x (m=4096 n=8192 k=1024)."""
+    expected = gemm("fprop", 1024, 4096, 8192) + gemm("dgrad", 1024, 8192, 4096) + gemm("wgrad", 4096, 8192, 1024)
+    assert kernels.linear_seconds("h100", 1024, 8192, 4096) == pytest.approx(expected, rel=1e-12)
+
+
+def test_between_measured_shapes_throughput_is_linear_in_log2(gemm):
+    """m = 1024·√2 sits halfway (in log2) between 1024 and 2048: each GEMM's throughput is the mean
+    of the two measured throughputs, its FLOPs 2·m·n·k."""
+    m, n, k = 1024 * math.sqrt(2), 4096, 8192
+    shapes = {"fprop": ((1024, n, k), (2048, n, k)), "dgrad": ((1024, k, n), (2048, k, n)),
+              "wgrad": ((n, k, 1024), (n, k, 2048))}
+    expected = 0.0
+    for layout, (low, high) in shapes.items():
+        throughput = [2.0 * math.prod(shape) / gemm(layout, *shape) for shape in (low, high)]
+        scale = 2.0 * m * n * k / (2.0 * math.prod(low))     # the FLOPs at m over those at 1024
+        expected += 2.0 * math.prod(low) * scale / (sum(throughput) / 2)
+    assert kernels.linear_seconds("h100", m, k, n) == pytest.approx(expected, rel=1e-9)
+
+
+def test_beyond_the_largest_shape_throughput_holds(gemm):
+    """65,536 rows: twice the FLOPs of 32,768 rows, at 32,768's measured throughput."""
+    at_edge = kernels.linear_seconds("h100", 32768, 4096, 4096)
+    assert kernels.linear_seconds("h100", 65536, 4096, 4096) == pytest.approx(2 * at_edge, rel=1e-12)
+    assert at_edge == pytest.approx(gemm("fprop", 32768, 4096, 4096) + gemm("dgrad", 32768, 4096, 4096)
+                                    + gemm("wgrad", 4096, 4096, 32768), rel=1e-12)
+
+
+def test_attention_without_context_parallelism_is_one_causal_kernel(attention):
+    assert kernels.attention_seconds("h100", "cudnn", 16, 8192, 1) == pytest.approx(
+        attention("cudnn", 1, 16, 8192), rel=1e-12)
+
+
+def test_context_parallel_attention_is_c_halves_of_noncausal_blocks(attention):
+    """c = 16 at 8K tokens: a rank attends its 512 queries to every earlier key, 8192²/32 pairs, in
+    blocks of 512²: 8 blocks' worth of the non-causal kernel at 512 tokens. Slower per token than
+    one causal kernel over 8K (a 16th of its time): the small blocks run far from the peak."""
+    ring = kernels.attention_seconds("h100", "cudnn", 16, 8192, 16)
+    assert ring == pytest.approx(8 * attention("cudnn", 0, 16, 512), rel=1e-12)
+    assert ring > 2.5 * attention("cudnn", 1, 16, 8192) / 16
+
+
+def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm, attention):
+    """h = 4096, a = 32 heads of 128, g = 16 groups, SwiGLU f = 8192, at t = 4, c = 1, b = 1, s = 4096:
+    every linear of a rank runs on T = 4096 rows: QKV 4096 -> (4096 + 2·2048)/4 = 2048, the projection
+    4096/4 = 1024 -> 4096, fc1 4096 -> 2·8192/4 = 4096, fc2 8192/4 = 2048 -> 4096. The scores: 8 heads
+    of one causal kernel, against their counted 3 x 2·b·s²·2ad/t FLOPs. The logits: 4096 -> 32768/4."""
+    arch = Architecture(query_groups=16, activation="swiglu", ffn_hidden=8192, attention_core="flash",
+                        normalization="rmsnorm", position_embedding="rope")
+    T, peak = 4096, 989e12
+    linears = [(4096, 2048), (1024, 4096), (4096, 4096), (2048, 4096)]
+    seconds = sum(gemm("fprop", T, o, i) + gemm("dgrad", T, i, o) + gemm("wgrad", o, i, T) for i, o in linears)
+    flops = sum(6 * T * i * o for i, o in linears)
+    layers, scores, logits = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2,
+                                                           np.array([4]), np.array([1]), np.array([1]), 1,
+                                                           np.array([4]), peak)
+    assert layers == pytest.approx(flops / seconds / peak, rel=1e-12)
+    assert scores == pytest.approx(3 * 2 * 4096**2 * 2 * 4096 / 4 / attention("cudnn", 1, 8, 4096) / peak, rel=1e-12)
+    logit_seconds = gemm("fprop", T, 8192, 4096) + gemm("dgrad", T, 4096, 8192) + gemm("wgrad", 8192, 4096, T)
+    assert logits == pytest.approx(6 * T * 4096 * 8192 / logit_seconds / peak, rel=1e-12)
+
+
+def test_a_moe_layer_weights_its_experts_at_their_rows(gemm):
+    """E = 8 experts of f_e = 2048 (SwiGLU), k = 2, beside GQA attention (h = 4096, 32 heads of 128,
+    16 groups), at s = 4096, b = 1, c = 1, t = 2, EP = 4, ETP = 1: the dense linears run on T = 4096
+    rows (QKV 4096 -> 8192/2, projection 4096/2 -> 4096); the router whole on T/t = 2048 rows, 4096 -> 8
+    (8 under the smallest measured width, 128: taken at 128's throughput); each of the E/EP = 2 local
+    experts on k·(T/t)·EP·ETP/E = 2·2048·4/8 = 2048 rows, fc1 4096 -> 4096, fc2 2048 -> 4096."""
+    arch = Architecture(query_groups=16, activation="swiglu", attention_core="flash", normalization="rmsnorm",
+                        position_embedding="rope", bias=False, num_experts=8, moe_topk=2, moe_ffn_hidden=2048)
+    peak = 989e12
+
+    def timed(rows, i, o, count=1):
+        """(FLOPs, seconds) of count linears i -> o on rows, each GEMM at its (clamped) measured throughput."""
+        shapes = {"fprop": (rows, o, i), "dgrad": (rows, i, o), "wgrad": (o, i, rows)}
+        seconds = sum(2 * rows * i * o / (2 * math.prod(max(d, 128) for d in shape)
+                                          / gemm(layout, *(max(d, 128) for d in shape)))
+                      for layout, shape in shapes.items())
+        return count * 6 * rows * i * o, count * seconds
+
+    parts = [timed(4096, 4096, 4096), timed(4096, 2048, 4096), timed(2048, 4096, 8),
+             timed(2048, 4096, 4096, 2), timed(2048, 2048, 4096, 2)]
+    layers, _, _ = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2, np.array([2]),
+                                                 np.array([1]), np.array([1]), np.array([4]), np.array([1]), peak)
+    assert layers == pytest.approx(sum(f for f, _ in parts) / sum(s for _, s in parts) / peak, rel=1e-12)

@@ -558,6 +558,8 @@ class ModelChoice:
     """The OptimizerState the flags (or a paste) ask for."""
     vocab_divisible_by: int | None = None
     """--make-vocab-size-divisible-by where given."""
+    pasted: frozenset = frozenset()
+    """The Megatron settings a pasted --megatron-args read (megatron_args.SETTINGS), by name."""
 
 
 def model_from_flags(flags: dict) -> ModelChoice:
@@ -580,7 +582,8 @@ def model_from_flags(flags: dict) -> ModelChoice:
     gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
     return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
                        pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes,
-                       optimizer_state(flags), flags["vocab_divisible_by"])
+                       optimizer_state(flags), flags["vocab_divisible_by"],
+                       frozenset(key for key in pasted if key.startswith("--")))
 
 
 def _script_run(flags: dict) -> dict:

@@ -187,6 +187,12 @@ def plan_options(command):
                      help="Share of the GPU's peak every FLOP reaches (scales compute time alike). "
                           "Default: the kernels measured on the GPU (H100, H200) at each configuration's "
                           f"shapes, else {DEFAULT_EFFICIENCY}."),
+        option("--overlap-grad-reduce", is_flag=True, default=False,
+                     help="Megatron's switch (off by default): the data-parallel gradient reduction overlaps "
+                          "the last microbatch's backward; a pasted --megatron-args turns it on too."),
+        option("--overlap-param-gather", is_flag=True, default=False,
+                     help="Megatron's switch (off by default; needs --overlap-grad-reduce and keeps only the "
+                          "distributed optimizer's configurations): its all-gather overlaps the next forward."),
         option("--max-micro-batch", type=click.IntRange(min=1), default=defaults.MAX_MICRO_BATCH,
                      show_default=True,
                      help="Largest b to try."),
@@ -270,6 +276,8 @@ def plan_request(flags: dict):
     request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
                           gpu_memory_bytes=memory["gpu_memory_bytes"], reserve_bytes=memory["reserve_bytes"],
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
+                          overlap_grad_reduce=flags["overlap_grad_reduce"] or "--overlap-grad-reduce" in choice.pasted,
+                          overlap_param_gather=flags["overlap_param_gather"] or "--overlap-param-gather" in choice.pasted,
                           max_micro_batch=flags["max_micro_batch"],
                           vocab_divisible_by=choice.architecture.code.vocab_divisible_by(
                               choice.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY),

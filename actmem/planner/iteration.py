@@ -125,10 +125,36 @@ def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, b
 def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth, gradient_bytes=GRADIENT_BYTES):
     """Once an iteration: all-reduce the gradients (2(d-1)/d x 4 B a parameter in fp32, 2 B in
     16 bits); the distributed optimizer reduce-scatters them and all-gathers 16-bit weights
-    instead ((d-1)/d x (4 + 2) B)."""
-    per_parameter = (2 * gradient_bytes * (1 - distributed_optimizer)
-                     + (gradient_bytes + WEIGHT_BYTES) * distributed_optimizer)
-    return parameters * per_parameter * (d - 1) / d / bandwidth
+    instead ((d-1)/d x (4 + 2) B). (reduce, gather) seconds."""
+    reduce = parameters * gradient_bytes * (2 - distributed_optimizer) * (d - 1) / d / bandwidth
+    return reduce, parameters * WEIGHT_BYTES * distributed_optimizer * (d - 1) / d / bandwidth
+
+
+#: the parameters of a gradient bucket under Megatron's training script: max(40M, 1M·d·c)
+#: (training.py, ddp_bucket_size; distributed_data_parallel.py takes 1M·d alone)
+BUCKET_PARAMETERS, BUCKET_PER_RANK = 40_000_000, 1_000_000
+
+
+def exposed_data_parallel_seconds(reduce, gather, parameters, d, m, microbatch_compute, overlap_grad_reduce,
+                                  overlap_param_gather):
+    """What of the data-parallel communication (data_parallel_seconds) the iteration waits for.
+    Without overlap, all of it: one reduction after the last backward, the gather in the optimizer
+    step. --overlap-grad-reduce: the stage's buckets reduce as their gradients are complete in the
+    last microbatch's backward (param_and_grad_buffer.py, register_grad_ready; no_sync before), and
+    stages past the first reduce theirs as the pipeline drains, so what exceeds one microbatch's
+    backward (2/3 of its compute) waits, and at least the last bucket's (the first layers',
+    BUCKET_PARAMETERS of the stage's) or, interleaved (m > 1), the first chunk's whole reduction, 1/m
+    (each chunk reduces once its last backward is done). --overlap-param-gather (the distributed
+    optimizer's rows): the all-gather runs ahead of the next iteration's forward, bucket by bucket
+    (the forward pre-hook's finish_param_sync), so what exceeds a microbatch's forward (1/3) waits,
+    and at least the first bucket's (or chunk's)."""
+    bucket = np.minimum(1.0, np.maximum(BUCKET_PARAMETERS, BUCKET_PER_RANK * d) / parameters)
+    first = np.where(m > 1, np.maximum(bucket, 1 / m), bucket)
+    if overlap_grad_reduce:
+        reduce = np.maximum(first * reduce, reduce - 2 / 3 * microbatch_compute)
+    if overlap_param_gather:
+        gather = np.maximum(first * gather, gather - 1 / 3 * microbatch_compute)
+    return reduce + gather
 
 
 def pipeline_p2p_seconds(s, b, h, t, p, m, n, bandwidth):

@@ -87,6 +87,12 @@ class PlanRequest:
     estimate's Run.routing_imbalance; the verdict is that rank's."""
     expert_loads: tuple | None = None
     """A per-expert load histogram in place of r (Run.expert_loads): each EP swept takes its busiest rank's."""
+    overlap_grad_reduce: bool = False
+    """Megatron's --overlap-grad-reduce (off by default): the gradient reduction overlaps the last
+    microbatch's backward (iteration.exposed_data_parallel_seconds)."""
+    overlap_param_gather: bool = False
+    """Megatron's --overlap-param-gather (off by default; needs --overlap-grad-reduce): the distributed
+    optimizer's all-gather overlaps the next iteration's forward."""
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
@@ -98,6 +104,9 @@ class PlanRequest:
                             "--num-experts")
         check_routing(self.architecture, self.routing_imbalance, self.expert_loads)
         check_gpu(self.architecture.fp8, self.gpu.fp8, self.gpu.name)
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise SpecError("--overlap-param-gather needs --overlap-grad-reduce (Megatron asserts it: "
+                            "arguments.py, 'Must use --overlap-param-gather with --overlap-grad-reduce')")
         for unswept, what, why in _NOT_SWEPT:
             if unswept(self.architecture):
                 raise SpecError(f"plan does not sweep {what} yet ({why}): size one with `actmem estimate`")
@@ -222,6 +231,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     # it, and its bytes are the plain optimizer's, so the sweep keeps only the plain row (the
     # precision-aware optimizer needs the distributed one: then only that row)
     grid = grid[~((grid.distributed_optimizer != req.optimizer.precision_aware) & (grid.d * grid.c == 1))]
+    if req.overlap_param_gather:     # Megatron asserts the distributed optimizer (arguments.py, validate_args)
+        grid = grid[grid.distributed_optimizer]
     grid["n"] = req.global_batch // (grid.b * grid.d)
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)
@@ -477,8 +488,11 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                              grid.n, across_nodes)
     # each stage reduces its own gradients at once: the one with the most parameters finishes last
     reduced = grid[["parameters", "middle_parameters", "last_parameters"]].max(axis=1)
-    grid["data_parallel_s"] = iteration.data_parallel_seconds(reduced, grid.d * grid.c, grid.distributed_optimizer,
-                                                              across_nodes, req.gradient_bytes)
+    reduce, gather = iteration.data_parallel_seconds(reduced, grid.d * grid.c, grid.distributed_optimizer,
+                                                     across_nodes, req.gradient_bytes)
+    grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
+        reduce, gather, reduced, grid.d * grid.c, grid.m, grid.compute_s / grid.n, req.overlap_grad_reduce,
+        req.overlap_param_gather)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)

@@ -117,6 +117,16 @@ def _compute_assumption(req) -> str:
             "gives one share of the peak for all")
 
 
+def _overlap_assumption(req) -> str:
+    if not req.overlap_grad_reduce:
+        return "nothing overlapped (Megatron's default; --overlap-grad-reduce, --overlap-param-gather)"
+    gather = ("and the parameter all-gather behind the next forward (--overlap-param-gather), "
+              if req.overlap_param_gather else "")
+    return ("the gradient reduction overlapped with the last microbatch's backward (--overlap-grad-reduce) "
+            f"{gather}at least the last bucket (max(40M, 1M·d·c) parameters) or, interleaved, the first "
+            "chunk's left waiting; the rest not overlapped")
+
+
 def _plan_assumptions(req) -> list[str]:
     gpu = req.gpu
     return [
@@ -131,7 +141,7 @@ def _plan_assumptions(req) -> list[str]:
         _compute_assumption(req),
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
         f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "
-        "nothing overlapped; latencies and the lower efficiency of small chunks (large m) not charged",
+        + _overlap_assumption(req) + "; latencies and the lower efficiency of small chunks (large m) not charged",
         "pipeline bubble (p-1)/(m·n) for n microbatches a pipeline",
         "pipelines even where p divides L, else (p ≥ 3) as Llama 3 splits its 126 layers on 16 "
         "stages, 7 + 8 x 14 + 7: ⌈L/p⌉ layers on each stage between and the rest on the first and "
@@ -193,7 +203,7 @@ def render_explain(est, row) -> None:
                         (f"pipeline bubble × {row.bubble:.4f}",
                          (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.expert_parallel_s
                           + row.pipeline_p2p_s) * (row.bubble - 1)),
-                        ("data-parallel gradient reduction", row.data_parallel_s),
+                        ("data-parallel communication (what overlap leaves)", row.data_parallel_s),
                         ("iteration", row.iteration_s)):
         table.add_row(part, f"{value:.3f}")
     table.caption = (f"model FLOPs utilisation {100 * row.mfu:.1f}%; compute at {row.layers_efficiency:.0%} of "

@@ -1,0 +1,58 @@
+"""Megatron's data-parallel overlap in the planner's time model (iteration.exposed_data_parallel_seconds),
+derived by hand, and the switches as a user gives them."""
+
+import numpy as np
+import pytest
+
+from actmem.planner.iteration import exposed_data_parallel_seconds
+from tests.conftest import assert_one_line_error
+
+#: a stage of 400M parameters reduced over d = 8: a bucket is max(40M, 1M·8) = 40M, a tenth of it
+PARAMETERS, D = 400e6, 8
+
+
+def exposed(reduce, gather, m, microbatch, grad, param):
+    return float(exposed_data_parallel_seconds(reduce, gather, PARAMETERS, D, np.array(m), microbatch, grad, param))
+
+
+def test_without_overlap_the_iteration_waits_for_all_of_it():
+    assert exposed(1.0, 0.5, 1, 10.0, False, False) == 1.5
+
+
+def test_a_long_backward_hides_all_but_the_last_bucket():
+    """A microbatch of 10 s computes 6.67 s backward: the 1 s reduction hides but its last bucket, 0.1 s."""
+    assert exposed(1.0, 0.0, 1, 10.0, True, False) == pytest.approx(0.1)
+
+
+def test_interleaved_the_first_chunk_s_reduction_waits_whole():
+    """m = 4: the first chunk reduces after its last backward, a quarter of the 1 s (above the bucket's tenth)."""
+    assert exposed(1.0, 0.0, 4, 10.0, True, False) == pytest.approx(0.25)
+
+
+def test_a_short_backward_leaves_the_rest_waiting():
+    """A 0.3 s microbatch: 0.2 s backward hides 0.2 s of the 1 s reduction; 0.8 s waits."""
+    assert exposed(1.0, 0.0, 1, 0.3, True, False) == pytest.approx(0.8)
+
+
+def test_the_gather_hides_behind_the_next_forward():
+    """0.5 s of all-gather against a 0.3 s microbatch's 0.1 s forward: 0.4 s waits; without the switch, all
+    of it (the reduction, 1 s against 0.2 s of backward, leaves 0.8 s either way)."""
+    assert exposed(1.0, 0.5, 1, 0.3, True, True) == pytest.approx(0.8 + 0.4)
+    assert exposed(1.0, 0.5, 1, 0.3, True, False) == pytest.approx(0.8 + 0.5)
+
+
+def _plan_json(actmem, *args):
+    return actmem.json("plan", "--model", "gpt3", "--gpus", "512", "--global-batch", "512", "--top", "1", *args)
+
+
+def test_the_switches_and_a_paste_turn_the_overlap_on(actmem):
+    assert _plan_json(actmem)["request"]["overlap_grad_reduce"] is False
+    flagged = _plan_json(actmem, "--overlap-grad-reduce", "--overlap-param-gather")["request"]
+    assert flagged["overlap_grad_reduce"] and flagged["overlap_param_gather"]
+    pasted = _plan_json(actmem, "--megatron-args", "--overlap-grad-reduce --bf16")["request"]
+    assert pasted["overlap_grad_reduce"] and not pasted["overlap_param_gather"]
+
+
+def test_the_gather_without_the_reduction_is_refused(actmem):
+    result = actmem("plan", "--model", "gpt3", "--gpus", "512", "--global-batch", "512", "--overlap-param-gather")
+    assert_one_line_error(result, "--overlap-param-gather needs --overlap-grad-reduce")

@@ -2,6 +2,7 @@
 straight from the CSV rows the H100 measured, and the shapes are derived by hand beside each test."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -10,7 +11,7 @@ import pytest
 from actmem.model.architecture import Architecture
 from actmem.planner import iteration, kernels
 
-DATA = "actmem/planner/data/h100_{}.csv"
+DATA = str(Path(__file__).parents[1] / "actmem" / "planner" / "data" / "h100_{}.csv")
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +70,18 @@ def test_attention_without_context_parallelism_is_one_causal_kernel(attention):
         attention("cudnn", 1, 16, 8192), rel=1e-12)
 
 
-def test_context_parallel_attention_is_c_halves_of_noncausal_blocks(attention):
-    """c = 16 at 8K tokens: a rank attends its 512 queries to every earlier key, 8192²/32 pairs, in
-    blocks of 512²: 8 blocks' worth of the non-causal kernel at 512 tokens. Slower per token than
-    one causal kernel over 8K (a 16th of its time): the small blocks run far from the peak."""
+def test_context_parallel_attention_is_a_causal_step_then_half_blocks(attention):
+    """c = 16 at 8K tokens: a rank attends its 512 queries to every earlier key, 8192²/32 pairs: its own
+    512 keys causally (step 0), then 15 steps of half a 512² block, 7.5 non-causal 512-token kernels
+    (512²/2 + 15·512²/2 = 8192²/32). Slower per token than one causal kernel over 8K (a 16th of its
+    time): the small blocks run far from the peak. At c = 2: the causal kernel over 4K and half a
+    non-causal one, slower than half the causal 8K's."""
     ring = kernels.attention_seconds("h100", "cudnn", 16, 8192, 16)
-    assert ring == pytest.approx(8 * attention("cudnn", 0, 16, 512), rel=1e-12)
+    assert ring == pytest.approx(attention("cudnn", 1, 16, 512) + 7.5 * attention("cudnn", 0, 16, 512), rel=1e-12)
     assert ring > 2.5 * attention("cudnn", 1, 16, 8192) / 16
+    two = kernels.attention_seconds("h100", "cudnn", 16, 8192, 2)
+    assert two == pytest.approx(attention("cudnn", 1, 16, 4096) + 0.5 * attention("cudnn", 0, 16, 4096), rel=1e-12)
+    assert two > attention("cudnn", 1, 16, 8192) / 2
 
 
 def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm, attention):

@@ -34,6 +34,12 @@ def test_a_short_backward_leaves_the_rest_waiting():
     assert exposed(1.0, 0.0, 1, 0.3, True, False) == pytest.approx(0.8)
 
 
+def test_the_first_stage_s_last_bucket_holds_the_embedding():
+    """A 128K x 2048 embedding, 268M parameters, closes the last bucket: 0.67 of the 400M stage waits."""
+    assert float(exposed_data_parallel_seconds(1.0, 0.0, PARAMETERS, D, np.array(1), 10.0, True, False,
+                                               embedding=131072 * 2048)) == pytest.approx(131072 * 2048 / 400e6)
+
+
 def test_the_gather_hides_behind_the_next_forward():
     """0.5 s of all-gather against a 0.3 s microbatch's 0.1 s forward: 0.4 s waits; without the switch, all
     of it (the reduction, 1 s against 0.2 s of backward, leaves 0.8 s either way)."""
@@ -56,3 +62,17 @@ def test_the_switches_and_a_paste_turn_the_overlap_on(actmem):
 def test_the_gather_without_the_reduction_is_refused(actmem):
     result = actmem("plan", "--model", "gpt3", "--gpus", "512", "--global-batch", "512", "--overlap-param-gather")
     assert_one_line_error(result, "--overlap-param-gather needs --overlap-grad-reduce")
+    pasted = actmem("plan", "--model", "gpt3", "--gpus", "512", "--global-batch", "512", "--megatron-args",
+                    "--overlap-param-gather --bf16")
+    assert_one_line_error(pasted, "--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def test_the_gather_keeps_one_data_parallel_rank(actmem):
+    """On 8 GPUs with t·p = 8 (d = 1) the distributed optimizer shards nothing, and Megatron's gather
+    over one rank moves nothing: those configurations stay, with or without the switches."""
+    def layouts(*switches):
+        rows = actmem.json("plan", "--model", "gpt3", "--layers", "8", "--gpus", "8", "--global-batch", "8",
+                           "--top", "0", *switches)["best"]
+        return {(row["t"], row["p"]) for row in rows if row["d"] == 1}
+    plain = layouts()
+    assert plain and plain == layouts("--overlap-grad-reduce", "--overlap-param-gather")

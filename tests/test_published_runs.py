@@ -26,7 +26,7 @@ WEAK_SCALING = {
 }
 #: where the published layout is not in the first three: the planner charges tensor-parallel
 #: communication whole, where these runs overlapped it (--tp-comm-overlap, whose userbuffers actmem
-#: does not model), so it prefers t = 4 with c = 2 (docs/usage.md, the planner's checks)
+#: does not model), so it prefers t = 3 or 4 with c = 2 (docs/usage.md, the planner's checks)
 NOT_TOP_THREE = {"70B", "177B", "314B"}
 
 

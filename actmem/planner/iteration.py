@@ -3,8 +3,9 @@
     time = (compute + tensor-parallel + context-parallel + expert-parallel + pipeline point-to-point
             communication) x pipeline bubble + data-parallel communication
 
-Arithmetic on numpy arrays (one element per configuration); none of it is overlapped,
-which makes it a ranking model, not a promise.
+Arithmetic on numpy arrays (one element per configuration). Only the data-parallel communication
+is taken as overlapped, where Megatron's switches say so (exposed_data_parallel_seconds): a ranking
+model, not a promise.
 """
 
 import numpy as np
@@ -22,15 +23,14 @@ def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch
     peak for every part, or a (layers, scores, logits) triple of them (kernel_efficiencies). share:
     of what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
     layers)."""
-    efficiencies = efficiency if isinstance(efficiency, tuple) else (efficiency,) * 3
     plain = hardware_parts(B, s, L, h, v, Recompute.NONE, arch, heads)
     chosen = [hardware_parts(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
               for choice in PLAN_CHOICES.values()]
-    seconds = 0.0
-    for part, (base, eff) in enumerate(zip(plain, efficiencies)):
-        flops = sum((recompute == name) * parts[part] for name, parts in zip(PLAN_CHOICES, chosen))
-        seconds = seconds + (base + share * (flops - base)) / eff
-    return seconds / (gpus * peak_flops)
+    parts = [base + share * (sum((recompute == name) * parts[part] for name, parts in zip(PLAN_CHOICES, chosen)) - base)
+             for part, base in enumerate(plain)]
+    if not isinstance(efficiency, tuple):
+        return sum(parts) / (gpus * efficiency * peak_flops)
+    return sum(part / eff for part, eff in zip(parts, efficiency)) / (gpus * peak_flops)
 
 
 def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops):
@@ -44,7 +44,8 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
     over t under sequence parallelism), its outputs split by t ('column') or its inputs ('row'); a
     'whole' one on the rank's T/t tokens; a routed expert's on k·(T/t)·EP·ETP/E rows (its share of
     the routed tokens, balanced) split by ETP, E/EP of them. The scores: the attention core
-    (kernels.attention_seconds: TE's cuDNN attention under Megatron, flash otherwise), b·a/t heads,
+    (kernels.attention_seconds: TE's cuDNN attention under Megatron's flash core, flash-attn's or torch's
+    flash otherwise), b·a/t heads,
     against their counted FLOPs (the full s², as MFU counts them); an eager core at
     DEFAULT_EFFICIENCY (no table of its softmax). The logits: the output layer's linear, v/t columns.
     Multi-token-prediction layers are not in the weighting (their FLOPs go at the layers')."""
@@ -79,7 +80,7 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
     if arch.attention_core == "eager":
         return layers, np.full_like(layers, DEFAULT_EFFICIENCY), logits
     width = score_width(h, arch, a)
-    backend = "cudnn" if arch.code.name == "megatron" else "flash"
+    backend = "cudnn" if arch.code.name == "megatron" and arch.attention_core == "flash" else "flash"
     attention = kernels.attention_seconds(table, backend, b * a / t, s, c, head_dim=width / (2 * a))
     return layers, 3 * 2.0 * b * s * s * width / (t * c) / attention / peak_flops, logits
 
@@ -136,19 +137,21 @@ BUCKET_PARAMETERS, BUCKET_PER_RANK = 40_000_000, 1_000_000
 
 
 def exposed_data_parallel_seconds(reduce, gather, parameters, d, m, microbatch_compute, overlap_grad_reduce,
-                                  overlap_param_gather):
+                                  overlap_param_gather, embedding=0):
     """What of the data-parallel communication (data_parallel_seconds) the iteration waits for.
     Without overlap, all of it: one reduction after the last backward, the gather in the optimizer
     step. --overlap-grad-reduce: the stage's buckets reduce as their gradients are complete in the
     last microbatch's backward (param_and_grad_buffer.py, register_grad_ready; no_sync before), and
     stages past the first reduce theirs as the pipeline drains, so what exceeds one microbatch's
     backward (2/3 of its compute) waits, and at least the last bucket's (the first layers',
-    BUCKET_PARAMETERS of the stage's) or, interleaved (m > 1), the first chunk's whole reduction, 1/m
+    BUCKET_PARAMETERS of the stage's; a bucket closes on a whole parameter, so the first stage's last
+    holds at least the word embedding, `embedding` parameters: param_and_grad_buffer.py builds them
+    in reverse order) or, interleaved (m > 1), the first chunk's whole reduction, 1/m
     (each chunk reduces once its last backward is done). --overlap-param-gather (the distributed
     optimizer's rows): the all-gather runs ahead of the next iteration's forward, bucket by bucket
     (the forward pre-hook's finish_param_sync), so what exceeds a microbatch's forward (1/3) waits,
     and at least the first bucket's (or chunk's)."""
-    bucket = np.minimum(1.0, np.maximum(BUCKET_PARAMETERS, BUCKET_PER_RANK * d) / parameters)
+    bucket = np.minimum(1.0, np.maximum(np.maximum(BUCKET_PARAMETERS, BUCKET_PER_RANK * d), embedding) / parameters)
     first = np.where(m > 1, np.maximum(bucket, 1 / m), bucket)
     if overlap_grad_reduce:
         reduce = np.maximum(first * reduce, reduce - 2 / 3 * microbatch_compute)

@@ -101,18 +101,16 @@ def linear_seconds(name: str, tokens, inputs, outputs):
 def attention_seconds(name: str, backend: str, heads, tokens, c, head_dim=MEASURED_HEAD_DIM):
     """A rank's causal attention forward and backward over `heads` heads (b·a/t: a batch's
     sequences run as more heads) of `tokens` tokens a sequence, split over c context-parallel
-    ranks. c = 1: one causal kernel. c > 1: Transformer Engine's ring (context_parallel.py,
-    load-balanced into 2c chunks) has each rank attend its tokens/c queries to every earlier
-    key, tokens²/(2c) query-key pairs, in blocks of (tokens/c)²: c/2 blocks' worth, each taken
-    at the non-causal kernel's throughput at tokens/c."""
-    c = np.asarray(c)
-    tokens = np.asarray(tokens, dtype=float)
-    block = tokens / c
-    causal = c == 1
-    result = np.zeros(np.broadcast(heads, tokens, c).shape)
-    for is_causal, blocks in ((True, 1.0), (False, c / 2)):
+    ranks. c = 1: one causal kernel. c > 1: Transformer Engine's ring (AttnFuncWithCPAndKVP2P,
+    load-balanced into 2c chunks, two a rank) has each rank attend its tokens/c queries to every
+    earlier key, tokens²/(2c) query-key pairs: at step 0 its own keys, one causal kernel over
+    tokens/c; at each of the c - 1 others half a block, (tokens/c) x (tokens/2c), taken as half
+    the non-causal kernel over tokens/c (its throughput at the square block's)."""
+    c = np.asarray(c, dtype=float)
+    block = np.asarray(tokens, dtype=float) / c
+    total = 0.0
+    for is_causal, blocks in ((True, 1.0), (False, (c - 1) / 2)):
         log_heads, log_tokens, grid = _attention_grid(name, backend, is_causal)
         throughput = _interpolate([log_heads, log_tokens], grid, [np.log2(heads), np.log2(block)])
-        seconds = blocks * attention_flops(heads, block, is_causal, head_dim) / throughput
-        result = np.where(causal == is_causal, seconds, result)
-    return result
+        total = total + blocks * attention_flops(heads, block, is_causal, head_dim) / throughput
+    return total

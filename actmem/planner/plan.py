@@ -231,8 +231,8 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     # it, and its bytes are the plain optimizer's, so the sweep keeps only the plain row (the
     # precision-aware optimizer needs the distributed one: then only that row)
     grid = grid[~((grid.distributed_optimizer != req.optimizer.precision_aware) & (grid.d * grid.c == 1))]
-    if req.overlap_param_gather:     # Megatron asserts the distributed optimizer (arguments.py, validate_args)
-        grid = grid[grid.distributed_optimizer]
+    if req.overlap_param_gather:     # Megatron asserts the distributed optimizer (arguments.py, validate_args);
+        grid = grid[grid.distributed_optimizer | (grid.d * grid.c == 1)]    # over one rank: the plain row's bytes
     grid["n"] = req.global_batch // (grid.b * grid.d)
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)
@@ -492,7 +492,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                      across_nodes, req.gradient_bytes)
     grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
         reduce, gather, reduced, grid.d * grid.c, grid.m, grid.compute_s / grid.n, req.overlap_grad_reduce,
-        req.overlap_param_gather)
+        req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)

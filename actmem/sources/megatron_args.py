@@ -257,7 +257,8 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
 _READ_NOTES = (
     (OVERLAP, "{names} read: the reduce-scatter and the parameter all-gather run per bucket into the buffers DDP "
               "already holds (a bucket is a view of its buffer); with the distributed optimizer the buckets "
-              "(max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted"),
+              "(max(40M, 1M·d·c) parameters each) change only its padding of bucket ends, not counted; "
+              "`plan` takes them as overlapping that communication with compute in its time"),
     (BUCKETS, "{names} read: they shape the buckets, views of DDP's buffers; with the distributed optimizer each "
               "bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) padded for "
               "NCCL's bus bandwidth), not counted"),

@@ -110,8 +110,11 @@ def _compute_assumption(req) -> str:
     if compute_source(req) is None:
         share = DEFAULT_EFFICIENCY if req.efficiency is None else req.efficiency
         return f"compute: hardware FLOPs (recompute included) at {share:.0%} of {peak} ({gpu.name})"
-    return (f"compute: hardware FLOPs (recompute included), each linear's GEMMs and the attention core at the "
-            f"speed measured on an {gpu.kernel_tables.upper()} at the shapes one rank runs "
+    core = ("the attention core at 60% (no table of an eager core's softmax)" if req.architecture.attention_core == "eager"
+            else "")
+    return (f"compute: hardware FLOPs (recompute included), each linear's GEMMs"
+            f"{'' if core else ' and the attention core'} at the "
+            f"speed measured on an {gpu.kernel_tables.upper()} at the shapes one rank runs{', ' + core if core else ''} "
             f"(actmem/planner/data/{gpu.kernel_tables}_*.csv, benchmarks/gpu_kernel_tables.py), of {peak} "
             f"({gpu.name}); the other kernels (norms, activations, rope, copies) not charged; --efficiency "
             "gives one share of the peak for all")
@@ -120,8 +123,8 @@ def _compute_assumption(req) -> str:
 def _overlap_assumption(req) -> str:
     if not req.overlap_grad_reduce:
         return "nothing overlapped (Megatron's default; --overlap-grad-reduce, --overlap-param-gather)"
-    gather = ("and the parameter all-gather behind the next forward (--overlap-param-gather), "
-              if req.overlap_param_gather else "")
+    gather = ("and the parameter all-gather behind the next forward (--overlap-param-gather: the distributed "
+              "optimizer's configurations only, as Megatron asserts, and d·c = 1), " if req.overlap_param_gather else "")
     return ("the gradient reduction overlapped with the last microbatch's backward (--overlap-grad-reduce) "
             f"{gather}at least the last bucket (max(40M, 1M·d·c) parameters) or, interleaved, the first "
             "chunk's left waiting; the rest not overlapped")

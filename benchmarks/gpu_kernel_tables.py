@@ -12,6 +12,8 @@ of this script on that GPU, not a vendor number.
 - gemm.csv: out[M, N] = A · B in bf16 (fp32 accumulation, cuBLAS through torch), every (M, N, K)
   of DIMS^3 in the three layouts a linear layer runs: fprop (out = X · W^T, torch's F.linear),
   dgrad (dX = dY · W) and wgrad (dW = dY^T · X). Random normal data (zeros run faster).
+- elementwise.csv: the memory-bound kernels beside them (_elementwise_ops), forward and backward,
+  on 8192 rows of several widths.
 - attention.csv: torch's scaled_dot_product_attention in bf16, head dim 128, one batch of
   `heads` heads, q and k/v of `seq` tokens each, causal or not, through the flash and cuDNN
   backends; forward alone and forward + backward.
@@ -40,6 +42,7 @@ HEAD_DIM = 128
 MAX_ATTENTION_FLOPS = float(os.environ.get("MAX_ATTENTION_FLOPS", "4e13"))
 """Forward FLOPs above which an attention shape is skipped (large shapes saturate; their time is long)."""
 TARGET_SECONDS = 5e-3
+TABLES = os.environ.get("TABLES", "attention gemm elementwise").split()
 DEVICE = os.environ.get("DEVICE", "cuda")
 
 
@@ -48,7 +51,7 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
-def timed(fn) -> tuple[float, float | None]:
+def timed(fn, graph=True) -> tuple[float, float | None]:
     """(eager, graphed) seconds per call. Eager: the median of three CUDA-event timings of `reps`
     back-to-back calls after two warm-ups, reps chosen so that one timing spans about 5 ms (at
     least 3 calls): what a Python loop launching it gets, the CPU's dispatch included where the
@@ -62,7 +65,7 @@ def timed(fn) -> tuple[float, float | None]:
     estimate = max(time.perf_counter() - start, 1e-6)
     reps = min(1000, max(3, math.ceil(TARGET_SECONDS / estimate)))
     eager = statistics.median(_timing(lambda: [fn() for _ in range(reps)]) / reps for _ in range(3))
-    if DEVICE != "cuda":
+    if DEVICE != "cuda" or not graph:       # the elementwise ops: long enough that eager is the GPU's time
         return eager, None
     try:
         side = torch.cuda.Stream()
@@ -140,6 +143,49 @@ def attention_rows():
         del q, k, v, grad
 
 
+def _elementwise_ops():
+    """name: (make inputs for rows x width, the forward) of the memory-bound kernels a layer runs
+    beside its GEMMs, each timed forward and backward (autograd.grad of its output): the norms (with
+    their weight's gradient), SwiGLU over [rows, 2·width] (width: its output), GeLU, a residual add
+    (forward only: its backward hands the gradient on), a one-read-one-write op standing for a fused
+    rope (x·2), and the loss's cross entropy over fp32 logits cast from bf16. Eager PyTorch kernels:
+    Megatron fuses SwiGLU and GeLU with their bias (jit), which this does not."""
+    bf16 = dict(device=DEVICE, dtype=torch.bfloat16)
+
+    def tensor(*shape, grad=True):
+        return torch.randn(*shape, **bf16).requires_grad_(grad)
+
+    return {
+        "rms_norm": (lambda r, w: (tensor(r, w), tensor(w)), lambda x, g: F.rms_norm(x, (x.shape[-1],), g)),
+        "layer_norm": (lambda r, w: (tensor(r, w), tensor(w), tensor(w)),
+                       lambda x, g, b: F.layer_norm(x, (x.shape[-1],), g, b)),
+        "swiglu": (lambda r, w: (tensor(r, 2 * w),), lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]),
+        "gelu": (lambda r, w: (tensor(r, w),), lambda x: F.gelu(x, approximate="tanh")),
+        "add": (lambda r, w: (tensor(r, w), tensor(r, w)), lambda x, y: x + y),
+        "scale": (lambda r, w: (tensor(r, w),), lambda x: x * 2.0),
+        "cross_entropy": (lambda r, w: (tensor(r, w), torch.randint(0, w, (r,)).to(DEVICE)),
+                          lambda x, t: F.cross_entropy(x.float(), t)),
+    }
+
+
+ELEMENTWISE_ROWS = 8192
+ELEMENTWISE_WIDTHS = [int(x) for x in os.environ.get("WIDTHS", "1024 4096 16384 32768").split()]
+
+
+def elementwise_rows():
+    for name, (make, forward) in _elementwise_ops().items():
+        if name not in os.environ.get("OPS", name).split():
+            continue
+        for width in ELEMENTWISE_WIDTHS:
+            inputs = make(ELEMENTWISE_ROWS, width)
+            leaves = [x for x in inputs if x.requires_grad]
+            out = forward(*inputs)
+            grad = torch.ones_like(out) if out.dim() == 0 else torch.randn(out.shape, dtype=out.dtype).to(DEVICE)
+            eager, graphed = timed(lambda: torch.autograd.grad(forward(*inputs), leaves, grad), graph=False)
+            yield dict(op=name, rows=ELEMENTWISE_ROWS, width=width, eager_seconds=eager, graphed_seconds=graphed)
+            del inputs, leaves, out, grad
+
+
 def write(path, rows):
     rows = iter(rows)
     first = next(rows)
@@ -162,10 +208,9 @@ def main(out: str) -> None:
                      cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     start = time.time()
-    write(os.path.join(out, "attention.csv"), attention_rows())
-    meta["attention_seconds"] = round(time.time() - start, 1)
-    write(os.path.join(out, "gemm.csv"), gemm_rows())
-    meta["total_seconds"] = round(time.time() - start, 1)
+    for table in TABLES:
+        write(os.path.join(out, f"{table}.csv"), globals()[f"{table}_rows"]())
+        meta[f"{table}_seconds"] = round(time.time() - start, 1)
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print(json.dumps(meta), flush=True)
@@ -181,7 +226,9 @@ def keep(measured: str, name: str) -> None:
     source = (f"# measured by {meta['script']} on one {meta['gpu']} ({meta['date']}, torch {meta['torch']}, "
               f"CUDA {meta['cuda']}, cuDNN {meta['cudnn']}); see that script's docstring\n")
     data = os.path.join(os.path.dirname(__file__), "..", "actmem", "planner", "data")
-    for table in ("gemm", "attention"):
+    for table in ("gemm", "attention", "elementwise"):
+        if not os.path.exists(os.path.join(measured, f"{table}.csv")):
+            continue
         frame = pd.read_csv(os.path.join(measured, f"{table}.csv")).drop(columns="forward_flops", errors="ignore")
         for column in (c for c in frame if c.endswith("_seconds")):
             frame[column] = frame[column].map(lambda x: float(f"{x:.4g}"))

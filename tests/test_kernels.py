@@ -22,6 +22,13 @@ def gemm():
 
 
 @pytest.fixture(scope="module")
+def per_element():
+    """Seconds an element of a memory-bound op, forward and backward, as measured on 8192 rows of a width."""
+    frame = pd.read_csv(DATA.format("elementwise"), comment="#")
+    return lambda op, width: frame[(frame.op == op) & (frame.width == width)].eager_seconds.item() / (8192 * width)
+
+
+@pytest.fixture(scope="module")
 def attention():
     frame = pd.read_csv(DATA.format("attention"), comment="#")
     return lambda backend, causal, heads, seq: frame[
@@ -84,32 +91,54 @@ def test_context_parallel_attention_is_a_causal_step_then_half_blocks(attention)
     assert two > attention("cudnn", 1, 16, 8192) / 2
 
 
-def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm, attention):
+def test_memory_bound_ops_go_at_their_measured_seconds_an_element(per_element):
+    """At a measured size, the row itself; between two, the mean (in log2 of the elements) of their
+    seconds an element; below the smallest, the smallest's."""
+    assert kernels.elementwise_seconds("h100", "gelu", 8192 * 16384) == pytest.approx(
+        8192 * 16384 * per_element("gelu", 16384), rel=1e-12)
+    between = 8192 * 8192
+    assert kernels.elementwise_seconds("h100", "gelu", between) == pytest.approx(
+        between * (per_element("gelu", 4096) + per_element("gelu", 16384)) / 2, rel=1e-12)
+    assert kernels.elementwise_seconds("h100", "add", 1000) == pytest.approx(1000 * per_element("add", 4096), rel=1e-12)
+
+
+def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm, attention, per_element):
     """h = 4096, a = 32 heads of 128, g = 16 groups, SwiGLU f = 8192, at t = 4, c = 1, b = 1, s = 4096:
     every linear of a rank runs on T = 4096 rows: QKV 4096 -> (4096 + 2·2048)/4 = 2048, the projection
-    4096/4 = 1024 -> 4096, fc1 4096 -> 2·8192/4 = 4096, fc2 8192/4 = 2048 -> 4096. The scores: 8 heads
-    of one causal kernel, against their counted 3 x 2·b·s²·2ad/t FLOPs. The logits: 4096 -> 32768/4."""
+    4096/4 = 1024 -> 4096, fc1 4096 -> 2·8192/4 = 4096, fc2 8192/4 = 2048 -> 4096. The memory-bound
+    kernels beside them: under sequence parallelism the two norms and four adds on T/t = 1024 rows of
+    4096 (4,194,304 elements: under the smallest measured, so at 8192 x 1024's and 8192 x 4096's
+    seconds an element), rope over 4096 x (4096 + 2048)/4 (at 8192 x 4096's), SwiGLU over 4096 x
+    8192/4 (the 8192 x 1024 row). The scores: 8 heads of one causal kernel, against their counted
+    3 x 2·b·s²·2ad/t FLOPs. The logits: 4096 -> 32768/4, and the cross entropy over 4096 x 8192
+    (the 8192 x 4096 row)."""
     arch = Architecture(query_groups=16, activation="swiglu", ffn_hidden=8192, attention_core="flash",
                         normalization="rmsnorm", position_embedding="rope")
     T, peak = 4096, 989e12
     linears = [(4096, 2048), (1024, 4096), (4096, 4096), (2048, 4096)]
     seconds = sum(gemm("fprop", T, o, i) + gemm("dgrad", T, i, o) + gemm("wgrad", o, i, T) for i, o in linears)
+    boundary = 1024 * 4096
+    seconds += (2 * boundary * per_element("rms_norm", 1024) + 4 * boundary * per_element("add", 4096)
+                + 4096 * 6144 / 4 * per_element("scale", 4096) + 8192 * 1024 * per_element("swiglu", 1024))
     flops = sum(6 * T * i * o for i, o in linears)
     layers, scores, logits = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2,
                                                            np.array([4]), np.array([1]), np.array([1]), 1,
                                                            np.array([4]), peak)
     assert layers == pytest.approx(flops / seconds / peak, rel=1e-12)
     assert scores == pytest.approx(3 * 2 * 4096**2 * 2 * 4096 / 4 / attention("cudnn", 1, 8, 4096) / peak, rel=1e-12)
-    logit_seconds = gemm("fprop", T, 8192, 4096) + gemm("dgrad", T, 4096, 8192) + gemm("wgrad", 8192, 4096, T)
+    logit_seconds = (gemm("fprop", T, 8192, 4096) + gemm("dgrad", T, 4096, 8192) + gemm("wgrad", 8192, 4096, T)
+                     + 8192 * 4096 * per_element("cross_entropy", 4096))
     assert logits == pytest.approx(6 * T * 4096 * 8192 / logit_seconds / peak, rel=1e-12)
 
 
-def test_a_moe_layer_weights_its_experts_at_their_rows(gemm):
+def test_a_moe_layer_weights_its_experts_at_their_rows(gemm, per_element):
     """E = 8 experts of f_e = 2048 (SwiGLU), k = 2, beside GQA attention (h = 4096, 32 heads of 128,
     16 groups), at s = 4096, b = 1, c = 1, t = 2, EP = 4, ETP = 1: the dense linears run on T = 4096
     rows (QKV 4096 -> 8192/2, projection 4096/2 -> 4096); the router whole on T/t = 2048 rows, 4096 -> 8
     (8 under the smallest measured width, 128: taken at 128's throughput); each of the E/EP = 2 local
-    experts on k·(T/t)·EP·ETP/E = 2·2048·4/8 = 2048 rows, fc1 4096 -> 4096, fc2 2048 -> 4096."""
+    experts on k·(T/t)·EP·ETP/E = 2·2048·4/8 = 2048 rows, fc1 4096 -> 4096, fc2 2048 -> 4096. Beside them
+    the norms (the 8192 x 1024 row) and four adds on T/t = 2048 rows of 4096, rope over 4096 x
+    6144/2, and each local expert's SwiGLU over 2048 x 2048 (under the smallest: 8192 x 1024's)."""
     arch = Architecture(query_groups=16, activation="swiglu", attention_core="flash", normalization="rmsnorm",
                         position_embedding="rope", bias=False, num_experts=8, moe_topk=2, moe_ffn_hidden=2048)
     peak = 989e12
@@ -124,6 +153,9 @@ def test_a_moe_layer_weights_its_experts_at_their_rows(gemm):
 
     parts = [timed(4096, 4096, 4096), timed(4096, 2048, 4096), timed(2048, 4096, 8),
              timed(2048, 4096, 4096, 2), timed(2048, 2048, 4096, 2)]
+    boundary = 2048 * 4096
+    parts.append((0, 2 * 8192 * 1024 * per_element("rms_norm", 1024) + 4 * boundary * per_element("add", 4096)
+                  + 4096 * 6144 / 2 * per_element("scale", 4096) + 2 * 2048 * 2048 * per_element("swiglu", 1024)))
     layers, _, _ = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2, np.array([2]),
                                                  np.array([1]), np.array([1]), np.array([4]), np.array([1]), peak)
     assert layers == pytest.approx(sum(f for f, _ in parts) / sum(s for _, s in parts) / peak, rel=1e-12)

@@ -26,8 +26,8 @@ WEAK_SCALING = {
 }
 #: where the published layout is not in the first three: the planner charges tensor-parallel
 #: communication whole, where these runs overlapped it (--tp-comm-overlap, whose userbuffers actmem
-#: does not model), so it prefers t = 3 or 4 with c = 2 (docs/usage.md, the planner's checks)
-NOT_TOP_THREE = {"70B", "177B", "314B"}
+#: does not model), so it prefers t = 4 with c = 2 (docs/usage.md, the planner's checks)
+NOT_TOP_THREE = {"177B", "314B"}
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,14 @@ def test_the_published_layout_ranks_in_the_first_three(published, name):
     assert rank <= 3, (name, rank, row.t, row.p)
 
 
-def test_the_modelled_mfu_bounds_the_published_from_above(published):
-    """The time model charges the GEMMs, the attention core and the communication it does not take
-    as overlapped; not the other kernels (norms, activations, copies), latencies, the optimizer step
-    or data loading. So each modelled MFU is above what the run measured: by most for the smallest
-    model (1.7B, h = 2048, where those kernels weigh most against the GEMMs) and by less for the
-    large ones. A modelled MFU under the published one would be charging something twice."""
+def test_the_modelled_mfu_is_within_15_percent_above_from_16b_up(published):
+    """The time model charges the GEMMs, the attention core and the memory-bound kernels beside them
+    (as measured), and the communication it does not take as overlapped; not latencies, the
+    optimizer step or data loading. So each modelled MFU is above what the run measured, and from
+    16B up by at most 15% (the issue's aim). The two smallest (h = 2048 and 4096) are over by more:
+    the uncharged parts weigh most against their small GEMMs. A modelled MFU under the published one
+    would be charging something twice."""
     over = {name: row.mfu / WEAK_SCALING[name][-1] - 1 for name, (row, _) in published.items()}
     assert all(excess > 0 for excess in over.values()), over
-    assert over["1.7B"] == max(over.values()), over
-    assert all(over[name] < over["1.7B"] / 2 for name in ("32B", "119B", "314B", "462B")), over
+    assert all(over[name] <= 0.15 for name in over if name not in ("1.7B", "7.1B")), over
+    assert sorted(over, key=over.get)[-2:] == ["7.1B", "1.7B"], over

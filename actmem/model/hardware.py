@@ -67,6 +67,8 @@ GPUS = {
     # and clocks (1980 MHz, 700 W, 132 multiprocessors on both here); one eager run of
     # benchmarks/gpu_kernel_tables.py on each (2026-11-26) put the median bf16 GEMM of 4096-32768 a
     # side at 676 TFLOP/s on the H200 against 692 on the H100, its faster memory helping the small ones.
+    # The memory-bound kernels' table overcharges it: a device-to-device copy moves about 4.3 TB/s on
+    # an H200 here against 3.0 on an H100 (the workplace's device notes, KINDS.md, 2026-10/11).
     "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9, "hopper", "h100"),
     # B200 (HGX B200): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity); NVLink 5
     # (1.8 TB/s both ways), taken at the H100's share of it, ~720 GB/s bus bandwidth; one

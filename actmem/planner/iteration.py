@@ -33,7 +33,39 @@ def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch
     return sum(part / eff for part, eff in zip(parts, efficiency)) / (gpus * peak_flops)
 
 
-def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops):
+def other_seconds(table, arch, h, a, v, t, etp, ep, rows, sequence_parallel) -> dict:
+    """The memory-bound kernels of a rank beside its GEMMs and attention core, forward and backward
+    (kernels.elementwise_seconds): {'layer': kind -> a layer's seconds, 'loss': the loss's}. A layer's
+    two norms and two residual adds (and their gradients' two adds) on its h-wide rows, the sequence
+    shard under sequence parallelism (T/t) or all T without; rope over its q and k heads, (a + g)d/t
+    wide, as a one-read-one-write op (Megatron's fused rope); the activation over the MLP's f/t (GeLU's
+    table for squared ReLU), a MoE layer's over each local expert's rows. The loss: cross entropy over
+    fp32 logits, v/t wide. Not counted: dropout (Megatron fuses it into the residual add), the MoE
+    permutation's copies, the router's softmax and top-k, the optimizer step."""
+    from actmem.planner import kernels
+
+    norm = "rms_norm" if arch.normalization == "rmsnorm" else "layer_norm"
+    boundary = np.where(sequence_parallel, rows / t, rows) * h
+    rope = rows * (arch.attention_width(h, a) + arch.kv_width(h, a)) / t if arch.position_embedding == "rope" else 0
+    activation = "swiglu" if arch.activation == "swiglu" else "gelu"
+
+    def layer(kind):
+        if kind.moe:
+            expert_rows = kind.moe_topk * rows / t * ep * etp / kind.num_experts
+            mlp = (kind.num_experts / ep) * kernels.elementwise_seconds(
+                table, activation, expert_rows * kind.expert_ffn(h) / etp)
+            if kind.moe_shared_ffn is not None:
+                mlp = mlp + kernels.elementwise_seconds(table, "swiglu", rows * kind.moe_shared_ffn / t)
+        else:
+            mlp = kernels.elementwise_seconds(table, activation, rows * kind.ffn(h) / t)
+        seconds = 2 * kernels.elementwise_seconds(table, norm, boundary) + 4 * kernels.elementwise_seconds(
+            table, "add", boundary) + mlp
+        return seconds + (kernels.elementwise_seconds(table, "scale", rope) if np.any(rope) else 0.0)
+
+    return {"layer": layer, "loss": kernels.elementwise_seconds(table, "cross_entropy", rows * v / t)}
+
+
+def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops, sequence_parallel=True):
     """(layers, scores, logits): the share of the peak each part of compute_seconds runs at on one
     rank, from the kernels measured on its GPU (kernels.py) at the shapes the rank runs; t, c, b,
     ep, etp arrays (one a configuration).
@@ -48,7 +80,9 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
     flash otherwise), b·a/t heads,
     against their counted FLOPs (the full s², as MFU counts them); an eager core at
     DEFAULT_EFFICIENCY (no table of its softmax). The logits: the output layer's linear, v/t columns.
-    Multi-token-prediction layers are not in the weighting (their FLOPs go at the layers')."""
+    Multi-token-prediction layers are not in the weighting (their FLOPs go at the layers').
+    The memory-bound kernels around them (other_seconds) are charged into the layers' and the
+    logits' time: their efficiency is their FLOPs over the GEMMs' and those kernels' seconds."""
     from actmem.model.experts import dense_twin
     from actmem.model.hardware import DEFAULT_EFFICIENCY
     from actmem.planner import kernels
@@ -56,6 +90,7 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
 
     t, c, b, ep, etp = (np.asarray(x, dtype=float) for x in (t, c, b, ep, etp))
     rows = s * b / c
+    other = other_seconds(table, arch, h, a, v, t, etp, ep, rows, sequence_parallel)
 
     def layer(kind):
         flops = seconds = 0.0
@@ -69,14 +104,14 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
                                    (inputs / t, outputs) if split == "row" else (inputs, outputs))
             flops = flops + count * 6.0 * tokens * inputs * outputs
             seconds = seconds + count * kernels.linear_seconds(table, tokens, inputs, outputs)
-        return flops, seconds
+        return flops, seconds + other["layer"](kind)
 
     own, dense = _layer_counts(L, arch)
     kinds = [(arch, own)] + ([(dense_twin(arch), dense)] if dense else [])
     flops, seconds = (sum(n * part for n, part in zip((n for _, n in kinds), parts))
                       for parts in zip(*(layer(kind) for kind, _ in kinds)))
     layers = flops / seconds / peak_flops
-    logits = 6.0 * rows * h * v / t / kernels.linear_seconds(table, rows, h, v / t) / peak_flops
+    logits = 6.0 * rows * h * v / t / (kernels.linear_seconds(table, rows, h, v / t) + other["loss"]) / peak_flops
     if arch.attention_core == "eager":
         return layers, np.full_like(layers, DEFAULT_EFFICIENCY), logits
     width = score_width(h, arch, a)

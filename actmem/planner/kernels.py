@@ -86,6 +86,26 @@ def _interpolate(axes: list, values: np.ndarray, points: list) -> np.ndarray:
     return result
 
 
+@functools.cache
+def _elementwise_grid(name: str, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """(log2 of the elements measured, seconds an element) of one memory-bound op, forward and backward."""
+    frame = _read(name, "elementwise")
+    rows = frame[frame.op == op].sort_values("width")
+    elements = (rows.rows * rows.width).to_numpy(dtype=float)
+    return np.log2(elements), rows.eager_seconds.to_numpy() / elements
+
+
+def elementwise_seconds(name: str, op: str, elements):
+    """A memory-bound op's forward and backward over `elements` (rows x its width; SwiGLU's output width),
+    at the seconds an element measured at the nearest sizes (linear in log2 of the elements between
+    them, held beyond). Eager PyTorch kernels of 8192 rows (benchmarks/gpu_kernel_tables.py,
+    _elementwise_ops): long enough that their dispatch hides, but unfused where Megatron fuses
+    SwiGLU and GeLU, and torch's norms rather than TE's."""
+    axis, per_element = _elementwise_grid(name, op)
+    elements = np.asarray(elements, dtype=float)
+    return elements * _interpolate([axis], per_element, [np.log2(elements)])
+
+
 def linear_seconds(name: str, tokens, inputs, outputs):
     """One linear layer's forward and backward on a rank, y[T, out] = x[T, in]·Wᵀ: its forward
     (fprop m=T n=out k=in), its input gradient dx = dy·W (dgrad m=T n=in k=out) and its weight

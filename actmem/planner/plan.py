@@ -511,12 +511,12 @@ def _efficiencies(req: PlanRequest, grid: pd.DataFrame) -> tuple:
     if req.efficiency is not None or req.gpu.kernel_tables is None:
         flat = np.full(len(grid), DEFAULT_EFFICIENCY if req.efficiency is None else req.efficiency)
         return flat, flat, flat
-    keys = ["t", "c", "b", "ep", "etp", "vocab"]
-    shapes, which = np.unique(grid[keys].to_numpy(), axis=0, return_inverse=True)
+    keys = ["t", "c", "b", "ep", "etp", "vocab", "sequence_parallel"]
+    shapes, which = np.unique(grid[keys].to_numpy(dtype=float), axis=0, return_inverse=True)
     model = req.model
     parts = iteration.kernel_efficiencies(req.gpu.kernel_tables, req.architecture, model.seq_len, model.hidden,
                                           model.heads, shapes[:, 5], model.layers, *shapes[:, :5].T,
-                                          req.gpu.peak_flops)
+                                          req.gpu.peak_flops, shapes[:, 6].astype(bool))
     return tuple(np.broadcast_to(part, len(shapes))[which.ravel()] for part in parts)
 
 

@@ -116,7 +116,9 @@ def _compute_assumption(req) -> str:
             f"{'' if core else ' and the attention core'} at the "
             f"speed measured on an {gpu.kernel_tables.upper()} at the shapes one rank runs{', ' + core if core else ''} "
             f"(actmem/planner/data/{gpu.kernel_tables}_*.csv, benchmarks/gpu_kernel_tables.py), of {peak} "
-            f"({gpu.name}); the other kernels (norms, activations, rope, copies) not charged; --efficiency "
+            f"({gpu.name}), and beside them the memory-bound kernels (norms, residual adds, rope, the "
+            "activation, the loss's cross entropy) at their measured seconds an element (eager PyTorch's: Megatron "
+            "fuses some); dropout, MoE permutation, the optimizer step and latencies not charged; --efficiency "
             "gives one share of the peak for all")
 
 

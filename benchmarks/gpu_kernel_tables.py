@@ -159,7 +159,7 @@ def _elementwise_ops():
         "rms_norm": (lambda r, w: (tensor(r, w), tensor(w)), lambda x, g: F.rms_norm(x, (x.shape[-1],), g)),
         "layer_norm": (lambda r, w: (tensor(r, w), tensor(w), tensor(w)),
                        lambda x, g, b: F.layer_norm(x, (x.shape[-1],), g, b)),
-        "swiglu": (lambda r, w: (tensor(r, 2 * w),), lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]),
+        "swiglu": (lambda r, w: (tensor(r, 2 * w),), lambda x: (lambda a, b: F.silu(a) * b)(*x.chunk(2, -1))),
         "gelu": (lambda r, w: (tensor(r, w),), lambda x: F.gelu(x, approximate="tanh")),
         "add": (lambda r, w: (tensor(r, w), tensor(r, w)), lambda x, y: x + y),
         "scale": (lambda r, w: (tensor(r, w),), lambda x: x * 2.0),
@@ -226,9 +226,10 @@ def keep(measured: str, name: str) -> None:
     source = (f"# measured by {meta['script']} on one {meta['gpu']} ({meta['date']}, torch {meta['torch']}, "
               f"CUDA {meta['cuda']}, cuDNN {meta['cudnn']}); see that script's docstring\n")
     data = os.path.join(os.path.dirname(__file__), "..", "actmem", "planner", "data")
+    missing = [t for t in ("gemm", "attention", "elementwise") if not os.path.exists(os.path.join(measured, f"{t}.csv"))]
+    if missing:                 # the planner reads all three of a GPU's tables
+        sys.exit(f"{measured} lacks {', '.join(missing)}.csv: measure every table of a GPU (TABLES)")
     for table in ("gemm", "attention", "elementwise"):
-        if not os.path.exists(os.path.join(measured, f"{table}.csv")):
-            continue
         frame = pd.read_csv(os.path.join(measured, f"{table}.csv")).drop(columns="forward_flops", errors="ignore")
         for column in (c for c in frame if c.endswith("_seconds")):
             frame[column] = frame[column].map(lambda x: float(f"{x:.4g}"))

@@ -107,9 +107,9 @@ def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm
     every linear of a rank runs on T = 4096 rows: QKV 4096 -> (4096 + 2·2048)/4 = 2048, the projection
     4096/4 = 1024 -> 4096, fc1 4096 -> 2·8192/4 = 4096, fc2 8192/4 = 2048 -> 4096. The memory-bound
     kernels beside them: under sequence parallelism the two norms and four adds on T/t = 1024 rows of
-    4096 (4,194,304 elements: under the smallest measured, so at 8192 x 1024's and 8192 x 4096's
-    seconds an element), rope over 4096 x (4096 + 2048)/4 (at 8192 x 4096's), SwiGLU over 4096 x
-    8192/4 (the 8192 x 1024 row). The scores: 8 heads of one causal kernel, against their counted
+    4096 (4,194,304 elements: under the smallest kept, 8192 x 4096, so at its seconds an element),
+    rope over 4096 x (4096 + 2048)/4 (likewise), SwiGLU over 4096 x 8192/4 outputs (GeLU's 8192 x 4096
+    seconds an element, x 8/5 accesses: kernels.SWIGLU_OVER_GELU). The scores: 8 heads of one causal kernel, against their counted
     3 x 2·b·s²·2ad/t FLOPs. The logits: 4096 -> 32768/4, and the cross entropy over 4096 x 8192
     (the 8192 x 4096 row)."""
     arch = Architecture(query_groups=16, activation="swiglu", ffn_hidden=8192, attention_core="flash",
@@ -118,8 +118,8 @@ def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm
     linears = [(4096, 2048), (1024, 4096), (4096, 4096), (2048, 4096)]
     seconds = sum(gemm("fprop", T, o, i) + gemm("dgrad", T, i, o) + gemm("wgrad", o, i, T) for i, o in linears)
     boundary = 1024 * 4096
-    seconds += (2 * boundary * per_element("rms_norm", 1024) + 4 * boundary * per_element("add", 4096)
-                + 4096 * 6144 / 4 * per_element("scale", 4096) + 8192 * 1024 * per_element("swiglu", 1024))
+    seconds += (2 * boundary * per_element("rms_norm", 4096) + 4 * boundary * per_element("add", 4096)
+                + 4096 * 6144 / 4 * per_element("scale", 4096) + 8 / 5 * 8192 * 1024 * per_element("gelu", 4096))
     flops = sum(6 * T * i * o for i, o in linears)
     layers, scores, logits = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2,
                                                            np.array([4]), np.array([1]), np.array([1]), 1,
@@ -137,8 +137,8 @@ def test_a_moe_layer_weights_its_experts_at_their_rows(gemm, per_element):
     rows (QKV 4096 -> 8192/2, projection 4096/2 -> 4096); the router whole on T/t = 2048 rows, 4096 -> 8
     (8 under the smallest measured width, 128: taken at 128's throughput); each of the E/EP = 2 local
     experts on k·(T/t)·EP·ETP/E = 2·2048·4/8 = 2048 rows, fc1 4096 -> 4096, fc2 2048 -> 4096. Beside them
-    the norms (the 8192 x 1024 row) and four adds on T/t = 2048 rows of 4096, rope over 4096 x
-    6144/2, and each local expert's SwiGLU over 2048 x 2048 (under the smallest: 8192 x 1024's)."""
+    the norms and four adds on T/t = 2048 rows of 4096, rope over 4096 x 6144/2, and each local expert's
+    SwiGLU over 2048 x 2048 outputs (8/5 of GeLU's), all under the smallest kept (8192 x 4096's)."""
     arch = Architecture(query_groups=16, activation="swiglu", attention_core="flash", normalization="rmsnorm",
                         position_embedding="rope", bias=False, num_experts=8, moe_topk=2, moe_ffn_hidden=2048)
     peak = 989e12
@@ -154,8 +154,27 @@ def test_a_moe_layer_weights_its_experts_at_their_rows(gemm, per_element):
     parts = [timed(4096, 4096, 4096), timed(4096, 2048, 4096), timed(2048, 4096, 8),
              timed(2048, 4096, 4096, 2), timed(2048, 2048, 4096, 2)]
     boundary = 2048 * 4096
-    parts.append((0, 2 * 8192 * 1024 * per_element("rms_norm", 1024) + 4 * boundary * per_element("add", 4096)
-                  + 4096 * 6144 / 2 * per_element("scale", 4096) + 2 * 2048 * 2048 * per_element("swiglu", 1024)))
+    parts.append((0, 2 * boundary * per_element("rms_norm", 4096) + 4 * boundary * per_element("add", 4096)
+                  + 4096 * 6144 / 2 * per_element("scale", 4096) + 8 / 5 * 2 * 2048 * 2048 * per_element("gelu", 4096)))
     layers, _, _ = iteration.kernel_efficiencies("h100", arch, 4096, 4096, 32, np.array([32768]), 2, np.array([2]),
                                                  np.array([1]), np.array([1]), np.array([4]), np.array([1]), peak)
     assert layers == pytest.approx(sum(f for f, _ in parts) / sum(s for _, s in parts) / peak, rel=1e-12)
+
+
+def test_without_sequence_parallelism_the_norms_run_on_every_row(per_element):
+    """The same dense layer at t = 4 without SP: the norms and adds on all T = 4096 rows, not T/t = 1024:
+    six more boundary passes of 3 x 1024 x 4096 elements (both at 8192 x 4096's seconds an element)."""
+    arch = Architecture(query_groups=16, activation="swiglu", ffn_hidden=8192, attention_core="flash",
+                        normalization="rmsnorm", position_embedding="rope")
+    other = {sp: iteration.other_seconds("h100", arch, 4096, 32, 32768, 4.0, 4.0, 1.0, 4096.0, sp)["layer"](arch)
+             for sp in (True, False)}
+    extra = 3 * 1024 * 4096 * (2 * per_element("rms_norm", 4096) + 4 * per_element("add", 4096))
+    assert other[False] - other[True] == pytest.approx(extra, rel=1e-12)
+
+
+def test_multi_latent_attention_rotates_its_whole_q_and_k():
+    """DeepSeek-V3's MLA: rope over q and k of a·(d_qk + d_r) = 128 x 192 each, not the values' a·d_v."""
+    from actmem.sources.presets import load_preset
+
+    arch = Architecture(**load_preset("deepseek-v3").architecture)
+    assert iteration._rotated_width(arch, 7168, 128) == 2 * 128 * (128 + 64)

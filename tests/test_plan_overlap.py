@@ -76,3 +76,20 @@ def test_the_gather_keeps_one_data_parallel_rank(actmem):
         return {(row["t"], row["p"]) for row in rows if row["d"] == 1}
     plain = layouts()
     assert plain and plain == layouts("--overlap-grad-reduce", "--overlap-param-gather")
+
+
+def test_explain_sets_a_configuration_beside_the_first_pick(actmem):
+    """--explain ranks the configuration in the plan's sweep and, where it is not the first pick, sets the
+    first pick's time beside it part by part: the iteration's difference is the two plans' times apart."""
+    plan = actmem.json("plan", "--model", "gpt3", "--top", "0")
+    first, other = plan["best"][0], plan["best"][5]
+    out = actmem("plan", "--model", "gpt3", "--explain", other["config"], env={"COLUMNS": "200"}).stdout
+    words = " ".join(out.split())                                  # the caption wraps with the table
+    assert f"ranks 6 of {plan['fitting']:,} that fit" in words
+    assert f"first pick (beside it): {first['config']}" in words
+    (iteration,) = [line.split() for line in out.splitlines() if line.strip().startswith("iteration ")]
+    mine, theirs, difference = map(float, iteration[1:])
+    assert (mine, theirs) == (round(other["iteration_s"], 3), round(first["iteration_s"], 3))
+    assert difference == round(other["iteration_s"] - first["iteration_s"], 3) > 0
+    alone = " ".join(actmem("plan", "--model", "gpt3", "--explain", first["config"]).stdout.split())
+    assert "the plan's first pick of" in alone and "first pick (beside it)" not in alone

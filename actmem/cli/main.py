@@ -236,10 +236,11 @@ def plan(fmt, top, config, **flags):
 
     name, request, preset_run = plan_request(flags)
     if config is not None:
-        from actmem.planner.explain import explain
+        from actmem.planner.explain import explain, ranking
         from actmem.views.render_plan import render_explain
 
-        render_explain(*explain(request, config, name, preset_run))
+        est, row = explain(request, config, name, preset_run)
+        render_explain(est, row, ranking(request, row))
         return
     result = planner.plan(request)
     nothing = None

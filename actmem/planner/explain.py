@@ -104,6 +104,39 @@ def _split(value: str, layers: int | None, text: str) -> dict:
     return {"pipeline_parallel": stages + 2, "first_stage_layers": first, "last_stage_layers": last}
 
 
+#: the parts of the modelled iteration, (column, what it is), in the order --explain shows them
+TIME_PARTS = (("compute_s", "compute (hardware FLOPs)"), ("tensor_parallel_s", "tensor-parallel communication"),
+              ("context_parallel_s", "context-parallel ring (k, v and their gradients)"),
+              ("expert_parallel_s", "the MoE token dispatcher (dispatch and combine)"),
+              ("pipeline_p2p_s", "pipeline point-to-point communication"), ("bubble_s", "pipeline bubble"),
+              ("data_parallel_s", "data-parallel communication (what overlap leaves)"), ("iteration_s", "iteration"))
+
+
+def time_parts(row) -> dict:
+    """{column: seconds} of TIME_PARTS for a plan row, the bubble as the seconds it adds."""
+    before = sum(getattr(row, column) for column, _ in TIME_PARTS[:5])
+    return {column: before * (row.bubble - 1) if column == "bubble_s" else getattr(row, column)
+            for column, _ in TIME_PARTS}
+
+
+def ranking(req, row) -> dict:
+    """Where an explained configuration stands in the plan's sweep: its rank among those that fit
+    (None where it is not among them: it does not fit, or the plan does not sweep it), how many fit,
+    whether it fits, and the first pick (a plan row), so --explain can set them side by side part by
+    part; None where the sweep itself is refused."""
+    from actmem.planner.plan import config_label, plan
+
+    try:
+        fitting = plan(req).fitting
+    except SpecError:               # the sweep refused (too many rows, no d divides the batch): no standing
+        return None
+    labels = [config_label(other) for other in fitting.itertuples()]
+    label = config_label(row)
+    rank = labels.index(label) + 1 if label in labels else None
+    return {"rank": rank, "fitting": len(fitting), "first": fitting.iloc[0] if len(fitting) else None,
+            "first_label": labels[0] if labels else None, "fits": bool(row.fits)}
+
+
 def explain(req, config: str, name: str = "custom", defaults: dict | None = None):
     """One configuration in full: the exact estimate (against the budget, the GPU less the
     reserve) and its time breakdown."""

@@ -46,23 +46,33 @@ def other_seconds(table, arch, h, a, v, t, etp, ep, rows, sequence_parallel) -> 
 
     norm = "rms_norm" if arch.normalization == "rmsnorm" else "layer_norm"
     boundary = np.where(sequence_parallel, rows / t, rows) * h
-    rope = rows * (arch.attention_width(h, a) + arch.kv_width(h, a)) / t if arch.position_embedding == "rope" else 0
-    activation = "swiglu" if arch.activation == "swiglu" else "gelu"
+    rope = rows * _rotated_width(arch, h, a) / t if arch.position_embedding == "rope" else 0
+    activation = arch.activation
 
     def layer(kind):
         if kind.moe:
             expert_rows = kind.moe_topk * rows / t * ep * etp / kind.num_experts
-            mlp = (kind.num_experts / ep) * kernels.elementwise_seconds(
+            mlp = (kind.num_experts / ep) * kernels.activation_seconds(
                 table, activation, expert_rows * kind.expert_ffn(h) / etp)
             if kind.moe_shared_ffn is not None:
-                mlp = mlp + kernels.elementwise_seconds(table, "swiglu", rows * kind.moe_shared_ffn / t)
+                mlp = mlp + kernels.activation_seconds(table, "swiglu", rows * kind.moe_shared_ffn / t)
         else:
-            mlp = kernels.elementwise_seconds(table, activation, rows * kind.ffn(h) / t)
+            mlp = kernels.activation_seconds(table, activation, rows * kind.ffn(h) / t)
         seconds = 2 * kernels.elementwise_seconds(table, norm, boundary) + 4 * kernels.elementwise_seconds(
             table, "add", boundary) + mlp
         return seconds + (kernels.elementwise_seconds(table, "scale", rope) if np.any(rope) else 0.0)
 
     return {"layer": layer, "loss": kernels.elementwise_seconds(table, "cross_entropy", rows * v / t)}
+
+
+def _rotated_width(arch, h, a):
+    """The q and k widths rope runs over: a·d + g·d, or under multi-latent attention q's and k's
+    a·(d_qk + d_r) each (Megatron rotates their rope parts in place in the whole tensors)."""
+    if arch.multi_latent_attention:
+        from actmem.model.latent import query_width
+
+        return 2 * query_width(arch, a)
+    return arch.attention_width(h, a) + arch.kv_width(h, a)
 
 
 def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops, sequence_parallel=True):

@@ -106,6 +106,18 @@ def elementwise_seconds(name: str, op: str, elements):
     return elements * _interpolate([axis], per_element, [np.log2(elements)])
 
 
+#: SwiGLU against GeLU, accesses an output element, forward and backward: reading 2f and writing f,
+#: then reading the gradient (f) and the input (2f) and writing 2f, 8 to GeLU's 2 + 3. The table has
+#: no SwiGLU of its own: its measurement split the input twice (extra zeros, cat and add in backward)
+SWIGLU_OVER_GELU = 8 / 5
+
+
+def activation_seconds(name: str, activation: str, elements):
+    """The MLP's activation over `elements` outputs: GeLU's measured seconds (squared ReLU's taken as
+    GeLU's), SwiGLU's as GeLU's times SWIGLU_OVER_GELU."""
+    return (SWIGLU_OVER_GELU if activation == "swiglu" else 1.0) * elementwise_seconds(name, "gelu", elements)
+
+
 def linear_seconds(name: str, tokens, inputs, outputs):
     """One linear layer's forward and backward on a rank, y[T, out] = x[T, in]·Wᵀ: its forward
     (fprop m=T n=out k=in), its input gradient dx = dy·W (dgrad m=T n=in k=out) and its weight

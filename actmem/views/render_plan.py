@@ -195,27 +195,43 @@ _FUSED_SOFTMAX = ("Megatron's local attention core with its fused softmax where 
                   "--attention-softmax-in-fp32 its fp32 output)")
 
 
-def render_explain(est, row) -> None:
+def render_explain(est, row, rank: dict | None = None) -> None:
+    """The estimate, then the modelled time part by part, beside the plan's first pick where the
+    explained configuration is not it (rank: explain.ranking)."""
+    from actmem.planner.explain import TIME_PARTS, time_parts
+
     render_estimate(est)
+    first = rank["first"] if rank and rank["first"] is not None and rank["rank"] != 1 else None
     table = _table("Time per iteration (estimated)")
-    for column in ("part", "seconds"):
+    columns = ("part", "seconds") + (("first pick", "difference") if first is not None else ())
+    for column in columns:
         table.add_column(column, **_column_kind(text=("part",))(column))
-    for part, value in (("compute (hardware FLOPs)", row.compute_s),
-                        ("tensor-parallel communication", row.tensor_parallel_s),
-                        ("context-parallel ring (k, v and their gradients)", row.context_parallel_s),
-                        ("the MoE token dispatcher (dispatch and combine)", row.expert_parallel_s),
-                        ("pipeline point-to-point communication", row.pipeline_p2p_s),
-                        (f"pipeline bubble × {row.bubble:.4f}",
-                         (row.compute_s + row.tensor_parallel_s + row.context_parallel_s + row.expert_parallel_s
-                          + row.pipeline_p2p_s) * (row.bubble - 1)),
-                        ("data-parallel communication (what overlap leaves)", row.data_parallel_s),
-                        ("iteration", row.iteration_s)):
-        table.add_row(part, f"{value:.3f}")
+    mine, theirs = time_parts(row), time_parts(first) if first is not None else None
+    for column, part in TIME_PARTS:
+        label = part if column != "bubble_s" else f"{part} × {row.bubble:.4f}" + (
+            f" (first pick × {first.bubble:.4f})" if first is not None else "")
+        cells = [f"{mine[column]:.3f}"]
+        if theirs is not None:
+            cells += [f"{theirs[column]:.3f}", f"{mine[column] - theirs[column]:+.3f}"]
+        table.add_row(label, *cells)
     table.caption = (f"model FLOPs utilisation {100 * row.mfu:.1f}%; compute at {row.layers_efficiency:.0%} of "
-                     f"the peak in the layers' matmuls, {row.scores_efficiency:.0%} in the attention core and "
-                     f"{row.logits_efficiency:.0%} in the logits")
+                     f"the peak in the layers (their matmuls and the memory-bound kernels beside them), "
+                     f"{row.scores_efficiency:.0%} in the attention core and {row.logits_efficiency:.0%} in the "
+                     f"logits (with the loss)" + _standing(rank))
     table.caption_justify = "left"
     _console().print(table)
+
+
+def _standing(rank: dict | None) -> str:
+    """Where the explained configuration ranks in the plan, and the first pick beside it."""
+    if rank is None:
+        return ""
+    if rank["rank"] == 1:
+        return f"; the plan's first pick of {rank['fitting']:,} that fit"
+    first = "" if rank["first_label"] is None else f"; first pick (beside it): {rank['first_label']}"
+    where = (f"ranks {rank['rank']:,} of {rank['fitting']:,} that fit" if rank["rank"] is not None
+             else "does not fit, so not ranked" if not rank["fits"] else "not among the plan's sweep")
+    return f"; {where}{first}"
 
 
 def render_flops(name: str, report: dict) -> None:

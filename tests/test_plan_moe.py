@@ -227,3 +227,13 @@ def test_every_n_th_layer_a_moe_layer_sizes_each_mix_of_stage(actmem):
 def test_a_pattern_written_out_as_every_n_th_layer_is_swept(actmem):
     out = actmem("plan", "--model", "mixtral-8x7b", "--moe-layer-freq", "([1,0]*16)", "--top", "1")
     assert out.exit_code == 0, out.output
+
+
+def test_explain_sizes_a_mixed_model_without_a_stage_between(actmem):
+    """DeepSeek-V3 (3 dense layers, then MoE) at p = 1 and p = 2: no stage between the first and the last,
+    so none is sized (it crashed on the middle stage before); its verdict is the first stage's (p = 1)."""
+    for pipeline in ("p=1", "p=31+30"):
+        result = actmem("plan", "--model", "deepseek-v3", "--gpu", "h100", "--gpus", "2048", "--global-batch", "8192",
+                        "--explain", f"t=2 ep=64 {pipeline} b=1 sp none dopt")
+        assert result.exit_code == 0, result.output
+        assert "Time per iteration" in result.stdout

@@ -97,7 +97,8 @@ def middle_stages(req, grid: pd.DataFrame) -> tuple:
             for last in (True, False):
                 slot = found.setdefault((kind, last), np.zeros(len(grid), dtype="int64"))
                 found[(kind, last)] = np.where(here & match & (last_moe == last) & (slot == 0), j, slot)
-    return tuple(np.where(slot == 0, 1, slot) for slot in found.values() if slot.any())
+    # rows that all have p < 3 have no stage between (an --explain at p = 1 or 2): stage 1, sized as 0 bytes
+    return tuple(np.where(slot == 0, 1, slot) for slot in found.values() if slot.any()) or (np.ones(len(grid), "int64"),)
 
 
 def imbalance(req, ep: np.ndarray) -> np.ndarray:

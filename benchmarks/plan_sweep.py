@@ -50,6 +50,7 @@ def main() -> None:
         count, seconds = timed(request)
         print(f"{label:58s} {count:7,d} configs {seconds:6.3f} s {count / seconds:10,.0f} configs/s")
     for command in (["--model", "1t", "--gpus", "3072", "--global-batch", "3072"],
+                    ["--model", "llama-3.1-405b", "--gpus", "16384", "--global-batch", "2048", "--gpu", "h100"],
                     ["--model", "deepseek-v3", "--gpus", "2048", "--global-batch", "8192", "--gpu", "h100"]):
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "actmem", "plan", *command], check=True, capture_output=True)

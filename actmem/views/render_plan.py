@@ -43,7 +43,8 @@ def render_plan(plan, top: int, nothing=None) -> None:
     table.caption = (f"time = (comp + tp{' + cp' if ring else ''}{' + ep' if experts else ''} + pp) × (1 + bub) "
                      f"+ dp: compute; tensor-parallel, {'context-parallel, ' if ring else ''}"
                      f"{'the token dispatcher, ' if experts else ''}pipeline and data-parallel "
-                     f"communication; d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
+                     f"communication{' (what overlap leaves)' if plan.request.overlap_grad_reduce else ''}; "
+                     f"d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
     table.caption_justify = "left"
     if not plan.fitting.empty:
         console.print(table)

@@ -26,7 +26,7 @@ def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch
     plain = hardware_parts(B, s, L, h, v, Recompute.NONE, arch, heads)
     chosen = [hardware_parts(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
               for choice in PLAN_CHOICES.values()]
-    parts = [base + share * (sum((recompute == name) * parts[part] for name, parts in zip(PLAN_CHOICES, chosen)) - base)
+    parts = [base + share * (sum((recompute == name) * rerun[part] for name, rerun in zip(PLAN_CHOICES, chosen)) - base)
              for part, base in enumerate(plain)]
     if not isinstance(efficiency, tuple):
         return sum(parts) / (gpus * efficiency * peak_flops)
@@ -51,9 +51,8 @@ def other_seconds(table, arch, h, a, v, t, etp, ep, rows, sequence_parallel) -> 
 
     def layer(kind):
         if kind.moe:
-            expert_rows = kind.moe_topk * rows / t * ep * etp / kind.num_experts
             mlp = (kind.num_experts / ep) * kernels.activation_seconds(
-                table, activation, expert_rows * kind.expert_ffn(h) / etp)
+                table, activation, _expert_rows(kind, rows, t, ep, etp) * kind.expert_ffn(h) / etp)
             if kind.moe_shared_ffn is not None:
                 mlp = mlp + kernels.activation_seconds(table, "swiglu", rows * kind.moe_shared_ffn / t)
         else:
@@ -63,6 +62,12 @@ def other_seconds(table, arch, h, a, v, t, etp, ep, rows, sequence_parallel) -> 
         return seconds + (kernels.elementwise_seconds(table, "scale", rope) if np.any(rope) else 0.0)
 
     return {"layer": layer, "loss": kernels.elementwise_seconds(table, "cross_entropy", rows * v / t)}
+
+
+def _expert_rows(kind, rows, t, ep, etp):
+    """The rows each of a rank's experts receives, balanced: k·(T/t)·EP·ETP/E (its share of the k
+    copies of the T/t tokens each of the EP·ETP ranks routes)."""
+    return kind.moe_topk * rows / t * ep * etp / kind.num_experts
 
 
 def _rotated_width(arch, h, a):
@@ -106,7 +111,7 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
         flops = seconds = 0.0
         for inputs, outputs, split, expert in attention_linears(h, kind, a) + mlp_linears(h, kind):
             if expert:
-                count, tokens = kind.num_experts / ep, kind.moe_topk * rows / t * ep * etp / kind.num_experts
+                count, tokens = kind.num_experts / ep, _expert_rows(kind, rows, t, ep, etp)
                 inputs, outputs = (inputs, outputs / etp) if split == "column" else (inputs / etp, outputs)
             else:
                 count, tokens = 1.0, rows / t if split == "whole" else rows

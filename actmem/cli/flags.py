@@ -320,6 +320,10 @@ RUN_FLAGS = (
          "expert-tensor-parallel size ETP: ranks each expert's linears are split over (default t)"),
     MOE_IMBALANCE,
     MOE_LOADS,
+    Flag(("--cpu-offloading-num-layers",), "offload_layers",
+         "Megatron's whole-layer CPU offloading: Transformer Engine copies the saved activations of the first N "
+         "layers to host memory, freeing them on the GPU once L - N layers are held (p = 1, no recompute; "
+         "0: none, the default)"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -269,6 +269,9 @@ def plan_request(flags: dict):
     from actmem.sources.expert_loads import loads_for
 
     choice = model_from_flags(flags)
+    if choice.preset_run.get("offload_layers"):
+        raise SpecError(f"plan does not sweep CPU offloading yet (--cpu-offloading-num-layers "
+                        f"{choice.preset_run['offload_layers']}): `actmem estimate` prices one offloaded run")
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     flags = resolve(flags, GPU_FLAGS + (MOE_IMBALANCE, MOE_LOADS))

@@ -203,6 +203,23 @@ def _recompute_notes(spec: Spec) -> list:
     return notes
 
 
+def _offload_notes(spec: Spec) -> list:
+    n, layers = spec.run.offload_layers, spec.model.layers
+    if not n:
+        return []
+    freqs = (" and its copy of the fused rope's fp32 freqs (4s·d_rope bytes, shared by the layers on the GPU)"
+             if spec.architecture.position_embedding == "rope" and spec.architecture.rope_fusion else "")
+    return [f"CPU offloading of the first {n} of {layers} layers (--cpu-offloading-num-layers; Transformer Engine "
+            f"v2.11's cpu_offload.py under megatron-core 0.16.1): every tensor an offloaded layer saves goes to the "
+            f"host{freqs}; the GPU releases a layer's copy only as the layer {layers - n} later begins, so it holds "
+            f"{layers - n} layers' activations from the forward's end through the last layer's backward, and the "
+            f"embedding's output (layer 0's input) until the forward returns (the forward_end moment); TE v2.11 frees "
+            f"none of a layer's saved tensors inside its backward, so the last layer's backward moments keep all its rows. "
+            f"The technique rows with recompute are without offloading (Megatron refuses the two together)",
+            "not counted: the copies' and reloads' streams and events; the host's reserve rounding (PyTorch's pinned "
+            "allocator rounds each block up to a power of two)"]
+
+
 def _mask_notes(spec: Spec) -> list:
     """Whether the dataloader's attention mask is counted, under Megatron's code."""
     if "dataloader_mask" not in spec.architecture.code.has:
@@ -334,6 +351,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         *_fp8_notes(spec),
         *_mtp_notes(spec),
         *_recompute_notes(spec),
+        *_offload_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"

@@ -93,6 +93,9 @@ class Estimate:
     assumptions: tuple
     stage: int = 0
     """The pipeline stage the techniques and terms are counted on (0: the first, the paper's)."""
+    host_bytes: int = 0
+    """Host memory a GPU's process needs for CPU offloading (--cpu-offloading-num-layers; actmem.memory.offload):
+    the offloaded layers' saved activations of one microbatch, before the pinned allocator rounds them."""
 
     @cached_property
     def peak(self) -> PeakFloor:
@@ -205,7 +208,25 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
         parameters=parameters,
         assumptions=assumptions.notes(spec, occupancy, techniques, parameters),
         stage=stage,
+        host_bytes=_host_bytes(spec, run),
     )
+
+
+def _host_bytes(spec: Spec, run: Technique) -> int:
+    """What the offloaded layers copy to the host (actmem.memory.offload)."""
+    if not spec.run.offload_layers:
+        return 0
+    from actmem.memory import offload
+
+    t = spec.technique_t(run)
+    expr = offload.host_bytes_per_layer(run, spec.architecture_at(t))
+    return spec.run.offload_layers * engine.exact(expr, spec.bindings_at(t))
+
+
+def offloaded_layers(spec: Spec, technique: Technique) -> int:
+    """Layers whose saved activations are on the host at the stage's peak: the run's
+    --cpu-offloading-num-layers on a row without recompute (Megatron offloads no recomputed run)."""
+    return spec.run.offload_layers if technique.recompute is Recompute.NONE else 0
 
 
 def _occupancy(spec: Spec, stage: int, layers: int) -> StageOccupancy:
@@ -280,6 +301,9 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     if others or mtp:
         return _mixed_terms(run, occupancy, bindings, ((last, n_last),) + others)
     arch = last
+    if spec.run.offload_layers:                # layers on the host hold nothing on the GPU (offload.py)
+        return tuple(_offloaded(_term_row(term, run, occupancy, bindings, arch), spec.run.offload_layers)
+                     for term in TERMS)
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
     chunks = occupancy.layer_activations // occupancy.chunk_layers
@@ -293,6 +317,10 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
             row = TermRow(term, engine.exact(engine.term_bytes(term, source, arch), bindings), count)
         rows.append(row)
     return tuple(rows)
+
+
+def _offloaded(row: TermRow, layers: int) -> TermRow:
+    return TermRow(row.term, row.bytes_each, row.count - layers) if row.term.scope is Scope.LAYER else row
 
 
 def _mixed_terms(run: Technique, occupancy, bindings, kinds: tuple) -> tuple:
@@ -328,7 +356,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     mtp = mtp_layers_held(spec, occupancy.stage, technique.recompute is Recompute.FULL)
     arch, n_last, others = layer_kinds(spec, occupancy.stage, arch, mtp)
     per_chunk = occupancy.chunk_layers
-    counts = StageCounts(per_chunk if n_last is None else n_last, layer_activations // per_chunk if per_chunk else 0)
+    counts = StageCounts(per_chunk if n_last is None else n_last, layer_activations // per_chunk if per_chunk else 0,
+                         offloaded=offloaded_layers(spec, technique))
     stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts, others)
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))

@@ -7,6 +7,8 @@ there above the model state (actmem.memory.peak adds the state and takes the lar
 - ``start``: every microbatch's saved activations;
 - ``loss``: on the stage with the output layer, the loss's backward and its 16-bit logits
   gradient (engine.loss_backward_bytes);
+- ``forward_end``: under CPU offloading, the forward's end, with the embedding's output that
+  GPTModel.forward keeps though layer 0 is offloaded (actmem.memory.offload);
 - ``rerun``: under recompute, what the backward reruns less what it freed before
   (engine.rematerialised_bytes, engine.freed_before_rerun): one module at a time under
   selective recompute, a layer or a group of them under full recompute;
@@ -23,7 +25,7 @@ under a condition of the counts carries it (``present``: a bool, or a boolean ar
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
-from actmem.memory import backward, engine
+from actmem.memory import backward, engine, offload
 from actmem.memory.peak import PeakRow
 from actmem.memory.pipeline import minimum
 from actmem.memory.techniques import Technique
@@ -58,6 +60,8 @@ class StageCounts:
     """Model chunks in flight at the first backward (pipeline.chunks_held)."""
     recompute_layers: object = None
     """N of partial full recompute where it varies over a sweep; the technique's otherwise."""
+    offloaded: object = 0
+    """Layers whose saved activations are on the host at the peak (actmem.memory.offload; p = 1)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
     n = technique.policy.layers if counts.recompute_layers is None else counts.recompute_layers
     per_layer = value(engine.per_layer_bytes(technique, arch))
     checkpoints, whole = chunk_layers(technique, counts.per_chunk, n)
-    layers = counts.chunks * checkpoints * per_layer
+    layers = counts.chunks * (checkpoints - counts.offloaded) * per_layer
     if technique.partial:
         if others:
             raise ValueError("layers of two kinds are held whole or checkpointed alone (a rule)")
@@ -102,6 +106,11 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
         PeakRow("activations_in_flight", held, HELD),
         PeakRow("logits_gradient_16bit", loss, TRANSIENT_TERMS[0].source)),
         loss > 0),)
+    if counts.offloaded:
+        moments += (StageMoment("forward_end", "the forward's end, the loss made", (
+            PeakRow("activations_in_flight", held, HELD),
+            PeakRow("embedding_output", value(offload.layer_input_bytes(technique, arch)),
+                    offload.EMBEDDING_OUTPUT.source))),)
     moments += _reruns(technique, arch, value, counts, n, held, per_layer)
     moments += _layer_moments(technique, arch, value, counts, n, held)
     return StageActivations(layers, extra, moments)
@@ -162,7 +171,7 @@ def _layer_moments(technique, arch, value, counts, n, held) -> tuple:
         lasts = ((technique.whole(), n < counts.per_chunk), (alone, n >= counts.per_chunk))
     else:
         lasts = ()
-    return tuple(_layer_moment(name, last, arch, value, held, _and(when, counts.per_chunk > 0))
+    return tuple(_layer_moment(name, last, arch, value, held, _and(when, counts.per_chunk > 0), bool(counts.offloaded))
                  for last, when in lasts for name in backward.MOMENTS if backward.modelled(name, last, arch))
 
 
@@ -185,10 +194,14 @@ LAYER_MOMENTS = {
 }
 
 
-def _layer_moment(name: str, last: Technique, arch, value, held, when) -> StageMoment:
+def _layer_moment(name: str, last: Technique, arch, value, held, when, offloading: bool = False) -> StageMoment:
     """A moment inside the last layer's backward: the rows after the op freed (and the output
-    layer's), what the backward has rerun by then, the op's gradients."""
+    layer's), what the backward has rerun by then, the op's gradients. ``offloading``: the layer
+    frees none of its own rows before its backward ends (actmem.memory.offload), only the output
+    layer's."""
     symbolic = backward.moment_bytes(name, last, arch)
+    if offloading:
+        symbolic = replace(symbolic, freed_held=engine.output_rows(last, arch))
     moment = backward.Moment(*(value(getattr(symbolic, field.name)) for field in fields(symbolic)))
     when_text, label, source = LAYER_MOMENTS[name]
     rerun = () if symbolic.rerun == 0 or (isinstance(moment.rerun, int) and not moment.rerun) else (PeakRow(

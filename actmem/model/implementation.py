@@ -44,10 +44,11 @@ class Implementation:
     architecture: tuple = ()
     """(field, allowed values, why): the architecture the implementation is modelled for."""
     runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer",
-                                 "expert"})
+                                 "expert", "cpu_offloading"})
     """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, the
-    distributed optimizer (model state is counted as Megatron's mixed-precision Adam), and experts
-    spread over ranks (EP > 1, and with them a routing imbalance between ranks)."""
+    distributed optimizer (model state is counted as Megatron's mixed-precision Adam), experts
+    spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
+    Engine's whole-layer CPU offloading (--cpu-offloading-num-layers)."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None

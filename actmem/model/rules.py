@@ -181,6 +181,38 @@ def _at_most(key: str, label: str, largest: int) -> Rule:
                 lambda v: f"{label} ({getattr(v, key):,}) must be at most {largest:,}", (key,))
 
 
+def _offloading(v):
+    return v.offload > 0
+
+
+#: Megatron's whole-layer CPU offloading (--cpu-offloading-num-layers N; transformer_config.py,
+#: __post_init__, core_v0.16.1 lines 1137-1152, and Transformer Engine v2.11's cpu_offload.py), then
+#: what actmem has not read for it yet: each a refusal, not a guess
+OFFLOADING_RULES = (
+    Rule(lambda v: _implies(_offloading(v), v.offload < v.layers),
+         lambda v: f"--cpu-offloading-num-layers ({v.offload}) must be less than the model's layers ({v.layers}): "
+                   f"Megatron offloads at most L - 1 (the last layer's activations stay)"),
+    Rule(lambda v: _implies(_offloading(v), v.p == 1),
+         lambda v: f"Megatron has no CPU offloading under pipeline parallelism (p = {v.p}): "
+                   f"--cpu-offloading-num-layers needs p = 1"),
+    Rule(lambda v: _implies(_offloading(v), v.recompute == "none"),
+         lambda v: f"Megatron's CPU offloading does not work with activation recomputation (this run's is "
+                   f"{v.recompute}): --cpu-offloading-num-layers needs --recompute none"),
+    Rule(lambda v: _implies(_offloading(v), "cpu_offloading" in v.code.runs),
+         lambda v: _unmodelled_run(v, "CPU offloading (--cpu-offloading-num-layers)")),
+    Rule(lambda v: _implies(_offloading(v), v.core == "flash"),
+         lambda v: "CPU offloading beside the eager attention core is not modelled: Transformer Engine leaves "
+                   "non-contiguous saved tensors (the core's transposed views) on the GPU, and actmem has not "
+                   "read which; give the flash core"),
+    Rule(lambda v: _implies(_offloading(v), v.c == 1),
+         lambda v: f"CPU offloading beside context parallelism (c = {v.c}) is not modelled yet: which of the ring "
+                   f"attention's saved tensors Transformer Engine can offload is not read"),
+    Rule(lambda v: _implies(_offloading(v), (v.dense is True) & (v.latent is None) & (v.mtp is None)),
+         lambda v: "CPU offloading beside experts, latent attention or multi-token prediction is not modelled yet: "
+                   "their saved views (the experts' split inputs) and host tensors are not read"),
+)
+
+
 #: The rules of the data-parallel run (gpus, the global batch, the distributed optimizer's
 #: shards) wait with the kernels' where the run is not known (Spec.dims_only): `validate`
 #: measures one data-parallel rank and sets its own, a plot sweeps b.
@@ -344,6 +376,7 @@ RULES = (
          ("experts",) + _DATA_PARALLEL),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
+    *OFFLOADING_RULES,
 )
 
 
@@ -435,6 +468,8 @@ class Values:
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
     """--recompute-modules, where given."""
+    offload: object = 0
+    """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""
 
 
 def _block_fp8(arch) -> bool:

@@ -89,9 +89,15 @@ class Run:
     expert_loads: tuple | None = None
     """A per-expert load histogram, one row of E token counts a layer (--moe-load-histogram), in place
     of r: the busiest EP rank's share of it is r (actmem.model.experts.busiest_rank)."""
+    offload_layers: int = 0
+    """N of Megatron's --cpu-offloading-num-layers: Transformer Engine copies the saved activations of
+    the first N layers to host memory (actmem.memory.offload); 0, Megatron's default: none."""
 
     def __post_init__(self):
         _require_positive_ints(self)
+        if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
+            raise SpecError(f"offload_layers (--cpu-offloading-num-layers) must be a whole number of layers, 0 or "
+                            f"more, got {self.offload_layers!r}")
         check_imbalance(self.routing_imbalance)
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
@@ -226,7 +232,8 @@ class Spec:
             ep=run.expert_parallel, etp=run.etp, imbalance=run.routing_imbalance,
             load_histogram=run.expert_loads is not None, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
-            mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers))
+            mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
+            offload=run.offload_layers)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

@@ -154,9 +154,10 @@ def _header(est: Estimate) -> Text:
         cp += (f" ep={run.expert_parallel}" if run.expert_parallel > 1 else "") + (
             f" etp={run.etp}" if run.etp != run.tensor_parallel else "")
     split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
+    offload = f" · {plural(run.offload_layers, 'layer')} offloaded to the host" if run.offload_layers else ""
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
-                f"recompute {run.policy.label}\n")
+                f"recompute {run.policy.label}{offload}\n")
     arch = spec.architecture
     text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
                 f"hidden {arch.hidden_dropout:g}\n")
@@ -168,8 +169,11 @@ def _header(est: Estimate) -> Text:
 
 
 def _techniques_table(est: Estimate) -> Table:
+    offloaded = est.spec.run.offload_layers
+    on_host = (f", {offloaded} of them on the host where a row does not recompute (CPU offloading)"
+               if offloaded else "")
     table = _table(f"Activations per GPU, {_shown(est)}, "
-                   f"{plural(est.occupancy.layer_activations, 'layer activation')} held (Table 2)")
+                   f"{plural(est.occupancy.layer_activations, 'layer activation')} held{on_host} (Table 2)")
     for column in ("technique", "per layer", "this stage" if est.stage else "first stage", "vs tp", "",
                    "+ params"):
         table.add_column(column, **_column_kind(whole=("technique", ""))(column))
@@ -271,7 +275,21 @@ def _verdict(est: Estimate, width: int) -> Text:
     text.append_text(_bar(used, width=bar, style=style))
     text.append(numbers + "\n")
     text.append(" " * len(word) + margin + "\n", style=style)
+    if est.host_bytes:
+        text.append(_host_line(est))
     return text
+
+
+#: GPUs a node of the GPUs actmem knows (DGX and HGX H100, H200, B200; MI300X platforms): for the host line
+GPUS_A_NODE = 8
+
+
+def _host_line(est: Estimate) -> str:
+    """The host memory CPU offloading needs, a GPU and a node (actmem.memory.offload)."""
+    n = est.spec.run.offload_layers
+    return (f"host: {gib(est.host_bytes):,.2f} GiB of pinned memory a GPU for CPU offloading ({plural(n, 'layer')} of "
+            f"one microbatch), {gib(GPUS_A_NODE * est.host_bytes):,.2f} GiB a node of {GPUS_A_NODE}; PyTorch's pinned "
+            f"allocator rounds each tensor up to a power of two and may reserve up to twice\n")
 
 
 _VERDICT_STYLES = {FITS: "green", TIGHT: "yellow", NO_FIT: "red"}

@@ -28,7 +28,8 @@ def records(est: Estimate, codes=None) -> dict:
                 "distributed_optimizer": run.distributed_optimizer, "expert_parallel": run.expert_parallel,
                 "expert_tensor_parallel": run.etp, "routing_imbalance": str(spec.effective_imbalance),
                 "expert_load_layers": None if run.expert_loads is None else len(run.expert_loads),
-                "expert_data_parallel": spec.expert_optimizer_shards if spec.architecture.moe else None},
+                "expert_data_parallel": spec.expert_optimizer_shards if spec.architecture.moe else None,
+                "cpu_offloading_layers": run.offload_layers},
         "stage": {"index": est.stage, "layers": est.stages[est.stage].layers,
                   "layer_activations": est.occupancy.layer_activations,
                   "embedding_microbatches": est.occupancy.microbatches,
@@ -56,6 +57,7 @@ def records(est: Estimate, codes=None) -> dict:
         "spare_bytes": est.spare_bytes,
         "verdict": est.verdict,
         "fits": est.fits,
+        "host_bytes": est.host_bytes,
         "assumptions": list(est.assumptions),
     } | side
 
@@ -122,7 +124,8 @@ def frames(est: Estimate, codes=None) -> dict:
         ("dummy_wgrads", params["dummy_wgrads_bytes"]), ("fp8_weight_state", params["fp8_bytes"]),
         ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
-        ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]))]
+        ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]),
+        ("host_offload", rec["host_bytes"]))]
     stages = [{key: value for key, value in stage.items() if key != "peak_floor"}
               | {"peak_bytes": stage["peak_floor"]["total_bytes"]} for stage in rec["stages"]]
     stage_peaks = [{"stage": stage["stage"], "moment": stage["peak_floor"]["moment"], "term": row["name"],

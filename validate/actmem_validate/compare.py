@@ -10,7 +10,8 @@ Every saved byte lands in exactly one kind of row:
 - ``unnamed``: anything else (a tensor no layer labelled). Always a failure: nothing is
   saved that the table does not name.
 Then ``total``: every saved byte at the stage's peak, against the formula's activations
-plus the expected residuals. ``peak`` holds the allocator's peak against actmem's floor
+plus the expected residuals. Under CPU offloading, ``host``: what the host copies held at their
+most against actmem's host line, both ways. ``peak`` holds the allocator's peak against actmem's floor
 (``actmem.memory.peak``: main gradients, activations in flight, the rerun layer, all live at one
 moment; the harness keeps no optimizer and its weights are left out of both): it fails
 below the floor, and above it by more than a gap the run allows (``--max-peak-gap``; the
@@ -55,7 +56,7 @@ RESIDUALS = {
 FLASH_RNG_STATE_BYTES = {"cuda": 2 * 8 + 8, "cpu": 0}
 """The flash kernel's saved philox state by device type: none on the CPU's kernel
 (_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
-CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp")
+CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host")
 """The kinds of row the gate judges; the others are information."""
 HARNESS_LEAVES_OUT = ("weights", "optimizer_state")
 """Rows of the floor the harness's peak does not hold: its peak is measured above the
@@ -101,7 +102,7 @@ def _whole_layers(spec, occupancy) -> int:
     technique = run_technique(run.sequence_parallel, run.policy)
     # outside full recompute no layer is inside a checkpoint: all are whole
     whole = chunk_layers(technique, spec.chunk_layers)[1] if run.recompute is Recompute.FULL else spec.chunk_layers
-    return occupancy.layer_activations // spec.chunk_layers * whole
+    return occupancy.layer_activations // spec.chunk_layers * whole - run.offload_layers   # those on the host
 
 
 def _kind(name: str, residuals: dict) -> str:
@@ -132,6 +133,8 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, device: str 
             for name in names]
     rows.append(_row(config, rank, "total", est.activations_bytes + sum(residuals.values()),
                      run.peak_saved_bytes, "total"))
+    if est.host_bytes or run.host_bytes:          # CPU offloading's host copies, checked both ways
+        rows.append(_row(config, rank, "host_offload", est.host_bytes, run.host_bytes, "host"))
     rows.append(_row(config, rank, "allocated", est.activations_bytes + est.parameters.gradients_bytes
                      + est.parameters.dummy_wgrads_bytes,
                      run.allocated_at_peak, "allocated"))
@@ -247,6 +250,8 @@ def _failure(row: dict) -> str:
                 f"actmem's floor of {formula}, more than --max-peak-gap allows")
     if row["kind"] == "residual":
         return f"{where} (residual) measured {measured}, the harness's code saves {formula}"
+    if row["kind"] == "host":
+        return f"{where}: the host copies held {measured} at their most, actmem's host line says {formula}"
     if not row["formula_bytes"]:
         return f"{where} measured {measured} where the formula has none"
     return f"{where} measured {measured}, formula {formula} ({row['error_percent']:+.4f}%)"

@@ -14,6 +14,7 @@ from actmem_validate.context import context_parallel_attention
 from actmem_validate.fused import Norm, rotary_frequencies, rotate, scaled_causal_softmax, swiglu
 from actmem_validate.layers import ColumnParallelLinear, Dropout, Fp8Save, RowParallelLinear, init_scaled, linear
 from actmem_validate.ledger import label, name_of, name_saved_output, scope
+from actmem_validate.offload import te_attention
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_reduce
@@ -185,7 +186,7 @@ def flash_core(q, k, v, copies_output: bool = False):
 
     s, b, heads, d = q.shape
     layout = _batch_first if copies_output else _heads_first
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), scope("softmax_lse"):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), scope("softmax_lse"), te_attention():
         out = nn.functional.scaled_dot_product_attention(layout(q), layout(k), layout(v), is_causal=True,
                                                          enable_gqa=True)
     if out.grad_fn is not None and "Flash" not in out.grad_fn.name():
@@ -406,12 +407,20 @@ class TransformerLayer(nn.Module):
         return self._forward(x, mask)
 
 
-def run_layers(layers, x, mask=None):
+def run_layers(layers, x, mask=None, offload=None):
     """A model chunk's layers, checkpointed as Megatron's TransformerBlock does under full
     recompute (_checkpointed_forward): 'uniform' checkpoints groups of N layers, each group
     keeping only its input; 'block' checkpoints the first N layers one by one and runs the
-    rest whole. N = 1, uniform: every layer checkpointed alone (TransformerLayer.forward)."""
+    rest whole. N = 1, uniform: every layer checkpointed alone (TransformerLayer.forward).
+    ``offload``: CPU offloading's context around each layer and its commit after it
+    (TransformerBlock.forward; actmem_validate.offload), where Megatron allows it (no recompute)."""
     if not layers:
+        return x
+    if offload is not None:
+        for layer in layers:
+            with offload.layer():
+                x = layer(x, mask)
+            x = offload.commit(x)
         return x
     spec = layers[0].spec
     if spec.recompute != "full" or (spec.recompute_method, spec.recompute_layers) == ("uniform", 1):

@@ -98,14 +98,16 @@ UNFUSED, FP32_SOFTMAX = dict(masked_softmax_fusion=False), dict(softmax_in_fp32=
 def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1, name: str = "",
                first_stage_layers: int | None = None, recompute: tuple = (None, None), c: int = 1,
                b: int = 2, modules: tuple | None = None, seq_len: int = 32, gpu_fp8: str | None = None,
-               sp: bool = False, **architecture) -> Spec:
+               sp: bool = False, offload_layers: int = 0, **architecture) -> Spec:
     """recompute: (method, N) of a partial full recompute; modules: what selective recompute
-    recomputes (--recompute-modules); the technique sets the mode."""
+    recomputes (--recompute-modules); the technique sets the mode; offload_layers: N of
+    --cpu-offloading-num-layers."""
     model = dict(heads=8, hidden=64, vocab=512, seq_len=seq_len, layers=layers)
     run = dict(tensor_parallel=t, pipeline_parallel=p, interleave=m, micro_batch=b, context_parallel=c,
                first_stage_layers=first_stage_layers, recompute_method=recompute[0],
                recompute_layers=recompute[1], recompute_modules=modules,
-               recompute="full" if recompute[0] else "selective" if modules else "none", sequence_parallel=sp)
+               recompute="full" if recompute[0] else "selective" if modules else "none", sequence_parallel=sp,
+               offload_layers=offload_layers)
     architecture = dict(attention_dropout=dropout, hidden_dropout=dropout) | architecture
     gpu = {"gpu_fp8": gpu_fp8, "gpu_name": f"a {gpu_fp8} GPU"} if gpu_fp8 else {}
     return build_spec(model, run, name=name or ("small" if dropout else "small-nodrop"),
@@ -129,6 +131,18 @@ def fp8_configs() -> list[Config]:
     # flash-attn's copy for the projection at b = 2, which under delayed scaling nothing keeps
     configs += configs_for(small_spec(2, 2, name="small-flash-attn-fp8-delayed", gpu_fp8="hopper", fp8_format="hybrid",
                                       **(FLASH | dict(attention_core="flash-attn"))), ["tp-sp"], 1)
+    return configs
+
+
+def offload_configs() -> list[Config]:
+    """Transformer Engine's whole-layer CPU offloading (--cpu-offloading-num-layers N, p = 1, no recompute): N = 2
+    of 4 layers at t = 1 and 2, N = 3 (L - 1: each layer's copy released as the next begins) under SP, two
+    microbatches each (TE's state reset between them); delayed FP8 (its 1-byte copies and scales offloaded too)."""
+    configs = []
+    for t, n, technique in ((1, 2, "none"), (2, 2, "tp"), (2, 3, "tp-sp")):
+        configs += configs_for(small_spec(4, t, name="small-flash-offload", offload_layers=n, **FLASH), [technique], 2)
+    configs += configs_for(small_spec(4, 2, name="small-flash-fp8-offload", gpu_fp8="hopper", fp8_format="hybrid",
+                                      offload_layers=2, **FLASH), ["tp-sp"], 1)
     return configs
 
 
@@ -198,6 +212,7 @@ def small_grid() -> list[Config]:
     configs += configs_for(small_spec(2, 2, name="small-flash-gelu-qk-norm", attention_dropout=0.0,
                                       attention_core="flash", qk_norm=True), ["tp-sp-sel"], 1)
     configs += configs_for(small_spec(4, 2, 2, 2, name="small-flash", **FLASH), ["tp-sp"])
+    configs += offload_configs()
     # flash-attn through TE: at b = 2 its output and the projection's input are two copies
     for t in (1, 2):
         configs += configs_for(small_spec(2, t, name="small-flash-attn", **(FLASH | dict(attention_core="flash-attn"))),
@@ -376,10 +391,19 @@ def fp8_presets() -> list[Config]:
     return configs
 
 
+def offload_presets() -> list[Config]:
+    """Llama 3.1 8B at t = 8 with SP on one pipeline stage, 20 of its 32 layers' activations offloaded to the
+    host (--cpu-offloading-num-layers 20), at full scale."""
+    preset = load_preset("llama-3.1-8b")
+    spec = build_spec(preset.model, {"tensor_parallel": 8, "sequence_parallel": True, "offload_layers": 20},
+                      name=f"{preset.name}-offload-20", architecture=preset.architecture)
+    return configs_for(spec, ["tp-sp"])
+
+
 def presets_grid() -> list[Config]:
     """What CI measures at full scale: the paper's and the Llama presets under Megatron's
-    code (FP8 too), and the torch-native and hf implementations."""
-    return preset_grid() + fp8_presets() + torch_native_presets() + hf_presets()
+    code (FP8 and CPU offloading too), and the torch-native and hf implementations."""
+    return preset_grid() + fp8_presets() + offload_presets() + torch_native_presets() + hf_presets()
 
 
 GRIDS = {"small": small_grid, "presets": presets_grid}

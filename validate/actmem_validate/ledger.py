@@ -59,6 +59,13 @@ def name_saved_output(tensor: torch.Tensor, term: str) -> torch.Tensor:
     return label(tensor, term)
 
 
+def record(tensor: torch.Tensor) -> None:
+    """File a tensor autograd saves under an inner saved_tensors_hooks pair, which hides it from
+    the ledger's own (torch calls only the innermost pair): CPU offloading's (offload.py)."""
+    for ledger in _active:
+        ledger._pack(tensor)
+
+
 @contextmanager
 def scope(term: str):
     """Attribute what the ops inside save, and nobody labelled, to this term."""

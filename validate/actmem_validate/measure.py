@@ -15,6 +15,7 @@ from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec, fp8_weights, fused_wgrad_weights
 from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads, make_fp8_state
 from actmem_validate.context import tensor_and_context_groups
+from actmem_validate.offload import CpuOffload
 from actmem_validate.parallel import TensorParallel
 from actmem_validate.schedule import FirstStage, run_first_stage
 from actmem_validate.torch_compat import LiveStorages, fake_tensor_mode
@@ -84,6 +85,8 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
     with fake_tensor_mode() if fake else nullcontext():
         stage = FirstStage(layer_spec, spec.padded_vocab, tp, run.pipeline_parallel, run.interleave,
                            spec.stage_layers)
+        if run.offload_layers:
+            stage.offload = CpuOffload(spec.stage_layers, run.offload_layers)
         fused = fused_wgrad_weights(stage)
         for weight in fused:                              # --no-gradient-accumulation-fusion: 16-bit wgrads
             weight.unfused_wgrad = not layer_spec.wgrad_fusion

@@ -49,6 +49,8 @@ class FirstStage(nn.Module):
         self.chunks = nn.ModuleList(nn.ModuleList(TransformerLayer(spec, tp) for _ in range(per_chunk))
                                     for _ in range(m))
         self.head = OutputHead(self.embedding, spec, tp) if p == 1 else None
+        self.offload = None
+        """CPU offloading (actmem_validate.offload.CpuOffload) where the run has it."""
 
     def forward_chunk(self, chunk: int, x, tokens, targets):
         # the chunk the batch arrives with carries the dataloader's mask (get_batch: first and last stages)
@@ -62,7 +64,8 @@ class FirstStage(nn.Module):
                 mask = label(mask[:, :, rows].clone(), "attention_mask")
         if chunk == 0:
             x = self.embedding(tokens)
-        x = run_layers(self.chunks[chunk], x, mask)
+        decoder_input = x         # GPTModel.forward keeps it to its end (gpt_model.py): a freed layer 0 does not free it
+        x = run_layers(self.chunks[chunk], decoder_input, mask, self.offload)
         if self.head is not None and chunk == len(self.chunks) - 1:
             return self.head(x, targets)
         return x
@@ -85,6 +88,8 @@ class StageRun:
     terms_at_peak: dict = field(default_factory=dict)
     allocated_at_peak: int = 0
     """Bytes allocated above the parameters right after the forward that made the peak."""
+    host_bytes: int = 0
+    """What CPU offloading's host copies held at their most (actmem_validate.offload)."""
 
 
 def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, micro_batch: int,
@@ -113,6 +118,8 @@ def run_first_stage(stage: FirstStage, spec: LayerSpec, p: int, m: int, n: int, 
                 out.backward()
             else:                                              # the gradient the next stage sends
                 pipeline_backward(out, torch.ones(shape, dtype=out.dtype, device=out.device))
+    if stage.offload is not None:
+        result.host_bytes = stage.offload.host_bytes
     return result
 
 

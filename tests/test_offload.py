@@ -98,10 +98,25 @@ def test_a_pasted_script_offloads_and_plan_refuses_it():
                                       "--format", "json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert out["host_bytes"] == 18_338_545_664 and out["run"]["cpu_offloading_layers"] == 16
+    assert out["host_bytes"] == 18_338_545_664 and out["run"]["offload_layers"] == 16
     shown = CliRunner().invoke(cli, ["estimate", "--model", "llama-3.1-8b", "--megatron-args", paste])
     text = " ".join(shown.output.split())                 # the terminal's wrapping undone
     assert "16 layers offloaded to the host" in text and "host: 17.08 GiB of pinned memory a GPU" in text
     refused = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "8",
                                        "--megatron-args", paste])
     assert refused.exit_code == 2 and "plan does not sweep CPU offloading yet" in refused.output
+
+
+def test_a_command_that_takes_no_run_says_so():
+    """flops takes no run: a setting estimate reads is named as that, not as an argument actmem does not model."""
+    result = CliRunner().invoke(cli, ["flops", "--model", "llama-3.1-8b", "--cpu-offloading-num-layers", "3"])
+    assert result.exit_code == 2
+    assert "--cpu-offloading-num-layers is a setting that `actmem estimate` reads; `flops` does not take it" \
+        in result.output
+
+
+def test_the_plots_refuse_an_offloaded_run():
+    """The plots draw GPU memory alone: an offloaded run is refused, not drawn without its host."""
+    result = CliRunner().invoke(cli, ["plot", "memory", "--model", "llama-3.1-8b", "--pp", "1",
+                                      "--cpu-offloading-num-layers", "3", "-o", "unused.png"])
+    assert result.exit_code == 2 and "the plots do not draw CPU offloading yet" in result.output

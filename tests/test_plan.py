@@ -130,6 +130,18 @@ def test_plan_cli_rich_csv_and_explain(actmem):
     assert "pipeline bubble" in explained.stdout and "tp-sp-sel" in explained.stdout
 
 
+def test_explain_names_what_it_took_from_the_preset(actmem):
+    """Mixtral's preset trains with the distributed optimizer; a plan's label of a row without it writes no
+    'nodopt', so --explain of that label explains the dopt twin: it says so, and 'nodopt' explains the row."""
+    taken = " ".join(actmem("plan", "--model", "mixtral-8x7b", "--explain", "t=2 p=4 ep=4 b=1 sp none").stdout.split())
+    assert "--explain took from the preset's run what 't=2 p=4 ep=4 b=1 sp none' leaves out: dopt" in taken
+    named = " ".join(actmem("plan", "--model", "mixtral-8x7b", "--explain", "t=2 p=4 ep=4 b=1 sp none nodopt")
+                     .stdout.split())
+    assert "--explain took" not in named
+    whole = " ".join(actmem("plan", "--model", "gpt3", "--explain", "t=8 p=8 m=3 b=1 sp sel").stdout.split())
+    assert "--explain took" not in whole                  # the label names every setting the preset has
+
+
 def test_nothing_fits_exits_1_and_says_why(actmem):
     result = actmem("plan", "--model", "530b", "--gpus", "8", "--global-batch", "8")
     assert result.exit_code == 1

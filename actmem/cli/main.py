@@ -52,6 +52,12 @@ def _message(error) -> str:
         from actmem.sources import megatron_table
 
         if error.option_name in megatron_table.arguments():
+            from actmem.cli.flags import megatron_spellings
+
+            if error.option_name in megatron_spellings():        # read by estimate, not by this command
+                command = error.ctx.info_name if error.ctx is not None else "this command"
+                return (f"{error.option_name} is a setting that `actmem estimate` reads; `{command}` does not take it "
+                        f"(`actmem {command} --help` lists what it does)")
             kind, why = megatron_table.classify(error.option_name)
             if kind == megatron_table.NOT_MODELLED:
                 return f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: {why}"

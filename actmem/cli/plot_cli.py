@@ -83,6 +83,14 @@ def plot():
     """
 
 
+def _not_offloaded(spec):
+    """The plots draw GPU memory alone: a run that offloads activations is refused, not drawn without its host."""
+    if spec.run.offload_layers:
+        raise SpecError(f"the plots do not draw CPU offloading yet (--cpu-offloading-num-layers "
+                        f"{spec.run.offload_layers}): `actmem estimate` prices it, with its host memory")
+    return spec
+
+
 @plot.command()
 @spec_options
 @_output_options
@@ -93,7 +101,7 @@ def memory(output, csv_path, size_in, dpi, **flags):
     _check_outputs(output, csv_path)
     from actmem.views.plot_frames import memory_frame
 
-    frame = memory_frame(build_spec_from_flags(flags))
+    frame = memory_frame(_not_offloaded(build_spec_from_flags(flags)))
     click.echo(_write(frame, "memory_figure", output, csv_path, size_in, dpi))
 
 
@@ -119,7 +127,7 @@ def growth(over, values_text, output, csv_path, size_in, dpi, **flags):
     if given is not None:
         raise click.UsageError(f"--{over} is what the plot sweeps: give the values with --values, "
                                f"not --{over} {given}")
-    spec = build_spec_from_flags(flags, dims_only=True)      # each swept run is checked whole
+    spec = _not_offloaded(build_spec_from_flags(flags, dims_only=True))      # each swept run is checked whole
     values, refused = (_parse_values(values_text), {}) if values_text else sweep_values(spec, column)
     if not values:
         raise SpecError(f"nothing in the sweep can run: {next(iter(refused.values()))}")

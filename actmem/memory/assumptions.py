@@ -216,8 +216,11 @@ def _offload_notes(spec: Spec) -> list:
             f"embedding's output (layer 0's input) until the forward returns (the forward_end moment); TE v2.11 frees "
             f"none of a layer's saved tensors inside its backward, so the last layer's backward moments keep all its rows. "
             f"The technique rows with recompute are without offloading (Megatron refuses the two together)",
-            "not counted: the copies' and reloads' streams and events; the host's reserve rounding (PyTorch's pinned "
-            "allocator rounds each block up to a power of two)"]
+            "not counted under CPU offloading: the cuDNN kernel's 16-byte RNG state and its cu_seqlens (4(b + 1) B) "
+            "that each offloaded layer copies to the host too; the GPU copies of the shared rope freqs and cu_seqlens "
+            "a reloaded layer makes, which put the backward of layer L - 2 a few MiB above the last layer's (below the "
+            "loss's backward wherever v > h); the host's reserve rounding (PyTorch's pinned allocator rounds each "
+            "block up to a power of two)"]
 
 
 def _mask_notes(spec: Spec) -> list:

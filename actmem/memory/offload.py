@@ -31,6 +31,12 @@ cpu_offload.py runs unless NVTE_CPU_OFFLOAD_V1=1:
   another. Tensors shared by the layers (fused rope's freqs) are copied once a layer.
   PyTorch's caching host allocator rounds each pinned block up to a power of two and keeps it,
   so the host may reserve up to twice this.
+
+Not counted: TE's cuDNN attention also saves its 16-byte RNG state and cu_seqlens, views of one
+cached int32 [b + 1] tensor: an offloaded layer copies 16 + 4(b + 1) bytes more to the host; and a
+reloaded layer's copies of the shared freqs and cu_seqlens are new GPU tensors, so the backward of
+layer L - 2, where layer N - 1 comes back, holds 4s·d_rope + 4(b + 1) bytes more than the last
+layer's (a moment the floor does not take; the loss's backward is larger wherever v > h).
 """
 
 import sympy
@@ -51,12 +57,7 @@ ROPE_FREQS = Term(
     "(rope.py, FusedRoPEFunc: save_for_backward(freqs, ...)); each offloaded layer copies it to the host",
     lambda arch: arch.position_embedding == "rope" and arch.rope_fusion)
 
-HOST_SOURCE = ("Megatron's --cpu-offloading-num-layers N: Transformer Engine copies every tensor the first N "
-               "layers save to pinned host memory, one microbatch at a time (p = 1); each layer's shared rope "
-               "freqs too (TE v2.11, cpu_offload.py)")
-
-
-def layer_input_bytes(technique, arch) -> sympy.Expr:
+def embedding_output_bytes(technique, arch) -> sympy.Expr:
     """The embedding's output, which the GPU keeps to the forward's end although layer 0 is offloaded."""
     return engine.term_bytes(EMBEDDING_OUTPUT, technique, arch)
 

@@ -109,7 +109,7 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
     if counts.offloaded:
         moments += (StageMoment("forward_end", "the forward's end, the loss made", (
             PeakRow("activations_in_flight", held, HELD),
-            PeakRow("embedding_output", value(offload.layer_input_bytes(technique, arch)),
+            PeakRow("embedding_output", value(offload.embedding_output_bytes(technique, arch)),
                     offload.EMBEDDING_OUTPUT.source))),)
     moments += _reruns(technique, arch, value, counts, n, held, per_layer)
     moments += _layer_moments(technique, arch, value, counts, n, held)

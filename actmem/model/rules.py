@@ -182,15 +182,15 @@ def _at_most(key: str, label: str, largest: int) -> Rule:
 
 
 def _offloading(v):
-    return v.offload > 0
+    return v.offload_layers > 0
 
 
 #: Megatron's whole-layer CPU offloading (--cpu-offloading-num-layers N; transformer_config.py,
 #: __post_init__, core_v0.16.1 lines 1137-1152, and Transformer Engine v2.11's cpu_offload.py), then
 #: what actmem has not read for it yet: each a refusal, not a guess
 OFFLOADING_RULES = (
-    Rule(lambda v: _implies(_offloading(v), v.offload < v.layers),
-         lambda v: f"--cpu-offloading-num-layers ({v.offload}) must be less than the model's layers ({v.layers}): "
+    Rule(lambda v: _implies(_offloading(v), v.offload_layers < v.layers),
+         lambda v: f"--cpu-offloading-num-layers ({v.offload_layers}) must be less than the model's layers ({v.layers}): "
                    f"Megatron offloads at most L - 1 (the last layer's activations stay)"),
     Rule(lambda v: _implies(_offloading(v), v.p == 1),
          lambda v: f"Megatron has no CPU offloading under pipeline parallelism (p = {v.p}): "
@@ -201,9 +201,8 @@ OFFLOADING_RULES = (
     Rule(lambda v: _implies(_offloading(v), "cpu_offloading" in v.code.runs),
          lambda v: _unmodelled_run(v, "CPU offloading (--cpu-offloading-num-layers)")),
     Rule(lambda v: _implies(_offloading(v), v.core == "flash"),
-         lambda v: "CPU offloading beside the eager attention core is not modelled: Transformer Engine leaves "
-                   "non-contiguous saved tensors (the core's transposed views) on the GPU, and actmem has not "
-                   "read which; give the flash core"),
+         lambda v: f"CPU offloading beside the {v.core} attention core is not modelled yet: actmem has read which saved "
+                   f"tensors Transformer Engine offloads under its cuDNN core (--attention-core flash) only"),
     Rule(lambda v: _implies(_offloading(v), v.c == 1),
          lambda v: f"CPU offloading beside context parallelism (c = {v.c}) is not modelled yet: which of the ring "
                    f"attention's saved tensors Transformer Engine can offload is not read"),
@@ -468,7 +467,7 @@ class Values:
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
     """--recompute-modules, where given."""
-    offload: object = 0
+    offload_layers: object = 0
     """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""
 
 

@@ -233,7 +233,7 @@ class Spec:
             load_histogram=run.expert_loads is not None, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
-            offload=run.offload_layers)
+            offload_layers=run.offload_layers)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

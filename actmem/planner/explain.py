@@ -146,6 +146,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
     from actmem.memory.stages import stage_layers
 
     run = parse_config(config, defaults, req.model.layers)
+    taken = _taken_from_the_preset(config, run, req.model.layers)
     run = Run(**run | {"recompute": Recompute(run["recompute"]), "gpus": req.gpus, "global_batch": req.global_batch})
     if run.tensor_parallel > req.gpus_per_node:
         raise SpecError(f"--explain: t ({run.tensor_parallel}) is above --gpus-per-node "
@@ -173,5 +174,27 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                 reserve_bytes=req.reserve_bytes,
                 gradient_bytes=req.gradient_bytes, optimizer=req.optimizer,
                 vocab_divisible_by=req.vocab_divisible_by,
-                architecture=req.architecture)
+                architecture=req.architecture, notes=taken)
     return estimate(spec), evaluated
+
+
+def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
+    """A note naming what the explained run took from the preset's run because the text left it out (a
+    plan's label writes no 'nodopt': under a preset with the distributed optimizer it explains the dopt twin)."""
+    bare = parse_config(config, None, layers)
+    words = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
+             "b": "micro_batch", "ep": "expert_parallel", "etp": "expert_tensor_parallel"}
+    taken = [f"{word}={run[key]}" for word, key in words.items() if run.get(key) != bare.get(key)]
+    if run["sequence_parallel"] != bare["sequence_parallel"]:
+        taken.append("sp" if run["sequence_parallel"] else "nosp")
+    if run["recompute"] != bare["recompute"]:
+        taken.append(str(run["recompute"]))
+    if run["distributed_optimizer"] != bare["distributed_optimizer"]:
+        taken.append("dopt" if run["distributed_optimizer"] else "nodopt")
+    if any(run.get(key) != bare.get(key) for key in _SPLIT):
+        taken.append("the preset's uneven pipeline")
+    if not taken:
+        return ()
+    return (f"--explain took from the preset's run what {config!r} leaves out: {', '.join(taken)} (name a "
+            f"setting to change it: nodopt for a run without the distributed optimizer, as a plan's label leaves "
+            f"'dopt' out)",)

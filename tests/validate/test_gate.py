@@ -494,7 +494,7 @@ def test_a_mask_the_checkpoints_never_get_fails(monkeypatch):
     """A harness whose layers are not handed the mask keeps none: the formula's mask fails."""
     from actmem_validate import schedule
 
-    monkeypatch.setattr(schedule, "run_layers", lambda layers, x, mask=None: gpt.run_layers(layers, x))
+    monkeypatch.setattr(schedule, "run_layers", lambda layers, x, mask=None, offload=None: gpt.run_layers(layers, x))
     rows, failures = measured_with_mask()
     mask = row(rows, "attention_mask")
     assert mask["measured_bytes"] == 0 < mask["formula_bytes"] and mask["gate"] == "fail" and failures

@@ -77,7 +77,12 @@ def test_the_schedule_is_transformer_engines():
     assert seen == [[False] * 4, [True, False, False, False], [False, True, False, False], [False, False, True, False]]
     assert [state.state for state in offload.states] == ["offload_finished"] * 2 + ["not_offloaded"] * 2
     assert offload.host_bytes == 2 * 2 * 8 * 4           # two layers, two fp32 tensors of 8 each
+    reloads, start_reload = [], offload._start_reload
+    offload._start_reload = lambda state: reloads.append(
+        (offload.current, next(i for i, held in enumerate(offload.states) if held is state))) \
+        or start_reload(state)
     x.sum().backward()
+    assert reloads == [(2, 1), (1, 0)]          # (the layer whose backward begins, the layer reloaded)
     grads = [weight.grad.clone() for weight in weights]
     for weight in weights:
         weight.grad = None
@@ -87,3 +92,13 @@ def test_the_schedule_is_transformer_engines():
     y.sum().backward()
     assert all(torch.equal(got, weight.grad) for got, weight in zip(grads, weights))
     assert all(state.state == "not_offloaded" and not state.host for state in offload.states)   # all released
+
+
+def test_a_permuted_tensor_comes_back_as_it_went():
+    """The host copy keeps a dense tensor's bytes in storage order: a permuted one (the harness's flash core saves
+    such) reloads equal, in its own layout."""
+    from actmem_validate.offload import _to_device, _to_host
+
+    tensor = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).reshape(2, 4, 3).transpose(1, 2)    # strides (12, 1, 3)
+    back = _to_device(_to_host(tensor))
+    assert back.stride() == tensor.stride() and torch.equal(back, tensor)

@@ -17,7 +17,8 @@ def default_techniques(spec: Spec) -> list:
     for the spec's architecture and implementation, less those with sequence parallelism
     when t = 1 (they need t > 1); 'none' alone for an implementation run on one device. The
     selective rows recompute the spec's --recompute-modules where it gives them (the spec
-    checked that actmem models them)."""
+    checked that actmem models them). Under CPU offloading, those that do not recompute (Megatron
+    refuses the two together)."""
     from actmem.memory.estimate import modelled_techniques
 
     if "tensor" not in spec.architecture.code.runs:
@@ -27,7 +28,8 @@ def default_techniques(spec: Spec) -> list:
         modelled |= {name for name in DEFAULT_TECHNIQUES if BY_NAME[name].recompute is Recompute.SELECTIVE}
     t = spec.run.tensor_parallel
     return [BY_NAME[name] for name in DEFAULT_TECHNIQUES
-            if name in modelled and (t > 1 or not BY_NAME[name].sequence_parallel)]
+            if name in modelled and (t > 1 or not BY_NAME[name].sequence_parallel)
+            and not (spec.run.offload_layers and BY_NAME[name].recompute is not Recompute.NONE)]
 
 
 def filling_microbatches(p: int, m: int) -> int:

@@ -63,7 +63,7 @@ def record(tensor: torch.Tensor) -> None:
     """File a tensor autograd saves under an inner saved_tensors_hooks pair, which hides it from
     the ledger's own (torch calls only the innermost pair): CPU offloading's (offload.py)."""
     for ledger in _active:
-        ledger._pack(tensor)
+        ledger.pack(tensor)
 
 
 @contextmanager
@@ -98,7 +98,8 @@ class Ledger:
             self.saved[key] = (term, self.saved[key][1])
             self.by_scope.discard(key)
 
-    def _pack(self, tensor):
+    def pack(self, tensor):
+        """The pack hook: file a saved tensor's storage under its term (once a storage)."""
         key = storage_key(tensor)
         held = self.storages.get(key)
         if held is not None and held() is None:          # a node autograd freed lent its storage's address
@@ -127,7 +128,7 @@ class Ledger:
     def recording(self):
         _active.append(self)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
                 yield self
         finally:
             _active.remove(self)

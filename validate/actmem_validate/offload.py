@@ -23,9 +23,10 @@ allocator, so what the device holds is what TE's GPU would hold:
   releases the layer backwarded before it and reloads layer l - (L - 1 - N) into new device
   tensors (start_reload: torch.empty_like on the device); the backward's end releases the last.
 
-The host copy is a numpy array of the tensor's bytes (no data under fake tensors): torch's
-dispatcher never sees it, so LiveStorages (the CPU's allocator stand-in) counts only what the
-device holds. ``host_bytes`` is what the copies hold at their most.
+On a GPU the host copy is a CPU tensor, as TE's; on the CPU harness it is a numpy array of the
+tensor's bytes in storage order (no data under fake tensors), which torch's dispatcher never sees, so
+LiveStorages (the CPU's allocator stand-in) counts only what the device holds. ``host_bytes`` is what
+the copies hold at their most.
 """
 
 from contextlib import contextmanager
@@ -48,7 +49,7 @@ class _Copy:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _LayerState:
     """OffloadableLayerState: the layer's tensors on the device, on the host, and reloaded."""
 
@@ -118,20 +119,22 @@ class CpuOffload:
 
     def _push(self, tensor):
         ledger.record(tensor)              # the ledger names it, as it names what autograd keeps
-        state = self.states[self.forwards]
         if not _offloadable(tensor):
             return tensor
+        state = self.states[self.forwards]
         state.device.append(tensor)
-        return self.forwards, len(state.device) - 1
+        return len(state.device) - 1
 
     def _pop(self, packed):
+        """pop_tensor: by index into the state of the layer whose backward runs (current_layer_id)."""
         if isinstance(packed, torch.Tensor):
             return packed
-        layer, index = packed
-        state = self.states[layer]
+        state = self.states[self.current]
         if state.state == "not_offloaded":
-            return state.device[index]
-        copy, view = state.views[index]
+            return state.device[packed]
+        if state.state != "reload_started":
+            raise RuntimeError(f"layer {self.current}'s tensors are asked for in state {state.state}")
+        copy, view = state.views[packed]
         tensor = state.reloaded[copy]
         return tensor if view is None else tensor.as_strided(*view)
 
@@ -200,18 +203,32 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 
 def _to_host(tensor: torch.Tensor) -> _Copy:
-    """The pinned host copy (torch.empty_like(..., device='cpu', pin_memory=True).copy_): the bytes, kept
-    where the device's allocator (and LiveStorages) does not see them."""
+    """The pinned host copy (torch.empty_like(..., device='cpu', pin_memory=True).copy_), kept where the
+    device's allocator does not see it: a CPU tensor beside a GPU; on the CPU harness, the bytes in
+    numpy, in the order of the storage (a permuted tensor keeps its layout)."""
     data = None
-    if not isinstance(tensor, torch._subclasses.FakeTensor):
-        data = tensor.detach().reshape(-1).view(torch.uint8).numpy().copy()
+    if tensor.device.type == "cuda":
+        data = tensor.detach().to("cpu")
+    elif not isinstance(tensor, torch._subclasses.FakeTensor):
+        data = _in_storage_order(tensor.detach()).view(torch.uint8).numpy().copy()
     return _Copy(data, tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device,
                  tensor.numel() * tensor.element_size())
 
 
 def _to_device(copy: _Copy) -> torch.Tensor:
-    """start_reload: a new device tensor (torch.empty_like on the GPU) and the copy back."""
+    """start_reload: a new device tensor of the same layout (torch.empty_like on the GPU) and the copy back."""
     tensor = torch.empty_strided(copy.shape, copy.stride, dtype=copy.dtype, device=copy.device)
-    if copy.data is not None:
-        tensor.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(copy.data))
+    if isinstance(copy.data, torch.Tensor):
+        tensor.copy_(copy.data)
+    elif copy.data is not None:
+        _in_storage_order(tensor).view(torch.uint8).copy_(torch.from_numpy(copy.data))
     return tensor
+
+
+def _in_storage_order(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor as a flat view of its elements in the order they are stored (no copy)."""
+    order = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+    flat = tensor.permute(order)
+    if not flat.is_contiguous():
+        raise ValueError(f"a tensor of strides {tensor.stride()} is not dense: TE would not offload it")
+    return flat.reshape(-1)

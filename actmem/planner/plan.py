@@ -358,34 +358,38 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     between) or the last (p - 1), each with its own layers (STAGE_LAYERS)."""
     model = req.model
     s, h, L = model.seq_len, model.hidden, model.layers
-    layers = grid[dict(zip((stage for stage, _ in STAGES), STAGE_LAYERS))[name]]
-    stage = grid.p - 1 if stage is None else stage
-    held, embedding = held_counts(L, grid.p, grid.m, grid.n, stage_layers=layers, stage=stage)
-    counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding,
-                           "holds_output": (stage == grid.p - 1).astype("int64"),
+    layers_column = grid[dict(zip((stage for stage, _ in STAGES), STAGE_LAYERS))[name]]
+    # numpy columns: the arithmetic below runs once a sweep, and pandas' per-operation overhead was a tenth of
+    # the whole command (benchmarks/plan_sweep.py)
+    g = SimpleNamespace(**{key: grid[key].to_numpy() for key in ("p", "m", "n", "t", "d", "c", "vocab", "ep", "etp")})
+    layers = layers_column.to_numpy()
+    stage_index = g.p - 1 if stage is None else stage
+    held, embedding = held_counts(L, g.p, g.m, g.n, stage_layers=layers, stage=stage_index)
+    last = (stage_index == g.p - 1).astype("int64")
+    counts = pd.DataFrame({"layer_activations": held, "microbatches_held": embedding, "holds_output": last,
                            # the multi-token-prediction layers, on the last stage (stages.mtp_layers_held)
-                           "mtp_layers": (stage == grid.p - 1).astype("int64") * req.architecture.mtp_layers,
-                           "chunk_layers": layers // grid.m, "chunks": chunks_held(grid.p, grid.m, grid.n, stage)},
+                           "mtp_layers": last * req.architecture.mtp_layers,
+                           "chunk_layers": layers // g.m, "chunks": chunks_held(g.p, g.m, g.n, stage_index)},
                           index=grid.index)
-    moe, last_moe = stage_kinds(req, grid, name, layers, stage)
+    moe, last_moe = stage_kinds(req, grid, name, layers_column, grid.p - 1 if stage is None else stage)
     if moe is not None:
         counts["moe_layers"], counts["last_moe"] = moe, last_moe
     memory = pd.DataFrame(index=grid.index)
     memory["layer_activations"] = counts.layer_activations
     memory["activations_bytes"], memory["transient_bytes"] = _activations(req, grid, counts)
-    shards = grid.d * grid.c
+    shards = g.d * g.c
     # the multi-token-prediction layers' weights on the last stage, of the model's last layer's kind, beside
     # their own norms and projection (mtp_parameters), as estimate counts them
-    mtp = counts.mtp_layers
+    mtp = counts.mtp_layers.to_numpy()
     if moe is not None:
         moe = moe + mtp * last_layer_moe(req.architecture, L)
-    extra = mtp_parameters(h, grid.t, grid.vocab, req.architecture, grid.p) * (mtp > 0)
-    params = stage_state(h, L, grid.p, grid.t, grid.vocab, s, req.architecture, model.heads, stage_layers=layers + mtp,
-                         stage=stage, shards=shards, expert_shards=expert_shards(shards, req.gpus, grid.etp, grid.ep,
-                                                                                 grid.p),
-                         distributed_optimizer=grid.distributed_optimizer.astype("int64"),
+    extra = mtp_parameters(h, g.t, g.vocab, req.architecture, g.p) * (mtp > 0)
+    params = stage_state(h, L, g.p, g.t, g.vocab, s, req.architecture, model.heads, stage_layers=layers + mtp,
+                         stage=stage_index, shards=shards, expert_shards=expert_shards(shards, req.gpus, g.etp, g.ep,
+                                                                                       g.p),
+                         distributed_optimizer=grid.distributed_optimizer.to_numpy().astype("int64"),
                          gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
-                         ep=grid.ep, etp=grid.etp, moe_layers=moe, extra=extra,
+                         ep=g.ep, etp=g.etp, moe_layers=moe, extra=extra,
                          dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp),
                          gpu_fp8=req.gpu.fp8)
     memory["parameters"] = params.count
@@ -415,12 +419,14 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     kind = counts.last_moe if "last_moe" in counts else pd.Series(True, index=grid.index)
+    columns = {name: counts[name].to_numpy(dtype="float64") for name in counts}     # numpy: .loc a call was slow
     for (sp, recompute, fused, last_moe), rows in grid.assign(last_moe=kind).groupby(
             ["sequence_parallel", "recompute", "fused_softmax", "last_moe"]):
         model_arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]
         technique = run_technique(bool(sp), choice)
-        values = lambda name: (counts if name in counts else rows).loc[rows.index, name].to_numpy(dtype="float64")
+        where = grid.index.get_indexer(rows.index)
+        values = lambda name: columns[name][where] if name in columns else rows[name].to_numpy(dtype="float64")
         args = _numeric_args(req, values)
         per_chunk, arch, others = values("chunk_layers"), model_arch, ()
         if "moe_layers" in counts:        # dense layers among the MoE layers: the stage's last layer's kind and the other

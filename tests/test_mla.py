@@ -78,9 +78,25 @@ def test_deepseek_v3s_layer_parameters(actmem):
     assert actmem.json("estimate", *V3, "--tp", "4", "--sp")["parameters"]["count"] == 1_093_213_184
 
 
+def test_the_unfused_rope_keeps_its_cos_and_sin(actmem):
+    """--no-rope-fusion: rope_utils.py's _apply_rotary_pos_emb_bshd makes 16-bit cos_ and sin_ [s, 1, 1, d_rope]
+    for q and again for k, and t * cos_ and rotate_half(t) * sin_ keep them: 4·2·4096·64 = 2,097,152 B a layer,
+    whole on every rank (the rope runs after the up projections, over the whole sequence); nothing else changes
+    (measured against megatron-core's own unfused path: validate --grid mla). YaRN takes all of d_rope; plain rope
+    (--rope-type rope) d_rope·--rotary-percent: at 0.5, 1,048,576 B."""
+    fused = _terms(actmem.json("estimate", *V3))
+    unfused = _terms(actmem.json("estimate", *V3, "--no-rope-fusion"))
+    assert unfused.pop("rope_cos_sin") == 2_097_152 and unfused == fused
+    at_t = _terms(actmem.json("estimate", *V3, "--no-rope-fusion", "--tp", "4", "--sp"))
+    assert at_t["rope_cos_sin"] == 2_097_152
+    half = _terms(actmem.json("estimate", *V3, "--no-rope-fusion", "--rope-type", "rope", "--rotary-percent", "0.5"))
+    assert half["rope_cos_sin"] == 1_048_576
+
+
 @pytest.mark.parametrize("extra, fragments", [
-    (["--no-rope-fusion"], ["the unfused rope (--no-rope-fusion"]),
-    (["--rope-type", "rope"], ["modelled with Megatron's fused YaRN rope"]),
+    (["--rope-type", "rope"], ["--rope-type rope with multi-latent attention needs --no-rope-fusion"]),
+    (["--no-rope-fusion", "--tp", "2", "--sp", "--recompute", "selective", "--recompute-modules", "mla_up_proj"],
+     ["--recompute-modules mla_up_proj beside multi-latent attention's unfused rope"]),
     (["--query-groups", "8"], ["--num-query-groups with multi-latent attention"]),
     (["--tp", "2", "--no-sp", "--recompute", "selective", "--recompute-modules", "mla_up_proj"],
      ["--recompute-modules mla_up_proj at t = 2 is modelled with sequence parallelism"]),

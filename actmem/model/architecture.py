@@ -272,10 +272,15 @@ class Architecture:
         return replace(self, masked_softmax_fusion=False)
 
     def rotary_dim(self, hidden, heads):
-        """The dims rope rotates in each head: int(d·percent) (Megatron's RotaryEmbedding), d when whole."""
+        """The dims rope rotates in each head: int(d·percent) (Megatron's RotaryEmbedding), d when whole; under
+        multi-latent attention of the rope part, d_rope (multi_latent_attention.py: RotaryEmbedding(
+        qk_pos_emb_head_dim, rotary_percent) for --rope-type rope, YarnRotaryEmbedding(qk_pos_emb_head_dim),
+        which takes no percent, for yarn)."""
         import sympy   # off --help's path
 
-        d = self.head_dim_or(hidden, heads)
+        if self.multi_latent_attention and self.rope_type != "rope":
+            return self.qk_pos_emb_head_dim
+        d = self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim_or(hidden, heads)
         return d if self.rotary_percent == 1 else sympy.floor(d * sympy.Rational(str(self.rotary_percent)))
 
     def ffn(self, hidden):

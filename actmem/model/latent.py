@@ -9,12 +9,15 @@ The layer projects each token down to two latents, q of --q-lora-rank and kv of 
 --qk-layernorm (the norm fused into the up projection, TELayerNormColumnParallelLinear), projects
 them up to a heads of q and k (--qk-head-dim + the rope dims) and of v (--v-head-dim), rotates
 the rope parts by Megatron's fused YaRN kernel (fusions/fused_mla_yarn_rope_apply.py, which keeps
-only its cached cos and sin), and runs TE's fused attention. What each step keeps is a row of
+only its cached cos and sin) or, under --no-rope-fusion, by rope_utils.py's _apply_rotary_pos_emb_bshd
+(YaRN or, with --rope-type rope, plain rope), whose t * cos_ and rotate_half(t) * sin_ keep 16-bit cos_
+and sin_ [s, 1, 1, d_rope], made again for q and for k (the rope_cos_sin row; the interleaved halves it
+makes keep nothing), and runs TE's fused attention. What each step keeps is a row of
 actmem.memory.terms (MLA_TERMS); the down projections are replicated over the tensor-parallel
 ranks (TELinear, parallel_mode 'duplicated'), the up projections split by heads.
 
 Modelled: Megatron's layer with TE's flash core, rotary positions by the fused YaRN kernel
-(Megatron's default for MLA), no recompute, full recompute, and selective recompute of core_attn,
+(Megatron's default for MLA) or unfused (YaRN or rope; not beside mla_up_proj recompute), no recompute, full recompute, and selective recompute of core_attn,
 layernorm, mla_up_proj and mlp. The rest is refused with its reason.
 """
 
@@ -56,10 +59,10 @@ def check_latent(arch) -> None:
     if arch.position_embedding != "rope":
         raise SpecError(f"multi-latent attention rotates its rope dims: give --position-embedding rope, "
                         f"not {arch.position_embedding}")
-    if arch.rope_type == "rope" or not arch.rope_fusion:
-        raise SpecError("multi-latent attention is modelled with Megatron's fused YaRN rope (its default: "
-                        "--rope-type yarn with rope fusion); the unfused rope (--no-rope-fusion, which "
-                        "--rope-type rope needs) keeps q, its rotated half and the cos and sin, not measured yet")
+    if arch.rope_type == "rope" and arch.rope_fusion:
+        raise SpecError("--rope-type rope with multi-latent attention needs --no-rope-fusion: Megatron's fused MLA "
+                        "rope runs YaRN only (transformer_config.py: 'apply_rope_fusion for MLA only works with YARN "
+                        "RoPE')")
     if arch.query_groups is not None:
         raise SpecError("--num-query-groups with multi-latent attention: MLA's k and v have a heads, made from "
                         "one latent; drop --num-query-groups")

@@ -355,6 +355,10 @@ RULES = (
          lambda v: f"--recompute-modules mla_up_proj at t = {v.t} is modelled with sequence parallelism "
                    "(--sequence-parallel): without it the checkpoint's rope key is a view, not the gathered copy "
                    "actmem counts", ("latent",)),
+    Rule(lambda v: v.architecture.rope_fusion or "mla_up_proj" not in (v.recompute_modules or ()),
+         lambda v: "--recompute-modules mla_up_proj beside multi-latent attention's unfused rope (--no-rope-fusion) is "
+                   "not modelled yet: its checkpoint takes the rope's fp32 freqs as an input too, not measured",
+         ("latent", "architecture")),
     Rule(lambda v: v.c == 1, lambda v: f"context parallelism (c = {v.c}) with multi-latent attention is not "
          "modelled yet (TE's ring attention over MLA's unequal q, k and v widths keeps what actmem has not read)",
          ("latent",)),

@@ -20,13 +20,14 @@ def grid_rows():
 
 
 def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
-    """Nine layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
+    """Twelve layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
     with SP; selective recompute of mla_up_proj, layernorm and mlp, of mla_up_proj alone, of core_attn, of
-    core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h), every rank: each row measured
+    core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h; the unfused rope, YaRN on one rank,
+    plain rope at t = 2 with SP, YaRN beside core_attn, layernorm and mlp), every rank: each row measured
     equals its formula, nothing unnamed, the totals equal; and every MLA row of the table is measured,
     non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 9
+    assert len({row["config"] for row in grid_rows}) == 12
     measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
     assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input",
                                                 "core_attn_mask_type"} <= measured
@@ -90,3 +91,15 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
 ])
 def test_validate_refuses_an_mla_run_it_cannot_measure(actmem, args, fragments):
     assert_one_line_error(actmem("validate", *args), *fragments)
+
+
+def test_the_unfused_rope_keeps_cos_and_sin_for_q_and_k(grid_rows):
+    """Megatron's own unfused path (rope_utils.py, _apply_rotary_pos_emb_bshd) on one rank: 16-bit cos_ and sin_
+    [s, 1, 1, d_rope] for q and again for k, 4·2·16·4 = 512 B; the rest of the layer as under the fused kernel
+    (21,888 B), so 22,400 in all; at t = 2 with SP still 512 on each rank (the rope sees the whole sequence)."""
+    one = {row["term"]: row["measured_bytes"] for row in grid_rows
+           if row["config"] == "mla q_r=18 kv_r=12 norms unfused yarn t=1 b=2"}
+    assert one["rope_cos_sin"] == 512 and one["total"] == 21_888 + 512
+    sp = {row["term"]: row["measured_bytes"] for row in grid_rows
+          if row["config"] == "mla q_r=18 kv_r=12 norms unfused rope t=2 sp b=2" and row["rank"] == 1}
+    assert sp["rope_cos_sin"] == 512

@@ -43,7 +43,8 @@ class MLAConfig:
         policy = self.technique.policy
         recompute = (f" selective:{'+'.join(policy.ordered_modules)}"
                      if policy.granularity is Recompute.SELECTIVE else "")
-        return (f"mla {q} kv_r={arch.kv_lora_rank}{' norms' if arch.qk_norm else ''} t={run.tensor_parallel}"
+        rope = "" if arch.rope_fusion else f" unfused {arch.rope_type or 'yarn'}"
+        return (f"mla {q} kv_r={arch.kv_lora_rank}{' norms' if arch.qk_norm else ''}{rope} t={run.tensor_parallel}"
                 f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}{recompute}")
 
     @property
@@ -51,13 +52,16 @@ class MLAConfig:
         return self.spec.run.tensor_parallel
 
 
-def mla_spec(t: int = 1, q_rank: int | None = 18, norms: bool = True, sp: bool | None = None, b: int = 2) -> Spec:
+def mla_spec(t: int = 1, q_rank: int | None = 18, norms: bool = True, sp: bool | None = None, b: int = 2,
+             rope: str | None = None) -> Spec:
     """A small layer whose saved tensors' shapes are all distinct where they must be: h = 16, a = 4, s = 16,
-    q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10, f = 14."""
+    q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10, f = 14.
+    rope: None for the fused YaRN kernel, 'yarn' or 'rope' for the unfused rope of that type."""
     arch = Architecture(multi_latent_attention=True, q_lora_rank=q_rank, kv_lora_rank=12, qk_head_dim=6,
                         qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=norms, activation="swiglu", ffn_hidden=14,
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
-                        attention_dropout=0.0, hidden_dropout=0.0, tied_output=False)
+                        attention_dropout=0.0, hidden_dropout=0.0, tied_output=False, rope_type=rope,
+                        rope_fusion=rope is None)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1 if sp is None else sp, micro_batch=b)
     return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="mla", architecture=arch)
 
@@ -70,7 +74,8 @@ def mla_grid() -> list:
     Selective recompute: mla_up_proj, layernorm and mlp (Megatron's DeepSeek-V3 recipes) at t = 2 with SP;
     mla_up_proj alone on one rank; core_attn at t = 2 with SP, alone and beside mla_up_proj (whose discarded
     q, k and v the core's checkpoint saved); mla_up_proj with q from h (its checkpoint keeps the input norm's
-    output as the q latent) beside layernorm."""
+    output as the q latent) beside layernorm. The unfused rope (--no-rope-fusion): YaRN on one rank, plain rope
+    at t = 2 with SP, and YaRN beside the core's, the norm's and the MLP's recompute."""
     def selective(*modules):
         return RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
 
@@ -78,7 +83,9 @@ def mla_grid() -> list:
                (mla_spec(t=2, q_rank=None, norms=False), NONE),
                (mla_spec(t=2), selective("mla_up_proj", "layernorm", "mlp")), (mla_spec(), selective("mla_up_proj")),
                (mla_spec(t=2), selective("core_attn")), (mla_spec(t=2), selective("core_attn", "mla_up_proj")),
-               (mla_spec(t=2, q_rank=None, norms=False), selective("mla_up_proj", "layernorm")))
+               (mla_spec(t=2, q_rank=None, norms=False), selective("mla_up_proj", "layernorm")),
+               (mla_spec(rope="yarn"), NONE), (mla_spec(t=2, rope="rope"), NONE),
+               (mla_spec(t=2, rope="yarn"), selective("core_attn", "layernorm", "mlp")))
     return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]
 
 
@@ -110,6 +117,8 @@ def layer_saves(spec: Spec) -> list:
         ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_latent_normed"),
         ("bfloat16", (n, b, arch.kv_lora_rank), "mla_kv_down_output"),        # the checkpoint's view of it
         ("bfloat16", (s, b, arch.qk_pos_emb_head_dim), "mla_rope_key_gathered"),
+        # the unfused rope's cos_ and sin_, for q and again for k (rope_utils.py, _apply_rotary_pos_emb_bshd)
+        *[("bfloat16", (s, 1, 1, arch.qk_pos_emb_head_dim), "rope_cos_sin")] * 4,
         ("bfloat16", (s, b, heads, qk), "mla_query"), ("bfloat16", (s, b, heads, qk), "mla_key"),
         ("bfloat16", (s, b, heads, arch.v_head_dim), "mla_value"), ("float32", (b, heads, s), "softmax_lse"),
         ("bfloat16", (s, b, heads * arch.v_head_dim), "projection_input"),
@@ -378,11 +387,11 @@ def config_for(spec: Spec, technique: Technique, **extra):
         num_layers=1, hidden_size=model.hidden, num_attention_heads=model.heads, ffn_hidden_size=arch.ffn(model.hidden),
         multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
         qk_head_dim=arch.qk_head_dim, qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
-        rope_type="yarn", rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm",
+        rope_type=arch.rope_type or "yarn", rotary_scaling_factor=40, qk_layernorm=arch.qk_norm, normalization="RMSNorm",
         add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         bias_activation_fusion=True, attention_dropout=0.0, hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         use_cpu_initialization=True, tensor_model_parallel_size=run.tensor_parallel,
-        sequence_parallel=run.sequence_parallel, apply_rope_fusion=True, **recompute, **extra)   # rope fusion: the default
+        sequence_parallel=run.sequence_parallel, apply_rope_fusion=arch.rope_fusion, **recompute, **extra)
 
 
 def layer_spec(arch, stand_ins: dict):

@@ -12,7 +12,9 @@ PARAMETERS, D = 400e6, 8
 
 
 def exposed(reduce, gather, m, microbatch, grad, param):
-    return float(exposed_data_parallel_seconds(reduce, gather, PARAMETERS, D, np.array(m), microbatch, grad, param))
+    """A microbatch of ``microbatch`` seconds without recompute: a third forward, two thirds backward."""
+    return float(exposed_data_parallel_seconds(reduce, gather, PARAMETERS, D, np.array(m), microbatch / 3,
+                                               2 * microbatch / 3, grad, param))
 
 
 def test_without_overlap_the_iteration_waits_for_all_of_it():
@@ -36,7 +38,7 @@ def test_a_short_backward_leaves_the_rest_waiting():
 
 def test_the_first_stage_s_last_bucket_holds_the_embedding():
     """A 128K x 2048 embedding, 268M parameters, closes the last bucket: 0.67 of the 400M stage waits."""
-    assert float(exposed_data_parallel_seconds(1.0, 0.0, PARAMETERS, D, np.array(1), 10.0, True, False,
+    assert float(exposed_data_parallel_seconds(1.0, 0.0, PARAMETERS, D, np.array(1), 10 / 3, 20 / 3, True, False,
                                                embedding=131072 * 2048)) == pytest.approx(131072 * 2048 / 400e6)
 
 
@@ -45,6 +47,13 @@ def test_the_gather_hides_behind_the_next_forward():
     of it (the reduction, 1 s against 0.2 s of backward, leaves 0.8 s either way)."""
     assert exposed(1.0, 0.5, 1, 0.3, True, True) == pytest.approx(0.8 + 0.4)
     assert exposed(1.0, 0.5, 1, 0.3, True, False) == pytest.approx(0.8 + 0.5)
+
+
+def test_a_recomputed_forward_lengthens_the_backward_window():
+    """Full recompute reruns the forward inside the backward: a 0.4 s microbatch of 0.1 s forward has 0.3 s of
+    backward (not 2/3 of 0.4), so 0.3 s of the 1 s reduction hides, 0.7 s waits."""
+    assert float(exposed_data_parallel_seconds(1.0, 0.0, PARAMETERS, D, np.array(1), 0.1, 0.3, True, False)) \
+        == pytest.approx(0.7)
 
 
 def _plan_json(actmem, *args):

@@ -186,27 +186,28 @@ def data_parallel_seconds(parameters, d, distributed_optimizer, bandwidth, gradi
 BUCKET_PARAMETERS, BUCKET_PER_RANK = 40_000_000, 1_000_000
 
 
-def exposed_data_parallel_seconds(reduce, gather, parameters, d, m, microbatch_compute, overlap_grad_reduce,
+def exposed_data_parallel_seconds(reduce, gather, parameters, d, m, forward, backward, overlap_grad_reduce,
                                   overlap_param_gather, embedding=0):
     """What of the data-parallel communication (data_parallel_seconds) the iteration waits for.
     Without overlap, all of it: one reduction after the last backward, the gather in the optimizer
     step. --overlap-grad-reduce: the stage's buckets reduce as their gradients are complete in the
     last microbatch's backward (param_and_grad_buffer.py, register_grad_ready; no_sync before), and
     stages past the first reduce theirs as the pipeline drains, so what exceeds one microbatch's
-    backward (2/3 of its compute) waits, and at least the last bucket's (the first layers',
+    backward (``backward`` seconds: 2/3 of its compute, more where the backward reruns a forward) waits, and
+    at least the last bucket's (the first layers',
     BUCKET_PARAMETERS of the stage's; a bucket closes on a whole parameter, so the first stage's last
     holds at least the word embedding, `embedding` parameters: param_and_grad_buffer.py builds them
     in reverse order) or, interleaved (m > 1), the first chunk's whole reduction, 1/m
     (each chunk reduces once its last backward is done). --overlap-param-gather (the distributed
     optimizer's rows): the all-gather runs ahead of the next iteration's forward, bucket by bucket
-    (the forward pre-hook's finish_param_sync), so what exceeds a microbatch's forward (1/3) waits,
+    (the forward pre-hook's finish_param_sync), so what exceeds a microbatch's ``forward`` waits,
     and at least the first bucket's (or chunk's)."""
     bucket = np.minimum(1.0, np.maximum(np.maximum(BUCKET_PARAMETERS, BUCKET_PER_RANK * d), embedding) / parameters)
     first = np.where(m > 1, np.maximum(bucket, 1 / m), bucket)
     if overlap_grad_reduce:
-        reduce = np.maximum(first * reduce, reduce - 2 / 3 * microbatch_compute)
+        reduce = np.maximum(first * reduce, reduce - backward)
     if overlap_param_gather:
-        gather = np.maximum(first * gather, gather - 1 / 3 * microbatch_compute)
+        gather = np.maximum(first * gather, gather - forward)
     return reduce + gather
 
 

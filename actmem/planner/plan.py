@@ -475,6 +475,9 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     grid["compute_s"] = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, grid.recompute,
                                                   req.gpus, gpu.peak_flops, efficiency,
                                                   req.architecture, model.heads, share) * (grid.p * paced / L)
+    # the forwards alone: a third of the compute without recompute; a recompute's rerun is in the backward
+    forward_s = iteration.compute_seconds(req.global_batch, s, L, h, grid.vocab, "none", req.gpus, gpu.peak_flops,
+                                          efficiency, req.architecture, model.heads) * (grid.p * paced / L) / 3
     s_rank = s // grid.c                                      # tokens of a sequence a rank holds
     grid["tensor_parallel_s"] = iteration.tensor_parallel_seconds(
         s_rank, grid.b, h, paced, grid.t, grid.n, grid.recompute, gpu.intra_node_bandwidth, share,
@@ -497,8 +500,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     reduce, gather = iteration.data_parallel_seconds(reduced, grid.d * grid.c, grid.distributed_optimizer,
                                                      across_nodes, req.gradient_bytes)
     grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
-        reduce, gather, reduced, grid.d * grid.c, grid.m, grid.compute_s / grid.n, req.overlap_grad_reduce,
-        req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
+        reduce, gather, reduced, grid.d * grid.c, grid.m, forward_s / grid.n, (grid.compute_s - forward_s) / grid.n,
+        req.overlap_grad_reduce, req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)

@@ -114,10 +114,25 @@ def test_unmeasured_mixtral_configs_are_refused_under_hf(actmem, tmp_path, chang
     assert actmem("estimate", "--model", str(path)).exit_code == 0       # Megatron reads it as before
 
 
-def test_a_moe_model_transformers_has_no_measured_class_for_is_refused(actmem):
-    """Qwen1.5-MoE (qwen2_moe: shared experts) is a class of its own in transformers."""
-    assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/qwen1.5-moe-a2.7b/config.json",
-                                 "--implementation", "hf"), "qwen2_moe is a class of its own")
+def test_qwen1_5_moe_a2_7b_with_its_gated_shared_expert_by_hand(actmem):
+    """Qwen1.5-MoE-A2.7B (qwen2_moe: h = 2048, a = 16 heads of 128, no query groups, E = 60, k = 4, f_e = 1408,
+    no norm_topk_prob, a shared expert of f_s = 5632 gated by sigmoid(shared_expert_gate(x)), biases on q, k, v)
+    under transformers' Qwen2MoeForCausalLM at s = 4096, b = 1, N = 4096: the router and experts as the hand
+    list's without the division (16-bit routing weights); the shared expert, an unfused SwiGLU on the block's
+    input (the router's, one storage), keeps gate_proj's and up_proj's outputs 2·2Nf_s = 92,274,688, silu's
+    output and the product 2Nf_s = 46,137,344 each, its gate's sigmoid 2N = 8,192 and the output it scales
+    2Nh = 16,777,216: 201,334,784 B a layer beside the routed block (measured to the byte on transformers'
+    own class in tests/validate/test_hf.py's grid)."""
+    out, terms, layer = _estimate(actmem, "tests/data/hf/qwen1.5-moe-a2.7b/config.json")
+    n, f_s, h = 4096, 5632, 2048
+    shared = {name: size for name, size in terms.items() if name.startswith("shared_experts_")}
+    assert shared == {"shared_experts_swiglu_input": 4 * n * f_s, "shared_experts_silu_output": 2 * n * f_s,
+                      "shared_experts_fc2_input": 2 * n * f_s, "shared_experts_gate_score": 2 * n,
+                      "shared_experts_output": 2 * n * h}
+    assert sum(shared.values()) == 201_334_784
+    moe_rows = {name: size for name, size in terms.items() if name.startswith(("gate_", "experts_"))}
+    assert sum(moe_rows.values()) == _moe_block(n, 4, 60, h, 1408, weight_bytes=2, renormalised=False)
+    assert any(note.startswith("hf: transformers 5.23 Qwen2MoeForCausalLM") for note in out["assumptions"])
 
 
 def test_qwen3_moe_with_a_sliding_window_is_refused_under_hf(actmem, tmp_path):

@@ -10,7 +10,7 @@ from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Te
 from actmem.model import symbols
 from actmem.model.architecture import grouped_mm_experts, grouped_mm_renormalised, megatron_moe, moe, moe_aux_loss, \
     moe_group_mask, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, moe_sigmoid_normalised, moe_topk_softmax, \
-    shared_experts, shared_experts_gate, shared_experts_overlap
+    shared_experts, shared_experts_gate, shared_experts_keeping_silu_output, shared_experts_overlap
 from actmem.model.symbols import b, e, h, r, s, t
 
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as I64, LOGITS_BYTES as F32, MASK_BYTES as MASK, \
@@ -167,7 +167,7 @@ def _megatron(present):
 #: keeps that same input and drops their rows.
 #: N = s·b (over t under SP) tokens a rank, k = top-k, E = experts; the T rows are the busiest
 #: rank's expert rows (expert_rows), whole on the rank (REPLICATED: the t is inside T).
-MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
+_MEGATRON_MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
     Term("router_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
          "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh), which "
@@ -270,8 +270,11 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "split views of one storage); --recompute-modules moe_act frees it once fc2 has run and makes it again "
          "in fc2's backward (experts.py, TEGroupedMLP: CheckpointWithoutOutput, discard_output_and_register_recompute)",
          moe, module="moe_act"),
-    # the shared experts (shared_experts.py, SharedExpertMLP): one tensor-parallel MLP of f_s that every
-    # token passes, its fc1 keeping the router's input (the same storage, module="moe") unless it overlaps
+))
+#: the shared experts (Megatron's shared_experts.py, SharedExpertMLP: one tensor-parallel MLP of f_s that every
+#: token passes, its fc1 keeping the router's input, the same storage, module="moe", unless it overlaps; and
+#: transformers' Qwen2MoeMLP, the same rows and silu's output, unfused)
+SHARED_EXPERT_TERMS = (
     Term("shared_experts_fc1_input_gathered", lambda arch: sympy.Piecewise((0, sympy.Eq(t, 1)), (A16 * _sbh, True)),
          Region.REPLICATED, _STORED, Scope.LAYER,
          "overlapping the dispatcher (--moe-shared-expert-overlap), the shared experts' fc1 keeps the input it "
@@ -279,7 +282,13 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "router's input itself)", shared_experts_overlap, module="moe"),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
-         "SwiGLUFunction; 4sbf_s)", shared_experts, module="shared_experts"),
+         "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "
+         "up_proj's outputs", shared_experts, module="shared_experts"),
+    Term("shared_experts_silu_output", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
+         Scope.LAYER, "an unfused shared expert keeps silu's output too (transformers' Qwen2MoeMLP: "
+         "act_fn(gate_proj(x)) * up_proj(x) saves both factors, silu its input: gate_proj's and up_proj's outputs, "
+         "the bytes the fused SwiGLU keeps as one; 2sbf_s)", shared_experts_keeping_silu_output,
+         module="shared_experts"),
     Term("shared_experts_fc2_input", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts, module="shared_experts"),
     Term("shared_experts_gate_score", A16 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -287,7 +296,8 @@ MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for term in (
          "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate, module="shared_experts"),
     Term("shared_experts_output", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "... and the shared experts' output it scales (2sbh)", shared_experts_gate, module="shared_experts"),
-))
+)
+MOE_TERMS = _MEGATRON_MOE_TERMS + SHARED_EXPERT_TERMS
 
 
 def _hf_copies(arch):

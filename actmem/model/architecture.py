@@ -696,6 +696,11 @@ def shared_experts(arch: Architecture) -> bool:
     return arch.moe and arch.moe_shared_ffn is not None
 
 
+def shared_experts_keeping_silu_output(arch: Architecture) -> bool:
+    """the MoE layer's shared experts are an unfused SwiGLU MLP, which keeps silu's output (transformers')"""
+    return shared_experts(arch) and "silu_output" in arch.keeps
+
+
 def shared_experts_gate(arch: Architecture) -> bool:
     """the MoE layer's shared experts are gated"""
     return shared_experts(arch) and arch.moe_shared_gate

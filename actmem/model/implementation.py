@@ -305,6 +305,27 @@ _HF_QWEN3_MOE = ModelClass(
            "and norms (see Qwen3ForCausalLM); the router keeps its fp32 softmax over every expert, renormalises the "
            "top-k in place where norm_topk_prob (else --moe-router-pre-softmax) and hands the experts 16-bit "
            "weights", _HF_EXPERTS_NOTE))
+# transformers 5.23.0's Qwen2MoeSparseMoeBlock (models/qwen2_moe/modeling_qwen2_moe.py): Qwen3-MoE's router
+# and grouped_mm experts beside a shared expert, Qwen2MoeMLP of shared_expert_intermediate_size (an unfused
+# SwiGLU), scaled by sigmoid(shared_expert_gate(x)); Qwen2's attention, biases on q, k and v alone
+_HF_QWEN2_MOE = ModelClass(
+    "Qwen2MoeForCausalLM",
+    architecture=_LLAMA_LAYER + tuple(constraint for constraint in _HF_EXPERTS
+                                      if constraint[0] not in ("moe_shared_ffn", "qkv_bias")) + (
+        ("qk_norm", (False,), "transformers' Qwen2-MoE layer, which has no q and k norms (Qwen3MoeForCausalLM has "
+                              "them)"),
+        ("qkv_bias", (True,), "transformers' Qwen2-MoE attention, whose q, k and v have biases (qkv_bias)"),
+        ("moe_shared_gate", (True,), "transformers' Qwen2-MoE block, which gates its shared expert: "
+                                     "sigmoid(shared_expert_gate(x))"),
+        ("moe_shared_overlap", (False,), "transformers' Qwen2-MoE block, which runs its shared expert in line "
+                                         "(--moe-shared-expert-overlap is Megatron's)")),
+    keeps=_HF_LLAMA.keeps | {"grouped_mm_experts"},
+    rules=((lambda arch: arch.moe_shared_ffn is not None,
+            "transformers' Qwen2-MoE block, which always has its shared expert (--moe-shared-expert-intermediate-size)"),),
+    notes=("hf: transformers 5.23 Qwen2MoeForCausalLM on one device, as measured by the harness: Llama's attention "
+           "and norms (see LlamaForCausalLM), q, k and v with biases; the router and experts as Qwen3-MoE's; the "
+           "shared expert, an unfused SwiGLU, keeps gate_proj's and up_proj's outputs, silu's and the product, and "
+           "its gate's sigmoid with the output it scales", _HF_EXPERTS_NOTE))
 
 #: Megatron's kernel choice (--no-rope-fusion) and its dataloader's attention mask, which other codes have not
 _NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
@@ -318,7 +339,7 @@ _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
                               "which actmem does not count yet",
-           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE),
+           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE, _HF_QWEN2_MOE),
            selective_recompute="transformers has no selective recompute: choose none",
            full_recompute="transformers' activation checkpointing also keeps what each layer's call "
                           "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "

@@ -52,16 +52,17 @@ def read_hf_config(path: Path) -> dict:
 
 def _hf_unmeasured(kind: str, config: dict) -> str | None:
     """Why transformers runs this config with code the harness has not measured: the harness
-    runs LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel with gelu_new, MixtralForCausalLM and
-    Qwen3MoeForCausalLM without their aux loss or router jitter (hf.py); None where it is that."""
-    if kind not in ("llama", "qwen3", "gpt2", "mixtral", "qwen3_moe"):
+    runs LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel with gelu_new, MixtralForCausalLM,
+    Qwen3MoeForCausalLM and Qwen2MoeForCausalLM without their aux loss or router jitter (hf.py); None where it
+    is that."""
+    if kind not in ("llama", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe"):
         return f"{kind} is a class of its own in transformers, whose own code actmem has not measured"
     if kind in MOE_READ and config.get("output_router_logits"):
         return ("output_router_logits: transformers then adds the aux loss, keeping every layer's router logits "
                 "(load_balancing_loss_func), which actmem has not measured")
     if kind == "mixtral" and config.get("router_jitter_noise"):
         return "router_jitter_noise: the jitter's noise and its product are kept, which actmem has not measured"
-    if (kind == "mixtral" and config.get("sliding_window")) or (kind in ("qwen3", "qwen3_moe")
+    if (kind == "mixtral" and config.get("sliding_window")) or (kind in ("qwen3", "qwen3_moe", "qwen2_moe")
                                                                 and config.get("use_sliding_window")):
         return ("a sliding window: sdpa is then handed a mask, which it keeps beside k and v repeated to every head "
                 "(sdpa_attention.py, use_gqa_in_sdpa: no enable_gqa with a mask); actmem has not measured it")

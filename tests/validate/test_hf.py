@@ -1,5 +1,5 @@
 """The hf backend: transformers' own LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel,
-MixtralForCausalLM and Qwen3MoeForCausalLM, unmodified, keep what actmem's hf rows say, to the byte, eager and sdpa, at small shapes for
+MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM, unmodified, keep what actmem's hf rows say, to the byte, eager and sdpa, at small shapes for
 real and at Llama 3.1 8B's, Qwen3 8B's and the paper's 22B dims with fake tensors; a saved
 tensor no rule names turns the gate red. Numbers by hand below."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from actmem_validate import hf  # noqa: E402
 from actmem_validate.compare import judge  # noqa: E402
-from actmem_validate.grid import HF, HF_GPT2, HF_MIXTRAL, HF_QWEN3_MOE, configs_for, hf_presets, small_spec  # noqa: E402
+from actmem_validate.grid import HF, HF_GPT2, HF_MIXTRAL, HF_QWEN2_MOE, HF_QWEN3_MOE, configs_for, hf_presets, small_spec  # noqa: E402
 from actmem_validate.launch import run_fake  # noqa: E402
 
 
@@ -245,6 +245,20 @@ def test_the_sparse_moe_block_keeps_its_rows_to_the_byte(extra, weight_bytes, co
     assert measured["experts_offsets"] == 2 * 32 and measured["gate_softmax_fp32"] == 2 * 2_048
     assert measured["gate_topk_values_fp32"] == 2 * 512 and measured["gate_topk_sum"] == 2 * 256
     assert measured["experts_routing_weights"] == 2 * 128 * weight_bytes
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_qwen2_moe_s_gated_shared_expert_keeps_its_rows_to_the_byte(pre_softmax):
+    """Qwen2MoeForCausalLM, a shared expert of f_s = 40 gated by sigmoid(shared_expert_gate(x)), N = 64 tokens a
+    layer: gate_proj's and up_proj's outputs 2·2·64·40 = 10,240 B, silu's output and the product 5,120 each, the
+    gate's sigmoid 2·64 = 128 and the output it scales 2·64·64 = 8,192; two layers; the router and experts as
+    Qwen3-MoE's, with and without norm_topk_prob; nothing unattributed."""
+    rows, failures = _moe(HF_QWEN2_MOE | dict(moe_pre_softmax=pre_softmax))
+    assert failures == [] and "unattributed" not in rows
+    measured = {name: row["measured_bytes"] for name, row in rows.items() if name.startswith("shared_experts_")}
+    assert measured == {"shared_experts_swiglu_input": 2 * 10_240, "shared_experts_silu_output": 2 * 5_120,
+                        "shared_experts_fc2_input": 2 * 5_120, "shared_experts_gate_score": 2 * 128,
+                        "shared_experts_output": 2 * 8_192}
 
 
 def test_qwen3_moe_without_norm_topk_prob_keeps_no_division():

@@ -79,6 +79,8 @@ HF = FLASH | dict(implementation="hf")
 #: HF as transformers' MixtralForCausalLM and Qwen3MoeForCausalLM run it: 8 experts of f_e = 48, top-2
 HF_MIXTRAL = dict(num_experts=8, moe_topk=2, moe_ffn_hidden=48)
 HF_QWEN3_MOE = HF_MIXTRAL | dict(qk_norm=True)
+#: ... and its Qwen2MoeForCausalLM: biases on q, k and v, a gated shared expert of f_s = 40
+HF_QWEN2_MOE = HF_MIXTRAL | dict(qkv_bias=True, moe_shared_ffn=40, moe_shared_gate=True)
 #: a Megatron preset's MoE settings that transformers has no use for (one device, its own grouped_mm)
 HF_EXPERTS = dict(moe_dispatcher="allgather", moe_grouped_gemm=False)
 
@@ -265,9 +267,10 @@ def small_grid() -> list[Config]:
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf-qwen3", qk_norm=True,
                                           **(HF | dict(attention_core=core))), ["none"], 1)
-    # and its MixtralForCausalLM and Qwen3MoeForCausalLM (8 experts, top-2, grouped_mm; Qwen3-MoE with and
-    # without norm_topk_prob), sdpa
-    for extra in (HF_MIXTRAL, HF_QWEN3_MOE, HF_QWEN3_MOE | dict(moe_pre_softmax=True)):
+    # and its MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (8 experts, top-2, grouped_mm;
+    # Qwen3-MoE and Qwen2-MoE with and without norm_topk_prob; Qwen2-MoE's gated shared expert), sdpa
+    for extra in (HF_MIXTRAL, HF_QWEN3_MOE, HF_QWEN3_MOE | dict(moe_pre_softmax=True), HF_QWEN2_MOE,
+                  HF_QWEN2_MOE | dict(moe_pre_softmax=True)):
         configs += configs_for(small_spec(2, 1, name="small-hf-moe", **(HF | extra)), ["none"], 1)
     # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout

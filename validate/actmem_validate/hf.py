@@ -123,6 +123,20 @@ EXPERT_RULES = (
 )
 
 
+#: Read off modeling_qwen2_moe.py (5.23.0, Qwen2MoeSparseMoeBlock.forward): the shared expert runs first, on the
+#: block's input (the router's, one storage: named here, where it is first saved), an unfused SwiGLU whose
+#: gate_proj and up_proj outputs are the fused kernel's one input in two; its gate's sigmoid and the product with
+#: the shared expert's output, in the block itself ('mlp'). Before the dense rules, which would take gate_proj.
+QWEN2_MOE_SHARED_RULES = (
+    ("shared_expert.gate_proj", "mm.default", "in", "gate_input"),
+    *((f"shared_expert.{proj}", "mm.default", "out", "shared_experts_swiglu_input") for proj in ("gate_proj", "up_proj")),
+    ("shared_expert.act_fn", "silu.default", "out", "shared_experts_silu_output"),
+    ("shared_expert.down_proj", "mm.default", "in", "shared_experts_fc2_input"),
+    ("shared_expert.down_proj", "mm.default", "out", "shared_experts_output"),
+    ("mlp", "sigmoid.default", "out", "shared_experts_gate_score"),
+)
+
+
 #: Qwen3's layer is Llama's with q_norm and k_norm (modeling_qwen3.py, Qwen3Attention.forward:
 #: Qwen3RMSNorm over each head of q_proj's and k_proj's outputs, written as LlamaRMSNorm is)
 QWEN3_RULES = RULES + tuple(rule for norm in ("q_norm", "k_norm") for rule in _rms_norm_rules(
@@ -234,7 +248,8 @@ def _moe_model(spec, core: str):
     """MixtralForCausalLM or Qwen3MoeForCausalLM as the spec describes it: no aux loss
     (output_router_logits false), no router jitter, no sliding window, the experts run by
     transformers' default implementation (grouped_mm), every layer sparse."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
 
     model, arch = spec.model, spec.architecture
     common = dict(vocab_size=model.vocab, hidden_size=model.hidden, num_hidden_layers=model.layers,
@@ -246,6 +261,12 @@ def _moe_model(spec, core: str):
         return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=arch.expert_ffn(model.hidden),
                                                 num_local_experts=arch.num_experts, router_jitter_noise=0.0,
                                                 sliding_window=None))
+    if _class_name(spec) == "Qwen2MoeForCausalLM":    # q, k, v biases; the shared expert and its gate
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, intermediate_size=arch.ffn(model.hidden), moe_intermediate_size=arch.expert_ffn(model.hidden),
+            shared_expert_intermediate_size=arch.moe_shared_ffn, num_experts=arch.num_experts,
+            norm_topk_prob=not arch.moe_pre_softmax, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+            use_sliding_window=False))
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(
         **common, intermediate_size=arch.ffn(model.hidden), moe_intermediate_size=arch.expert_ffn(model.hidden),
         num_experts=arch.num_experts, norm_topk_prob=not arch.moe_pre_softmax, decoder_sparse_step=1,
@@ -258,7 +279,8 @@ def _rules(spec) -> tuple:
     if name == "GPT2LMHeadModel":
         return gpt2_rules(spec.architecture.attention_core)
     rules = QWEN3_RULES if name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") else RULES
-    return EXPERT_RULES + rules if spec.architecture.moe else rules
+    shared = QWEN2_MOE_SHARED_RULES if name == "Qwen2MoeForCausalLM" else ()
+    return shared + EXPERT_RULES + rules if spec.architecture.moe else rules
 
 
 def _class_name(spec) -> str:

@@ -91,6 +91,9 @@ def test_the_unfused_rope_keeps_its_cos_and_sin(actmem):
     assert at_t["rope_cos_sin"] == 2_097_152
     half = _terms(actmem.json("estimate", *V3, "--no-rope-fusion", "--rope-type", "rope", "--rotary-percent", "0.5"))
     assert half["rope_cos_sin"] == 1_048_576
+    # int(64·0.3) = 19 dims, but Megatron's inv_freq spans arange(0, 19, 2) (10) and is cat'd with itself: 20 wide
+    odd = _terms(actmem.json("estimate", *V3, "--no-rope-fusion", "--rope-type", "rope", "--rotary-percent", "0.3"))
+    assert odd["rope_cos_sin"] == 4 * 2 * 4096 * 20
 
 
 @pytest.mark.parametrize("extra, fragments", [

@@ -120,3 +120,15 @@ def test_the_plots_refuse_an_offloaded_run():
     result = CliRunner().invoke(cli, ["plot", "memory", "--model", "llama-3.1-8b", "--pp", "1",
                                       "--cpu-offloading-num-layers", "3", "-o", "unused.png"])
     assert result.exit_code == 2 and "the plots do not draw CPU offloading yet" in result.output
+
+
+def test_what_a_command_does_not_take_is_named_for_what_it_is():
+    """A setting estimate reads, given to flops or before the command; a Megatron argument read only inside
+    --megatron-args, given as a flag: each says so, not that actmem does not model it."""
+    runner = CliRunner()
+    assert "--recompute-modules is a setting that `actmem estimate` reads; `flops` does not take it" in \
+        runner.invoke(cli, ["flops", "--model", "gpt3", "--recompute-modules", "mlp"]).output
+    assert "give it after the command (`actmem estimate --tensor-model-parallel-size ...`)" in \
+        runner.invoke(cli, ["--tensor-model-parallel-size", "8"]).output
+    assert "--bf16 is a Megatron-LM argument that actmem reads inside --megatron-args" in \
+        runner.invoke(cli, ["estimate", "--model", "gpt3", "--bf16"]).output

@@ -47,17 +47,30 @@ class OneLineErrors(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def _estimate_options() -> set:
+    """Every spelling `actmem estimate` takes as an option."""
+    command = cli.get_command(None, "estimate")
+    return {name for param in command.params if isinstance(param, click.Option)
+            for name in param.opts + param.secondary_opts}
+
+
 def _message(error) -> str:
     if isinstance(error, click.NoSuchOption) and error.option_name.startswith("--"):
         from actmem.sources import megatron_table
 
         if error.option_name in megatron_table.arguments():
-            from actmem.cli.flags import megatron_spellings
-
-            if error.option_name in megatron_spellings():        # read by estimate, not by this command
-                command = error.ctx.info_name if error.ctx is not None else "this command"
+            if error.option_name in _estimate_options():         # read by estimate, not by this command
+                command = error.ctx.info_name if error.ctx is not None and error.ctx.parent is not None else None
+                if command is None:
+                    return (f"{error.option_name} is a setting that `actmem estimate` reads: give it after the "
+                            f"command (`actmem estimate {error.option_name} ...`)")
                 return (f"{error.option_name} is a setting that `actmem estimate` reads; `{command}` does not take it "
                         f"(`actmem {command} --help` lists what it does)")
+            from actmem.sources.megatron_args import SETTINGS
+
+            if error.option_name in SETTINGS:
+                return (f"{error.option_name} is a Megatron-LM argument that actmem reads inside --megatron-args "
+                        f"(a pasted launch script or argument list), not as a flag of its own")
             kind, why = megatron_table.classify(error.option_name)
             if kind == megatron_table.NOT_MODELLED:
                 return f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: {why}"

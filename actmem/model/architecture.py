@@ -281,7 +281,11 @@ class Architecture:
         if self.multi_latent_attention and self.rope_type != "rope":
             return self.qk_pos_emb_head_dim
         d = self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim_or(hidden, heads)
-        return d if self.rotary_percent == 1 else sympy.floor(d * sympy.Rational(str(self.rotary_percent)))
+        if self.rotary_percent == 1:
+            return d
+        # RotaryEmbedding: dim = int(d·percent), inv_freq over arange(0, dim, 2), the freqs cat'd with themselves:
+        # 2·ceil(dim/2) wide (rotary_pos_embedding.py), one more than dim where dim is odd
+        return 2 * sympy.ceiling(sympy.floor(d * sympy.Rational(str(self.rotary_percent))) / 2)
 
     def ffn(self, hidden):
         """f: the given size, or 4h (works on ints, arrays and sympy symbols)."""

@@ -179,22 +179,36 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
 
 
 def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
-    """A note naming what the explained run took from the preset's run because the text left it out (a
-    plan's label writes no 'nodopt': under a preset with the distributed optimizer it explains the dopt twin)."""
+    """A note naming, in --explain's own words, what the explained run took from the preset's run because the
+    text left it out (a plan's label writes no 'nodopt': under a preset with the distributed optimizer it
+    explains the dopt twin)."""
     bare = parse_config(config, None, layers)
-    words = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
+    words = {"t": "tensor_parallel", "c": "context_parallel", "m": "interleave",
              "b": "micro_batch", "ep": "expert_parallel", "etp": "expert_tensor_parallel"}
     taken = [f"{word}={run[key]}" for word, key in words.items() if run.get(key) != bare.get(key)]
+    if any(run.get(key) != bare.get(key) for key in ("pipeline_parallel",) + _SPLIT):
+        p, first, last = run["pipeline_parallel"], run.get(_SPLIT[0]), run.get(_SPLIT[1])
+        if first is None and last is None:
+            taken.append(f"p={p}")
+        else:                                   # the split as --explain reads it back
+            first, last = first or (layers - last) // (p - 1), last or (layers - first) // (p - 1)
+            taken.append(f"p={split_text(first, (layers - first - last) // max(p - 2, 1), last, p)}")
     if run["sequence_parallel"] != bare["sequence_parallel"]:
         taken.append("sp" if run["sequence_parallel"] else "nosp")
-    if run["recompute"] != bare["recompute"]:
-        taken.append(str(run["recompute"]))
-    if run["distributed_optimizer"] != bare["distributed_optimizer"]:
+    policy, bare_policy = (RecomputePolicy.parse(_label(values)) for values in (run, bare))
+    if policy != bare_policy:
+        taken.append(policy.word)
+    dopt = run["distributed_optimizer"] != bare["distributed_optimizer"]
+    if dopt:
         taken.append("dopt" if run["distributed_optimizer"] else "nodopt")
-    if any(run.get(key) != bare.get(key) for key in _SPLIT):
-        taken.append("the preset's uneven pipeline")
     if not taken:
         return ()
-    return (f"--explain took from the preset's run what {config!r} leaves out: {', '.join(taken)} (name a "
-            f"setting to change it: nodopt for a run without the distributed optimizer, as a plan's label leaves "
-            f"'dopt' out)",)
+    return (f"--explain took from the preset's run what {config!r} leaves out: {', '.join(taken)} (name a setting "
+            f"to change it" + ("; nodopt for a run without the distributed optimizer, which a plan's label leaves "
+                               "unsaid" if dopt else "") + ")",)
+
+
+def _label(run: dict) -> str:
+    """The recompute policy of parsed run values, as its one text label."""
+    return RecomputePolicy.of_run(Recompute(run["recompute"]), run.get("recompute_method"), run.get("recompute_layers"),
+                                  run.get("recompute_modules")).label

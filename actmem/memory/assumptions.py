@@ -211,7 +211,7 @@ def _offload_notes(spec: Spec) -> list:
              if spec.architecture.position_embedding == "rope" and spec.architecture.rope_fusion else "")
     return [f"CPU offloading of the first {n} of {layers} layers (--cpu-offloading-num-layers; Transformer Engine "
             f"v2.11's cpu_offload.py under megatron-core 0.16.1): every tensor an offloaded layer saves goes to the "
-            f"host{freqs}; the GPU releases a layer's copy only as the layer {layers - n} later begins, so it holds "
+            f"host{freqs}; the GPU releases layer i's tensors only as layer i + {layers - n} begins, so it holds "
             f"{layers - n} layers' activations from the forward's end through the last layer's backward, and the "
             f"embedding's output (layer 0's input) until the forward returns (the forward_end moment); TE v2.11 frees "
             f"none of a layer's saved tensors inside its backward, so the last layer's backward moments keep all its rows. "

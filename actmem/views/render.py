@@ -170,10 +170,11 @@ def _header(est: Estimate) -> Text:
 
 def _techniques_table(est: Estimate) -> Table:
     offloaded = est.spec.run.offload_layers
-    on_host = (f", {offloaded} of them on the host where a row does not recompute (CPU offloading)"
-               if offloaded else "")
-    table = _table(f"Activations per GPU, {_shown(est)}, "
-                   f"{plural(est.occupancy.layer_activations, 'layer activation')} held{on_host} (Table 2)")
+    held = plural(est.occupancy.layer_activations, 'layer activation')
+    where = (f"{held}, {est.occupancy.layer_activations - offloaded} on the GPU and {offloaded} on the host under CPU "
+             f"offloading (the rows that recompute, which Megatron does not offload, keep all on the GPU)"
+             if offloaded else f"{held} held")
+    table = _table(f"Activations per GPU, {_shown(est)}, {where} (Table 2)")
     for column in ("technique", "per layer", "this stage" if est.stage else "first stage", "vs tp", "",
                    "+ params"):
         table.add_column(column, **_column_kind(whole=("technique", ""))(column))
@@ -285,11 +286,12 @@ GPUS_A_NODE = 8
 
 
 def _host_line(est: Estimate) -> str:
-    """The host memory CPU offloading needs, a GPU and a node (actmem.memory.offload)."""
-    n = est.spec.run.offload_layers
+    """The host memory CPU offloading needs, a GPU and a node of 8 GPUs (or of the run's GPUs, where fewer)."""
+    n, gpus = est.spec.run.offload_layers, est.spec.run.gpus
+    node = min(GPUS_A_NODE, gpus) if gpus else GPUS_A_NODE
     return (f"host: {gib(est.host_bytes):,.2f} GiB of pinned memory a GPU for CPU offloading ({plural(n, 'layer')} of "
-            f"one microbatch), {gib(GPUS_A_NODE * est.host_bytes):,.2f} GiB a node of {GPUS_A_NODE}; PyTorch's pinned "
-            f"allocator rounds each tensor up to a power of two and may reserve up to twice\n")
+            f"one microbatch), {gib(node * est.host_bytes):,.2f} GiB a node of {plural(node, 'GPU')}; PyTorch's pinned "
+            f"allocator rounds each tensor's block up to a power of two, so it may reserve more, at most twice\n")
 
 
 _VERDICT_STYLES = {FITS: "green", TIGHT: "yellow", NO_FIT: "red"}

@@ -202,3 +202,43 @@ def test_a_llama_70b_layer_under_tensor_and_sequence_parallelism(actmem, args, l
     out = actmem.json("estimate", "--model", "llama-3.1-70b", "--tp", "8", "--sp", "--micro-batch", "1",
                       "--recompute", "none", *args)
     assert sum(_layer(out).values()) == layer
+
+
+#: Llama 3.1 8B's output layer rows at t = 1: the final norm's input 2sh and rsigma 4s, the output layer's input 2sh,
+#: fp32 logits 4sv (v = 128,256)
+OUTPUT_ROWS = 67_108_864 + 32_768 + 67_108_864 + 4 * 8192 * 128_256
+TENSORWISE_LAYER = BF16_LAYER + FP8_DELTA          # 957,415,436
+
+
+def test_first_and_last_layers_in_bf16_keep_their_16_bit_inputs(actmem):
+    """--first-last-layers-bf16 (tensorwise), t = 1: at p = 1 the first and last layers are bf16, the other 30 FP8:
+    30 x 957,415,436 + 2 x 1,141,964,800 + the output layer's rows; the FP8 weight state 30/32 of the all-FP8
+    run's. At p = 2 the first stage holds 2 microbatches of layer 0 (bf16) and layers 1-15 (FP8):
+    2 x (15 x 957,415,436 + 1,141,964,800) = 31,006,392,680."""
+    args = (*LLAMA, "--tp", "1", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert TENSORWISE_LAYER == 957_415_436
+    one = actmem.json("estimate", *args, "--pp", "1", "--first-last-layers-bf16")
+    assert one["activations_bytes"] == 30 * TENSORWISE_LAYER + 2 * BF16_LAYER + OUTPUT_ROWS
+    every = actmem.json("estimate", *args, "--pp", "1")
+    assert one["parameters"]["fp8_bytes"] * 32 == every["parameters"]["fp8_bytes"] * 30
+    qkv = [(row["bytes_each"], row["count"]) for row in one["run_terms"] if row["term"] == "qkv_input"]
+    assert sorted(qkv) == [(33_554_436, 30), (67_108_864, 2)]
+    two = actmem.json("estimate", *args, "--pp", "2", "--first-last-layers-bf16")
+    assert two["activations_bytes"] == 2 * (15 * TENSORWISE_LAYER + BF16_LAYER) == 31_006_392_680
+    wider = actmem.json("estimate", *args, "--pp", "1", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+                        "3", "--num-layers-at-end-in-bf16", "0")
+    assert wider["activations_bytes"] == 29 * TENSORWISE_LAYER + 3 * BF16_LAYER + OUTPUT_ROWS
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--fp8-format", "hybrid", "--first-last-layers-bf16"), "Delayed scaling does not support first / last layer"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--num-layers-at-start-in-bf16", "2"),
+     "Megatron reads it only with that switch"),
+    (("--first-last-layers-bf16",), "--first-last-layers-bf16 keeps layers out of FP8 training: give --fp8-format"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--pp", "4",
+      "--num-layers-at-start-in-bf16", "9"), "must each be at most the layers of a pipeline stage, L/p = 8"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--pp", "4",
+      "--interleave", "2"), "--first-last-layers-bf16 is modelled without interleaving"),
+])
+def test_first_last_bf16_layers_refused_where_megatron_or_actmem_does(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", *LLAMA, *args), fragment)

@@ -254,6 +254,13 @@ ARCHITECTURE_FLAGS = (
          "distributed optimizer", constant=True),
     Flag(("--fp8-amax-history-len",), "fp8_amax_history_len",
          "delayed scaling's amax history, rows (Megatron's default 1): fp32 [rows, 3] and [rows, 2] a TE linear"),
+    Flag(("--first-last-layers-bf16",), "fp8_first_last_bf16",
+         "with --fp8-format (not delayed scaling), the model's first and last layers run in bf16: they keep 16-bit "
+         "inputs and no FP8 weight copies", constant=True),
+    Flag(("--num-layers-at-start-in-bf16",), "fp8_bf16_start",
+         "with --first-last-layers-bf16, how many of the first layers (Megatron's default 1)"),
+    Flag(("--num-layers-at-end-in-bf16",), "fp8_bf16_end",
+         "with --first-last-layers-bf16, how many of the last layers (Megatron's default 1)"),
     Flag(("--moe-pad-expert-input-to-capacity",), "moe_pad_to_capacity",
          "with a capacity factor, every expert's input padded to its capacity C (Megatron's 'drop and pad'): "
          "the experts then receive C·EP·ETP rows each whatever the routing", constant=True),

@@ -291,6 +291,9 @@ def plan_request(flags: dict):
     if choice.preset_run.get("offload_layers"):
         raise SpecError(f"plan does not sweep CPU offloading yet (--cpu-offloading-num-layers "
                         f"{choice.preset_run['offload_layers']}): `actmem estimate` prices one offloaded run")
+    if choice.architecture.fp8_first_last_bf16:
+        raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
+                        "`actmem estimate` prices one run of it")
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     flags = resolve(flags, GPU_FLAGS + (MOE_IMBALANCE, MOE_LOADS))

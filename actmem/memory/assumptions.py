@@ -27,7 +27,8 @@ def _layer_formula(arch) -> str:
     """The paper's 12h² + 13h, or the weights of this architecture's layer."""
     no_weights = ("attention_dropout", "hidden_dropout", "attention_core", "position_embedding", "rope_fusion",
                   "rotary_percent", "position_rows", "implementation", "masked_softmax_fusion", "softmax_in_fp32",
-                  "fp8_format", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len")
+                  "fp8_format", "fp8_recipe", "fp8_param_gather", "fp8_amax_history_len", "fp8_first_last_bf16",
+                  "fp8_bf16_start", "fp8_bf16_end")
     plain = not (arch.qk_norm or arch.moe or arch.multi_latent_attention)
     if plain and replace(arch, **{name: getattr(PAPER, name) for name in no_weights}) == PAPER:
         return "12h² + 13h"
@@ -308,7 +309,11 @@ def _fp8_notes(spec) -> list:
             "byte)" + (f"; under a recompute that reruns TE's linears (full, or the mlp module), each rerun module's "
                        f"stash of its forward scales and amax history, 4·3·({history} + 1) B a module a microbatch in "
                        "flight, and the clone it keeps after (quantization.py: "
-                       "copy_forward_fp8_meta_tensors_for_recompute)" if arch.fp8 == "delayed" else "")]
+                       "copy_forward_fp8_meta_tensors_for_recompute)" if arch.fp8 == "delayed" else "")] + (
+        [f"--first-last-layers-bf16: the model's first {arch.fp8_bf16_start} and last {arch.fp8_bf16_end} layers run "
+         f"outside FP8 (fp8_utils.py, is_first_last_bf16_layer: by global index), keeping 16-bit inputs and no FP8 "
+         f"weight copies; on a stage of both kinds each layer is counted as its kind keeps, the stage's last "
+         f"layer's kind deciding its backward's moments"] if arch.fp8_first_last_bf16 else [])
 
 
 def _capacity_text(arch) -> str:

@@ -11,7 +11,8 @@ from actmem.model.experts import dense_twin
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.memory.pipeline import StageOccupancy, stage_occupancy
-from actmem.memory.stages import StageLoad, mtp_layer_kind, mtp_layers_held, stage_layers, stage_moe_layers
+from actmem.memory.stages import StageLoad, mtp_layer_kind, mtp_layers_held, stage_fp8_layers, stage_layers, \
+    stage_moe_layers
 from actmem.errors import SpecError
 from actmem.model.spec import Spec, padded_vocab
 from actmem.memory.techniques import BASELINE, BY_NAME, TECHNIQUES, Technique, matching, run_technique, unnamed_run
@@ -268,6 +269,8 @@ def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tup
 
 
 def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
+    if arch.fp8 and arch.fp8_first_last_bf16:
+        return _precision_kinds(spec, stage, arch)
     if not arch.moe:
         return arch, None, ()
     from actmem.model.experts import dense_twin
@@ -281,6 +284,19 @@ def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
     last_moe = kinds[-1] == 1
     last, other = (arch, dense_twin(arch)) if last_moe else (dense_twin(arch), arch)
     return last, (moe if last_moe else dense), ((other, dense if last_moe else moe),)
+
+
+def _precision_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
+    """layer_kinds for --first-last-layers-bf16: the stage's FP8 layers and its bf16 ones (Architecture.bf16_twin)."""
+    kinds = stage_fp8_layers(spec, stage)
+    fp8, bf16 = sum(kinds), len(kinds) - sum(kinds)
+    if not bf16:
+        return arch, None, ()
+    if not fp8:
+        return arch.bf16_twin(), None, ()
+    last_fp8 = kinds[-1] == 1
+    last, other = (arch, arch.bf16_twin()) if last_fp8 else (arch.bf16_twin(), arch)
+    return last, (fp8 if last_fp8 else bf16), ((other, bf16 if last_fp8 else fp8),)
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -324,24 +340,30 @@ def _offloaded(row: TermRow, layers: int) -> TermRow:
 
 
 def _mixed_terms(run: Technique, occupancy, bindings, kinds: tuple) -> tuple:
-    """The terms of a stage of dense and MoE layers: a layer's rows counted for the layers of each
-    kind that have them (the attention's and the norms', alike in both, for all)."""
+    """The terms of a stage of two kinds of layer (a MoE model's dense and MoE layers; an FP8 run's FP8 and bf16
+    ones): a layer's rows counted for the layers of each kind that have them, one row where the kinds keep the
+    same bytes (the attention's and the norms' beside experts), one a kind where they differ (an FP8 layer's
+    quantized inputs beside a bf16 layer's 16-bit ones)."""
     chunks = occupancy.layer_activations // occupancy.chunk_layers
     rows = {}
     for arch, layers in kinds:
         for term in TERMS:
             row = _term_row(term, run, occupancy, bindings, arch)
             if term.scope is Scope.LAYER:
-                row = TermRow(term, row.bytes_each, chunks * layers if row.bytes_each else 0)
-                held = rows.get(term.name)
-                if held is not None and held.count:
-                    if row.count and held.bytes_each != row.bytes_each:
-                        raise ValueError(f"{term.name} differs between the layer kinds")
-                    row = TermRow(term, held.bytes_each, held.count + row.count)
-            elif term.name in rows:
-                continue
-            rows[term.name] = row
-    return tuple(rows[term.name] for term in TERMS)
+                if not row.bytes_each or not layers:
+                    rows.setdefault((term.name, 0), TermRow(term, row.bytes_each, 0))
+                    continue
+                key = (term.name, row.bytes_each)
+                held = rows.get(key)
+                row = TermRow(term, row.bytes_each, chunks * layers + (held.count if held else 0))
+                rows.pop((term.name, 0), None)
+            else:
+                key = (term.name, None)
+                if key in rows:
+                    continue
+            rows[key] = row
+    order = {term.name: i for i, term in enumerate(TERMS)}
+    return tuple(sorted(rows.values(), key=lambda row: order[row.term.name]))
 
 
 def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: int,
@@ -379,6 +401,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        expert_shards=spec.expert_optimizer_shards, distributed_optimizer=run.distributed_optimizer,
                        gradient_bytes=spec.gradient_bytes, optimizer_bytes=spec.optimizer.bytes_per_parameter,
                        ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
-                       extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8)
+                       extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
+                       fp8_layers=sum(stage_fp8_layers(spec, stage)) if arch.fp8_first_last_bf16 else None)
 
 

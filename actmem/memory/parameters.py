@@ -221,14 +221,15 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
-                extra=0, dense_layers_too=False, gpu_fp8=None) -> ParameterBytes:
+                extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
     ``expert_shards``. ``moe_layers``: how many of the stage's layers have experts (None: all, or none
     for a dense model); the others are ``arch``'s dense twin's (actmem.model.experts.dense_twin).
     ``extra``: parameters beside the layers (the multi-token-prediction layers'), sharded as the dense.
-    ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state).
+    ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state); ``fp8_layers``: the
+    stage's layers that run in FP8 where some run in bf16 (--first-last-layers-bf16; None: all).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -243,7 +244,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if not arch.moe:
-        shrink, kept = fp8_state(h, t, arch, heads, stage_layers, gpu_fp8)
+        shrink, kept = fp8_state(h, t, arch, heads, stage_layers if fp8_layers is None else fp8_layers, gpu_fp8)
         return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept) if arch.fp8 else state
     experts = own * expert_parameters(h, arch, ep, etp)
     return state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)

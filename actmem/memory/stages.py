@@ -51,6 +51,17 @@ def stage_moe_layers(spec, stage: int) -> tuple:
     return moe_layers(spec.architecture, spec.model.layers)[start:start + counts[stage]]
 
 
+def stage_fp8_layers(spec, stage: int) -> tuple:
+    """1 for each layer of a stage that runs in FP8, 0 for each that runs in bf16 though the run is FP8
+    (--first-last-layers-bf16: by global index), in order; () where the run is not FP8."""
+    arch = spec.architecture
+    if not arch.fp8:
+        return ()
+    counts = stage_layers(spec)
+    start = sum(counts[:stage])
+    return tuple(int(not arch.bf16_layer(index, spec.model.layers)) for index in range(start, start + counts[stage]))
+
+
 def stage_layers(spec) -> list[int]:
     """Layers of each stage: the first and last as given, the rest shared evenly."""
     run, p = spec.run, spec.run.pipeline_parallel

@@ -91,6 +91,13 @@ class Architecture:
     """--fp8-param-gather: the linears' weights are FP8 themselves (one byte), all-gathered as they are."""
     fp8_amax_history_len: int = 1
     """--fp8-amax-history-len: the rows of delayed scaling's amax history (Megatron's default 1)."""
+    fp8_first_last_bf16: bool = False
+    """--first-last-layers-bf16: the model's first and last layers run in bf16 under FP8 (fp8_utils.py,
+    is_first_last_bf16_layer: by global layer index, so on the first and last pipeline stages)."""
+    fp8_bf16_start: int = 1
+    """--num-layers-at-start-in-bf16 (Megatron's default 1), read with --first-last-layers-bf16."""
+    fp8_bf16_end: int = 1
+    """--num-layers-at-end-in-bf16 (Megatron's default 1), read with --first-last-layers-bf16."""
     mtp_layers: int = 0
     """Multi-token prediction (Megatron's --mtp-num-layers; DeepSeek-V3's 1): D more layers on the last
     pipeline stage, each predicting one token further (actmem.memory.terms, MTP_TERMS), and D more logits."""
@@ -226,7 +233,7 @@ class Architecture:
             raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",
                      "softmax_in_fp32", "gradient_accumulation_fusion", "moe_grouped_gemm", "moe_pad_to_capacity", "moe_permute_fusion", "fp8_param_gather",
-                     "moe_shared_gate",
+                     "moe_shared_gate", "fp8_first_last_bf16",
                      "moe_shared_overlap", "moe_pre_softmax", "moe_expert_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -248,6 +255,17 @@ class Architecture:
         check_latent(self)
         check_fp8(self)
         self.code.check(self)
+
+    def bf16_layer(self, index: int, layers: int) -> bool:
+        """Whether layer ``index`` (global, of ``layers``) runs in bf16 though the run trains in FP8 (Megatron's
+        fp8_utils.py, is_first_last_bf16_layer)."""
+        return bool(self.fp8 and self.fp8_first_last_bf16
+                    and (index < self.fp8_bf16_start or index >= layers - self.fp8_bf16_end))
+
+    def bf16_twin(self) -> "Architecture":
+        """This layer as it runs outside FP8 (a first or last layer under --first-last-layers-bf16)."""
+        return replace(self, fp8_format=None, fp8_recipe=None, fp8_param_gather=False, fp8_amax_history_len=1,
+                       fp8_first_last_bf16=False, fp8_bf16_start=1, fp8_bf16_end=1)
 
     @property
     def fp8(self) -> str | None:

@@ -71,6 +71,15 @@ def check_fp8(arch) -> None:
     if isinstance(arch.fp8_amax_history_len, bool) or not isinstance(arch.fp8_amax_history_len, int) \
             or arch.fp8_amax_history_len < 1:
         raise SpecError(f"--fp8-amax-history-len must be a whole number >= 1, got {arch.fp8_amax_history_len!r}")
+    for name, flag in (("fp8_bf16_start", "--num-layers-at-start-in-bf16"), ("fp8_bf16_end", "--num-layers-at-end-in-bf16")):
+        value = getattr(arch, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SpecError(f"{flag} must be a whole number of layers, 0 or more, got {value!r}")
+        if value != 1 and not arch.fp8_first_last_bf16:
+            raise SpecError(f"{flag} {value} counts the layers --first-last-layers-bf16 runs in bf16; Megatron reads "
+                            f"it only with that switch: give it")
+    if arch.fp8_first_last_bf16 and arch.fp8_format is None:
+        raise SpecError("--first-last-layers-bf16 keeps layers out of FP8 training: give --fp8-format")
     if arch.fp8_recipe is not None and arch.fp8_format is None:
         raise SpecError(f"--fp8-recipe {arch.fp8_recipe} chooses FP8's scaling; Megatron reads it only with "
                         "--fp8-format (e4m3 or hybrid), which turns FP8 on: give it")
@@ -91,6 +100,10 @@ def check_fp8(arch) -> None:
     if recipe in BLOCK_RECIPES and arch.fp8_param_gather:
         raise SpecError(f"--fp8-param-gather under --fp8-recipe {recipe}: its FP8 weights keep both copies and their "
                         "block scales, read but not priced yet; drop it")
+    if arch.fp8_first_last_bf16 and recipe == "delayed":
+        raise SpecError("--first-last-layers-bf16 under delayed scaling: Megatron refuses it (transformer_config.py: "
+                        "'Delayed scaling does not support first / last layer in BF16'); give --fp8-recipe tensorwise, "
+                        "mxfp8 or blockwise")
     if arch.fp8_amax_history_len != 1 and recipe != "delayed":
         raise SpecError(f"--fp8-amax-history-len {arch.fp8_amax_history_len} sizes delayed scaling's amax history; "
                         f"the {recipe} recipe keeps none")

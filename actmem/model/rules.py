@@ -212,6 +212,25 @@ OFFLOADING_RULES = (
 )
 
 
+def _first_last_bf16(v) -> bool:
+    return bool(v.architecture is not None and v.architecture.fp8 and v.architecture.fp8_first_last_bf16)
+
+
+#: --first-last-layers-bf16: Megatron's bound (transformer_config.py, __post_init__: at most the layers of a
+#: pipeline stage each), then what actmem has not counted yet
+FIRST_LAST_BF16_RULES = (
+    Rule(lambda v: not _first_last_bf16(v) or (
+        (v.architecture.fp8_bf16_start <= v.layers // v.p) & (v.architecture.fp8_bf16_end <= v.layers // v.p)),
+         lambda v: f"--num-layers-at-start-in-bf16 ({v.architecture.fp8_bf16_start}) and --num-layers-at-end-in-bf16 "
+                   f"({v.architecture.fp8_bf16_end}) must each be at most the layers of a pipeline stage, "
+                   f"L/p = {v.layers // v.p} (Megatron's check)", ("architecture",)),
+    Rule(lambda v: not _first_last_bf16(v) or ((v.m == 1) & (v.recompute_shape is None)),
+         lambda v: f"--first-last-layers-bf16 is modelled without interleaving and without --recompute-method "
+                   f"(m = {v.m}): which layers a model chunk or a checkpoint holds in bf16 is not counted yet",
+         ("architecture",)),
+)
+
+
 #: The rules of the data-parallel run (gpus, the global batch, the distributed optimizer's
 #: shards) wait with the kernels' where the run is not known (Spec.dims_only): `validate`
 #: measures one data-parallel rank and sets its own, a plot sweeps b.
@@ -380,6 +399,7 @@ RULES = (
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
     *OFFLOADING_RULES,
+    *FIRST_LAST_BF16_RULES,
 )
 
 

@@ -58,3 +58,24 @@ def test_llama_8b_under_fp8_at_full_scale_with_fake_tensors():
     copies = {row["config"].split()[0]: row["measured_bytes"] for row in rows
               if row["term"] == "projection_input_fp8" and "tp-sp-sel" not in row["config"]}
     assert copies == {"llama-3.1-8b-fp8-delayed": 134_217_856}
+
+
+def test_first_and_last_layers_in_bf16_are_measured_to_the_byte(fp8_rows):
+    """--first-last-layers-bf16 under tensorwise, t = 2 with SP, 4 layers (h = 64, s = 32, b = 2, f = 96): on one
+    stage layers 0 and 3 keep 16-bit QKV inputs, 2·(s/t)·b·h = 4096 B, layers 1 and 2 one byte and a scale_inv,
+    2048 + 4: 2 x 4096 + 2 x 2052 = 12,296; on a pipeline's first stage (p = 2) layer 0 in bf16 and layer 1 in
+    FP8, two microbatches: 2 x (4096 + 2052), the same."""
+    rows = [row for row in fp8_rows if "first-last" in row["config"]]
+    assert rows and judge(rows, 0.0) == []
+    qkv = {row["config"].split()[2]: row["measured_bytes"] for row in rows
+           if row["term"] == "qkv_input" and row["rank"] == 0}
+    assert qkv == {"p=1": 12_296, "p=2": 12_296}
+
+
+def test_the_gate_fails_a_bf16_layer_counted_in_fp8(fp8_rows):
+    """Inject: the formula counts every layer FP8 (the bf16 layers' 16-bit QKV inputs halved): red."""
+    rows = [dict(row) for row in fp8_rows if "first-last" in row["config"]]
+    for row in rows:
+        if row["term"] == "qkv_input":
+            row["formula_bytes"] = 4 * 2052 if "p=1" in row["config"] else 2 * 2 * 2052
+    assert judge(rows, 0.0)

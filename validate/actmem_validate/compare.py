@@ -105,6 +105,14 @@ def _whole_layers(spec, occupancy) -> int:
     return occupancy.layer_activations // spec.chunk_layers * whole - run.offload_layers   # those on the host
 
 
+def run_term_bytes(est: Estimate) -> dict:
+    """{term: bytes} of the estimate's run, a term's rows summed (an FP8 run's bf16 layers keep a row of their own)."""
+    totals: dict = {}
+    for row in est.run_terms:
+        totals[row.term.name] = totals.get(row.term.name, 0) + row.total_bytes
+    return totals
+
+
 def _kind(name: str, residuals: dict) -> str:
     """A residual where the harness expects one (the norms' statistics are residuals on the
     eager path and terms of the table on the flash path), else a term, else unnamed."""
@@ -125,7 +133,7 @@ def compare(config, est: Estimate, run, rank: int, peak_bytes: int, device: str 
     ('reserve': cuBLAS's workspaces, measure._warm_up). A residual row's formula_bytes are
     the harness's expected size."""
     residuals = {name: n for name, n in expected_residuals(config.spec, est.occupancy, device).items() if n}
-    formula = {row.term.name: row.total_bytes for row in est.run_terms} | residuals
+    formula = run_term_bytes(est) | residuals
     measured = run.terms_at_peak
     names = [n for n in PAPER_TERMS if n in formula or n in measured]
     names += sorted((set(measured) | set(residuals)) - set(PAPER_TERMS))

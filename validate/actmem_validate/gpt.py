@@ -56,6 +56,7 @@ class LayerSpec:
     fp8: str | None = None                # TE's FP8 recipe (delayed, tensorwise): its linears' saves (Fp8Save)
     fp8_history: int = 1                  # delayed scaling's amax history rows
     fp8_generation: str | None = None     # the GPU's FP8 generation: hopper keeps weight transposes
+    bf16_layers: frozenset = frozenset()  # global indices of layers run in bf16 under FP8 (--first-last-layers-bf16)
 
     def fp8_save(self, term: str) -> Fp8Save | None:
         """What TE's FP8 linear keeps of its input, named ``term`` (actmem.model.fp8): the projection's quantized
@@ -86,7 +87,8 @@ class LayerSpec:
                    arch.qk_norm, spec.run.recompute_method or "uniform", spec.run.recompute_layers or 1,
                    spec.run.recompute_modules or ("core_attn",), arch.attention_mask, fused, arch.softmax_in_fp32,
                    arch.position_rows, arch.rotary_percent, arch.gradient_accumulation_fusion, arch.fp8,
-                   arch.fp8_amax_history_len, spec.gpu_fp8)
+                   arch.fp8_amax_history_len, spec.gpu_fp8,
+                   frozenset(i for i in range(model.layers) if arch.bf16_layer(i, model.layers)))
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute checkpoints this module (Megatron's --recompute-modules)."""
@@ -549,9 +551,11 @@ class OutputHead(nn.Module):
 
 
 def fp8_weights(stage: nn.Module) -> list:
-    """The weights TE quantizes under FP8: the layers' column- and row-parallel linears' (not the output
-    layer's, Megatron's own ColumnParallelLinear, nor the embedding)."""
-    return [m.weight for m in stage.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    """The weights TE quantizes under FP8: the column- and row-parallel linears' of the layers that run in FP8
+    (not those --first-last-layers-bf16 keeps in bf16; not the output layer's, Megatron's own
+    ColumnParallelLinear, nor the embedding)."""
+    return [m.weight for layer in stage.modules() if isinstance(layer, TransformerLayer) and layer.spec.fp8
+            for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
 def fused_wgrad_weights(stage: nn.Module) -> list:

@@ -135,6 +135,12 @@ def fp8_configs() -> list[Config]:
     # flash-attn's copy for the projection at b = 2, which under delayed scaling nothing keeps
     configs += configs_for(small_spec(2, 2, name="small-flash-attn-fp8-delayed", gpu_fp8="hopper", fp8_format="hybrid",
                                       **(FLASH | dict(attention_core="flash-attn"))), ["tp-sp"], 1)
+    # --first-last-layers-bf16 (tensorwise): on one stage the first and last of 4 layers in bf16; on a pipeline's
+    # first stage its first layer in bf16 beside an FP8 one, two microbatches in flight
+    for p, n in ((1, 1), (2, None)):
+        configs += configs_for(small_spec(4, 2, p, name="small-flash-fp8-first-last-bf16", gpu_fp8="hopper",
+                                          fp8_format="hybrid", fp8_recipe="tensorwise", fp8_first_last_bf16=True,
+                                          sp=True, **FLASH), ["tp-sp"], n)
     return configs
 
 

@@ -7,7 +7,7 @@ ledger; its saved bytes stay live until its backward frees the graph, so the pea
 the live sum is what the stage really holds, not an assumption.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -46,8 +46,10 @@ class FirstStage(nn.Module):
         per_chunk = (spec.layers // p if stage_layers is None else stage_layers) // m
         self.tp, self.spec = tp, spec
         self.embedding = Embedding(vocab, spec, tp)
-        self.chunks = nn.ModuleList(nn.ModuleList(TransformerLayer(spec, tp) for _ in range(per_chunk))
-                                    for _ in range(m))
+        # the first stage's layers are the model's first; under --first-last-layers-bf16 some run in bf16 (m = 1)
+        self.chunks = nn.ModuleList(nn.ModuleList(
+            TransformerLayer(replace(spec, fp8=None) if chunk * per_chunk + i in spec.bf16_layers else spec, tp)
+            for i in range(per_chunk)) for chunk in range(m))
         self.head = OutputHead(self.embedding, spec, tp) if p == 1 else None
         self.offload = None
         """CPU offloading (actmem_validate.offload.CpuOffload) where the run has it."""

@@ -284,11 +284,6 @@ SHARED_EXPERT_TERMS = (
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
          "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "
          "up_proj's outputs", shared_experts, module="shared_experts"),
-    Term("shared_experts_silu_output", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
-         Scope.LAYER, "an unfused shared expert keeps silu's output too (transformers' Qwen2MoeMLP: "
-         "act_fn(gate_proj(x)) * up_proj(x) saves both factors, silu its input: gate_proj's and up_proj's outputs, "
-         "the bytes the fused SwiGLU keeps as one; 2sbf_s)", shared_experts_keeping_silu_output,
-         module="shared_experts"),
     Term("shared_experts_fc2_input", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts, module="shared_experts"),
     Term("shared_experts_gate_score", A16 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -354,4 +349,10 @@ HF_MOE_TERMS = (
          "2sbk or 4sbk)", grouped_mm_experts),
     Term("experts_inverse_permutation", lambda arch: I64 * _hf_copies(arch), Region.BOUNDARY, _STORED, Scope.LAYER,
          "weighted_out[inv_perm] keeps the inverse permutation, int64 [N·k] (8sbk)", grouped_mm_experts),
+    # Qwen2-MoE's shared expert: Megatron's shared-expert rows (SHARED_EXPERT_TERMS) and, unfused, silu's output
+    Term("shared_experts_silu_output", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
+         Scope.LAYER, "an unfused shared expert keeps silu's output too (transformers' Qwen2MoeMLP: "
+         "act_fn(gate_proj(x)) * up_proj(x) saves both factors, silu its input: gate_proj's and up_proj's outputs, "
+         "the bytes the fused SwiGLU keeps as one; 2sbf_s)", shared_experts_keeping_silu_output,
+         module="shared_experts"),
 )

@@ -132,3 +132,12 @@ def test_what_a_command_does_not_take_is_named_for_what_it_is():
         runner.invoke(cli, ["--tensor-model-parallel-size", "8"]).output
     assert "--bf16 is a Megatron-LM argument that actmem reads inside --megatron-args" in \
         runner.invoke(cli, ["estimate", "--model", "gpt3", "--bf16"]).output
+
+
+def test_offloading_beside_bf16_first_and_last_layers_is_refused():
+    """The offloaded first layers and --first-last-layers-bf16's overlap: refused until counted by index."""
+    preset = load_preset("llama-3.1-8b")
+    with pytest.raises(SpecError, match="CPU offloading beside --first-last-layers-bf16 is not modelled yet"):
+        build_spec(preset.model, {"tensor_parallel": 1, "offload_layers": 2}, gpu_fp8="hopper",
+                   architecture=preset.architecture | {"fp8_format": "hybrid", "fp8_recipe": "tensorwise",
+                                                       "fp8_first_last_bf16": True})

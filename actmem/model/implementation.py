@@ -196,8 +196,8 @@ _LLAMA_LAYER = (
     ("attention_dropout", (0,), "transformers' Llama layer at its default attention_dropout 0 (with "
                                 "dropout SDPA falls back to its math kernel on a CPU, unmeasured here)"),
     ("hidden_dropout", (0,), "transformers' Llama layer, which has no hidden dropout"))
-_DENSE = ("moe", (False,), "transformers' {} layer, a dense MLP (MixtralForCausalLM and Qwen3MoeForCausalLM have "
-                           "experts)")
+_DENSE = ("moe", (False,), "transformers' {} layer, a dense MLP (MixtralForCausalLM, Qwen3MoeForCausalLM and "
+                           "Qwen2MoeForCausalLM have experts)")
 _HF_LLAMA = ModelClass(
     "LlamaForCausalLM",
     architecture=_LLAMA_LAYER + (("qk_norm", (False,), "transformers' Llama layer, which has no q and k "
@@ -377,8 +377,8 @@ SWITCHES = (
      "--no-gradient-accumulation-fusion is Megatron's switch; --implementation {code} computes its weight "
      "gradients with autograd already"),
     ("moe", lambda arch: arch.moe and not any("grouped_mm_experts" in model.keeps for model in arch.code.models),
-     "mixture-of-experts layers are modelled as Megatron-Core's MoELayer and as transformers' MixtralForCausalLM "
-     "and Qwen3MoeForCausalLM; --implementation {code}'s own keeps what actmem has not read yet: give "
+     "mixture-of-experts layers are modelled as Megatron-Core's MoELayer and as transformers' MixtralForCausalLM, "
+     "Qwen3MoeForCausalLM and Qwen2MoeForCausalLM; --implementation {code}'s own keeps what actmem has not read yet: give "
      "--implementation megatron"),
     ("rotary_percent", lambda arch: arch.rotary_percent != 1,
      "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "

@@ -206,6 +206,9 @@ OFFLOADING_RULES = (
     Rule(lambda v: _implies(_offloading(v), v.c == 1),
          lambda v: f"CPU offloading beside context parallelism (c = {v.c}) is not modelled yet: which of the ring "
                    f"attention's saved tensors Transformer Engine can offload is not read"),
+    Rule(lambda v: not (_offloading(v) and _first_last_bf16(v)),
+         lambda v: "CPU offloading beside --first-last-layers-bf16 is not modelled yet: the offloaded first layers "
+                   "and the bf16 ones overlap, and actmem counts each kind whole", ("architecture",)),
     Rule(lambda v: _implies(_offloading(v), (v.dense is True) & (v.latent is None) & (v.mtp is None)),
          lambda v: "CPU offloading beside experts, latent attention or multi-token prediction is not modelled yet: "
                    "their saved views (the experts' split inputs) and host tensors are not read"),
@@ -226,7 +229,8 @@ FIRST_LAST_BF16_RULES = (
                    f"L/p = {v.layers // v.p} (Megatron's check)", ("architecture",)),
     Rule(lambda v: not _first_last_bf16(v) or ((v.m == 1) & (v.recompute_shape is None)),
          lambda v: f"--first-last-layers-bf16 is modelled without interleaving and without --recompute-method "
-                   f"(m = {v.m}): which layers a model chunk or a checkpoint holds in bf16 is not counted yet",
+                   f"(this run: m = {v.m}{', --recompute-method ' + str(v.recompute_shape[0]) if v.recompute_shape else ''}): "
+                   f"which layers a model chunk or a checkpoint holds in bf16 is not counted yet",
          ("architecture",)),
 )
 

@@ -275,9 +275,11 @@ def small_grid() -> list[Config]:
                                           **(HF | dict(attention_core=core))), ["none"], 1)
     # and its MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (8 experts, top-2, grouped_mm;
     # Qwen3-MoE and Qwen2-MoE with and without norm_topk_prob; Qwen2-MoE's gated shared expert), sdpa
-    for extra in (HF_MIXTRAL, HF_QWEN3_MOE, HF_QWEN3_MOE | dict(moe_pre_softmax=True), HF_QWEN2_MOE,
-                  HF_QWEN2_MOE | dict(moe_pre_softmax=True)):
-        configs += configs_for(small_spec(2, 1, name="small-hf-moe", **(HF | extra)), ["none"], 1)
+    # (a name each, so the error table's rows tell them apart)
+    for name, extra in (("mixtral", HF_MIXTRAL), ("qwen3-moe", HF_QWEN3_MOE),
+                        ("qwen3-moe-pre-softmax", HF_QWEN3_MOE | dict(moe_pre_softmax=True)),
+                        ("qwen2-moe", HF_QWEN2_MOE), ("qwen2-moe-pre-softmax", HF_QWEN2_MOE | dict(moe_pre_softmax=True))):
+        configs += configs_for(small_spec(2, 1, name=f"small-hf-{name}", **(HF | extra)), ["none"], 1)
     # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout
     for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):

@@ -85,3 +85,15 @@ def test_every_command_s_own_options_refuse_two_values(actmem, tmp_path):
                           "--top is given more than once and the values disagree")
     assert_one_line_error(actmem("flops", "--model", "530b", "--format", "json", "--format", "rich"),
                           "--format is given more than once and the values disagree")
+
+
+def test_a_verdict_says_when_model_state_alone_is_over_the_gpu(actmem):
+    """Llama 3.1 8B on one GPU (t = 1, p = 1, no distributed optimizer): 8,030,261,248 parameters x 18 B
+    (2 B weight, 4 B fp32 gradient, 12 B Adam) + TE's dummy weight gradients 1,486,880,768 B = 146,031,583,232 B,
+    136.00 GiB, over an H100's 79.10 with nothing of the activations counted: the verdict says no activation
+    technique can help. The 530B's Table 3 run, whose state fits, says nothing of the kind."""
+    assert 8_030_261_248 * 18 + 1_486_880_768 == 146_031_583_232
+    text = " ".join(actmem("estimate", "--model", "llama-3.1-8b", "--tp", "1", "--pp", "1").stdout.split())
+    assert "Model state alone (weights, gradients, optimizer state and TE's caches: 136.00 GiB on the first stage)" \
+        in text and "no recompute or offloading makes it fit" in text
+    assert "Model state alone" not in actmem("estimate", "--model", "530b").stdout

@@ -275,28 +275,24 @@ def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
         return arch, None, ()
     from actmem.model.experts import dense_twin
 
-    kinds = stage_moe_layers(spec, stage)
-    moe, dense = sum(kinds), len(kinds) - sum(kinds)
-    if not dense:
-        return arch, None, ()
-    if not moe:
-        return dense_twin(arch), None, ()
-    last_moe = kinds[-1] == 1
-    last, other = (arch, dense_twin(arch)) if last_moe else (dense_twin(arch), arch)
-    return last, (moe if last_moe else dense), ((other, dense if last_moe else moe),)
+    return _two_kinds(stage_moe_layers(spec, stage), arch, dense_twin(arch))
 
 
 def _precision_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
     """layer_kinds for --first-last-layers-bf16: the stage's FP8 layers and its bf16 ones (Architecture.bf16_twin)."""
-    kinds = stage_fp8_layers(spec, stage)
-    fp8, bf16 = sum(kinds), len(kinds) - sum(kinds)
-    if not bf16:
+    return _two_kinds(stage_fp8_layers(spec, stage), arch, arch.bf16_twin())
+
+
+def _two_kinds(kinds: tuple, arch: Architecture, twin: Architecture) -> tuple:
+    """layer_kinds' answer for a stage whose layers are ``arch``'s (1) or ``twin``'s (0), in order."""
+    main, other = sum(kinds), len(kinds) - sum(kinds)
+    if not other:
         return arch, None, ()
-    if not fp8:
-        return arch.bf16_twin(), None, ()
-    last_fp8 = kinds[-1] == 1
-    last, other = (arch, arch.bf16_twin()) if last_fp8 else (arch.bf16_twin(), arch)
-    return last, (fp8 if last_fp8 else bf16), ((other, bf16 if last_fp8 else fp8),)
+    if not main:
+        return twin, None, ()
+    if kinds[-1] == 1:
+        return arch, main, ((twin, other),)
+    return twin, other, ((arch, main),)
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -317,8 +313,8 @@ def _run_terms(spec: Spec, run: Technique, occupancy) -> tuple:
     if others or mtp:
         return _mixed_terms(run, occupancy, bindings, ((last, n_last),) + others)
     arch = last
-    if spec.run.offload_layers:                # layers on the host hold nothing on the GPU (offload.py)
-        return tuple(_offloaded(_term_row(term, run, occupancy, bindings, arch), spec.run.offload_layers)
+    if offloaded_layers(spec, run):          # layers on the host hold nothing on the GPU (offload.py)
+        return tuple(_offloaded(_term_row(term, run, occupancy, bindings, arch), offloaded_layers(spec, run))
                      for term in TERMS)
     if not run.partial:
         return tuple(_term_row(term, run, occupancy, bindings, arch) for term in TERMS)
@@ -345,23 +341,16 @@ def _mixed_terms(run: Technique, occupancy, bindings, kinds: tuple) -> tuple:
     same bytes (the attention's and the norms' beside experts), one a kind where they differ (an FP8 layer's
     quantized inputs beside a bf16 layer's 16-bit ones)."""
     chunks = occupancy.layer_activations // occupancy.chunk_layers
-    rows = {}
+    rows = {}                                 # (term, bytes each) -> row; estimate keeps the rows that hold bytes
     for arch, layers in kinds:
         for term in TERMS:
             row = _term_row(term, run, occupancy, bindings, arch)
-            if term.scope is Scope.LAYER:
-                if not row.bytes_each or not layers:
-                    rows.setdefault((term.name, 0), TermRow(term, row.bytes_each, 0))
-                    continue
-                key = (term.name, row.bytes_each)
-                held = rows.get(key)
-                row = TermRow(term, row.bytes_each, chunks * layers + (held.count if held else 0))
-                rows.pop((term.name, 0), None)
-            else:
-                key = (term.name, None)
-                if key in rows:
-                    continue
-            rows[key] = row
+            if term.scope is not Scope.LAYER:
+                rows.setdefault((term.name, None), row)
+            elif row.bytes_each and layers:
+                held = rows.get((term.name, row.bytes_each))
+                rows[term.name, row.bytes_each] = TermRow(term, row.bytes_each,
+                                                          chunks * layers + (held.count if held else 0))
     order = {term.name: i for i, term in enumerate(TERMS)}
     return tuple(sorted(rows.values(), key=lambda row: order[row.term.name]))
 

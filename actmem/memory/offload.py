@@ -57,6 +57,7 @@ ROPE_FREQS = Term(
     "(rope.py, FusedRoPEFunc: save_for_backward(freqs, ...)); each offloaded layer copies it to the host",
     lambda arch: arch.position_embedding == "rope" and arch.rope_fusion)
 
+
 def embedding_output_bytes(technique, arch) -> sympy.Expr:
     """The embedding's output, which the GPU keeps to the forward's end although layer 0 is offloaded."""
     return engine.term_bytes(EMBEDDING_OUTPUT, technique, arch)

@@ -46,9 +46,8 @@ def stage_moe_layers(spec, stage: int) -> tuple:
     stages before it's: no interleaving where the kinds are mixed, a rule)."""
     from actmem.model.experts import moe_layers
 
-    counts = stage_layers(spec)
-    start = sum(counts[:stage])
-    return moe_layers(spec.architecture, spec.model.layers)[start:start + counts[stage]]
+    indices = stage_indices(spec, stage)
+    return moe_layers(spec.architecture, spec.model.layers)[indices.start:indices.stop]
 
 
 def stage_fp8_layers(spec, stage: int) -> tuple:
@@ -57,9 +56,14 @@ def stage_fp8_layers(spec, stage: int) -> tuple:
     arch = spec.architecture
     if not arch.fp8:
         return ()
+    return tuple(int(not arch.bf16_layer(index, spec.model.layers)) for index in stage_indices(spec, stage))
+
+
+def stage_indices(spec, stage: int) -> range:
+    """The model's layers a stage holds, by global index (no interleaving: a rule where it matters)."""
     counts = stage_layers(spec)
     start = sum(counts[:stage])
-    return tuple(int(not arch.bf16_layer(index, spec.model.layers)) for index in range(start, start + counts[stage]))
+    return range(start, start + counts[stage])
 
 
 def stage_layers(spec) -> list[int]:

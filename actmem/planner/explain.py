@@ -183,9 +183,8 @@ def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
     text left it out (a plan's label writes no 'nodopt': under a preset with the distributed optimizer it
     explains the dopt twin)."""
     bare = parse_config(config, None, layers)
-    words = {"t": "tensor_parallel", "c": "context_parallel", "m": "interleave",
-             "b": "micro_batch", "ep": "expert_parallel", "etp": "expert_tensor_parallel"}
-    taken = [f"{word}={run[key]}" for word, key in words.items() if run.get(key) != bare.get(key)]
+    taken = [f"{word}={run[key]}" for word, key in _KEYS.items()
+             if key != "pipeline_parallel" and run.get(key) != bare.get(key)]
     if any(run.get(key) != bare.get(key) for key in ("pipeline_parallel",) + _SPLIT):
         p, first, last = run["pipeline_parallel"], run.get(_SPLIT[0]), run.get(_SPLIT[1])
         if first is None and last is None:
@@ -195,7 +194,7 @@ def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
             taken.append(f"p={split_text(first, (layers - first - last) // max(p - 2, 1), last, p)}")
     if run["sequence_parallel"] != bare["sequence_parallel"]:
         taken.append("sp" if run["sequence_parallel"] else "nosp")
-    policy, bare_policy = (RecomputePolicy.parse(_label(values)) for values in (run, bare))
+    policy, bare_policy = (_policy(values) for values in (run, bare))
     if policy != bare_policy:
         taken.append(policy.word)
     dopt = run["distributed_optimizer"] != bare["distributed_optimizer"]
@@ -208,7 +207,7 @@ def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
                                "unsaid" if dopt else "") + ")",)
 
 
-def _label(run: dict) -> str:
-    """The recompute policy of parsed run values, as its one text label."""
+def _policy(run: dict) -> RecomputePolicy:
+    """The recompute policy of parsed run values."""
     return RecomputePolicy.of_run(Recompute(run["recompute"]), run.get("recompute_method"), run.get("recompute_layers"),
-                                  run.get("recompute_modules")).label
+                                  run.get("recompute_modules"))

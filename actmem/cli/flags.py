@@ -331,6 +331,10 @@ RUN_FLAGS = (
          "Megatron's whole-layer CPU offloading: Transformer Engine copies the saved activations of the first N "
          "layers to host memory, freeing them on the GPU once L - N layers are held (p = 1, no recompute; "
          "0: none, the default)"),
+    Flag(("--fsdp/--no-fsdp",), "fsdp",
+         "PyTorch's FSDP2 (fully_shard) over the d data-parallel ranks as torchtitan applies it (--implementation "
+         "torch-native): fp32 weights, gradients and AdamW state sharded d ways, each group's bf16 weights gathered "
+         "while it computes", bool),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -291,6 +291,8 @@ def plan_request(flags: dict):
     if choice.preset_run.get("offload_layers"):
         raise SpecError(f"plan does not sweep CPU offloading yet (--cpu-offloading-num-layers "
                         f"{choice.preset_run['offload_layers']}): `actmem estimate` prices one offloaded run")
+    if choice.preset_run.get("fsdp"):
+        raise SpecError("plan does not sweep FSDP2 yet (--fsdp): `actmem estimate` prices one run of it")
     if choice.architecture.fp8_first_last_bf16:
         raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
                         "`actmem estimate` prices one run of it")

@@ -204,6 +204,24 @@ def _recompute_notes(spec: Spec) -> list:
     return notes
 
 
+def _fsdp_notes(spec: Spec) -> list:
+    if not spec.run.fsdp:
+        return []
+    n = spec.microbatches
+    batch = (f"{n} microbatches a step: after the first, every group's sharded gradients are held" if n and n > 1 else
+             "one microbatch a step" + ("" if n else " (no --global-batch: torchtitan's default, no gradient "
+                                                     "accumulation)"))
+    return [f"FSDP2 (torch 2.13's fully_shard) as torchtitan 018740b7 applies it (apply_fsdp): groups of the token "
+            f"embedding, each block and (norm, output), bf16 compute and fp32 reduce, the blocks resharded after the "
+            f"forward and (norm, output) not; sharded over all d = {spec.data_parallel} data-parallel ranks (no HSDP); "
+            f"{batch}; rank 0, which keeps ceil(rows/d) of each parameter, is counted",
+            "FSDP2's peak counts the gathered bf16 weights of the group computing and the one prefetched, the output "
+            "layer's bf16 gradients and fp32 reduce-scatter input, and the sharded gradients where they are held; "
+            "not the activation gradients, the last block's own gradients as its backward makes them, nor the "
+            "allocator's separate pools for the all-gather and reduce-scatter streams (reserved memory above "
+            "allocated)"]
+
+
 def _offload_notes(spec: Spec) -> list:
     n, layers = spec.run.offload_layers, spec.model.layers
     if not n:
@@ -360,6 +378,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         *_mtp_notes(spec),
         *_recompute_notes(spec),
         *_offload_notes(spec),
+        *_fsdp_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"

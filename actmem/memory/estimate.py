@@ -73,8 +73,9 @@ class TechniqueRow:
 
     @property
     def peak_bytes(self) -> int:
-        """The stage's allocator peak from below (actmem.memory.peak)."""
-        return self.total_bytes + self.transient_bytes
+        """The stage's allocator peak from below (actmem.memory.peak): the model state held throughout
+        and the largest moment (which holds FSDP2's gradients where they are live)."""
+        return self.parameters.held_bytes + self.peak_moment.bytes
 
     def backward_moment(self, name: str):
         """The evaluated backward.Moment of one moment of the last layer's backward ('fc1',
@@ -370,16 +371,35 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     counts = StageCounts(per_chunk if n_last is None else n_last, layer_activations // per_chunk if per_chunk else 0,
                          offloaded=offloaded_layers(spec, technique))
     stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts, others)
+    moments = stage.moments
+    if spec.run.fsdp:
+        moments = _fsdp_moments(spec, t, technique, arch, bindings, stage)
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
                         _parameters(spec, t, occupancy.stage, stage_layers),
-                        tuple(moment for moment in stage.moments if moment.present))
+                        tuple(moment for moment in moments if moment.present))
+
+
+def _fsdp_moments(spec: Spec, t: int, technique: Technique, arch: Architecture, bindings: dict, stage) -> tuple:
+    """The stage's moments with what FSDP2's groups hold at each (actmem.memory.fsdp): a step of
+    global_batch/(b·d) microbatches, or one where the batch is not given (torchtitan's default)."""
+    from actmem.memory import fsdp
+
+    model = spec.model
+    sizes = fsdp.sizes(model.hidden, t, bindings[symbols.v], arch, model.heads, model.layers, spec.data_parallel,
+                       spec.microbatches or 1)
+    return fsdp.with_fsdp(stage.moments, sizes, stage.held_bytes,
+                          engine.exact(engine.output_rows(technique, arch), bindings))
 
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
+    if run.fsdp:
+        from actmem.memory import fsdp
+
+        return fsdp.model_state(model.hidden, t, vocab, arch, model.heads, layers, spec.data_parallel)
     # the multi-token-prediction layers' weights, whatever the recompute, are layers of the last model kind
     # beside their own norms and projection; a MoE model's dense layers are its dense twin's
     mtp = mtp_layers_held(spec, stage, full_recompute=False)

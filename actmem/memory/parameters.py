@@ -192,6 +192,14 @@ class ParameterBytes:
     fp8_bytes: int = 0
     """What TE keeps for FP8 beside the weights (fp8_state): their cached FP8 copies (or Hopper's transposes of
     FP8 weights), the scaling state; model state, kept from the first step on."""
+    fsdp: bool = False
+    """FSDP2's model state (actmem.memory.fsdp): fp32 sharded weights, and gradients that are not held at every
+    moment (the peak counts them where they are live)."""
+
+    @property
+    def held_bytes(self):
+        """What is held at every moment of the step: all of it, but FSDP2's gradients."""
+        return self.total_bytes - self.gradients_bytes * self.fsdp
 
     @property
     def total_bytes(self):

@@ -58,6 +58,10 @@ def peak_floor(row) -> PeakFloor:
     (actmem.memory.stage_model: the start, the loss's backward, the rerun, the last layer's backward's
     moments), the first of equals."""
     params = row.parameters
+    if params.fsdp:
+        from actmem.memory.fsdp import state_rows
+
+        return PeakFloor(state_rows(params) + row.peak_moment.parts, row.peak_moment.when)
     state = (
         PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
         PeakRow("main_gradients", params.gradients_bytes,

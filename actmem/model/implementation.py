@@ -48,7 +48,8 @@ class Implementation:
     """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, the
     distributed optimizer (model state is counted as Megatron's mixed-precision Adam), experts
     spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
-    Engine's whole-layer CPU offloading (--cpu-offloading-num-layers)."""
+    Engine's whole-layer CPU offloading (--cpu-offloading-num-layers); and "fsdp", PyTorch's FSDP2 as
+    torchtitan applies it (--fsdp), which Megatron's code does not run."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
@@ -407,7 +408,7 @@ IMPLEMENTATIONS = {
         gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
         keeps=frozenset({"repeated_key_value", "silu_output"}),
         architecture=_TORCHTITAN_LLAMA,
-        runs=frozenset({"tensor"}),
+        runs=frozenset({"tensor", "fsdp"}),
         unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
                "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
@@ -416,8 +417,9 @@ IMPLEMENTATIONS = {
                "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
                "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
                "torch-native: with --sp, torchtitan's plan; without, plain DTensor TP (ColwiseParallel and "
-               "RowwiseParallel, the norms replicated), which torchtitan does not use; model state is "
-               "counted as Megatron's mixed-precision Adam split over t, not as FSDP2 shards it",
+               "RowwiseParallel, the norms replicated), which torchtitan does not use; without --fsdp, model "
+               "state is counted as Megatron's mixed-precision Adam split over t (replicated over d, as DDP "
+               "keeps it)",
                "torch-native: the output layer keeps its all-gathered input too, and the loss (under "
                "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
                "(8 B a token each, whole on every rank) are not counted; the loss_parallel backward holds "

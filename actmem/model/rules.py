@@ -241,6 +241,32 @@ FIRST_LAST_BF16_RULES = (
 _DATA_PARALLEL = ("gpus", "run_known")
 
 
+#: PyTorch's FSDP2 as torchtitan applies it (--fsdp; actmem.memory.fsdp): where it runs, and what
+#: actmem has not read for it yet, each a refusal
+FSDP_RULES = (
+    Rule(lambda v: _implies(v.fsdp, "fsdp" in v.code.runs),
+         lambda v: f"--fsdp is PyTorch's FSDP2 as torchtitan applies it: give --implementation torch-native "
+                   f"(this run's is {v.code.name}; Megatron shards its optimizer state with "
+                   f"--use-distributed-optimizer, and its own FSDP, --use-megatron-fsdp or --use-torch-fsdp2, is not "
+                   f"modelled yet)", ("code",)),
+    Rule(lambda v: _implies(v.fsdp, v.gpus is not None),
+         lambda v: "--fsdp shards the model state over the d data-parallel ranks: give --gpus (d = gpus/t)",
+         ("run_known",)),
+    Rule(lambda v: _implies(v.fsdp, v.d > 1),
+         lambda v: f"--fsdp shards over the d data-parallel ranks, and d = gpus/(t·p) = {v.gpus}/{v.t * v.p} = {v.d} "
+                   f"shards nothing (torchtitan applies no FSDP over one rank): give more --gpus",
+         _DATA_PARALLEL),
+    Rule(lambda v: _implies(v.fsdp, v.gradient_bytes == 4),
+         lambda v: "--grad-dtype sets Megatron's main-gradient buffer; FSDP2 keeps its gradients in its reduce "
+                   "dtype, fp32 (torchtitan's mixed_precision_reduce default): leave --grad-dtype out",
+         ("gradient_bytes",)),
+    Rule(lambda v: not v.fsdp or _torchtitan_llama(v.architecture),
+         lambda v: "--fsdp is modelled for the parameters of torchtitan's Llama 3 (no biases, rotary positions, an "
+                   "output layer of its own): give --disable-bias-linear, --position-embedding-type rope and "
+                   "--untie-embeddings-and-output-weights", ("architecture",)),
+)
+
+
 RULES = (
     *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
     Rule(lambda v: v.recompute == "full",
@@ -404,6 +430,7 @@ RULES = (
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),
     *OFFLOADING_RULES,
     *FIRST_LAST_BF16_RULES,
+    *FSDP_RULES,
 )
 
 
@@ -497,6 +524,15 @@ class Values:
     """--recompute-modules, where given."""
     offload_layers: object = 0
     """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""
+    fsdp: object = False
+    """--fsdp: FSDP2 shards the model state over the d data-parallel ranks (actmem.memory.fsdp)."""
+    gradient_bytes: object = None
+    """Bytes a main-gradient element (--grad-dtype), when given."""
+
+
+def _torchtitan_llama(arch) -> bool:
+    """The parameters of torchtitan's Llama 3 (actmem.memory.fsdp.groups): no biases, rotary positions, untied."""
+    return not arch.bias and not arch.has_qkv_bias and arch.position_embedding == "rope" and not arch.tied_output
 
 
 def _block_fp8(arch) -> bool:

@@ -92,6 +92,9 @@ class Run:
     offload_layers: int = 0
     """N of Megatron's --cpu-offloading-num-layers: Transformer Engine copies the saved activations of
     the first N layers to host memory (actmem.memory.offload); 0, Megatron's default: none."""
+    fsdp: bool = False
+    """--fsdp: PyTorch's FSDP2 (fully_shard) over the d data-parallel ranks as torchtitan applies it
+    (actmem.memory.fsdp): the model state sharded, each group's weights gathered while it computes."""
 
     def __post_init__(self):
         _require_positive_ints(self)
@@ -102,7 +105,7 @@ class Run:
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
-        for name in ("sequence_parallel", "distributed_optimizer"):
+        for name in ("sequence_parallel", "distributed_optimizer", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
@@ -233,7 +236,7 @@ class Spec:
             load_histogram=run.expert_loads is not None, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
-            offload_layers=run.offload_layers)
+            offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

@@ -155,6 +155,7 @@ def _header(est: Estimate) -> Text:
             f" etp={run.etp}" if run.etp != run.tensor_parallel else "")
     split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
     offload = f" · {plural(run.offload_layers, 'layer')} offloaded to the host" if run.offload_layers else ""
+    offload += f" · FSDP2 over d={spec.data_parallel}" if run.fsdp else ""
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.policy.label}{offload}\n")
@@ -225,13 +226,13 @@ def _memory_table(est: Estimate) -> Table:
                                           f" / d·c={shards}")
     if est.spec.architecture.moe and est.spec.run.distributed_optimizer:     # experts: over their own ranks
         optimizer += f" (the experts' / {est.spec.expert_optimizer_shards})"
-    rows = (("activations", est.activations_bytes, "the run's terms above"),
+    rows = (("activations", est.activations_bytes, "the run's terms above"),) + (_fsdp_state_rows(est) if params.fsdp else (
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"
              + (", less 1 B an element of the linears' weights, FP8 (--fp8-param-gather)"
                 if est.spec.architecture.fp8_param_gather else "")),
             ("gradients", params.gradients_bytes, per_param + f"{est.spec.gradient_bytes} B "
              + ("(fp32)" if est.spec.gradient_bytes == GRADIENT_BYTES else "(16-bit)")),
-            ("optimizer state", params.optimizer_bytes, per_param + optimizer))
+            ("optimizer state", params.optimizer_bytes, per_param + optimizer)))
     if params.dummy_wgrads_bytes:
         rows += (("dummy weight gradients", params.dummy_wgrads_bytes,
                   "16-bit, one a linear's weight shape, kept by TE (get_dummy_wgrad)"),)
@@ -240,9 +241,16 @@ def _memory_table(est: Estimate) -> Table:
                   "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
-    table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", "")
     peak = est.peak
-    if peak.total_bytes != est.total_bytes:
+    table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", Text(
+        "every part summed: FSDP2's gradients are not held with all the activations" if peak.total_bytes
+        < est.total_bytes else "", style="dim"))
+    if params.fsdp:
+        table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}", f"{gib(peak.total_bytes):,.2f}",
+                      Text(f"at {peak.moment}: " + ", ".join(
+                          f"{gib(row.bytes):,.2f} GiB {row.name.replace('_', ' ')}" for row in peak.rows
+                          if row.name not in ("weights", "optimizer_state")), style="dim"))
+    elif peak.total_bytes != est.total_bytes:
         rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit")
         op = peak.bytes_of("fc1_backward", "core_backward")
         made = rerun + op
@@ -254,6 +262,17 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
                       f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))
     return table
+
+
+def _fsdp_state_rows(est: Estimate) -> tuple:
+    """The memory table's model state under FSDP2 (actmem.memory.fsdp)."""
+    params, d = est.parameters, est.spec.data_parallel
+    shard = f"{params.count:,} elements of the d={d} shard × "
+    return (("weights", params.weights_bytes, shard + "4 B (fp32; each group gathers bf16 copies to compute)"),
+            ("gradients", params.gradients_bytes, shard + "4 B (fp32), from each group's reduce-scatter to the next "
+             "zero_grad: the peak counts them where they are held"),
+            ("optimizer state", params.optimizer_bytes, shard + "8 B (AdamW's two moments, fp32) and 4 B a "
+             "parameter tensor's step"))
 
 
 def _verdict(est: Estimate, width: int) -> Text:

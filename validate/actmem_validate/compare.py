@@ -11,7 +11,8 @@ Every saved byte lands in exactly one kind of row:
   saved that the table does not name.
 Then ``total``: every saved byte at the stage's peak, against the formula's activations
 plus the expected residuals. Under CPU offloading, ``host``: what the host copies held at their
-most against actmem's host line, both ways. ``peak`` holds the allocator's peak against actmem's floor
+most against actmem's host line, both ways. Under FSDP2, ``state``: the sharded parameters', gradients' and
+optimizer's storages against actmem's model state, both ways. ``peak`` holds the allocator's peak against actmem's floor
 (``actmem.memory.peak``: main gradients, activations in flight, the rerun layer, all live at one
 moment; the harness keeps no optimizer and its weights are left out of both): it fails
 below the floor, and above it by more than a gap the run allows (``--max-peak-gap``; the
@@ -56,7 +57,7 @@ RESIDUALS = {
 FLASH_RNG_STATE_BYTES = {"cuda": 2 * 8 + 8, "cpu": 0}
 """The flash kernel's saved philox state by device type: none on the CPU's kernel
 (_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
-CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host")
+CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state")
 """The kinds of row the gate judges; the others are information."""
 HARNESS_LEAVES_OUT = ("weights", "optimizer_state")
 """Rows of the floor the harness's peak does not hold: its peak is measured above the
@@ -258,6 +259,8 @@ def _failure(row: dict) -> str:
                 f"actmem's floor of {formula}, more than --max-peak-gap allows")
     if row["kind"] == "residual":
         return f"{where} (residual) measured {measured}, the harness's code saves {formula}"
+    if row["kind"] == "state":
+        return f"{where}: the model state's storages hold {measured}, actmem says {formula}"
     if row["kind"] == "host":
         return f"{where}: the host copies held {measured} at their most, actmem's host line says {formula}"
     if not row["formula_bytes"]:

@@ -118,6 +118,16 @@ def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1
                       architecture=architecture, **gpu)
 
 
+def fsdp_configs() -> list[Config]:
+    """torchtitan's Llama under FSDP2 over 2 gloo ranks (validate's fsdp.py): v = 511 and f = 97, whose first dims
+    d = 2 does not divide (rank 0 keeps the padded half); one microbatch and two (the second holds the first's
+    gradients); without recompute and with full."""
+    model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
+    spec = build_spec(model, dict(micro_batch=2, gpus=2, fsdp=True), name="small-torchtitan-fsdp",
+                      architecture=TORCH_NATIVE | dict(ffn_hidden=97))
+    return [config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
+
+
 def fp8_configs() -> list[Config]:
     """FLASH's layer under TE's FP8 recipes on a Hopper (actmem.model.fp8; the harness keeps what TE's linears
     and weight workspaces keep, in float8_e4m3fn on a CPU)."""
@@ -297,6 +307,8 @@ def small_grid() -> list[Config]:
                                       attention_core="flash"), ["tp", "tp-sp"], 1)
     # FP8 (TE's linears over a CPU stand-in: layers.Fp8Save, make_fp8_state) on a Hopper (fp8_configs)
     configs += fp8_configs()
+    # torch-native under FSDP2 over 2 gloo ranks: the model state rank 0 keeps and the step's peak (fsdp_configs)
+    configs += fsdp_configs()
     # Nemotron's MLP (--squared-relu): relu(x)² on FLASH's layer, without and with the MLP recomputed
     squared = FLASH | dict(activation="squared_relu")
     configs += configs_for(small_spec(2, 2, name="small-flash-squared-relu", **squared), ["tp-sp"], 1)

@@ -32,13 +32,19 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.spec.run.tensor_parallel * self.spec.run.context_parallel
+        """t·c ranks, and under FSDP2 its d data-parallel ranks too (they shard the model state)."""
+        return self.spec.run.tensor_parallel * self.spec.run.context_parallel * self.sharded_over
+
+    @property
+    def sharded_over(self) -> int:
+        return self.spec.data_parallel if self.spec.run.fsdp else 1
 
     @property
     def label(self) -> str:
         run = self.spec.run
         shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
+        cp += f" fsdp d={self.sharded_over}" if run.fsdp else ""
         arch = self.spec.architecture
         core = arch.code.attention_label(arch.attention_core)      # transformers' attn_implementation
         code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}" + (f" {core}" if core else "")
@@ -52,14 +58,15 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     SP and recompute (selective: of the spec's --recompute-modules, 'tp-sp-sel·mlp'), one
     data-parallel rank, n microbatches."""
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1
+    d = spec.data_parallel if spec.run.fsdp else 1          # FSDP2's ranks are measured; otherwise one
     modules = spec.run.recompute_modules if technique.recompute is Recompute.SELECTIVE else None
     if modules is not None:
         technique = replace(technique, policy=replace(technique.policy, modules=frozenset(modules)))
         technique = matching(technique) or unnamed_run(technique)
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
                   recompute=technique.recompute, recompute_modules=modules,
-                  gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel,
-                  global_batch=microbatches * spec.run.micro_batch, distributed_optimizer=False)
+                  gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel * d,
+                  global_batch=microbatches * spec.run.micro_batch * d, distributed_optimizer=False)
     return Config(replace(spec, run=run), technique, microbatches)
 
 

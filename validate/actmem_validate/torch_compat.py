@@ -95,6 +95,71 @@ class LiveStorages:
         return _Mode()
 
 
+class LiveBytes:
+    """Bytes of every live storage at its current size, sampled after every op, and their peak: what
+    FSDP2's step holds. LiveStorages cannot follow FSDP2, which allocates and frees its unsharded
+    parameters with untyped_storage().resize_() (torch 2.13, _fsdp_param.py: alloc_storage,
+    free_storage), a call no dispatch mode sees, and which keeps the model state in DTensors.
+    LiveBytes knows every storage alive on entering (the garbage collector's tensors: the sharded
+    parameters, their gradients, the optimizer's state) and every one an op touches, each by a weak
+    reference, and sums their sizes at each op, so a resize shows at the next op; a DTensor counts
+    its local shard. ``base``: the bytes alive on entering. A storage first met after entering that
+    no op made (an op's input, or a view's base) was made below the dispatcher: gloo's reduce-scatter
+    copies its input (NCCL makes no such copy), so ``peak`` leaves those out. Private:
+    TorchDispatchMode, UntypedStorage._cdata, DTensor._local_tensor."""
+
+    def __new__(cls):
+        import gc
+        import warnings
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.storages, self.below, self.base, self.peak = {}, set(), 0, 0
+
+            def _add(self, tensor, made_here: bool, entering: bool = False):
+                storage = local_tensor(tensor).untyped_storage()
+                key = storage._cdata
+                if key in self.storages and self.storages[key]() is not None:
+                    return
+                self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
+                if entering:
+                    self.base += storage.nbytes()
+                elif not made_here:
+                    self.below.add(key)
+
+            def current(self) -> int:
+                """Bytes alive now, less what was made below the dispatcher."""
+                return sum(storage.nbytes() for key, ref in list(self.storages.items())
+                           if (storage := ref()) is not None and key not in self.below)
+
+            def __enter__(self):
+                with warnings.catch_warnings():      # isinstance on torch.distributed.reduce_op warns
+                    warnings.simplefilter("ignore", FutureWarning)
+                    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+                for tensor in tensors:
+                    if not tensor.is_meta and tensor.layout == torch.strided:
+                        self._add(tensor, False, entering=True)
+                self.peak = self.current()
+                return super().__enter__()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = set()
+                for tensor in _tensors((args, kwargs)):
+                    self._add(tensor, False)
+                    inputs.add(storage_key(tensor))
+                for tensor in _tensors(out):
+                    self._add(tensor, not tensor._is_view() and storage_key(tensor) not in inputs)
+                self.peak = max(self.peak, self.current())
+                return out
+
+        return _Mode()
+
+
 def flash_rng_state(out: torch.Tensor) -> list:
     """The philox state SDPA's flash kernel saved for the backward of ``out``: on a GPU,
     flash_api.cpp's rng_state and its unused scalar (saved as rng_state and unused by torch

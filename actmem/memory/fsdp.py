@@ -1,0 +1,204 @@
+"""PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) as torchtitan applies it: the model state
+a data-parallel rank keeps, and the weights and gradients its groups hold while they compute.
+
+Read at torch 2.13 (torch/distributed/fsdp/_fully_shard/) and torchtitan 018740b7
+(torchtitan/models/llama3/infra/parallelize.py, apply_fsdp), with torchtitan's defaults:
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), fully_shard over all d
+data-parallel ranks (data_parallel_shard_degree -1), one group a module: the token embedding
+(E), each transformer block, [the final norm, the output layer] (O), and the root, which holds
+no parameter of its own. Rank 0 holds the most (torch.chunk's split), which is what is counted.
+
+- A parameter is sharded along its first dim, on its tensor-parallel shard where DTensor TP
+  splits it (_fsdp_param.py, _init_sharded_param: _chunk_with_empty on the local tensor): rank 0
+  keeps ceil(n0/d) of its n0 rows, fp32 (the module's own dtype), and every rank pads its shard
+  to that size. S: the elements rank 0 keeps, summed over the parameters.
+- AdamW (torchtitan's default, fused) keeps exp_avg and exp_avg_sq of the shard, fp32, and a
+  0-dim fp32 step tensor a parameter (torch/optim/adam.py, _init_group): 8S + 4 B a tensor.
+- The gradients are sharded fp32 too, one flat buffer a group that its reduce-scatter makes in
+  the group's post-backward (_fsdp_collectives.py, foreach_reduce); zero_grad(set_to_none) frees
+  them at the next step's start (torchtitan's train_step): they are not held at every moment,
+  so the peak counts them where they are (``GRADIENTS``).
+"""
+
+from dataclasses import dataclass
+
+from actmem.memory.parameters import ParameterBytes
+
+PARAMETER_BYTES = 4
+"""The sharded parameters' dtype: fp32, the module's (torchtitan builds the model in fp32)."""
+COMPUTE_BYTES = 2
+"""MixedPrecisionPolicy.param_dtype: bf16, the weights a group gathers to compute."""
+REDUCE_BYTES = 4
+"""MixedPrecisionPolicy.reduce_dtype: fp32, the gradients' reduce-scatter and the sharded gradients."""
+ADAM_BYTES = 8
+"""AdamW's exp_avg and exp_avg_sq, fp32 each, of the sharded parameter."""
+STEP_BYTES = 4
+"""AdamW's step, a 0-dim fp32 tensor a parameter (fused: on the GPU; a 512-B block of CUDA's caching
+allocator, of which 4 B are counted, as every tensor is counted by its own bytes)."""
+
+GRADIENTS = ("sharded fp32 gradients: one flat buffer a group, made by its reduce-scatter in its post-backward "
+             "(torch 2.13, _fsdp_collectives.py, foreach_reduce) and freed by the next step's zero_grad")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One fully_shard group: its parameters' (rows, columns) on one tensor-parallel rank."""
+
+    name: str
+    shapes: tuple
+
+    def sharded(self, d: int) -> int:
+        """Elements rank 0 keeps: ceil(rows/d)·columns a parameter (every rank pads to that)."""
+        return sum(-(-rows // d) * cols for rows, cols in self.shapes)
+
+    def unsharded(self) -> int:
+        """Elements a gathered copy of the group holds (the tensor-parallel rank's own)."""
+        return sum(rows * cols for rows, cols in self.shapes)
+
+    def gathered(self, d: int) -> int:
+        """Elements of the group's all-gather output: d padded shards."""
+        return d * self.sharded(d)
+
+
+def groups(h: int, t: int, v: int, arch, heads: int) -> tuple:
+    """(E, one block, O) of torchtitan's Llama 3 (model.py) on one of t ranks: wq, wk, wv, w1 and w3
+    split by rows (ColwiseParallel), wo and w2 by columns (RowwiseParallel), the embedding's and the
+    output layer's vocabulary rows (v padded to a multiple of t: DTensor's uneven split gives rank 0
+    ceil(v/t)), the RMSNorm weights whole."""
+    d_h, g, f = arch.head_dim_or(h, heads), arch.query_groups_or(heads), arch.ffn(h)
+    block = ((heads * d_h // t, h), (g * d_h // t, h), (g * d_h // t, h), (h, heads * d_h // t),
+             (f // t, h), (h, f // t), (f // t, h), (h, 1), (h, 1))
+    return Group("tok_embeddings", ((v // t, h),)), Group("block", block), Group("norm, output", ((h, 1), (v // t, h)))
+
+
+def tensors(layers: int) -> int:
+    """Parameter tensors of the model: the embedding, 9 a block, the final norm and the output layer."""
+    return 1 + 9 * layers + 2
+
+
+def model_state(h: int, t: int, v: int, arch, heads: int, layers: int, d: int) -> ParameterBytes:
+    """Rank 0's model state under FSDP2: fp32 sharded parameters, their fp32 gradients (held from
+    each group's reduce-scatter to the next zero_grad: ``GRADIENTS``) and AdamW's state."""
+    embedding, block, output = groups(h, t, v, arch, heads)
+    shard = embedding.sharded(d) + layers * block.sharded(d) + output.sharded(d)
+    return ParameterBytes(shard, PARAMETER_BYTES * shard, REDUCE_BYTES * shard,
+                          ADAM_BYTES * shard + STEP_BYTES * tensors(layers), fsdp=True)
+
+
+# What FSDP2 holds beside the activations at each moment of a microbatch's step (torch 2.13):
+#  - a group computing holds its unsharded bf16 weights: one buffer a parameter of d padded shards
+#    (_fsdp_param.py, init_all_gather_outputs / alloc_all_gather_outputs), 2·d·P_g;
+#  - (norm, output) is not resharded after the forward (torchtitan's default), so they stay from the
+#    forward through the loss until its own post-backward;
+#  - the backward prefetches the group before the one computing (_fsdp_param_group.py,
+#    _backward_prefetch): its flat bf16 all-gather output, 2·d·P_g, freed at its copy-out;
+#  - a group's post-backward reshards, then copies its bf16 gradients (2·N_g, unpadded) into one flat
+#    fp32 reduce-scatter input (4·d·P_g) and frees them; that input stays referenced until the next
+#    group's post-backward (reduce_scatter_states), its output is the group's sharded gradient;
+#  - the sharded gradients (4·P_g a group) stay to the step; with gradient accumulation every
+#    microbatch after the first adds to them in place, so its moments hold all of them (4S).
+# Not counted (a floor): the activation gradients between groups, the gradients of the group computing,
+# the transient reduce-scatter output of an accumulating microbatch.
+
+GATHERED = ("unsharded bf16 weights of {group}, d padded shards a parameter (torch 2.13, _fsdp_param.py: "
+            "alloc_all_gather_outputs){why}")
+PREFETCHED = ("the flat bf16 all-gather output of {group}, prefetched by the backward (_fsdp_param_group.py, "
+              "_backward_prefetch; freed at its copy-out)")
+UNSHARDED_GRADIENTS = ("the bf16 gradients of the output layer and final norm, autograd's, before the post-backward "
+                       "frees them (_fsdp_collectives.py, foreach_reduce)")
+REDUCE_INPUT = ("the flat fp32 reduce-scatter input of (norm, output), d padded shards (foreach_reduce), held until "
+                "the next group's post-backward (_fsdp_param_group.py, reduce_scatter_states)")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The bytes of one run's groups on rank 0 (``groups``; d ranks; L blocks; n microbatches a step)."""
+
+    d: int
+    layers: int
+    microbatches: int
+    embedding: Group
+    block: Group
+    output: Group
+
+    @property
+    def shard(self) -> int:
+        return sum(group.sharded(self.d) for group in (self.embedding, self.output)) + self.layers * self.block.sharded(self.d)
+
+    def gathered_bytes(self, group: Group) -> int:
+        return COMPUTE_BYTES * group.gathered(self.d)
+
+    def gradients_before_bytes(self) -> int:
+        """Sharded gradients held before the last microbatch's backward: every group's after a first."""
+        return REDUCE_BYTES * self.shard * (self.microbatches > 1)
+
+    def gradients_after_output_bytes(self) -> int:
+        """... and once (norm, output) has reduced: its own too, on a first microbatch."""
+        return self.gradients_before_bytes() or REDUCE_BYTES * self.output.sharded(self.d)
+
+    @property
+    def before_last_block(self) -> Group:
+        """The group the last block's backward prefetches: the block before it, or the embedding."""
+        return self.block if self.layers > 1 else self.embedding
+
+
+def sizes(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int) -> Sizes:
+    return Sizes(d, layers, microbatches, *groups(h, t, v, arch, heads))
+
+
+def with_fsdp(moments: tuple, sizes: Sizes, held, output_rows) -> tuple:
+    """The stage's moments (stage_model.StageMoment) with what FSDP2 holds at each, and three of its own:
+    the output layer's post-backward, the last block's backward and the optimizer's step (fused AdamW
+    makes no temporaries: torch/optim/adam.py, _fused_adamw). ``held``: the saved activations in
+    flight; ``output_rows``: the output layer's, which its backward frees first."""
+    from actmem.memory.stage_model import StageMoment
+
+    output_weights = _row("gathered_weights", sizes.gathered_bytes(sizes.output), GATHERED.format(
+        group="(norm, output)", why=": torchtitan leaves them gathered from the forward to their post-backward"))
+    grads_before = _row("sharded_gradients", sizes.gradients_before_bytes(),
+                        GRADIENTS + ": every group's, from the step's earlier microbatches")
+    in_block = (_row("gathered_weights", sizes.gathered_bytes(sizes.block),
+                     GATHERED.format(group="the last block", why=", gathered again for its backward")),
+                _row("prefetched_weights", sizes.gathered_bytes(sizes.before_last_block),
+                     PREFETCHED.format(group="the group before it")),
+                _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
+                _row("sharded_gradients", sizes.gradients_after_output_bytes(),
+                     GRADIENTS + ": (norm, output)'s and, with gradient accumulation, every group's"))
+    after_output = _row("activations_in_flight", held - output_rows,
+                        "the saved activations in flight, less the output layer's (its backward is done)")
+    extended = tuple(_extend(moment, (output_weights, grads_before) if moment.name in ("start", "loss", "forward_end")
+                             else in_block if moment.name == "rerun" else ()) for moment in moments)
+    return extended + (
+        StageMoment("output_reduce", "(norm, output)'s post-backward, its gradients copied to fp32", _rows(
+            after_output,
+            _row("prefetched_weights", sizes.gathered_bytes(sizes.block), PREFETCHED.format(group="the last block")),
+            _row("unsharded_gradients", COMPUTE_BYTES * sizes.output.unsharded(), UNSHARDED_GRADIENTS),
+            _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
+            grads_before)),
+        StageMoment("last_block", "the last block's backward begun", _rows(after_output, *in_block)),
+        StageMoment("optimizer_step", "the optimizer's step, every gradient held, the activations freed", (
+            _row("sharded_gradients", REDUCE_BYTES * sizes.shard, GRADIENTS + ": every group's"),)))
+
+
+def _row(name: str, n_bytes, source: str):
+    from actmem.memory.peak import PeakRow
+
+    return PeakRow(name, n_bytes, source)
+
+
+def _rows(*rows) -> tuple:
+    """The rows that hold bytes."""
+    return tuple(row for row in rows if row.bytes)
+
+
+def _extend(moment, rows: tuple):
+    from dataclasses import replace
+
+    return replace(moment, parts=moment.parts + _rows(*rows)) if rows else moment
+
+
+def state_rows(params: ParameterBytes) -> tuple:
+    """The model state FSDP2 holds at every moment (the peak floor's): the sharded weights and AdamW's state."""
+    return (_row("weights", params.weights_bytes, "fp32 sharded weights, d padded shards (FSDP2's, rank 0's)"),
+            _row("optimizer_state", params.optimizer_bytes,
+                 "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))

@@ -1,0 +1,72 @@
+"""FSDP2 in the harness (--fsdp, issue 30): torchtitan's Llama under torch's own fully_shard over 2 gloo ranks
+(actmem_validate.fsdp), its model state to the byte and its step's peak above actmem's floor; each check can fail."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actmem_validate.compare import judge  # noqa: E402
+from actmem_validate.grid import fsdp_configs  # noqa: E402
+from actmem_validate.launch import run_real  # noqa: E402
+
+# The small spec (h = 64, a = 8 heads of d_h = 8 in g = 4 groups, f = 97, v = 511, L = 2) on rank 0 of d = 2, which
+# keeps ceil(rows/2) of each parameter: a block's wq and wo 32·64 = 2048 each, wk and wv 16·64 = 1024 each, w1 and w3
+# 49·64 = 3136 each, w2 32·97 = 3104, two norms of 32: 15,584; the embedding 256·64 = 16,384; the final norm 32 and
+# the output layer 16,384. S = 16,384 + 2·15,584 + 16,416 = 63,968 elements; 21 parameter tensors.
+S = 63_968
+GAP = 30            # percent: the small grid's --max-peak-gap (.ci/run)
+
+
+@pytest.fixture(scope="module")
+def fsdp_rows():
+    return run_real(fsdp_configs())
+
+
+def _rows(rows, term, rank=0):
+    return [row for row in rows if row["term"] == term and row["rank"] == rank]
+
+
+def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
+    """Saved activations as without FSDP, 0 B off on both ranks; rank 0's fp32 shards 4S, their gradients 4S,
+    AdamW's two moments 8S and a 4-B step a tensor, as the storages hold them; the step's peak above the floor."""
+    assert judge(fsdp_rows, 0.0, GAP) == []
+    assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_weights")} == {4 * S} == {255_872}
+    assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_gradients")} == {4 * S}
+    assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_optimizer_state")} == {8 * S + 4 * 21}
+    assert len(_rows(fsdp_rows, "peak")) == 4 and not _rows(fsdp_rows, "peak", rank=1)
+    assert _rows(fsdp_rows, "total", rank=1)
+
+
+@pytest.mark.parametrize("term, factor", [("fsdp_gradients", 0), ("fsdp_optimizer_state", 2), ("peak", 1.5)])
+def test_the_gate_fails_a_state_or_floor_counted_wrong(fsdp_rows, term, factor):
+    """Inject: the gradients left out of actmem's state (measured, not in the formula), the optimizer doubled, the
+    floor raised above what the step held: red."""
+    rows = [dict(row) for row in fsdp_rows]
+    for row in rows:
+        if row["term"] == term:
+            row["formula_bytes"] = int(row["formula_bytes"] * factor)
+    assert judge(rows, 0.0, GAP)
+
+
+def test_the_gate_fails_a_peak_far_above_the_floor(fsdp_rows):
+    """A gap the run does not allow (1%): red, from above."""
+    assert any("more than --max-peak-gap" in line for line in judge([dict(row) for row in fsdp_rows], 0.0, 1))
+
+
+def test_a_ledger_that_keeps_the_gathered_weights_is_red(monkeypatch):
+    """Inject: the ledger without its pre-hooks counts the unsharded bf16 weights autograd saves as activations;
+    they are no term of the table, so the run is red. One process over the fake process group (the collectives'
+    data is not the point: their sizes are)."""
+    import torch.distributed as dist
+
+    from actmem_validate import fsdp
+    from actmem_validate.ledger import Ledger
+    from actmem_validate.torch_compat import fake_store
+
+    monkeypatch.setattr(fsdp, "_ledger", lambda model: Ledger([*model.parameters(), *model.buffers()]))
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=2)
+    try:
+        rows = fsdp.measure(fsdp_configs()[0], 0)
+    finally:
+        dist.destroy_process_group()
+    assert any("no term or named residual accounts for" in line for line in judge(rows, 0.0, GAP))

@@ -1,0 +1,114 @@
+"""FSDP2 as torchtitan applies it, measured on real gloo ranks: a training step of the torch-native model
+(torchtitan's Llama 3, torchtitan.py) under torch's own fully_shard, against actmem's estimate for --fsdp
+(actmem.memory.fsdp).
+
+Each rank runs two steps of AdamW (fused, torchtitan's default) over the spec's microbatches: the first makes
+the optimizer's state, the second is measured. Its rows:
+- the saved activations of its last microbatch by term (torch_native's ledger and rules), 0 B off as without
+  FSDP: the unsharded weights autograd saves for the backward are model state, left out;
+- on rank 0, the model state after the step (the sharded fp32 parameters, their gradients, AdamW's state: the
+  storages themselves, padding included), each checked to the byte (kind 'state');
+- on rank 0, the step's peak (torch_compat.LiveBytes: every live storage at its current size, less gloo's own
+  copies, which NCCL does not make) against actmem's peak floor (kind 'floor'), less what the process held
+  besides the model state (the rotary table, the token batches).
+"""
+
+import torch
+
+from actmem.memory.estimate import estimate
+from actmem_validate.compare import _row
+from actmem_validate.ledger import Ledger
+from actmem_validate.naming import naming
+from actmem_validate.torch_compat import LiveBytes, local_tensor, storage_key
+from actmem_validate.torchtitan import cross_entropy_loss
+
+
+def apply_fsdp(model, mesh):
+    """torchtitan 018740b7's apply_fsdp (models/llama3/infra/parallelize.py) at its defaults: bf16 parameters
+    for compute, fp32 reduce; the token embedding, each block (resharded after the forward) and [norm, output]
+    (not: "FSDP would prefetch them immediately"), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    fully_shard(model.tok_embeddings, **config, reshard_after_forward=True)
+    for block in model.layers:
+        fully_shard(block, **config, reshard_after_forward=True)
+    fully_shard([model.norm, model.output], **config, reshard_after_forward=False)
+    fully_shard(model, **config)
+    return model
+
+
+def measure(config, rank: int) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from actmem_validate.torch_native import _compare, build_model
+
+    spec, run = config.spec, config.spec.run
+    if run.tensor_parallel > 1:
+        raise NotImplementedError("the harness measures FSDP2 at t = 1 so far")
+    torch.manual_seed(1234)
+    model = apply_fsdp(build_model(spec, run.recompute.value == "full", dtype=torch.float32),
+                       init_device_mesh("cpu", (spec.data_parallel,)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
+               for _ in range(config.microbatches)]
+    _step(model, optimizer, batches)                    # AdamW makes its state
+    state = _state_bytes(model, optimizer)
+    ledger = _ledger(model)
+    with LiveBytes() as live:
+        _step(model, optimizer, batches, ledger)
+    est = estimate(spec)
+    rows = _compare(config, rank, ledger.by_term())
+    if rank:
+        return rows                      # rank 0 keeps the most (ceil(rows/d)); the others, their own share
+    params = est.parameters
+    for name, formula in (("weights", params.weights_bytes), ("gradients", params.gradients_bytes),
+                          ("optimizer_state", params.optimizer_bytes)):
+        rows.append(_row(config, rank, f"fsdp_{name}", formula, state[name], "state"))
+    held = sum(state.values())
+    return rows + [_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor")]
+
+
+def _step(model, optimizer, batches, ledger=None) -> None:
+    """torchtitan's train_step: zero_grad, each microbatch's forward, loss and backward (every one
+    reduce-scatters), the optimizer's step; the ledger records the last microbatch's forward and loss."""
+    optimizer.zero_grad()
+    for i, (tokens, labels) in enumerate(batches):
+        recording = ledger is not None and i == len(batches) - 1
+        if recording:
+            with ledger.recording(), naming(model, _rules()):
+                loss = cross_entropy_loss(model(tokens), labels)
+            ledger.drop_freed()
+        else:
+            loss = cross_entropy_loss(model(tokens), labels)
+        (loss / len(batches)).backward()
+    optimizer.step()
+
+
+def _rules():
+    from actmem_validate.torch_native import RULES
+
+    return RULES
+
+
+def _ledger(model) -> Ledger:
+    """A ledger that leaves out the weights: FSDP2 swaps each module's parameters for their unsharded bf16
+    copies before its forward (_fsdp_param.py, to_unsharded), which autograd saves; a forward pre-hook on each
+    module, after FSDP2's own, files their storages as model state."""
+    ledger = Ledger([*model.parameters(), *model.buffers()])
+    for module in model.modules():
+        module.register_forward_pre_hook(
+            lambda module, args: ledger.excluded.update(storage_key(p) for p in module.parameters(recurse=False)))
+    return ledger
+
+
+def _state_bytes(model, optimizer) -> dict:
+    """The model state this rank holds after a step, by storage (each counted once, at its size)."""
+    def total(tensors):
+        storages = {storage_key(tensor): local_tensor(tensor).untyped_storage().nbytes() for tensor in tensors}
+        return sum(storages.values())
+
+    params = list(model.parameters())
+    return {"weights": total(params), "gradients": total(p.grad for p in params if p.grad is not None),
+            "optimizer_state": total(value for state in optimizer.state.values() for value in state.values()
+                                     if isinstance(value, torch.Tensor))}

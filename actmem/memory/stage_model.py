@@ -104,7 +104,7 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
     loss = value(engine.loss_backward_bytes(technique, arch))
     moments += (StageMoment("loss", "the loss's backward, every microbatch held", (
         PeakRow("activations_in_flight", held, HELD),
-        PeakRow("logits_gradient_16bit", loss, TRANSIENT_TERMS[0].source)),
+        PeakRow(_loss_term(arch)[0], loss, _loss_term(arch)[1])),
         loss > 0),)
     if counts.offloaded:
         moments += (StageMoment("forward_end", "the forward's end, the loss made", (
@@ -114,6 +114,12 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
     moments += _reruns(technique, arch, value, counts, n, held, per_layer)
     moments += _layer_moments(technique, arch, value, counts, n, held)
     return StageActivations(layers, extra, moments)
+
+
+def _loss_term(arch) -> tuple:
+    """(name, source) of the loss's backward's row: the transient term this code's loss makes."""
+    term = next(term for term in TRANSIENT_TERMS if term.present(arch))
+    return term.name, term.source
 
 
 def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:

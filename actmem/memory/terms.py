@@ -12,7 +12,7 @@ import sympy
 from actmem.model.architecture import PAPER, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    flash_heads, hidden_dropout, keeps_norm_input, latent, moe, \
+    flash_heads, hidden_dropout, keeps_norm_input, latent, loss_in_fp32_gradients, moe, \
     norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
     squared_relu, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -493,5 +493,14 @@ TRANSIENT_TERMS = (
          "the loss's gradient cast back to the 16-bit logits' dtype (2sbv/t), made while its fp32 "
          "gradient, the saved softmax updated in place, is still live: Megatron's "
          "VocabParallelCrossEntropy casts the logits to fp32 inside its forward and its backward "
-         "returns fp32, so autograd copies it to the input's dtype (cross_entropy.py)"),
+         "returns fp32, so autograd copies it to the input's dtype (cross_entropy.py)",
+         lambda arch: not loss_in_fp32_gradients(arch)),
+    Term("cross_entropy_fp32_gradients", F32 * s * b * v * sympy.Piecewise((2, sympy.Eq(t, 1)), (3, True)),
+         Region.BLOCK, _ALWAYS, Scope.OUTPUT,
+         "PyTorch's cross entropy on the fp32 logits, its backward at its largest: at t = 1 nll_loss's fp32 "
+         "gradient of the log-probabilities and log_softmax's of the logits (8sbv); under loss_parallel "
+         "(t > 1) its handler's zeros_like(x), exp(x) and their sum, then the sum's product with the output "
+         "gradient (12sbv/t: torch 2.13, distributed/tensor/parallel/loss.py, "
+         "_nll_loss_and_log_softmax_backward); the 16-bit copy after them is smaller",
+         loss_in_fp32_gradients),
 )

@@ -537,6 +537,12 @@ def swiglu_keeping_silu_output(arch: Architecture) -> bool:
     return swiglu(arch) and "silu_output" in arch.keeps
 
 
+def loss_in_fp32_gradients(arch: Architecture) -> bool:
+    """the loss's backward makes fp32 gradients of the logits, not Megatron's one 16-bit copy: PyTorch's own
+    cross entropy on fp32 logits (torchtitan's loss, under loss_parallel at t > 1)"""
+    return "cross_entropy_fp32_gradients" in arch.keeps
+
+
 def gelu_keeping_tanh_intermediates(arch: Architecture) -> bool:
     """the MLP is GeLU's tanh form written in Python, keeping its intermediates (gelu_new)"""
     return gelu(arch) and "gelu_tanh_intermediates" in arch.keeps

@@ -406,7 +406,7 @@ IMPLEMENTATIONS = {
         "PyTorch-native DTensor tensor + sequence parallelism, torchtitan's Llama 3 plan "
         "(parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel)",
         gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
-        keeps=frozenset({"repeated_key_value", "silu_output"}),
+        keeps=frozenset({"repeated_key_value", "silu_output", "cross_entropy_fp32_gradients"}),
         architecture=_TORCHTITAN_LLAMA,
         runs=frozenset({"tensor", "fsdp"}),
         unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
@@ -422,8 +422,8 @@ IMPLEMENTATIONS = {
                "keeps it)",
                "torch-native: the output layer keeps its all-gathered input too, and the loss (under "
                "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
-               "(8 B a token each, whole on every rank) are not counted; the loss_parallel backward holds "
-               "up to 16sbv/t bytes at once, above this peak floor's loss moment"),
+               "(8 B a token each, whole on every rank) are not counted; the loss's backward holds fp32 "
+               "gradients of the logits, 8sbv at t = 1, 12sbv/t under loss_parallel"),
         selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
                             "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
                             "recompute, and actmem does not model it yet: choose none or full"),

@@ -251,13 +251,14 @@ def _memory_table(est: Estimate) -> Table:
                           f"{gib(row.bytes):,.2f} GiB {row.name.replace('_', ' ')}" for row in peak.rows
                           if row.name not in ("weights", "optimizer_state")), style="dim"))
     elif peak.total_bytes != est.total_bytes:
-        rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit")
+        rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit", "cross_entropy_fp32_gradients")
         op = peak.bytes_of("fc1_backward", "core_backward")
         made = rerun + op
         parts = (f"{gib(rerun):,.2f} GiB rerun, " if rerun else "") + (f"{gib(op):,.2f} GiB of its gradients, "
                                                                        if op else "")
         freed = est.total_bytes + made - peak.total_bytes
-        note = (f"at {peak.moment}: " + (f"{gib(loss):,.2f} GiB 16-bit logits gradient" if loss else
+        what = "16-bit logits gradient" if peak.bytes_of("logits_gradient_16bit") else "fp32 logits gradients"
+        note = (f"at {peak.moment}: " + (f"{gib(loss):,.2f} GiB {what}" if loss else
                 (f"{parts}{gib(freed):,.2f} GiB already freed" if freed else parts.rstrip(", "))))
         table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
                       f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))

@@ -49,3 +49,53 @@ def test_live_storages_do_not_count_views_or_in_place_results():
         made = torch.ones(1024)                                   # 4 KiB
         del view
     assert live.peak == 4096 and live.current == 4096 and made.sum() == 1024
+
+
+def test_live_bytes_sees_a_storage_resized_between_ops():
+    """FSDP2 frees and reallocates its unsharded weights with untyped_storage().resize_(), which no dispatch
+    mode sees: a storage alive and empty on entering, resized to 4 MiB, counts at the next op; one alive and full
+    on entering is in the base."""
+    import torch
+
+    from actmem_validate.torch_compat import LiveBytes
+
+    full, empty = torch.ones(1024), torch.empty(0)
+    with LiveBytes() as live:
+        empty.untyped_storage().resize_(4 * 2**20)
+        torch.zeros(1)                                            # an op: the mode looks again
+        empty.untyped_storage().resize_(0)
+        torch.zeros(1)
+    assert live.base == 4096
+    assert live.peak == 4096 + 4 * 2**20 + 4                    # each zeros(1) freed at once
+
+
+def test_live_bytes_sees_inside_dtensors_loss_parallel_backward():
+    """loss_parallel's backward (torch 2.13, _nll_loss_and_log_softmax_backward) runs on the local shard inside
+    DTensor's handler: zeros_like(x), exp(x) and their sum are live at once, then the product: 3 fp32 copies of the
+    [N, V/t] log-probabilities above what the forward left (the allocator's own count, torch.profiler's, says
+    3.0 copies too). A mode that did not look inside DTensor saw one; the
+    global-shape fake tensors of DTensor's sharding propagation are not counted (they would add V/(V/t) = t times
+    a copy)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from actmem_validate.torch_compat import LiveBytes, fake_store
+
+    rows, vocab, t = 512, 256, 2
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=t)
+    try:
+        logits = distribute_tensor(torch.randn(rows, vocab), init_device_mesh("cpu", (t,)), [Shard(1)])
+        logits = logits.detach().requires_grad_()
+        labels = torch.randint(0, vocab, (rows,))
+        with loss_parallel():
+            loss = F.cross_entropy(logits, labels)
+            with LiveBytes() as live:
+                loss.backward()
+    finally:
+        dist.destroy_process_group()
+    copy = 4 * rows * vocab // t            # beside them the handler's int64 and bool index tensors, 33 B a row
+    assert 3 * copy <= live.peak - live.base < 3 * copy + 64 * rows

@@ -19,7 +19,7 @@ from actmem.memory.estimate import estimate
 from actmem_validate.compare import _row
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
-from actmem_validate.torch_compat import LiveBytes, local_tensor, storage_key
+from actmem_validate.torch_compat import LiveBytes, fake_tensor_mode, local_tensor, storage_key
 from actmem_validate.torchtitan import cross_entropy_loss
 
 
@@ -27,8 +27,12 @@ def apply_fsdp(model, mesh):
     """torchtitan 018740b7's apply_fsdp (models/llama3/infra/parallelize.py) at its defaults: bf16 parameters
     for compute, fp32 reduce; the token embedding, each block (resharded after the forward) and [norm, output]
     (not: "FSDP would prefetch them immediately"), then the root."""
+    import warnings
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # under TP the embedding's output is a view (RowwiseParallel's); torchtitan's model writes it in place nowhere
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     fully_shard(model.tok_embeddings, **config, reshard_after_forward=True)
     for block in model.layers:
@@ -38,25 +42,36 @@ def apply_fsdp(model, mesh):
     return model
 
 
-def measure(config, rank: int) -> list[dict]:
+def measure(config, rank: int, fake: bool = False) -> list[dict]:
+    """This rank's rows; ``fake``: rank 0 of the fake process group, paper-scale shapes on fake tensors."""
+    from contextlib import nullcontext
+
     from torch.distributed.device_mesh import init_device_mesh
 
     from actmem_validate.torch_native import _compare, build_model
+    from actmem_validate.torchtitan import parallelize_model
 
     spec, run = config.spec, config.spec.run
-    if run.tensor_parallel > 1:
-        raise NotImplementedError("the harness measures FSDP2 at t = 1 so far")
+    t = run.tensor_parallel
     torch.manual_seed(1234)
-    model = apply_fsdp(build_model(spec, run.recompute.value == "full", dtype=torch.float32),
-                       init_device_mesh("cpu", (spec.data_parallel,)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
-               for _ in range(config.microbatches)]
-    _step(model, optimizer, batches)                    # AdamW makes its state
-    state = _state_bytes(model, optimizer)
-    ledger = _ledger(model)
-    with LiveBytes() as live:
-        _step(model, optimizer, batches, ledger)
+    # torchtitan's mesh: data-parallel outer, tensor-parallel inner (rank = dp·t + tp); outside the fake mode
+    mesh = init_device_mesh("cpu", (spec.data_parallel, t), mesh_dim_names=("dp", "tp"))
+    data_mesh, tensor_mesh = mesh["dp"], mesh["tp"]
+    fake_mode = fake_tensor_mode() if fake else nullcontext()
+    with fake_mode:
+        model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
+        if t > 1:
+            parallelize_model(model, tensor_mesh, run.sequence_parallel)
+    model = apply_fsdp(model, data_mesh)     # outside the fake mode: under TP it joins the meshes, real tensors
+    with fake_mode:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
+                   for _ in range(config.microbatches)]
+        _step(model, optimizer, batches, parallel_loss=t > 1)              # AdamW makes its state
+        state = _state_bytes(model, optimizer)
+        ledger = _ledger(model)
+        with LiveBytes(fake_mode if fake else None) as live:
+            _step(model, optimizer, batches, ledger, parallel_loss=t > 1)
     est = estimate(spec)
     rows = _compare(config, rank, ledger.by_term())
     if rank:
@@ -69,19 +84,25 @@ def measure(config, rank: int) -> list[dict]:
     return rows + [_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor")]
 
 
-def _step(model, optimizer, batches, ledger=None) -> None:
+def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -> None:
     """torchtitan's train_step: zero_grad, each microbatch's forward, loss and backward (every one
-    reduce-scatters), the optimizer's step; the ledger records the last microbatch's forward and loss."""
+    reduce-scatters), the optimizer's step; the ledger records the last microbatch's forward and loss.
+    ``parallel_loss``: the loss under loss_parallel (the output layer vocabulary-parallel, t > 1)."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
     optimizer.zero_grad()
     for i, (tokens, labels) in enumerate(batches):
         recording = ledger is not None and i == len(batches) - 1
-        if recording:
-            with ledger.recording(), naming(model, _rules()):
+        with loss_parallel() if parallel_loss else nullcontext():
+            if recording:
+                with ledger.recording(), naming(model, _rules()):
+                    loss = cross_entropy_loss(model(tokens), labels)
+                ledger.drop_freed()
+            else:
                 loss = cross_entropy_loss(model(tokens), labels)
-            ledger.drop_freed()
-        else:
-            loss = cross_entropy_loss(model(tokens), labels)
-        (loss / len(batches)).backward()
+            (loss / len(batches)).backward()
     optimizer.step()
 
 

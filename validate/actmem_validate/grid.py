@@ -119,13 +119,18 @@ def small_spec(layers: int, t: int, p: int = 1, m: int = 1, dropout: float = 0.1
 
 
 def fsdp_configs() -> list[Config]:
-    """torchtitan's Llama under FSDP2 over 2 gloo ranks (validate's fsdp.py): v = 511 and f = 97, whose first dims
-    d = 2 does not divide (rank 0 keeps the padded half); one microbatch and two (the second holds the first's
-    gradients); without recompute and with full."""
+    """torchtitan's Llama under FSDP2 (validate's fsdp.py) over 2 gloo ranks, v = 511 and f = 97, whose first dims
+    d = 2 does not divide (rank 0 keeps the padded half), one microbatch and two (the second holds the first's
+    gradients), without recompute and with full; and over 4 ranks, t = 2 with SP inside d = 2 (torchtitan's 2-D
+    mesh), v = 510 and f = 98: FSDP2 shards each rank's tensor-parallel shard, 255 rows of the embedding and the
+    output layer padded to 2 x 128, 49 rows of w1 and w3 to 2 x 25 (t divides v: every rank's logits the same)."""
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
     spec = build_spec(model, dict(micro_batch=2, gpus=2, fsdp=True), name="small-torchtitan-fsdp",
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
-    return [config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
+    with_tp = build_spec(model | dict(vocab=510), dict(micro_batch=2, gpus=4, tensor_parallel=2, sequence_parallel=True, fsdp=True),
+                         name="small-torchtitan-fsdp", architecture=TORCH_NATIVE | dict(ffn_hidden=98))
+    return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
+            + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1))
 
 
 def fp8_configs() -> list[Config]:
@@ -400,6 +405,18 @@ def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
     return configs
 
 
+def fsdp_presets() -> list[Config]:
+    """Llama 3.1 8B under FSDP2 as torchtitan applies it, the whole model, one microbatch: on 8 GPUs (d = 8, no
+    recompute: the loss's backward is the peak) and on 16 at t = 8 with SP (d = 2, the loss under loss_parallel)."""
+    preset = load_preset("llama-3.1-8b")
+    configs = []
+    for gpus, t, technique in ((8, 1, "none"), (16, 8, "tp-sp")):
+        spec = build_spec(preset.model, {"gpus": gpus, "tensor_parallel": t, "sequence_parallel": t > 1, "fsdp": True},
+                          name=f"{preset.name}-fsdp", architecture=preset.architecture | {"implementation": "torch-native"})
+        configs += configs_for(spec, [technique], 1)
+    return configs
+
+
 def fp8_presets() -> list[Config]:
     """Llama 3.1 8B at t = 8 under FP8 at full scale (TE's saves over the harness's stand-in, layers.Fp8Save):
     delayed scaling with 1024 rows of amax history on an H100, as it is and with the core recomputed (where the
@@ -428,7 +445,8 @@ def offload_presets() -> list[Config]:
 def presets_grid() -> list[Config]:
     """What CI measures at full scale: the paper's and the Llama presets under Megatron's
     code (FP8 and CPU offloading too), and the torch-native and hf implementations."""
-    return preset_grid() + fp8_presets() + offload_presets() + torch_native_presets() + hf_presets()
+    return (preset_grid() + fp8_presets() + offload_presets() + torch_native_presets() + fsdp_presets()
+            + hf_presets())
 
 
 GRIDS = {"small": small_grid, "presets": presets_grid}

@@ -101,40 +101,61 @@ class LiveBytes:
     parameters with untyped_storage().resize_() (torch 2.13, _fsdp_param.py: alloc_storage,
     free_storage), a call no dispatch mode sees, and which keeps the model state in DTensors.
     LiveBytes knows every storage alive on entering (the garbage collector's tensors: the sharded
-    parameters, their gradients, the optimizer's state) and every one an op touches, each by a weak
-    reference, and sums their sizes at each op, so a resize shows at the next op; a DTensor counts
-    its local shard. ``base``: the bytes alive on entering. A storage first met after entering that
-    no op made (an op's input, or a view's base) was made below the dispatcher: gloo's reduce-scatter
-    copies its input (NCCL makes no such copy), so ``peak`` leaves those out. Private:
-    TorchDispatchMode, UntypedStorage._cdata, DTensor._local_tensor."""
+    parameters, their gradients, the optimizer's state, FSDP2's emptied unsharded weights) and every
+    one an op makes, each by a weak reference; a DTensor counts its local shard. The storages empty on
+    entering are the ones FSDP2 resizes: their sizes are summed again at each op, so a resize shows at
+    the next op; the others keep the size they had (``fixed``). ``base``: the bytes alive on entering. A
+    storage first met after entering that no op made (an op's input, or a view's base) was made below
+    the dispatcher: gloo's reduce-scatter copies its input (NCCL makes no such copy), so those are left
+    out. An op on DTensors is left to DTensor (the mode returns NotImplemented), so the mode sees the ops
+    on local tensors its handlers run, their temporaries too (loss_parallel's backward). DTensor's sharding
+    propagation runs each op once more on fake tensors of the global shape, which hold no memory of the
+    run: the mode pauses inside it, and counts only tensors of ``fake_mode`` (None: real ones). Private:
+    TorchDispatchMode, UntypedStorage._cdata, DTensor._local_tensor, FakeTensor.fake_mode,
+    ShardingPropagator._propagate_tensor_meta_non_cached."""
 
-    def __new__(cls):
+    def __new__(cls, fake_mode=None):
         import gc
         import warnings
         import weakref
 
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _Mode(TorchDispatchMode):
             def __init__(self):
                 super().__init__()
-                self.storages, self.below, self.base, self.peak = {}, set(), 0, 0
+                self.known, self.resizable, self.fixed, self.base, self.peak = {}, {}, 0, 0, 0
+                self.paused = 0
+
+            def _forget(self, key, counted):
+                self.known.pop(key, None)
+                self.resizable.pop(key, None)
+                self.fixed -= counted
 
             def _add(self, tensor, made_here: bool, entering: bool = False):
-                storage = local_tensor(tensor).untyped_storage()
+                tensor = local_tensor(tensor)
+                if getattr(tensor, "fake_mode", None) is not fake_mode or tensor.is_meta:
+                    return                          # DTensor's sharding propagation, or no memory
+                storage = tensor.untyped_storage()
                 key = storage._cdata
-                if key in self.storages and self.storages[key]() is not None:
+                if key in self.known and self.known[key]() is not None:
                     return
-                self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
-                if entering:
-                    self.base += storage.nbytes()
-                elif not made_here:
-                    self.below.add(key)
+                size = storage.nbytes()
+                if entering and not size:
+                    self.resizable[key] = weakref.ref(storage)
+                    size = 0
+                elif not (entering or made_here):        # made below the dispatcher: not counted
+                    size = 0
+                self.known[key] = weakref.ref(storage, lambda _, key=key, size=size: self._forget(key, size))
+                self.fixed += size
+                self.base += size if entering else 0
 
             def current(self) -> int:
                 """Bytes alive now, less what was made below the dispatcher."""
-                return sum(storage.nbytes() for key, ref in list(self.storages.items())
-                           if (storage := ref()) is not None and key not in self.below)
+                return self.fixed + sum(storage.nbytes() for ref in list(self.resizable.values())
+                                        if (storage := ref()) is not None)
 
             def __enter__(self):
                 with warnings.catch_warnings():      # isinstance on torch.distributed.reduce_op warns
@@ -144,10 +165,29 @@ class LiveBytes:
                     if not tensor.is_meta and tensor.layout == torch.strided:
                         self._add(tensor, False, entering=True)
                 self.peak = self.current()
+                self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+                mode, propagate = self, self.propagate
+
+                def paused(propagator, op_schema):
+                    mode.paused += 1
+                    try:
+                        return propagate(propagator, op_schema)
+                    finally:
+                        mode.paused -= 1
+
+                ShardingPropagator._propagate_tensor_meta_non_cached = paused
                 return super().__enter__()
 
+            def __exit__(self, *exc):
+                ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
+                return super().__exit__(*exc)
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(kind, DTensor) for kind in types):
+                    return NotImplemented          # DTensor's handler runs, its local ops seen here
                 out = func(*args, **(kwargs or {}))
+                if self.paused:
+                    return out
                 inputs = set()
                 for tensor in _tensors((args, kwargs)):
                     self._add(tensor, False)

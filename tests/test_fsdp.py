@@ -126,6 +126,13 @@ def test_one_block_prefetches_the_embedding():
     assert _moments(spec)["last_block"]["prefetched_weights"] == 2 * 8 * P_E
 
 
+def test_hsdp_shards_over_d_over_r():
+    """--fsdp-replicate 2 on 16 GPUs: 2 replicas of 8 shards, the model state and moments of d = 8."""
+    hsdp = estimate(_llama("llama-3.1-8b", 16, fsdp_replicate=2))
+    assert hsdp.parameters == estimate(_llama("llama-3.1-8b", 8)).parameters
+    assert _moments(_llama("llama-3.1-8b", 16, fsdp_replicate=2))["last_block"]["reduce_scatter_input"] == 4 * 8 * P_O
+
+
 @pytest.mark.parametrize("run, architecture, message", [
     ({"gpus": 8}, {"implementation": "megatron"}, "give --implementation torch-native"),
     ({}, {}, "give --gpus"),
@@ -134,12 +141,21 @@ def test_one_block_prefetches_the_embedding():
     ({"gpus": 8, "distributed_optimizer": True}, {}, "distributed optimizer is not modelled for --implementation torch"),
     ({"gpus": 8}, {"bias": True}, "torchtitan's Llama 3"),
     ({"gpus": 8}, {"tied_output": True}, "torchtitan's Llama 3"),
+    ({"gpus": 8, "fsdp_replicate": 8}, {}, "R = d is DDP"),
+    ({"gpus": 8, "fsdp_replicate": 3}, {}, "must divide the d = 8"),
 ])
 def test_refused(run, architecture, message):
     preset = load_preset("llama-3.1-8b")
     with pytest.raises(SpecError, match=message):
         build_spec(preset.model, {"fsdp": True} | run, name="x",
                    architecture=preset.architecture | {"implementation": "torch-native"} | architecture)
+
+
+def test_replicas_need_fsdp():
+    preset = load_preset("llama-3.1-8b")
+    with pytest.raises(SpecError, match="give --fsdp too"):
+        build_spec(preset.model, {"gpus": 8, "fsdp_replicate": 2}, name="x",
+                   architecture=preset.architecture | {"implementation": "torch-native"})
 
 
 def test_grad_dtype_is_refused():

@@ -335,6 +335,9 @@ RUN_FLAGS = (
          "PyTorch's FSDP2 (fully_shard) over the d data-parallel ranks as torchtitan applies it (--implementation "
          "torch-native): fp32 weights, gradients and AdamW state sharded d ways, each group's bf16 weights gathered "
          "while it computes", bool),
+    Flag(("--fsdp-replicate",), "fsdp_replicate",
+         "with --fsdp, HSDP: the model state replicated R times and sharded over d/R ranks (torchtitan's "
+         "data_parallel_replicate_degree; default 1)"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -213,13 +213,20 @@ def _fsdp_notes(spec: Spec) -> list:
                                                      "accumulation)"))
     return [f"FSDP2 (torch 2.13's fully_shard) as torchtitan 018740b7 applies it (apply_fsdp): groups of the token "
             f"embedding, each block and (norm, output), bf16 compute and fp32 reduce, the blocks resharded after the "
-            f"forward and (norm, output) not; sharded over all d = {spec.data_parallel} data-parallel ranks (no HSDP); "
+            f"forward and (norm, output) not; {_fsdp_mesh(spec)}; "
             f"{batch}; rank 0, which keeps ceil(rows/d) of each parameter, is counted",
             "FSDP2's peak counts the gathered bf16 weights of the group computing and the one prefetched, the output "
             "layer's bf16 gradients and fp32 reduce-scatter input, and the sharded gradients where they are held; "
             "not the activation gradients, the last block's own gradients as its backward makes them, nor the "
             "allocator's separate pools for the all-gather and reduce-scatter streams (reserved memory above "
             "allocated)"]
+
+
+def _fsdp_mesh(spec: Spec) -> str:
+    if spec.run.fsdp_replicate == 1:
+        return f"sharded over all d = {spec.data_parallel} data-parallel ranks"
+    return (f"HSDP: sharded over {spec.fsdp_shards} ranks, replicated {spec.run.fsdp_replicate} times (each gradient "
+            f"reduce-scattered, then all-reduced in place over the replicas)")
 
 
 def _offload_notes(spec: Spec) -> list:

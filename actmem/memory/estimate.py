@@ -387,7 +387,7 @@ def _fsdp_moments(spec: Spec, t: int, technique: Technique, arch: Architecture, 
     from actmem.memory import fsdp
 
     model = spec.model
-    sizes = fsdp.sizes(model.hidden, t, bindings[symbols.v], arch, model.heads, model.layers, spec.data_parallel,
+    sizes = fsdp.sizes(model.hidden, t, bindings[symbols.v], arch, model.heads, model.layers, spec.fsdp_shards,
                        spec.microbatches or 1)
     return fsdp.with_fsdp(stage.moments, sizes, stage.held_bytes,
                           engine.exact(engine.output_rows(technique, arch), bindings))
@@ -399,7 +399,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     if run.fsdp:
         from actmem.memory import fsdp
 
-        return fsdp.model_state(model.hidden, t, vocab, arch, model.heads, layers, spec.data_parallel)
+        return fsdp.model_state(model.hidden, t, vocab, arch, model.heads, layers, spec.fsdp_shards)
     # the multi-token-prediction layers' weights, whatever the recompute, are layers of the last model kind
     # beside their own norms and projection; a MoE model's dense layers are its dense twin's
     mtp = mtp_layers_held(spec, stage, full_recompute=False)

@@ -256,6 +256,11 @@ FSDP_RULES = (
          lambda v: f"--fsdp shards over the d data-parallel ranks, and d = gpus/(t·p) = {v.gpus}/{v.t * v.p} = {v.d} "
                    f"shards nothing (torchtitan applies no FSDP over one rank): give more --gpus",
          _DATA_PARALLEL),
+    Rule(lambda v: _implies(v.fsdp_replicate > 1, v.fsdp),
+         lambda v: f"--fsdp-replicate {v.fsdp_replicate} is HSDP's replicas of FSDP2's shards: give --fsdp too"),
+    Rule(lambda v: _implies(v.fsdp_replicate > 1, (v.d % v.fsdp_replicate == 0) & (v.d // v.fsdp_replicate > 1)),
+         lambda v: f"--fsdp-replicate R ({v.fsdp_replicate}) must divide the d = {v.d} data-parallel ranks and leave "
+                   f"at least 2 to shard over (R = d is DDP, replicated, not FSDP2)", _DATA_PARALLEL),
     Rule(lambda v: _implies(v.fsdp, v.gradient_bytes == 4),
          lambda v: "--grad-dtype sets Megatron's main-gradient buffer; FSDP2 keeps its gradients in its reduce "
                    "dtype, fp32 (torchtitan's mixed_precision_reduce default): leave --grad-dtype out",
@@ -526,6 +531,8 @@ class Values:
     """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""
     fsdp: object = False
     """--fsdp: FSDP2 shards the model state over the d data-parallel ranks (actmem.memory.fsdp)."""
+    fsdp_replicate: object = 1
+    """R of --fsdp-replicate: HSDP's replicas (the model state sharded over d/R ranks)."""
     gradient_bytes: object = None
     """Bytes a main-gradient element (--grad-dtype), when given."""
 

@@ -95,6 +95,9 @@ class Run:
     fsdp: bool = False
     """--fsdp: PyTorch's FSDP2 (fully_shard) over the d data-parallel ranks as torchtitan applies it
     (actmem.memory.fsdp): the model state sharded, each group's weights gathered while it computes."""
+    fsdp_replicate: int = _positive(default=1)
+    """--fsdp-replicate R: HSDP, FSDP2 over a 2-D mesh that replicates the model state R times and shards it
+    over d/R ranks (torchtitan's data_parallel_replicate_degree); 1: every data-parallel rank shards."""
 
     def __post_init__(self):
         _require_positive_ints(self)
@@ -236,7 +239,8 @@ class Spec:
             load_histogram=run.expert_loads is not None, expert_ffn=self.architecture.expert_ffn(model.hidden),
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
-            offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes)
+            offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
+            fsdp_replicate=run.fsdp_replicate)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
@@ -271,6 +275,11 @@ class Spec:
         if self.run.gpus is None:
             return 1
         return self.run.gpus // (self.run.tensor_parallel * self.run.context_parallel * self.run.pipeline_parallel)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP2 shards the model state over: d, or d/R under HSDP (--fsdp-replicate R)."""
+        return self.data_parallel // self.run.fsdp_replicate
 
     @property
     def optimizer_shards(self) -> int:

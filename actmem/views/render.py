@@ -155,7 +155,9 @@ def _header(est: Estimate) -> Text:
             f" etp={run.etp}" if run.etp != run.tensor_parallel else "")
     split = f" ({split_of(spec)})" if split_of(spec) else ""          # an uneven pipeline: '(7+8x14+7)'
     offload = f" · {plural(run.offload_layers, 'layer')} offloaded to the host" if run.offload_layers else ""
-    offload += f" · FSDP2 over d={spec.data_parallel}" if run.fsdp else ""
+    if run.fsdp:
+        offload += (f" · FSDP2 over d={spec.data_parallel}" if run.fsdp_replicate == 1 else
+                     f" · HSDP: {run.fsdp_replicate} replicas of FSDP2 over {spec.fsdp_shards}")
     text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                 f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                 f"recompute {run.policy.label}{offload}\n")
@@ -267,8 +269,8 @@ def _memory_table(est: Estimate) -> Table:
 
 def _fsdp_state_rows(est: Estimate) -> tuple:
     """The memory table's model state under FSDP2 (actmem.memory.fsdp)."""
-    params, d = est.parameters, est.spec.data_parallel
-    shard = f"{params.count:,} elements of the d={d} shard × "
+    params, shards = est.parameters, est.spec.fsdp_shards
+    shard = f"{params.count:,} elements of the shard (of {shards}) × "
     return (("weights", params.weights_bytes, shard + "4 B (fp32; each group gathers bf16 copies to compute)"),
             ("gradients", params.gradients_bytes, shard + "4 B (fp32), from each group's reduce-scatter to the next "
              "zero_grad: the peak counts them where they are held"),

@@ -39,7 +39,9 @@ def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_gradients")} == {4 * S, 4 * S_TP}
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_optimizer_state")} == {8 * S + 4 * 21,
                                                                                           8 * S_TP + 4 * 21}
-    assert len(_rows(fsdp_rows, "peak")) == 6 and not _rows(fsdp_rows, "peak", rank=1)
+    assert len(_rows(fsdp_rows, "peak")) == 7 and not _rows(fsdp_rows, "peak", rank=1)
+    hsdp = [row for row in _rows(fsdp_rows, "fsdp_weights") if " hsdp 2x2 " in row["config"]]
+    assert [row["measured_bytes"] for row in hsdp] == [4 * S]        # two replicas of d = 2's shards
     assert _rows(fsdp_rows, "total", rank=3)          # the t = 2 runs' four ranks
 
 

@@ -26,7 +26,7 @@ from actmem_validate.torchtitan import cross_entropy_loss
 def apply_fsdp(model, mesh):
     """torchtitan 018740b7's apply_fsdp (models/llama3/infra/parallelize.py) at its defaults: bf16 parameters
     for compute, fp32 reduce; the token embedding, each block (resharded after the forward) and [norm, output]
-    (not: "FSDP would prefetch them immediately"), then the root."""
+    (not: "FSDP would prefetch them immediately"), then the root. A 2-D mesh is HSDP (replicate, shard)."""
     import warnings
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -54,9 +54,11 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
     spec, run = config.spec, config.spec.run
     t = run.tensor_parallel
     torch.manual_seed(1234)
-    # torchtitan's mesh: data-parallel outer, tensor-parallel inner (rank = dp·t + tp); outside the fake mode
-    mesh = init_device_mesh("cpu", (spec.data_parallel, t), mesh_dim_names=("dp", "tp"))
-    data_mesh, tensor_mesh = mesh["dp"], mesh["tp"]
+    # torchtitan's mesh: data-parallel outer (HSDP's replicas, then the shards), tensor-parallel inner; rank 0 is
+    # the first of each; made outside the fake mode
+    replicas = run.fsdp_replicate
+    mesh = init_device_mesh("cpu", (replicas, spec.fsdp_shards, t), mesh_dim_names=("replicate", "shard", "tp"))
+    data_mesh, tensor_mesh = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"], mesh["tp"]
     fake_mode = fake_tensor_mode() if fake else nullcontext()
     with fake_mode:
         model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)

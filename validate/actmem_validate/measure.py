@@ -44,7 +44,9 @@ class Config:
         run = self.spec.run
         shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
-        cp += f" fsdp d={self.sharded_over}" if run.fsdp else ""
+        if run.fsdp:                       # FSDP2 over d ranks, or HSDP's replicas x shards
+            cp += (f" fsdp d={self.sharded_over}" if run.fsdp_replicate == 1 else
+                   f" hsdp {run.fsdp_replicate}x{self.spec.fsdp_shards}")
         arch = self.spec.architecture
         core = arch.code.attention_label(arch.attention_core)      # transformers' attn_implementation
         code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}" + (f" {core}" if core else "")

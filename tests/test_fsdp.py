@@ -126,6 +126,20 @@ def test_one_block_prefetches_the_embedding():
     assert _moments(spec)["last_block"]["prefetched_weights"] == 2 * 8 * P_E
 
 
+def test_the_resharding_policies():
+    """torchtitan's fsdp_reshard_after_forward: 'never' leaves every group gathered through the loss (2·8·S, the whole
+    model in bf16, d padded shards a parameter) and through the last block's backward (all but the output group's,
+    freed at its post-backward: 2·8·(P_E + 32·P_block)), with nothing prefetched; 'always' reshards the output group
+    too, so the loss holds no gathered weight."""
+    never = _moments(_llama("llama-3.1-8b", 8, fsdp_reshard="never"))
+    assert never["loss"]["gathered_weights"] == 2 * 8 * S_8B
+    assert never["last_block"]["gathered_weights"] == 2 * 8 * (P_E + 32 * P_BLOCK)
+    assert "prefetched_weights" not in never["last_block"] and "prefetched_weights" not in never["output_reduce"]
+    always = _moments(_llama("llama-3.1-8b", 8, fsdp_reshard="always"))
+    assert "gathered_weights" not in always["loss"]
+    assert always["last_block"] == _moments(_llama("llama-3.1-8b", 8))["last_block"]
+
+
 def test_hsdp_shards_over_d_over_r():
     """--fsdp-replicate 2 on 16 GPUs: 2 replicas of 8 shards, the model state and moments of d = 8."""
     hsdp = estimate(_llama("llama-3.1-8b", 16, fsdp_replicate=2))
@@ -151,10 +165,18 @@ def test_refused(run, architecture, message):
                    architecture=preset.architecture | {"implementation": "torch-native"} | architecture)
 
 
-def test_replicas_need_fsdp():
+@pytest.mark.parametrize("run", [{"fsdp_replicate": 2}, {"fsdp_reshard": "never"}])
+def test_fsdps_settings_need_fsdp(run):
     preset = load_preset("llama-3.1-8b")
     with pytest.raises(SpecError, match="give --fsdp too"):
-        build_spec(preset.model, {"gpus": 8, "fsdp_replicate": 2}, name="x",
+        build_spec(preset.model, {"gpus": 8} | run, name="x",
+                   architecture=preset.architecture | {"implementation": "torch-native"})
+
+
+def test_an_unknown_policy_is_refused():
+    preset = load_preset("llama-3.1-8b")
+    with pytest.raises(SpecError, match="must be one of default, always, never"):
+        build_spec(preset.model, {"gpus": 8, "fsdp": True, "fsdp_reshard": "sometimes"}, name="x",
                    architecture=preset.architecture | {"implementation": "torch-native"})
 
 
@@ -163,6 +185,34 @@ def test_grad_dtype_is_refused():
     with pytest.raises(SpecError, match="leave --grad-dtype out"):
         build_spec(preset.model, {"fsdp": True, "gpus": 8}, name="x", gradient_bytes=2,
                    architecture=preset.architecture | {"implementation": "torch-native"})
+
+
+def test_torch_native_turns_sp_on_under_tp_and_says_so():
+    """torchtitan's plan always has sequence parallelism beside TP: --tp 8 alone is SP on under torch-native, named in
+    the assumptions; --no-sp keeps plain DTensor TP; Megatron's default stays as it was."""
+    runner = CliRunner()
+    base = ["estimate", "--model", "llama-3.1-8b", "--tp", "8", "--gpus", "64", "--format", "json"]
+    native = json.loads(runner.invoke(cli, base + ["--implementation", "torch-native"]).output)
+    assert native["run"]["sequence_parallel"] is True
+    assert any("sequence parallelism on" in note for note in native["assumptions"])
+    plain = json.loads(runner.invoke(cli, base + ["--implementation", "torch-native", "--no-sp"]).output)
+    assert plain["run"]["sequence_parallel"] is False
+    assert json.loads(runner.invoke(cli, base).output)["run"]["sequence_parallel"] is False
+
+
+def test_a_preset_pipeline_given_up_by_pp_and_its_optimizer_named():
+    """Llama 3.1 405B's preset runs p = 16 with 7-layer first and last stages and Megatron's distributed optimizer:
+    --pp 1 drops the uneven layout (a note says so); torch-native refuses the optimizer, naming the preset."""
+    runner = CliRunner()
+    base = ["estimate", "--model", "llama-3.1-405b", "--implementation", "torch-native", "--tp", "8", "--gpus", "512",
+            "--fsdp", "--pp", "1"]
+    refused = runner.invoke(cli, base)
+    assert refused.exit_code == 2 and "the preset's run uses Megatron's distributed optimizer" in refused.output
+    out = json.loads(runner.invoke(cli, base + ["--no-distributed-optimizer", "--global-batch", "512",
+                                                "--format", "json"]).output)
+    assert out["run"]["pipeline_parallel"] == 1 and out["stage"]["layers"] == 126
+    assert any("uneven pipeline (first_stage_layers 7, last_stage_layers 7) left out" in note
+               for note in out["assumptions"])
 
 
 def test_cli_prices_it_and_refuses_it_in_one_line():

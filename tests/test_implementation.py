@@ -64,8 +64,10 @@ def test_full_recompute_keeps_the_block_input_shard(actmem):
 
 
 def test_without_sequence_parallelism_nothing_is_gathered_or_split(actmem):
-    """Plain DTensor TP (norms replicated): the boundary tensors are 2sbh under both codes."""
-    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--implementation", "torch-native", "--tp", "8")
+    """Plain DTensor TP (norms replicated; --no-sp, since torch-native turns SP on at t > 1 by default): the
+    boundary tensors are 2sbh under both codes."""
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--implementation", "torch-native", "--tp", "8",
+                      "--no-sp")
     layer = _per_layer(out)
     assert layer["qkv_input"] == layer["attention_layernorm_input"] == 2 * 8192 * 4096
 

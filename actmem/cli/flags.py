@@ -332,9 +332,13 @@ RUN_FLAGS = (
          "layers to host memory, freeing them on the GPU once L - N layers are held (p = 1, no recompute; "
          "0: none, the default)"),
     Flag(("--fsdp/--no-fsdp",), "fsdp",
-         "PyTorch's FSDP2 (fully_shard) over the d data-parallel ranks as torchtitan applies it (--implementation "
-         "torch-native): fp32 weights, gradients and AdamW state sharded d ways, each group's bf16 weights gathered "
-         "while it computes", bool),
+         "PyTorch's FSDP2 (fully_shard) as torchtitan applies it (--implementation torch-native): fp32 weights, "
+         "gradients and AdamW state sharded over the d = gpus/t data-parallel ranks (give --gpus), each group's "
+         "bf16 weights gathered while it computes", bool),
+    Flag(("--fsdp-reshard-after-forward",), "fsdp_reshard",
+         "with --fsdp, which groups the forward reshards (torchtitan's fsdp_reshard_after_forward): default (the "
+         "blocks, not the output layer's group), always, or never (every group gathered until its backward)",
+         click.Choice(["default", "always", "never"])),
     Flag(("--fsdp-replicate",), "fsdp_replicate",
          "with --fsdp, HSDP: the model state replicated R times and sharded over d/R ranks (torchtitan's "
          "data_parallel_replicate_degree; default 1)"),
@@ -526,6 +530,33 @@ def model_options(command):
     return add_flags(command, (PRESET,) + MODEL_FLAGS)
 
 
+def _run_defaults(flags: dict, preset, run: dict, architecture: dict) -> tuple:
+    """Run values that follow from others the user gave, each named in a note: the preset's uneven pipeline
+    dropped where --pp changes its p; under torch-native at t > 1 sequence parallelism on unless asked off
+    (torchtitan's plan always has it)."""
+    notes = ()
+    uneven = {key: run[key] for key in ("first_stage_layers", "last_stage_layers")
+              if preset and key in preset.run and flags.get(key) is None}
+    if uneven and flags.get("pipeline_parallel") is not None and flags["pipeline_parallel"] != preset.run.get(
+            "pipeline_parallel"):
+        for key in uneven:
+            del run[key]
+        notes += (f"the preset's uneven pipeline ({', '.join(f'{key} {value}' for key, value in uneven.items())}) "
+                  f"left out: --pp {flags['pipeline_parallel']} lays the layers out again",)
+    code = implementation(architecture.get("implementation", MEGATRON))
+    if (preset and preset.run.get("distributed_optimizer") and flags.get("distributed_optimizer") is None
+            and "distributed_optimizer" not in code.runs):
+        raise SpecError(f"the preset's run uses Megatron's distributed optimizer, which --implementation {code.name} "
+                        f"does not run: give --no-distributed-optimizer"
+                        + (" (--fsdp shards the model state itself)" if "fsdp" in code.runs else ""))
+    if (code.name == "torch-native" and run.get("tensor_parallel", 1) > 1
+            and run.get("sequence_parallel") is None):
+        run["sequence_parallel"] = True
+        notes += ("sequence parallelism on: torchtitan's plan always has it under tensor parallelism (--no-sp for "
+                  "plain DTensor TP)",)
+    return notes
+
+
 def _preset_and_flags(flags: dict, preset=None) -> tuple:
     """(name, model values, run values, architecture values, notes): the preset's, overridden
     by the flags given. ``flags`` is already resolved."""
@@ -542,12 +573,13 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
+    notes = _run_defaults(flags, preset, run, architecture)
     unmeasured = preset.unmeasured.get(architecture.get("implementation")) if preset else None
     if unmeasured:
         code = implementation(architecture["implementation"])
         raise SpecError(f"--implementation {code.name} is measured as "
                         f"{', '.join(model.name for model in code.models)}; {preset.source}: {unmeasured}")
-    notes = preset.notes if preset else ()
+    notes = (preset.notes if preset else ()) + notes
     if preset and preset.seq_len_note and flags.get("seq_len") is None:
         notes += (preset.seq_len_note,)
     rows = preset.position_table if preset else None

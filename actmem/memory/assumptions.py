@@ -205,6 +205,8 @@ def _recompute_notes(spec: Spec) -> list:
 
 
 def _fsdp_notes(spec: Spec) -> list:
+    from actmem.model.implementation import RESHARD_POLICIES
+
     if not spec.run.fsdp:
         return []
     n = spec.microbatches
@@ -212,8 +214,9 @@ def _fsdp_notes(spec: Spec) -> list:
              "one microbatch a step" + ("" if n else " (no --global-batch: torchtitan's default, no gradient "
                                                      "accumulation)"))
     return [f"FSDP2 (torch 2.13's fully_shard) as torchtitan 018740b7 applies it (apply_fsdp): groups of the token "
-            f"embedding, each block and (norm, output), bf16 compute and fp32 reduce, the blocks resharded after the "
-            f"forward and (norm, output) not; {_fsdp_mesh(spec)}; "
+            f"embedding, each block and (norm, output), bf16 compute and fp32 reduce; "
+            f"{RESHARD_POLICIES[spec.run.fsdp_reshard]} (--fsdp-reshard-after-forward {spec.run.fsdp_reshard}); "
+            f"{_fsdp_mesh(spec)}; "
             f"{batch}; rank 0, which keeps ceil(rows/d) of each parameter, is counted",
             "FSDP2's peak counts the gathered bf16 weights of the group computing and the one prefetched, the output "
             "layer's bf16 gradients and fp32 reduce-scatter input, and the sharded gradients where they are held; "
@@ -425,7 +428,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         notes.append("not counted: the distributed optimizer's buffer padding (optimizer/param_layout.py: each "
                      "parameter's start aligned to 64 elements, each bucket's end to lcm(d·c, 128)): at most 63 "
                      f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")
-    else:
+    elif not spec.run.fsdp:                  # FSDP2's model state: _fsdp_notes
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
                      f"{adam.describe()} (mixed-precision Adam)")
     shard = -(-parameters.count // (spec.optimizer_shards if spec.run.distributed_optimizer else 1))

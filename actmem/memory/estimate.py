@@ -388,7 +388,7 @@ def _fsdp_moments(spec: Spec, t: int, technique: Technique, arch: Architecture, 
 
     model = spec.model
     sizes = fsdp.sizes(model.hidden, t, bindings[symbols.v], arch, model.heads, model.layers, spec.fsdp_shards,
-                       spec.microbatches or 1)
+                       spec.microbatches or 1, spec.run.fsdp_reshard)
     return fsdp.with_fsdp(stage.moments, sizes, stage.held_bytes,
                           engine.exact(engine.output_rows(technique, arch), bindings))
 

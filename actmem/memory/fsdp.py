@@ -120,6 +120,8 @@ class Sizes:
     embedding: Group
     block: Group
     output: Group
+    reshard: str = "default"
+    """torchtitan's fsdp_reshard_after_forward (actmem.model.implementation.RESHARD_POLICIES)."""
 
     @property
     def shard(self) -> int:
@@ -136,14 +138,22 @@ class Sizes:
         """... and once (norm, output) has reduced: its own too, on a first microbatch."""
         return self.gradients_before_bytes() or REDUCE_BYTES * self.output.sharded(self.d)
 
+    def unresharded_bytes(self) -> int:
+        """The embedding's and the blocks' gathered weights where the forward leaves them gathered ('never'):
+        they stay until each group's post-backward, so every one is held from the forward to the last block's."""
+        if self.reshard != "never":
+            return 0
+        return self.gathered_bytes(self.embedding) + self.layers * self.gathered_bytes(self.block)
+
     @property
     def before_last_block(self) -> Group:
         """The group the last block's backward prefetches: the block before it, or the embedding."""
         return self.block if self.layers > 1 else self.embedding
 
 
-def sizes(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int) -> Sizes:
-    return Sizes(d, layers, microbatches, *groups(h, t, v, arch, heads))
+def sizes(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int,
+          reshard: str = "default") -> Sizes:
+    return Sizes(d, layers, microbatches, *groups(h, t, v, arch, heads), reshard)
 
 
 def with_fsdp(moments: tuple, sizes: Sizes, held, output_rows) -> tuple:
@@ -153,17 +163,22 @@ def with_fsdp(moments: tuple, sizes: Sizes, held, output_rows) -> tuple:
     flight; ``output_rows``: the output layer's, which its backward frees first."""
     from actmem.memory.stage_model import StageMoment
 
-    output_weights = _row("gathered_weights", sizes.gathered_bytes(sizes.output), GATHERED.format(
-        group="(norm, output)", why=": torchtitan leaves them gathered from the forward to their post-backward"))
+    never = sizes.reshard == "never"
+    still_gathered = _row("gathered_weights", sizes.unresharded_bytes(), GATHERED.format(
+        group="the embedding and every block", why=": the forward left them gathered (reshard_after_forward never)"))
+    output_weights = _row("gathered_weights", sizes.gathered_bytes(sizes.output) * (sizes.reshard != "always")
+                          + sizes.unresharded_bytes(), GATHERED.format(
+        group="(norm, output)" + (" and every other group" if never else ""),
+        why=": the forward leaves them gathered until their post-backward"))
     grads_before = _row("sharded_gradients", sizes.gradients_before_bytes(),
                         GRADIENTS + ": every group's, from the step's earlier microbatches")
-    in_block = (_row("gathered_weights", sizes.gathered_bytes(sizes.block),
-                     GATHERED.format(group="the last block", why=", gathered again for its backward")),
-                _row("prefetched_weights", sizes.gathered_bytes(sizes.before_last_block),
-                     PREFETCHED.format(group="the group before it")),
-                _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
-                _row("sharded_gradients", sizes.gradients_after_output_bytes(),
-                     GRADIENTS + ": (norm, output)'s and, with gradient accumulation, every group's"))
+    last_block = _row("gathered_weights", sizes.gathered_bytes(sizes.block),
+                      GATHERED.format(group="the last block", why=", gathered again for its backward"))
+    in_block = ((still_gathered,) if never else (last_block, _row(
+        "prefetched_weights", sizes.gathered_bytes(sizes.before_last_block), PREFETCHED.format(group="the group before it")))) + (
+        _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
+        _row("sharded_gradients", sizes.gradients_after_output_bytes(),
+             GRADIENTS + ": (norm, output)'s and, with gradient accumulation, every group's"))
     after_output = _row("activations_in_flight", held - output_rows,
                         "the saved activations in flight, less the output layer's (its backward is done)")
     extended = tuple(_extend(moment, (output_weights, grads_before) if moment.name in ("start", "loss", "forward_end")
@@ -171,7 +186,8 @@ def with_fsdp(moments: tuple, sizes: Sizes, held, output_rows) -> tuple:
     return extended + (
         StageMoment("output_reduce", "(norm, output)'s post-backward, its gradients copied to fp32", _rows(
             after_output,
-            _row("prefetched_weights", sizes.gathered_bytes(sizes.block), PREFETCHED.format(group="the last block")),
+            still_gathered if never else _row("prefetched_weights", sizes.gathered_bytes(sizes.block),
+                                              PREFETCHED.format(group="the last block")),
             _row("unsharded_gradients", COMPUTE_BYTES * sizes.output.unsharded(), UNSHARDED_GRADIENTS),
             _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
             grads_before)),

@@ -93,10 +93,13 @@ def check_fp8(arch) -> None:
                         "blockwise")
     if recipe not in RECIPES:
         raise SpecError(f"--fp8-recipe must be delayed, tensorwise, mxfp8, blockwise or custom; got {recipe!r}")
-    if "fp8" not in arch.code.has or arch.attention_core == "eager":
-        raise SpecError("FP8 runs in Transformer Engine's linears: modelled for Megatron-Core with TE's layer spec "
-                        f"(--attention-core flash or flash-attn), not {arch.implementation}'s "
-                        f"{arch.attention_core} core")
+    if "fp8" not in arch.code.has:
+        raise SpecError(f"FP8 is modelled as Transformer Engine's linears under Megatron-Core (--implementation "
+                        f"megatron); {arch.implementation}'s own FP8 (torchtitan's float8 converter, torchao) is not "
+                        "modelled yet")
+    if arch.attention_core == "eager":
+        raise SpecError("FP8 runs in Transformer Engine's linears: modelled with TE's layer spec (--attention-core "
+                        "flash or flash-attn), not Megatron's local spec of the eager core")
     if recipe in BLOCK_RECIPES and arch.fp8_param_gather:
         raise SpecError(f"--fp8-param-gather under --fp8-recipe {recipe}: its FP8 weights keep both copies and their "
                         "block scales, read but not priced yet; drop it")

@@ -397,6 +397,14 @@ _MEGATRON_LIMITS = (
      "local spec, whose q and k norms (LNImpl: apex's or torch's) keep what actmem does not count yet"),
 )
 
+#: torchtitan 018740b7's fsdp_reshard_after_forward (models/llama3/infra/parallelize.py, apply_fsdp): which of
+#: FSDP2's groups the forward reshards (--fsdp-reshard-after-forward; actmem.memory.fsdp)
+RESHARD_POLICIES = {
+    "default": "the embedding and the blocks resharded after the forward, (norm, output) not",
+    "always": "every group resharded after the forward, (norm, output) too",
+    "never": "no group resharded after the forward: each stays gathered until its post-backward",
+}
+
 IMPLEMENTATIONS = {
     MEGATRON: Implementation(
         MEGATRON, "Megatron-Core with Transformer Engine (the paper's code; the default)", has=MEGATRON_CORE,

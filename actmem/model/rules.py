@@ -256,6 +256,8 @@ FSDP_RULES = (
          lambda v: f"--fsdp shards over the d data-parallel ranks, and d = gpus/(t·p) = {v.gpus}/{v.t * v.p} = {v.d} "
                    f"shards nothing (torchtitan applies no FSDP over one rank): give more --gpus",
          _DATA_PARALLEL),
+    Rule(lambda v: _implies(v.fsdp_reshard != "default", v.fsdp),
+         lambda v: f"--fsdp-reshard-after-forward {v.fsdp_reshard} is FSDP2's policy: give --fsdp too"),
     Rule(lambda v: _implies(v.fsdp_replicate > 1, v.fsdp),
          lambda v: f"--fsdp-replicate {v.fsdp_replicate} is HSDP's replicas of FSDP2's shards: give --fsdp too"),
     Rule(lambda v: _implies(v.fsdp_replicate > 1, (v.d % v.fsdp_replicate == 0) & (v.d // v.fsdp_replicate > 1)),
@@ -533,6 +535,8 @@ class Values:
     """--fsdp: FSDP2 shards the model state over the d data-parallel ranks (actmem.memory.fsdp)."""
     fsdp_replicate: object = 1
     """R of --fsdp-replicate: HSDP's replicas (the model state sharded over d/R ranks)."""
+    fsdp_reshard: object = "default"
+    """--fsdp-reshard-after-forward: torchtitan's policy."""
     gradient_bytes: object = None
     """Bytes a main-gradient element (--grad-dtype), when given."""
 

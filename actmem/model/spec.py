@@ -98,6 +98,9 @@ class Run:
     fsdp_replicate: int = _positive(default=1)
     """--fsdp-replicate R: HSDP, FSDP2 over a 2-D mesh that replicates the model state R times and shards it
     over d/R ranks (torchtitan's data_parallel_replicate_degree); 1: every data-parallel rank shards."""
+    fsdp_reshard: str = "default"
+    """--fsdp-reshard-after-forward: which groups FSDP2's forward reshards, torchtitan's policy
+    (actmem.model.implementation.RESHARD_POLICIES)."""
 
     def __post_init__(self):
         _require_positive_ints(self)
@@ -105,6 +108,11 @@ class Run:
             raise SpecError(f"offload_layers (--cpu-offloading-num-layers) must be a whole number of layers, 0 or "
                             f"more, got {self.offload_layers!r}")
         check_imbalance(self.routing_imbalance)
+        from actmem.model.implementation import RESHARD_POLICIES
+
+        if self.fsdp_reshard not in RESHARD_POLICIES:
+            raise SpecError(f"fsdp_reshard (--fsdp-reshard-after-forward) must be one of {', '.join(RESHARD_POLICIES)}, "
+                            f"got {self.fsdp_reshard!r}")
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
@@ -240,7 +248,7 @@ class Spec:
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
             offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
-            fsdp_replicate=run.fsdp_replicate)
+            fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

@@ -29,7 +29,7 @@ def records(est: Estimate, codes=None) -> dict:
                 "expert_tensor_parallel": run.etp, "routing_imbalance": str(spec.effective_imbalance),
                 "expert_load_layers": None if run.expert_loads is None else len(run.expert_loads),
                 "expert_data_parallel": spec.expert_optimizer_shards if spec.architecture.moe else None,
-                "offload_layers": run.offload_layers, "fsdp": run.fsdp, "fsdp_replicate": run.fsdp_replicate,
+                "offload_layers": run.offload_layers, "fsdp": run.fsdp, "fsdp_replicate": run.fsdp_replicate, "fsdp_reshard": run.fsdp_reshard,
                 "fsdp_shards": spec.fsdp_shards if run.fsdp else None},
         "stage": {"index": est.stage, "layers": est.stages[est.stage].layers,
                   "layer_activations": est.occupancy.layer_activations,

@@ -19,7 +19,7 @@ S = 63_968
 # FSDP2 keeps ceil(rows/2) of each: 16·64 = 1024, 8·64 = 512 twice, 32·32 = 1024, 25·64 = 1600 twice, 32·49 = 1568,
 # 32 twice: a block 7904; the embedding 128·64 = 8192; the final norm 32 and the output layer 8192.
 S_TP = 8192 + 2 * 7904 + 8224
-GAP = 6             # percent: what these runs reach (4.8%, full recompute at t = 1; CI's small grid allows 30)
+GAP = 12            # percent: what these runs reach (10.6%, full recompute under 'always'; CI's small grid allows 30)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_gradients")} == {4 * S, 4 * S_TP}
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_optimizer_state")} == {8 * S + 4 * 21,
                                                                                           8 * S_TP + 4 * 21}
-    assert len(_rows(fsdp_rows, "peak")) == 7 and not _rows(fsdp_rows, "peak", rank=1)
+    assert len(_rows(fsdp_rows, "peak")) == 11 and not _rows(fsdp_rows, "peak", rank=1)
     hsdp = [row for row in _rows(fsdp_rows, "fsdp_weights") if " hsdp 2x2 " in row["config"]]
     assert [row["measured_bytes"] for row in hsdp] == [4 * S]        # two replicas of d = 2's shards
     assert _rows(fsdp_rows, "total", rank=3)          # the t = 2 runs' four ranks

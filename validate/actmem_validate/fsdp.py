@@ -23,10 +23,11 @@ from actmem_validate.torch_compat import LiveBytes, fake_tensor_mode, local_tens
 from actmem_validate.torchtitan import cross_entropy_loss
 
 
-def apply_fsdp(model, mesh):
+def apply_fsdp(model, mesh, policy: str = "default"):
     """torchtitan 018740b7's apply_fsdp (models/llama3/infra/parallelize.py) at its defaults: bf16 parameters
-    for compute, fp32 reduce; the token embedding, each block (resharded after the forward) and [norm, output]
-    (not: "FSDP would prefetch them immediately"), then the root. A 2-D mesh is HSDP (replicate, shard)."""
+    for compute, fp32 reduce; the token embedding and each block, resharded after the forward unless the policy
+    is 'never', and [norm, output] only under 'always' (by default not: "FSDP would prefetch them
+    immediately"), then the root. A 2-D mesh is HSDP (replicate, shard)."""
     import warnings
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -34,10 +35,11 @@ def apply_fsdp(model, mesh):
     # under TP the embedding's output is a view (RowwiseParallel's); torchtitan's model writes it in place nowhere
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    fully_shard(model.tok_embeddings, **config, reshard_after_forward=True)
+    reshard = policy != "never"            # torchtitan's "default" without pipeline parallelism: True
+    fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
     for block in model.layers:
-        fully_shard(block, **config, reshard_after_forward=True)
-    fully_shard([model.norm, model.output], **config, reshard_after_forward=False)
+        fully_shard(block, **config, reshard_after_forward=reshard)
+    fully_shard([model.norm, model.output], **config, reshard_after_forward=policy == "always")
     fully_shard(model, **config)
     return model
 
@@ -64,7 +66,7 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
         model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
         if t > 1:
             parallelize_model(model, tensor_mesh, run.sequence_parallel)
-    model = apply_fsdp(model, data_mesh)     # outside the fake mode: under TP it joins the meshes, real tensors
+    model = apply_fsdp(model, data_mesh, run.fsdp_reshard)     # outside the fake mode: under TP it joins the meshes, real tensors
     with fake_mode:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")

@@ -124,7 +124,8 @@ def fsdp_configs() -> list[Config]:
     gradients), without recompute and with full; and over 4 ranks, t = 2 with SP inside d = 2 (torchtitan's 2-D
     mesh), v = 510 and f = 98: FSDP2 shards each rank's tensor-parallel shard, 255 rows of the embedding and the
     output layer padded to 2 x 128, 49 rows of w1 and w3 to 2 x 25 (t divides v: every rank's logits the same); and
-    HSDP over 4, 2 replicas of 2 shards (--fsdp-replicate 2), two microbatches."""
+    HSDP over 4, 2 replicas of 2 shards (--fsdp-replicate 2), two microbatches; and torchtitan's other resharding
+    policies, always and never (--fsdp-reshard-after-forward)."""
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
     spec = build_spec(model, dict(micro_batch=2, gpus=2, fsdp=True), name="small-torchtitan-fsdp",
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
@@ -132,8 +133,11 @@ def fsdp_configs() -> list[Config]:
                          name="small-torchtitan-fsdp", architecture=TORCH_NATIVE | dict(ffn_hidden=98))
     hsdp = build_spec(model, dict(micro_batch=2, gpus=4, fsdp=True, fsdp_replicate=2), name="small-torchtitan-hsdp",
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
+    policies = [replace(spec, name=f"small-torchtitan-fsdp-{policy}", run=replace(spec.run, fsdp_reshard=policy))
+                for policy in ("always", "never")]
     return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
-            + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1) + configs_for(hsdp, ["none"], 2))
+            + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1) + configs_for(hsdp, ["none"], 2)
+            + [config for policy in policies for config in configs_for(policy, ["none", "full"], 1)])
 
 
 def fp8_configs() -> list[Config]:

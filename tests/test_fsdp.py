@@ -106,16 +106,34 @@ def test_the_last_blocks_backward():
     assert moment["sharded_gradients"] == 4 * P_O
 
 
-def test_the_optimizer_step_holds_every_gradient():
-    """After the backward, before the next zero_grad: the sharded gradients 4S beside the weights and AdamW's state,
-    no activation. Llama 3.1 70B at t = 8 on 16 GPUs (d = 2) with full recompute at s = 1024: the model state is
-    large next to the checkpoints, and this moment is the peak."""
+def test_the_backward_ends_at_the_embeddings_post_backward():
+    """The root's final callback reduces the embedding last: its bf16 gradient (2·N_E, still referenced when its
+    reduce-scatter output is made: measured), its fp32 reduce-scatter input (4·d·P_E) and output (4·P_E), every other
+    group's sharded gradient (4(S - P_E)), no activation: more than the optimizer's step after it (4S). Llama 3.1 70B at t = 8 on 16 GPUs (d = 2) with full recompute at s = 1024, where the model
+    state is large next to the checkpoints, peaks there. The embedding's rank-0 shard: 16,032 vocabulary rows
+    (128,256/8) of 8192, N_E = 131,334,144; d = 2 keeps 8016 rows, P_E = 65,667,072."""
     spec = _llama("llama-3.1-70b", 16, t=8, recompute="full", seq_len=1024)
     est = estimate(spec)
     params = est.parameters
-    assert _moments(spec)["optimizer_step"] == {"sharded_gradients": params.gradients_bytes}
-    assert est.run.peak_moment.name == "optimizer_step"
-    assert est.peak.total_bytes == params.total_bytes
+    moments = _moments(spec)
+    assert moments["embedding_reduce"] == {"unsharded_gradients": 2 * 131_334_144,
+                                           "reduce_scatter_input": 4 * 2 * 65_667_072,
+                                           "sharded_gradients": params.gradients_bytes - 4 * 65_667_072,
+                                           "reduce_scatter_output": 4 * 65_667_072}
+    assert moments["optimizer_step"] == {"sharded_gradients": params.gradients_bytes}
+    assert est.run.peak_moment.name == "embedding_reduce"
+
+
+def test_full_recompute_reruns_the_last_block_beside_fsdps_rows():
+    """Under full recompute the last block's backward reruns it from its checkpoint: the layer as kept without
+    recompute, less its input, is held with the block's gathered weights. torch-native's rerun moment of its own
+    is not there (the loss's fp32 logits it frees first are larger), so the last block's moment carries it."""
+    full = _moments(_llama("llama-3.1-8b", 8, recompute="full"))
+    plain = estimate(_llama("llama-3.1-8b", 8, fsdp=False))
+    layer = plain.run.per_layer_bytes                        # one layer kept whole, at t = 1
+    # less the checkpoint (2sh), plus the layer's output made again (2sh): engine.rematerialised_bytes
+    assert full["last_block"]["rematerialised"] == layer - 2 * 8192 * 4096 + 2 * 8192 * 4096
+    assert "rerun" not in full
 
 
 def test_one_block_prefetches_the_embedding():

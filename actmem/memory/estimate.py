@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from functools import cached_property
 
-from actmem.memory import assumptions, engine
+from actmem.memory import assumptions, engine, fsdp
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
 from actmem.memory.parameters import ParameterBytes, mtp_parameters, stage_state
@@ -382,24 +382,28 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
 
 
 def _fsdp_moments(spec: Spec, t: int, technique: Technique, arch: Architecture, bindings: dict, stage) -> tuple:
-    """The stage's moments with what FSDP2's groups hold at each (actmem.memory.fsdp): a step of
-    global_batch/(b·d) microbatches, or one where the batch is not given (torchtitan's default)."""
-    from actmem.memory import fsdp
+    """The stage's moments with what FSDP2's groups hold at each (actmem.memory.fsdp); under full recompute
+    the last block's backward holds the layer its rerun makes."""
+    rerun = (engine.exact(engine.rematerialised_bytes(technique, arch), bindings)
+             if technique.recompute is Recompute.FULL else 0)
+    return fsdp.with_fsdp(stage.moments, _sharded_model(spec, t, bindings[symbols.v], arch), stage.held_bytes,
+                          engine.exact(engine.output_rows(technique, arch), bindings), rerun)
 
+
+def _sharded_model(spec: Spec, t: int, vocab: int, arch: Architecture):
+    """The model under FSDP2 at tensor-parallel size t (actmem.memory.fsdp): FSDP2 runs at p = 1, every layer on
+    the stage; a step of global_batch/(b·d) microbatches, or one where the batch is not given (torchtitan's
+    default)."""
     model = spec.model
-    sizes = fsdp.sizes(model.hidden, t, bindings[symbols.v], arch, model.heads, model.layers, spec.fsdp_shards,
-                       spec.microbatches or 1, spec.run.fsdp_reshard)
-    return fsdp.with_fsdp(stage.moments, sizes, stage.held_bytes,
-                          engine.exact(engine.output_rows(technique, arch), bindings))
+    return fsdp.sharded_model(model.hidden, t, vocab, arch, model.heads, model.layers, spec.fsdp_shards,
+                              spec.microbatches or 1, spec.run.fsdp_reshard)
 
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
     if run.fsdp:
-        from actmem.memory import fsdp
-
-        return fsdp.model_state(model.hidden, t, vocab, arch, model.heads, layers, spec.fsdp_shards)
+        return fsdp.model_state(_sharded_model(spec, t, vocab, arch))
     # the multi-token-prediction layers' weights, whatever the recompute, are layers of the last model kind
     # beside their own norms and projection; a MoE model's dense layers are its dense twin's
     mtp = mtp_layers_held(spec, stage, full_recompute=False)

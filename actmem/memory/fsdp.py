@@ -20,9 +20,11 @@ no parameter of its own. Rank 0 holds the most (torch.chunk's split), which is w
   so the peak counts them where they are (``GRADIENTS``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from actmem.memory.parameters import ParameterBytes
+from actmem.memory.peak import PeakRow
+from actmem.memory.stage_model import StageMoment
 
 PARAMETER_BYTES = 4
 """The sharded parameters' dtype: fp32, the module's (torchtitan builds the model in fp32)."""
@@ -71,18 +73,12 @@ def groups(h: int, t: int, v: int, arch, heads: int) -> tuple:
     return Group("tok_embeddings", ((v // t, h),)), Group("block", block), Group("norm, output", ((h, 1), (v // t, h)))
 
 
-def tensors(layers: int) -> int:
-    """Parameter tensors of the model: the embedding, 9 a block, the final norm and the output layer."""
-    return 1 + 9 * layers + 2
-
-
-def model_state(h: int, t: int, v: int, arch, heads: int, layers: int, d: int) -> ParameterBytes:
+def model_state(model: "ShardedModel") -> ParameterBytes:
     """Rank 0's model state under FSDP2: fp32 sharded parameters, their fp32 gradients (held from
     each group's reduce-scatter to the next zero_grad: ``GRADIENTS``) and AdamW's state."""
-    embedding, block, output = groups(h, t, v, arch, heads)
-    shard = embedding.sharded(d) + layers * block.sharded(d) + output.sharded(d)
+    shard = model.shard
     return ParameterBytes(shard, PARAMETER_BYTES * shard, REDUCE_BYTES * shard,
-                          ADAM_BYTES * shard + STEP_BYTES * tensors(layers), fsdp=True)
+                          ADAM_BYTES * shard + STEP_BYTES * model.parameter_tensors, fsdp=True)
 
 
 # What FSDP2 holds beside the activations at each moment of a microbatch's step (torch 2.13):
@@ -94,7 +90,8 @@ def model_state(h: int, t: int, v: int, arch, heads: int, layers: int, d: int) -
 #    _backward_prefetch): its flat bf16 all-gather output, 2·d·P_g, freed at its copy-out;
 #  - a group's post-backward reshards, then copies its bf16 gradients (2·N_g, unpadded) into one flat
 #    fp32 reduce-scatter input (4·d·P_g) and frees them; that input stays referenced until the next
-#    group's post-backward (reduce_scatter_states), its output is the group's sharded gradient;
+#    group's post-backward (reduce_scatter_states), its output is the group's sharded gradient; the
+#    embedding's runs last, in the root's final callback (_fsdp_state.py, _root_post_backward_final_callback);
 #  - the sharded gradients (4·P_g a group) stay to the step; with gradient accumulation every
 #    microbatch after the first adds to them in place, so its moments hold all of them (4S).
 # Not counted (a floor): the activation gradients between groups, the gradients of the group computing,
@@ -104,15 +101,19 @@ GATHERED = ("unsharded bf16 weights of {group}, d padded shards a parameter (tor
             "alloc_all_gather_outputs){why}")
 PREFETCHED = ("the flat bf16 all-gather output of {group}, prefetched by the backward (_fsdp_param_group.py, "
               "_backward_prefetch; freed at its copy-out)")
-UNSHARDED_GRADIENTS = ("the bf16 gradients of the output layer and final norm, autograd's, before the post-backward "
-                       "frees them (_fsdp_collectives.py, foreach_reduce)")
-REDUCE_INPUT = ("the flat fp32 reduce-scatter input of (norm, output), d padded shards (foreach_reduce), held until "
+UNSHARDED_GRADIENTS = ("the bf16 gradients of {group}, autograd's, before the post-backward frees them "
+                       "(_fsdp_collectives.py, foreach_reduce)")
+EMBEDDING_GRADIENT = ("the token embedding's bf16 gradient, which its post-backward, run from the root's final "
+                      "callback, has not freed when the reduce-scatter output is made (foreach_reduce's "
+                      "unsharded_grads.clear() drops the list's reference, not the last: measured to the byte)")
+REDUCE_INPUT = ("the flat fp32 reduce-scatter input of {group}, d padded shards (foreach_reduce), held until "
                 "the next group's post-backward (_fsdp_param_group.py, reduce_scatter_states)")
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """The bytes of one run's groups on rank 0 (``groups``; d ranks; L blocks; n microbatches a step)."""
+class ShardedModel:
+    """torchtitan's Llama under FSDP2 on rank 0: its groups (``groups``), d shards, L blocks, n microbatches a
+    step, the resharding policy."""
 
     d: int
     layers: int
@@ -125,10 +126,18 @@ class Sizes:
 
     @property
     def shard(self) -> int:
-        return sum(group.sharded(self.d) for group in (self.embedding, self.output)) + self.layers * self.block.sharded(self.d)
+        """S: the elements rank 0 keeps."""
+        return self.embedding.sharded(self.d) + self.layers * self.block.sharded(self.d) + self.output.sharded(self.d)
+
+    @property
+    def parameter_tensors(self) -> int:
+        return len(self.embedding.shapes) + self.layers * len(self.block.shapes) + len(self.output.shapes)
 
     def gathered_bytes(self, group: Group) -> int:
         return COMPUTE_BYTES * group.gathered(self.d)
+
+    def reduce_input_bytes(self, group: Group) -> int:
+        return REDUCE_BYTES * group.gathered(self.d)
 
     def gradients_before_bytes(self) -> int:
         """Sharded gradients held before the last microbatch's backward: every group's after a first."""
@@ -137,6 +146,10 @@ class Sizes:
     def gradients_after_output_bytes(self) -> int:
         """... and once (norm, output) has reduced: its own too, on a first microbatch."""
         return self.gradients_before_bytes() or REDUCE_BYTES * self.output.sharded(self.d)
+
+    def gradients_but_embedding_bytes(self) -> int:
+        """... and at the embedding's post-backward, every group's but its own (being made) on a first microbatch."""
+        return self.gradients_before_bytes() or REDUCE_BYTES * (self.shard - self.embedding.sharded(self.d))
 
     def unresharded_bytes(self) -> int:
         """The embedding's and the blocks' gathered weights where the forward leaves them gathered ('never'):
@@ -151,55 +164,87 @@ class Sizes:
         return self.block if self.layers > 1 else self.embedding
 
 
-def sizes(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int,
-          reshard: str = "default") -> Sizes:
-    return Sizes(d, layers, microbatches, *groups(h, t, v, arch, heads), reshard)
+def sharded_model(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int = 1,
+                  reshard: str = "default") -> ShardedModel:
+    return ShardedModel(d, layers, microbatches, *groups(h, t, v, arch, heads), reshard)
 
 
-def with_fsdp(moments: tuple, sizes: Sizes, held, output_rows) -> tuple:
-    """The stage's moments (stage_model.StageMoment) with what FSDP2 holds at each, and three of its own:
-    the output layer's post-backward, the last block's backward and the optimizer's step (fused AdamW
-    makes no temporaries: torch/optim/adam.py, _fused_adamw). ``held``: the saved activations in
-    flight; ``output_rows``: the output layer's, which its backward frees first."""
-    from actmem.memory.stage_model import StageMoment
-
-    never = sizes.reshard == "never"
-    still_gathered = _row("gathered_weights", sizes.unresharded_bytes(), GATHERED.format(
-        group="the embedding and every block", why=": the forward left them gathered (reshard_after_forward never)"))
-    output_weights = _row("gathered_weights", sizes.gathered_bytes(sizes.output) * (sizes.reshard != "always")
-                          + sizes.unresharded_bytes(), GATHERED.format(
-        group="(norm, output)" + (" and every other group" if never else ""),
-        why=": the forward leaves them gathered until their post-backward"))
-    grads_before = _row("sharded_gradients", sizes.gradients_before_bytes(),
-                        GRADIENTS + ": every group's, from the step's earlier microbatches")
-    last_block = _row("gathered_weights", sizes.gathered_bytes(sizes.block),
-                      GATHERED.format(group="the last block", why=", gathered again for its backward"))
-    in_block = ((still_gathered,) if never else (last_block, _row(
-        "prefetched_weights", sizes.gathered_bytes(sizes.before_last_block), PREFETCHED.format(group="the group before it")))) + (
-        _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
-        _row("sharded_gradients", sizes.gradients_after_output_bytes(),
-             GRADIENTS + ": (norm, output)'s and, with gradient accumulation, every group's"))
-    after_output = _row("activations_in_flight", held - output_rows,
-                        "the saved activations in flight, less the output layer's (its backward is done)")
-    extended = tuple(_extend(moment, (output_weights, grads_before) if moment.name in ("start", "loss", "forward_end")
-                             else in_block if moment.name == "rerun" else ()) for moment in moments)
-    return extended + (
-        StageMoment("output_reduce", "(norm, output)'s post-backward, its gradients copied to fp32", _rows(
-            after_output,
-            still_gathered if never else _row("prefetched_weights", sizes.gathered_bytes(sizes.block),
-                                              PREFETCHED.format(group="the last block")),
-            _row("unsharded_gradients", COMPUTE_BYTES * sizes.output.unsharded(), UNSHARDED_GRADIENTS),
-            _row("reduce_scatter_input", REDUCE_BYTES * sizes.output.gathered(sizes.d), REDUCE_INPUT),
-            grads_before)),
-        StageMoment("last_block", "the last block's backward begun", _rows(after_output, *in_block)),
+def with_fsdp(moments: tuple, model: ShardedModel, held, output_rows, rerun=0) -> tuple:
+    """The stage's moments (stage_model.StageMoment) with what FSDP2 holds at each, and four of its own: the
+    output group's post-backward, the last block's backward (with, under full recompute, the layer its rerun
+    makes: ``rerun``), the embedding's post-backward at the backward's end, and the optimizer's step (fused AdamW
+    makes no temporaries: torch/optim/adam.py, _fused_adamw). ``held``: the saved activations in flight;
+    ``output_rows``: the output layer's, which its backward frees first."""
+    after_forward, in_block = _after_forward(model), _in_last_block(model)
+    extra = {"start": after_forward, "loss": after_forward, "rerun": in_block}
+    after_output = PeakRow("activations_in_flight", held - output_rows,
+                           "the saved activations in flight, less the output layer's (its backward is done)")
+    rematerialised = PeakRow("rematerialised", rerun, "full recompute reruns the last block in its backward: the "
+                             "layer as kept without recompute, less its input (the checkpoint)")
+    return tuple(_extend(moment, extra.get(moment.name, ())) for moment in moments) + (
+        StageMoment("output_reduce", "(norm, output)'s post-backward, its gradients copied to fp32",
+                    _rows(after_output, *_output_reduce(model))),
+        StageMoment("last_block", "the last block's backward begun" + (", its rerun done" if rerun else ""),
+                    _rows(after_output, rematerialised, *in_block)),
+        StageMoment("embedding_reduce", "the embedding's post-backward, at the backward's end, its reduce-scatter "
+                    "output made", _rows(
+            PeakRow("unsharded_gradients", COMPUTE_BYTES * model.embedding.unsharded(), EMBEDDING_GRADIENT),
+            PeakRow("reduce_scatter_input", model.reduce_input_bytes(model.embedding),
+                    REDUCE_INPUT.format(group="the token embedding")),
+            PeakRow("sharded_gradients", model.gradients_but_embedding_bytes(), GRADIENTS + ": every other group's"),
+            PeakRow("reduce_scatter_output", REDUCE_BYTES * model.embedding.sharded(model.d),
+                    "the embedding's reduce-scatter output, fp32, its shard (foreach_reduce: its sharded gradient, or "
+                    "added to it with gradient accumulation)"))),
         StageMoment("optimizer_step", "the optimizer's step, every gradient held, the activations freed", (
-            _row("sharded_gradients", REDUCE_BYTES * sizes.shard, GRADIENTS + ": every group's"),)))
+            PeakRow("sharded_gradients", REDUCE_BYTES * model.shard, GRADIENTS + ": every group's"),)))
 
 
-def _row(name: str, n_bytes, source: str):
-    from actmem.memory.peak import PeakRow
+def _after_forward(model: ShardedModel) -> tuple:
+    """What the forward leaves gathered through the loss (the output group but under 'always'; every group
+    under 'never') and, with gradient accumulation, the earlier microbatches' gradients."""
+    gathered = model.gathered_bytes(model.output) * (model.reshard != "always") + model.unresharded_bytes()
+    return (PeakRow("gathered_weights", gathered, GATHERED.format(
+                group="(norm, output)" + (" and every other group" if model.reshard == "never" else ""),
+                why=": the forward leaves them gathered until their post-backward")),
+            PeakRow("sharded_gradients", model.gradients_before_bytes(),
+                    GRADIENTS + ": every group's, from the step's earlier microbatches"))
 
-    return PeakRow(name, n_bytes, source)
+
+def _still_gathered(model: ShardedModel) -> PeakRow:
+    return PeakRow("gathered_weights", model.unresharded_bytes(), GATHERED.format(
+        group="the embedding and every block", why=": the forward left them gathered (reshard_after_forward never)"))
+
+
+def _in_last_block(model: ShardedModel) -> tuple:
+    """When the last block's backward begins: it gathered again and the group before it prefetched (under
+    'never' every group but the output's still gathered, nothing prefetched), the output group's reduce-scatter
+    input and its sharded gradient."""
+    if model.reshard == "never":
+        weights = (_still_gathered(model),)
+    else:
+        weights = (PeakRow("gathered_weights", model.gathered_bytes(model.block),
+                           GATHERED.format(group="the last block", why=", gathered again for its backward")),
+                   PeakRow("prefetched_weights", model.gathered_bytes(model.before_last_block),
+                           PREFETCHED.format(group="the group before it")))
+    return weights + (
+        PeakRow("reduce_scatter_input", model.reduce_input_bytes(model.output),
+                REDUCE_INPUT.format(group="(norm, output)")),
+        PeakRow("sharded_gradients", model.gradients_after_output_bytes(),
+                GRADIENTS + ": (norm, output)'s and, with gradient accumulation, every group's"))
+
+
+def _output_reduce(model: ShardedModel) -> tuple:
+    """The output group's post-backward: the last block prefetched (under 'never' every other group still
+    gathered), the group's bf16 gradients and fp32 reduce-scatter input, the earlier microbatches' gradients."""
+    weights = _still_gathered(model) if model.reshard == "never" else PeakRow(
+        "prefetched_weights", model.gathered_bytes(model.block), PREFETCHED.format(group="the last block"))
+    return (weights,
+            PeakRow("unsharded_gradients", COMPUTE_BYTES * model.output.unsharded(),
+                    UNSHARDED_GRADIENTS.format(group="the output layer and final norm")),
+            PeakRow("reduce_scatter_input", model.reduce_input_bytes(model.output),
+                    REDUCE_INPUT.format(group="(norm, output)")),
+            PeakRow("sharded_gradients", model.gradients_before_bytes(),
+                    GRADIENTS + ": every group's, from the step's earlier microbatches"))
 
 
 def _rows(*rows) -> tuple:
@@ -207,14 +252,12 @@ def _rows(*rows) -> tuple:
     return tuple(row for row in rows if row.bytes)
 
 
-def _extend(moment, rows: tuple):
-    from dataclasses import replace
-
+def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
     return replace(moment, parts=moment.parts + _rows(*rows)) if rows else moment
 
 
 def state_rows(params: ParameterBytes) -> tuple:
     """The model state FSDP2 holds at every moment (the peak floor's): the sharded weights and AdamW's state."""
-    return (_row("weights", params.weights_bytes, "fp32 sharded weights, d padded shards (FSDP2's, rank 0's)"),
-            _row("optimizer_state", params.optimizer_bytes,
-                 "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))
+    return (PeakRow("weights", params.weights_bytes, "fp32 sharded weights, d padded shards (FSDP2's, rank 0's)"),
+            PeakRow("optimizer_state", params.optimizer_bytes,
+                    "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))

@@ -59,7 +59,7 @@ def peak_floor(row) -> PeakFloor:
     moments), the first of equals."""
     params = row.parameters
     if params.fsdp:
-        from actmem.memory.fsdp import state_rows
+        from actmem.memory.fsdp import state_rows      # fsdp builds on this module's rows
 
         return PeakFloor(state_rows(params) + row.peak_moment.parts, row.peak_moment.when)
     state = (

@@ -336,7 +336,7 @@ _NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
 _NOT_MEGATRON_EXPERTS = (("moe_dispatcher", "allgather"), ("moe_grouped_gemm", False))
 
 _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON + _NOT_MEGATRON_EXPERTS, unpadded_vocab="transformers keeps the config's vocabulary",
-           flash_head_dim_limit=256,
+           flash_head_dim_limit=256, keeps=frozenset({"cross_entropy_fp32_gradients"}),
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
                               "which actmem does not count yet",
@@ -347,8 +347,9 @@ _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT
                           "does not count yet: choose none",
            notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
                   "counted as mixed-precision Adam on one GPU (DDP), not as DeepSpeed or FSDP shard it",
-                  "hf: the loss's backward holds up to 12sbv bytes at once (fp32 log-softmax, its "
-                  "gradient and the loss's), above this peak floor's loss moment"))
+                  "hf: the loss (ForCausalLMLoss: logits.float(), then F.cross_entropy) keeps the fp32 "
+                  "log-softmax, and its backward holds fp32 gradients of the log-probabilities and of the "
+                  "logits beside it (8sbv)"))
 
 #: What Megatron-Core with Transformer Engine has that the other codes do not, each read off its source:
 #: - dataloader_mask: the dataloader's causal mask (create_attention_mask_in_dataloader);

@@ -269,13 +269,16 @@ def _memory_table(est: Estimate) -> Table:
 
 def _fsdp_state_rows(est: Estimate) -> tuple:
     """The memory table's model state under FSDP2 (actmem.memory.fsdp)."""
+    from actmem.memory.fsdp import ADAM_BYTES, PARAMETER_BYTES, REDUCE_BYTES, STEP_BYTES
+
     params, shards = est.parameters, est.spec.fsdp_shards
     shard = f"{params.count:,} elements of the shard (of {shards}) × "
-    return (("weights", params.weights_bytes, shard + "4 B (fp32; each group gathers bf16 copies to compute)"),
-            ("gradients", params.gradients_bytes, shard + "4 B (fp32), from each group's reduce-scatter to the next "
-             "zero_grad: the peak counts them where they are held"),
-            ("optimizer state", params.optimizer_bytes, shard + "8 B (AdamW's two moments, fp32) and 4 B a "
-             "parameter tensor's step"))
+    return (("weights", params.weights_bytes, shard + f"{PARAMETER_BYTES} B (fp32; each group gathers bf16 copies "
+             "to compute)"),
+            ("gradients", params.gradients_bytes, shard + f"{REDUCE_BYTES} B (fp32), from each group's reduce-scatter "
+             "to the next zero_grad: the peak counts them where they are held"),
+            ("optimizer state", params.optimizer_bytes, shard + f"{ADAM_BYTES} B (AdamW's two moments, fp32) and "
+             f"{STEP_BYTES} B a parameter tensor's step"))
 
 
 def _verdict(est: Estimate, width: int) -> Text:

@@ -59,14 +59,16 @@ def test_live_bytes_sees_a_storage_resized_between_ops():
 
     from actmem_validate.torch_compat import LiveBytes
 
+    with LiveBytes() as before:                                  # whatever else this process holds
+        pass
     full, empty = torch.ones(1024), torch.empty(0)
     with LiveBytes() as live:
         empty.untyped_storage().resize_(4 * 2**20)
         torch.zeros(1)                                            # an op: the mode looks again
         empty.untyped_storage().resize_(0)
         torch.zeros(1)
-    assert live.base == 4096
-    assert live.peak == 4096 + 4 * 2**20 + 4                    # each zeros(1) freed at once
+    assert live.base - before.base == 4096                       # full, alive on entering
+    assert live.peak - live.base == 4 * 2**20 + 4               # each zeros(1) freed at once
 
 
 def test_live_bytes_sees_inside_dtensors_loss_parallel_backward():

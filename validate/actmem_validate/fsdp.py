@@ -73,6 +73,7 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
                    for _ in range(config.microbatches)]
         _step(model, optimizer, batches, parallel_loss=t > 1)              # AdamW makes its state
         state = _state_bytes(model, optimizer)
+        _check_resharded(model)
         ledger = _ledger(model)
         with LiveBytes(fake_mode if fake else None) as live:
             _step(model, optimizer, batches, ledger, parallel_loss=t > 1)
@@ -85,7 +86,11 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
                           ("optimizer_state", params.optimizer_bytes)):
         rows.append(_row(config, rank, f"fsdp_{name}", formula, state[name], "state"))
     held = sum(state.values())
-    return rows + [_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor")]
+    if fake and live.below_peak:
+        raise RuntimeError(f"{live.below_peak:,} B made below the dispatcher in a fake run, which has no gloo copies: "
+                           "LiveBytes would miss them")
+    return rows + [_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor"),
+                   _row(config, rank, "gloo_copies_at_most", 0, live.below_peak, "information")]
 
 
 def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -> None:
@@ -125,6 +130,19 @@ def _ledger(model) -> Ledger:
         module.register_forward_pre_hook(
             lambda module, args: ledger.excluded.update(storage_key(p) for p in module.parameters(recurse=False)))
     return ledger
+
+
+def _check_resharded(model) -> None:
+    """Every unsharded weight's storage empty between steps, as LiveBytes takes the storages it resizes to be
+    (each group reshards in its post-backward). Private: FSDPModule._get_fsdp_state, FSDPParam.all_gather_outputs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    if any(output.untyped_storage().nbytes() for output in param.all_gather_outputs):
+                        raise RuntimeError(f"{param._module_info.param_name} is still gathered between steps")
 
 
 def _state_bytes(model, optimizer) -> dict:

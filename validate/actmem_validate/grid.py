@@ -125,7 +125,8 @@ def fsdp_configs() -> list[Config]:
     mesh), v = 510 and f = 98: FSDP2 shards each rank's tensor-parallel shard, 255 rows of the embedding and the
     output layer padded to 2 x 128, 49 rows of w1 and w3 to 2 x 25 (t divides v: every rank's logits the same); and
     HSDP over 4, 2 replicas of 2 shards (--fsdp-replicate 2), two microbatches; and torchtitan's other resharding
-    policies, always and never (--fsdp-reshard-after-forward)."""
+    policies, always and never (--fsdp-reshard-after-forward); and v = 4095 beside s = 8, where the embedding's
+    post-backward holds the most."""
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
     spec = build_spec(model, dict(micro_batch=2, gpus=2, fsdp=True), name="small-torchtitan-fsdp",
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
@@ -135,7 +136,11 @@ def fsdp_configs() -> list[Config]:
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
     policies = [replace(spec, name=f"small-torchtitan-fsdp-{policy}", run=replace(spec.run, fsdp_reshard=policy))
                 for policy in ("always", "never")]
+    # a large vocabulary beside a short sequence: the embedding's post-backward, at the backward's end, is the peak
+    vocab = build_spec(model | dict(vocab=4095, seq_len=8), dict(micro_batch=1, gpus=2, fsdp=True),
+                       name="small-torchtitan-fsdp-vocab", architecture=TORCH_NATIVE | dict(ffn_hidden=97))
     return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
+            + configs_for(vocab, ["none", "full"], 1)
             + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1) + configs_for(hsdp, ["none"], 2)
             + [config for policy in policies for config in configs_for(policy, ["none", "full"], 1)])
 

@@ -107,7 +107,8 @@ class LiveBytes:
     the next op; the others keep the size they had (``fixed``). ``base``: the bytes alive on entering. A
     storage first met after entering that no op made (an op's input, or a view's base) was made below
     the dispatcher: gloo's reduce-scatter copies its input (NCCL makes no such copy), so those are left
-    out. An op on DTensors is left to DTensor (the mode returns NotImplemented), so the mode sees the ops
+    out, their most at once kept apart (``below_peak``: the harness reports it, and a fake run, with no
+    gloo, must have none). An op on DTensors is left to DTensor (the mode returns NotImplemented), so the mode sees the ops
     on local tensors its handlers run, their temporaries too (loss_parallel's backward). DTensor's sharding
     propagation runs each op once more on fake tensors of the global shape, which hold no memory of the
     run: the mode pauses inside it, and counts only tensors of ``fake_mode`` (None: real ones). Private:
@@ -127,12 +128,13 @@ class LiveBytes:
             def __init__(self):
                 super().__init__()
                 self.known, self.resizable, self.fixed, self.base, self.peak = {}, {}, 0, 0, 0
-                self.paused = 0
+                self.paused, self.below, self.below_peak = 0, 0, 0
 
-            def _forget(self, key, counted):
+            def _forget(self, key, counted, below):
                 self.known.pop(key, None)
                 self.resizable.pop(key, None)
                 self.fixed -= counted
+                self.below -= below
 
             def _add(self, tensor, made_here: bool, entering: bool = False):
                 tensor = local_tensor(tensor)
@@ -142,14 +144,16 @@ class LiveBytes:
                 key = storage._cdata
                 if key in self.known and self.known[key]() is not None:
                     return
-                size = storage.nbytes()
+                size, below = storage.nbytes(), 0
                 if entering and not size:
                     self.resizable[key] = weakref.ref(storage)
-                    size = 0
-                elif not (entering or made_here):        # made below the dispatcher: not counted
-                    size = 0
-                self.known[key] = weakref.ref(storage, lambda _, key=key, size=size: self._forget(key, size))
+                elif not (entering or made_here):        # made below the dispatcher: apart (``below_peak``)
+                    size, below = 0, size
+                self.known[key] = weakref.ref(storage, lambda _, key=key, size=size, below=below:
+                                              self._forget(key, size, below))
                 self.fixed += size
+                self.below += below
+                self.below_peak = max(self.below_peak, self.below)
                 self.base += size if entering else 0
 
             def current(self) -> int:

@@ -254,10 +254,3 @@ def _rows(*rows) -> tuple:
 
 def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
     return replace(moment, parts=moment.parts + _rows(*rows)) if rows else moment
-
-
-def state_rows(params: ParameterBytes) -> tuple:
-    """The model state FSDP2 holds at every moment (the peak floor's): the sharded weights and AdamW's state."""
-    return (PeakRow("weights", params.weights_bytes, "fp32 sharded weights, d padded shards (FSDP2's, rank 0's)"),
-            PeakRow("optimizer_state", params.optimizer_bytes,
-                    "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))

@@ -52,6 +52,13 @@ class PeakFloor:
         return sum(row.bytes for row in self.rows if row.name in names)
 
 
+def _fsdp_state(params) -> tuple:
+    """The model state FSDP2 holds at every moment (actmem.memory.fsdp): its gradients are the moments' rows."""
+    return (PeakRow("weights", params.weights_bytes, "fp32 sharded weights, d padded shards (FSDP2's, rank 0's)"),
+            PeakRow("optimizer_state", params.optimizer_bytes,
+                    "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))
+
+
 def peak_floor(row) -> PeakFloor:
     """The floor for one technique on one stage (an estimate.TechniqueRow): its model state and
     the largest of the moments of its first backward after the pipeline fills
@@ -59,9 +66,7 @@ def peak_floor(row) -> PeakFloor:
     moments), the first of equals."""
     params = row.parameters
     if params.fsdp:
-        from actmem.memory.fsdp import state_rows      # fsdp builds on this module's rows
-
-        return PeakFloor(state_rows(params) + row.peak_moment.parts, row.peak_moment.when)
+        return PeakFloor(_fsdp_state(params) + row.peak_moment.parts, row.peak_moment.when)
     state = (
         PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
         PeakRow("main_gradients", params.gradients_bytes,

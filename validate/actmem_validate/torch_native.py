@@ -55,10 +55,6 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
 
     spec, run = config.spec, config.spec.run
     t, sp = run.tensor_parallel, run.sequence_parallel
-    if run.fsdp and device == "cpu":
-        from actmem_validate import fsdp
-
-        return fsdp.measure(config, rank, fake)
     if device != "cpu":          # validate refuses it in one line first (cli._check_backends)
         raise NotImplementedError("the torch-native backend runs on the CPU only so far")
     if t > 1 and not fake:

@@ -198,6 +198,15 @@ def test_an_unknown_policy_is_refused():
                    architecture=preset.architecture | {"implementation": "torch-native"})
 
 
+def test_an_fp16_params_dtype_is_refused():
+    from actmem.model.optimizer_state import OptimizerState
+
+    preset = load_preset("llama-3.1-8b")
+    with pytest.raises(SpecError, match="leave --params-dtype out"):
+        build_spec(preset.model, {"fsdp": True, "gpus": 8}, name="x", optimizer=OptimizerState(params="fp16"),
+                   architecture=preset.architecture | {"implementation": "torch-native"})
+
+
 def test_grad_dtype_is_refused():
     preset = load_preset("llama-3.1-8b")
     with pytest.raises(SpecError, match="leave --grad-dtype out"):

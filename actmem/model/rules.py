@@ -267,6 +267,9 @@ FSDP_RULES = (
          lambda v: "--grad-dtype sets Megatron's main-gradient buffer; FSDP2 keeps its gradients in its reduce "
                    "dtype, fp32 (torchtitan's mixed_precision_reduce default): leave --grad-dtype out",
          ("gradient_bytes",)),
+    Rule(lambda v: _implies(v.fsdp, v.params_dtype == "bf16"),
+         lambda v: f"--params-dtype {v.params_dtype} is Megatron's; FSDP2 computes in its mixed-precision param dtype, "
+                   f"bf16 (torchtitan's mixed_precision_param default): leave --params-dtype out", ("params_dtype",)),
     Rule(lambda v: not v.fsdp or _torchtitan_llama(v.architecture),
          lambda v: "--fsdp is modelled for the parameters of torchtitan's Llama 3 (no biases, rotary positions, an "
                    "output layer of its own): give --disable-bias-linear, --position-embedding-type rope and "
@@ -539,6 +542,8 @@ class Values:
     """--fsdp-reshard-after-forward: torchtitan's policy."""
     gradient_bytes: object = None
     """Bytes a main-gradient element (--grad-dtype), when given."""
+    params_dtype: object = None
+    """The 16-bit weights' dtype (--params-dtype), when given."""
 
 
 def _torchtitan_llama(arch) -> bool:

@@ -248,7 +248,7 @@ class Spec:
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
             offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
-            fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard)
+            fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard, params_dtype=self.optimizer.params)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

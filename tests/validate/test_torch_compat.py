@@ -101,3 +101,32 @@ def test_live_bytes_sees_inside_dtensors_loss_parallel_backward():
         dist.destroy_process_group()
     copy = 4 * rows * vocab // t            # beside them the handler's int64 and bool index tensors, 33 B a row
     assert 3 * copy <= live.peak - live.base < 3 * copy + 64 * rows
+
+
+@pytest.mark.parametrize("code", ["torchtitan", "transformers"])
+def test_the_loss_backward_holds_two_fp32_gradients_of_the_logits(code):
+    """actmem's cross_entropy_fp32_gradients at t = 1 (8sbv): PyTorch's cross entropy on fp32 logits, as torchtitan's
+    loss (components/loss.py) and transformers' ForCausalLMLoss (loss/loss_utils.py) run it. Above what the forward
+    left (the bf16 logits, their fp32 copy's log-softmax), its backward holds nll_loss's fp32 gradient of the
+    log-probabilities and log_softmax's of the logits at once; the 16-bit copy after them is smaller. (transformers'
+    loss frees the shifted int64 labels it made, 8 B a row, and its 4-B total weight before then.)"""
+    import torch
+
+    from actmem_validate.torch_compat import LiveBytes
+
+    rows, vocab = 256, 1024
+    logits = torch.randn(1, rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, rows))
+    if code == "torchtitan":
+        from actmem_validate.torchtitan import cross_entropy_loss
+
+        loss = cross_entropy_loss(logits, labels)
+    else:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        loss = ForCausalLMLoss(logits, labels, vocab)
+    with LiveBytes() as live:
+        loss.backward()
+    fp32 = 4 * rows * vocab
+    own_labels = 8 * rows + 4 if code == "transformers" else 0
+    assert 2 * fp32 - own_labels <= live.peak - live.base < 2 * fp32 + 64 * rows

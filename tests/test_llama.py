@@ -201,10 +201,19 @@ def test_the_busiest_stage_of_an_uneven_pipeline_decides_the_verdict(actmem):
     (["--first-stage-layers", "7", "--interleave", "2"], "an uneven pipeline (first or last stage layers given) "
                                                          "needs p > 1 and no interleave"),
     (["--first-stage-layers", "6"], "share the other layers evenly: 113 layers over 14 stages"),
-    (["--pp", "1", "--gpus", "1024", "--global-batch", "1024"], "needs p > 1"),
+    (["--pp", "1", "--first-stage-layers", "7", "--gpus", "1024", "--global-batch", "1024"], "needs p > 1"),
 ])
 def test_uneven_pipelines_that_do_not_add_up_are_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", "llama-3.1-405b", *args), fragment)
+
+
+def test_a_new_pp_lays_the_presets_layers_out_again(actmem):
+    """--pp 1 on the 405B preset (p = 16, 7-layer first and last stages): the preset's uneven layout goes with its p,
+    and a note says so; the one stage holds all 126 layers."""
+    out = actmem.json("estimate", "--model", "llama-3.1-405b", "--pp", "1", "--gpus", "1024", "--global-batch", "1024")
+    assert out["stage"]["layers"] == 126
+    assert any("uneven pipeline (first_stage_layers 7, last_stage_layers 7) left out: --pp 1" in note
+               for note in out["assumptions"])
 
 
 def test_partial_full_recompute_on_22b_by_hand(actmem):

@@ -166,7 +166,7 @@ def test_hsdp_shards_over_d_over_r():
 
 
 @pytest.mark.parametrize("run, architecture, message", [
-    ({"gpus": 8}, {"implementation": "megatron"}, "give --implementation torch-native"),
+    ({"gpus": 8}, {"implementation": "megatron"}, "modelled under --implementation torch-native only"),
     ({}, {}, "give --gpus"),
     ({"gpus": 1}, {}, "shards nothing"),
     ({"gpus": 8, "tensor_parallel": 8, "sequence_parallel": True}, {}, "shards nothing"),
@@ -253,6 +253,6 @@ def test_cli_prices_it_and_refuses_it_in_one_line():
     assert [row["name"] for row in out["peak_floor"]["rows"]][:2] == ["weights", "optimizer_state"]
     result = runner.invoke(cli, ["estimate", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp"])
     assert result.exit_code == 2
-    assert "give --implementation torch-native" in result.output
+    assert "modelled under --implementation torch-native only" in result.output
     result = runner.invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--fsdp"])
     assert result.exit_code == 2

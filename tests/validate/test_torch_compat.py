@@ -130,3 +130,27 @@ def test_the_loss_backward_holds_two_fp32_gradients_of_the_logits(code):
     fp32 = 4 * rows * vocab
     own_labels = 8 * rows + 4 if code == "transformers" else 0
     assert 2 * fp32 - own_labels <= live.peak - live.base < 2 * fp32 + 64 * rows
+
+
+def test_live_bytes_is_not_lowered_by_an_earlier_runs_garbage():
+    """An earlier run's modules hold their tensors in reference cycles until the collector runs; were it to run
+    inside the measured step, their frees would read as the step's and lower its peak (the small grid's HSDP run
+    once measured a whole gradient set low that way). LiveBytes collects on entering and not inside."""
+    import gc
+
+    import torch
+
+    from actmem_validate.torch_compat import LiveBytes
+
+    class Cycle:
+        def __init__(self):
+            self.me, self.tensor = self, torch.ones(2**20)      # 4 MiB, garbage once made
+
+    live = LiveBytes()               # made first: its imports could run the collector themselves
+    Cycle()
+    with live:
+        gc.collect()                                            # a collection inside: nothing left to free
+        kept = torch.ones(1024)
+    assert live.peak - live.base == 4096
+    assert gc.isenabled()
+    del kept

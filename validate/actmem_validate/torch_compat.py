@@ -162,6 +162,11 @@ class LiveBytes:
                                         if (storage := ref()) is not None)
 
             def __enter__(self):
+                # the base is what is alive: garbage in cycles (an earlier run's modules and their tensors) is
+                # collected first, and no collection runs inside, where its frees would read as the run's
+                gc.collect()
+                self.collecting = gc.isenabled()
+                gc.disable()
                 with warnings.catch_warnings():      # isinstance on torch.distributed.reduce_op warns
                     warnings.simplefilter("ignore", FutureWarning)
                     tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
@@ -184,6 +189,8 @@ class LiveBytes:
 
             def __exit__(self, *exc):
                 ShardingPropagator._propagate_tensor_meta_non_cached = self.propagate
+                if self.collecting:
+                    gc.enable()
                 return super().__exit__(*exc)
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):

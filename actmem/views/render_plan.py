@@ -165,7 +165,13 @@ def _plan_assumptions(req) -> list[str]:
         "microbatches a multiple of p, as Megatron does",
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
          "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
-        + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else [])
+        + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else []) \
+        + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
+
+
+_FSDP_NOTE = ("{code}: model state counted as mixed-precision Adam over t, replicated over the data-parallel ranks "
+              "(DDP); FSDP2, which shards it d ways, is priced by `actmem estimate --fsdp` and not "
+              "swept here yet")
 
 
 _MTP_NOTE = ("multi-token prediction: the last stage holds its {d} prediction layer(s), of the model's last layer's "

@@ -169,23 +169,21 @@ def sharded_model(h: int, t: int, v: int, arch, heads: int, layers: int, d: int,
     return ShardedModel(d, layers, microbatches, *groups(h, t, v, arch, heads), reshard)
 
 
-def with_fsdp(moments: tuple, model: ShardedModel, held, output_rows, rerun=0) -> tuple:
+def with_fsdp(moments: tuple, model: ShardedModel, held, output_rows, rerun: PeakRow | None = None) -> tuple:
     """The stage's moments (stage_model.StageMoment) with what FSDP2 holds at each, and four of its own: the
     output group's post-backward, the last block's backward (with, under full recompute, the layer its rerun
-    makes: ``rerun``), the embedding's post-backward at the backward's end, and the optimizer's step (fused AdamW
+    makes: the ``rerun`` row), the embedding's post-backward at the backward's end, and the optimizer's step (fused AdamW
     makes no temporaries: torch/optim/adam.py, _fused_adamw). ``held``: the saved activations in flight;
     ``output_rows``: the output layer's, which its backward frees first."""
     after_forward, in_block = _after_forward(model), _in_last_block(model)
     extra = {"start": after_forward, "loss": after_forward, "rerun": in_block}
     after_output = PeakRow("activations_in_flight", held - output_rows,
                            "the saved activations in flight, less the output layer's (its backward is done)")
-    rematerialised = PeakRow("rematerialised", rerun, "full recompute reruns the last block in its backward: the "
-                             "layer as kept without recompute, less its input (the checkpoint)")
     return tuple(_extend(moment, extra.get(moment.name, ())) for moment in moments) + (
         StageMoment("output_reduce", "(norm, output)'s post-backward, its gradients copied to fp32",
                     _rows(after_output, *_output_reduce(model))),
         StageMoment("last_block", "the last block's backward begun" + (", its rerun done" if rerun else ""),
-                    _rows(after_output, rematerialised, *in_block)),
+                    _rows(after_output, *((rerun,) if rerun else ()), *in_block)),
         StageMoment("embedding_reduce", "the embedding's post-backward, at the backward's end, its reduce-scatter "
                     "output made", _rows(
             PeakRow("unsharded_gradients", COMPUTE_BYTES * model.embedding.unsharded(), EMBEDDING_GRADIENT),

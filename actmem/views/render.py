@@ -304,8 +304,10 @@ def _verdict(est: Estimate, width: int) -> Text:
     state = busiest.parameters.total_bytes
     if state + est.spec.reserve_bytes > budget:       # no activation technique can help: say so
         text.append(f"Model state alone (weights, gradients, optimizer state and TE's caches: {gib(state):,.2f} GiB on {where}) and "
-                    f"the reserve are over the GPU: no recompute or offloading makes it fit; shard the optimizer state "
-                    f"(--distributed-optimizer over more GPUs) or split the model (--tp, --pp)\n", style=style)
+                    f"the reserve are over the GPU: no recompute or offloading makes it fit; "
+                    + ("shard it over more GPUs (--gpus) or split the model (--tp)" if est.spec.run.fsdp else
+                       "shard the optimizer state (--distributed-optimizer over more GPUs) or split the model "
+                       "(--tp, --pp)") + "\n", style=style)
     if est.host_bytes:
         text.append(_host_line(est))
     return text

@@ -20,7 +20,8 @@ from actmem_validate.compare import _row
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
 from actmem_validate.torch_compat import LiveBytes, fake_tensor_mode, local_tensor, storage_key
-from actmem_validate.torchtitan import cross_entropy_loss
+from actmem_validate.torch_native import RULES, _compare, build_model
+from actmem_validate.torchtitan import cross_entropy_loss, parallelize_model
 
 
 def apply_fsdp(model, mesh, policy: str = "default"):
@@ -49,9 +50,6 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
     from contextlib import nullcontext
 
     from torch.distributed.device_mesh import init_device_mesh
-
-    from actmem_validate.torch_native import _compare, build_model
-    from actmem_validate.torchtitan import parallelize_model
 
     spec, run = config.spec, config.spec.run
     t = run.tensor_parallel
@@ -106,19 +104,13 @@ def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -
         recording = ledger is not None and i == len(batches) - 1
         with loss_parallel() if parallel_loss else nullcontext():
             if recording:
-                with ledger.recording(), naming(model, _rules()):
+                with ledger.recording(), naming(model, RULES):
                     loss = cross_entropy_loss(model(tokens), labels)
                 ledger.drop_freed()
             else:
                 loss = cross_entropy_loss(model(tokens), labels)
             (loss / len(batches)).backward()
     optimizer.step()
-
-
-def _rules():
-    from actmem_validate.torch_native import RULES
-
-    return RULES
 
 
 def _ledger(model) -> Ledger:

@@ -42,6 +42,25 @@ def test_ledger_counts_a_storage_once_and_leaves_parameters_out():
     assert ledger.by_term() == {"input": 4 * 8 * 4, "unattributed": 4 * 8 * 4, "softmax_output": 3 * 8 * 4}
 
 
+def test_a_storage_of_no_bytes_is_not_filed_but_one_byte_is():
+    """torch 2.11's non-reentrant checkpoint saves a torch.empty((0,)) beside its inputs (_NoopSaveInputs): it holds
+    nothing, so it is no row; an unnamed tensor of one element still is (unattributed, 4 B)."""
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, empty, one):
+            ctx.save_for_backward(empty, one)
+            return one.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    ledger = Ledger([])
+    with ledger.recording():
+        Saves.apply(torch.empty((0,), requires_grad=True), torch.ones(1, requires_grad=True))
+    assert ledger.by_term() == {"unattributed": 4}
+
+
 def test_a_dead_label_does_not_stick_to_a_reused_address():
     ledger = Ledger([])
     with ledger.recording():

@@ -58,3 +58,16 @@ def test_a_pasted_script_s_run_settings_are_the_script_s_not_a_dead_end(actmem, 
     assert result.exit_code == 0, result.output
     refused = actmem("validate", "--megatron-args", f"@{script}", "--mode", "fake", "--global-batch", "64")
     assert refused.exit_code == 2 and "drop --global-batch" in refused.stderr
+
+
+def test_fsdp2s_gpus_are_measured_not_refused(actmem):
+    """Under --fsdp, --gpus sets the d ranks FSDP2 shards over, which the harness measures (fsdp.py): Llama 3.1 8B's
+    dims cut to 2 layers of h = 64 on 4 GPUs are measured at d = 4; without --fsdp, --gpus is still refused."""
+    small = ["--model", "llama-3.1-8b", "--heads", "8", "--query-groups", "4", "--hidden", "64",
+             "--ffn-hidden-size", "128", "--layers", "2", "--vocab", "512", "--seq-len", "32",
+             "--implementation", "torch-native", "--gpus", "4", "--mode", "fake", "--techniques", "none"]
+    result = actmem("validate", *small, "--fsdp", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert {row["config"] for row in json.loads(result.stdout)} == {
+        "llama-3.1-8b · torch-native t=1 fsdp d=4 p=1 m=1 b=1 n=1 none"}
+    assert_one_line_error(actmem("validate", *small), "on one data-parallel rank")

@@ -189,7 +189,7 @@ def _check_backends(configs, mode: str, microbatches) -> None:
         return
     if "torch-native" in others and mode == "real":
         raise SpecError("the torch-native backend runs on the CPU so far; on a GPU measure --implementation "
-                        "megatron or hf, or use --mode fake")
+                        "megatron or hf, FSDP2 (--fsdp) with --mode rank0, or use --mode fake")
 
 
 def _check_output(output) -> None:
@@ -224,7 +224,8 @@ def _configs(grid, techniques, microbatches, flags):
         return grids.GRIDS[grid]()
     # a pasted script's run (its SP, recompute, batch, GPUs) is the script's, not a request: each
     # measured run sets its own, as for a preset; flags given beside it are refused
-    ignored = [name for name in given_flags(flags) if name in _SET_BY_TECHNIQUES]
+    ignored = [name for name in given_flags(flags) if name in _SET_BY_TECHNIQUES
+               and not (name == "--gpus" and "--fsdp" in given)]      # FSDP2's d ranks are measured
     if ignored:
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")

@@ -48,13 +48,16 @@ RESIDUALS = {
     "core_attn_mask_type": "Megatron's core_attn checkpoint keeps the attention mask type as a tensor, "
                            "torch.tensor([value], dtype=torch.int) (attention.py, _checkpointed_attention_forward): "
                            "4 B a layer, left out as the paper leaves it",
-    "sdpa_rng_state": "on a GPU, transformers' sdpa runs cuDNN's attention (on an H200, torch 2.11), which keeps "
+    "sdpa_rng_state": "on a GPU, SDPA runs cuDNN's attention (transformers' sdpa on an H200, torch 2.11; torchtitan's first choice), which keeps "
                       "its philox seed and offset for the backward: 16 B a layer",
     "flash_rng_state": "on a GPU, SDPA's flash kernel keeps its philox state for the backward, 24 B a "
                        "call: rng_state, 2 uint64, and an unused uint64 scalar (PyTorch's flash_api.cpp, "
                        "mha_fwd); TE's and flash-attn's kernels keep a like 16-byte rng_state",
 }
 FLASH_RNG_STATE_BYTES = {"cuda": 2 * 8 + 8, "cpu": 0}
+CUDNN_RNG_STATE_BYTES = 2 * 8
+"""On a GPU, the philox seed and offset cuDNN's attention keeps a call: two int64 [1] (measured on an
+H200 with torch 2.11: 32 B over two layers); none from the CPU's flash kernel."""
 """The flash kernel's saved philox state by device type: none on the CPU's kernel
 (_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
 CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state")

@@ -22,8 +22,11 @@ PROCESS_BYTES = 512 * 2**20
 
 def rank_bytes(config) -> int:
     """One rank of one configuration: weights, main gradients and TE's dummy weight
-    gradients, twice the saved activations (saved + transients), and the process itself."""
+    gradients, twice the saved activations (saved + transients), and the process itself;
+    under FSDP2 (a training step, AdamW's state made), twice actmem's peak floor."""
     est = estimate(config.spec)
+    if config.spec.run.fsdp:
+        return TRANSIENT_FACTOR * est.peak.total_bytes + PROCESS_BYTES
     return (HARNESS_PARAMETER_BYTES * est.parameters.count + est.parameters.dummy_wgrads_bytes
             + TRANSIENT_FACTOR * est.activations_bytes + PROCESS_BYTES)
 
@@ -65,16 +68,17 @@ rounding, cuBLAS's workspaces and the CUDA context's own growth."""
 def gpu_bytes(config) -> int:
     """Rank 0 on a GPU (--mode rank0): actmem's peak floor (weights, main gradients, the
     activations in flight, the modelled transients) less the optimizer state the harness
-    never makes, with GPU_MARGIN."""
+    never makes (under FSDP2 it runs AdamW, so all of it), with GPU_MARGIN."""
     floor = estimate(config.spec).peak
-    need = floor.total_bytes - floor.bytes_of("optimizer_state")
+    need = floor.total_bytes - (0 if config.spec.run.fsdp else floor.bytes_of("optimizer_state"))
     return int(need * (1 + GPU_MARGIN[0])) + GPU_MARGIN[1]
 
 
 def rank0_runs(configs, gpu_free: int | None, host_free: int | None = None) -> tuple[list, list[str]]:
     """The configurations --mode rank0 measures, and one line a configuration it leaves out:
-    the megatron backend only (torch-native checks its values against one device, which the
-    fake ranks do not compute; hf runs on one device: --mode real measures both); on a GPU
+    the megatron backend, and torch-native under FSDP2 (a training step whose values are not
+    checked); not torch-native alone (it checks its values against one device, which the
+    fake ranks do not compute) nor hf (it runs on one device: --mode real measures both); on a GPU
     (gpu_free: its free bytes) no context parallelism (the harness's attention all-gathers k
     and v: not TE's ring, and larger than actmem's floor) and a floor, with GPU_MARGIN,
     within its free memory; on a CPU (host_free: the memory available) one rank's
@@ -82,8 +86,8 @@ def rank0_runs(configs, gpu_free: int | None, host_free: int | None = None) -> t
     kept, left_out = [], []
     for config in configs:
         run, implementation = config.spec.run, config.spec.architecture.implementation
-        if implementation != "megatron":
-            left_out.append(f"{config.label}: --mode rank0 measures the megatron backend; "
+        if implementation != "megatron" and not run.fsdp:
+            left_out.append(f"{config.label}: --mode rank0 measures the megatron backend and FSDP2; "
                             f"{implementation} runs with --mode real")
         elif gpu_free is not None and run.context_parallel > 1:
             left_out.append(f"{config.label}: context parallelism on a GPU (the harness's attention "

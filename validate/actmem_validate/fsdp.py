@@ -9,8 +9,13 @@ the optimizer's state, the second is measured. Its rows:
 - on rank 0, the model state after the step (the sharded fp32 parameters, their gradients, AdamW's state: the
   storages themselves, padding included), each checked to the byte (kind 'state');
 - on rank 0, the step's peak (torch_compat.LiveBytes: every live storage at its current size, less gloo's own
-  copies, which NCCL does not make) against actmem's peak floor (kind 'floor'), less what the process held
-  besides the model state (the rotary table, the token batches).
+  copies, which NCCL does not make; on a GPU, torch.cuda's allocator, through which FSDP2's storage resizes go)
+  against actmem's peak floor (kind 'floor'), less what the process held besides the model state (the rotary
+  table, the token batches; on a GPU cuBLAS's workspaces, which the first step makes: 'kept_for_the_process').
+
+Real tensors (gloo ranks, or rank 0 of the fake process group on a GPU, --mode rank0) are made as torchtitan makes
+them (train.py): the model on the meta device, parallelized and sharded there, then each rank's shards made on its
+device (to_empty) and initialised, so no rank ever holds the whole model. Fake runs make fake tensors instead.
 """
 
 import torch
@@ -45,38 +50,42 @@ def apply_fsdp(model, mesh, policy: str = "default"):
     return model
 
 
-def measure(config, rank: int, fake: bool = False) -> list[dict]:
-    """This rank's rows; ``fake``: rank 0 of the fake process group, paper-scale shapes on fake tensors."""
+def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
+    """This rank's rows; ``fake``: rank 0 of the fake process group, paper-scale shapes on fake tensors; on a
+    GPU (``device`` cuda), rank 0 of the fake process group with real tensors (--mode rank0)."""
     from contextlib import nullcontext
 
     from torch.distributed.device_mesh import init_device_mesh
 
     spec, run = config.spec, config.spec.run
-    t = run.tensor_parallel
+    t, cuda = run.tensor_parallel, device.startswith("cuda")
     torch.manual_seed(1234)
     # torchtitan's mesh: data-parallel outer (HSDP's replicas, then the shards), tensor-parallel inner; rank 0 is
     # the first of each; made outside the fake mode
     replicas = run.fsdp_replicate
-    mesh = init_device_mesh("cpu", (replicas, spec.fsdp_shards, t), mesh_dim_names=("replicate", "shard", "tp"))
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (replicas, spec.fsdp_shards, t),
+                            mesh_dim_names=("replicate", "shard", "tp"))
     data_mesh, tensor_mesh = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"], mesh["tp"]
     fake_mode = fake_tensor_mode() if fake else nullcontext()
-    with fake_mode:
-        model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
-        if t > 1:
-            parallelize_model(model, tensor_mesh, run.sequence_parallel)
-    model = apply_fsdp(model, data_mesh, run.fsdp_reshard)     # outside the fake mode: under TP it joins the meshes, real tensors
+    if fake:
+        with fake_mode:
+            model = _parallelized(spec, tensor_mesh)
+        model = apply_fsdp(model, data_mesh, run.fsdp_reshard)     # outside the fake mode: under TP it joins the meshes, real tensors
+    else:
+        model = _materialised(spec, tensor_mesh, data_mesh, device)
     with fake_mode:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
+        batches = [tuple(torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len),
+                                       device="cpu" if fake else device) for _ in "tl")
                    for _ in range(config.microbatches)]
         _step(model, optimizer, batches, parallel_loss=t > 1)              # AdamW makes its state
         state = _state_bytes(model, optimizer)
         _check_resharded(model)
         ledger = _ledger(model)
-        with LiveBytes(fake_mode if fake else None) as live:
+        with AllocatorPeak() if cuda else LiveBytes(fake_mode if fake else None) as live:
             _step(model, optimizer, batches, ledger, parallel_loss=t > 1)
     est = estimate(spec)
-    rows = _compare(config, rank, ledger.by_term())
+    rows = _compare(config, rank, ledger.by_term(), device)
     if rank:
         return rows                      # rank 0 keeps the most (ceil(rows/d)); the others, their own share
     params = est.parameters
@@ -87,8 +96,57 @@ def measure(config, rank: int, fake: bool = False) -> list[dict]:
     if fake and live.below_peak:
         raise RuntimeError(f"{live.below_peak:,} B made below the dispatcher in a fake run, which has no gloo copies: "
                            "LiveBytes would miss them")
-    return rows + [_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor"),
-                   _row(config, rank, "gloo_copies_at_most", 0, live.below_peak, "information")]
+    rows.append(_row(config, rank, "peak", est.peak.total_bytes, live.peak - live.base + held, "floor"))
+    if cuda:
+        return rows + [_row(config, rank, "kept_for_the_process", 0, live.base - held, "reserve")]
+    return rows + [_row(config, rank, "gloo_copies_at_most", 0, live.below_peak, "information")]
+
+
+def _parallelized(spec, tensor_mesh):
+    """The spec's model in fp32 (FSDP2 keeps fp32 shards and casts them to bf16 for compute), tensor-parallel as
+    torchtitan plans it when t > 1."""
+    run = spec.run
+    model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
+    if run.tensor_parallel > 1:
+        parallelize_model(model, tensor_mesh, run.sequence_parallel)
+    return model
+
+
+def _materialised(spec, tensor_mesh, data_mesh, device: str):
+    """torchtitan's order (train.py): the model on the meta device, parallelized and fully_shard-ed there, then
+    its shards made on the device (to_empty: FSDP2 swaps in each padded shard) and initialised, the rotary table
+    made anew (a buffer, emptied too)."""
+    from actmem_validate.torchtitan import precompute_freqs_cis
+
+    with torch.device("meta"):
+        model = build_model(spec, spec.run.recompute.value == "full", dtype=torch.float32)
+    if spec.run.tensor_parallel > 1:
+        parallelize_model(model, tensor_mesh, spec.run.sequence_parallel)
+    model = apply_fsdp(model, data_mesh, spec.run.fsdp_reshard)
+    model.to_empty(device=device)
+    arch = spec.architecture
+    with torch.no_grad():
+        for param in model.parameters():           # each rank's own shard (DTensor's random ops would sync them)
+            local_tensor(param).normal_(std=0.02)
+        head_dim = arch.head_dim_or(spec.model.hidden, spec.model.heads)
+        model.freqs_cis.copy_(precompute_freqs_cis(head_dim, spec.model.seq_len))
+    return model
+
+
+class AllocatorPeak:
+    """On a GPU: torch.cuda's caching allocator's live bytes at the start and its peak through the step (FSDP2
+    resizes its unsharded weights' storages through it, so it sees them, unlike torch's memory tracker)."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+        return False
 
 
 def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -> None:
@@ -131,7 +189,9 @@ def _check_resharded(model) -> None:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            state = module._get_fsdp_state()          # torch 2.13: _fsdp_param_groups; 2.11: one, or None
+            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            for group in filter(None, groups):
                 for param in group.fsdp_params:
                     if any(output.untyped_storage().nbytes() for output in param.all_gather_outputs):
                         raise RuntimeError(f"{param._module_info.param_name} is still gathered between steps")

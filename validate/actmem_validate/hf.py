@@ -25,15 +25,12 @@ from fractions import Fraction
 import torch
 
 from actmem.memory.estimate import estimate
-from actmem_validate.compare import INDEX_BYTES, STATISTIC_BYTES, term_rows
+from actmem_validate.compare import CUDNN_RNG_STATE_BYTES, INDEX_BYTES, STATISTIC_BYTES, term_rows
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
 from actmem_validate.torch_compat import fake_tensor_mode
 
 TRANSFORMERS_VERSION = "5.23.0"
-#: on a GPU, the philox seed and offset cuDNN's attention keeps a call: two int64 [1] (measured on an
-#: H200 with torch 2.11: 32 B over two layers); none from the CPU's flash kernel
-CUDNN_RNG_STATE_BYTES = 2 * 8
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _STATISTICS = {"input_layernorm": "attention_norm_statistics", "post_attention_layernorm": "mlp_norm_statistics",
                "ln_1": "attention_norm_statistics", "ln_2": "mlp_norm_statistics"}

@@ -105,6 +105,9 @@ class Ledger:
         if held is not None and held() is None:          # a node autograd freed lent its storage's address
             self.saved.pop(key, None)
             self.by_scope.discard(key)
+        if local_tensor(tensor).untyped_storage().nbytes() == 0:
+            return tensor     # holds nothing (torch 2.11's non-reentrant checkpoint saves a
+                              # torch.empty((0,)) beside its inputs: _NoopSaveInputs)
         if key not in self.excluded and key not in self.saved:
             fallback = self.scopes[-1] if self.scopes else UNATTRIBUTED
             term, alive = self.names.get(key, (fallback, None))

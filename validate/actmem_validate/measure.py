@@ -74,10 +74,10 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
 
 def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) -> list[dict]:
     """Build the first stage on this rank, run its schedule, compare with the estimate."""
-    if config.spec.run.fsdp and device == "cpu":       # torch-native under FSDP2: a training step
+    if config.spec.run.fsdp:                           # torch-native under FSDP2: a training step
         from actmem_validate import fsdp
 
-        return fsdp.measure(config, rank, fake)
+        return fsdp.measure(config, rank, device, fake)
     if config.spec.architecture.implementation == "torch-native":
         from actmem_validate import torch_native
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from actmem.memory.estimate import estimate
-from actmem_validate.compare import INDEX_BYTES, STATISTIC_BYTES, term_rows
+from actmem_validate.compare import CUDNN_RNG_STATE_BYTES, INDEX_BYTES, STATISTIC_BYTES, term_rows
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
 from actmem_validate.torch_compat import fake_tensor_mode
@@ -30,6 +30,11 @@ RULES = (
     ("", "_log_softmax.default", "out", "logits_fp32"),
     ("", "nll_loss_forward.default", 1, "cross_entropy_targets"),
     ("", "nll_loss_forward.default", "out1", "cross_entropy_total_weight"),
+    # on a GPU, cuDNN's attention (torchtitan's first choice, torchtitan.SDPA_BACKENDS): its output and
+    # log-sum-exp as the flash kernel's, then its philox seed and offset (the op's other tensor outputs)
+    ("attention", "_scaled_dot_product_cudnn_attention.default", "out0", "projection_input"),
+    ("attention", "_scaled_dot_product_cudnn_attention.default", "out1", "softmax_lse"),
+    ("attention", "_scaled_dot_product_cudnn_attention.default", "out", "sdpa_rng_state"),
 )
 
 
@@ -76,14 +81,17 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
     return _compare(config, rank, measured)
 
 
-def _compare(config, rank: int, measured: dict) -> list[dict]:
+def _compare(config, rank: int, measured: dict, device: str = "cpu") -> list[dict]:
     """The estimate's terms (one microbatch, every layer: p = 1) and the residuals torch keeps
     (int64 token ids and targets, 8 B a token each, whole on every rank; the loss's fp32 total
-    weight), against the ledger's; then the total."""
+    weight; on a GPU, cuDNN's philox state a layer, unless the blocks are recomputed whole),
+    against the ledger's; then the total."""
     spec = config.spec
     tokens = spec.model.seq_len * spec.run.micro_batch
     residuals = {"token_ids": tokens * INDEX_BYTES, "cross_entropy_targets": tokens * INDEX_BYTES,
                  "cross_entropy_total_weight": STATISTIC_BYTES}
+    if device.startswith("cuda") and spec.run.recompute.value != "full":
+        residuals["sdpa_rng_state"] = spec.model.layers * CUDNN_RNG_STATE_BYTES
     return term_rows(config, rank, {row.term.name: row.total_bytes for row in estimate(spec).run_terms} | residuals,
                      measured)
 

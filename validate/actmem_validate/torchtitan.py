@@ -14,7 +14,10 @@ keep the same tensors:
   keeps what the GPU kernel keeps (the harness's TE norm Function, fused.py), on the
   DTensor's local shard, so a CPU run measures what a GPU run holds.
 Everything else (the all-gathers PrepareModuleInput makes, the linears that save DTensors,
-SDPA's flash kernel) is PyTorch's own code.
+SDPA's kernels) is PyTorch's own code. SDPA runs under torchtitan's backend priority
+(ScaledDotProductAttentionWrapper: cuDNN, flash, efficient, math): on a GPU cuDNN's kernel,
+on a CPU the flash kernel for the CPU; both keep q, k, v, the output and the fp32 log-sum-exp,
+and cuDNN its philox seed and offset besides (torch_native.RULES names them).
 """
 
 import torch
@@ -109,11 +112,17 @@ class Attention(nn.Module):
         return self.wo(output.view(bs, seqlen, -1))
 
 
+#: models/attention.py, ScaledDotProductAttentionWrapper.sdpa_backends, in torchtitan's order
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
 def _sdpa(q, k, v):
-    with scope("softmax_lse"):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with scope("softmax_lse"), sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_BACKENDS], set_priority=True):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if out.grad_fn is not None and "Flash" not in out.grad_fn.name():
-        raise RuntimeError(f"SDPA ran {out.grad_fn.name()}, not a flash kernel")
+    if out.grad_fn is not None and not any(kernel in out.grad_fn.name() for kernel in ("Flash", "Cudnn")):
+        raise RuntimeError(f"SDPA ran {out.grad_fn.name()}, not a flash or cuDNN kernel")
     return name_saved_output(out, "projection_input")
 
 

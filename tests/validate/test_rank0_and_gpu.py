@@ -68,6 +68,7 @@ def test_rank0_measures_fsdp2_and_needs_its_whole_floor():
     assert gpu_bytes(fsdp) == int(floor.total_bytes * 1.02) + 2 * 2**30
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU run_rank0 measures there: the next test")
 def test_fsdp2_on_rank0_alone_is_measured_to_the_byte():
     """Rank 0 of d = 2 beside the fake process group, real tensors made as torchtitan makes them (meta, then each
     shard on the device): the state rows are those of the real gloo run (4S, 4S, 8S + 4 B a tensor: S = 63,968, by

@@ -242,15 +242,6 @@ def test_a_preset_pipeline_given_up_by_pp_and_its_optimizer_named():
                for note in out["assumptions"])
 
 
-def test_plan_says_it_does_not_sweep_fsdp():
-    """A torchtitan user's plan counts replicated state (DDP) and says so, naming estimate's --fsdp."""
-    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "8",
-                                      "--implementation", "torch-native"])
-    assert result.exit_code == 0, result.output
-    assert "replicated over the data-parallel ranks (DDP)" in " ".join(result.output.split())
-    assert "`actmem estimate --fsdp`" in " ".join(result.output.split())
-
-
 def test_cli_prices_it_and_refuses_it_in_one_line():
     runner = CliRunner()
     result = runner.invoke(cli, ["estimate", "--model", "llama-3.1-8b", "--implementation", "torch-native",

@@ -92,7 +92,7 @@ def test_config_label_round_trip():
         "tensor_parallel": 8, "context_parallel": 1, "pipeline_parallel": 35, "interleave": 3, "micro_batch": 1,
         "sequence_parallel": True, "recompute": "selective", "recompute_modules": None,
         "recompute_method": None, "recompute_layers": None, "distributed_optimizer": False,
-        "expert_parallel": 1, "expert_tensor_parallel": None}
+        "expert_parallel": 1, "expert_tensor_parallel": None, "fsdp": False}
     assert parse_config("t=8 p=35 m=3 b=1 sp sel+mlp")["recompute_modules"] == ("core_attn", "mlp")
     assert {key: value for key, value in parse_config("t=2 ep=8 etp=1 p=4 b=1 sp none").items() if "expert" in key} \
         == {"expert_parallel": 8, "expert_tensor_parallel": 1}
@@ -100,6 +100,7 @@ def test_config_label_round_trip():
     assert (mlp["recompute"], mlp["recompute_modules"]) == ("selective", ("mlp",))
     assert parse_config("t=8 c=4 p=2")["context_parallel"] == 4
     assert parse_config("t=2,p=4,nosp,full,dopt")["distributed_optimizer"] is True
+    assert parse_config("t=2 b=1 nosp none fsdp")["fsdp"] is True          # FSDP2, under torch-native
 
 
 def test_why_not_names_the_part_that_broke_the_budget():

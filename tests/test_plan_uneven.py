@@ -158,7 +158,7 @@ def test_explain_reads_the_split_and_the_preset_s(actmem):
         "tensor_parallel": 8, "context_parallel": 1, "pipeline_parallel": 16, "interleave": 1, "micro_batch": 1,
         "sequence_parallel": False, "recompute": "none", "recompute_modules": None, "recompute_method": None,
         "recompute_layers": None, "distributed_optimizer": False, "first_stage_layers": 7, "last_stage_layers": 7,
-        "expert_parallel": 1, "expert_tensor_parallel": None}
+        "expert_parallel": 1, "expert_tensor_parallel": None, "fsdp": False}
     inherited = parse_config("t=8 b=1", defaults=dict(LLAMA.run), layers=126)
     assert (inherited["pipeline_parallel"], inherited["first_stage_layers"]) == (16, 7)
     assert "first_stage_layers" not in parse_config("t=8 p=18 b=1", defaults=dict(LLAMA.run), layers=126)

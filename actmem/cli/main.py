@@ -291,8 +291,11 @@ def plan_request(flags: dict):
     if choice.preset_run.get("offload_layers"):
         raise SpecError(f"plan does not sweep CPU offloading yet (--cpu-offloading-num-layers "
                         f"{choice.preset_run['offload_layers']}): `actmem estimate` prices one offloaded run")
-    if choice.preset_run.get("fsdp"):
-        raise SpecError("plan does not sweep FSDP2 yet (--fsdp): `actmem estimate` prices one run of it")
+    if choice.preset_run.get("fsdp") or choice.preset_run.get("fsdp_replicate", 1) > 1 or choice.preset_run.get(
+            "fsdp_reshard", "default") != "default":
+        raise SpecError("plan sweeps FSDP2 itself under --implementation torch-native (its rows end in 'fsdp', at "
+                        "torchtitan's default resharding, over all d ranks): drop --fsdp, --fsdp-replicate and "
+                        "--fsdp-reshard-after-forward, which `actmem estimate` prices for one run")
     if choice.architecture.fp8_first_last_bf16:
         raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
                         "`actmem estimate` prices one run of it")

@@ -8,8 +8,8 @@ from actmem.model import symbols
 from actmem.model.architecture import Architecture
 from actmem.memory.parameters import ParameterBytes, mtp_parameters, stage_state
 from actmem.model.experts import dense_twin
-from actmem.memory.peak import PeakFloor, PeakRow, peak_floor
-from actmem.memory.stage_model import StageCounts, chunk_layers, rematerialised_source, stage_activations
+from actmem.memory.peak import PeakFloor, peak_floor
+from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
 from actmem.memory.pipeline import StageOccupancy, stage_occupancy
 from actmem.memory.stages import StageLoad, mtp_layer_kind, mtp_layers_held, stage_fp8_layers, stage_layers, \
     stage_moe_layers
@@ -373,21 +373,13 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     stage = stage_activations(technique, arch, lambda expr: engine.exact(expr, bindings), counts, others)
     moments = stage.moments
     if spec.run.fsdp:
-        moments = _fsdp_moments(spec, t, technique, arch, bindings, stage)
+        moments = fsdp.stage_moments(stage, technique, arch, lambda expr: engine.exact(expr, bindings),
+                                     _sharded_model(spec, t, bindings[symbols.v], arch))
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
                         _parameters(spec, t, occupancy.stage, stage_layers),
                         tuple(moment for moment in moments if moment.present))
-
-
-def _fsdp_moments(spec: Spec, t: int, technique: Technique, arch: Architecture, bindings: dict, stage) -> tuple:
-    """The stage's moments with what FSDP2's groups hold at each (actmem.memory.fsdp); under full recompute
-    the last block's backward holds the layer its rerun makes."""
-    rerun = (PeakRow("rematerialised", engine.exact(engine.rematerialised_bytes(technique, arch), bindings),
-                     rematerialised_source(technique)) if technique.recompute is Recompute.FULL else None)
-    return fsdp.with_fsdp(stage.moments, _sharded_model(spec, t, bindings[symbols.v], arch), stage.held_bytes,
-                          engine.exact(engine.output_rows(technique, arch), bindings), rerun)
 
 
 def _sharded_model(spec: Spec, t: int, vocab: int, arch: Architecture):

@@ -22,9 +22,11 @@ no parameter of its own. Rank 0 holds the most (torch.chunk's split), which is w
 
 from dataclasses import dataclass, replace
 
+from actmem.memory import engine
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.peak import PeakRow
-from actmem.memory.stage_model import StageMoment
+from actmem.memory.stage_model import StageMoment, rematerialised_source
+from actmem.model.recompute import Recompute
 
 PARAMETER_BYTES = 4
 """The sharded parameters' dtype: fp32, the module's (torchtitan builds the model in fp32)."""
@@ -113,7 +115,8 @@ REDUCE_INPUT = ("the flat fp32 reduce-scatter input of {group}, d padded shards 
 @dataclass(frozen=True)
 class ShardedModel:
     """torchtitan's Llama under FSDP2 on rank 0: its groups (``groups``), d shards, L blocks, n microbatches a
-    step, the resharding policy."""
+    step, the resharding policy. d, n and the groups' shapes (through t) are ints for one run, numpy arrays
+    over the planner's sweep (every count below is arithmetic, no branch on them)."""
 
     d: int
     layers: int
@@ -145,11 +148,13 @@ class ShardedModel:
 
     def gradients_after_output_bytes(self) -> int:
         """... and once (norm, output) has reduced: its own too, on a first microbatch."""
-        return self.gradients_before_bytes() or REDUCE_BYTES * self.output.sharded(self.d)
+        before = self.gradients_before_bytes()
+        return before + (before == 0) * REDUCE_BYTES * self.output.sharded(self.d)
 
     def gradients_but_embedding_bytes(self) -> int:
         """... and at the embedding's post-backward, every group's but its own (being made) on a first microbatch."""
-        return self.gradients_before_bytes() or REDUCE_BYTES * (self.shard - self.embedding.sharded(self.d))
+        before = self.gradients_before_bytes()
+        return before + (before == 0) * REDUCE_BYTES * (self.shard - self.embedding.sharded(self.d))
 
     def unresharded_bytes(self) -> int:
         """The embedding's and the blocks' gathered weights where the forward leaves them gathered ('never'):
@@ -167,6 +172,15 @@ class ShardedModel:
 def sharded_model(h: int, t: int, v: int, arch, heads: int, layers: int, d: int, microbatches: int = 1,
                   reshard: str = "default") -> ShardedModel:
     return ShardedModel(d, layers, microbatches, *groups(h, t, v, arch, heads), reshard)
+
+
+def stage_moments(stage, technique, arch, value, model: ShardedModel) -> tuple:
+    """A stage's moments (stage_model.stage_activations) under FSDP2 (``with_fsdp``), the engine's expressions
+    evaluated by ``value``: exactly for one run (estimate), over arrays for the planner's sweep. Under full
+    recompute the last block's backward holds the layer its rerun makes."""
+    rerun = (PeakRow("rematerialised", value(engine.rematerialised_bytes(technique, arch)),
+                     rematerialised_source(technique)) if technique.recompute is Recompute.FULL else None)
+    return with_fsdp(stage.moments, model, stage.held_bytes, value(engine.output_rows(technique, arch)), rerun)
 
 
 def with_fsdp(moments: tuple, model: ShardedModel, held, output_rows, rerun: PeakRow | None = None) -> tuple:
@@ -246,8 +260,13 @@ def _output_reduce(model: ShardedModel) -> tuple:
 
 
 def _rows(*rows) -> tuple:
-    """The rows that hold bytes."""
-    return tuple(row for row in rows if row.bytes)
+    """The rows that hold bytes (anywhere over a sweep)."""
+    return tuple(row for row in rows if _any(row.bytes))
+
+
+def _any(value) -> bool:
+    """A count, or a numpy array of them over a sweep, that is not zero everywhere."""
+    return bool(value.any()) if hasattr(value, "any") else bool(value)
 
 
 def _extend(moment: StageMoment, rows: tuple) -> StageMoment:

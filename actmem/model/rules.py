@@ -269,7 +269,7 @@ FSDP_RULES = (
     Rule(lambda v: _implies(v.fsdp, v.params_dtype == "bf16"),
          lambda v: f"--params-dtype {v.params_dtype} is Megatron's; FSDP2 computes in its mixed-precision param dtype, "
                    f"bf16 (torchtitan's mixed_precision_param default): leave --params-dtype out", ("params_dtype",)),
-    Rule(lambda v: not v.fsdp or _torchtitan_llama(v.architecture),
+    Rule(lambda v: _implies(v.fsdp, _torchtitan_llama(v.architecture)),
          lambda v: "--fsdp is modelled for the parameters of torchtitan's Llama 3 (no biases, rotary positions, an "
                    "output layer of its own): give --disable-bias-linear, --position-embedding-type rope and "
                    "--untie-embeddings-and-output-weights", ("architecture",)),

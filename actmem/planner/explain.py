@@ -13,7 +13,7 @@ from actmem.model.recompute import Recompute
 #: What a config string may leave out, when the preset's run does not say either.
 DEFAULT_RUN = {"tensor_parallel": 1, "context_parallel": 1, "pipeline_parallel": 1, "interleave": 1,
                "micro_batch": 1, "sequence_parallel": False, "recompute": "none", "distributed_optimizer": False,
-               "expert_parallel": 1, "expert_tensor_parallel": None}
+               "expert_parallel": 1, "expert_tensor_parallel": None, "fsdp": False}
 _KEYS = {"t": "tensor_parallel", "c": "context_parallel", "p": "pipeline_parallel", "m": "interleave",
          "b": "micro_batch", "ep": "expert_parallel", "etp": "expert_tensor_parallel"}
 #: an uneven pipeline's split, which a preset's p brings along and a p of the text's own drops
@@ -24,11 +24,12 @@ _SPLIT_FORM = re.compile(r"(\d+)\+(\d+)x(\d+)\+(\d+)|(\d+)\+(\d+)")
 _WORDS = {"sp": ("sequence_parallel", True), "nosp": ("sequence_parallel", False),
           "selective": ("recompute", "selective"),
           **{choice.word: ("recompute", name) for name, choice in PLAN_RECOMPUTE.items()},
-          "dopt": ("distributed_optimizer", True), "nodopt": ("distributed_optimizer", False)}
+          "dopt": ("distributed_optimizer", True), "nodopt": ("distributed_optimizer", False),
+          "fsdp": ("fsdp", True), "nofsdp": ("fsdp", False)}
 
 
 def parse_config(text: str, defaults: dict | None = None, layers: int | None = None) -> dict:
-    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces; sel+mlp and mlp for --recompute-modules
+    """'t=8 p=8 m=3 b=1 sp sel dopt' (commas or spaces; 'fsdp' for FSDP2; sel+mlp and mlp for --recompute-modules
     core_attn mlp and mlp; block=N for --recompute-method block --recompute-num-layers N;
     'p=7+8x14+7' for an uneven pipeline, whose layers must add up to
     ``layers`` where given) -> run values (actmem.model.spec.Run's). What the text leaves out comes
@@ -167,7 +168,7 @@ def explain(req, config: str, name: str = "custom", defaults: dict | None = None
                          "sequence_parallel": run.sequence_parallel,
                          "recompute": PLAN_BLOCK if block else sweep_name(run.policy),
                          "recompute_layers": block,
-                         "distributed_optimizer": run.distributed_optimizer}])
+                         "distributed_optimizer": run.distributed_optimizer, "fsdp": run.fsdp}])
     evaluated = evaluate(req, row).iloc[0]
     spec = Spec(req.model, run, name=f"{name} · {config_label(evaluated)}",
                 gpu_memory_bytes=req.gpu_memory_bytes, gpu_name=req.gpu.name, gpu_fp8=req.gpu.fp8,

@@ -7,21 +7,21 @@ per configuration. Validity is ``actmem.model.rules``, the same rules a single s
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 
 from actmem.model import defaults, rules
-from actmem.memory import engine
+from actmem.memory import engine, fsdp
 from actmem.planner import iteration
 from actmem.model.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
 from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
-from actmem.memory.parameters import expert_parameters, first_stage_parameters, mtp_parameters, stage_state
+from actmem.memory.parameters import ParameterBytes, expert_parameters, first_stage_parameters, mtp_parameters, stage_state
 from actmem.model.experts import capacity, check_routing, dense_twin, expert_shards, last_layer_moe
 from actmem.model.fp8 import check_gpu
 from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
@@ -38,7 +38,8 @@ MEMORY_PARTS = ("activations_bytes", "weights_bytes", "gradients_bytes", "optimi
                 "fp8_bytes", "transient_bytes")
 """The first stage's peak floor by part (actmem.memory.peak); they add to first_peak_bytes. Transient:
 what the peak moment holds above the total (the rerun less what was freed, or the loss's
-16-bit gradient where the stage holds the output layer)."""
+16-bit gradient where the stage holds the output layer; under FSDP2, whose total counts the
+sharded gradients that its moments hold only from their reduce-scatter on, it can be below 0)."""
 
 #: The largest inputs the sweep takes. Beyond them int64 parameter counts could overflow,
 #: and the divisor loops and the grid grow past what answers in seconds.
@@ -195,14 +196,15 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
 
 
 def _switches(req: PlanRequest) -> pd.DataFrame:
-    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; without
-    the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
-    the same rows as without it)."""
+    """SP, recompute (techniques.PLAN_RECOMPUTE), the distributed optimizer and, where the implementation runs
+    it (torch-native), FSDP2 as torchtitan applies it: 20 or 40 combinations; without the MLP's recompute where
+    every layer is a mixture of experts (the mlp module leaves a MoE layer whole: the same rows as without it)."""
     choices = [name for name, choice in PLAN_RECOMPUTE.items()
                if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", choices), how="cross")
-            .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
+            .merge(_frame("distributed_optimizer", [False, True]), how="cross")
+            .merge(_frame("fsdp", [False, True] if "fsdp" in req.architecture.code.runs else [False]), how="cross"))
 
 
 def candidates(req: PlanRequest) -> pd.DataFrame:
@@ -261,6 +263,7 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         core=req.architecture.attention_core,
                         sequence_parallel=grid.sequence_parallel,
                         distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
+                        fsdp=grid.fsdp.to_numpy(), gradient_bytes=req.gradient_bytes, params_dtype=req.optimizer.params,
                         global_batch=req.global_batch, d=grid.d, n=grid.n,
                         ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
                         recompute=grid.recompute,
@@ -392,6 +395,9 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                          ep=g.ep, etp=g.etp, moe_layers=moe, extra=extra,
                          dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp),
                          gpu_fp8=req.gpu.fp8)
+    sharded = grid.fsdp.to_numpy() if "fsdp" in grid else False
+    if np.any(sharded):        # FSDP2's state (fsdp.model_state); its gradients are held at some moments only
+        params = _where(sharded, fsdp.model_state(sharded_model(req, g)), params)
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
     memory["gradients_bytes"] = params.gradients_bytes
@@ -401,6 +407,21 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
     if name == "middle":
         memory = memory.mul(grid.p >= 3, axis=0)
     return memory
+
+
+def sharded_model(req: PlanRequest, g) -> fsdp.ShardedModel:
+    """torchtitan's Llama under FSDP2 for rows of the sweep (``g``: their d, t, vocab and n, as arrays): FSDP2
+    over all d data-parallel ranks, torchtitan's default resharding, n microbatches a step (estimate's
+    _sharded_model, over arrays)."""
+    model = req.model
+    return fsdp.sharded_model(model.hidden, g.t, g.vocab, req.architecture, model.heads, model.layers, g.d, g.n)
+
+
+def _where(rows, sharded, plain):
+    """FSDP2's ParameterBytes where ``rows`` (a boolean array), the plain (DDP) ones elsewhere."""
+    return ParameterBytes(*(np.where(rows, getattr(sharded, part), getattr(plain, part))
+                            for part in ("count", "weights_bytes", "gradients_bytes", "optimizer_bytes",
+                                         "dummy_wgrads_bytes", "fp8_bytes")))
 
 
 def fused_softmax(req: PlanRequest, grid: pd.DataFrame) -> np.ndarray:
@@ -414,14 +435,16 @@ def fused_softmax(req: PlanRequest, grid: pd.DataFrame) -> np.ndarray:
 def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> tuple:
     """(activations, transient): the stage model (actmem.memory.stage_model) over the sweep, its
     expressions lambdified on float64 columns (no int64 overflow), a group of rows at a time
-    (SP, recompute and whether the fused softmax runs: fused_softmax). Rows of PLAN_BLOCK are
-    Megatron's block method with N = recompute_layers, a count of the model like the others."""
+    (SP, recompute, whether the fused softmax runs: fused_softmax, and FSDP2, whose moments hold its
+    groups' weights and gradients: fsdp.stage_moments). Rows of PLAN_BLOCK are Megatron's block method
+    with N = recompute_layers, a count of the model like the others."""
     held = pd.Series(0, index=grid.index, dtype="int64")
     transient = pd.Series(0, index=grid.index, dtype="int64")
     kind = counts.last_moe if "last_moe" in counts else pd.Series(True, index=grid.index)
     columns = {name: counts[name].to_numpy(dtype="float64") for name in counts}     # numpy: .loc a call was slow
-    for (sp, recompute, fused, last_moe), rows in grid.assign(last_moe=kind).groupby(
-            ["sequence_parallel", "recompute", "fused_softmax", "last_moe"]):
+    sharded = grid.fsdp if "fsdp" in grid else pd.Series(False, index=grid.index)
+    for (sp, recompute, fused, last_moe, fsdp_rows), rows in grid.assign(last_moe=kind, fsdp=sharded).groupby(
+            ["sequence_parallel", "recompute", "fused_softmax", "last_moe", "fsdp"]):
         model_arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]
         technique = run_technique(bool(sp), choice)
@@ -438,10 +461,16 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
         # the multi-token-prediction layers, of the last stage's last layer's kind, held as its layers are; none under
         # full recompute, where Megatron checkpoints each whole (stages.mtp_layers_held)
         per_chunk = per_chunk + values("mtp_layers") * (choice.granularity is not Recompute.FULL)
-        stage = stage_activations(technique, arch, lambda expr: engine.numeric(expr)(*args), StageCounts(
+        value = lambda expr: engine.numeric(expr)(*args)
+        stage = stage_activations(technique, arch, value, StageCounts(
             per_chunk, values("chunks"), values("recompute_layers") if recompute == PLAN_BLOCK else None), others)
+        gradients = 0
+        if fsdp_rows:        # the moments hold FSDP2's gradients where they are live; the total counts them all
+            model = sharded_model(req, SimpleNamespace(**{key: values(key) for key in ("t", "vocab", "d", "n")}))
+            stage = replace(stage, moments=fsdp.stage_moments(stage, technique, arch, value, model))
+            gradients = fsdp.model_state(model).gradients_bytes
         held[rows.index] = _whole_bytes(stage.held_bytes, len(rows))
-        transient[rows.index] = _whole_bytes(largest_bytes(stage) - stage.held_bytes, len(rows))
+        transient[rows.index] = _whole_bytes(largest_bytes(stage) - stage.held_bytes - gradients, len(rows))
     return held, transient
 
 
@@ -502,6 +531,12 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
     grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
         reduce, gather, reduced, grid.d * grid.c, grid.m, forward_s / grid.n, (grid.compute_s - forward_s) / grid.n,
         req.overlap_grad_reduce, req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
+    if grid.fsdp.any():          # FSDP2's collectives a microbatch in place of DDP's all-reduce (p = 1: torch-native)
+        g = SimpleNamespace(**{key: grid[key].to_numpy() for key in ("t", "vocab", "d", "n")})
+        shards = sharded_model(req, g)
+        grid["data_parallel_s"] = np.where(grid.fsdp, iteration.fsdp_seconds(
+            shards.shard, shards.embedding.sharded(g.d), g.d, g.n, forward_s / grid.n,
+            (grid.compute_s - forward_s) / grid.n, across_nodes), grid.data_parallel_s)
     grid["iteration_s"] = ((grid.compute_s + grid.tensor_parallel_s + grid.context_parallel_s
                             + grid.expert_parallel_s + grid.pipeline_p2p_s) * grid.bubble + grid.data_parallel_s)
     flops = model_flops(req.global_batch, s, L, h, model.vocab, req.architecture, model.heads)
@@ -574,9 +609,9 @@ def plan(req: PlanRequest) -> Plan:
 
 
 #: what a configuration is, beside its recompute: the columns its rows share
-_CONFIGURATION = ["t", "c", "p", "ep", "etp", "m", "b", "sequence_parallel", "distributed_optimizer"]
+_CONFIGURATION = ["t", "c", "p", "ep", "etp", "m", "b", "sequence_parallel", "distributed_optimizer", "fsdp"]
 CANDIDATE_COLUMNS = ["t", "c", "p", *STAGE_LAYERS, "d", "ep", "etp", "b", "m", "sequence_parallel", "recompute",
-                     "distributed_optimizer", "n"]
+                     "distributed_optimizer", "fsdp", "n"]
 """A configuration as candidates() gives it, before evaluate()."""
 
 
@@ -642,7 +677,7 @@ def block_recompute(req: PlanRequest, evaluated: pd.DataFrame) -> pd.DataFrame:
 
 
 def config_label(row) -> str:
-    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt'; 'c=2' after t with context parallelism, then a mixture of
+    """'t=8 p=8 m=3 b=1 sp sel' (+ ' dopt', or ' fsdp' for FSDP2 under torch-native; 'c=2' after t with context parallelism, then a mixture of
     experts' 'ep=8' where EP > 1 and 'etp=1' where ETP is not t; an uneven
     pipeline's layers as p, 'p=7+8x14+7', and no m; full recompute of N layers a chunk by
     Megatron's block method as 'block=N'): what --explain takes back (a recompute the plan
@@ -658,4 +693,4 @@ def config_label(row) -> str:
     experts = (f" ep={row.ep}" if getattr(row, "ep", 1) > 1 else "") + (
         f" etp={row.etp}" if getattr(row, "etp", row.t) != row.t else "")
     label = f"t={row.t}{cp}{experts} {pipeline} b={row.b} {'sp' if row.sequence_parallel else 'nosp'} {short}"
-    return label + (" dopt" if row.distributed_optimizer else "")
+    return label + (" dopt" if row.distributed_optimizer else "") + (" fsdp" if getattr(row, "fsdp", False) else "")

@@ -169,9 +169,12 @@ def _plan_assumptions(req) -> list[str]:
         + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
 
 
-_FSDP_NOTE = ("{code}: model state counted as mixed-precision Adam over t, replicated over the data-parallel ranks "
-              "(DDP); FSDP2, which shards it d ways, is priced by `actmem estimate --fsdp` and not "
-              "swept here yet")
+_FSDP_NOTE = ("{code}: each configuration twice, its model state replicated over the d data-parallel ranks (DDP: "
+              "mixed-precision Adam over t) and sharded d ways by FSDP2 as torchtitan applies it ('fsdp': fp32 "
+              "shards, AdamW's state, the weights each group gathers and the gradients each reduce-scatters at the "
+              "moment they peak, torchtitan's default resharding; actmem.memory.fsdp); FSDP2's all-gathers (bf16, "
+              "forward and backward) and reduce-scatters (fp32) every microbatch, overlapped with the compute beside "
+              "them but the token embedding's; HSDP and the other resharding policies with `actmem estimate`")
 
 
 _MTP_NOTE = ("multi-token prediction: the last stage holds its {d} prediction layer(s), of the model's last layer's "

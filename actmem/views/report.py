@@ -173,7 +173,7 @@ def to_markdown(est: Estimate, codes=None) -> str:
 
 
 PLAN_COLUMNS = ["t", "c", "p", "first_stage_layers", "stage_layers", "last_stage_layers", "m", "b", "d", "n", "ep", "etp",
-                "sequence_parallel", "recompute", "recompute_layers", "distributed_optimizer", "activations_bytes",
+                "sequence_parallel", "recompute", "recompute_layers", "distributed_optimizer", "fsdp", "activations_bytes",
                 "weights_bytes",
                 "gradients_bytes", "optimizer_bytes", "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes", "total_bytes",
                 "first_peak_bytes", "middle_peak_bytes", "last_peak_bytes", "peak_bytes", "peak_stage", "fits",

@@ -85,6 +85,9 @@ def test_the_vocabulary_is_not_padded_under_dtensor():
 
 @pytest.mark.parametrize("args, fragment", [
     (("--model", "22b", "--implementation", "torch-native"), "attention_core must be flash, got eager"),
+    # every setting to change in the one refusal, not one a try: 22B's GeLU, LayerNorm and dropout too
+    (("--model", "22b", "--implementation", "torch-native"),
+     "also activation must be swiglu, got gelu (--activation); normalization must be rmsnorm, got layernorm"),
     (("--model", "llama-3.1-8b", "--implementation", "torch-native", "--swiglu", "--activation", "gelu"),
      "disagree"),
     (TORCH_NATIVE + ("--cp", "2"), "context parallelism (c = 2) is not modelled for --implementation torch-native"),

@@ -164,11 +164,17 @@ _FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias", "moe": 
 
 
 def _why(constraints: tuple, arch) -> str:
-    """The first broken constraint, as a person reads it."""
-    field, allowed, why = _broken(constraints, arch)[0]
+    """The broken constraints, as a person reads them: the first one's reason and setting, then every other
+    setting to change, so one refusal names them all rather than one a try."""
+    (field, allowed, why), *others = _broken(constraints, arch)
+    also = "; also " + "; ".join(_setting(arch, *other[:2]) for other in others) if others else ""
+    return f"{why}: {_setting(arch, field, allowed)}{also}"
+
+
+def _setting(arch, field: str, allowed: tuple) -> str:
     shown = " or ".join("unset" if v is None else str(v) for v in allowed)
     flag = _FLAGS.get(field, f"--{field.replace('_', '-')}")
-    return f"{why}: {field} must be {shown}, got {getattr(arch, field)} ({flag})"
+    return f"{field} must be {shown}, got {getattr(arch, field)} ({flag})"
 
 
 # torchtitan's Llama 3 block, parallelised by torchtitan's plan (torchtitan/models/llama3/

@@ -127,3 +127,54 @@ def test_every_fsdp_row_of_a_small_sweep_is_the_estimate():
         est = estimate(spec)
         assert spec.run.fsdp and est.parameters.weights_bytes == row.weights_bytes
         assert (est.total_bytes, est.verdict_bytes) == (row.total_bytes, row.peak_bytes), config_label(row)
+
+
+def test_no_fsdp_row_says_why():
+    """--grad-dtype bf16 is Megatron's buffer, which FSDP2 does not have: the sweep keeps DDP's rows and says why
+    FSDP2's are absent, in the rule's own words."""
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "8",
+                                      "--implementation", "torch-native", "--grad-dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert " fsdp " not in text and "no FSDP2 row, as --grad-dtype sets Megatron's main-gradient buffer" in text
+
+
+def test_the_nearest_gpu_count_where_only_fsdp_fits():
+    """Llama 3.1 70B on 8 GPUs fits nowhere; on 16, t = 8 and d = 2 under FSDP2 with full recompute does (its fp32
+    shards and AdamW's state, 12 B a parameter over d, leave room), so 16 is the nearest count, not 32."""
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-70b", "--gpus", "8", "--global-batch", "64",
+                                      "--implementation", "torch-native"])
+    assert result.exit_code == 1
+    assert "Nearest GPU counts where a configuration fits: 16 GPUs: t=8 p=1 m=1 b=1 sp full fsdp" in " ".join(
+        result.output.split())
+
+
+def test_ddp_rows_overlap_their_all_reduce_under_torch_native():
+    """PyTorch's DDP overlaps its gradient all-reduce with the backward, always: a torch-native plan's DDP rows are
+    timed as Megatron's under --overlap-grad-reduce, and say so."""
+    base = ["plan", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64", "--format", "json",
+            "--top", "0"]
+    native = json.loads(CliRunner().invoke(cli, base + ["--implementation", "torch-native"]).output)["best"]
+    ddp = {row["config"]: row["data_parallel_s"] for row in native if not row["fsdp"]}
+    megatron = lambda *flags: {row["config"]: row["data_parallel_s"] for row in json.loads(
+        CliRunner().invoke(cli, base + list(flags)).output)["best"]}
+    overlapped, plain = megatron("--overlap-grad-reduce"), megatron()
+    both = [config for config in ddp if config in overlapped and config in plain]
+    assert len(both) > 5 and all(ddp[config] < plain[config] / 2 for config in both)
+    # where the backward hides all but the last bucket (the embedding's), the same bucket Megatron's overlap leaves,
+    # within 1% (Megatron pads the vocabulary); elsewhere the two compute models' backwards differ
+    assert sum(abs(ddp[config] - overlapped[config]) <= 0.01 * overlapped[config] for config in both) > 5
+    text = " ".join(CliRunner().invoke(cli, base[:-4] + ["--implementation", "torch-native"]).output.split())
+    assert "PyTorch's DDP always overlaps it" in text
+    from actmem.model.implementation import implementation
+
+    assert implementation("torch-native").overlaps_grad_reduce and not implementation("megatron").overlaps_grad_reduce
+
+
+def test_a_preset_with_megatrons_optimizer_plans_under_torch_native():
+    """Llama 3.1 405B's preset runs Megatron's distributed optimizer; plan chooses the run itself, so under
+    torch-native it sweeps DDP and FSDP2 rather than refusing the preset's optimizer."""
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-405b", "--gpus", "1024", "--global-batch",
+                                      "1024", "--implementation", "torch-native"])
+    assert result.exit_code == 0, result.output
+    assert "t=2 p=1 m=1 b=2 sp full fsdp" in result.output

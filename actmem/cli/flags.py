@@ -530,10 +530,11 @@ def model_options(command):
     return add_flags(command, (PRESET,) + MODEL_FLAGS)
 
 
-def _run_defaults(flags: dict, preset, run: dict, architecture: dict) -> tuple:
+def _run_defaults(flags: dict, preset, run: dict, architecture: dict, sweeping: bool = False) -> tuple:
     """Run values that follow from others the user gave, each named in a note: the preset's uneven pipeline
     dropped where --pp changes its p; under torch-native at t > 1 sequence parallelism on unless asked off
-    (torchtitan's plan always has it)."""
+    (torchtitan's plan always has it). ``sweeping``: for a command that chooses the run itself (plan), which
+    takes none of the preset's optimizer."""
     notes = ()
     uneven = {key: run[key] for key in ("first_stage_layers", "last_stage_layers")
               if preset and key in preset.run and flags.get(key) is None}
@@ -545,7 +546,7 @@ def _run_defaults(flags: dict, preset, run: dict, architecture: dict) -> tuple:
                   f"left out: --pp {flags['pipeline_parallel']} lays the layers out again",)
     code = implementation(architecture.get("implementation", MEGATRON))
     if (preset and preset.run.get("distributed_optimizer") and flags.get("distributed_optimizer") is None
-            and "distributed_optimizer" not in code.runs):
+            and "distributed_optimizer" not in code.runs and not sweeping):
         raise SpecError(f"the preset's run uses Megatron's distributed optimizer, which --implementation {code.name} "
                         f"does not run: give --no-distributed-optimizer"
                         + (" (--fsdp shards the model state itself)" if "fsdp" in code.runs else ""))
@@ -557,9 +558,9 @@ def _run_defaults(flags: dict, preset, run: dict, architecture: dict) -> tuple:
     return notes
 
 
-def _preset_and_flags(flags: dict, preset=None) -> tuple:
+def _preset_and_flags(flags: dict, preset=None, sweeping: bool = False) -> tuple:
     """(name, model values, run values, architecture values, notes): the preset's, overridden
-    by the flags given. ``flags`` is already resolved."""
+    by the flags given. ``flags`` is already resolved; ``sweeping``: for plan and flops (_run_defaults)."""
     from actmem.sources.presets import load_preset
 
     if preset is None and flags["preset"]:
@@ -573,7 +574,7 @@ def _preset_and_flags(flags: dict, preset=None) -> tuple:
     if preset is None and not model:
         raise SpecError("give a preset with --model (see `actmem presets`) or the model dims "
                         "--heads, --hidden, --layers, --vocab, --seq-len")
-    notes = _run_defaults(flags, preset, run, architecture)
+    notes = _run_defaults(flags, preset, run, architecture, sweeping)
     unmeasured = preset.unmeasured.get(architecture.get("implementation")) if preset else None
     if unmeasured:
         code = implementation(architecture["implementation"])
@@ -625,7 +626,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     if preset is not None:       # a preset file is checked whole, whatever the flags change, on its own GPU
         build_spec(preset.model, preset.run, name=preset.name, architecture=preset.architecture,
                    **gpu_options({}, preset.gpu))
-    name, model, run, architecture, _ = _preset_and_flags(flags, preset)
+    name, model, run, architecture, _ = _preset_and_flags(flags, preset, sweeping=True)
     _check_paste(pasted, model, architecture)
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)

@@ -294,8 +294,9 @@ def plan_request(flags: dict):
     if choice.preset_run.get("fsdp") or choice.preset_run.get("fsdp_replicate", 1) > 1 or choice.preset_run.get(
             "fsdp_reshard", "default") != "default":
         raise SpecError("plan sweeps FSDP2 itself under --implementation torch-native (its rows end in 'fsdp', at "
-                        "torchtitan's default resharding, over all d ranks): drop --fsdp, --fsdp-replicate and "
-                        "--fsdp-reshard-after-forward, which `actmem estimate` prices for one run")
+                        "torchtitan's default resharding, over all d ranks): the preset's run sets fsdp, "
+                        "fsdp_replicate or fsdp_reshard, which `actmem estimate` prices for one run; drop them "
+                        "from the preset")
     if choice.architecture.fp8_first_last_bf16:
         raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
                         "`actmem estimate` prices one run of it")

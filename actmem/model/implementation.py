@@ -50,6 +50,11 @@ class Implementation:
     spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
     Engine's whole-layer CPU offloading (--cpu-offloading-num-layers); and "fsdp", PyTorch's FSDP2 as
     torchtitan applies it (--fsdp), which Megatron's code does not run."""
+    overlaps_grad_reduce: bool = False
+    """Whether its data-parallel gradient reduction always overlaps the backward: PyTorch's DDP does (its reducer
+    all-reduces a bucket, 25 MB by default, as soon as its last gradient is ready: torch/nn/parallel/distributed.py,
+    bucket_cap_mb; torch/csrc/distributed/c10d/reducer.cpp, mark_variable_ready); Megatron's does only under
+    --overlap-grad-reduce."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
@@ -423,7 +428,7 @@ IMPLEMENTATIONS = {
         gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
         keeps=frozenset({"repeated_key_value", "silu_output", "cross_entropy_fp32_gradients"}),
         architecture=_TORCHTITAN_LLAMA,
-        runs=frozenset({"tensor", "fsdp"}),
+        runs=frozenset({"tensor", "fsdp"}), overlaps_grad_reduce=True,
         unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
                "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "

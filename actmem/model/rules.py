@@ -598,14 +598,15 @@ def _unmodelled_run(v, what: str) -> str:
     return f"{what} is not modelled for --implementation {v.code.name}; actmem models it for megatron"
 
 
-def _applies(rule: Rule, values: Values) -> bool:
+def applies(rule: Rule, values: Values) -> bool:
+    """Whether every value the rule needs is known."""
     return all(getattr(values, name) is not None for name in rule.needs)
 
 
 def check(values: Values) -> None:
     """Raise SpecError with the first rule one configuration breaks."""
     for rule in RULES:
-        if _applies(rule, values) and not rule.holds(values):
+        if applies(rule, values) and not rule.holds(values):
             raise SpecError(rule.message(values))
 
 
@@ -613,5 +614,5 @@ def valid(values: Values):
     """Which configurations obey every rule (a boolean array over the sweep)."""
     import numpy as np
 
-    results = [np.asarray(rule.holds(values)) for rule in RULES if _applies(rule, values)]
+    results = [np.asarray(rule.holds(values)) for rule in RULES if applies(rule, values)]
     return np.logical_and.reduce(np.broadcast_arrays(*results))   # a rule of the model alone is a scalar

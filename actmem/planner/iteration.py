@@ -212,15 +212,15 @@ def exposed_data_parallel_seconds(reduce, gather, parameters, d, m, forward, bac
 
 
 def fsdp_seconds(shard, embedding_shard, d, n, forward, backward, bandwidth):
-    """What of FSDP2's collectives (torchtitan's, actmem.memory.fsdp: every group resharded after its forward)
-    the iteration waits for. Every microbatch all-gathers each group's bf16 weights for its forward and again for
-    its backward, and reduce-scatters its fp32 gradients: (d - 1)·S elements a collective on rank 0 (d padded
-    shards of S), 2 + 2 + 4 B each, n times a step. Each overlaps the compute beside it (the forward's
+    """What of FSDP2's collectives (torchtitan's, actmem.memory.fsdp) the iteration waits for. Every microbatch
+    all-gathers each group's bf16 weights for its forward and, resharded after it, again for its backward, and
+    reduce-scatters its fp32 gradients: (d - 1)·S elements a collective on rank 0 (d padded shards of S),
+    2 + 2 + 4 B each, n times a step. Each overlaps the compute beside it (the forward's
     all-gathers one group ahead, the backward's prefetch and the reduce-scatters behind it), so what exceeds a
     microbatch's ``forward`` and ``backward`` seconds waits, and at least the token embedding's: its all-gather
     opens the forward (the root's pre-forward) and its reduce-scatter closes the backward (the root's final
-    callback). Counted as the output group's too, which the default policy leaves gathered from the forward to
-    its backward: a ranking model."""
+    callback). The output group, which the default policy leaves gathered from its forward to its backward, is
+    counted as gathered twice too (a few percent of S): a ranking model."""
     per_byte = (d - 1) / bandwidth
     gather, reduce = 2 * shard * per_byte, 4 * shard * per_byte
     first_gather, last_reduce = 2 * embedding_shard * per_byte, 4 * embedding_shard * per_byte

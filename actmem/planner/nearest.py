@@ -60,7 +60,8 @@ def _nearby_counts(req) -> list[int]:
 def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
     """A lower bound: the weights, gradients and (sharded, where d > 1) optimizer state of
     the first stage, and of stage 1 (in an uneven split it has the most layers,
-    pipeline.stage_split), alone fit."""
+    pipeline.stage_split), alone fit; or, where the implementation runs FSDP2 and d > 1, its fp32
+    shards and AdamW's state, 12 B a parameter over d, which every moment holds (actmem.memory.fsdp)."""
     from actmem.memory.parameters import parameter_bytes, stage_parameters
     from actmem.memory.pipeline import stage_split
     from actmem.model.spec import padded_vocab
@@ -71,4 +72,5 @@ def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
     count = max(stage_parameters(model.hidden, model.layers, p, t, vocab, model.seq_len, req.architecture,
                                  model.heads, stage_layers=layers, stage=stage)
                 for stage, layers in ((0, first), (min(1, p - 1), between)))
-    return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes
+    sharded = "fsdp" in req.architecture.code.runs and d > 1 and 12 * count // d <= req.budget_bytes
+    return sharded or parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

@@ -288,6 +288,21 @@ def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
                         f"p={row.p} b={row.b}: {error}") from None
 
 
+def fsdp_refusal(req: PlanRequest) -> str | None:
+    """Why the sweep has no FSDP2 row though the implementation runs it: the first of rules.FSDP_RULES that the
+    request breaks whatever the configuration (the model's parameters, the gradients' and weights' dtypes), read
+    at one configuration of d = 2; None where its rows can be (every configuration of d > 1)."""
+    if "fsdp" not in req.architecture.code.runs:
+        return None
+    model = req.model
+    values = rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len, t=1,
+                          p=1, m=1, b=1, sequence_parallel=False, distributed_optimizer=False, gpus=req.gpus, d=2,
+                          fsdp=True, gradient_bytes=req.gradient_bytes, params_dtype=req.optimizer.params,
+                          architecture=req.architecture, code=req.architecture.code)
+    return next((rule.message(values) for rule in rules.FSDP_RULES
+                 if rules.applies(rule, values) and not rule.holds(values)), None)
+
+
 def unmodelled_recompute(req: PlanRequest) -> dict:
     """{recompute choice: why actmem does not model it here}, by the sweep's names."""
     unmodelled = {}
@@ -530,7 +545,8 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                      across_nodes, req.gradient_bytes)
     grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
         reduce, gather, reduced, grid.d * grid.c, grid.m, forward_s / grid.n, (grid.compute_s - forward_s) / grid.n,
-        req.overlap_grad_reduce, req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
+        req.overlap_grad_reduce or req.architecture.code.overlaps_grad_reduce, req.overlap_param_gather,
+        embedding=grid.vocab * h / grid.t)
     if grid.fsdp.any():          # FSDP2's collectives a microbatch in place of DDP's all-reduce (p = 1: torch-native)
         g = SimpleNamespace(**{key: grid[key].to_numpy() for key in ("t", "vocab", "d", "n")})
         shards = sharded_model(req, g)

@@ -29,6 +29,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
     ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
     experts = req.architecture.moe                   # an ep column only for a mixture of experts
+    overlapped = req.overlap_grad_reduce or req.architecture.code.overlaps_grad_reduce
     columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + (("ep",) if experts else ()) \
         + ("pp", "bub", "dp", "MFU")
     for column in columns:
@@ -43,7 +44,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     table.caption = (f"time = (comp + tp{' + cp' if ring else ''}{' + ep' if experts else ''} + pp) × (1 + bub) "
                      f"+ dp: compute; tensor-parallel, {'context-parallel, ' if ring else ''}"
                      f"{'the token dispatcher, ' if experts else ''}pipeline and data-parallel "
-                     f"communication{' (what overlap leaves)' if plan.request.overlap_grad_reduce else ''}; "
+                     f"communication{' (what overlap leaves)' if overlapped else ''}; "
                      f"d = gpus/(t{'·c' if ring else ''}·p); --explain CONFIG shows one in full")
     table.caption_justify = "left"
     if not plan.fitting.empty:
@@ -124,6 +125,10 @@ def _compute_assumption(req) -> str:
 
 
 def _overlap_assumption(req) -> str:
+    if req.architecture.code.overlaps_grad_reduce:
+        return (f"{req.architecture.implementation}: DDP's gradient all-reduce overlapped with the last "
+                "microbatch's backward (PyTorch's DDP always overlaps it, bucket by bucket), the bucket with the "
+                "token embedding left waiting; FSDP2's collectives as the note below says")
     if not req.overlap_grad_reduce:
         return "nothing overlapped (Megatron's default; --overlap-grad-reduce, --overlap-param-gather)"
     gather = ("and the parameter all-gather behind the next forward (--overlap-param-gather: the distributed "
@@ -166,10 +171,21 @@ def _plan_assumptions(req) -> list[str]:
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
          "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
         + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else []) \
-        + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
+        + ([_fsdp_note(req)] if "fsdp" in req.architecture.code.runs else [])
 
 
-_FSDP_NOTE = ("{code}: each configuration twice, its model state replicated over the d data-parallel ranks (DDP: "
+def _fsdp_note(req) -> str:
+    from actmem.planner.plan import fsdp_refusal
+
+    refused = fsdp_refusal(req)
+    if refused:
+        return (f"{req.architecture.implementation}: model state replicated over the d data-parallel ranks (DDP: "
+                f"mixed-precision Adam over t); no FSDP2 row, as {refused}")
+    return _FSDP_NOTE.format(code=req.architecture.implementation)
+
+
+_FSDP_NOTE = ("{code}: each configuration of d > 1 twice, its model state replicated over the d data-parallel "
+              "ranks (DDP: "
               "mixed-precision Adam over t) and sharded d ways by FSDP2 as torchtitan applies it ('fsdp': fp32 "
               "shards, AdamW's state, the weights each group gathers and the gradients each reduce-scatters at the "
               "moment they peak, torchtitan's default resharding; actmem.memory.fsdp); FSDP2's all-gathers (bf16, "

@@ -110,10 +110,10 @@ def check_context(t: int, c: int) -> dict:
     """{'flash-rope-gqa c=2 sp=on recompute=none': largest difference, ...} over t·c ranks."""
     import tempfile
 
-    from actmem_validate.launch import _free_port
+    from actmem_validate.gloo import free_port
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_context_rank, args=(t, c, folder, _free_port()), nprocs=t * c, join=True)
+        mp.spawn(_context_rank, args=(t, c, folder, free_port()), nprocs=t * c, join=True)
         with open(os.path.join(folder, "result.json")) as file:
             return json.load(file)
 
@@ -143,10 +143,10 @@ def check_all(t: int) -> dict:
     """{'paper sp=on recompute=full': largest difference, ...} over t gloo ranks."""
     import tempfile
 
-    from actmem_validate.launch import _free_port
+    from actmem_validate.gloo import free_port
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(t, folder, _free_port()), nprocs=t, join=True)
+        mp.spawn(_rank, args=(t, folder, free_port()), nprocs=t, join=True)
         with open(os.path.join(folder, "result.json")) as file:
             return json.load(file)
 

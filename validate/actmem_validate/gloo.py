@@ -13,12 +13,35 @@ def spawn(rank_fn, config) -> list[tuple]:
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    with socket.socket() as probe:                  # a free port for this run's rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(rank_fn, args=(config.world_size, port, config, results), nprocs=config.world_size,
-                       start_method="spawn")
+
+    def start(port):
+        mp.start_processes(rank_fn, args=(config.world_size, port, config, results), nprocs=config.world_size,
+                           start_method="spawn")
+
+    on_a_free_port(start)
     return sorted(results.get() for _ in range(config.world_size))
+
+
+TAKEN = "EADDRINUSE"
+"""What torch's TCPStore says when the rendezvous port was taken."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def on_a_free_port(start, tries: int = 3):
+    """``start(port)`` on a free local port for a rendezvous. A port free when probed can be bound by another
+    process before rank 0's store binds it (EADDRINUSE, seen beside other gloo runs on the machine): then again
+    on another, up to ``tries`` times; any other failure at once."""
+    for attempt in range(tries):
+        try:
+            return start(free_port())
+        except Exception as error:                  # the spawner's own exception, or the harness's one line
+            if TAKEN not in str(error) or attempt == tries - 1:
+                raise
 
 
 def term_table(configs, measure, formula) -> list[dict]:

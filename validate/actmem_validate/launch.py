@@ -7,7 +7,6 @@ spawner terminates the other ranks, and every collective has a timeout, so CI ne
 
 import json
 import os
-import socket
 import tempfile
 from datetime import timedelta
 from itertools import groupby
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from actmem_validate.gloo import on_a_free_port
 from actmem_validate.measure import Config, measure
 
 FAIL_RANK_VARIABLE = "ACTMEM_VALIDATE_FAIL_RANK"   # fault injection, for the tests of the above
@@ -113,7 +113,8 @@ def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config:
     """t processes for each world size, each measuring its own rank."""
     rows = []
     for t, group in _by_world_size(configs):
-        rows += _spawned(_spawned_rank, (t, group, _free_port(), timeout_s), t, f"a rank of the t={t} run")
+        rows += on_a_free_port(lambda port: _spawned(_spawned_rank, (t, group, port, timeout_s), t,
+                                                     f"a rank of the t={t} run"))
         for config in group:
             on_done(config)
     return rows
@@ -142,10 +143,6 @@ def _write_rows(folder: str, rank: int, rows: list[dict]) -> None:
         json.dump(rows, file)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spawned_rank(rank: int, folder: str, world: int, configs, port: int, timeout_s: int) -> None:

@@ -61,7 +61,7 @@ def test_llama_70b_with_tensor_parallelism_pads_the_first_dim():
 def test_the_loss_moment_holds_the_output_groups_gathered_weights():
     """torchtitan leaves (norm, output) gathered after the forward: 2 B of d padded shards, 2·8·P_O; with one
     microbatch no gradient is held yet. The rest of the moment is the run's without FSDP."""
-    fsdp, plain = _moments(_llama("llama-3.1-8b", 8)), _moments(_llama("llama-3.1-8b", 8, fsdp=False))
+    fsdp, plain = _moments(_llama("llama-3.1-8b", 8)), _moments(_llama("llama-3.1-8b", 1, fsdp=False))
     assert fsdp["loss"]["gathered_weights"] == 2 * 8 * P_O == 1_050_681_344
     assert "sharded_gradients" not in fsdp["loss"]
     assert {name: size for name, size in fsdp["loss"].items() if name != "gathered_weights"} == plain["loss"]
@@ -129,7 +129,7 @@ def test_full_recompute_reruns_the_last_block_beside_fsdps_rows():
     recompute, less its input, is held with the block's gathered weights. torch-native's rerun moment of its own
     is not there (the loss's fp32 logits it frees first are larger), so the last block's moment carries it."""
     full = _moments(_llama("llama-3.1-8b", 8, recompute="full"))
-    plain = estimate(_llama("llama-3.1-8b", 8, fsdp=False))
+    plain = estimate(_llama("llama-3.1-8b", 1, fsdp=False))
     layer = plain.run.per_layer_bytes                        # one layer kept whole, at t = 1
     # less the checkpoint (2sh), plus the layer's output made again (2sh): engine.rematerialised_bytes
     assert full["last_block"]["rematerialised"] == layer - 2 * 8192 * 4096 + 2 * 8192 * 4096
@@ -187,8 +187,21 @@ def test_refused(run, architecture, message):
 def test_fsdps_settings_need_fsdp(run):
     preset = load_preset("llama-3.1-8b")
     with pytest.raises(SpecError, match="give --fsdp too"):
-        build_spec(preset.model, {"gpus": 8} | run, name="x",
+        build_spec(preset.model, {"gpus": 1} | run, name="x",
                    architecture=preset.architecture | {"implementation": "torch-native"})
+
+
+def test_data_parallelism_without_fsdp_is_refused_under_torch_native():
+    """torchtitan 018740b7 shards data parallelism with FSDP2; its DDP runs alone, under AMP (fp32 weights), which
+    actmem does not model, and beside TP it raises: d > 1 without --fsdp is refused, naming both; d = 1 is not."""
+    preset = load_preset("llama-3.1-8b")
+    native = preset.architecture | {"implementation": "torch-native"}
+    for run in ({"gpus": 8}, {"gpus": 16, "tensor_parallel": 2, "sequence_parallel": True}):
+        with pytest.raises(SpecError, match="over d = 8 data-parallel ranks is torchtitan's FSDP2: give --fsdp "
+                                            r"\(torchtitan 018740b7 runs DDP only alone, under AMP"):
+            build_spec(preset.model, run, name="x", architecture=native)
+    assert build_spec(preset.model, {"gpus": 8, "tensor_parallel": 8, "sequence_parallel": True}, name="x",
+                      architecture=native).data_parallel == 1
 
 
 def test_an_unknown_policy_is_refused():
@@ -218,7 +231,7 @@ def test_torch_native_turns_sp_on_under_tp_and_says_so():
     """torchtitan's plan always has sequence parallelism beside TP: --tp 8 alone is SP on under torch-native, named in
     the assumptions; --no-sp keeps plain DTensor TP; Megatron's default stays as it was."""
     runner = CliRunner()
-    base = ["estimate", "--model", "llama-3.1-8b", "--tp", "8", "--gpus", "64", "--format", "json"]
+    base = ["estimate", "--model", "llama-3.1-8b", "--tp", "8", "--gpus", "8", "--format", "json"]
     native = json.loads(runner.invoke(cli, base + ["--implementation", "torch-native"]).output)
     assert native["run"]["sequence_parallel"] is True
     assert any("sequence parallelism on" in note for note in native["assumptions"])

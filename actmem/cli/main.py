@@ -241,7 +241,9 @@ def plan(fmt, top, config, **flags):
     (pipelines even, or where p does not divide the layers split as Llama 3's 7+8x14+7),
     keeps those whose peak (the busiest pipeline stage's, from below) fits the GPU less the
     reserve, and ranks them by a simple iteration-time model (compute, pipeline bubble,
-    tensor- and data-parallel communication, each shown). Exits 1 when nothing fits.
+    tensor- and data-parallel communication, each shown). Under --implementation torch-native
+    every configuration is FSDP2's, as torchtitan shards data parallelism (rows end in 'fsdp').
+    Exits 1 when nothing fits.
 
     \b
     Examples:
@@ -250,6 +252,7 @@ def plan(fmt, top, config, **flags):
       actmem plan --model gpt3 --explain "t=8 p=8 m=3 b=1 sp sel"
       actmem plan --model llama-3.1-70b --gpus 256 --global-batch 256 --gpu h100
       actmem plan --model llama-3.1-405b --gpu h100 --explain "t=8 p=7+8x14+7 b=1 sp none dopt"
+      actmem plan --model llama-3.1-70b --implementation torch-native --gpus 256 --global-batch 256
     """
     from actmem.planner import plan as planner
 

@@ -50,11 +50,6 @@ class Implementation:
     spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
     Engine's whole-layer CPU offloading (--cpu-offloading-num-layers); and "fsdp", PyTorch's FSDP2 as
     torchtitan applies it (--fsdp), which Megatron's code does not run."""
-    overlaps_grad_reduce: bool = False
-    """Whether its data-parallel gradient reduction always overlaps the backward: PyTorch's DDP does (its reducer
-    all-reduces a bucket, 25 MB by default, as soon as its last gradient is ready: torch/nn/parallel/distributed.py,
-    bucket_cap_mb; torch/csrc/distributed/c10d/reducer.cpp, mark_variable_ready); Megatron's does only under
-    --overlap-grad-reduce."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
@@ -428,7 +423,7 @@ IMPLEMENTATIONS = {
         gathered_under_sp=frozenset({"qkv_input", "fc1_input", "output_layer_input"}),
         keeps=frozenset({"repeated_key_value", "silu_output", "cross_entropy_fp32_gradients"}),
         architecture=_TORCHTITAN_LLAMA,
-        runs=frozenset({"tensor", "fsdp"}), overlaps_grad_reduce=True,
+        runs=frozenset({"tensor", "fsdp"}),
         unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
                "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
@@ -437,9 +432,10 @@ IMPLEMENTATIONS = {
                "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
                "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
                "torch-native: with --sp, torchtitan's plan; without, plain DTensor TP (ColwiseParallel and "
-               "RowwiseParallel, the norms replicated), which torchtitan does not use; without --fsdp, model "
-               "state is counted as Megatron's mixed-precision Adam split over t (replicated over d, as DDP "
-               "keeps it)",
+               "RowwiseParallel, the norms replicated), which torchtitan does not use; without --fsdp (one "
+               "data-parallel rank: torchtitan shards more with FSDP2), model state is counted as Megatron's "
+               "mixed-precision Adam split over t, and the layers in bf16 as under FSDP2's mixed precision, "
+               "whereas torchtitan trains TP alone in fp32 and one GPU under AMP (maybe_enable_amp)",
                "torch-native: the output layer keeps its all-gathered input too, and the loss (under "
                "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
                "(8 B a token each, whole on every rank) are not counted; the loss's backward holds fp32 "

@@ -255,6 +255,13 @@ FSDP_RULES = (
          lambda v: f"--fsdp shards over the d data-parallel ranks, and d = gpus/(t·p) = {v.gpus}/{v.t * v.p} = {v.d} "
                    f"shards nothing (torchtitan applies no FSDP over one rank): give more --gpus",
          _DATA_PARALLEL),
+    # torchtitan 018740b7 shards data parallelism with FSDP2 or runs DDP alone (models/llama3/infra/parallelize.py:
+    # "DDP has not supported > 1D parallelism"), and DDP under AMP, fp32 weights and autocast's casts
+    # (distributed/utils.py, maybe_enable_amp), not the bf16 layers FSDP2's mixed precision runs, which actmem prices
+    Rule(lambda v: _implies(("fsdp" in v.code.runs) & (v.d > 1), v.fsdp),
+         lambda v: f"--implementation {v.code.name} over d = {v.d} data-parallel ranks is torchtitan's FSDP2: give "
+                   f"--fsdp (torchtitan 018740b7 runs DDP only alone, under AMP with fp32 weights, which actmem does "
+                   f"not model; with TP it raises 'DDP has not supported > 1D parallelism')", ("code", *_DATA_PARALLEL)),
     Rule(lambda v: _implies(v.fsdp_reshard != "default", v.fsdp),
          lambda v: f"--fsdp-reshard-after-forward {v.fsdp_reshard} is FSDP2's policy: give --fsdp too"),
     Rule(lambda v: _implies(v.fsdp_replicate > 1, v.fsdp),
@@ -598,15 +605,14 @@ def _unmodelled_run(v, what: str) -> str:
     return f"{what} is not modelled for --implementation {v.code.name}; actmem models it for megatron"
 
 
-def applies(rule: Rule, values: Values) -> bool:
-    """Whether every value the rule needs is known."""
+def _applies(rule: Rule, values: Values) -> bool:
     return all(getattr(values, name) is not None for name in rule.needs)
 
 
 def check(values: Values) -> None:
     """Raise SpecError with the first rule one configuration breaks."""
     for rule in RULES:
-        if applies(rule, values) and not rule.holds(values):
+        if _applies(rule, values) and not rule.holds(values):
             raise SpecError(rule.message(values))
 
 
@@ -614,5 +620,5 @@ def valid(values: Values):
     """Which configurations obey every rule (a boolean array over the sweep)."""
     import numpy as np
 
-    results = [np.asarray(rule.holds(values)) for rule in RULES if applies(rule, values)]
+    results = [np.asarray(rule.holds(values)) for rule in RULES if _applies(rule, values)]
     return np.logical_and.reduce(np.broadcast_arrays(*results))   # a rule of the model alone is a scalar

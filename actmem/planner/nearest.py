@@ -39,7 +39,7 @@ def nothing_fits(plan, searched: int = 24) -> NothingFits:
             if len(found) == 2:
                 break
     nearest = sorted(found.values(), key=lambda item: abs(item[0] - req.gpus))
-    return NothingFits(sorted(set(frame.t)), sorted(set(frame.p)), pipeline_sizes(req.model.layers), nearest)
+    return NothingFits(sorted(set(frame.t)), sorted(set(frame.p)), pipeline_sizes(req), nearest)
 
 
 def _nearby_counts(req) -> list[int]:
@@ -48,7 +48,7 @@ def _nearby_counts(req) -> list[int]:
     from actmem.planner.plan import LIMITS, divisors, pipeline_sizes, tensor_parallel_sizes
 
     counts: dict = {}
-    sizes = pipeline_sizes(req.model.layers)
+    sizes = pipeline_sizes(req)
     for t in tensor_parallel_sizes(req):
         for p in sizes:
             for d in divisors(req.global_batch):
@@ -72,5 +72,6 @@ def _parameters_could_fit(req, t: int, p: int, d: int) -> bool:
     count = max(stage_parameters(model.hidden, model.layers, p, t, vocab, model.seq_len, req.architecture,
                                  model.heads, stage_layers=layers, stage=stage)
                 for stage, layers in ((0, first), (min(1, p - 1), between)))
-    sharded = "fsdp" in req.architecture.code.runs and d > 1 and 12 * count // d <= req.budget_bytes
-    return sharded or parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes
+    if "fsdp" in req.architecture.code.runs:          # every row FSDP2's (plan._switches)
+        return d > 1 and 12 * count // d <= req.budget_bytes
+    return parameter_bytes(count, d, d > 1).total_bytes <= req.budget_bytes

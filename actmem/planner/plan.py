@@ -153,8 +153,8 @@ def tensor_parallel_sizes(req: PlanRequest) -> list[int]:
 
 def context_parallel_sizes(req: PlanRequest) -> list[int]:
     """c with 2c | s (Megatron's 2c chunks a sequence), under the cuDNN flash core only; 1
-    otherwise (actmem models context parallelism there alone)."""
-    if req.architecture.attention_core != "flash":
+    otherwise (actmem models context parallelism there alone), and where the implementation has none."""
+    if req.architecture.attention_core != "flash" or "context" not in req.architecture.code.runs:
         return [1]
     return [c for c in divisors(req.model.seq_len) if req.model.seq_len % (2 * c) == 0 or c == 1]
 
@@ -164,9 +164,12 @@ STAGE_LAYERS = ("first_stage_layers", "stage_layers", "last_stage_layers")
 stage between, and of its last; all L/p in an even pipeline."""
 
 
-def pipeline_sizes(layers: int) -> list[int]:
+def pipeline_sizes(req: PlanRequest) -> list[int]:
     """The p the planner sweeps for L layers: those that split them (pipeline.stage_split),
-    evenly (p | L) or as Llama 3 does."""
+    evenly (p | L) or as Llama 3 does; 1 where the implementation runs no pipeline (torch-native)."""
+    if "pipeline" not in req.architecture.code.runs:
+        return [1]
+    layers = req.model.layers
     return [p for p in range(1, layers + 1) if stage_split(layers, p) is not None]
 
 
@@ -175,9 +178,9 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
     (evenly, or uneven for p >= 3: pipeline.stage_split) and d = gpus/(t·c·p) | batch; with
     each p's stage layers."""
     model = req.model
+    pipelines = set(pipeline_sizes(req))
     triples = [(t, c, p) for t in tensor_parallel_sizes(req) for c in context_parallel_sizes(req)
-               for p in divisors(req.gpus // (t * c)) if req.gpus % (t * c) == 0 and p <= model.layers
-               and stage_split(model.layers, p) is not None]
+               for p in divisors(req.gpus // (t * c)) if req.gpus % (t * c) == 0 and p in pipelines]
     if not triples:
         raise SpecError(f"no t (dividing heads {model.heads} and hidden {model.hidden}, at most "
                         f"{req.gpus_per_node} a node) times p (splitting the {model.layers} layers) "
@@ -196,15 +199,16 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
 
 
 def _switches(req: PlanRequest) -> pd.DataFrame:
-    """SP, recompute (techniques.PLAN_RECOMPUTE), the distributed optimizer and, where the implementation runs
-    it (torch-native), FSDP2 as torchtitan applies it: 20 or 40 combinations; without the MLP's recompute where
-    every layer is a mixture of experts (the mlp module leaves a MoE layer whole: the same rows as without it)."""
+    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; where the
+    implementation runs FSDP2 (torch-native), every row is FSDP2's, as torchtitan shards data parallelism (the
+    rules refuse its DDP beside d > 1); without the MLP's recompute where every layer is a mixture of experts (the
+    mlp module leaves a MoE layer whole: the same rows as without it)."""
     choices = [name for name, choice in PLAN_RECOMPUTE.items()
                if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", choices), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross")
-            .merge(_frame("fsdp", [False, True] if "fsdp" in req.architecture.code.runs else [False]), how="cross"))
+            .merge(_frame("fsdp", ["fsdp" in req.architecture.code.runs]), how="cross"))
 
 
 def candidates(req: PlanRequest) -> pd.DataFrame:
@@ -263,7 +267,7 @@ def _values(req: PlanRequest, grid: pd.DataFrame, uneven: bool) -> rules.Values:
                         core=req.architecture.attention_core,
                         sequence_parallel=grid.sequence_parallel,
                         distributed_optimizer=grid.distributed_optimizer, gpus=req.gpus,
-                        fsdp=grid.fsdp.to_numpy(), gradient_bytes=req.gradient_bytes, params_dtype=req.optimizer.params,
+                        fsdp=grid.fsdp, gradient_bytes=req.gradient_bytes, params_dtype=req.optimizer.params,
                         global_batch=req.global_batch, d=grid.d, n=grid.n,
                         ffn=req.architecture.ffn_hidden, groups=req.architecture.query_groups,
                         recompute=grid.recompute,
@@ -286,21 +290,6 @@ def _refuse_the_sweep(grid: pd.DataFrame, values: rules.Values) -> None:
     except SpecError as error:
         raise SpecError(f"no configuration of the sweep is one actmem models; the first, t={row.t} "
                         f"p={row.p} b={row.b}: {error}") from None
-
-
-def fsdp_refusal(req: PlanRequest) -> str | None:
-    """Why the sweep has no FSDP2 row though the implementation runs it: the first of rules.FSDP_RULES that the
-    request breaks whatever the configuration (the model's parameters, the gradients' and weights' dtypes), read
-    at one configuration of d = 2; None where its rows can be (every configuration of d > 1)."""
-    if "fsdp" not in req.architecture.code.runs:
-        return None
-    model = req.model
-    values = rules.Values(heads=model.heads, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len, t=1,
-                          p=1, m=1, b=1, sequence_parallel=False, distributed_optimizer=False, gpus=req.gpus, d=2,
-                          fsdp=True, gradient_bytes=req.gradient_bytes, params_dtype=req.optimizer.params,
-                          architecture=req.architecture, code=req.architecture.code)
-    return next((rule.message(values) for rule in rules.FSDP_RULES
-                 if rules.applies(rule, values) and not rule.holds(values)), None)
 
 
 def unmodelled_recompute(req: PlanRequest) -> dict:
@@ -545,8 +534,7 @@ def _add_time(req: PlanRequest, grid: pd.DataFrame) -> None:
                                                      across_nodes, req.gradient_bytes)
     grid["data_parallel_s"] = iteration.exposed_data_parallel_seconds(
         reduce, gather, reduced, grid.d * grid.c, grid.m, forward_s / grid.n, (grid.compute_s - forward_s) / grid.n,
-        req.overlap_grad_reduce or req.architecture.code.overlaps_grad_reduce, req.overlap_param_gather,
-        embedding=grid.vocab * h / grid.t)
+        req.overlap_grad_reduce, req.overlap_param_gather, embedding=grid.vocab * h / grid.t)
     if grid.fsdp.any():          # FSDP2's collectives a microbatch in place of DDP's all-reduce (p = 1: torch-native)
         g = SimpleNamespace(**{key: grid[key].to_numpy() for key in ("t", "vocab", "d", "n")})
         shards = sharded_model(req, g)

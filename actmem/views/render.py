@@ -303,14 +303,28 @@ def _verdict(est: Estimate, width: int) -> Text:
     text.append(" " * len(word) + margin + "\n", style=style)
     state = busiest.parameters.total_bytes
     if state + est.spec.reserve_bytes > budget:       # no activation technique can help: say so
-        text.append(f"Model state alone (weights, gradients, optimizer state and TE's caches: {gib(state):,.2f} GiB on {where}) and "
-                    f"the reserve are over the GPU: no recompute or offloading makes it fit; "
-                    + ("shard it over more GPUs (--gpus) or split the model (--tp)" if est.spec.run.fsdp else
-                       "shard the optimizer state (--distributed-optimizer over more GPUs) or split the model "
-                       "(--tp, --pp)") + "\n", style=style)
+        params = busiest.parameters
+        caches = " and TE's caches" if params.dummy_wgrads_bytes or params.fp8_bytes else ""
+        text.append(f"Model state alone (weights, gradients, optimizer state{caches}: {gib(state):,.2f} GiB on {where}) "
+                    f"and the reserve are over the GPU: no recompute or offloading makes it fit; "
+                    + _shard_advice(est.spec) + "\n", style=style)
     if est.host_bytes:
         text.append(_host_line(est))
     return text
+
+
+def _shard_advice(spec) -> str:
+    """How to make the model state smaller in the run shapes this implementation has."""
+    runs = spec.architecture.code.runs
+    split = "split the model (" + ", ".join(flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline"))
+                                            if shape in runs) + ")"
+    if spec.run.fsdp:
+        return f"shard it over more GPUs (--gpus) or {split}"
+    if "fsdp" in runs:
+        return f"shard it over the data-parallel ranks with --fsdp (FSDP2), or {split}"
+    if "distributed_optimizer" in runs:
+        return f"shard the optimizer state (--distributed-optimizer over more GPUs) or {split}"
+    return "use a GPU with more memory: this implementation is modelled on one GPU (--implementation megatron shards it)"
 
 
 #: GPUs a node of the GPUs actmem knows (DGX and HGX H100, H200, B200; MI300X platforms): for the host line

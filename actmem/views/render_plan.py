@@ -29,7 +29,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     table.padding, table.show_edge = (0, 0), False     # one space a column: fits 80 columns
     ring = bool((plan.evaluated.c > 1).any())        # a cp column only where c is swept
     experts = req.architecture.moe                   # an ep column only for a mixture of experts
-    overlapped = req.overlap_grad_reduce or req.architecture.code.overlaps_grad_reduce
+    overlapped = req.overlap_grad_reduce or "fsdp" in req.architecture.code.runs
     columns = ("config", "GiB", "time", "comp", "tp") + (("cp",) if ring else ()) + (("ep",) if experts else ()) \
         + ("pp", "bub", "dp", "MFU")
     for column in columns:
@@ -125,10 +125,8 @@ def _compute_assumption(req) -> str:
 
 
 def _overlap_assumption(req) -> str:
-    if req.architecture.code.overlaps_grad_reduce:
-        return (f"{req.architecture.implementation}: DDP's gradient all-reduce overlapped with the last "
-                "microbatch's backward (PyTorch's DDP always overlaps it, bucket by bucket), the bucket with the "
-                "token embedding left waiting; FSDP2's collectives as the note below says")
+    if "fsdp" in req.architecture.code.runs:
+        return "FSDP2's collectives as the note below says"
     if not req.overlap_grad_reduce:
         return "nothing overlapped (Megatron's default; --overlap-grad-reduce, --overlap-param-gather)"
     gather = ("and the parameter all-gather behind the next forward (--overlap-param-gather: the distributed "
@@ -171,26 +169,16 @@ def _plan_assumptions(req) -> list[str]:
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
          "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
         + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else []) \
-        + ([_fsdp_note(req)] if "fsdp" in req.architecture.code.runs else [])
+        + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
 
 
-def _fsdp_note(req) -> str:
-    from actmem.planner.plan import fsdp_refusal
-
-    refused = fsdp_refusal(req)
-    if refused:
-        return (f"{req.architecture.implementation}: model state replicated over the d data-parallel ranks (DDP: "
-                f"mixed-precision Adam over t); no FSDP2 row, as {refused}")
-    return _FSDP_NOTE.format(code=req.architecture.implementation)
-
-
-_FSDP_NOTE = ("{code}: each configuration of d > 1 twice, its model state replicated over the d data-parallel "
-              "ranks (DDP: "
-              "mixed-precision Adam over t) and sharded d ways by FSDP2 as torchtitan applies it ('fsdp': fp32 "
-              "shards, AdamW's state, the weights each group gathers and the gradients each reduce-scatters at the "
-              "moment they peak, torchtitan's default resharding; actmem.memory.fsdp); FSDP2's all-gathers (bf16, "
-              "forward and backward) and reduce-scatters (fp32) every microbatch, overlapped with the compute beside "
-              "them but the token embedding's; HSDP and the other resharding policies with `actmem estimate`")
+_FSDP_NOTE = ("{code}: every configuration under FSDP2 as torchtitan applies it ('fsdp', over the d > 1 "
+              "data-parallel ranks: fp32 shards, AdamW's state, the weights each group gathers and the gradients each "
+              "reduce-scatters at the moment they peak, torchtitan's default resharding; actmem.memory.fsdp), as "
+              "torchtitan 018740b7 runs data parallelism beside TP only so (its DDP runs alone, under AMP with fp32 "
+              "weights, not modelled; TP alone trains in fp32); FSDP2's all-gathers (bf16, forward and backward) "
+              "and reduce-scatters (fp32) every microbatch, overlapped with the compute beside them but the token "
+              "embedding's; HSDP and the other resharding policies with `actmem estimate`")
 
 
 _MTP_NOTE = ("multi-token prediction: the last stage holds its {d} prediction layer(s), of the model's last layer's "

@@ -396,14 +396,17 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
            "; the output-layer terms of section 4.5 sit on the last stage (p > 1)")
         + ("" if occupancy.stage == 0 else "; the embedding sits on the first stage"),
         "the technique rows share this run's pipeline and microbatch and vary only t, SP and "
-        "recompute; 'none' sets t = 1, so its parameters are not split either",
+        "recompute; 'none' sets t = 1, so its parameters are not split either"
+        + (f" (but over the run's {spec.fsdp_shards} FSDP2 shards)" if spec.run.fsdp else ""),
         *([f"embedding dropout masks of {plural(occupancy.microbatches, 'microbatch')}: p as "
            "section 4.5 counts under 1F1B, 2p at the peak of the interleaved schedule (the paper "
-           "says p)"] if occupancy.stage == 0 else []),
+           "says p)"] if occupancy.stage == 0 and arch.hidden_dropout else []),
         "the verdict is the allocator's peak from below on the busiest pipeline stage: model state, "
         "activations in flight and, under recompute, what the first backward reruns, all live at "
         "one moment (actmem.memory.peak), or on the stage with the output layer the loss's backward "
-        "and its 16-bit logits gradient, or inside the last layer's backward its fc1's and its eager "
+        + ("and the fp32 logits gradients of PyTorch's cross entropy"
+           if "cross_entropy_fp32_gradients" in arch.code.keeps_for(arch) else "and its 16-bit logits gradient")
+        + ", or inside the last layer's backward its fc1's and its eager "
         "core's gradients (actmem.memory.backward); not counted yet: the other ops' backward transients "
         "(the flash core's, the QKV and projection linears', fc2's, a recomputed MLP's), allocator "
         "fragmentation, workspace and communication buffers",

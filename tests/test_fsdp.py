@@ -171,8 +171,8 @@ def test_hsdp_shards_over_d_over_r():
     ({"gpus": 1}, {}, "shards nothing"),
     ({"gpus": 8, "tensor_parallel": 8, "sequence_parallel": True}, {}, "shards nothing"),
     ({"gpus": 8, "distributed_optimizer": True}, {}, "distributed optimizer is not modelled for --implementation torch"),
-    ({"gpus": 8}, {"bias": True}, "torchtitan's Llama 3"),
-    ({"gpus": 8}, {"tied_output": True}, "torchtitan's Llama 3"),
+    ({"gpus": 8}, {"bias": True}, "torchtitan's Llama model, whose linears have no bias"),
+    ({"gpus": 8}, {"tied_output": True}, "whose output layer is its own.*--untie-embeddings-and-output-weights"),
     ({"gpus": 8, "fsdp_replicate": 8}, {}, "R = d is DDP"),
     ({"gpus": 8, "fsdp_replicate": 3}, {}, "must divide the d = 8"),
 ])

@@ -78,7 +78,7 @@ def test_the_vocabulary_is_not_padded_under_dtensor():
     model = Model(heads=32, hidden=4096, layers=2, vocab=50257, seq_len=1024)
     run = Run(tensor_parallel=8, sequence_parallel=True)
     llama = dict(attention_core="flash", activation="swiglu", normalization="rmsnorm", attention_dropout=0,
-                 hidden_dropout=0)
+                 hidden_dropout=0, position_embedding="rope", bias=False, tied_output=False)
     assert Spec(model, run, architecture=Architecture(**llama)).padded_vocab == 51200
     assert Spec(model, run, architecture=Architecture(**llama, implementation="torch-native")).padded_vocab == 50264
 

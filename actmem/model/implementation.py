@@ -155,6 +155,7 @@ def _broken(constraints: tuple, arch) -> list:
 
 #: the flag that sets a field, where it is not --field
 _FLAGS = {"bias": "--disable-bias-linear", "qkv_bias": "--add-qkv-bias", "moe": "--num-experts",
+          "tied_output": "--untie-embeddings-and-output-weights", "position_embedding": "--position-embedding-type",
           "moe_layer_freq": "--moe-layer-freq", "moe_score_function": "--moe-router-score-function",
           "moe_router_dtype": "--moe-router-dtype", "moe_router_groups": "--moe-router-num-groups",
           "moe_expert_bias": "--moe-router-enable-expert-bias", "moe_shared_ffn": "--moe-shared-expert-intermediate-size",
@@ -192,6 +193,10 @@ _TORCHTITAN_LLAMA = (
                              "Megatron's)"),
     ("qk_norm", (False,), "torchtitan's Llama layer, which has no q and k norms (its Qwen3 model, "
                           "which has them, is not measured)"),
+    ("position_embedding", ("rope",), "torchtitan's Llama model, whose positions are rotary (precompute_freqs_cis)"),
+    ("bias", (False,), "torchtitan's Llama model, whose linears have no bias"),
+    ("qkv_bias", (None, False), "torchtitan's Llama model, whose linears have no bias"),
+    ("tied_output", (False,), "torchtitan's Llama model, whose output layer is its own"),
 )
 
 # transformers 5.23.0's LlamaDecoderLayer (models/llama/modeling_llama.py), as LlamaModel runs

@@ -276,10 +276,6 @@ FSDP_RULES = (
     Rule(lambda v: _implies(v.fsdp, v.params_dtype == "bf16"),
          lambda v: f"--params-dtype {v.params_dtype} is Megatron's; FSDP2 computes in its mixed-precision param dtype, "
                    f"bf16 (torchtitan's mixed_precision_param default): leave --params-dtype out", ("params_dtype",)),
-    Rule(lambda v: _implies(v.fsdp, _torchtitan_llama(v.architecture)),
-         lambda v: "--fsdp is modelled for the parameters of torchtitan's Llama 3 (no biases, rotary positions, an "
-                   "output layer of its own): give --disable-bias-linear, --position-embedding-type rope and "
-                   "--untie-embeddings-and-output-weights", ("architecture",)),
 )
 
 
@@ -550,11 +546,6 @@ class Values:
     """Bytes a main-gradient element (--grad-dtype), when given."""
     params_dtype: object = None
     """The 16-bit weights' dtype (--params-dtype), when given."""
-
-
-def _torchtitan_llama(arch) -> bool:
-    """The parameters of torchtitan's Llama 3 (actmem.memory.fsdp.groups): no biases, rotary positions, untied."""
-    return not arch.bias and not arch.has_qkv_bias and arch.position_embedding == "rope" and not arch.tied_output
 
 
 def _block_fp8(arch) -> bool:

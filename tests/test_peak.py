@@ -177,12 +177,21 @@ def test_the_none_row_peaks_in_its_core_backward():
     assert none.peak_bytes == none.total_bytes + 234_881_024
 
 
-def test_at_t_1_sequence_parallelism_gathers_nothing():
-    """At t = 1 TE turns SP off (sequence_parallel = tp_size > 1 and ...): the tp-sp row of a
-    t = 1 run holds no gathered input and no shard, and peaks where tp does."""
-    est = _estimate("llama-3.1-8b", tensor_parallel=1)
-    peaks = {row.technique.name: row.peak_bytes for row in est.techniques}
-    assert peaks["tp-sp"] == peaks["tp"] and peaks["tp-sp-full"] == peaks["full"]
+def test_at_t_1_the_table_shows_each_row_once():
+    """At t = 1 TE turns SP off (sequence_parallel = tp_size > 1 and ...) and the rules refuse SP there, and tp splits
+    nothing: 'tp' is 'none', each SP row its twin. The table shows 'none', 'tp-sel' and 'full' once each, the run
+    marked on its own; the twins it leaves out peak where the rows it keeps do."""
+    from actmem.memory.estimate import _technique_row
+    from actmem.memory.techniques import BY_NAME
+
+    for recompute, named in (("none", "none"), ("full", "full")):
+        est = _estimate("llama-3.1-8b", tensor_parallel=1, sequence_parallel=False, recompute=recompute)
+        assert [row.technique.name for row in est.techniques] == ["none", "tp-sel", "full"]
+        assert est.run_row.technique.name == named
+    occupancy, layers = est.occupancy, est.spec.model.layers
+    peak = lambda name: _technique_row(est.spec, BY_NAME[name], occupancy, layers).peak_bytes
+    assert peak("tp") == peak("none") == peak("tp-sp") and peak("tp-sp-full") == peak("full")
+    assert peak("tp-sp-sel") == peak("tp-sel")
 
 
 def test_without_sp_under_te_fc1_makes_three_gradients():

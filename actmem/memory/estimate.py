@@ -198,7 +198,7 @@ def estimate(spec: Spec, stage: int = 0) -> Estimate:
     occupancy = _occupancy(spec, stage, layers)
     run = run_technique(spec.run.sequence_parallel, spec.run.policy)
     terms = _run_terms(spec, run, occupancy)
-    rows = modelled_techniques(spec) + ((unnamed_run(run),) if matching(run) is None else ())
+    rows = one_rank_rows(spec, modelled_techniques(spec)) + ((unnamed_run(run),) if matching(run) is None else ())
     techniques = tuple(_technique_row(spec, tech, occupancy, layers) for tech in rows)
     parameters = _parameters(spec, spec.run.tensor_parallel, stage, layers)
     return Estimate(
@@ -251,6 +251,15 @@ def modelled_techniques(spec: Spec) -> tuple:
     return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
                  and (parallel or not tech.tensor_parallel)
                  and not (moe_needs_sp and tech.tensor_parallel and not tech.sequence_parallel))
+
+
+def one_rank_rows(spec: Spec, techniques: tuple) -> tuple:
+    """The rows that differ at the run's t: at t = 1 tensor parallelism splits nothing, so 'tp' is 'none' and each
+    sequence-parallel row its twin without (TE turns SP off at t = 1, and the rules refuse a t = 1 run with it);
+    they are left out rather than shown three times alike. The run's own row is then 'none', 'full' or 'tp-sel'."""
+    if spec.run.tensor_parallel > 1:
+        return techniques
+    return tuple(tech for tech in techniques if tech.name != "tp" and not tech.sequence_parallel)
 
 
 def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tuple:

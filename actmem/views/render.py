@@ -144,11 +144,13 @@ def _codes_table(est: Estimate, codes):
     return Group(table, why) if why.row_count else table
 
 
-def _header(est: Estimate) -> Text:
+def _header(est: Estimate) -> Group:
+    """The model, run, architecture, code and batch, a label a line; a long value wraps under its own column."""
     spec, run, model = est.spec, est.spec.run, est.spec.model
-    text = Text(f"actmem · {spec.name}\n", style="bold")
-    text.append(f"model  a={model.heads} h={model.hidden} L={model.layers} "
-                f"v={spec.padded_vocab} s={model.seq_len}\n")
+    lines = Table.grid(padding=(0, 2, 0, 0))
+    lines.add_column(no_wrap=True)
+    lines.add_column()
+    lines.add_row("model", f"a={model.heads} h={model.hidden} L={model.layers} v={spec.padded_vocab} s={model.seq_len}")
     cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
     if spec.architecture.moe:           # the experts' layout, as plan writes it
         cp += (f" ep={run.expert_parallel}" if run.expert_parallel > 1 else "") + (
@@ -158,17 +160,17 @@ def _header(est: Estimate) -> Text:
     if run.fsdp:
         offload += (f" · FSDP2 over d={spec.data_parallel}" if run.fsdp_replicate == 1 else
                      f" · HSDP: {run.fsdp_replicate} replicas of FSDP2 over {spec.fsdp_shards}")
-    text.append(f"run    t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
-                f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
-                f"recompute {run.policy.label}{offload}\n")
+    lines.add_row("run", f"t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
+                         f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
+                         f"recompute {run.policy.label}{offload}")
     arch = spec.architecture
-    text.append(f"arch   {arch.describe()}\n       dropout: attention {arch.attention_dropout:g}, "
-                f"hidden {arch.hidden_dropout:g}\n")
-    text.append(f"code   {arch.code.label_for(arch)}\n")
+    lines.add_row("arch", f"{arch.describe()}\ndropout: attention {arch.attention_dropout:g}, "
+                          f"hidden {arch.hidden_dropout:g}")
+    lines.add_row("code", arch.code.label_for(arch))
     if spec.microbatches is not None:
-        text.append(f"batch  {plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
-                    f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration\n")
-    return text
+        lines.add_row("batch", f"{plural(run.gpus, 'GPU')}, d={spec.data_parallel} · global batch "
+                               f"{run.global_batch} · {plural(spec.microbatches, 'microbatch')} per iteration")
+    return Group(Text(f"actmem · {spec.name}", style="bold"), lines, Text(""))
 
 
 def _techniques_table(est: Estimate) -> Table:

@@ -198,7 +198,7 @@ def test_data_parallelism_without_fsdp_is_refused_under_torch_native():
     native = preset.architecture | {"implementation": "torch-native"}
     for run in ({"gpus": 8}, {"gpus": 16, "tensor_parallel": 2, "sequence_parallel": True}):
         with pytest.raises(SpecError, match="over d = 8 data-parallel ranks is torchtitan's FSDP2: give --fsdp "
-                                            r"\(torchtitan 018740b7 runs DDP only alone, under AMP"):
+                                            r"\('fsdp' in a plan's label; torchtitan 018740b7 runs DDP only alone"):
             build_spec(preset.model, run, name="x", architecture=native)
     assert build_spec(preset.model, {"gpus": 8, "tensor_parallel": 8, "sequence_parallel": True}, name="x",
                       architecture=native).data_parallel == 1

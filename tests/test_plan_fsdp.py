@@ -46,14 +46,15 @@ def test_llama_8b_on_8_gpus_one_microbatch_peaks_at_the_loss_as_measured():
     labels = rows.apply(config_label, axis=1)
     row = rows[labels == "t=1 p=1 m=1 b=1 nosp none fsdp"].iloc[0]
     assert row.peak_bytes == peak and row.weights_bytes == row.gradients_bytes == 4 * S_8B
-    assert rows.fsdp.all()                                  # no DDP row: torchtitan runs none beside d > 1
+    assert (rows.fsdp == (rows.d > 1)).all()                # no DDP row: torchtitan runs none beside d > 1
 
 
 def test_fsdp_rows_need_more_than_one_rank_to_shard():
-    """At t = 8 on 8 GPUs d = 1: no row (torchtitan applies no FSDP over one rank, and TP alone trains in fp32,
-    not modelled); at t = 4, d = 2."""
-    rows = _plan_8b().evaluated
-    assert set(rows.t) == {1, 2, 4} and "t=4 p=1 m=1 b=1 sp none fsdp" in set(rows.apply(config_label, axis=1))
+    """At t = 8 on 8 GPUs d = 1: TP alone, not FSDP2 (torchtitan applies none over one rank), priced as estimate
+    prices it; at t = 4, d = 2, FSDP2."""
+    labels = set(_plan_8b().evaluated.apply(config_label, axis=1))
+    assert "t=8 p=1 m=1 b=1 sp none" in labels and "t=8 p=1 m=1 b=1 sp none fsdp" not in labels
+    assert "t=4 p=1 m=1 b=1 sp none fsdp" in labels and "t=4 p=1 m=1 b=1 sp none" not in labels
 
 
 def test_fsdps_collectives_a_step():
@@ -74,9 +75,10 @@ def test_plan_sweeps_fsdp_and_says_how():
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert " fsdp " in text and "every configuration under FSDP2 as torchtitan applies it" in text
+    assert " fsdp " in text and "every configuration over d > 1 data-parallel ranks under FSDP2" in text
     rows = json.loads(CliRunner().invoke(cli, args + ["--format", "json", "--top", "0"]).output)["best"]
-    assert {row["fsdp"] for row in rows} == {True}
+    assert {row["fsdp"] for row in rows} == {True, False}
+    assert all(row["fsdp"] == (row["d"] > 1) for row in rows)       # at d = 1, t = 8: TP alone
 
 
 def test_explain_reads_fsdp_back():
@@ -86,17 +88,20 @@ def test_explain_reads_fsdp_back():
     assert "FSDP2 over d=8" in result.output and "73,118,694,540" in result.output
 
 
-def test_plan_refuses_a_preset_that_fixes_fsdp(tmp_path):
-    """plan sweeps FSDP2 itself: a preset whose run sets it is refused by name (plan has no --fsdp flag)."""
+def test_a_preset_of_fsdp2_plans_and_one_of_hsdp_is_refused(tmp_path):
+    """A torchtitan preset sets fsdp = true (torch-native over d > 1 needs it), which the sweep's rows are: plan
+    takes it; HSDP (fsdp_replicate), which plan does not sweep, is refused by its key. plan has no --fsdp flag."""
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "presets" / "llama-3.1-8b.toml").read_text()
-    preset = tmp_path / "titan.toml"
     text = text.replace('name = "llama-3.1-8b"', 'name = "titan"').replace('aliases = ["llama3-8b", "llama-3-8b"]', "")
-    preset.write_text(text.replace("[architecture]", '[architecture]\nimplementation = "torch-native"')
-                      + "\n[run]\nfsdp = true\ngpus = 8\nglobal_batch = 8\n")
-    result = CliRunner().invoke(cli, ["plan", "--model", str(preset)])
-    assert result.exit_code == 2 and "plan sweeps FSDP2 itself" in result.output, result.output
+    text = text.replace("[architecture]", '[architecture]\nimplementation = "torch-native"')
+    for run, code, words in (("", 0, "t=1 p=1 m=1 b=1 nosp none fsdp"),
+                             ("fsdp_replicate = 2\n", 2, "plan sweeps FSDP2 itself")):
+        preset = tmp_path / "titan.toml"
+        preset.write_text(text + f"\n[run]\nfsdp = true\ngpus = 8\nglobal_batch = 8\n{run}")
+        result = CliRunner().invoke(cli, ["plan", "--model", str(preset)])
+        assert result.exit_code == code and words in result.output, result.output
     result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "8",
                                       "--implementation", "torch-native", "--fsdp"])
     assert result.exit_code == 2 and "--fsdp" in result.output

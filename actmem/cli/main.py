@@ -133,7 +133,8 @@ def cli():
 def estimate(fmt, stage_text, compare, **flags):
     """Activation, parameter and optimizer memory per GPU of a pipeline stage (the first).
 
-    Shows the six techniques of Table 2 (and full recompute under SP) on this run, the
+    Shows the six techniques of Table 2 (and full recompute under SP; at t = 1 each
+    distinct one once) on this run, the
     run's own terms, parameters and optimizer state, the allocator's peak from below, and
     whether the busiest stage's peak fits the GPU.
 
@@ -294,12 +295,10 @@ def plan_request(flags: dict):
     if choice.preset_run.get("offload_layers"):
         raise SpecError(f"plan does not sweep CPU offloading yet (--cpu-offloading-num-layers "
                         f"{choice.preset_run['offload_layers']}): `actmem estimate` prices one offloaded run")
-    if choice.preset_run.get("fsdp") or choice.preset_run.get("fsdp_replicate", 1) > 1 or choice.preset_run.get(
-            "fsdp_reshard", "default") != "default":
+    if choice.preset_run.get("fsdp_replicate", 1) > 1 or choice.preset_run.get("fsdp_reshard", "default") != "default":
         raise SpecError("plan sweeps FSDP2 itself under --implementation torch-native (its rows end in 'fsdp', at "
-                        "torchtitan's default resharding, over all d ranks): the preset's run sets fsdp, "
-                        "fsdp_replicate or fsdp_reshard, which `actmem estimate` prices for one run; drop them "
-                        "from the preset")
+                        "torchtitan's default resharding, over all d ranks): the preset's run sets fsdp_replicate "
+                        "or fsdp_reshard, which `actmem estimate` prices for one run; drop them from the preset")
     if choice.architecture.fp8_first_last_bf16:
         raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
                         "`actmem estimate` prices one run of it")

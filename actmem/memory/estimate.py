@@ -124,7 +124,8 @@ class Estimate:
 
     @property
     def baseline(self) -> TechniqueRow:
-        """Tensor parallelism, Figure 7's 100%; 'none' for code that runs on one device."""
+        """Tensor parallelism, Figure 7's 100%; 'none' for code that runs on one device, and at t = 1, where
+        'tp' is 'none' (one_rank_rows)."""
         return next((row for row in self.techniques if row.technique == BASELINE), self.techniques[0])
 
     @property

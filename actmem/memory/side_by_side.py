@@ -28,9 +28,10 @@ class CodeRow:
 
     @property
     def name(self) -> str:
-        """'megatron', 'torch-native', 'hf · sdpa', 'hf · eager'."""
+        """'megatron', 'torch-native' ('torch-native + FSDP2' over d > 1 ranks), 'hf · sdpa', 'hf · eager'."""
         core = IMPLEMENTATIONS[self.implementation].attention_label(self.attention_core)
-        return f"{self.implementation} · {core}" if core else self.implementation
+        sharded = " + FSDP2" if self.estimate and self.estimate.spec.run.fsdp else ""
+        return (f"{self.implementation} · {core}" if core else self.implementation) + sharded
 
 
 def side_by_side(spec: Spec, stage: int = 0) -> tuple[CodeRow, ...]:
@@ -57,7 +58,11 @@ def _row(spec: Spec, name: str, core: str, stage: int) -> CodeRow:
         arch = replace(spec.architecture, implementation=name, attention_core=core, **dropped)
         own = spec.vocab_divisible_by if spec.architecture.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY
         padding = own if arch.code.pads_vocab else defaults.VOCAB_DIVISIBLE_BY   # default: none asked
-        return CodeRow(name, core, estimate(replace(spec, architecture=arch, vocab_divisible_by=padding), stage))
+        run = spec.run
+        if "fsdp" in arch.code.runs and spec.data_parallel > 1 and not run.fsdp:
+            run = replace(run, fsdp=True)      # torchtitan shards data parallelism with FSDP2 (rules.FSDP_RULES)
+        return CodeRow(name, core, estimate(replace(spec, architecture=arch, run=run, vocab_divisible_by=padding),
+                                            stage))
     except SpecError as error:
         return CodeRow(name, core, None, str(error))
 

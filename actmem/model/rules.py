@@ -260,7 +260,8 @@ FSDP_RULES = (
     # (distributed/utils.py, maybe_enable_amp), not the bf16 layers FSDP2's mixed precision runs, which actmem prices
     Rule(lambda v: _implies(("fsdp" in v.code.runs) & (v.d > 1), v.fsdp),
          lambda v: f"--implementation {v.code.name} over d = {v.d} data-parallel ranks is torchtitan's FSDP2: give "
-                   f"--fsdp (torchtitan 018740b7 runs DDP only alone, under AMP with fp32 weights, which actmem does "
+                   f"--fsdp ('fsdp' in a plan's label; torchtitan 018740b7 runs DDP only alone, under AMP with fp32 "
+                   f"weights, which actmem does "
                    f"not model; with TP it raises 'DDP has not supported > 1D parallelism')", ("code", *_DATA_PARALLEL)),
     Rule(lambda v: _implies(v.fsdp_reshard != "default", v.fsdp),
          lambda v: f"--fsdp-reshard-after-forward {v.fsdp_reshard} is FSDP2's policy: give --fsdp too"),
@@ -269,10 +270,10 @@ FSDP_RULES = (
     Rule(lambda v: _implies(v.fsdp_replicate > 1, (v.d % v.fsdp_replicate == 0) & (v.d // v.fsdp_replicate > 1)),
          lambda v: f"--fsdp-replicate R ({v.fsdp_replicate}) must divide the d = {v.d} data-parallel ranks and leave "
                    f"at least 2 to shard over (R = d is DDP, replicated, not FSDP2)", _DATA_PARALLEL),
-    Rule(lambda v: _implies(v.fsdp, v.gradient_bytes == 4),
-         lambda v: "--grad-dtype sets Megatron's main-gradient buffer; FSDP2 keeps its gradients in its reduce "
-                   "dtype, fp32 (torchtitan's mixed_precision_reduce default): leave --grad-dtype out",
-         ("gradient_bytes",)),
+    Rule(lambda v: _implies("fsdp" in v.code.runs, v.gradient_bytes == 4),
+         lambda v: f"--grad-dtype sets Megatron's main-gradient buffer; {v.code.name}'s FSDP2 keeps its gradients in "
+                   "its reduce dtype, fp32 (torchtitan's mixed_precision_reduce default): leave --grad-dtype out",
+         ("code", "gradient_bytes")),
     Rule(lambda v: _implies(v.fsdp, v.params_dtype == "bf16"),
          lambda v: f"--params-dtype {v.params_dtype} is Megatron's; FSDP2 computes in its mixed-precision param dtype, "
                    f"bf16 (torchtitan's mixed_precision_param default): leave --params-dtype out", ("params_dtype",)),

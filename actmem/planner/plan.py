@@ -200,9 +200,10 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
 
 def _switches(req: PlanRequest) -> pd.DataFrame:
     """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; where the
-    implementation runs FSDP2 (torch-native), every row is FSDP2's, as torchtitan shards data parallelism (the
-    rules refuse its DDP beside d > 1); without the MLP's recompute where every layer is a mixture of experts (the
-    mlp module leaves a MoE layer whole: the same rows as without it)."""
+    implementation runs FSDP2 (torch-native), every row over d > 1 ranks is FSDP2's, as torchtitan shards data
+    parallelism (the rules refuse its DDP beside d > 1; candidates sets d = 1's rows apart); without the MLP's
+    recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole: the same rows as
+    without it)."""
     choices = [name for name, choice in PLAN_RECOMPUTE.items()
                if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
@@ -240,6 +241,7 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     if req.overlap_param_gather:     # Megatron asserts the distributed optimizer (arguments.py, validate_args);
         grid = grid[grid.distributed_optimizer | (grid.d * grid.c == 1)]    # over one rank: the plain row's bytes
     grid["n"] = req.global_batch // (grid.b * grid.d)
+    grid["fsdp"] = grid.fsdp & (grid.d > 1)           # FSDP2 shards over d > 1; at d = 1, TP alone, as estimate
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)
     checked = []

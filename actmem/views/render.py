@@ -197,7 +197,9 @@ def _techniques_table(est: Estimate) -> Table:
                       _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
                       Text(f"{format_in(row.total_bytes, units['total'])} {_MARKS[verdict]}",
                            style=_VERDICT_STYLES[verdict]))
-    table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7); "
+    table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7"
+                     + ("; at t = 1, where tp is none and each SP row its twin, each row is shown once"
+                        if est.spec.run.tensor_parallel == 1 else "") + "); "
                      "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's t; ✓ where "
                      "the row's peak floor and the reserve fit on every stage, ~ where only the floor does (tight); "
                      "◀ this run")
@@ -323,7 +325,7 @@ def _shard_advice(spec) -> str:
     if spec.run.fsdp:
         return f"shard it over more GPUs (--gpus) or {split}"
     if "fsdp" in runs:
-        return f"shard it over the data-parallel ranks with --fsdp (FSDP2), or {split}"
+        return f"shard it with --fsdp (FSDP2) over more GPUs (--gpus), or {split}"
     if "distributed_optimizer" in runs:
         return f"shard the optimizer state (--distributed-optimizer over more GPUs) or {split}"
     return "use a GPU with more memory: this implementation is modelled on one GPU (--implementation megatron shards it)"

@@ -172,11 +172,12 @@ def _plan_assumptions(req) -> list[str]:
         + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
 
 
-_FSDP_NOTE = ("{code}: every configuration under FSDP2 as torchtitan applies it ('fsdp', over the d > 1 "
-              "data-parallel ranks: fp32 shards, AdamW's state, the weights each group gathers and the gradients each "
+_FSDP_NOTE = ("{code}: every configuration over d > 1 data-parallel ranks under FSDP2 as torchtitan applies it "
+              "('fsdp': fp32 shards, AdamW's state, the weights each group gathers and the gradients each "
               "reduce-scatters at the moment they peak, torchtitan's default resharding; actmem.memory.fsdp), as "
-              "torchtitan 018740b7 runs data parallelism beside TP only so (its DDP runs alone, under AMP with fp32 "
-              "weights, not modelled; TP alone trains in fp32); FSDP2's all-gathers (bf16, forward and backward) "
+              "torchtitan 018740b7 runs data parallelism (its DDP runs alone, under AMP with fp32 weights, not "
+              "modelled); at d = 1, TP alone, priced as `actmem estimate` prices it (bf16 layers, mixed-precision "
+              "Adam over t; torchtitan trains TP alone in fp32); FSDP2's all-gathers (bf16, forward and backward) "
               "and reduce-scatters (fp32) every microbatch, overlapped with the compute beside them but the token "
               "embedding's; HSDP and the other resharding policies with `actmem estimate`")
 

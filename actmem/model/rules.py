@@ -261,8 +261,8 @@ FSDP_RULES = (
     Rule(lambda v: _implies(("fsdp" in v.code.runs) & (v.d > 1), v.fsdp),
          lambda v: f"--implementation {v.code.name} over d = {v.d} data-parallel ranks is torchtitan's FSDP2: give "
                    f"--fsdp ('fsdp' in a plan's label; torchtitan 018740b7 runs DDP only alone, under AMP with fp32 "
-                   f"weights, which actmem does "
-                   f"not model; with TP it raises 'DDP has not supported > 1D parallelism')", ("code", *_DATA_PARALLEL)),
+                   f"weights, which actmem does not model; with TP it raises 'DDP has not supported > 1D "
+                   f"parallelism')", ("code", *_DATA_PARALLEL)),
     Rule(lambda v: _implies(v.fsdp_reshard != "default", v.fsdp),
          lambda v: f"--fsdp-reshard-after-forward {v.fsdp_reshard} is FSDP2's policy: give --fsdp too"),
     Rule(lambda v: _implies(v.fsdp_replicate > 1, v.fsdp),

@@ -199,17 +199,14 @@ def _parallel_sizes(req: PlanRequest) -> pd.DataFrame:
 
 
 def _switches(req: PlanRequest) -> pd.DataFrame:
-    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; where the
-    implementation runs FSDP2 (torch-native), every row over d > 1 ranks is FSDP2's, as torchtitan shards data
-    parallelism (the rules refuse its DDP beside d > 1; candidates sets d = 1's rows apart); without the MLP's
-    recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole: the same rows as
-    without it)."""
+    """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; without
+    the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
+    the same rows as without it)."""
     choices = [name for name, choice in PLAN_RECOMPUTE.items()
                if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", choices), how="cross")
-            .merge(_frame("distributed_optimizer", [False, True]), how="cross")
-            .merge(_frame("fsdp", ["fsdp" in req.architecture.code.runs]), how="cross"))
+            .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
 
 
 def candidates(req: PlanRequest) -> pd.DataFrame:
@@ -241,7 +238,9 @@ def candidates(req: PlanRequest) -> pd.DataFrame:
     if req.overlap_param_gather:     # Megatron asserts the distributed optimizer (arguments.py, validate_args);
         grid = grid[grid.distributed_optimizer | (grid.d * grid.c == 1)]    # over one rank: the plain row's bytes
     grid["n"] = req.global_batch // (grid.b * grid.d)
-    grid["fsdp"] = grid.fsdp & (grid.d > 1)           # FSDP2 shards over d > 1; at d = 1, TP alone, as estimate
+    # where the implementation runs FSDP2 (torch-native) every row over d > 1 ranks is FSDP2's, as torchtitan shards
+    # data parallelism (the rules refuse its DDP there); at d = 1, TP alone, as estimate prices it
+    grid["fsdp"] = ("fsdp" in req.architecture.code.runs) & (grid.d > 1)
     uneven = _uneven(grid).to_numpy()
     valid = np.zeros(len(grid), dtype=bool)
     checked = []
@@ -401,8 +400,8 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                          ep=g.ep, etp=g.etp, moe_layers=moe, extra=extra,
                          dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp),
                          gpu_fp8=req.gpu.fp8)
-    sharded = grid.fsdp.to_numpy() if "fsdp" in grid else False
-    if np.any(sharded):        # FSDP2's state (fsdp.model_state); its gradients are held at some moments only
+    sharded = grid.fsdp.to_numpy()
+    if sharded.any():        # FSDP2's state (fsdp.model_state); its gradients are held at some moments only
         params = _where(sharded, fsdp.model_state(sharded_model(req, g)), params)
     memory["parameters"] = params.count
     memory["weights_bytes"] = params.weights_bytes
@@ -448,8 +447,7 @@ def _activations(req: PlanRequest, grid: pd.DataFrame, counts: pd.DataFrame) -> 
     transient = pd.Series(0, index=grid.index, dtype="int64")
     kind = counts.last_moe if "last_moe" in counts else pd.Series(True, index=grid.index)
     columns = {name: counts[name].to_numpy(dtype="float64") for name in counts}     # numpy: .loc a call was slow
-    sharded = grid.fsdp if "fsdp" in grid else pd.Series(False, index=grid.index)
-    for (sp, recompute, fused, last_moe, fsdp_rows), rows in grid.assign(last_moe=kind, fsdp=sharded).groupby(
+    for (sp, recompute, fused, last_moe, fsdp_rows), rows in grid.assign(last_moe=kind).groupby(
             ["sequence_parallel", "recompute", "fused_softmax", "last_moe", "fsdp"]):
         model_arch = req.architecture.with_fused_softmax(bool(fused))
         choice = PLAN_CHOICES[recompute]

@@ -102,11 +102,15 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
     return rows + [_row(config, rank, "gloo_copies_at_most", 0, live.below_peak, "information")]
 
 
-def _parallelized(spec, tensor_mesh):
+def _parallelized(spec, tensor_mesh, building=None):
     """The spec's model in fp32 (FSDP2 keeps fp32 shards and casts them to bf16 for compute), tensor-parallel as
-    torchtitan plans it when t > 1."""
+    torchtitan plans it when t > 1; ``building``: a context the model is made in (the meta device), parallelized
+    outside it."""
+    from contextlib import nullcontext
+
     run = spec.run
-    model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
+    with building or nullcontext():
+        model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
     if run.tensor_parallel > 1:
         parallelize_model(model, tensor_mesh, run.sequence_parallel)
     return model
@@ -118,11 +122,7 @@ def _materialised(spec, tensor_mesh, data_mesh, device: str):
     made anew (a buffer, emptied too)."""
     from actmem_validate.torchtitan import precompute_freqs_cis
 
-    with torch.device("meta"):
-        model = build_model(spec, spec.run.recompute.value == "full", dtype=torch.float32)
-    if spec.run.tensor_parallel > 1:
-        parallelize_model(model, tensor_mesh, spec.run.sequence_parallel)
-    model = apply_fsdp(model, data_mesh, spec.run.fsdp_reshard)
+    model = apply_fsdp(_parallelized(spec, tensor_mesh, torch.device("meta")), data_mesh, spec.run.fsdp_reshard)
     model.to_empty(device=device)
     arch = spec.architecture
     with torch.no_grad():

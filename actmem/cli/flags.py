@@ -342,6 +342,14 @@ RUN_FLAGS = (
     Flag(("--fsdp-replicate",), "fsdp_replicate",
          "with --fsdp, HSDP: the model state replicated R times and sharded over d/R ranks (torchtitan's "
          "data_parallel_replicate_degree; default 1)"),
+    Flag(("--zero-stage",), "zero_stage",
+         "DeepSpeed's ZeRO stage 1, 2 or 3 as the Hugging Face Trainer runs it (--implementation hf; give --gpus): "
+         "bf16, the Trainer's AdamW, DeepSpeed's defaults for the rest (a 1 GB reduce bucket); --deepspeed reads "
+         "your own config", click.IntRange(0, 3)),
+    Flag(("--deepspeed",), "deepspeed",
+         "a DeepSpeed config file (ds_config.json, as the Trainer's --deepspeed takes it): its ZeRO stage, bucket "
+         "sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; a key that changes memory "
+         "and is not modelled is refused by name", click.Path(dir_okay=False), metavar="DS_CONFIG"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -225,6 +225,42 @@ def _fsdp_notes(spec: Spec) -> list:
             "allocated)"]
 
 
+def _zero_notes(spec: Spec) -> list:
+    from actmem.model.deepspeed import DEEPSPEED_VERSION, TRAINER
+
+    zero = spec.run.zero
+    if not zero:
+        return []
+    n = spec.microbatches
+    optimizer = ("the Trainer's fused torch AdamW in two groups, decayed and not (no optimizer section)"
+                 if zero.optimizer == TRAINER else "DeepSpeed's FusedAdam over one group (the optimizer section)")
+    auto = dict(zero.auto)
+
+    def resolved(key: str) -> str:
+        return f" (\"auto\": the Trainer's {'h²' if key == 'reduce_bucket_size' else '10·h'})" if key in auto else ""
+
+    whole = (f"; parameters of at most {zero.persistence_threshold:,} elements kept whole on every rank "
+             f"(stage3_param_persistence_threshold{resolved('stage3_param_persistence_threshold')})"
+             if zero.stage == 3 else "")
+    batch = (f"{n} microbatches a step (gradient accumulation)" if n and n > 1 else
+             "one microbatch a step" + ("" if n else " (no --global-batch: no gradient accumulation)"))
+    stage = {1: "every gradient and the reduce bucket at the backward's end, and from the earlier microbatches "
+                "through the last one's",
+             2: "the gradient partition and the reduce bucket at the backward's end, and the partition from the earlier "
+                "microbatches through the last one's",
+             3: "the output layer's weight, gathered from its forward through the loss to its backward (the "
+                "coordinator keeps it while stage3_max_reuse_distance > 0)"}[zero.stage]
+    return [f"DeepSpeed {DEEPSPEED_VERSION}'s {zero.label} as the Hugging Face Trainer runs it ({zero.source}): bf16 "
+            f"weights, gradients and buckets, {optimizer}; a reduce bucket of {zero.reduce_bucket_size:,} elements"
+            f"{resolved('reduce_bucket_size')}{whole}; {batch}; rank 0 of d = {spec.data_parallel} is counted",
+            f"{zero.label}'s peak counts {stage}, and the optimizer step's bf16 flatten and fp32 copy of the largest "
+            "(sub-)group's gradient partition; not the reduce's temporaries (a bucket's flatten"
+            + (", the padded reduce-scatter copy" if zero.stage == 3 else "") + "), the fp64 gradient-norm copies"
+            + (", the other weights ZeRO-3 gathers or prefetches (at its defaults the forward's last layers stay "
+               "gathered into the backward too)" if zero.stage == 3 else "")
+            + ", nor on a GPU the side streams' memory that the caching allocator holds for reuse"]
+
+
 def _fsdp_mesh(spec: Spec) -> str:
     if spec.run.fsdp_replicate == 1:
         return f"sharded over all d = {spec.data_parallel} data-parallel ranks"
@@ -389,6 +425,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         *_recompute_notes(spec),
         *_offload_notes(spec),
         *_fsdp_notes(spec),
+        *_zero_notes(spec),
         *_mask_notes(spec),
         ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"
@@ -431,7 +468,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         notes.append("not counted: the distributed optimizer's buffer padding (optimizer/param_layout.py: each "
                      "parameter's start aligned to 64 elements, each bucket's end to lcm(d·c, 128)): at most 63 "
                      f"elements a parameter tensor and lcm(d·c, 128) a bucket, {WEIGHT_BYTES + grad} B each")
-    elif not spec.run.fsdp:                  # FSDP2's model state: _fsdp_notes
+    elif not spec.run.fsdp and not spec.run.zero:      # FSDP2's and ZeRO's model state: their own notes
         notes.append(f"{per_parameter} B a parameter: {WEIGHT_BYTES} B weight + {grad_text} + "
                      f"{adam.describe()} (mixed-precision Adam)")
     shard = -(-parameters.count // (spec.optimizer_shards if spec.run.distributed_optimizer else 1))

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from functools import cached_property
 
-from actmem.memory import assumptions, engine, fsdp
+from actmem.memory import assumptions, engine, fsdp, zero
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
 from actmem.memory.parameters import ParameterBytes, mtp_parameters, stage_state
@@ -385,6 +385,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     if spec.run.fsdp:
         moments = fsdp.stage_moments(stage, technique, arch, lambda expr: engine.exact(expr, bindings),
                                      _sharded_model(spec, t, bindings[symbols.v], arch))
+    if spec.run.zero:
+        moments = zero.stage_moments(moments, _zero_model(spec))
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
@@ -401,11 +403,25 @@ def _sharded_model(spec: Spec, t: int, vocab: int, arch: Architecture):
                               spec.microbatches or 1, spec.run.fsdp_reshard)
 
 
+def _zero_model(spec: Spec):
+    """The model under DeepSpeed's ZeRO (actmem.memory.zero): transformers' parameters (hf, one device's whole
+    model), over the d data-parallel ranks, a step of global_batch/(b·d) microbatches (or one)."""
+    from actmem.model.hf_parameters import hf_parameters
+
+    model, arch = spec.model, spec.architecture
+    parameters = hf_parameters(arch.code.model_class(arch).name, model.hidden, model.vocab, model.seq_len,
+                               model.layers, arch, model.heads)
+    return zero.zero_model(spec.run.zero, parameters, spec.data_parallel, spec.microbatches or 1,
+                           model.vocab * model.hidden)
+
+
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     model, run, arch = spec.model, spec.run, spec.architecture
     vocab = padded_vocab(model.vocab, t, spec.vocab_divisible_by)
     if run.fsdp:
         return fsdp.model_state(_sharded_model(spec, t, vocab, arch))
+    if run.zero:
+        return zero.model_state(_zero_model(spec))
     # the multi-token-prediction layers' weights, whatever the recompute, are layers of the last model kind
     # beside their own norms and projection; a MoE model's dense layers are its dense twin's
     mtp = mtp_layers_held(spec, stage, full_recompute=False)

@@ -195,11 +195,19 @@ class ParameterBytes:
     fsdp: bool = False
     """FSDP2's model state (actmem.memory.fsdp): fp32 sharded weights, and gradients that are not held at every
     moment (the peak counts them where they are live)."""
+    zero: int = 0
+    """DeepSpeed's ZeRO stage (actmem.memory.zero), 0 where none: at stages 1 and 2 the gradients are not held at
+    every moment either."""
+
+    @property
+    def transient_gradients(self) -> bool:
+        """The gradients are the moments' rows, not held at every moment (FSDP2's, ZeRO-1's and ZeRO-2's)."""
+        return self.fsdp or self.zero in (1, 2)
 
     @property
     def held_bytes(self):
-        """What is held at every moment of the step: all of it, but FSDP2's gradients."""
-        return self.total_bytes - self.gradients_bytes * self.fsdp
+        """What is held at every moment of the step: all of it, but transient gradients."""
+        return self.total_bytes - self.gradients_bytes * self.transient_gradients
 
     @property
     def total_bytes(self):

@@ -59,6 +59,18 @@ def _fsdp_state(params) -> tuple:
                     "AdamW's exp_avg and exp_avg_sq of the shard, fp32, and a 0-dim fp32 step a parameter tensor"))
 
 
+def _zero_state(params) -> tuple:
+    """The model state ZeRO holds at every moment (actmem.memory.zero): at stages 1 and 2 its gradients are the
+    moments' rows; stage 3 keeps its gradient partition and bucket throughout."""
+    return (PeakRow("weights", params.weights_bytes, "bf16 weights: the whole flat buffer (stages 1 and 2) or the "
+                                                     "partition and the persistent weights (stage 3)"),) + (
+        (PeakRow("gradient_buffers", params.gradients_bytes, "the bf16 gradient partition and reduce bucket, kept "
+                                                             "for the whole run (stage3.py)"),)
+        if params.zero == 3 else ()) + (
+        PeakRow("optimizer_state", params.optimizer_bytes, "the fp32 master weights and AdamW's two moments of the "
+                                                           "partition, the step counters and the gradient norm"),)
+
+
 def peak_floor(row) -> PeakFloor:
     """The floor for one technique on one stage (an estimate.TechniqueRow): its model state and
     the largest of the moments of its first backward after the pipeline fills
@@ -67,6 +79,8 @@ def peak_floor(row) -> PeakFloor:
     params = row.parameters
     if params.fsdp:
         return PeakFloor(_fsdp_state(params) + row.peak_moment.parts, row.peak_moment.when)
+    if params.zero:
+        return PeakFloor(_zero_state(params) + row.peak_moment.parts, row.peak_moment.when)
     state = (
         PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
         PeakRow("main_gradients", params.gradients_bytes,

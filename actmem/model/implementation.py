@@ -49,7 +49,8 @@ class Implementation:
     distributed optimizer (model state is counted as Megatron's mixed-precision Adam), experts
     spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
     Engine's whole-layer CPU offloading (--cpu-offloading-num-layers); and "fsdp", PyTorch's FSDP2 as
-    torchtitan applies it (--fsdp), which Megatron's code does not run."""
+    torchtitan applies it (--fsdp), which Megatron's code does not run; and "zero", DeepSpeed's ZeRO as the
+    Hugging Face Trainer runs it (--zero-stage, --deepspeed)."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
     full_recompute: str | None = None
@@ -346,7 +347,7 @@ _NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
 #: experts run by its own grouped_mm
 _NOT_MEGATRON_EXPERTS = (("moe_dispatcher", "allgather"), ("moe_grouped_gemm", False))
 
-_HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON + _NOT_MEGATRON_EXPERTS, unpadded_vocab="transformers keeps the config's vocabulary",
+_HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON + _NOT_MEGATRON_EXPERTS, unpadded_vocab="transformers keeps the config's vocabulary",
            flash_head_dim_limit=256, keeps=frozenset({"cross_entropy_fp32_gradients"}),
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
@@ -357,7 +358,8 @@ _HF = dict(runs=frozenset(), attention_names=HF_ATTENTION, dropped_settings=_NOT
                           "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
                           "does not count yet: choose none",
            notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
-                  "counted as mixed-precision Adam on one GPU (DDP), not as DeepSpeed or FSDP shard it",
+                  "counted as mixed-precision Adam on one GPU (DDP) unless --zero-stage or --deepspeed prices "
+                  "DeepSpeed's ZeRO (FSDP under accelerate is not modelled)",
                   "hf: the loss (ForCausalLMLoss: logits.float(), then F.cross_entropy) keeps the fp32 "
                   "log-softmax, and its backward holds fp32 gradients of the log-probabilities and of the "
                   "logits beside it (8sbv)"))

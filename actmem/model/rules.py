@@ -280,6 +280,38 @@ FSDP_RULES = (
 )
 
 
+#: DeepSpeed's ZeRO as the Hugging Face Trainer runs it (--zero-stage, --deepspeed; actmem.memory.zero)
+ZERO_RULES = (
+    Rule(lambda v: _implies(v.zero > 0, "zero" in v.code.runs),
+         lambda v: f"--zero-stage and --deepspeed are DeepSpeed's ZeRO as the Hugging Face Trainer runs it, modelled "
+                   f"under --implementation hf only, not {v.code.name} (megatron shards its optimizer state with "
+                   f"--use-distributed-optimizer, torch-native its model state with --fsdp)", ("code",)),
+    Rule(lambda v: _implies(v.zero > 0, v.gpus is not None),
+         lambda v: f"ZeRO-{v.zero} partitions over the data-parallel ranks: give --gpus (d = gpus)", ("run_known",)),
+    Rule(lambda v: _implies(v.zero > 0, v.experts is None),
+         lambda v: f"ZeRO-{v.zero} is modelled for transformers' dense model classes (LlamaForCausalLM, "
+                   "Qwen3ForCausalLM, GPT2LMHeadModel); the parameters of its mixture-of-experts classes are not "
+                   "listed yet (actmem.model.hf_parameters)"),
+    Rule(lambda v: _implies(v.zero > 0, v.gradient_bytes == 4),
+         lambda v: f"--grad-dtype sets Megatron's main-gradient buffer; ZeRO-{v.zero} keeps its gradients in the "
+                   "model's dtype, bf16 (DeepSpeed's grad_accum_dtype default): leave --grad-dtype out",
+         ("gradient_bytes",)),
+    Rule(lambda v: _implies(v.zero > 0, _and_not(v.params_dtype == "bf16", v.precision_aware)),
+         lambda v: f"--params-dtype and --use-precision-aware-optimizer are Megatron's; ZeRO-{v.zero} keeps bf16 "
+                   "weights and an fp32 master copy with AdamW's fp32 moments: leave them out",
+         ("params_dtype", "precision_aware")),
+)
+
+
+def _and_not(x, y):
+    """x and not y, for plain booleans or numpy arrays alike."""
+    if isinstance(x, bool) and isinstance(y, bool):
+        return x and not y
+    import numpy as np
+
+    return np.logical_and(x, np.logical_not(y))
+
+
 RULES = (
     *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
     Rule(lambda v: v.recompute == "full",
@@ -444,6 +476,7 @@ RULES = (
     *OFFLOADING_RULES,
     *FIRST_LAST_BF16_RULES,
     *FSDP_RULES,
+    *ZERO_RULES,
 )
 
 
@@ -547,6 +580,8 @@ class Values:
     """Bytes a main-gradient element (--grad-dtype), when given."""
     params_dtype: object = None
     """The 16-bit weights' dtype (--params-dtype), when given."""
+    zero: object = 0
+    """DeepSpeed's ZeRO stage (--zero-stage, --deepspeed), 0 where none (actmem.memory.zero)."""
 
 
 def _block_fp8(arch) -> bool:

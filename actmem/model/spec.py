@@ -101,6 +101,9 @@ class Run:
     fsdp_reshard: str = "default"
     """--fsdp-reshard-after-forward: which groups FSDP2's forward reshards, torchtitan's policy
     (actmem.model.implementation.RESHARD_POLICIES)."""
+    zero: object = None
+    """DeepSpeed's ZeRO as the Hugging Face Trainer runs it (actmem.model.deepspeed.ZeroConfig: --zero-stage or
+    --deepspeed ds_config.json), None where the run has none."""
 
     def __post_init__(self):
         _require_positive_ints(self)
@@ -108,7 +111,11 @@ class Run:
             raise SpecError(f"offload_layers (--cpu-offloading-num-layers) must be a whole number of layers, 0 or "
                             f"more, got {self.offload_layers!r}")
         check_imbalance(self.routing_imbalance)
+        from actmem.model.deepspeed import ZeroConfig
         from actmem.model.implementation import RESHARD_POLICIES
+
+        if self.zero is not None and not isinstance(self.zero, ZeroConfig):
+            raise SpecError(f"zero must be a ZeroConfig (give zero_stage or deepspeed), got {self.zero!r}")
 
         if self.fsdp_reshard not in RESHARD_POLICIES:
             raise SpecError(f"fsdp_reshard (--fsdp-reshard-after-forward) must be one of {', '.join(RESHARD_POLICIES)}, "
@@ -248,7 +255,8 @@ class Spec:
             shared_ffn=self.architecture.moe_shared_ffn, moe_freq=self.architecture.moe_layer_freq,
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
             offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
-            fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard, params_dtype=self.optimizer.params)
+            fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard, params_dtype=self.optimizer.params,
+            zero=run.zero.stage if run.zero else 0)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
@@ -383,9 +391,13 @@ def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict 
                **options) -> Spec:
     """A Spec from plain values (a preset file merged with flags); names missing or unknown keys."""
     _check_keys("model", model, Model, required=True)
+    run = dict(run)
+    if "zero_stage" in run or "deepspeed" in run:     # a flag's or a preset's spelling of the ZeRO config
+        from actmem.model.deepspeed import zero_from_run
+
+        zero_from_run(run, model.get("hidden"))
     _check_keys("run", run, Run, required=False)
     _check_keys("architecture", architecture or {}, Architecture, required=False)
-    run = dict(run)
     if isinstance(run.get("recompute_modules"), str):    # a flag: 'core_attn,mlp' or 'core_attn mlp'
         run["recompute_modules"] = tuple(run["recompute_modules"].replace(",", " ").split())
     if isinstance(run.get("recompute"), str):

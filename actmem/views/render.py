@@ -160,6 +160,8 @@ def _header(est: Estimate) -> Group:
     if run.fsdp:
         offload += (f" · FSDP2 over d={spec.data_parallel}" if run.fsdp_replicate == 1 else
                      f" · HSDP: {run.fsdp_replicate} replicas of FSDP2 over {spec.fsdp_shards}")
+    if run.zero:
+        offload += f" · DeepSpeed {run.zero.label} over d={spec.data_parallel}"
     lines.add_row("run", f"t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                          f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                          f"recompute {run.policy.label}{offload}")
@@ -232,7 +234,8 @@ def _memory_table(est: Estimate) -> Table:
                                           f" / d·c={shards}")
     if est.spec.architecture.moe and est.spec.run.distributed_optimizer:     # experts: over their own ranks
         optimizer += f" (the experts' / {est.spec.expert_optimizer_shards})"
-    rows = (("activations", est.activations_bytes, "the run's terms above"),) + (_fsdp_state_rows(est) if params.fsdp else (
+    rows = (("activations", est.activations_bytes, "the run's terms above"),) + (
+        _fsdp_state_rows(est) if params.fsdp else _zero_state_rows(est) if params.zero else (
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"
              + (", less 1 B an element of the linears' weights, FP8 (--fp8-param-gather)"
                 if est.spec.architecture.fp8_param_gather else "")),
@@ -249,13 +252,13 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
     peak = est.peak
     table.add_row(Text("total", style="bold"), f"{est.total_bytes:,}", f"{gib(est.total_bytes):,.2f}", Text(
-        "every part summed: FSDP2's gradients are not held with all the activations" if peak.total_bytes
+        "every part summed: the gradients are not held with all the activations" if peak.total_bytes
         < est.total_bytes else "", style="dim"))
-    if params.fsdp:
+    if params.fsdp or params.zero:
         table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}", f"{gib(peak.total_bytes):,.2f}",
                       Text(f"at {peak.moment}: " + ", ".join(
-                          f"{gib(row.bytes):,.2f} GiB {row.name.replace('_', ' ')}" for row in peak.rows
-                          if row.name not in ("weights", "optimizer_state")), style="dim"))
+                          _peak_part(row) for row in peak.rows
+                          if row.name not in ("weights", "optimizer_state", "gradient_buffers")), style="dim"))
     elif peak.total_bytes != est.total_bytes:
         rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit", "cross_entropy_fp32_gradients")
         op = peak.bytes_of("fc1_backward", "core_backward")
@@ -269,6 +272,33 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row(Text("peak, at least", style="bold"), f"{peak.total_bytes:,}",
                       f"{gib(peak.total_bytes):,.2f}", Text(note, style="dim"))
     return table
+
+
+def _peak_part(row) -> str:
+    """A row of a sharded run's peak moment, as the memory table's note names it ('less' what it frees)."""
+    name = row.name.replace("_", " ")
+    return f"{gib(row.bytes):,.2f} GiB {name}" if row.bytes >= 0 else f"less {gib(-row.bytes):,.2f} GiB {name}"
+
+
+def _zero_state_rows(est: Estimate) -> tuple:
+    """The memory table's model state under DeepSpeed's ZeRO (actmem.memory.zero)."""
+    from actmem.memory.zero import ADAM_BYTES, MASTER_BYTES
+
+    params, zero, d = est.parameters, est.spec.run.zero, est.spec.data_parallel
+    state = (f"fp32 master weights and AdamW's two moments ({MASTER_BYTES} + {ADAM_BYTES} B) of rank 0's "
+             f"partition (of {d}), step counters, the gradient norm")
+    if zero.stage == 3:
+        return (("weights", params.weights_bytes, f"bf16: rank 0's partition of every parameter (ceil(n/{d}) "
+                 f"elements each), and whole the parameters of at most {zero.persistence_threshold:,} elements"),
+                ("gradients", params.gradients_bytes, f"bf16: the gradient partition, and the reduce bucket of "
+                 f"{zero.reduce_bucket_size:,} elements, both kept for the whole run"),
+                ("optimizer state", params.optimizer_bytes, state))
+    held = ("every parameter's, at the backward's end" if zero.stage == 1 else
+            "of the parameters in rank 0's partition, from their reduce to the step")
+    return (("weights", params.weights_bytes, f"bf16, whole on every rank: each optimizer group's flat buffer, "
+             f"padded to a multiple of 2·d"),
+            ("gradients", params.gradients_bytes, f"bf16, {held}: the peak counts them where they are held"),
+            ("optimizer state", params.optimizer_bytes, state))
 
 
 def _fsdp_state_rows(est: Estimate) -> tuple:
@@ -322,8 +352,11 @@ def _shard_advice(spec) -> str:
     runs = spec.architecture.code.runs
     split = "split the model (" + ", ".join(flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline"))
                                             if shape in runs) + ")"
-    if spec.run.fsdp:
+    if spec.run.fsdp or (spec.run.zero and spec.run.zero.stage == 3):
         return f"shard it over more GPUs (--gpus) or {split}"
+    if "zero" in runs:
+        return ("shard it with DeepSpeed's ZeRO-3 (--zero-stage 3, or --deepspeed with your ds_config.json) over "
+                "more GPUs (--gpus)")
     if "fsdp" in runs:
         return f"shard it with --fsdp (FSDP2) over more GPUs (--gpus), or {split}"
     if "distributed_optimizer" in runs:

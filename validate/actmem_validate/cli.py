@@ -24,13 +24,14 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@option("--grid", type=click.Choice(["small", "presets", "moe", "mla", "mtp"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets", "moe", "mla", "mtp", "zero"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs), 'presets' (the Table 3 models at full scale, for --mode fake, or "
                    "--mode rank0 on a GPU), 'moe' (megatron-core's own MoELayer over gloo ranks, "
                    "expert and tensor parallel; needs megatron-core==0.16.1), 'mla' (its "
                    "MLASelfAttention over gloo ranks, TE's modules as stand-ins; the same) or 'mtp' "
-                   "(its multi-token prediction block, the same way). "
+                   "(its multi-token prediction block, the same way) or 'zero' (transformers' models "
+                   "under DeepSpeed's ZeRO over gloo ranks; needs deepspeed==0.19.8). "
                    "A grid sets the model, run and techniques itself.")
 @option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
               help="real: t processes (gloo on CPU, NCCL on GPU); fake: rank 0 of t in one "
@@ -179,10 +180,13 @@ def _check_backends(configs, mode: str, microbatches) -> None:
     hf on a GPU too."""
     import torch
 
+    if any(config.spec.run.zero for config in configs) and (mode != "real" or torch.cuda.is_available()):
+        raise SpecError("ZeRO is measured with DeepSpeed's CPU accelerator over gloo ranks: --mode real on a "
+                        "machine without a GPU (DeepSpeed is not installed on the lent GPUs)")
     others = {config.spec.architecture.implementation for config in configs} - {"megatron"}
     if not others:
         return
-    if microbatches not in (None, 1):
+    if microbatches not in (None, 1) and not all(config.spec.run.zero for config in configs):    # ZeRO: a step
         raise SpecError(f"the {', '.join(sorted(others))} backend measures one microbatch's forward: "
                         f"drop --microbatches {microbatches}")
     if mode == "fake" or not torch.cuda.is_available():
@@ -225,7 +229,8 @@ def _configs(grid, techniques, microbatches, flags):
     # a pasted script's run (its SP, recompute, batch, GPUs) is the script's, not a request: each
     # measured run sets its own, as for a preset; flags given beside it are refused
     ignored = [name for name in given_flags(flags) if name in _SET_BY_TECHNIQUES
-               and not (name == "--gpus" and "--fsdp" in given)]      # FSDP2's d ranks are measured
+               and not (name == "--gpus" and {"--fsdp", "--zero-stage", "--deepspeed"} & set(given))]
+    # FSDP2's and ZeRO's d ranks are measured
     if ignored:
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")

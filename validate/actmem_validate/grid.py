@@ -461,4 +461,42 @@ def presets_grid() -> list[Config]:
             + hf_presets())
 
 
-GRIDS = {"small": small_grid, "presets": presets_grid}
+def zero_grid() -> list[Config]:
+    """transformers' models under DeepSpeed's ZeRO over gloo ranks (validate's zero.py, --grid zero): Llama (h = 64,
+    f = 97 and v = 511, sizes d does not divide) with a config as the Trainer's documentation writes it (every size
+    "auto": a bucket of h² = 4,096 elements, the norms kept whole at stage 3) at stages 1, 2 and 3, one microbatch
+    and two (the first's gradients held through the second); stage 3 at DeepSpeed's defaults (a 1 GB bucket, every
+    parameter of this small model kept whole); stages 2 and 3 over 4 ranks; stage 3 with sub-groups of 5,000
+    elements; GPT-2 (a tied output layer, biases and LayerNorms in the undecayed group, learned positions) at stages
+    2 and 3; Qwen3 (q and k norms) at stage 1. Each of actmem's moments decides some peak: the loss's (the "auto"
+    Llama runs), the backward's end (stages 1 and 2 at DeepSpeed's defaults: every gradient, or the partition,
+    beside the 1 GB bucket) and the optimizer step's (v = 4,095 beside s = 8, at every stage)."""
+    from actmem.model.deepspeed import from_dict
+
+    model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
+
+    def spec(stage, name="small-hf-zero", gpus=2, architecture=HF | dict(ffn_hidden=97), shape=model, **zero):
+        config = from_dict({"bf16": {"enabled": "auto"}, "zero_optimization": {
+            "stage": stage, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"} | zero},
+            model["hidden"], source="the Trainer's documented config")
+        return build_spec(shape, dict(micro_batch=2, gpus=gpus, zero=config), name=name, architecture=architecture)
+
+    def defaults(stage):
+        return build_spec(model, dict(micro_batch=2, gpus=2, zero_stage=stage), name="small-hf-zero-defaults",
+                          architecture=HF | dict(ffn_hidden=97))
+
+    gpt2 = HF_GPT2["flash"] | dict(hidden_dropout=0.0)
+    vocab = model | dict(vocab=4095, seq_len=8)
+    return ([config for stage in (1, 2, 3) for n in (1, 2) for config in configs_for(spec(stage), ["none"], n)]
+            + [config for stage in (1, 2, 3) for config in configs_for(defaults(stage), ["none"], 1)]
+            + [config for stage in (1, 2, 3) for config in
+               configs_for(spec(stage, name="small-hf-zero-vocab", shape=vocab), ["none"], 1)]
+            + [config for stage in (2, 3) for config in configs_for(spec(stage, gpus=4), ["none"], 1)]
+            + configs_for(spec(3, name="small-hf-zero-subgroups", sub_group_size=5000), ["none"], 1)
+            + [config for stage in (2, 3) for config in
+               configs_for(spec(stage, name="small-gpt2-zero", architecture=gpt2), ["none"], 1)]
+            + configs_for(spec(1, name="small-qwen3-zero", architecture=HF | dict(ffn_hidden=97, qk_norm=True)),
+                          ["none"], 1))
+
+
+GRIDS = {"small": small_grid, "presets": presets_grid, "zero": zero_grid}

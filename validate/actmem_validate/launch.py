@@ -113,11 +113,20 @@ def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config:
     """t processes for each world size, each measuring its own rank."""
     rows = []
     for t, group in _by_world_size(configs):
-        rows += on_a_free_port(lambda port: _spawned(_spawned_rank, (t, group, port, timeout_s), t,
-                                                     f"a rank of the t={t} run"))
-        for config in group:
-            on_done(config)
+        for batch in _processes_for(group):
+            rows += on_a_free_port(lambda port: _spawned(_spawned_rank, (t, batch, port, timeout_s), t,
+                                                         f"a rank of the t={t} run"))
+            for config in batch:
+                on_done(config)
     return rows
+
+
+def _processes_for(group: list) -> list:
+    """The configurations each set of processes runs: all in one, but each DeepSpeed run in its own (its engine
+    keeps process-wide state, and the model-state census counts every live storage of the process)."""
+    alone = [[config] for config in group if config.spec.run.zero]
+    rest = [config for config in group if not config.spec.run.zero]
+    return ([rest] if rest else []) + alone
 
 
 def _spawned(worker, args: tuple, processes: int, who: str) -> list[dict]:

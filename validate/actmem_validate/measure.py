@@ -37,7 +37,8 @@ class Config:
 
     @property
     def sharded_over(self) -> int:
-        return self.spec.data_parallel if self.spec.run.fsdp else 1
+        """d where its ranks shard the model state (FSDP2, ZeRO): they are measured; 1 otherwise."""
+        return self.spec.data_parallel if self.spec.run.fsdp or self.spec.run.zero else 1
 
     @property
     def label(self) -> str:
@@ -47,6 +48,8 @@ class Config:
         if run.fsdp:                       # FSDP2 over d ranks, or HSDP's replicas x shards
             cp += (f" fsdp d={self.sharded_over}" if run.fsdp_replicate == 1 else
                    f" hsdp {run.fsdp_replicate}x{self.spec.fsdp_shards}")
+        if run.zero:
+            cp += f" zero{run.zero.stage} d={self.sharded_over}"
         arch = self.spec.architecture
         core = arch.code.attention_label(arch.attention_core)      # transformers' attn_implementation
         code = "" if arch.implementation == MEGATRON else f" · {arch.implementation}" + (f" {core}" if core else "")
@@ -60,7 +63,7 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     SP and recompute (selective: of the spec's --recompute-modules, 'tp-sp-sel·mlp'), one
     data-parallel rank, n microbatches."""
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1
-    d = spec.data_parallel if spec.run.fsdp else 1          # FSDP2's ranks are measured; otherwise one
+    d = spec.data_parallel if spec.run.fsdp or spec.run.zero else 1     # FSDP2's, ZeRO's ranks are measured
     modules = spec.run.recompute_modules if technique.recompute is Recompute.SELECTIVE else None
     if modules is not None:
         technique = replace(technique, policy=replace(technique.policy, modules=frozenset(modules)))
@@ -78,6 +81,10 @@ def measure(config: Config, rank: int, device: str = "cpu", fake: bool = False) 
         from actmem_validate import fsdp
 
         return fsdp.measure(config, rank, device, fake)
+    if config.spec.run.zero:                           # hf under DeepSpeed's ZeRO: a training step
+        from actmem_validate import zero
+
+        return zero.measure(config, rank, device, fake)
     if config.spec.architecture.implementation == "torch-native":
         from actmem_validate import torch_native
 

@@ -1,0 +1,222 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 as the Hugging Face Trainer runs them: what data-parallel rank 0 keeps,
+and what its gradients and optimizer step hold at the moments of a step.
+
+Read at DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, partition_parameters.py) with bf16
+(the gradients and their buckets bf16: grad_accum_dtype and communication_data_type default to the model's
+dtype), and measured to the byte on CPU ranks (validate/actmem_validate/zero.py). N: the data-parallel ranks.
+
+Stages 1 and 2 (DeepSpeedZeroOptimizer) flatten each optimizer group g of Ψ_g elements into one bf16
+buffer padded to P_g = ceil(Ψ_g / 2N)·2N (alignment 2N: l.441-446), which the model's weights are views of,
+whole on every rank; rank r's partition is S_g = P_g / N of it. It keeps an fp32 master copy of its
+partition (l.560), and AdamW's two moments of it: 2·P_g + 12·S_g a group. Stage 3 partitions every
+parameter alone, ceil(n/N) elements a rank (_padding_size), into one bf16 buffer (lp_param_buffer) and keeps
+a bf16 gradient partition of the same size for the whole run (grad_partitions_flat_buffer, stage3.py:791)
+and the reduce bucket (l.780), the fp32 master copy and the moments of each sub-group, and the parameters
+of at most stage3_param_persistence_threshold elements whole (2·ceil(n/N)·N each, the padded gather).
+"""
+
+from dataclasses import dataclass
+
+from actmem.memory.parameters import ParameterBytes
+from actmem.memory.peak import PeakRow
+from actmem.memory.stage_model import StageMoment
+from actmem.model.deepspeed import TRAINER, ZeroConfig
+
+WEIGHT_BYTES = 2
+"""bf16 weights, gradients and gradient buckets."""
+MASTER_BYTES = 4
+ADAM_BYTES = 8
+STEP_BYTES = 4
+"""The Trainer's fused torch AdamW: one 0-dim fp32 step a (sub-)group it steps, on the GPU (torch/optim/adam.py);
+DeepSpeed's FusedAdam counts in a Python int."""
+NORM_COPY_BYTES = 8
+"""The gradient norm's fp64 copy of each gradient piece (get_norm_dtype: fp64 on CPU and CUDA)."""
+NORM_BYTES = {1: 4, 2: 4, 3: 9}
+"""_global_grad_norm, fp32 at stages 1 and 2 (stage_1_and_2.py); fp64 and a bool inf_or_nan_tracker at
+stage 3 (stage3.py)."""
+
+GRADIENTS_1 = ("autograd's bf16 gradients of every parameter: ZeRO-1 reduces them after the backward "
+               "(engine.allreduce_gradients), so all are held at its end")
+GRADIENTS_2 = ("the bf16 gradients of the parameters in rank 0's partition, whole where one straddles its end "
+               "(grads_in_partition, stage_1_and_2.py: allocated at the first reduce of one, freed by the step)")
+BUCKET = ("the bf16 reduce bucket, reduce_bucket_size elements (ipg_buckets: allocated at the backward's first "
+          "gradient, released after its last reduce{kept})")
+MASTER_GRADIENT = ("the optimizer step's gradient of the largest (sub-)group's partition: its bf16 flatten and the "
+                   "fp32 copy made of it, both live at the cast ({where})")
+NORM_COPY = ("the gradient norm's fp64 copy of the largest parameter's piece of rank 0's partition (get_grad_norm_direct: "
+             "vector_norm(g.to(float64)) a piece)")
+GATHERED_OUTPUT = ("the output layer's weight gathered whole (bf16): ZeRO-3 keeps a weight gathered while its next "
+                   "use is within stage3_max_reuse_distance, and the output layer's backward follows the loss "
+                   "(partitioned_param_coordinator.py, __params_to_release)")
+
+
+@dataclass(frozen=True)
+class ZeroModel:
+    """Rank 0 of N under ZeRO: the config, the optimizer groups (each a tuple of parameter sizes in order),
+    the parameters' sizes in the model's order and the output layer's, n microbatches a step."""
+
+    config: ZeroConfig
+    d: int
+    groups: tuple
+    output_numel: int
+    microbatches: int = 1
+
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def count(self) -> int:
+        return sum(sum(group) for group in self.groups)
+
+    @property
+    def _steps(self) -> int:
+        """Bytes of step counters a (sub-)group."""
+        return STEP_BYTES if self.config.optimizer == TRAINER else 0
+
+    # stages 1 and 2
+    def padded(self, group: tuple) -> int:
+        """P_g: the group's flat buffer, padded to a multiple of 2N."""
+        return -(-sum(group) // (2 * self.d)) * 2 * self.d
+
+    def partition(self, group: tuple) -> int:
+        """S_g = P_g / N: rank 0's partition of the group."""
+        return self.padded(group) // self.d
+
+    def largest_piece(self) -> int:
+        """The most elements of one parameter inside rank 0's partition (the gradient norm's largest copy)."""
+        if self.stage == 3:
+            return max(self.shard(numel) for group in self.groups for numel in group)
+        largest = 0
+        for group in self.groups:
+            offset, end = 0, self.partition(group)
+            for numel in group:
+                if offset < end:
+                    largest = max(largest, min(numel, end - offset))
+                offset += numel
+        return largest
+
+    def in_partition(self) -> int:
+        """Elements of grads_in_partition on rank 0: every parameter that begins inside its partition, whole
+        (get_partition_info: a parameter straddling the end counts in full)."""
+        total = 0
+        for group in self.groups:
+            offset, end = 0, self.partition(group)
+            for numel in group:
+                if offset < end:
+                    total += numel
+                offset += numel
+        return total
+
+    # stage 3
+    def shard(self, numel: int) -> int:
+        return -(-numel // self.d)
+
+    def sub_groups(self) -> list:
+        """Rank 0's partition of each sub-group: a group is cut where its running sum reaches sub_group_size
+        (stage3.py, _create_fp16_sub_groups)."""
+        sizes = []
+        for group in self.groups:
+            total = sum(self.shard(numel) for numel in group)
+            if total <= self.config.sub_group_size:
+                sizes.append(total)
+                continue
+            running = 0
+            for numel in group:
+                running += self.shard(numel)
+                if running >= self.config.sub_group_size:
+                    sizes.append(running)
+                    running = 0
+            if running:
+                sizes.append(running)
+        return sizes
+
+    def persistent_bytes(self) -> int:
+        """The parameters ZeRO-3 keeps whole on every rank, each in its padded gather (2·ceil(n/N)·N)."""
+        return sum(WEIGHT_BYTES * self.shard(numel) * self.d for group in self.groups for numel in group
+                   if numel <= self.config.persistence_threshold)
+
+    @property
+    def output_persists(self) -> bool:
+        return self.output_numel <= self.config.persistence_threshold
+
+
+def model_state(model: ZeroModel) -> ParameterBytes:
+    """Rank 0's model state after a step (stages 1 and 2: the gradients, which the moments hold where they
+    are live, as ``gradients_bytes``; stage 3 keeps its gradient buffers for the whole run)."""
+    if model.stage < 3:
+        partitions = [model.partition(group) for group in model.groups]
+        gradients = WEIGHT_BYTES * (model.count if model.stage == 1 else model.in_partition())
+        return ParameterBytes(model.count, WEIGHT_BYTES * sum(model.padded(group) for group in model.groups),
+                              gradients, sum((MASTER_BYTES + ADAM_BYTES) * s + model._steps for s in partitions)
+                              + NORM_BYTES[model.stage], zero=model.stage)
+    subs = model.sub_groups()
+    shard = sum(subs)
+    return ParameterBytes(model.count, WEIGHT_BYTES * shard + model.persistent_bytes(),
+                          WEIGHT_BYTES * (shard + model.config.reduce_bucket_size),
+                          sum((MASTER_BYTES + ADAM_BYTES) * s + model._steps for s in subs) + NORM_BYTES[3], zero=3)
+
+
+def stage_moments(moments: tuple, model: ZeroModel) -> tuple:
+    """The stage's moments (stage_model.StageMoment, one device's: every layer on it) with what ZeRO holds at
+    each beside the model state, and its own: the backward's end and the optimizer's step, the activations
+    freed. The last microbatch's moments hold what the earlier ones left: at stage 1 every gradient and the
+    bucket (no reduce before the step's boundary), at stage 2 the gradient partition (measured)."""
+    return tuple(_extend(moment, _during(model)) for moment in moments) + _after_backward(model)
+
+
+def _during(model: ZeroModel) -> tuple:
+    rows = ()
+    earlier = model.microbatches > 1
+    if model.stage == 1 and earlier:
+        rows = (PeakRow("gradients", WEIGHT_BYTES * model.count, GRADIENTS_1 + ": the earlier microbatches'"),
+                PeakRow("gradient_bucket", WEIGHT_BYTES * model.config.reduce_bucket_size,
+                        BUCKET.format(kept="; kept between microbatches")))
+    elif model.stage == 2 and earlier:
+        rows = (PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2
+                        + ": the earlier microbatches'"),)
+    elif model.stage == 3 and model.config.reuse_distance > 0 and not model.output_persists:
+        rows = (PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),)
+    return rows
+
+
+def _after_backward(model: ZeroModel) -> tuple:
+    bucket = PeakRow("gradient_bucket", WEIGHT_BYTES * model.config.reduce_bucket_size, BUCKET.format(kept=""))
+    norm = PeakRow("norm_copy", NORM_COPY_BYTES * model.largest_piece(), NORM_COPY)
+    if model.stage == 3:
+        largest = max(model.sub_groups())
+        released = PeakRow("persistent_weights_released", -model.persistent_bytes(),
+                           "the whole persistent weights, which the step releases first (stage3.py, step: "
+                           "_partition_all_parameters)")
+        return (StageMoment("gradient_norm", "the optimizer step's gradient norm, at its largest fp64 copy",
+                            (norm, released)),
+                StageMoment("optimizer_step", "the optimizer's step, at the cast of the largest sub-group's gradient",
+                            (PeakRow("step_gradient", (WEIGHT_BYTES + MASTER_BYTES) * largest, MASTER_GRADIENT.format(
+                                where="stage3.py, _prepare_fp32_grad_for_sub_group")), released)))
+    partition = PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2)
+    end = ((PeakRow("gradients", WEIGHT_BYTES * model.count, GRADIENTS_1), bucket) if model.stage == 1 else
+           (partition, bucket))
+    largest = max(model.partition(group) for group in model.groups)
+    return (StageMoment("backward_end", "the backward's end, before its last reduce", end),
+            StageMoment("gradient_norm", "the optimizer step's gradient norm, at its largest fp64 copy",
+                        (partition, norm)),
+            StageMoment("optimizer_step", "the optimizer's step, at the cast of the largest group's gradient", (
+                partition, PeakRow("step_gradient", (WEIGHT_BYTES + MASTER_BYTES) * largest, MASTER_GRADIENT.format(
+                    where="stage_1_and_2.py, step: flatten, then .to(fp32)")))))
+
+
+def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
+    from dataclasses import replace
+
+    return replace(moment, parts=moment.parts + rows) if rows else moment
+
+
+def zero_model(config: ZeroConfig, parameters: tuple, d: int, microbatches: int, output_numel: int) -> ZeroModel:
+    """The ZeroModel of transformers' parameters (actmem.model.hf_parameters) in the optimizer's groups: the
+    Trainer's two, decayed then not (trainer.py, create_optimizer), or FusedAdam's one."""
+    if config.optimizer == TRAINER:
+        groups = tuple(tuple(p.numel for p in parameters if p.decays == decays) for decays in (True, False))
+        groups = tuple(group for group in groups if group)
+    else:
+        groups = (tuple(p.numel for p in parameters),)
+    return ZeroModel(config, d, groups, output_numel, microbatches)

@@ -21,6 +21,7 @@ PLACEHOLDERS = {
     "@args.txt": "@" + str(DATA / "docs" / "args.txt"),
     "@train_gpt.sh": "@" + str(DATA / "docs" / "train_gpt.sh"),
     "@train_mixtral_8x7b_distributed.sh": "@" + str(DATA / "megatron_examples" / "train_mixtral_8x7b_distributed.sh"),
+    "ds_config_zero3.json": str(DATA / "deepspeed" / "ds_config_zero3.json"),
 }
 
 #: examples that need torch, a GPU or minutes: where each is run
@@ -31,6 +32,8 @@ ELSEWHERE = {
     "actmem validate --model 530b --mode fake": "benchmarks/validate_fake.py, run by .ci/run",
     "actmem validate --grid small": ".ci/run (with --max-peak-gap 30, its CSV into artifacts/)",
     "actmem validate --grid moe": "tests/validate/test_megatron_moe.py and .ci/run (its CSV into artifacts/)",
+    "actmem validate --grid zero --max-peak-gap 15": "tests/validate/test_zero_harness.py and .ci/run (its CSV into "
+                                                     "artifacts/)",
     "actmem validate --grid presets --mode rank0": "a GPU's (docs/validation.md); on a CPU .ci/run runs the "
                                                    "same grid with --mode fake",
 }

@@ -30,7 +30,7 @@ def records(est: Estimate, codes=None) -> dict:
                 "expert_load_layers": None if run.expert_loads is None else len(run.expert_loads),
                 "expert_data_parallel": spec.expert_optimizer_shards if spec.architecture.moe else None,
                 "offload_layers": run.offload_layers, "fsdp": run.fsdp, "fsdp_replicate": run.fsdp_replicate, "fsdp_reshard": run.fsdp_reshard,
-                "fsdp_shards": spec.fsdp_shards if run.fsdp else None},
+                "fsdp_shards": spec.fsdp_shards if run.fsdp else None, **_zero(run.zero)},
         "stage": {"index": est.stage, "layers": est.stages[est.stage].layers,
                   "layer_activations": est.occupancy.layer_activations,
                   "embedding_microbatches": est.occupancy.microbatches,
@@ -244,3 +244,11 @@ def plan_csv(plan, top: int, nothing=None) -> str:
                 "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
                 "budget_bytes": req.budget_bytes}
     return table.assign(**settings).to_csv(index=False)
+
+
+def _zero(zero) -> dict:
+    """DeepSpeed's ZeRO settings as priced (actmem.model.deepspeed.ZeroConfig); stage 0 where none."""
+    return {"zero_stage": zero.stage if zero else 0,
+            "zero_reduce_bucket_size": zero.reduce_bucket_size if zero else None,
+            "zero_persistence_threshold": zero.persistence_threshold if zero and zero.stage == 3 else None,
+            "zero_optimizer": zero.optimizer if zero else None, "zero_config": zero.source if zero else None}

@@ -1,0 +1,67 @@
+"""The ZeRO harness (validate's zero.py, --grid zero): DeepSpeed 0.19.8 run on gloo CPU ranks, its model state
+and peak against actmem's estimate; and its gates red when actmem's formula is made wrong in either direction."""
+
+import pytest
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from actmem_validate.compare import judge          # noqa: E402
+from actmem_validate.grid import zero_grid          # noqa: E402
+from actmem_validate.launch import run_real         # noqa: E402
+
+
+def _configs(*labels):
+    return [config for config in zero_grid() if any(config.label.startswith(label) for label in labels)]
+
+
+def test_zero_stages_measure_to_the_byte():
+    """Stage 1 with two microbatches (the first's gradients held through the second) and stage 3: the model
+    state 0 B off, the peak above the floor (stage 1's within 16 B: the loss's scalars)."""
+    configs = _configs("small-hf-zero · hf sdpa t=1 zero1 d=2 p=1 m=1 b=2 n=2",
+                       "small-hf-zero · hf sdpa t=1 zero3 d=2 p=1 m=1 b=2 n=1")
+    assert len(configs) == 2
+    rows = run_real(configs)
+    assert judge(rows, 0.0, max_peak_gap=15) == []
+    state = [row for row in rows if row["kind"] == "state"]
+    assert len(state) == 4 and all(row["measured_bytes"] == row["formula_bytes"] for row in state)
+    peak = {row["config"].split(" zero")[1][:1]: row for row in rows if row["term"] == "peak"}
+    assert 0 <= peak["1"]["measured_bytes"] - peak["1"]["formula_bytes"] <= 16
+
+
+def _wrong_formula(rank: int, folder: str, world: int, configs, port: int, timeout_s: int, patch: dict) -> None:
+    """A rank of the harness with actmem's ZeRO constants changed (``patch``), as a wrong formula would be."""
+    import os
+
+    import actmem.memory.zero as zero
+    from actmem_validate.launch import _write_rows, run_rank
+
+    for name, value in patch.items():
+        setattr(zero, name, value)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _write_rows(folder, rank, run_rank(rank, world, configs, timeout_s))
+
+
+def _run_wrong(configs, patch: dict) -> list:
+    from actmem_validate.gloo import on_a_free_port
+    from actmem_validate.launch import _spawned
+
+    return on_a_free_port(lambda port: _spawned(_wrong_formula, (2, configs, port, 120, patch), 2, "a rank"))
+
+
+@pytest.mark.parametrize("norm_bytes, says", [(5, "more"), (3, "less")])
+def test_the_state_gate_fails_both_ways(norm_bytes, says):
+    """actmem's fp32 gradient norm at stage 1 made 1 B too large, then too small: the optimizer state's row fails."""
+    configs = _configs("small-hf-zero · hf sdpa t=1 zero1 d=2 p=1 m=1 b=2 n=1")
+    rows = _run_wrong(configs, {"NORM_BYTES": {1: norm_bytes, 2: 4, 3: 9}})
+    failures = judge(rows, 0.0)
+    assert len(failures) >= 1
+    assert any("zero_optimizer_state: the model state's storages hold" in line for line in failures)
+
+
+def test_the_peak_gate_fails_below_the_floor():
+    """The gradient norm's copy counted at 16 B an element, not fp64's 8: the floor rises above the measured peak
+    of the run the norm decides (v = 4095 beside s = 8)."""
+    configs = _configs("small-hf-zero-vocab · hf sdpa t=1 zero1")
+    rows = _run_wrong(configs, {"NORM_COPY_BYTES": 16})
+    assert any("peak" in line and "below actmem's floor" in line for line in judge(rows, 0.0))

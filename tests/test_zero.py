@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from actmem.cli.main import cli
 from actmem.errors import SpecError
 from actmem.memory.estimate import estimate
-from actmem.model.deepspeed import from_dict
+from actmem.sources.deepspeed_config import from_dict
 from actmem.model.spec import build_spec
 from actmem.sources.presets import load_preset
 
@@ -60,15 +60,47 @@ def test_zero_2_gradient_partition_holds_whole_straddlers():
     assert params.gradients_bytes == 2 * (1_003_487_232 + 58_720_256 + 9 * 4096) == 2_124_488_704
 
 
-def test_zero_1_holds_every_gradient_and_the_bucket_at_the_backwards_end():
+def test_zero_1_reduces_after_the_backward_with_every_gradient_held():
+    """Stage 1's reduce walks the decayed group in order: its first parameter, the embedding (525,336,576
+    elements), does not fit the bucket (5e8) and is reduced in place, so at that first reduce every gradient is
+    still held beside the bucket, and then the gradient partition it makes (the embedding lies inside rank 0's
+    partition: one slice, so the all-reduce flattens no copy)."""
     moments = _moments(_spec("llama-3.1-8b", 8, zero_stage=1))
-    assert moments["backward_end"] == {"gradients": 2 * PSI_8B, "gradient_bucket": 2 * BUCKET}
-    # the step: the partition of gradients and the largest group's bf16 flatten beside its fp32 copy
     partition = 2 * (1_062_207_488 + 36_864)
+    assert moments["backward_end"] == {"gradients": 2 * PSI_8B, "gradient_bucket": 2 * BUCKET}
+    assert moments["first_partition"] == {"gradients": 2 * PSI_8B, "gradient_bucket": 2 * BUCKET,
+                                          "gradient_partition": partition}
+    # the step: the partition of gradients and the largest group's bf16 flatten beside its fp32 copy
     assert moments["optimizer_step"] == {"gradient_partition": partition, "step_gradient": 6 * 1_003_749_376}
     # the gradient norm's fp64 copy of the largest piece: the embedding, whole inside rank 0's partition
     assert moments["gradient_norm"] == {"gradient_partition": partition, "norm_copy": 8 * 525_336_576}
     assert "gradients" not in moments["loss"]                  # one microbatch: nothing carried into it
+
+
+def test_a_first_bucket_that_fits_frees_its_gradients_before_the_first_reduce():
+    """With a bucket of 6e8 elements the embedding (525,336,576) fits; q of layer 0 (16,777,216) ends at
+    542,113,792, k and v at 550,502,400, o at 567,279,616, gate at 625,999,872 > 6e8: the first bucket takes
+    567,279,616 elements, whose gradients are the bucket's, not held apart."""
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 6e8}}
+    spec = build_spec(load_preset("llama-3.1-8b").model, dict(gpus=8, zero=from_dict(config, 4096)),
+                      architecture=load_preset("llama-3.1-8b").architecture | {"implementation": "hf"})
+    assert _moments(spec)["backward_end"]["gradients"] == 2 * (PSI_8B - 567_279_616)
+
+
+def test_zero_2_last_reduce_holds_the_embeddings_gradient_and_both_partitions():
+    """Stage 2 with four microbatches, at the last reduce: the bucket, the partition and the earlier microbatches'
+    (all_grad_tensors), and the embedding's gradient, too large for the bucket, reduced alone in place."""
+    moments = _moments(_spec("llama-3.1-8b", 8, zero_stage=2, global_batch=32))
+    assert moments["backward_end"] == {"gradient_bucket": 2 * BUCKET, "gradient_partition": 2_124_488_704,
+                                       "gradient_partition_accumulated": 2_124_488_704,
+                                       "oversized_gradient": 2 * 525_336_576}
+
+
+def test_a_partition_inside_one_parameter_casts_without_a_flatten():
+    """On 16 GPUs rank 0's partition of the decayed group, 8,029,995,008/16 = 501,874,688 elements, lies inside
+    the embedding (525,336,576): flattening one piece is a view, so the step holds the fp32 copy alone."""
+    step = _moments(_spec("llama-3.1-8b", 16, zero_stage=1))["optimizer_step"]
+    assert step["step_gradient"] == 4 * 501_874_688
 
 
 def test_gradient_accumulation_carries_gradients_into_the_last_microbatch():
@@ -190,14 +222,21 @@ def test_a_config_file_sets_the_batch(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer moves model state to cpu"),
-    ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "overlap_comm true at ZeRO-2"),
-    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 10}}, "stage3_prefetch_bucket_sise is a setting actmem has not read"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer .* change"),
+    ({"zero_optimization": {"stage": 2, "round_robin_gradients": 1}}, "round_robin_gradients must be true or false"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": 10, "mics_shard_size": 2}},
+     "mics_shard_size, zero_optimization.stage3_prefetch_bucket_sise: not settings of DeepSpeed"),
+    ({"zero_optimization": {"stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6}}, "twice"),
+    ({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": "auto"}}, "fills them only at stage 3"),
     ({"fp16": {"enabled": True}}, "enables fp16"),
-    ({"bf16": {"enabled": False}}, "does not enable bf16"),
+    ({"bf16": {"enabled": False}}, "bf16.enabled is false"),
+    ({"bf16": {}}, "bf16.enabled is false"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads"),
+    ({"amp": {"enabled": False}}, "amp is not a setting"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "AutoTP"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer 'Lamb' is not modelled"),
-    ({"zero_optimization": {"stage": 0}}, "stage 0, no ZeRO"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights true changes"),
+    ({"zero_optimization": {"stage": 0}}, "stage 0 is DeepSpeed without ZeRO"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights true change"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, "grad_accum_dtype 'fp32'"),
     ({"zero_optimization": {"reduce_bucket_size": 5e8}}, "sets no zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}}, "reduce_bucket_size must be a whole number"),
@@ -211,7 +250,17 @@ def test_a_config_actmem_cannot_price_is_refused_by_name(change, message):
 def test_keys_that_change_no_memory_are_accepted():
     config = from_dict(HF_ZERO3 | {"bf16": {"enabled": True}, "fp16": {"enabled": False}, "tensorboard": {},
                                    "zero_allow_untested_optimizer": True}, hidden=64)
-    assert config.stage == 3
+    assert config.stage == 3 and config.notes == ()
+
+
+def test_what_the_file_leaves_to_the_trainer_is_named():
+    """No bf16 section: the Trainer's --bf16 adds one (accelerate); keys DeepSpeed does not read (LLaMA-Factory's
+    comms_config) are accepted and named; DeepSpeed's own field names stand for the stage3_ aliases; a
+    sub_group_size of 0 makes every parameter its own sub-group."""
+    config = from_dict({"fp16": {"enabled": "auto"}, "comms_config": {"verbose": False},
+                        "zero_optimization": {"stage": 3, "max_reuse_distance": 0, "sub_group_size": 0}}, hidden=64)
+    assert config.reuse_distance == 0 and config.sub_group_size == 0
+    assert "no bf16 section" in config.notes[0] and "comms_config" in config.notes[1]
 
 
 # --- refusals and output ---------------------------------------------------------------------------------------

@@ -345,7 +345,7 @@ RUN_FLAGS = (
     Flag(("--zero-stage",), "zero_stage",
          "DeepSpeed's ZeRO stage 1, 2 or 3 as the Hugging Face Trainer runs it (--implementation hf; give --gpus): "
          "bf16, the Trainer's AdamW, DeepSpeed's defaults for the rest (a 1 GB reduce bucket); --deepspeed reads "
-         "your own config", click.IntRange(0, 3)),
+         "your own config", click.IntRange(1, 3)),
     Flag(("--deepspeed",), "deepspeed",
          "a DeepSpeed config file (ds_config.json, as the Trainer's --deepspeed takes it): its ZeRO stage, bucket "
          "sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; a key that changes memory "

@@ -240,22 +240,26 @@ def _zero_notes(spec: Spec) -> list:
         return f" (\"auto\": the Trainer's {'h²' if key == 'reduce_bucket_size' else '10·h'})" if key in auto else ""
 
     whole = (f"; parameters of at most {zero.persistence_threshold:,} elements kept whole on every rank "
-             f"(stage3_param_persistence_threshold{resolved('stage3_param_persistence_threshold')})"
+             f"(stage3_param_persistence_threshold{resolved('param_persistence_threshold')})"
              if zero.stage == 3 else "")
     batch = (f"{n} microbatches a step (gradient accumulation)" if n and n > 1 else
              "one microbatch a step" + ("" if n else " (no --global-batch: no gradient accumulation)"))
-    stage = {1: "every gradient and the reduce bucket at the backward's end, and from the earlier microbatches "
-                "through the last one's",
-             2: "the gradient partition and the reduce bucket at the backward's end, and the partition from the earlier "
-                "microbatches through the last one's",
+    stage = {1: "every gradient and the reduce bucket from the earlier microbatches through the last one's, and "
+                "at the reduce after the backward every gradient its first bucket did not take beside the bucket and "
+                "the gradient partition",
+             2: "the gradient partition from the earlier microbatches through the last one's, and at the backward's "
+                "last reduce the bucket, the partition (twice with gradient accumulation) and the token embedding's "
+                "gradient where it exceeds the bucket",
              3: "the output layer's weight, gathered from its forward through the loss to its backward (the "
                 "coordinator keeps it while stage3_max_reuse_distance > 0)"}[zero.stage]
     return [f"DeepSpeed {DEEPSPEED_VERSION}'s {zero.label} as the Hugging Face Trainer runs it ({zero.source}): bf16 "
             f"weights, gradients and buckets, {optimizer}; a reduce bucket of {zero.reduce_bucket_size:,} elements"
-            f"{resolved('reduce_bucket_size')}{whole}; {batch}; rank 0 of d = {spec.data_parallel} is counted",
-            f"{zero.label}'s peak counts {stage}, and the optimizer step's bf16 flatten and fp32 copy of the largest "
-            "(sub-)group's gradient partition; not the reduce's temporaries (a bucket's flatten"
-            + (", the padded reduce-scatter copy" if zero.stage == 3 else "") + "), the fp64 gradient-norm copies"
+            f"{resolved('reduce_bucket_size')}{whole}; {batch}; rank 0 of d = {spec.data_parallel} is counted (at "
+            "stages 1 and 2 another rank's gradient partition can hold more, a straddling parameter at each end)",
+            *zero.notes,
+            f"{zero.label}'s peak counts {stage}, the gradient norm's fp64 copy of the largest piece, and the optimizer "
+            "step's bf16 flatten and fp32 copy of the largest (sub-)group's gradient partition; not the reduce's "
+            "temporaries (a bucket's flatten" + (", the padded reduce-scatter copy" if zero.stage == 3 else "") + ")"
             + (", the other weights ZeRO-3 gathers or prefetches (at its defaults the forward's last layers stay "
                "gathered into the backward too)" if zero.stage == 3 else "")
             + ", nor on a GPU the side streams' memory that the caching allocator holds for reuse"]
@@ -427,7 +431,8 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         *_fsdp_notes(spec),
         *_zero_notes(spec),
         *_mask_notes(spec),
-        ("first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
+        ("every layer on one stage (p = 1)" if spec.run.pipeline_parallel == 1 else
+         "first pipeline stage" if occupancy.stage == 0 else f"pipeline stage {occupancy.stage}")
         + f": {occupancy.explanation}"
         + ("" if occupancy.holds_output_layer else
            "; the output-layer terms of section 4.5 sit on the last stage (p > 1)")

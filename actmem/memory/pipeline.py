@@ -122,6 +122,10 @@ def stage_occupancy(layers: int, p: int, m: int, microbatches_per_iteration: int
 
 
 def _explain(p, m, n, chunks, full_chunks, layers_per_chunk) -> str:
+    if p == 1:          # no pipeline: one microbatch's activations at a time, whatever the step accumulates
+        return (f"one microbatch in flight"
+                + (f" of {n} a step (gradient accumulation)" if n and n > 1 else "")
+                + f", {layers_per_chunk * chunks} layer activations")
     if m > 1:
         schedule, unit = f"interleaved schedule (m={m})", "chunks"
     else:

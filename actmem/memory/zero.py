@@ -39,8 +39,8 @@ GRADIENTS_1 = ("autograd's bf16 gradients of every parameter: ZeRO-1 reduces the
                "(engine.allreduce_gradients), so all are held at its end")
 GRADIENTS_2 = ("the bf16 gradients of the parameters in rank 0's partition, whole where one straddles its end "
                "(grads_in_partition, stage_1_and_2.py: allocated at the first reduce of one, freed by the step)")
-BUCKET = ("the bf16 reduce bucket, reduce_bucket_size elements (ipg_buckets: allocated at the backward's first "
-          "gradient, released after its last reduce{kept})")
+BUCKET = ("the bf16 reduce bucket, reduce_bucket_size elements, two with overlap_comm (ipg_buckets, setup_buckets: "
+          "allocated at the backward's first gradient, released after its last reduce{kept})")
 MASTER_GRADIENT = ("the optimizer step's gradient of the largest (sub-)group's partition: its bf16 flatten and the "
                    "fp32 copy made of it, both live at the cast ({where})")
 NORM_COPY = ("the gradient norm's fp64 copy of the largest parameter's piece of rank 0's partition (get_grad_norm_direct: "
@@ -66,6 +66,12 @@ class ZeroModel:
         return self.config.stage
 
     @property
+    def bucket_bytes(self) -> int:
+        """The reduce bucket's bf16 buffers: two at stages 1 and 2 under overlap_comm (double buffers), one at
+        stage 3 whatever it says (stage3.py)."""
+        return WEIGHT_BYTES * self.config.reduce_bucket_size * (1 + (self.config.overlap_comm and self.stage < 3))
+
+    @property
     def count(self) -> int:
         return sum(sum(group) for group in self.groups)
 
@@ -83,53 +89,121 @@ class ZeroModel:
         """S_g = P_g / N: rank 0's partition of the group."""
         return self.padded(group) // self.d
 
+    def layout(self, group: tuple) -> list:
+        """(index in the group, elements, offset) of each parameter in the flat buffer's order: the group's, or
+        under round_robin_gradients every N-th parameter from the first, then from the second, ...
+        (_round_robin_reorder)."""
+        n = len(group)
+        order = ([i for start in range(self.d) for i in range(start, n, self.d)] if self.config.round_robin
+                 else range(n))
+        placed, offset = [], 0
+        for i in order:
+            placed.append((i, group[i], offset))
+            offset += group[i]
+        return placed
+
+    def owned(self, group: tuple) -> list:
+        """(index, elements, offset) of the parameters that begin inside rank 0's partition [0, S_g)."""
+        end = self.partition(group)
+        return [placed for placed in self.layout(group) if placed[2] < end]
+
     def largest_piece(self) -> int:
         """The most elements of one parameter inside rank 0's partition (the gradient norm's largest copy)."""
         if self.stage == 3:
             return max(self.shard(numel) for group in self.groups for numel in group)
-        largest = 0
-        for group in self.groups:
-            offset, end = 0, self.partition(group)
-            for numel in group:
-                if offset < end:
-                    largest = max(largest, min(numel, end - offset))
-                offset += numel
-        return largest
+        return max(min(numel, self.partition(group) - offset) for group in self.groups
+                   for _, numel, offset in self.owned(group))
 
     def in_partition(self) -> int:
         """Elements of grads_in_partition on rank 0: every parameter that begins inside its partition, whole
         (get_partition_info: a parameter straddling the end counts in full)."""
-        total = 0
-        for group in self.groups:
-            offset, end = 0, self.partition(group)
-            for numel in group:
-                if offset < end:
-                    total += numel
-                offset += numel
-        return total
+        return sum(numel for group in self.groups for _, numel, _ in self.owned(group))
 
     # stage 3
     def shard(self, numel: int) -> int:
         return -(-numel // self.d)
 
-    def sub_groups(self) -> list:
-        """Rank 0's partition of each sub-group: a group is cut where its running sum reaches sub_group_size
-        (stage3.py, _create_fp16_sub_groups)."""
-        sizes = []
+    def sub_group_shards(self) -> list:
+        """Rank 0's partitions of each sub-group's parameters: a group is cut where its running sum reaches
+        sub_group_size (stage3.py, _create_fp16_sub_groups)."""
+        subs = []
         for group in self.groups:
-            total = sum(self.shard(numel) for numel in group)
-            if total <= self.config.sub_group_size:
-                sizes.append(total)
+            shards = [self.shard(numel) for numel in group]
+            if sum(shards) <= self.config.sub_group_size:
+                subs.append(shards)
                 continue
-            running = 0
-            for numel in group:
-                running += self.shard(numel)
-                if running >= self.config.sub_group_size:
-                    sizes.append(running)
-                    running = 0
-            if running:
-                sizes.append(running)
-        return sizes
+            current = []
+            for shard in shards:
+                current.append(shard)
+                if sum(current) >= self.config.sub_group_size:
+                    subs.append(current)
+                    current = []
+            if current:
+                subs.append(current)
+        return subs
+
+    def sub_groups(self) -> list:
+        """Rank 0's partition of each sub-group, in elements."""
+        return [sum(shards) for shards in self.sub_group_shards()]
+
+    def step_gradient_bytes(self) -> int:
+        """The step's cast of the largest (sub-)group's gradient partition: its bf16 flatten and fp32 copy, or the
+        fp32 copy alone where rank 0's partition is one parameter's piece (flattening one tensor returns a view)."""
+        if self.stage == 3:
+            return max((MASTER_BYTES + WEIGHT_BYTES * (len(shards) > 1)) * sum(shards)
+                       for shards in self.sub_group_shards())
+        return max((MASTER_BYTES + WEIGHT_BYTES * (self.layout(group)[0][1] < self.partition(group)))
+                   * self.partition(group) for group in self.groups)
+
+    def first_bucket(self) -> tuple:
+        """(elements, whether rank 0 owns one of them, its flattened copy's elements) of stage 1's first reduce,
+        walking the groups in the
+        model's order (reduce_gradients): the parameters that fit in reduce_bucket_size, whose gradients it moved
+        into the bucket, or the first alone where it does not fit (reduced in place, its gradient still held:
+        reduce_independent_p_g_buckets_and_remove_grads)."""
+        moved, taken = 0, []
+        for g, group in enumerate(self.groups):           # one bucket across the groups, walked in order
+            for i, numel in enumerate(group):
+                if moved + numel > self.config.reduce_bucket_size:
+                    break
+                moved += numel
+                taken.append((g, i))
+            else:
+                continue
+            break
+        owned = {(g, i) for g, group in enumerate(self.groups) for i, _, _ in self.owned(group)}
+        return moved, bool(owned & set(taken or [(0, 0)])), self.reduce_copy(taken or [(0, 0)])
+
+    def reduce_copy(self, taken: list) -> int:
+        """Elements of the largest flattened copy a reduce of these parameters (group, index) makes: average_tensor
+        cuts the bucket into slices, one a destination rank's partition (consecutive ones merged), and
+        allreduce_and_scatter all-reduces them in runs that stop once past reduce_bucket_size, each flattened
+        into a new tensor (allreduce_bucket: flattening one slice returns a view)."""
+        offsets = {(g, i): offset for g, group in enumerate(self.groups) for i, _, offset in self.layout(group)}
+        slices = []
+        for g, i in taken:
+            size, start = self.partition(self.groups[g]), offsets[g, i]
+            position, end = start, start + self.groups[g][i]
+            while position < end:
+                rank, stop = position // size, min(end, (position // size + 1) * size)
+                if slices and slices[-1][0] == rank:
+                    slices[-1][1] += stop - position
+                else:
+                    slices.append([rank, stop - position])
+                position = stop
+        largest, run = 0, []
+        for _, numel in slices:
+            run.append(numel)
+            if sum(run) > self.config.reduce_bucket_size:
+                largest, run = max(largest, sum(run) * (len(run) > 1)), []
+        return max(largest, sum(run) * (len(run) > 1))
+
+    @property
+    def last_gradient_oversized(self) -> int:
+        """The first parameter's elements (the token embedding's, whose gradient the backward makes last) where
+        they exceed the bucket: stage 2 holds that gradient whole until its reduce, at the backward's end."""
+        first = self.groups[0][0]
+        return first * (first > self.config.reduce_bucket_size)
 
     def persistent_bytes(self) -> int:
         """The parameters ZeRO-3 keeps whole on every rank, each in its padded gather (2·ceil(n/N)·N)."""
@@ -170,8 +244,7 @@ def _during(model: ZeroModel) -> tuple:
     earlier = model.microbatches > 1
     if model.stage == 1 and earlier:
         rows = (PeakRow("gradients", WEIGHT_BYTES * model.count, GRADIENTS_1 + ": the earlier microbatches'"),
-                PeakRow("gradient_bucket", WEIGHT_BYTES * model.config.reduce_bucket_size,
-                        BUCKET.format(kept="; kept between microbatches")))
+                PeakRow("gradient_bucket", model.bucket_bytes, BUCKET.format(kept="; kept between microbatches")))
     elif model.stage == 2 and earlier:
         rows = (PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2
                         + ": the earlier microbatches'"),)
@@ -181,28 +254,57 @@ def _during(model: ZeroModel) -> tuple:
 
 
 def _after_backward(model: ZeroModel) -> tuple:
-    bucket = PeakRow("gradient_bucket", WEIGHT_BYTES * model.config.reduce_bucket_size, BUCKET.format(kept=""))
+    bucket = PeakRow("gradient_bucket", model.bucket_bytes, BUCKET.format(kept=""))
     norm = PeakRow("norm_copy", NORM_COPY_BYTES * model.largest_piece(), NORM_COPY)
+    step = PeakRow("step_gradient", model.step_gradient_bytes(), MASTER_GRADIENT.format(
+        where="stage3.py, _prepare_fp32_grad_for_sub_group" if model.stage == 3 else
+        "stage_1_and_2.py, step: flatten, then .to(fp32)"))
     if model.stage == 3:
-        largest = max(model.sub_groups())
         released = PeakRow("persistent_weights_released", -model.persistent_bytes(),
                            "the whole persistent weights, which the step releases first (stage3.py, step: "
                            "_partition_all_parameters)")
         return (StageMoment("gradient_norm", "the optimizer step's gradient norm, at its largest fp64 copy",
                             (norm, released)),
                 StageMoment("optimizer_step", "the optimizer's step, at the cast of the largest sub-group's gradient",
-                            (PeakRow("step_gradient", (WEIGHT_BYTES + MASTER_BYTES) * largest, MASTER_GRADIENT.format(
-                                where="stage3.py, _prepare_fp32_grad_for_sub_group")), released)))
+                            (step, released)))
     partition = PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2)
-    end = ((PeakRow("gradients", WEIGHT_BYTES * model.count, GRADIENTS_1), bucket) if model.stage == 1 else
-           (partition, bucket))
-    largest = max(model.partition(group) for group in model.groups)
-    return (StageMoment("backward_end", "the backward's end, before its last reduce", end),
+    return (*_reduce_moments(model, partition, bucket),
             StageMoment("gradient_norm", "the optimizer step's gradient norm, at its largest fp64 copy",
                         (partition, norm)),
-            StageMoment("optimizer_step", "the optimizer's step, at the cast of the largest group's gradient", (
-                partition, PeakRow("step_gradient", (WEIGHT_BYTES + MASTER_BYTES) * largest, MASTER_GRADIENT.format(
-                    where="stage_1_and_2.py, step: flatten, then .to(fp32)")))))
+            StageMoment("optimizer_step", "the optimizer's step, at the cast of the largest group's gradient",
+                        (partition, step)))
+
+
+def _reduce_moments(model: ZeroModel, partition: PeakRow, bucket: PeakRow) -> tuple:
+    """Stage 1 reduces after the backward, in the groups' order: at its first reduce every gradient is held but
+    those its first bucket took (their storage freed into it), beside the bucket and the all-reduce's flattened
+    copy; then the copy freed, the partition is made (reduce_ipg_grads: copy_grads_in_partition, after
+    average_tensor). Stage 2 (and stage 1 under overlap_comm, which reduces in the last microbatch's backward) at
+    its last reduce: the bucket, the partition (and with gradient accumulation the earlier microbatches' too:
+    all_grad_tensors), and the token embedding's gradient where it is too large for the bucket (held whole until
+    reduced) with the all-reduce's copy of it, where an earlier reduce made the partition."""
+    if model.stage == 1 and not model.config.overlap_comm:
+        moved, owns, copy = model.first_bucket()
+        held = PeakRow("gradients", WEIGHT_BYTES * (model.count - moved), GRADIENTS_1 + ", but those its first "
+                       "bucket took")
+        return (StageMoment("backward_end", "the reduce after the backward, its first all-reduce",
+                            (held, bucket, *_reduce_copy(copy))),
+                StageMoment("first_partition", "the reduce after the backward, the gradient partition made",
+                            (held, bucket, partition), owns))
+    earlier = (PeakRow("gradient_partition_accumulated", WEIGHT_BYTES * model.in_partition(),
+                       GRADIENTS_2 + ": the earlier microbatches' (all_grad_tensors)"),) if model.microbatches > 1 else ()
+    made_before = any((g, i) != (0, 0) for g, group in enumerate(model.groups) for i, _, _ in model.owned(group))
+    oversized = (PeakRow("oversized_gradient", WEIGHT_BYTES * model.last_gradient_oversized,
+                         "the token embedding's gradient, larger than the bucket, reduced alone in place at the "
+                         "backward's end (extra_large_param_to_reduce)"),
+                 *(_reduce_copy(model.reduce_copy([(0, 0)])) if made_before else ())
+                 ) if model.last_gradient_oversized else ()
+    return (StageMoment("backward_end", "the backward's last reduce", (bucket, partition, *earlier, *oversized)),)
+
+
+def _reduce_copy(elements: int) -> tuple:
+    return (PeakRow("reduce_copy", WEIGHT_BYTES * elements, "the all-reduce's flattened copy of the bucket's slices "
+                    "(allreduce_bucket), where they go to more than one rank"),) if elements else ()
 
 
 def _extend(moment: StageMoment, rows: tuple) -> StageMoment:

@@ -53,8 +53,10 @@ def _layers(prefix: str, block: list, layers: int) -> tuple:
 
 def _gpt2(h: int, v: int, s: int, layers: int, arch) -> tuple:
     """GPT2LMHeadModel: Conv1D weights [in, out] with biases, nn.LayerNorm's weight and bias, learned positions
-    of n_positions = s rows (as the harness builds it), the output layer tied to wte."""
+    of n_positions rows (--max-position-embeddings, a config.json's n_positions; s where not given, as the harness
+    builds it), the output layer tied to wte."""
     f = arch.ffn(h)
+    s = s if arch.position_rows is None else arch.position_rows
     block = [("ln_1.weight", h, False), ("ln_1.bias", h, False), ("attn.c_attn.weight", h * 3 * h, True),
              ("attn.c_attn.bias", 3 * h, False), ("attn.c_proj.weight", h * h, True), ("attn.c_proj.bias", h, False),
              ("ln_2.weight", h, False), ("ln_2.bias", h, False), ("mlp.c_fc.weight", h * f, True),

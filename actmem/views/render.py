@@ -188,7 +188,7 @@ def _techniques_table(est: Estimate) -> Table:
     units = {name: column_unit(values) for name, values in (
         ("layer", [row.per_layer_bytes for row in est.techniques]),
         ("stage", [row.first_stage_bytes for row in est.techniques]),
-        ("total", [row.total_bytes for row in est.techniques]))}
+        ("total", [_with_state(row) for row in est.techniques]))}
     for row in est.techniques:
         is_run = row is est.run_row
         share = row.per_layer_bytes / est.baseline.per_layer_bytes
@@ -197,16 +197,25 @@ def _techniques_table(est: Estimate) -> Table:
                       format_in(row.per_layer_bytes, units["layer"]),
                       format_in(row.first_stage_bytes, units["stage"]), f"{100 * share:.0f}%",
                       _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
-                      Text(f"{format_in(row.total_bytes, units['total'])} {_MARKS[verdict]}",
+                      Text(f"{format_in(_with_state(row), units['total'])} {_MARKS[verdict]}",
                            style=_VERDICT_STYLES[verdict]))
     table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7"
                      + ("; at t = 1, where tp is none and each SP row its twin, each row is shown once"
                         if est.spec.run.tensor_parallel == 1 else "") + "); "
-                     "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's t; ✓ where "
-                     "the row's peak floor and the reserve fit on every stage, ~ where only the floor does (tight); "
-                     "◀ this run")
+                     + ("+ params: with the weights and optimizer state at the row's t (the gradients, held only at some "
+                        "moments, are in the peak); " if est.parameters.transient_gradients else
+                        "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's "
+                        "t; ")
+                     + "✓ where the row's peak floor and the reserve fit on every stage, ~ where only the floor does "
+                     "(tight); ◀ this run")
     table.caption_justify = "left"
     return table
+
+
+def _with_state(row) -> int:
+    """A technique row's activations and the model state held throughout (FSDP2's and ZeRO-1/2's gradients, held
+    at some moments only, are the peak's)."""
+    return row.first_stage_bytes + row.parameters.held_bytes
 
 
 def _terms_table(est: Estimate) -> Table:
@@ -350,13 +359,13 @@ def _verdict(est: Estimate, width: int) -> Text:
 def _shard_advice(spec) -> str:
     """How to make the model state smaller in the run shapes this implementation has."""
     runs = spec.architecture.code.runs
-    split = "split the model (" + ", ".join(flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline"))
-                                            if shape in runs) + ")"
+    flags = [flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline")) if shape in runs]
+    split = f"split the model ({', '.join(flags)})" if flags else "use a GPU with more memory"
     if spec.run.fsdp or (spec.run.zero and spec.run.zero.stage == 3):
         return f"shard it over more GPUs (--gpus) or {split}"
     if "zero" in runs:
         return ("shard it with DeepSpeed's ZeRO-3 (--zero-stage 3, or --deepspeed with your ds_config.json) over "
-                "more GPUs (--gpus)")
+                "more GPUs (--gpus); ZeRO-Offload, which moves it to the host, is not modelled yet")
     if "fsdp" in runs:
         return f"shard it with --fsdp (FSDP2) over more GPUs (--gpus), or {split}"
     if "distributed_optimizer" in runs:

@@ -468,31 +468,46 @@ def zero_grid() -> list[Config]:
     and two (the first's gradients held through the second); stage 3 at DeepSpeed's defaults (a 1 GB bucket, every
     parameter of this small model kept whole); stages 2 and 3 over 4 ranks; stage 3 with sub-groups of 5,000
     elements; GPT-2 (a tied output layer, biases and LayerNorms in the undecayed group, learned positions) at stages
-    2 and 3; Qwen3 (q and k norms) at stage 1. Each of actmem's moments decides some peak: the loss's (the "auto"
-    Llama runs), the backward's end (stages 1 and 2 at DeepSpeed's defaults: every gradient, or the partition,
-    beside the 1 GB bucket) and the optimizer step's (v = 4,095 beside s = 8, at every stage)."""
-    from actmem.model.deepspeed import from_dict
+    2 and 3; Qwen3 (q and k norms) at stage 1; stages 1 and 2 with overlap_comm (two buckets) and with
+    round_robin_gradients. Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
+    reduce (stages 1 and 2 at DeepSpeed's defaults, and over 4 ranks with buckets of 200,000 and 300,000 elements
+    beside an embedding of 262,080), the gradient norm's (v = 4,095 beside s = 8 at stages 1 and 2) and the
+    optimizer step's (the same at stage 3)."""
+    from actmem.sources.deepspeed_config import from_dict
 
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
+    vocab = model | dict(vocab=4095, seq_len=8)
 
     def spec(stage, name="small-hf-zero", gpus=2, architecture=HF | dict(ffn_hidden=97), shape=model, **zero):
-        config = from_dict({"bf16": {"enabled": "auto"}, "zero_optimization": {
-            "stage": stage, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"} | zero},
-            model["hidden"], source="the Trainer's documented config")
+        sizes = {"reduce_bucket_size": "auto"} | ({"stage3_param_persistence_threshold": "auto"} if stage == 3 else {})
+        config = from_dict({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage} | sizes | zero},
+                           model["hidden"], source="the Trainer's documented config")
         return build_spec(shape, dict(micro_batch=2, gpus=gpus, zero=config), name=name, architecture=architecture)
 
-    def defaults(stage):
-        return build_spec(model, dict(micro_batch=2, gpus=2, zero_stage=stage), name="small-hf-zero-defaults",
+    def defaults(stage, **zero):
+        run = dict(zero=from_dict({"zero_optimization": {"stage": stage} | zero}, model["hidden"]) if zero else None,
+                   zero_stage=None if zero else stage)
+        return build_spec(model, dict(micro_batch=2, gpus=2) | {k: v for k, v in run.items() if v is not None},
+                          name="small-hf-zero-defaults" + ("-overlap" if zero else ""),
                           architecture=HF | dict(ffn_hidden=97))
 
     gpt2 = HF_GPT2["flash"] | dict(hidden_dropout=0.0)
-    vocab = model | dict(vocab=4095, seq_len=8)
     return ([config for stage in (1, 2, 3) for n in (1, 2) for config in configs_for(spec(stage), ["none"], n)]
             + [config for stage in (1, 2, 3) for config in configs_for(defaults(stage), ["none"], 1)]
             + [config for stage in (1, 2, 3) for config in
                configs_for(spec(stage, name="small-hf-zero-vocab", shape=vocab), ["none"], 1)]
             + [config for stage in (2, 3) for config in configs_for(spec(stage, gpus=4), ["none"], 1)]
             + configs_for(spec(3, name="small-hf-zero-subgroups", sub_group_size=5000), ["none"], 1)
+            + [config for stage in (1, 2) for config in
+               configs_for(spec(stage, name="small-hf-zero-overlap", overlap_comm=True), ["none"], 2)]
+            + [config for stage in (1, 2) for config in
+               configs_for(spec(stage, name="small-hf-zero-round-robin", round_robin_gradients=True), ["none"], 1)]
+            # the reduce decides over 4 ranks: the embedding larger than the bucket (reduced alone in place) or
+            # inside the first bucket at stage 1, and beside the earlier microbatch's partition at stage 2
+            + [config for stage, bucket, n in ((1, 200_000, 1), (1, 300_000, 1), (2, 200_000, 2)) for config in
+               configs_for(spec(stage, name="small-hf-zero-reduce", gpus=4, shape=vocab, reduce_bucket_size=bucket),
+                           ["none"], n)]
+            + [config for stage in (1, 2) for config in configs_for(defaults(stage, overlap_comm=True), ["none"], 1)]
             + [config for stage in (2, 3) for config in
                configs_for(spec(stage, name="small-gpt2-zero", architecture=gpt2), ["none"], 1)]
             + configs_for(spec(1, name="small-qwen3-zero", architecture=HF | dict(ffn_hidden=97, qk_norm=True)),

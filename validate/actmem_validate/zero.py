@@ -42,7 +42,8 @@ def deepspeed_config(spec, microbatches: int) -> dict:
               "zero_optimization": {"stage": zero.stage, "reduce_bucket_size": zero.reduce_bucket_size,
                                     "stage3_param_persistence_threshold": zero.persistence_threshold,
                                     "stage3_max_reuse_distance": zero.reuse_distance,
-                                    "sub_group_size": zero.sub_group_size},
+                                    "sub_group_size": zero.sub_group_size, "overlap_comm": zero.overlap_comm,
+                                    "round_robin_gradients": zero.round_robin},
               "steps_per_print": 10 ** 9}
     if zero.optimizer != TRAINER:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}

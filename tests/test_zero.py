@@ -212,7 +212,10 @@ def test_auto_resolves_as_the_trainer_does():
 def test_a_config_file_sets_the_batch(tmp_path):
     """train_micro_batch_size_per_gpu 2 and gradient_accumulation_steps 4 over 8 GPUs: b = 2, a global batch of 64,
     four microbatches; a flag that disagrees is refused."""
-    path = _write(tmp_path, HF_ZERO3 | {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4})
+    from actmem.sources.deepspeed_config import read
+
+    path = read(_write(tmp_path, HF_ZERO3 | {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}),
+                4096)
     spec = build_spec(load_preset("llama-3.1-8b").model, dict(gpus=8, deepspeed=path),
                       architecture=load_preset("llama-3.1-8b").architecture | {"implementation": "hf"})
     assert (spec.run.micro_batch, spec.run.global_batch, spec.microbatches) == (2, 64, 4)

@@ -722,6 +722,12 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     preset = load_preset(flags["preset"]) if flags["preset"] else None
     name, model, run, architecture, notes = _preset_and_flags(flags, preset)
     _check_paste(pasted, model, architecture)
+    if run.get("deepspeed") is not None:             # the file, read here: "auto" needs the hidden size
+        from actmem.sources.deepspeed_config import read
+
+        if model.get("hidden") is None:
+            raise SpecError("--deepspeed resolves \"auto\" from the model's hidden size: give --hidden or a preset")
+        run["deepspeed"] = read(run["deepspeed"], model["hidden"])
     if flags["layers_per_chunk"] is not None:
         if flags["interleave"] is not None:
             raise SpecError("give the interleave once: --interleave or "

@@ -88,20 +88,19 @@ def stage_only(stage: int) -> ZeroConfig:
     return ZeroConfig(stage, source=f"--zero-stage {stage}")
 
 
-def zero_from_run(run: dict, hidden) -> None:
-    """A run's two spellings of its ZeRO config (zero_stage, deepspeed: a file) made one ``zero`` in place, and
-    the batch the file gives (train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size) set
-    where the run does not; a value both give must agree."""
-    stage, path = run.pop("zero_stage", None), run.pop("deepspeed", None)
-    if path is None:
-        if stage is not None and stage != 0:
+def zero_from_run(run: dict) -> None:
+    """A run's two spellings of its ZeRO config (zero_stage; deepspeed: a config file as
+    actmem.sources.deepspeed_config read it) made one ``zero`` in place, and the batch the file gives
+    (train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size) set where the run does not; a
+    value both give must agree."""
+    stage, config = run.pop("zero_stage", None), run.pop("deepspeed", None)
+    if config is None:
+        if stage is not None:
             run["zero"] = stage_only(stage)
         return
-    if not isinstance(hidden, int):
-        raise SpecError("--deepspeed resolves \"auto\" from the model's hidden size: give --hidden or a preset")
-    from actmem.sources.deepspeed_config import read
-
-    config = read(path, hidden)
+    if not isinstance(config, ZeroConfig):
+        raise SpecError(f"deepspeed must be a DeepSpeed config read by --deepspeed, got {config!r}")
+    path = config.source
     if stage is not None and stage != config.stage:
         raise SpecError(f"--zero-stage {stage} and --deepspeed {path} (zero_optimization.stage {config.stage}) "
                         "disagree; give the stage once")

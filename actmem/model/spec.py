@@ -395,7 +395,7 @@ def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict 
     if "zero_stage" in run or "deepspeed" in run:     # a flag's or a preset's spelling of the ZeRO config
         from actmem.model.deepspeed import zero_from_run
 
-        zero_from_run(run, model.get("hidden"))
+        zero_from_run(run)
     _check_keys("run", run, Run, required=False)
     _check_keys("architecture", architecture or {}, Architecture, required=False)
     if isinstance(run.get("recompute_modules"), str):    # a flag: 'core_attn,mlp' or 'core_attn mlp'

@@ -64,6 +64,28 @@ def test_memory_frame_is_the_csv_and_its_bars_are_the_estimates_techniques(tmp_p
     assert list(frame[list(MEMORY_PARTS)].sum(axis=1)) == list(frame.peak_bytes)
 
 
+@pytest.mark.parametrize("run, architecture", [
+    (dict(gpus=8, fsdp=True), {"implementation": "torch-native"}),
+    (dict(gpus=8, zero_stage=1), {"implementation": "hf"}),
+    (dict(gpus=8, zero_stage=3), {"implementation": "hf"}),
+])
+def test_sharded_runs_stack_their_gradients_where_the_peak_holds_them(run, architecture):
+    """FSDP2's and ZeRO-1's gradients are held at some moments only: the bar stacks them in its part at the peak,
+    not as gradients held throughout, so its parts still add up to the peak floor; ZeRO-3 keeps its gradient
+    partition and bucket throughout, a part of their own."""
+    from actmem.views.plot_frames import memory_frame
+    from actmem.sources.presets import load_preset
+    from actmem.model.spec import build_spec
+    from actmem.memory.estimate import estimate
+
+    preset = load_preset("llama-3.1-8b")
+    spec = build_spec(preset.model | {"seq_len": 4096}, run, architecture=preset.architecture | architecture)
+    frame = memory_frame(spec)
+    assert list(frame[list(MEMORY_PARTS)].sum(axis=1)) == list(frame.peak_bytes)
+    held = estimate(spec).run_row.parameters
+    assert frame.gradients_bytes.iloc[-1] == (held.gradients_bytes if run.get("zero_stage") == 3 else 0)
+
+
 def test_memory_bars_by_hand_for_530b(tmp_path):
     """Eq 6 per layer 34sbh/t, held over L(1 + (p-1)/(pm)) = 105(1 + 34/105) = 139 layers
     (section 4.4's interleave factor); the rerun on top: selective, the attention

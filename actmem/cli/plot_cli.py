@@ -88,8 +88,6 @@ def _not_offloaded(spec):
     if spec.run.offload_layers:
         raise SpecError(f"the plots do not draw CPU offloading yet (--cpu-offloading-num-layers "
                         f"{spec.run.offload_layers}): `actmem estimate` prices it, with its host memory")
-    if spec.run.fsdp:
-        raise SpecError("the plots do not draw FSDP2 yet (--fsdp): `actmem estimate` prices it")
     return spec
 
 

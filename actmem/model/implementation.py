@@ -452,7 +452,7 @@ IMPLEMENTATIONS = {
                             "recompute, and actmem does not model it yet: choose none or full"),
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
-              "sdpa with is_causal for flash; one device: no tensor, pipeline or context parallelism)",
+              "sdpa with is_causal for flash; a whole model a GPU: data parallelism alone, DDP or DeepSpeed's ZeRO)",
         architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
                       ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
                                                "Megatron's)")),

@@ -20,12 +20,12 @@ DPI = 100
 _PARTS = {
     "layers_bytes": ("activations: layers (Eq 5)", "#3b6fb6"),
     "extra_bytes": ("activations: embedding, output, masks", "#9dbde6"),
-    "weights_bytes": ("weights (16-bit)", "#2e7d4f"),
-    "gradients_bytes": ("gradients (fp32)", "#6fb386"),
-    "optimizer_bytes": ("optimizer: fp32 master, Adam", "#b9dcc4"),
+    "weights_bytes": ("weights", "#2e7d4f"),
+    "gradients_bytes": ("gradients held throughout", "#6fb386"),
+    "optimizer_bytes": ("optimizer: master weights, Adam", "#b9dcc4"),
     "dummy_wgrads_bytes": ("dummy weight gradients (16-bit, TE's)", "#c9d98c"),
     "fp8_bytes": ("FP8 weight copies and scaling state (TE's)", "#e3c98c"),
-    "transient_bytes": ("at the peak: rerun, gradients", "#d9d9d9"),
+    "transient_bytes": ("at the peak: rerun, gradients, buffers", "#d9d9d9"),
 }
 _GPU_LINE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.2}
 

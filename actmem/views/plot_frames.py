@@ -30,7 +30,8 @@ from actmem.memory.terms import layer_terms
 #: in a cell fits: the peak floor of the busiest stage, as plan fits on.
 MAP_MEMORY_COLUMN = "peak_bytes"
 
-#: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``.
+#: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``. gradients_bytes: those held at
+#: every moment; FSDP2's and ZeRO-1/2's, held at some moments only, are in transient_bytes where the peak holds them.
 MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
                 "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes")
 
@@ -90,7 +91,8 @@ def _technique_rows(est) -> list[dict]:
                      "micro_batch": spec.run.micro_batch, "per_layer_bytes": row.per_layer_bytes,
                      "attention_s2_per_layer_bytes": s2, "other_per_layer_bytes": row.per_layer_bytes - s2,
                      "layers_bytes": row.layers_bytes, "extra_bytes": row.extra_bytes,
-                     "weights_bytes": params.weights_bytes, "gradients_bytes": params.gradients_bytes,
+                     "weights_bytes": params.weights_bytes,
+                     "gradients_bytes": 0 if params.transient_gradients else params.gradients_bytes,
                      "optimizer_bytes": params.optimizer_bytes, "dummy_wgrads_bytes": params.dummy_wgrads_bytes,
                      "fp8_bytes": params.fp8_bytes,
                      "total_bytes": row.total_bytes,

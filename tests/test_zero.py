@@ -128,6 +128,20 @@ def test_llama_8b_zero_3_on_8_gpus():
     assert loss["gathered_weights"] == 2 * 525_336_576             # lm_head, gathered through the loss
 
 
+def test_zero_3_keeps_the_last_layers_gathered_through_the_turn():
+    """stage3_max_reuse_distance 3e9 on Llama 3.1 8B: between layer j's forward and its backward run at most twice
+    the weights from layer j on (218,103,808 a layer, 4096 of the final norm, 525,336,576 of lm_head). Twice that is
+    under 3e9 for the last four layers (2·(4·218,103,808 + 525,340,672) = 2,795,511,808; five: 3,231,719,424), whose
+    matrices (218,103,808 a layer; the norms persist) stay gathered; at the default 1e9 none does, only lm_head."""
+    config = from_dict({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 3e9}},
+                       4096)
+    preset = load_preset("llama-3.1-8b")
+    spec = build_spec(preset.model, dict(gpus=8, zero=config), architecture=preset.architecture | {"implementation": "hf"})
+    loss = _moments(spec)["loss"]
+    assert loss["gathered_weights_kept"] == 2 * 4 * 218_103_808
+    assert "gathered_weights_kept" not in _moments(_spec("llama-3.1-8b", 8, zero_stage=3))["loss"]
+
+
 def test_llama_70b_zero_3_cuts_sub_groups():
     """Llama 3.1 70B (h = 8192, f = 28,672, a = 64, g = 8, L = 80, v = 128,256) on 64 GPUs: every size divides by
     64. Partitions: the embedding 16,416,768, a layer's decayed weights 855,638,016/64 = 13,369,344 (q 1,048,576,

@@ -250,8 +250,9 @@ def _zero_notes(spec: Spec) -> list:
              2: "the gradient partition from the earlier microbatches through the last one's, and at the backward's "
                 "last reduce the bucket, the partition (twice with gradient accumulation) and the token embedding's "
                 "gradient where it exceeds the bucket",
-             3: "the output layer's weight, gathered from its forward through the loss to its backward (the "
-                "coordinator keeps it while stage3_max_reuse_distance > 0)"}[zero.stage]
+             3: "the output layer's weight, gathered from its forward through the loss to its backward, and the "
+                "layers' it certainly keeps gathered too (twice the weights from that layer on short of "
+                "stage3_max_reuse_distance)"}[zero.stage]
     return [f"DeepSpeed {DEEPSPEED_VERSION}'s {zero.label} as the Hugging Face Trainer runs it ({zero.source}): bf16 "
             f"weights, gradients and buckets, {optimizer}; a reduce bucket of {zero.reduce_bucket_size:,} elements"
             f"{resolved('reduce_bucket_size')}{whole}; {batch}; rank 0 of d = {spec.data_parallel} is counted (at "
@@ -260,8 +261,8 @@ def _zero_notes(spec: Spec) -> list:
             f"{zero.label}'s peak counts {stage}, the gradient norm's fp64 copy of the largest piece, and the optimizer "
             "step's bf16 flatten and fp32 copy of the largest (sub-)group's gradient partition; not the reduce's "
             "temporaries (a bucket's flatten" + (", the padded reduce-scatter copy" if zero.stage == 3 else "") + ")"
-            + (", the other weights ZeRO-3 gathers or prefetches (at its defaults the forward's last layers stay "
-               "gathered into the backward too)" if zero.stage == 3 else "")
+            + (", the weights ZeRO-3 prefetches or keeps gathered beyond those, its all-gather buffers"
+               if zero.stage == 3 else "")
             + ", nor on a GPU the side streams' memory that the caching allocator holds for reuse"]
 
 

@@ -43,6 +43,10 @@ BUCKET = ("the bf16 reduce bucket, reduce_bucket_size elements, two with overlap
           "allocated at the backward's first gradient, released after its last reduce{kept})")
 MASTER_GRADIENT = ("the optimizer step's gradient of the largest (sub-)group's partition: its bf16 flatten and the "
                    "fp32 copy made of it, both live at the cast ({where})")
+KEPT_GATHERED = ("the weights ZeRO-3 keeps gathered from their forward into their backward: a layer's (or the embedding's) "
+                 "whose backward comes within stage3_max_reuse_distance elements of the weights used in between, "
+                 "counted at most (twice the model's from that layer on), so a floor (partitioned_param_coordinator.py, "
+                 "__params_to_release)")
 NORM_COPY = ("the gradient norm's fp64 copy of the largest parameter's piece of rank 0's partition (get_grad_norm_direct: "
              "vector_norm(g.to(float64)) a piece)")
 GATHERED_OUTPUT = ("the output layer's weight gathered whole (bf16): ZeRO-3 keeps a weight gathered while its next "
@@ -60,6 +64,9 @@ class ZeroModel:
     groups: tuple
     output_numel: int
     microbatches: int = 1
+    kept_numel: int = 0
+    """Elements of the weights besides the output layer's that ZeRO-3 certainly keeps gathered from the forward
+    into the backward (``kept_through_the_turn``)."""
 
     @property
     def stage(self) -> int:
@@ -248,8 +255,10 @@ def _during(model: ZeroModel) -> tuple:
     elif model.stage == 2 and earlier:
         rows = (PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2
                         + ": the earlier microbatches'"),)
-    elif model.stage == 3 and model.config.reuse_distance > 0 and not model.output_persists:
-        rows = (PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),)
+    elif model.stage == 3 and model.config.reuse_distance > 0:
+        rows = ((PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),)
+                if not model.output_persists else ()) + ((PeakRow(
+                    "gathered_weights_kept", WEIGHT_BYTES * model.kept_numel, KEPT_GATHERED),) if model.kept_numel else ())
     return rows
 
 
@@ -313,6 +322,38 @@ def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
     return replace(moment, parts=moment.parts + rows) if rows else moment
 
 
+def kept_through_the_turn(config: ZeroConfig, parameters: tuple, output_numel: int) -> int:
+    """Elements of the weights, not persistent, that ZeRO-3 releases after their forward only where their next use
+    is further than stage3_max_reuse_distance elements of traced weights away (its coordinator scans the module
+    trace ahead from the next module, counting each module's weights, and keeps the weights of a module met
+    before the count reaches it). Between a layer's forward and its backward run at most the weights of that
+    layer and those after it twice over (forward, then backward), the output layer's among them: where that
+    bound is short of the distance, the layer's weights are certainly kept; the embedding's likewise, beyond
+    it the whole model twice. The output layer is its own row (GATHERED_OUTPUT)."""
+    if config.stage < 3 or config.reuse_distance == 0:
+        return 0
+    embeddings = ("model.embed_tokens.weight", "transformer.wte.weight", "transformer.wpe.weight")
+    names = {p.name for p in parameters}
+    output = "lm_head.weight" if "lm_head.weight" in names else next(name for name in embeddings if name in names)
+    layers = {}
+    for p in parameters:
+        index = next((int(part) for part in p.name.split(".") if part.isdigit()), None)
+        if index is not None:
+            layers.setdefault(index, []).append(p)
+    whole = sum(p.numel for p in parameters)
+    # from layer 0 on: every weight but the embeddings', and the output layer's where it is the embedding (tied)
+    tail = whole - sum(p.numel for p in parameters if p.name in embeddings) + output_numel * (output != "lm_head.weight")
+    kept = 0
+    for index in sorted(layers):
+        if 2 * tail < config.reuse_distance:
+            kept += sum(p.numel for p in layers[index] if p.numel > config.persistence_threshold)
+        tail -= sum(p.numel for p in layers[index])
+    if 2 * (whole + output_numel) < config.reuse_distance:      # the embedding's backward comes last
+        kept += sum(p.numel for p in parameters if p.name in embeddings and p.name != output
+                    and p.numel > config.persistence_threshold)
+    return kept
+
+
 def zero_model(config: ZeroConfig, parameters: tuple, d: int, microbatches: int, output_numel: int) -> ZeroModel:
     """The ZeroModel of transformers' parameters (actmem.model.hf_parameters) in the optimizer's groups: the
     Trainer's two, decayed then not (trainer.py, create_optimizer), or FusedAdam's one."""
@@ -321,4 +362,5 @@ def zero_model(config: ZeroConfig, parameters: tuple, d: int, microbatches: int,
         groups = tuple(group for group in groups if group)
     else:
         groups = (tuple(p.numel for p in parameters),)
-    return ZeroModel(config, d, groups, output_numel, microbatches)
+    return ZeroModel(config, d, groups, output_numel, microbatches,
+                     kept_through_the_turn(config, parameters, output_numel))

@@ -16,17 +16,19 @@ def _configs(*labels):
 
 
 def test_zero_stages_measure_to_the_byte():
-    """Stage 1 with two microbatches (the first's gradients held through the second) and stage 3: the model
-    state 0 B off, the peak above the floor (stage 1's within 16 B: the loss's scalars)."""
+    """Stage 1 with two microbatches (the first's gradients held through the second) and stage 3 (every weight of
+    this small model kept gathered from the forward into the backward): the model state 0 B off, the peak within
+    16 B above the floor (the loss's scalars)."""
     configs = _configs("small-hf-zero · hf sdpa t=1 zero1 d=2 p=1 m=1 b=2 n=2",
                        "small-hf-zero · hf sdpa t=1 zero3 d=2 p=1 m=1 b=2 n=1")
     assert len(configs) == 2
     rows = run_real(configs)
-    assert judge(rows, 0.0, max_peak_gap=15) == []
+    assert judge(rows, 0.0, max_peak_gap=10) == []
     state = [row for row in rows if row["kind"] == "state"]
     assert len(state) == 4 and all(row["measured_bytes"] == row["formula_bytes"] for row in state)
-    peak = {row["config"].split(" zero")[1][:1]: row for row in rows if row["term"] == "peak"}
-    assert 0 <= peak["1"]["measured_bytes"] - peak["1"]["formula_bytes"] <= 16
+    for row in rows:
+        if row["term"] == "peak":
+            assert 0 <= row["measured_bytes"] - row["formula_bytes"] <= 16, row
 
 
 def test_the_reduce_moments_measure_within_a_few_bytes():
@@ -39,7 +41,7 @@ def test_the_reduce_moments_measure_within_a_few_bytes():
         [config for config in _configs("small-hf-zero-reduce") if config.spec.run.zero.stage == 2]
     assert len(configs) == 2
     rows = run_real(configs)
-    assert judge(rows, 0.0, max_peak_gap=15) == []
+    assert judge(rows, 0.0, max_peak_gap=10) == []
     for row in rows:
         if row["term"] == "peak":
             assert 0 <= row["measured_bytes"] - row["formula_bytes"] <= 16, row

@@ -505,7 +505,8 @@ def zero_grid() -> list[Config]:
             # the reduce decides over 4 ranks: the embedding larger than the bucket (reduced alone in place) or
             # inside the first bucket at stage 1, and beside the earlier microbatch's partition at stage 2
             + [config for stage, bucket, n in ((1, 200_000, 1), (1, 300_000, 1), (2, 200_000, 2)) for config in
-               configs_for(spec(stage, name="small-hf-zero-reduce", gpus=4, shape=vocab, reduce_bucket_size=bucket),
+               configs_for(spec(stage, name=f"small-hf-zero-reduce-{bucket // 1000}k", gpus=4, shape=vocab,
+                                reduce_bucket_size=bucket),
                            ["none"], n)]
             + [config for stage in (1, 2) for config in configs_for(defaults(stage, overlap_comm=True), ["none"], 1)]
             + [config for stage in (2, 3) for config in

@@ -348,8 +348,9 @@ RUN_FLAGS = (
          "your own config", click.IntRange(1, 3)),
     Flag(("--deepspeed",), "deepspeed",
          "a DeepSpeed config file (ds_config.json, as the Trainer's --deepspeed takes it): its ZeRO stage, bucket "
-         "sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; a key that changes memory "
-         "and is not modelled is refused by name", click.Path(dir_okay=False), metavar="DS_CONFIG"),
+         "sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; what changes memory and is not "
+         "modelled (offloading, fp16, quantized or hierarchical partitions, AutoTP, ...) is refused by name, and "
+         "keys DeepSpeed ignores are named", click.Path(dir_okay=False), metavar="DS_CONFIG"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

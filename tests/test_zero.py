@@ -96,6 +96,17 @@ def test_zero_2_last_reduce_holds_the_embeddings_gradient_and_both_partitions():
                                        "oversized_gradient": 2 * 525_336_576}
 
 
+def test_stage_1_under_overlap_comm_has_no_earlier_partition():
+    """Stage 1 under overlap_comm reduces in the last microbatch's backward, as stage 2 does, but never before the
+    step's boundary: the earlier microbatches' gradients are in param.grad, not in a partition of their own."""
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "overlap_comm": True}}
+    preset = load_preset("llama-3.1-8b")
+    spec = build_spec(preset.model, dict(gpus=8, global_batch=32, zero=from_dict(config, 4096)),
+                      architecture=preset.architecture | {"implementation": "hf"})
+    end = _moments(spec)["backward_end"]
+    assert end["gradient_bucket"] == 2 * 2 * BUCKET and "gradient_partition_accumulated" not in end
+
+
 def test_a_partition_inside_one_parameter_casts_without_a_flatten():
     """On 16 GPUs rank 0's partition of the decayed group, 8,029,995,008/16 = 501,874,688 elements, lies inside
     the embedding (525,336,576): flattening one piece is a view, so the step holds the fp32 copy alone."""
@@ -254,6 +265,8 @@ def test_a_config_file_sets_the_batch(tmp_path):
     ({"optimizer": {"type": "Lamb"}}, "optimizer 'Lamb' is not modelled"),
     ({"zero_optimization": {"stage": 0}}, "stage 0 is DeepSpeed without ZeRO"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights true change"),
+    ({"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}}, "use_multi_rank_bucket_allreduce"),
+    ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}}, "module_granularity_threshold 100"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, "grad_accum_dtype 'fp32'"),
     ({"zero_optimization": {"reduce_bucket_size": 5e8}}, "sets no zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}}, "reduce_bucket_size must be a whole number"),

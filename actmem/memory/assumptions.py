@@ -245,11 +245,12 @@ def _zero_notes(spec: Spec) -> list:
     batch = (f"{n} microbatches a step (gradient accumulation)" if n and n > 1 else
              "one microbatch a step" + ("" if n else " (no --global-batch: no gradient accumulation)"))
     stage = {1: "every gradient and the reduce bucket from the earlier microbatches through the last one's, and "
-                "at the reduce after the backward every gradient its first bucket did not take beside the bucket and "
-                "the gradient partition",
+                "at the reduce after the backward every gradient its first bucket did not take beside the bucket, "
+                "then the all-reduce's flattened copy of that bucket or the gradient partition (under overlap_comm: "
+                "its reduce in the backward, as stage 2's)",
              2: "the gradient partition from the earlier microbatches through the last one's, and at the backward's "
                 "last reduce the bucket, the partition (twice with gradient accumulation) and the token embedding's "
-                "gradient where it exceeds the bucket",
+                "gradient where it exceeds the bucket, with the all-reduce's copy of it",
              3: "the output layer's weight, gathered from its forward through the loss to its backward, and the "
                 "layers' it certainly keeps gathered too (twice the weights from that layer on short of "
                 "stage3_max_reuse_distance)"}[zero.stage]
@@ -260,7 +261,8 @@ def _zero_notes(spec: Spec) -> list:
             *zero.notes,
             f"{zero.label}'s peak counts {stage}, the gradient norm's fp64 copy of the largest piece, and the optimizer "
             "step's bf16 flatten and fp32 copy of the largest (sub-)group's gradient partition; not the reduce's "
-            "temporaries (a bucket's flatten" + (", the padded reduce-scatter copy" if zero.stage == 3 else "") + ")"
+            "other temporaries (" + ("the padded reduce-scatter copy" if zero.stage == 3 else
+                                     "the flattened copies of the other buckets") + ")"
             + (", the weights ZeRO-3 prefetches or keeps gathered beyond those, its all-gather buffers"
                if zero.stage == 3 else "")
             + ", nor on a GPU the side streams' memory that the caching allocator holds for reuse"]

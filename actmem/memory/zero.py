@@ -289,7 +289,7 @@ def _reduce_moments(model: ZeroModel, partition: PeakRow, bucket: PeakRow) -> tu
     those its first bucket took (their storage freed into it), beside the bucket and the all-reduce's flattened
     copy; then the copy freed, the partition is made (reduce_ipg_grads: copy_grads_in_partition, after
     average_tensor). Stage 2 (and stage 1 under overlap_comm, which reduces in the last microbatch's backward) at
-    its last reduce: the bucket, the partition (and with gradient accumulation the earlier microbatches' too:
+    its last reduce: the bucket, the partition (at stage 2 with gradient accumulation the earlier microbatches' too:
     all_grad_tensors), and the token embedding's gradient where it is too large for the bucket (held whole until
     reduced) with the all-reduce's copy of it, where an earlier reduce made the partition."""
     if model.stage == 1 and not model.config.overlap_comm:
@@ -300,8 +300,11 @@ def _reduce_moments(model: ZeroModel, partition: PeakRow, bucket: PeakRow) -> tu
                             (held, bucket, *_reduce_copy(copy))),
                 StageMoment("first_partition", "the reduce after the backward, the gradient partition made",
                             (held, bucket, partition), owns))
+    # stage 2 keeps the earlier microbatches' partition (all_grad_tensors); stage 1 never reduces before the step's
+    # boundary, so its earlier gradients are in param.grad, which the last microbatch's hooks move into the bucket
     earlier = (PeakRow("gradient_partition_accumulated", WEIGHT_BYTES * model.in_partition(),
-                       GRADIENTS_2 + ": the earlier microbatches' (all_grad_tensors)"),) if model.microbatches > 1 else ()
+                       GRADIENTS_2 + ": the earlier microbatches' (all_grad_tensors)"),) \
+        if model.microbatches > 1 and model.stage == 2 else ()
     made_before = any((g, i) != (0, 0) for g, group in enumerate(model.groups) for i, _, _ in model.owned(group))
     oversized = (PeakRow("oversized_gradient", WEIGHT_BYTES * model.last_gradient_oversized,
                          "the token embedding's gradient, larger than the bucket, reduced alone in place at the "

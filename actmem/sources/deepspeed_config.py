@@ -35,15 +35,13 @@ ZERO_READ = ("stage", "reduce_bucket_size", "param_persistence_threshold", "sub_
 ZERO_NO_MEMORY = {
     "allgather_partitions": "the weights are gathered into their flat buffer",
     "allgather_bucket_size": "all_gather_into_tensor gathers into the flat buffer (runtime/utils.py)",
-    "use_multi_rank_bucket_allreduce":
-    "a collective's choice", "prefetch_bucket_size": "ZeRO-3's prefetch, which the floor does not count",
+    "prefetch_bucket_size": "ZeRO-3's prefetch, which the floor does not count",
     "max_live_parameters": "ZeRO-3's prefetch cap, which the floor does not count",
     "gather_16bit_weights_on_model_save": "saving", "stage3_gather_fp16_weights_on_model_save": "saving",
     "ignore_unused_parameters": "a check", "elastic_checkpoint": "checkpointing",
     "load_from_fp32_weights": "checkpoint loading", "pipeline_loading_checkpoint": "checkpoint loading",
     "memory_efficient_linear": "ZeRO-3's linear keeps what torch's keeps", "log_trace_cache_warnings": "logging",
     "enable_sanity_checks": "checks", "override_module_apply": "how ZeRO-3 wraps module.apply",
-    "module_granularity_threshold": "how ZeRO-3 fetches, not what it keeps",
     "use_all_reduce_for_fetch_params": "how ZeRO-3 fetches, not what it keeps",
     "allgather_sequential": "how ZeRO-3 fetches, not what it keeps",
     "save_muon_momentum_buffer_in_memory": "Muon only",
@@ -55,6 +53,10 @@ ZERO_MODELLED_ONLY = {
     "zenflow": None, "model_persistence_threshold": None, "legacy_stage1": False, "parameter_alignment": False,
     "zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
     "zero_quantized_gradients": False, "leaf_module": None,
+    # false: each destination's slices reduced apart, none flattened (the floor counts the all-reduce's copy)
+    "use_multi_rank_bucket_allreduce": True,
+    # above 0: modules become ZeRO-3 leaves, traced whole, and what it keeps gathered is no longer bounded so
+    "module_granularity_threshold": 0,
 }
 
 #: top level: what actmem reads

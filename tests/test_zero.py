@@ -364,3 +364,11 @@ def test_the_parameter_list_is_the_model_classes(architecture):
     a = spec.architecture
     listed = hf_parameters(a.code.model_class(a).name, 64, 511, 32, 2, a, 8)
     assert [(p.name, p.numel, p.decays) for p in listed] == expected
+
+
+def test_plan_under_hf_says_its_state_is_ddps_and_where_zero_is_priced():
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--implementation", "hf", "--gpus", "8",
+                                      "--global-batch", "64"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "model state is DDP's" in text and "actmem estimate --zero-stage N" in text

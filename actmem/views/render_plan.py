@@ -169,7 +169,13 @@ def _plan_assumptions(req) -> list[str]:
     ] + ([_FUSED_SOFTMAX] if req.architecture.attention_core == "eager" and
          "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
         + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else []) \
-        + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else [])
+        + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else []) \
+        + ([_ZERO_NOTE.format(code=req.architecture.implementation)] if "zero" in req.architecture.code.runs else [])
+
+
+_ZERO_NOTE = ("{code}: every configuration's model state is DDP's (the whole model's weights, gradients and Adam on "
+              "every GPU); DeepSpeed's ZeRO is priced one run at a time by `actmem estimate --zero-stage N` or "
+              "`--deepspeed ds_config.json`, not swept yet")
 
 
 _FSDP_NOTE = ("{code}: every configuration over d > 1 data-parallel ranks under FSDP2 as torchtitan applies it "

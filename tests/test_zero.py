@@ -300,11 +300,6 @@ def test_what_the_file_leaves_to_the_trainer_is_named():
     (["--model", "llama-3.1-8b", "--implementation", "hf", "--zero-stage", "3"], "give --gpus"),
     (["--model", "llama-3.1-8b", "--implementation", "hf", "--gpus", "8", "--zero-stage", "3", "--grad-dtype",
       "bf16"], "--grad-dtype sets Megatron's main-gradient buffer"),
-    (["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "--seq-len", "32", "--implementation",
-      "hf", "--num-experts", "8", "--moe-router-topk", "2", "--swiglu", "--normalization", "RMSNorm",
-      "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-      "--attention-dropout", "0", "--hidden-dropout", "0", "--gpus", "2", "--zero-stage", "2"],
-     "mixture-of-experts classes are not"),
 ])
 def test_refusals_name_the_constraint(argv, message):
     result = CliRunner().invoke(cli, ["estimate", *argv])
@@ -339,6 +334,10 @@ def test_json_report_carries_the_zero_config():
     dict(qk_norm=True),                                  # Qwen3ForCausalLM
     dict(tied_output=True),
     "gpt2",                                              # GPT2LMHeadModel: tied, biases, LayerNorms, positions
+    dict(num_experts=8, moe_topk=2, moe_ffn_hidden=48),                                   # MixtralForCausalLM
+    dict(num_experts=8, moe_topk=2, moe_ffn_hidden=48, qk_norm=True),                     # Qwen3MoeForCausalLM
+    dict(num_experts=8, moe_topk=2, moe_ffn_hidden=48, qkv_bias=True, moe_shared_ffn=40,  # Qwen2MoeForCausalLM
+         moe_shared_gate=True),
 ])
 def test_the_parameter_list_is_the_model_classes(architecture):
     """actmem's list (names, sizes, order, decayed or not) against named_parameters() of the class itself, built

@@ -288,10 +288,6 @@ ZERO_RULES = (
                    f"--use-distributed-optimizer, torch-native its model state with --fsdp)", ("code",)),
     Rule(lambda v: _implies(v.zero > 0, v.gpus is not None),
          lambda v: f"ZeRO-{v.zero} partitions over the data-parallel ranks: give --gpus (d = gpus)", ("run_known",)),
-    Rule(lambda v: _implies(v.zero > 0, v.experts is None),
-         lambda v: f"ZeRO-{v.zero} is modelled for transformers' dense model classes (LlamaForCausalLM, "
-                   "Qwen3ForCausalLM, GPT2LMHeadModel); the parameters of its mixture-of-experts classes are not "
-                   "listed yet (actmem.model.hf_parameters)"),
     Rule(lambda v: _implies(v.zero > 0, v.gradient_bytes == 4),
          lambda v: f"--grad-dtype sets Megatron's main-gradient buffer; ZeRO-{v.zero} keeps its gradients in the "
                    "model's dtype, bf16 (DeepSpeed's grad_accum_dtype default): leave --grad-dtype out",

@@ -468,7 +468,7 @@ def zero_grid() -> list[Config]:
     and two (the first's gradients held through the second); stage 3 at DeepSpeed's defaults (a 1 GB bucket, every
     parameter of this small model kept whole); stages 2 and 3 over 4 ranks; stage 3 with sub-groups of 5,000
     elements; GPT-2 (a tied output layer, biases and LayerNorms in the undecayed group, learned positions) at stages
-    2 and 3; Qwen3 (q and k norms) at stage 1; stages 1 and 2 with overlap_comm (two buckets) and with
+    2 and 3; Qwen3 (q and k norms) at stage 1; Mixtral at stage 2 and Qwen2-MoE at stage 3; stages 1 and 2 with overlap_comm (two buckets) and with
     round_robin_gradients. Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
     reduce (stages 1 and 2 at DeepSpeed's defaults, and over 4 ranks with buckets of 200,000 and 300,000 elements
     beside an embedding of 262,080), the gradient norm's (v = 4,095 beside s = 8 at stages 1 and 2) and the
@@ -512,7 +512,10 @@ def zero_grid() -> list[Config]:
             + [config for stage in (2, 3) for config in
                configs_for(spec(stage, name="small-gpt2-zero", architecture=gpt2), ["none"], 1)]
             + configs_for(spec(1, name="small-qwen3-zero", architecture=HF | dict(ffn_hidden=97, qk_norm=True)),
-                          ["none"], 1))
+                          ["none"], 1)
+            # transformers' mixtures of experts: Mixtral's fused experts and router, Qwen2-MoE's shared expert too
+            + configs_for(spec(2, name="small-mixtral-zero", architecture=HF | HF_MIXTRAL), ["none"], 1)
+            + configs_for(spec(3, name="small-qwen2-moe-zero", architecture=HF | HF_QWEN2_MOE), ["none"], 1))
 
 
 GRIDS = {"small": small_grid, "presets": presets_grid, "zero": zero_grid}

@@ -20,12 +20,12 @@ no parameter of its own. Rank 0 holds the most (torch.chunk's split), which is w
   so the peak counts them where they are (``GRADIENTS``).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from actmem.memory import engine
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.peak import PeakRow
-from actmem.memory.stage_model import StageMoment, rematerialised_source
+from actmem.memory.stage_model import StageMoment, held_rows as _rows, rematerialised_source, with_rows as _extend
 from actmem.model.recompute import Recompute
 
 PARAMETER_BYTES = 4
@@ -257,17 +257,3 @@ def _output_reduce(model: ShardedModel) -> tuple:
                     REDUCE_INPUT.format(group="(norm, output)")),
             PeakRow("sharded_gradients", model.gradients_before_bytes(),
                     GRADIENTS + ": every group's, from the step's earlier microbatches"))
-
-
-def _rows(*rows) -> tuple:
-    """The rows that hold bytes (anywhere over a sweep)."""
-    return tuple(row for row in rows if _any(row.bytes))
-
-
-def _any(value) -> bool:
-    """A count, or a numpy array of them over a sweep, that is not zero everywhere."""
-    return bool(value.any()) if hasattr(value, "any") else bool(value)
-
-
-def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
-    return replace(moment, parts=moment.parts + _rows(*rows)) if rows else moment

@@ -253,3 +253,18 @@ def largest_bytes(activations: StageActivations):
 
     held = activations.held_bytes
     return np.maximum.reduce([np.where(moment.present, moment.bytes, held) for moment in activations.moments])
+
+
+def held_rows(*rows) -> tuple:
+    """The rows that hold bytes (anywhere over a sweep)."""
+    return tuple(row for row in rows if _any(row.bytes))
+
+
+def _any(value) -> bool:
+    """A count, or a numpy array of them over a sweep, that is not zero everywhere."""
+    return bool(value.any()) if hasattr(value, "any") else bool(value)
+
+
+def with_rows(moment: StageMoment, rows: tuple) -> StageMoment:
+    """The moment with a sharding's rows beside its own (FSDP2's, ZeRO's), those that hold bytes."""
+    return replace(moment, parts=moment.parts + held_rows(*rows)) if rows else moment

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.peak import PeakRow
-from actmem.memory.stage_model import StageMoment
+from actmem.memory.stage_model import StageMoment, with_rows
 from actmem.model.deepspeed import TRAINER, ZeroConfig
 
 WEIGHT_BYTES = 2
@@ -243,7 +243,7 @@ def stage_moments(moments: tuple, model: ZeroModel) -> tuple:
     each beside the model state, and its own: the backward's end and the optimizer's step, the activations
     freed. The last microbatch's moments hold what the earlier ones left: at stage 1 every gradient and the
     bucket (no reduce before the step's boundary), at stage 2 the gradient partition (measured)."""
-    return tuple(_extend(moment, _during(model)) for moment in moments) + _after_backward(model)
+    return tuple(with_rows(moment, _during(model)) for moment in moments) + _after_backward(model)
 
 
 def _during(model: ZeroModel) -> tuple:
@@ -317,12 +317,6 @@ def _reduce_moments(model: ZeroModel, partition: PeakRow, bucket: PeakRow) -> tu
 def _reduce_copy(elements: int) -> tuple:
     return (PeakRow("reduce_copy", WEIGHT_BYTES * elements, "the all-reduce's flattened copy of the bucket's slices "
                     "(allreduce_bucket), where they go to more than one rank"),) if elements else ()
-
-
-def _extend(moment: StageMoment, rows: tuple) -> StageMoment:
-    from dataclasses import replace
-
-    return replace(moment, parts=moment.parts + rows) if rows else moment
 
 
 def kept_through_the_turn(config: ZeroConfig, parameters: tuple, output_numel: int) -> int:

@@ -5,7 +5,7 @@ given as a stage alone (``--zero-stage N``, DeepSpeed's defaults for the rest).
 Read at DeepSpeed 0.19.8 (runtime/zero/config.py, DeepSpeedZeroConfig) and transformers 5.23
 (integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_finalize). Every key of the file is
 either read (it changes memory and actmem models it), named as changing no memory actmem counts, or
-refused with its name: a setting actmem has not read cannot pass silently (``KEYS``).
+refused with its name: a setting actmem has not read cannot pass silently (actmem.sources.deepspeed_config).
 """
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
 """A DeepSpeed config file (``--deepspeed ds_config.json``) read as the Hugging Face Trainer hands it to DeepSpeed
 0.19.8: the ZeroConfig it prices (actmem.model.deepspeed).
 
-Every key is classified (``KEYS``):
+Every key is classified by the tables below:
 - zero_optimization's keys are DeepSpeedZeroConfig's fields (runtime/zero/config.py), which DeepSpeed refuses
   beyond (extra="forbid"), by their names or their stage3_ aliases: read, changing no memory actmem counts, or
   changing memory in ways it does not model (refused, all at once, by name);
@@ -84,11 +84,6 @@ TOP_UNMODELLED = {
     "managed_gradient_accumulation": "DeepSpeed-managed gradient accumulation", "expert_parallel": "expert parallelism",
 }
 
-KEYS = {"read": set(TOP_READ) | {f"zero_optimization.{key}" for key in ZERO_READ + tuple(ZERO_MODELLED_ONLY)},
-        "no memory": TOP_NO_MEMORY | {f"zero_optimization.{key}" for key in ZERO_NO_MEMORY},
-        "refused": set(TOP_UNMODELLED)}
-"""The keys actmem knows: read (where it models only DeepSpeed's default, any other value is refused), changing no
-memory it counts, or refused."""
 
 
 def read(path: str, hidden: int) -> ZeroConfig:

@@ -24,12 +24,11 @@ import os
 import torch
 
 from actmem.memory.estimate import estimate
-from actmem.model.deepspeed import TRAINER
+from actmem.model.deepspeed import DEEPSPEED_VERSION, TRAINER
 from actmem_validate.compare import _row
 from actmem_validate.hf import CPU_WIDTHS, _dropout_as_on_a_gpu, _is_gpt2, build_model
 from actmem_validate.torch_compat import LiveBytes
 
-DEEPSPEED_VERSION = "0.19.8"
 STEPS = 3
 
 

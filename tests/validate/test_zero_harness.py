@@ -35,16 +35,20 @@ def test_the_reduce_moments_measure_within_a_few_bytes():
     """Over 4 ranks, v = 4095 beside s = 8: stage 1 with the embedding (262,080 elements) too large for a bucket of
     200,000 (reduced alone in place, in two slices: a flattened copy), and stage 2 with two microbatches (both
     partitions, and the embedding's gradient and its copy at the last reduce). Each decides its peak, within 16 B
-    (the loss's scalars)."""
+    (the loss's scalars); at stage 1 the all-reduce's flattened copy of the embedding (2·262,080 B) is now and
+    then still alive when the partition is made (it is freed by reference, with the garbage collector paused, not
+    certainly before), which the floor does not count: the peak is then that much higher."""
     configs = [config for config in _configs("small-hf-zero-reduce") if " n=1 " in config.label
                and config.spec.run.zero.reduce_bucket_size == 200_000] + \
         [config for config in _configs("small-hf-zero-reduce") if config.spec.run.zero.stage == 2]
     assert len(configs) == 2
     rows = run_real(configs)
-    assert judge(rows, 0.0, max_peak_gap=10) == []
+    assert judge(rows, 0.0, max_peak_gap=15) == []
     for row in rows:
         if row["term"] == "peak":
-            assert 0 <= row["measured_bytes"] - row["formula_bytes"] <= 16, row
+            gap = row["measured_bytes"] - row["formula_bytes"]
+            copy = 2 * 262_080 if " zero1 " in row["config"] else 0
+            assert 0 <= gap <= 16 or copy <= gap <= copy + 16, row
 
 
 def _wrong_formula(rank: int, folder: str, world: int, configs, port: int, timeout_s: int, patch: dict) -> None:

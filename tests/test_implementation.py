@@ -157,7 +157,6 @@ def test_transformers_llama_8b_by_hand(actmem, core, layer):
 
 @pytest.mark.parametrize("args, fragment", [
     (("--tp", "2"), "tensor parallelism (t = 2) is not modelled for --implementation hf"),
-    (("--recompute", "full"), "activation checkpointing also keeps what each layer's call is given"),
     (("--attention-core", "flash-attn"), "attention_core must be eager or flash"),
     (("--attention-dropout", "0.1"), "attention_dropout must be 0"),
     (("--head-dim", "512"), "enable_gqa only for a head dim of at most 256"),

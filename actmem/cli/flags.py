@@ -303,7 +303,8 @@ RUN_FLAGS = (
     GLOBAL_BATCH,
     GPUS,
     Flag(("--recompute", "--recompute-granularity"), "recompute",
-         "activation recomputation: none, selective or full (Megatron's --recompute-granularity)",
+         "activation recomputation: none, selective or full (Megatron's --recompute-granularity; under "
+         "--implementation hf, full is the Trainer's --activation_checkpointing, alias --gradient_checkpointing)",
          click.Choice(["none", "selective", "full"])),
     Flag(("--recompute-activations",), "recompute", "Megatron's older switch for --recompute selective",
          constant="selective"),

@@ -11,6 +11,7 @@ from actmem.model.architecture import PAPER, Architecture, counts_norm_statistic
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.pipeline import StageOccupancy
 from actmem.model.spec import Spec
+from actmem.model.recompute import Recompute
 from actmem.units import plural
 from actmem.model.widths import ACTIVATION_BYTES, GRADIENT_BYTES, LOGITS_BYTES, MASK_BYTES, WEIGHT_BYTES
 
@@ -183,8 +184,14 @@ def _paper_rows_note(spec: Spec, rows: tuple) -> str:
 
 
 def _recompute_notes(spec: Spec) -> list:
-    """What --recompute-modules other than Megatron's default does to the rows."""
+    """What --recompute-modules other than Megatron's default does to the rows; transformers' checkpointing."""
     modules = spec.run.recompute_modules
+    if spec.architecture.implementation == "hf" and spec.run.recompute is Recompute.FULL:
+        return ["hf: full recompute is the Trainer's --activation_checkpointing (activation_checkpointing_enable, "
+                "no kwargs): torch's non-reentrant checkpoint of every layer, with early stop; each keeps its input, "
+                "and their closures the call's keywords once for all layers (the rotary tables, the position ids, "
+                "the eager core's mask); every_n_layers, offload and use_reentrant true are not modelled (the "
+                "reentrant one holds the rerun's output too, 2sbh)"]
     if modules is None:
         return []
     notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
@@ -451,8 +458,9 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         "one moment (actmem.memory.peak), or on the stage with the output layer the loss's backward "
         + ("and the fp32 logits gradients of PyTorch's cross entropy"
            if "cross_entropy_fp32_gradients" in arch.code.keeps_for(arch) else "and its 16-bit logits gradient")
-        + ", or inside the last layer's backward its fc1's and its eager "
-        "core's gradients (actmem.memory.backward); not counted yet: the other ops' backward transients "
+        + ", or inside the last layer's backward "
+        + ("its SwiGLU product's gradients" if arch.implementation == "hf" else "its fc1's and its eager core's gradients")
+        + " (actmem.memory.backward); not counted yet: the other ops' backward transients "
         "(the flash core's, the QKV and projection linears', fc2's, a recomputed MLP's), allocator "
         "fragmentation, workspace and communication buffers",
         f"parameters: layers of {_layer_formula(arch)} each, word embedding split "

@@ -9,7 +9,11 @@ microbatch held. Three of its moments are modelled, op by op from the kernels' s
   (terms.CORE_BACKWARD_TERMS);
 - ``softmax``: where that core runs torch's fallback softmax rather than its fused kernel,
   at that softmax's backward, not in place: in 16 bits at its masked_fill_'s (inside
-  CopySlices), in fp32 at the softmax's own (terms.SOFTMAX_BACKWARD_TERMS).
+  CopySlices), in fp32 at the softmax's own (terms.SOFTMAX_BACKWARD_TERMS);
+- ``swiglu``: transformers' unfused SwiGLU (LlamaMLP) at its product's backward, mul's two
+  gradients made (terms.SWIGLU_BACKWARD_TERMS). Its layer is checkpointed by torch's
+  non-reentrant checkpoint, which holds no rerun output through the backward: with early stop
+  (torch's default) the rerun ends at the last tensor the layer saves.
 
 At each, the layer's rows after the op are freed (their backward has run), the rows before
 it are still held, and the op's gradients are live. What the layer holds there is kept, or
@@ -23,15 +27,17 @@ from functools import cache
 
 import sympy
 
-from actmem.model.architecture import PAPER, Architecture, eager, torch_softmax
+from actmem.model.architecture import PAPER, Architecture, eager, swiglu_keeping_silu_output, torch_softmax
 from actmem.memory.engine import output_rows, rematerialised_bytes, rows_after, term_bytes
 from actmem.model.symbols import a, t
 from actmem.memory.techniques import Technique
-from actmem.memory.terms import CORE_BACKWARD_TERMS, MLP_BACKWARD_TERMS, SOFTMAX_BACKWARD_TERMS, SP_ONLY, TERMS, Term, layer_terms
+from actmem.memory.terms import CORE_BACKWARD_TERMS, MLP_BACKWARD_TERMS, RERUN_OUTPUT, SOFTMAX_BACKWARD_TERMS, SP_ONLY, \
+    SWIGLU_BACKWARD_TERMS, TERMS, Term, layer_terms
 from actmem.model.recompute import Recompute
 
-MOMENTS = ("fc1", "core", "softmax")
-_TRANSIENTS = {"fc1": MLP_BACKWARD_TERMS, "core": CORE_BACKWARD_TERMS, "softmax": SOFTMAX_BACKWARD_TERMS}
+MOMENTS = ("fc1", "core", "softmax", "swiglu")
+_TRANSIENTS = {"fc1": MLP_BACKWARD_TERMS, "core": CORE_BACKWARD_TERMS, "softmax": SOFTMAX_BACKWARD_TERMS,
+               "swiglu": SWIGLU_BACKWARD_TERMS}
 #: SP gathers and scatters only across t > 1 ranks (TE: sequence_parallel = tp_size > 1 and ...):
 #: the SP-only rows of a technique row shown at t = 1 are 0
 _SPLIT = sympy.Piecewise((0, sympy.Eq(t, 1)), (1, True))
@@ -61,7 +67,9 @@ def modelled(moment: str, technique: Technique, arch: Architecture = PAPER) -> b
     """Megatron's layer only, kept whole or rerun alone (not partial full recompute: callers
     pass the technique a chunk's last layer runs under, Technique.last_layer). fc1: not with
     the MLP recomputed (its own rerun is not modelled yet); core: the eager core; softmax: the
-    eager core on torch's fallback softmax."""
+    eager core on torch's fallback softmax; swiglu: transformers' dense unfused SwiGLU."""
+    if moment == "swiglu":
+        return arch.implementation == "hf" and swiglu_keeping_silu_output(arch) and not arch.moe
     if "layer_backward" not in arch.code.has or technique.partial:
         return False
     if moment == "fc1":     # the dense MLP's (a MoE layer's backward is not modelled yet: its floor omits it)
@@ -79,6 +87,8 @@ def _freed(moment: str, term: Term, arch: Architecture):
     is a view of the QKV output, which the q and k views keep)."""
     if moment == "fc1":
         return int(term in _AFTER_FC1 and (term.module_of(arch) == "mlp" or term.name == "mlp_dropout_mask"))
+    if moment == "swiglu":
+        return int(term.name == "fc2_input")
     if term.name == "value" and arch.query_groups is not None:
         return sympy.Piecewise((1, a > arch.query_groups), (0, True))
     after_core = TERMS.index(term) >= rows_after("core_attn", arch) and term.name != "layer_input_checkpoint"
@@ -96,7 +106,8 @@ def _freed_before_softmax(term: Term) -> bool:
 def _rerun_scope(moment: str, technique: Technique, arch: Architecture):
     """(what the backward has rerun by then, which rows that rerun made)."""
     if technique.recompute is Recompute.FULL:
-        return rematerialised_bytes(technique, arch), lambda term: True
+        output = term_bytes(RERUN_OUTPUT, technique, arch) if moment == "swiglu" else 0     # no output held
+        return rematerialised_bytes(technique, arch) - output, lambda term: True
     if moment != "fc1" and technique.recompute is Recompute.SELECTIVE and "core_attn" in technique.modules:
         return (rematerialised_bytes(technique, arch, module="core_attn"),
                 lambda term: term.module_of(arch) == "core_attn")

@@ -9,7 +9,7 @@ from functools import cache
 
 import sympy
 
-from actmem.model.architecture import PAPER, Architecture
+from actmem.model.architecture import PAPER, Architecture, keeps_norm_input
 from actmem.memory.pipeline import chunks_in_flight
 from actmem.model.symbols import C, L, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
@@ -102,9 +102,10 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
                          module: str | None = None) -> sympy.Expr:
     """What the backward of a stage's last layer reruns while everything else is held (the
     peak's rerun moment, actmem.memory.peak). Full recompute reruns ``group`` layers from their
-    checkpoint: each as it is kept without recompute, less the group's input, which is the
-    checkpoint's own storage (CheckpointFunction.backward detaches it: a view), and their
-    output again (RERUN_OUTPUT). Selective recompute reruns one ``module`` at a time: the rows
+    checkpoint: each as it is kept without recompute, less the group's input where its first
+    norm keeps it, which is then the checkpoint's own storage (CheckpointFunction.backward
+    detaches it: a view; transformers' LlamaRMSNorm keeps an fp32 copy instead, a row of its
+    own), and their output again (RERUN_OUTPUT). Selective recompute reruns one ``module`` at a time: the rows
     it dropped, and for the attention core its output again. None reruns nothing."""
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
@@ -114,6 +115,7 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         return sympy.Add(*(term_bytes(term, technique.whole(), arch) * _rerun_copies(term, technique, arch, module)
                            for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
+    kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)
 

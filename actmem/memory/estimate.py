@@ -244,13 +244,14 @@ def _stage_load(spec: Spec, run: Technique, stage: int, layers: int) -> StageLoa
 
 def modelled_techniques(spec: Spec) -> tuple:
     """The techniques actmem models for this architecture (flash attention: no selective rows)
-    and implementation (one that runs on one device: 'none' alone)."""
+    and implementation (one that runs on one device: 'none', and 'full' where it checkpoints whole
+    layers: Table 2's full row at t = 1)."""
     unmodelled = spec.architecture.unmodelled_recompute(spec.model.heads)
     parallel = "tensor" in spec.architecture.code.runs
     # Megatron's MoE layer refuses t > 1 without sequence parallelism (moe_layer.py, MoELayer.forward)
     moe_needs_sp = (spec.architecture.moe or spec.architecture.mtp_layers) and spec.run.tensor_parallel > 1
     return tuple(tech for tech in TECHNIQUES if tech.recompute.value not in unmodelled
-                 and (parallel or not tech.tensor_parallel)
+                 and (parallel or not tech.tensor_parallel or tech.name == "full")
                  and not (moe_needs_sp and tech.tensor_parallel and not tech.sequence_parallel))
 
 

@@ -12,7 +12,8 @@ of a stage's schedule, so their sum is a floor under the peak, not a guess:
   (actmem.memory.stage_model, which `plan` evaluates too): its start, the loss's backward (the
   16-bit logits gradient), its rerun done (what the last layer's backward rematerialises,
   less what it freed before), or inside the last layer's backward (actmem.memory.backward) at fc1's,
-  the eager core's or torch's fallback softmax's, whichever holds more. The other transients of that
+  the eager core's, torch's fallback softmax's or transformers' SwiGLU product's, whichever holds
+  more. The other transients of that
 backward (the flash core's, the other linears', a recomputed MLP's) come on top and are not
 modelled yet: the harness measures them, and the floor's gap to its measured peak is
 reported, not hidden.

@@ -12,7 +12,8 @@ there above the model state (actmem.memory.peak adds the state and takes the lar
 - ``rerun``: under recompute, what the backward reruns less what it freed before
   (engine.rematerialised_bytes, engine.freed_before_rerun): one module at a time under
   selective recompute, a layer or a group of them under full recompute;
-- ``fc1``, ``core``, ``softmax``: inside the last layer's backward (actmem.memory.backward).
+- ``fc1``, ``core``, ``softmax``, ``swiglu``: inside the last layer's backward
+  (actmem.memory.backward).
 
 Written once as arithmetic over quantities (the engine's expressions, evaluated) and counts
 that may be Python ints or numpy arrays: ``estimate`` evaluates the expressions exactly and
@@ -197,7 +198,15 @@ LAYER_MOMENTS = {
                 "fused_softmax.py, forward_torch_softmax): the gradient of its output and the scores' gradient it "
                 "makes (fp32 under --attention-softmax-in-fp32), v's gradient, the gradient on the residual stream "
                 "and, under the core's checkpoint, its output's; the dropout's mask already freed"),
+    "swiglu": ("the last layer's SwiGLU backward", "swiglu_backward",
+               "the unfused SwiGLU's product's backward (transformers' LlamaMLP): down_proj's input gradient, "
+               "the gradients of silu's and up_proj's outputs made from it, and the gradient on the residual "
+               "stream"),
 }
+
+
+#: the row each of those moments adds: the op's own gradients
+LAYER_MOMENT_ROWS = tuple(dict.fromkeys(label for _, label, _ in LAYER_MOMENTS.values()))
 
 
 def _layer_moment(name: str, last: Technique, arch, value, held, when, offloading: bool = False) -> StageMoment:

@@ -9,7 +9,8 @@ mixture-of-experts rows are actmem.memory.terms_experts'.
 
 import sympy
 
-from actmem.model.architecture import PAPER, counts_norm_statistics, dataloader_mask, dense_mlp, eager, \
+from actmem.model.architecture import PAPER, checkpoint_causal_mask, checkpoint_position_ids, counts_norm_statistics, \
+    dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
     flash_heads, hidden_dropout, keeps_norm_input, latent, loss_in_fp32_gradients, moe, \
@@ -20,7 +21,8 @@ from actmem.model.architecture import PAPER, counts_norm_statistics, dataloader_
 from actmem.model.recompute import Recompute
 from actmem.model.symbols import a, b, c, h, s, t, v
 from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
-from actmem.model.widths import ACTIVATION_BYTES as A16, LOGITS_BYTES as F32, MASK_BYTES as MASK
+from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as INDEX, LOGITS_BYTES as F32, \
+    MASK_BYTES as MASK
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
 from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
@@ -345,6 +347,16 @@ TERMS = (
     Term("rotary_tables", lambda arch: 2 * A16 * s * arch.head_dim_or(h, a), Region.BOUNDARY, _ALWAYS,
          Scope.EMBEDDING, "the rotary cos and sin, 16-bit (1, s, d) each, made once a forward and kept by "
          "every layer's q·cos and rotate_half(q)·sin (transformers' LlamaRotaryEmbedding; 4sd)", rotary_tables),
+    # transformers' GradientCheckpointingLayer (modeling_layers.py, forward_with_checkpointing) checkpoints
+    # partial(forward, self, **kwargs) on the hidden states: torch's non-reentrant checkpoint (the default of
+    # modeling_utils.py, _activation_checkpointing_enable: use_reentrant False) keeps that partial, and with it
+    # every keyword the layer is given, until the layer's backward; one tensor for all layers
+    Term("checkpoint_position_ids", INDEX * s, Region.REPLICATED, _CHECKPOINT, Scope.EMBEDDING,
+         "full recompute: every layer's checkpoint holds the int64 position ids, (1, s), that LlamaModel.forward "
+         "hands each layer beside the rotary tables (8s)", checkpoint_position_ids),
+    Term("checkpoint_causal_mask", A16 * b * s * s, Region.REPLICATED, _CHECKPOINT, Scope.EMBEDDING,
+         "full recompute: every layer's checkpoint holds the eager core's 16-bit additive causal mask, "
+         "(b, 1, s, s), made once a forward (masking_utils.eager_mask; 2bs²)", checkpoint_causal_mask),
     # Megatron's dataloader mask (gpt_dataset.py, _get_ltor_masks_and_position_ids: [1, s, s] bool,
     # batched to [b, 1, s, s]; utils.py, get_batch_on_this_tp_rank: on the GPU of every tensor-
     # parallel rank of the first and last stages): every layer's core_attn checkpoint, and full
@@ -419,6 +431,19 @@ MLP_BACKWARD_TERMS = (
          "DDP's hook adds it to main_grad (2·fc1 width·f·h/t)", unfused_weight_gradients),
     LAYER_OUTPUT_GRADIENT,
 )
+#: The backward of an unfused SwiGLU's product, act_fn(gate_proj(x)) * up_proj(x) (transformers' LlamaMLP),
+#: at the second of mul's two gradients: down_proj's input gradient (the product's), and the gradients of
+#: silu's output and of up_proj's output made from it, live beside the layer's output gradient; the product
+#: itself (down_proj's saved input) already freed, mul's saved factors not yet (actmem.memory.backward's
+#: swiglu moment). Measured at that op (validate's zero.py).
+SWIGLU_BACKWARD_TERMS = (
+    Term("swiglu_product_gradient", lambda arch: A16 * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "down_proj's input gradient, the product's (2sbf)"),
+    Term("swiglu_factor_gradients", lambda arch: 2 * A16 * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS, Scope.LAYER,
+         "mul's backward: the gradients of silu's output and of up_proj's output (2 x 2sbf)"),
+    LAYER_OUTPUT_GRADIENT,
+)
+
 #: the MLP_BACKWARD_TERMS that exist only under sequence parallelism
 SP_ONLY = frozenset({"fc1_input_gathered", "fc1_input_gradient_shard"})
 

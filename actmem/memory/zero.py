@@ -243,10 +243,16 @@ def stage_moments(moments: tuple, model: ZeroModel) -> tuple:
     each beside the model state, and its own: the backward's end and the optimizer's step, the activations
     freed. The last microbatch's moments hold what the earlier ones left: at stage 1 every gradient and the
     bucket (no reduce before the step's boundary), at stage 2 the gradient partition (measured)."""
-    return tuple(with_rows(moment, _during(model)) for moment in moments) + _after_backward(model)
+    return tuple(with_rows(moment, _during(model, moment.name)) for moment in moments) + _after_backward(model)
 
 
-def _during(model: ZeroModel) -> tuple:
+#: the stage model's moments before the output layer's backward: ZeRO-3 still holds its weight gathered there;
+#: later (a rerun, the last layer's backward) the weight's next use is the next step's forward, and its
+#: post-backward hook has released it
+BEFORE_OUTPUT_BACKWARD = frozenset({"start", "loss", "forward_end"})
+
+
+def _during(model: ZeroModel, moment: str) -> tuple:
     rows = ()
     earlier = model.microbatches > 1
     if model.stage == 1 and earlier:
@@ -257,7 +263,7 @@ def _during(model: ZeroModel) -> tuple:
                         + ": the earlier microbatches'"),)
     elif model.stage == 3 and model.config.reuse_distance > 0:
         rows = ((PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),)
-                if not model.output_persists else ()) + ((PeakRow(
+                if not model.output_persists and moment in BEFORE_OUTPUT_BACKWARD else ()) + ((PeakRow(
                     "gathered_weights_kept", WEIGHT_BYTES * model.kept_numel, KEPT_GATHERED),) if model.kept_numel else ())
     return rows
 

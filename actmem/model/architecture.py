@@ -614,6 +614,18 @@ def rotary_tables(arch: Architecture) -> bool:
     return "rotary_tables" in arch.keeps
 
 
+def checkpoint_position_ids(arch: Architecture) -> bool:
+    """under full recompute each layer's checkpoint holds the int64 position ids its call is given (transformers'
+    rope models: LlamaModel.forward hands every layer position_ids beside position_embeddings)"""
+    return "layer_call_arguments" in arch.keeps and rotary_tables(arch)
+
+
+def checkpoint_causal_mask(arch: Architecture) -> bool:
+    """under full recompute each layer's checkpoint holds the causal mask its call is given: transformers' eager
+    core gets a 16-bit additive mask (masking_utils.eager_mask), sdpa none (is_causal)"""
+    return "layer_call_arguments" in arch.keeps and eager(arch)
+
+
 def unfused_rope(arch: Architecture) -> bool:
     """rotary positions applied by Megatron's unfused rope_utils.py (--no-rope-fusion)"""
     return arch.position_embedding == "rope" and not arch.rope_fusion

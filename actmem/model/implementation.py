@@ -348,15 +348,13 @@ _NOT_MEGATRON = (("rope_fusion", True), ("attention_mask", False))
 _NOT_MEGATRON_EXPERTS = (("moe_dispatcher", "allgather"), ("moe_grouped_gemm", False))
 
 _HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_settings=_NOT_MEGATRON + _NOT_MEGATRON_EXPERTS, unpadded_vocab="transformers keeps the config's vocabulary",
-           flash_head_dim_limit=256, keeps=frozenset({"cross_entropy_fp32_gradients"}),
+           flash_head_dim_limit=256, keeps=frozenset({"cross_entropy_fp32_gradients", "layer_call_arguments"}),
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
                               "which actmem does not count yet",
            models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE, _HF_QWEN2_MOE),
-           selective_recompute="transformers has no selective recompute: choose none",
-           full_recompute="transformers' activation checkpointing also keeps what each layer's call "
-                          "is given (Llama's rotary tables, the position ids, eager's causal mask), which actmem "
-                          "does not count yet: choose none",
+           selective_recompute="transformers has no selective recompute: choose none or full (the Trainer's "
+                               "activation checkpointing)",
            notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
                   "counted as mixed-precision Adam on one GPU (DDP) unless --zero-stage or --deepspeed prices "
                   "DeepSpeed's ZeRO (FSDP under accelerate is not modelled)",

@@ -8,6 +8,7 @@ from rich.text import Text
 
 from actmem.memory.estimate import FITS, NO_FIT, TIGHT, Estimate
 from actmem.memory.stages import split_of, stage_name
+from actmem.memory.stage_model import LAYER_MOMENT_ROWS
 from actmem.units import column_unit, format_in, gib, plural
 from actmem.model.widths import GRADIENT_BYTES, WEIGHT_BYTES
 
@@ -270,7 +271,7 @@ def _memory_table(est: Estimate) -> Table:
                           if row.name not in ("weights", "optimizer_state", "gradient_buffers")), style="dim"))
     elif peak.total_bytes != est.total_bytes:
         rerun, loss = peak.bytes_of("rematerialised"), peak.bytes_of("logits_gradient_16bit", "cross_entropy_fp32_gradients")
-        op = peak.bytes_of("fc1_backward", "core_backward")
+        op = peak.bytes_of(*LAYER_MOMENT_ROWS)
         made = rerun + op
         parts = (f"{gib(rerun):,.2f} GiB rerun, " if rerun else "") + (f"{gib(op):,.2f} GiB of its gradients, "
                                                                        if op else "")

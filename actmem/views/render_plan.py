@@ -146,7 +146,7 @@ def _plan_assumptions(req) -> list[str]:
         f"reserve {gib(req.reserve_bytes):,.2f} GiB a GPU kept free above that peak for what it "
         "does not model: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation, "
         "and the backward's transients other than those it counts (the rerun, the loss's logits "
-        "gradient, the last layer's fc1 and eager core backward)",
+        "gradient, the last layer's fc1 and eager core backward, transformers' SwiGLU backward)",
         _compute_assumption(req),
         f"tensor-parallel all-reduces at {gpu.intra_node_bandwidth / 1e9:.0f} GB/s a GPU; pipeline "
         f"sends and gradient reduction at {gpu.inter_node_bandwidth / 1e9:.0f} GB/s across nodes; "

@@ -91,6 +91,47 @@ def _forgetting(monkeypatch, model_class: str, kept: str):
         engine.term_bytes.cache_clear()
 
 
+def _checkpointed(core, model="small-hf", **architecture):
+    spec = small_spec(2, 1, name=model, **(HF | dict(attention_core=core) | architecture))
+    rows = hf.measure(configs_for(spec, ["full"], 1)[0])
+    return {r["term"]: r["measured_bytes"] for r in rows}, judge(rows, 0.0)
+
+
+def test_checkpointed_layers_keep_their_input_and_their_call_arguments():
+    """The Trainer's activation checkpointing over transformers' own Llama (small shapes: h = 64, s = 32, b = 2,
+    d = 8, L = 2, eager): nothing of the layers but each one's input, 2sbh = 8,192 B; and, held by every
+    checkpoint's closure (read off the partial the harness is handed), the rotary tables 2 x 2sd = 1,024 B, the
+    int64 position ids 8s = 256 B and the eager core's 16-bit mask 2bs² = 4,096 B."""
+    rows, failures = _checkpointed("eager")
+    assert failures == []
+    assert rows["layer_input_checkpoint"] == 2 * 8_192
+    assert (rows["rotary_tables"], rows["checkpoint_position_ids"], rows["checkpoint_causal_mask"]) == (1_024, 256, 4_096)
+    assert not {"query", "softmax_output_fp32", "fc1_input", "norm_input_fp32"} & set(rows)
+
+
+def test_checkpoint_arguments_unnamed_or_uncounted_turn_the_gate_red(monkeypatch):
+    """Without the harness naming what each checkpoint is handed, the layer inputs are unattributed and the
+    closure's position ids go unmeasured; were actmem to forget the call's arguments, the measured ones have no
+    formula. Each is red."""
+    monkeypatch.setattr(hf, "_naming_checkpoint_arguments", lambda model: None)
+    rows, failures = _checkpointed("flash")
+    assert rows["unattributed"] == 2 * 8_192 and rows["checkpoint_position_ids"] == 0 and failures
+    monkeypatch.undo()
+    from dataclasses import replace
+
+    from actmem.memory import engine
+    from actmem.model import implementation
+
+    code = implementation.IMPLEMENTATIONS["hf"]
+    monkeypatch.setitem(implementation.IMPLEMENTATIONS, "hf", replace(code, keeps=code.keeps - {"layer_call_arguments"}))
+    engine.term_bytes.cache_clear()
+    try:
+        rows, failures = _checkpointed("eager")
+    finally:
+        engine.term_bytes.cache_clear()
+    assert rows["checkpoint_causal_mask"] == 4_096 and any("checkpoint_causal_mask" in line for line in failures)
+
+
 def _qwen3(core):
     spec = small_spec(2, 1, name="small-hf-qwen3", qk_norm=True, **(HF | dict(attention_core=core)))
     rows = hf.measure(configs_for(spec, ["none"], 1)[0])

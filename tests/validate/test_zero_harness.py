@@ -51,6 +51,18 @@ def test_the_reduce_moments_measure_within_a_few_bytes():
             assert 0 <= gap <= 16 or copy <= gap <= copy + 16, row
 
 
+def test_checkpointing_at_stage_3_measures_within_a_few_bytes():
+    """The Trainer's activation checkpointing at stage 3, s = 512 beside v = 64: the last layer's SwiGLU backward
+    decides (every checkpoint, the rerun layer less the product, the product's and mul's gradients, the residual
+    stream's), with the output layer's weight released after its backward; within 16 B (the loss's scalars)."""
+    configs = [config for config in _configs("small-hf-zero-checkpointing") if config.spec.run.zero.stage == 3]
+    assert len(configs) == 1
+    rows = run_real(configs)
+    assert judge(rows, 0.0, max_peak_gap=1) == []
+    peak = next(row for row in rows if row["term"] == "peak")
+    assert 0 <= peak["measured_bytes"] - peak["formula_bytes"] <= 16, peak
+
+
 def _wrong_formula(rank: int, folder: str, world: int, configs, port: int, timeout_s: int, patch: dict) -> None:
     """A rank of the harness with actmem's ZeRO constants changed (``patch``), as a wrong formula would be."""
     import os

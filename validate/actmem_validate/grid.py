@@ -293,9 +293,11 @@ def small_grid() -> list[Config]:
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-torchtitan", **TORCH_NATIVE),
                                ["tp", "tp-sp", "tp-sp-full"], 1)
-    # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention
+    # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention, with and without the
+    # Trainer's activation checkpointing (full recompute: every layer's checkpoint holds its call's arguments)
     for core in ("eager", "flash"):
-        configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))), ["none"], 1)
+        configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))),
+                               ["none", "full"], 1)
     # and its Qwen3ForCausalLM (Llama's layer with q and k norms), eager and sdpa
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf-qwen3", qk_norm=True,
@@ -306,11 +308,13 @@ def small_grid() -> list[Config]:
     for name, extra in (("mixtral", HF_MIXTRAL), ("qwen3-moe", HF_QWEN3_MOE),
                         ("qwen3-moe-pre-softmax", HF_QWEN3_MOE | dict(moe_pre_softmax=True)),
                         ("qwen2-moe", HF_QWEN2_MOE), ("qwen2-moe-pre-softmax", HF_QWEN2_MOE | dict(moe_pre_softmax=True))):
-        configs += configs_for(small_spec(2, 1, name=f"small-hf-{name}", **(HF | extra)), ["none"], 1)
+        configs += configs_for(small_spec(2, 1, name=f"small-hf-{name}", **(HF | extra)),
+                               ["none", "full"] if name == "mixtral" else ["none"], 1)
     # and its GPT2LMHeadModel (the paper's layer, dropout 0.1): eager at b = 1 (q, k, v views of
     # the one QKV output) and b = 2 (copies); sdpa without attention dropout
     for core, b in (("eager", 1), ("eager", 2), ("flash", 2)):
-        configs += configs_for(small_spec(2, 1, name="small-hf-gpt2", b=b, **HF_GPT2[core]), ["none"], 1)
+        configs += configs_for(small_spec(2, 1, name="small-hf-gpt2", b=b, **HF_GPT2[core]),
+                               ["none", "full"] if b == 2 else ["none"], 1)
     # Megatron's unfused rope (--no-rope-fusion): its cos and sin, whole on every rank
     configs += configs_for(small_spec(2, 2, name="small-flash-unfused-rope", rope_fusion=False, **FLASH),
                            ["tp", "tp-sp"], 1)
@@ -469,7 +473,8 @@ def zero_grid() -> list[Config]:
     parameter of this small model kept whole); stages 2 and 3 over 4 ranks; stage 3 with sub-groups of 5,000
     elements; GPT-2 (a tied output layer, biases and LayerNorms in the undecayed group, learned positions) at stages
     2 and 3; Qwen3 (q and k norms) at stage 1; Mixtral at stage 2 and Qwen2-MoE at stage 3; stages 1 and 2 with overlap_comm (two buckets) and with
-    round_robin_gradients. Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
+    round_robin_gradients; the Trainer's activation checkpointing at stages 1, 2 and 3 (s = 512 beside v = 64: the
+    last layer's SwiGLU backward decides). Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
     reduce (stages 1 and 2 at DeepSpeed's defaults, and over 4 ranks with buckets of 200,000 and 300,000 elements
     beside an embedding of 262,080), the gradient norm's (v = 4,095 beside s = 8 at stages 1 and 2) and the
     optimizer step's (the same at stage 3)."""
@@ -477,6 +482,7 @@ def zero_grid() -> list[Config]:
 
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
     vocab = model | dict(vocab=4095, seq_len=8)
+    rerun = model | dict(vocab=64, seq_len=512)
 
     def spec(stage, name="small-hf-zero", gpus=2, architecture=HF | dict(ffn_hidden=97), shape=model, **zero):
         sizes = {"reduce_bucket_size": "auto"} | ({"stage3_param_persistence_threshold": "auto"} if stage == 3 else {})
@@ -493,6 +499,9 @@ def zero_grid() -> list[Config]:
 
     gpt2 = HF_GPT2["flash"] | dict(hidden_dropout=0.0)
     return ([config for stage in (1, 2, 3) for n in (1, 2) for config in configs_for(spec(stage), ["none"], n)]
+            # the Trainer's activation checkpointing, at s = 512 beside v = 64: the last layer's rerun decides
+            + [config for stage in (1, 2, 3) for config in
+               configs_for(spec(stage, name="small-hf-zero-checkpointing", shape=rerun), ["full"], 1)]
             + [config for stage in (1, 2, 3) for config in configs_for(defaults(stage), ["none"], 1)]
             + [config for stage in (1, 2, 3) for config in
                configs_for(spec(stage, name="small-hf-zero-vocab", shape=vocab), ["none"], 1)]

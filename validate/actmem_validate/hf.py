@@ -204,9 +204,14 @@ def build_model(spec):
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)        # made in bf16: fake parameters cannot be cast
     try:
-        return _model(spec).train()
+        model = _model(spec).train()
     finally:
         torch.set_default_dtype(default)
+    if spec.run.recompute.value == "full":
+        # the Trainer's --activation_checkpointing with no kwargs (trainer.py): every layer checkpointed alone by
+        # torch's non-reentrant checkpoint (modeling_utils.py, _activation_checkpointing_enable)
+        model.activation_checkpointing_enable()
+    return model
 
 
 def _model(spec):
@@ -280,6 +285,41 @@ def _rules(spec) -> tuple:
     return shared + EXPERT_RULES + rules if spec.architecture.moe else rules
 
 
+#: what a checkpointed layer's call is given, by the forward's parameter name: the hidden states (the
+#: checkpoint's one positional input under Llama's layers; GPT-2 hands it the mask positionally too) and the
+#: keywords its partial holds until the layer's backward (modeling_layers.py, forward_with_checkpointing). Any
+#: other tensor is filed as checkpoint_<its name>, a term the formula lacks, which fails the gate.
+CHECKPOINT_ARGUMENTS = {"hidden_states": "layer_input_checkpoint", "attention_mask": "checkpoint_causal_mask",
+                        "position_ids": "checkpoint_position_ids", "position_embeddings": "rotary_tables"}
+
+
+def _naming_checkpoint_arguments(model) -> None:
+    """Wrap each checkpointed layer's checkpoint function (transformers' own, set by
+    activation_checkpointing_enable) so that it names what the layer's call is given and files the
+    keyword tensors in the ledger: torch's non-reentrant checkpoint saves only the positional ones
+    (_NoopSaveInputs) and keeps the partial, keywords and all, in its recompute closure, which no
+    saved-tensor hook sees. The ledger files a storage once, under its first live name (GPT-2's
+    position ids are the position embedding's saved indices)."""
+    import inspect
+
+    from actmem_validate.ledger import label, record
+
+    def naming(checkpoint):
+        def checkpoint_naming(function, *args, **kwargs):
+            bound = inspect.signature(function.func).bind(*function.args, *args, **function.keywords).arguments
+            held = bound | bound.pop("kwargs", {})
+            for name, value in held.items():
+                for tensor in value if isinstance(value, tuple) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        record(label(tensor, CHECKPOINT_ARGUMENTS.get(name, f"checkpoint_{name}")))
+            return checkpoint(function, *args, **kwargs)
+        return checkpoint_naming
+
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = naming(module._gradient_checkpointing_func)
+
+
 def _class_name(spec) -> str:
     return spec.architecture.code.model_class(spec.architecture).name
 
@@ -300,6 +340,7 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
         stack.enter_context(_dropout_as_on_a_gpu())
         stack.enter_context(torch.device(device))     # the model, its tokens and what it makes, there
         model = build_model(spec)
+        _naming_checkpoint_arguments(model)
         tokens = torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len))
         ledger = Ledger([*model.parameters(), *model.buffers()])
         with ledger.recording(), naming(model, rules):

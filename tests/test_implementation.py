@@ -31,6 +31,19 @@ TORCH_NATIVE_LAYER = {
 }
 
 
+def test_torchtitan_swiglu_backward_by_hand(actmem):
+    """t = 8 with SP, full recompute, v = 1,024 (the loss holds little): the last block's SwiGLU backward decides.
+    Every block's checkpoint, 32 x 2sbh/t; the rerun block (TORCH_NATIVE_LAYER's rows) less its input (its norm
+    keeps it: the checkpoint's own storage) and the product (w2's saved input, freed); w2's input gradient and
+    mul's two (3 x 2sbf/t) beside the residual stream's shard (2sbh/t)."""
+    peak = actmem.json("estimate", *TORCH_NATIVE, "--recompute", "full", "--vocab", "1024")["peak_floor"]
+    assert peak["moment"] == "the last layer's SwiGLU backward"
+    rows = {row["name"]: row["bytes"] for row in peak["rows"]}
+    assert rows["activations_in_flight"] == 32 * 2 * SBH_T == 268_435_456
+    assert rows["rematerialised"] == sum(TORCH_NATIVE_LAYER.values()) - 2 * SBH_T - F_T == 251_797_504
+    assert rows["swiglu_backward"] == 3 * F_T + 2 * SBH_T == 96_468_992
+
+
 def _per_layer(out) -> dict:
     return {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
 

@@ -4,7 +4,7 @@ parameters and model state). Text only: the numbers come from actmem.memory.esti
 
 from dataclasses import replace
 
-from actmem.memory import engine
+from actmem.memory import backward, engine
 from actmem.model import rules
 from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, megatron_moe, qk_norm, te_layer_spec, \
     torch_softmax, unfused_weight_gradients
@@ -181,6 +181,16 @@ def _paper_rows_note(spec: Spec, rows: tuple) -> str:
         shown.append(f"{row.technique.name} {row.per_layer_bytes:,} B (paper {paper:,} B)")
     return ("per layer here on torch's softmax, and the paper's value beside (the same row with the fused "
             "kernel's bytes): " + "; ".join(shown))
+
+
+def _layer_backward_note(arch: Architecture) -> str:
+    """The moments of the last layer's backward the floor takes (actmem.memory.backward), as the verdict's note
+    names them."""
+    if "layer_backward" in arch.code.has:
+        return ", or inside the last layer's backward its fc1's and its eager core's gradients (actmem.memory.backward)"
+    if backward.modelled("swiglu", None, arch):
+        return ", or inside the last layer's backward its SwiGLU product's gradients (actmem.memory.backward)"
+    return ""
 
 
 def _recompute_notes(spec: Spec) -> list:
@@ -458,9 +468,8 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
         "one moment (actmem.memory.peak), or on the stage with the output layer the loss's backward "
         + ("and the fp32 logits gradients of PyTorch's cross entropy"
            if "cross_entropy_fp32_gradients" in arch.code.keeps_for(arch) else "and its 16-bit logits gradient")
-        + ", or inside the last layer's backward "
-        + ("its SwiGLU product's gradients" if arch.implementation == "hf" else "its fc1's and its eager core's gradients")
-        + " (actmem.memory.backward); not counted yet: the other ops' backward transients "
+        + _layer_backward_note(arch)
+        + "; not counted yet: the other ops' backward transients "
         "(the flash core's, the QKV and projection linears', fc2's, a recomputed MLP's), allocator "
         "fragmentation, workspace and communication buffers",
         f"parameters: layers of {_layer_formula(arch)} each, word embedding split "

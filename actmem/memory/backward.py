@@ -10,10 +10,11 @@ microbatch held. Three of its moments are modelled, op by op from the kernels' s
 - ``softmax``: where that core runs torch's fallback softmax rather than its fused kernel,
   at that softmax's backward, not in place: in 16 bits at its masked_fill_'s (inside
   CopySlices), in fp32 at the softmax's own (terms.SOFTMAX_BACKWARD_TERMS);
-- ``swiglu``: transformers' unfused SwiGLU (LlamaMLP) at its product's backward, mul's two
-  gradients made (terms.SWIGLU_BACKWARD_TERMS). Its layer is checkpointed by torch's
-  non-reentrant checkpoint, which holds no rerun output through the backward: with early stop
-  (torch's default) the rerun ends at the last tensor the layer saves.
+- ``swiglu``: an unfused SwiGLU (transformers' LlamaMLP, torchtitan's FeedForward) at its
+  product's backward, mul's two gradients made (terms.SWIGLU_BACKWARD_TERMS). Both codes
+  checkpoint a layer with torch's non-reentrant checkpoint, which holds no rerun output through
+  the backward: the rerun returns nothing, and with early stop (torch's default) ends at the last
+  tensor the layer saves.
 
 At each, the layer's rows after the op are freed (their backward has run), the rows before
 it are still held, and the op's gradients are live. What the layer holds there is kept, or
@@ -64,12 +65,13 @@ class Moment:
 
 
 def modelled(moment: str, technique: Technique, arch: Architecture = PAPER) -> bool:
-    """Megatron's layer only, kept whole or rerun alone (not partial full recompute: callers
-    pass the technique a chunk's last layer runs under, Technique.last_layer). fc1: not with
+    """Megatron's layer, kept whole or rerun alone (not partial full recompute: callers
+    pass the technique a chunk's last layer runs under, Technique.last_layer); an unfused
+    SwiGLU's whatever the technique (None will do). fc1: not with
     the MLP recomputed (its own rerun is not modelled yet); core: the eager core; softmax: the
     eager core on torch's fallback softmax; swiglu: transformers' dense unfused SwiGLU."""
-    if moment == "swiglu":
-        return arch.implementation == "hf" and swiglu_keeping_silu_output(arch) and not arch.moe
+    if moment == "swiglu":      # Megatron's fused SwiGLU is fc1's moment; MoE experts are not a dense MLP
+        return "layer_backward" not in arch.code.has and swiglu_keeping_silu_output(arch) and not arch.moe
     if "layer_backward" not in arch.code.has or technique.partial:
         return False
     if moment == "fc1":     # the dense MLP's (a MoE layer's backward is not modelled yet: its floor omits it)

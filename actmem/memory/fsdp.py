@@ -190,7 +190,7 @@ def with_fsdp(moments: tuple, model: ShardedModel, held, output_rows, rerun: Pea
     makes no temporaries: torch/optim/adam.py, _fused_adamw). ``held``: the saved activations in flight;
     ``output_rows``: the output layer's, which its backward frees first."""
     after_forward, in_block = _after_forward(model), _in_last_block(model)
-    extra = {"start": after_forward, "loss": after_forward, "rerun": in_block}
+    extra = {"start": after_forward, "loss": after_forward, "rerun": in_block, "swiglu": in_block}
     after_output = PeakRow("activations_in_flight", held - output_rows,
                            "the saved activations in flight, less the output layer's (its backward is done)")
     return tuple(_extend(moment, extra.get(moment.name, ())) for moment in moments) + (

@@ -199,9 +199,9 @@ LAYER_MOMENTS = {
                 "makes (fp32 under --attention-softmax-in-fp32), v's gradient, the gradient on the residual stream "
                 "and, under the core's checkpoint, its output's; the dropout's mask already freed"),
     "swiglu": ("the last layer's SwiGLU backward", "swiglu_backward",
-               "the unfused SwiGLU's product's backward (transformers' LlamaMLP): down_proj's input gradient, "
-               "the gradients of silu's and up_proj's outputs made from it, and the gradient on the residual "
-               "stream"),
+               "the unfused SwiGLU's product's backward (transformers' LlamaMLP, torchtitan's FeedForward): the "
+               "second linear's input gradient, the gradients of silu's output and of the up projection's made "
+               "from it, and the gradient on the residual stream"),
 }
 
 

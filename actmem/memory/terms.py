@@ -431,16 +431,17 @@ MLP_BACKWARD_TERMS = (
          "DDP's hook adds it to main_grad (2·fc1 width·f·h/t)", unfused_weight_gradients),
     LAYER_OUTPUT_GRADIENT,
 )
-#: The backward of an unfused SwiGLU's product, act_fn(gate_proj(x)) * up_proj(x) (transformers' LlamaMLP),
+#: The backward of an unfused SwiGLU's product, act_fn(gate_proj(x)) * up_proj(x) (transformers' LlamaMLP;
+#: torchtitan's FeedForward, silu(w1 x) * w3 x, each f-wide tensor a rank's f/t),
 #: at the second of mul's two gradients: down_proj's input gradient (the product's), and the gradients of
 #: silu's output and of up_proj's output made from it, live beside the layer's output gradient; the product
 #: itself (down_proj's saved input) already freed, mul's saved factors not yet (actmem.memory.backward's
 #: swiglu moment). Measured at that op (validate's zero.py).
 SWIGLU_BACKWARD_TERMS = (
     Term("swiglu_product_gradient", lambda arch: A16 * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS, Scope.LAYER,
-         "down_proj's input gradient, the product's (2sbf)"),
+         "down_proj's input gradient, the product's (2sbf/t)"),
     Term("swiglu_factor_gradients", lambda arch: 2 * A16 * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS, Scope.LAYER,
-         "mul's backward: the gradients of silu's output and of up_proj's output (2 x 2sbf)"),
+         "mul's backward: the gradients of silu's output and of up_proj's output (2 x 2sbf/t)"),
     LAYER_OUTPUT_GRADIENT,
 )
 

@@ -126,7 +126,8 @@ def fsdp_configs() -> list[Config]:
     output layer padded to 2 x 128, 49 rows of w1 and w3 to 2 x 25 (t divides v: every rank's logits the same); and
     HSDP over 4, 2 replicas of 2 shards (--fsdp-replicate 2), two microbatches; and torchtitan's other resharding
     policies, always and never (--fsdp-reshard-after-forward); and v = 4095 beside s = 8, where the embedding's
-    post-backward holds the most."""
+    post-backward holds the most; and v = 64 beside s = 512 under full recompute, where the last block's SwiGLU
+    backward does."""
     model = dict(heads=8, hidden=64, vocab=511, seq_len=32, layers=2)
     spec = build_spec(model, dict(micro_batch=2, gpus=2, fsdp=True), name="small-torchtitan-fsdp",
                       architecture=TORCH_NATIVE | dict(ffn_hidden=97))
@@ -139,8 +140,11 @@ def fsdp_configs() -> list[Config]:
     # a large vocabulary beside a short sequence: the embedding's post-backward, at the backward's end, is the peak
     vocab = build_spec(model | dict(vocab=4095, seq_len=8), dict(micro_batch=1, gpus=2, fsdp=True),
                        name="small-torchtitan-fsdp-vocab", architecture=TORCH_NATIVE | dict(ffn_hidden=97))
+    # a short vocabulary beside a long sequence, checkpointed: the last block's SwiGLU backward is the peak
+    swiglu = build_spec(model | dict(vocab=64, seq_len=512), dict(micro_batch=2, gpus=2, fsdp=True),
+                        name="small-torchtitan-fsdp-checkpointing", architecture=TORCH_NATIVE | dict(ffn_hidden=97))
     return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
-            + configs_for(vocab, ["none", "full"], 1)
+            + configs_for(vocab, ["none", "full"], 1) + configs_for(swiglu, ["full"], 1)
             + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1) + configs_for(hsdp, ["none"], 2)
             + [config for policy in policies for config in configs_for(policy, ["none", "full"], 1)])
 

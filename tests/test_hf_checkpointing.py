@@ -81,3 +81,17 @@ def test_zero3_has_released_the_output_weight_by_the_last_layer_backward(actmem)
 ])
 def test_what_transformers_does_not_checkpoint_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", *args), fragment)
+
+
+@pytest.mark.parametrize("spelling", ["--activation-checkpointing", "--gradient-checkpointing",
+                                      "--activation_checkpointing", "--gradient_checkpointing"])
+def test_the_trainers_spellings_are_full_recompute(actmem, spelling):
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", "--seq-len", str(S), spelling)
+    assert out["run"]["recompute"] == "full"
+    assert _rows(out)["layer_input_checkpoint"] == CHECKPOINTS
+
+
+def test_a_trainer_spelling_that_disagrees_is_refused(actmem):
+    assert_one_line_error(actmem(*HF_FULL[:-4], "--recompute", "none", "--gradient_checkpointing"),
+                          "recompute is given more than once and the values disagree: --recompute none and "
+                          "--gradient_checkpointing")

@@ -108,7 +108,9 @@ class Flag:
     metavar: str | None = None
 
     def dest(self, index: int) -> str:
-        spelling = self.names[index].partition("/")[0].lstrip("-").replace("-", "_")
+        """click's name for one spelling's values; --gradient-checkpointing and the Trainer's
+        --gradient_checkpointing are two spellings, not one."""
+        spelling = self.names[index].partition("/")[0].lstrip("-").replace("_", "__").replace("-", "_")
         return f"{self.key}__{spelling}"
 
 
@@ -304,10 +306,14 @@ RUN_FLAGS = (
     GPUS,
     Flag(("--recompute", "--recompute-granularity"), "recompute",
          "activation recomputation: none, selective or full (Megatron's --recompute-granularity; under "
-         "--implementation hf, full is the Trainer's --activation_checkpointing, alias --gradient_checkpointing)",
+         "--implementation hf, full is the Trainer's activation checkpointing)",
          click.Choice(["none", "selective", "full"])),
     Flag(("--recompute-activations",), "recompute", "Megatron's older switch for --recompute selective",
          constant="selective"),
+    Flag(("--activation-checkpointing", "--gradient-checkpointing", "--activation_checkpointing",
+          "--gradient_checkpointing"), "recompute",
+         "the Hugging Face Trainer's switch, as it spells it too (gradient_checkpointing, its older name): "
+         "--recompute full, every layer checkpointed alone", constant="full"),
     Flag(("--recompute-method",), "recompute_method",
          "with full recompute: uniform (groups of N layers, each keeping its input) or block "
          "(the first N layers of each model chunk; the rest keep everything)",

@@ -413,7 +413,7 @@ def _zero_model(spec: Spec):
     parameters = hf_parameters(arch.code.model_class(arch).name, model.hidden, model.vocab, model.seq_len,
                                model.layers, arch, model.heads)
     return zero.zero_model(spec.run.zero, parameters, spec.data_parallel, spec.microbatches or 1,
-                           model.vocab * model.hidden)
+                           model.vocab * model.hidden, checkpointed=spec.run.recompute is Recompute.FULL)
 
 
 def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:

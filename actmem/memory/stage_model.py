@@ -243,7 +243,7 @@ def rematerialised_source(technique: Technique) -> str:
                 "before it (with the tail's checkpoint freed), whichever holds more: its layers as "
                 "kept without recompute, less the group's input (the checkpoint)")
     return ("full recompute reruns the last layer from its checkpoint: the layer as kept without "
-            "recompute, less its input (the checkpoint's own storage)")
+            "recompute, less its input where its norm keeps it (the checkpoint's own storage)")
 
 
 def _and(x, y):

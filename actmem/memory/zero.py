@@ -50,7 +50,8 @@ KEPT_GATHERED = ("the weights ZeRO-3 keeps gathered from their forward into thei
 NORM_COPY = ("the gradient norm's fp64 copy of the largest parameter's piece of rank 0's partition (get_grad_norm_direct: "
              "vector_norm(g.to(float64)) a piece)")
 GATHERED_OUTPUT = ("the output layer's weight gathered whole (bf16): ZeRO-3 keeps a weight gathered while its next "
-                   "use is within stage3_max_reuse_distance, and the output layer's backward follows the loss "
+                   "use is within stage3_max_reuse_distance, and the output layer's backward follows the loss (tied "
+                   "to the embedding, whose backward uses it again, it may stay gathered until then) "
                    "(partitioned_param_coordinator.py, __params_to_release)")
 
 
@@ -67,6 +68,9 @@ class ZeroModel:
     kept_numel: int = 0
     """Elements of the weights besides the output layer's that ZeRO-3 certainly keeps gathered from the forward
     into the backward (``kept_through_the_turn``)."""
+    output_kept: bool = False
+    """Whether ZeRO-3 certainly keeps the output layer's weight gathered after its backward too: tied to the
+    embedding, whose backward uses it again, within stage3_max_reuse_distance (``tied_output_kept``)."""
 
     @property
     def stage(self) -> int:
@@ -247,8 +251,8 @@ def stage_moments(moments: tuple, model: ZeroModel) -> tuple:
 
 
 #: the stage model's moments before the output layer's backward: ZeRO-3 still holds its weight gathered there;
-#: later (a rerun, the last layer's backward) the weight's next use is the next step's forward, and its
-#: post-backward hook has released it
+#: later (a rerun, the last layer's backward) an untied weight's next use is the next step's forward, and its
+#: post-backward hook has released it (a tied one's is the embedding's backward: ZeroModel.output_kept)
 BEFORE_OUTPUT_BACKWARD = frozenset({"start", "loss", "forward_end"})
 
 
@@ -262,9 +266,10 @@ def _during(model: ZeroModel, moment: str) -> tuple:
         rows = (PeakRow("gradient_partition", WEIGHT_BYTES * model.in_partition(), GRADIENTS_2
                         + ": the earlier microbatches'"),)
     elif model.stage == 3 and model.config.reuse_distance > 0:
-        rows = ((PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),)
-                if not model.output_persists and moment in BEFORE_OUTPUT_BACKWARD else ()) + ((PeakRow(
-                    "gathered_weights_kept", WEIGHT_BYTES * model.kept_numel, KEPT_GATHERED),) if model.kept_numel else ())
+        gathered = not model.output_persists and (moment in BEFORE_OUTPUT_BACKWARD or model.output_kept)
+        rows = ((PeakRow("gathered_weights", WEIGHT_BYTES * model.output_numel, GATHERED_OUTPUT),) if gathered else ()) \
+            + ((PeakRow("gathered_weights_kept", WEIGHT_BYTES * model.kept_numel, KEPT_GATHERED),)
+               if model.kept_numel else ())
     return rows
 
 
@@ -325,14 +330,15 @@ def _reduce_copy(elements: int) -> tuple:
                     "(allreduce_bucket), where they go to more than one rank"),) if elements else ()
 
 
-def kept_through_the_turn(config: ZeroConfig, parameters: tuple, output_numel: int) -> int:
+def kept_through_the_turn(config: ZeroConfig, parameters: tuple, output_numel: int, passes: int = 2) -> int:
     """Elements of the weights, not persistent, that ZeRO-3 releases after their forward only where their next use
     is further than stage3_max_reuse_distance elements of traced weights away (its coordinator scans the module
     trace ahead from the next module, counting each module's weights, and keeps the weights of a module met
     before the count reaches it). Between a layer's forward and its backward run at most the weights of that
-    layer and those after it twice over (forward, then backward), the output layer's among them: where that
-    bound is short of the distance, the layer's weights are certainly kept; the embedding's likewise, beyond
-    it the whole model twice. The output layer is its own row (GATHERED_OUTPUT)."""
+    layer and those after it ``passes`` times over (forward and backward; with activation checkpointing each
+    later layer's rerun too: 3), the output layer's among them: where that bound is short of the distance, the
+    layer's weights are certainly kept; the embedding's likewise, beyond it the whole model. The output layer is
+    its own row (GATHERED_OUTPUT)."""
     if config.stage < 3 or config.reuse_distance == 0:
         return 0
     embeddings = ("model.embed_tokens.weight", "transformer.wte.weight", "transformer.wpe.weight")
@@ -348,22 +354,36 @@ def kept_through_the_turn(config: ZeroConfig, parameters: tuple, output_numel: i
     tail = whole - sum(p.numel for p in parameters if p.name in embeddings) + output_numel * (output != "lm_head.weight")
     kept = 0
     for index in sorted(layers):
-        if 2 * tail < config.reuse_distance:
+        if passes * tail < config.reuse_distance:
             kept += sum(p.numel for p in layers[index] if p.numel > config.persistence_threshold)
         tail -= sum(p.numel for p in layers[index])
-    if 2 * (whole + output_numel) < config.reuse_distance:      # the embedding's backward comes last
+    if passes * (whole + output_numel) < config.reuse_distance:      # the embedding's backward comes last
         kept += sum(p.numel for p in parameters if p.name in embeddings and p.name != output
                     and p.numel > config.persistence_threshold)
     return kept
 
 
-def zero_model(config: ZeroConfig, parameters: tuple, d: int, microbatches: int, output_numel: int) -> ZeroModel:
+def tied_output_kept(config: ZeroConfig, parameters: tuple, output_numel: int, passes: int = 2) -> bool:
+    """Whether ZeRO-3 certainly keeps a tied output layer's weight (the embedding's) gathered from its backward to
+    the embedding's, where it is used again: between them run at most the whole model ``passes`` times over (as
+    ``kept_through_the_turn`` bounds the embedding's)."""
+    names = {p.name for p in parameters}
+    whole = sum(p.numel for p in parameters)
+    return (config.stage == 3 and config.reuse_distance > 0 and "lm_head.weight" not in names
+            and passes * (whole + output_numel) < config.reuse_distance)
+
+
+def zero_model(config: ZeroConfig, parameters: tuple, d: int, microbatches: int, output_numel: int,
+               checkpointed: bool = False) -> ZeroModel:
     """The ZeroModel of transformers' parameters (actmem.model.hf_parameters) in the optimizer's groups: the
-    Trainer's two, decayed then not (trainer.py, create_optimizer), or FusedAdam's one."""
+    Trainer's two, decayed then not (trainer.py, create_optimizer), or FusedAdam's one. ``checkpointed``: under
+    activation checkpointing, whose reruns traverse the layers' weights a third time."""
     if config.optimizer == TRAINER:
         groups = tuple(tuple(p.numel for p in parameters if p.decays == decays) for decays in (True, False))
         groups = tuple(group for group in groups if group)
     else:
         groups = (tuple(p.numel for p in parameters),)
+    passes = 3 if checkpointed else 2
     return ZeroModel(config, d, groups, output_numel, microbatches,
-                     kept_through_the_turn(config, parameters, output_numel))
+                     kept_through_the_turn(config, parameters, output_numel, passes),
+                     tied_output_kept(config, parameters, output_numel, passes))

@@ -60,7 +60,7 @@ CUDNN_RNG_STATE_BYTES = 2 * 8
 H200 with torch 2.11: 32 B over two layers); none from the CPU's flash kernel."""
 """The flash kernel's saved philox state by device type: none on the CPU's kernel
 (_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
-CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state")
+CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state", "held")
 """The kinds of row the gate judges; the others are information."""
 HARNESS_LEAVES_OUT = ("weights", "optimizer_state")
 """Rows of the floor the harness's peak does not hold: its peak is measured above the
@@ -254,6 +254,8 @@ def _failure(row: dict) -> str:
         return f"{where} saved {measured} that no term or named residual accounts for"
     if row["kind"] == "total":
         return f"{where}: {measured} saved, but the terms and named residuals add up to {formula}"
+    if row["kind"] == "held":
+        return f"{where}: the forward leaves {measured} alive, but the saved tensors filed add up to {formula}"
     if row["kind"] in ("floor", "floor_cp") and row["measured_bytes"] < row["formula_bytes"]:
         return (f"{where}: the allocator's peak, {measured}, is below actmem's floor of {formula} "
                 "(main gradients, activations in flight and the rerun layer, all live at one moment)")

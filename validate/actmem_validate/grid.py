@@ -478,7 +478,7 @@ def zero_grid() -> list[Config]:
     elements; GPT-2 (a tied output layer, biases and LayerNorms in the undecayed group, learned positions) at stages
     2 and 3; Qwen3 (q and k norms) at stage 1; Mixtral at stage 2 and Qwen2-MoE at stage 3; stages 1 and 2 with overlap_comm (two buckets) and with
     round_robin_gradients; the Trainer's activation checkpointing at stages 1, 2 and 3 (s = 512 beside v = 64: the
-    last layer's SwiGLU backward decides). Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
+    last layer's SwiGLU backward decides), and at stage 3 with a tied output layer. Each of actmem's moments decides some peak: the loss's (the "auto" Llama runs), the
     reduce (stages 1 and 2 at DeepSpeed's defaults, and over 4 ranks with buckets of 200,000 and 300,000 elements
     beside an embedding of 262,080), the gradient norm's (v = 4,095 beside s = 8 at stages 1 and 2) and the
     optimizer step's (the same at stage 3)."""
@@ -506,6 +506,10 @@ def zero_grid() -> list[Config]:
             # the Trainer's activation checkpointing, at s = 512 beside v = 64: the last layer's rerun decides
             + [config for stage in (1, 2, 3) for config in
                configs_for(spec(stage, name="small-hf-zero-checkpointing", shape=rerun), ["full"], 1)]
+            # ... with the output layer tied to the embedding at stage 3: its weight stays gathered to the
+            # embedding's backward
+            + configs_for(spec(3, name="small-hf-zero-checkpointing-tied", shape=rerun,
+                               architecture=HF | dict(ffn_hidden=97, tied_output=True)), ["full"], 1)
             + [config for stage in (1, 2, 3) for config in configs_for(defaults(stage), ["none"], 1)]
             + [config for stage in (1, 2, 3) for config in
                configs_for(spec(stage, name="small-hf-zero-vocab", shape=vocab), ["none"], 1)]

@@ -19,16 +19,16 @@ nn.LayerNorm's mean and rstd, fp32 on a GPU, are 16-bit on a CPU, so those rows 
 at half the formula's fp32 bytes and say so (``CPU_WIDTHS``).
 """
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from fractions import Fraction
 
 import torch
 
 from actmem.memory.estimate import estimate
-from actmem_validate.compare import CUDNN_RNG_STATE_BYTES, INDEX_BYTES, STATISTIC_BYTES, term_rows
+from actmem_validate.compare import CUDNN_RNG_STATE_BYTES, INDEX_BYTES, STATISTIC_BYTES, _row, term_rows
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
-from actmem_validate.torch_compat import fake_tensor_mode
+from actmem_validate.torch_compat import LiveBytes, fake_tensor_mode
 
 TRANSFORMERS_VERSION = "5.23.0"
 _NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -297,7 +297,7 @@ def _naming_checkpoint_arguments(model) -> None:
     """Wrap each checkpointed layer's checkpoint function (transformers' own, set by
     activation_checkpointing_enable) so that it names what the layer's call is given and files the
     keyword tensors in the ledger: torch's non-reentrant checkpoint saves only the positional ones
-    (_NoopSaveInputs) and keeps the partial, keywords and all, in its recompute closure, which no
+    (torch 2.13: _CheckpointFrame.save_inputs; 2.11: _NoopSaveInputs) and keeps the partial, keywords and all, in its recompute closure, which no
     saved-tensor hook sees. The ledger files a storage once, under its first live name (GPT-2's
     position ids are the position embedding's saved indices)."""
     import inspect
@@ -343,12 +343,21 @@ def measure(config, rank: int = 0, device: str = "cpu", fake: bool = False) -> l
         _naming_checkpoint_arguments(model)
         tokens = torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len))
         ledger = Ledger([*model.parameters(), *model.buffers()])
-        with ledger.recording(), naming(model, rules):
+        with ledger.recording(), naming(model, rules), (nullcontext() if fake else LiveBytes()) as live:
+            base = live.current() if live else 0
             loss = model(input_ids=tokens, labels=tokens).loss
+            held = live.current() - base if live else None
         ledger.drop_freed()
         measured = ledger.by_term()
         loss.backward()
-    return _compare(config, rank, measured, on_a_cpu=torch.device(device).type == "cpu")
+    rows = _compare(config, rank, measured, on_a_cpu=torch.device(device).type == "cpu")
+    if held is None:
+        return rows
+    # what the forward leaves alive, less the loss itself and with the token ids it was handed: every storage
+    # the saved tensors hold, and nothing else (a checkpoint's closure freed early, or holding an unfiled tensor,
+    # fails it)
+    left = held - loss.untyped_storage().nbytes() + tokens.untyped_storage().nbytes()
+    return rows[:-1] + [_row(config, rank, "held_at_forward_end", sum(measured.values()), left, "held")] + rows[-1:]
 
 
 @contextmanager

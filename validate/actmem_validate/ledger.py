@@ -10,8 +10,9 @@ Checkpointed regions (selective and full recompute) show the ledger only their i
 whichever way torch checkpoints: with ``use_reentrant=True`` (Megatron's own
 CheckpointFunction, which the harness uses) the region runs under no_grad and
 CheckpointFunction saves its inputs; with ``use_reentrant=False`` torch saves the inputs
-through a no-op Function and hides the region's saves behind its own saved_tensors_hooks,
-which take precedence over the ledger's. The ledger's count is therefore the same in both
+as saved tensors of its frame (torch 2.13: _CheckpointFrame.save_inputs; 2.11: a no-op
+Function) and hides the region's saves behind its own saved_tensors_hooks, which take
+precedence over the ledger's. The ledger's count is therefore the same in both
 modes (tests/validate/test_schedule_and_ledger.py checks it).
 """
 

@@ -95,5 +95,5 @@ def test_a_verdict_says_when_model_state_alone_is_over_the_gpu(actmem):
     assert 8_030_261_248 * 18 + 1_486_880_768 == 146_031_583_232
     text = " ".join(actmem("estimate", "--model", "llama-3.1-8b", "--tp", "1", "--pp", "1").stdout.split())
     assert "Model state alone (weights, gradients, optimizer state and TE's caches: 136.00 GiB on the first stage)" \
-        in text and "no recompute or offloading makes it fit" in text
+        in text and "no activation recompute or offloading makes it fit" in text
     assert "Model state alone" not in actmem("estimate", "--model", "530b").stdout

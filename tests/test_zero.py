@@ -372,3 +372,26 @@ def test_plan_under_hf_says_its_state_is_ddps_and_where_zero_is_priced():
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "model state is DDP's" in text and "actmem estimate --zero-stage N" in text
+
+
+def test_plan_under_hf_that_nothing_fits_points_to_zero():
+    """On 8 H100s DDP's 8B model state alone (18 B a parameter, 134.6 GiB) is over the GPU: nothing fits, and the
+    verdict names ZeRO, which `estimate` prices (ZeRO-3 over 8: 30.86 GiB at s = 8192, docs/models.md)."""
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--implementation", "hf", "--gpus", "8",
+                                      "--global-batch", "64", "--gpu", "h100"], terminal_width=200)
+    assert result.exit_code == 1, result.output         # plan's exit code when nothing fits
+    text = " ".join(result.output.split())
+    assert "Nothing fits" in text
+    assert "These price DDP" in text and "actmem estimate --implementation hf --gpus 8 --zero-stage 3" in text
+
+
+def test_zero3_state_over_the_gpu_names_what_is_not_modelled():
+    """Llama 3.1 70B under ZeRO-3 over 8 H100s (the preset's GPU): (2 + 2 + 12) B a parameter over 8, about 132 GiB
+    of model state, is over the GPU whatever the activations: the advice shards it further and says that
+    ZeRO-Offload, the usual fix, is not modelled (not that nothing could help)."""
+    result = CliRunner().invoke(cli, ["estimate", "--model", "llama-3.1-70b", "--implementation", "hf", "--gpus", "8",
+                                      "--zero-stage", "3", "--recompute", "full", "--seq-len", "4096"],
+                                terminal_width=200)
+    text = " ".join(result.output.split())
+    assert "no activation recompute or offloading makes it fit; shard it over more GPUs (--gpus)" in text
+    assert "ZeRO-Offload (offload_optimizer, offload_param), which moves it to the host, is not modelled yet" in text

@@ -350,7 +350,7 @@ def _verdict(est: Estimate, width: int) -> Text:
         params = busiest.parameters
         caches = " and TE's caches" if params.dummy_wgrads_bytes or params.fp8_bytes else ""
         text.append(f"Model state alone (weights, gradients, optimizer state{caches}: {gib(state):,.2f} GiB on {where}) "
-                    f"and the reserve are over the GPU: no recompute or offloading makes it fit; "
+                    f"and the reserve are over the GPU: no activation recompute or offloading makes it fit; "
                     + _shard_advice(est.spec) + "\n", style=style)
     if est.host_bytes:
         text.append(_host_line(est))
@@ -362,8 +362,11 @@ def _shard_advice(spec) -> str:
     runs = spec.architecture.code.runs
     flags = [flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline")) if shape in runs]
     split = f"split the model ({', '.join(flags)})" if flags else "use a GPU with more memory"
-    if spec.run.fsdp or (spec.run.zero and spec.run.zero.stage == 3):
+    if spec.run.fsdp:
         return f"shard it over more GPUs (--gpus) or {split}"
+    if spec.run.zero and spec.run.zero.stage == 3:
+        return (f"shard it over more GPUs (--gpus) or {split}; ZeRO-Offload (offload_optimizer, offload_param), "
+                "which moves it to the host, is not modelled yet")
     if "zero" in runs:
         return ("shard it with DeepSpeed's ZeRO-3 (--zero-stage 3, or --deepspeed with your ds_config.json) over "
                 "more GPUs (--gpus); ZeRO-Offload, which moves it to the host, is not modelled yet")

@@ -97,6 +97,10 @@ def _nothing_fits(plan, nothing) -> Text:
     else:
         text.append("No GPU count near this one fits either (searched the nearest that the "
                     "parameters alone could fit).\n")
+    if "zero" in req.architecture.code.runs:
+        text.append(f"These price DDP, the whole model state on every GPU; DeepSpeed's ZeRO shards it: try `actmem "
+                    f"estimate --implementation {req.architecture.implementation} --gpus {req.gpus} --zero-stage 3` "
+                    "(or --deepspeed ds_config.json).\n", style="yellow")
     return text
 
 

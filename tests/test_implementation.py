@@ -232,13 +232,34 @@ def test_estimate_without_the_flag_has_no_implementations(actmem):
     assert "implementations" not in actmem.json("estimate", "--model", "llama-3.1-8b")
 
 
-def test_hf_measures_llama_and_gpt2_configs_only(actmem):
-    """transformers' Qwen2 and Mistral are classes of their own (a sliding window, say): the
-    harness measured LlamaForCausalLM and GPT2LMHeadModel, so another family is refused under hf."""
-    assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/qwen2-7b/config.json", "--implementation",
-                                 "hf"), "qwen2 is a class of its own in transformers")
-    assert actmem("estimate", "--model", "tests/data/hf/llama-3.1-8b/config.json", "--implementation", "hf",
-                  "--seq-len", "2048").exit_code == 0
+# Qwen2-7B's config.json (h = 3584, a = 28, d = 128, g = 4, f = 18944) under transformers' Qwen2ForCausalLM, sdpa,
+# s = 4096, b = 1, per layer (as HF_SDPA_LAYER: q, k and v biases keep nothing more; measured in the small grid):
+# 16sh + 8s + 4sad + 4sgd + 4as + 8sf
+QWEN2_7B_LAYER = 16 * 4096 * 3584 + 8 * 4096 + 4 * 4096 * 28 * 128 + 4 * 4096 * 4 * 128 + 4 * 28 * 4096 \
+    + 8 * 4096 * 18944
+
+
+def test_hf_prices_qwen2_and_mistral_configs_and_refuses_what_it_has_not_measured(actmem, tmp_path):
+    """Qwen2ForCausalLM (Llama's classes with q, k, v biases) and MistralForCausalLM without a sliding window
+    (modular_mistral.py: LlamaForCausalLM's code, its attention handed sliding_window None) are priced; Mistral 7B
+    v0.1's sliding window of 4,096 makes a mask sdpa keeps, and GPT-NeoX is a class the harness has not run:
+    refused under hf."""
+    out = actmem.json("estimate", "--model", "tests/data/hf/qwen2-7b/config.json", "--implementation", "hf",
+                      "--seq-len", "4096")
+    assert any("Qwen2ForCausalLM on one device" in note for note in out["assumptions"])
+    assert next(row for row in out["techniques"] if row["technique"] == "none")["per_layer_bytes"] \
+        == QWEN2_7B_LAYER == 923_238_400
+    out = actmem.json("estimate", "--model", "tests/data/hf/mistral-7b-v0.3/config.json", "--implementation", "hf",
+                      "--seq-len", "4096")
+    assert any("priced and measured as LlamaForCausalLM" in note for note in out["assumptions"])
+    assert_one_line_error(actmem("estimate", "--model", "tests/data/hf/mistral-7b/config.json", "--implementation",
+                                 "hf"), "a sliding window: MistralModel then makes a sliding-window mask")
+    import json
+
+    pythia = json.loads(open("tests/data/hf/pythia/config.json").read()) | {"use_parallel_residual": False}
+    (tmp_path / "config.json").write_text(json.dumps(pythia))
+    assert_one_line_error(actmem("estimate", "--model", str(tmp_path / "config.json"), "--implementation", "hf"),
+                          "gpt_neox is a class of its own in transformers")
 
 
 def test_compare_implementations_shows_the_stage_shown(actmem):

@@ -330,7 +330,7 @@ def test_json_report_carries_the_zero_config():
 
 @pytest.mark.parametrize("architecture", [
     dict(),                                              # LlamaForCausalLM
-    dict(qkv_bias=True),                                 # attention_bias: q, k, v and o
+    dict(qkv_bias=True),                                 # Qwen2ForCausalLM: q, k and v biases
     dict(qk_norm=True),                                  # Qwen3ForCausalLM
     dict(tied_output=True),
     "gpt2",                                              # GPT2LMHeadModel: tied, biases, LayerNorms, positions

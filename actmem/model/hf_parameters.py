@@ -2,8 +2,8 @@
 
 ZeRO pads and partitions per optimizer group (stages 1 and 2) or per parameter (stage 3), so its bytes
 depend on the parameters' own sizes and order, not their sum alone. The list is named_parameters()'s, read
-off modeling_llama.py, modeling_qwen3.py, modeling_gpt2.py, modeling_mixtral.py, modeling_qwen3_moe.py and
-modeling_qwen2_moe.py (transformers 5.23): a tied output layer is
+off modeling_llama.py, modeling_qwen2.py, modeling_qwen3.py, modeling_gpt2.py, modeling_mixtral.py,
+modeling_qwen3_moe.py and modeling_qwen2_moe.py (transformers 5.23): a tied output layer is
 the embedding's parameter, listed once. Whether the Trainer decays a parameter (trainer.py,
 get_decay_parameter_names) decides its optimizer group: not the norms' weights (nn.LayerNorm, or a name with
 'layernorm', 'rmsnorm', 'norm' or '_norm') nor any bias. tests/test_zero.py checks the list against the
@@ -20,8 +20,8 @@ class Parameter:
     decays: bool
 
 
-LLAMA_LIKE = ("LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-              "Qwen2MoeForCausalLM")
+LLAMA_LIKE = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+              "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def hf_parameters(class_name: str, h: int, v: int, s: int, layers: int, arch, heads: int) -> tuple:
@@ -38,7 +38,7 @@ def hf_parameters(class_name: str, h: int, v: int, s: int, layers: int, arch, he
              ("self_attn.k_proj.weight", g * d * h, True), *_bias("self_attn.k_proj", g * d, qkv_bias),
              ("self_attn.v_proj.weight", g * d * h, True), *_bias("self_attn.v_proj", g * d, qkv_bias),
              ("self_attn.o_proj.weight", h * heads * d, True),
-             # Llama's attention_bias puts one on o_proj too; Qwen2-MoE's qkv_bias does not
+             # Llama's attention_bias puts one on o_proj too; Qwen2's and Qwen2-MoE's q, k, v biases do not
              *_bias("self_attn.o_proj", h, qkv_bias and class_name == "LlamaForCausalLM")]
     if class_name in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         block += [("self_attn.q_norm.weight", d, False), ("self_attn.k_norm.weight", d, False)]

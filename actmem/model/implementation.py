@@ -215,13 +215,30 @@ _HF_LLAMA = ModelClass(
     "LlamaForCausalLM",
     architecture=_LLAMA_LAYER + (("qk_norm", (False,), "transformers' Llama layer, which has no q and k "
                                                        "norms (Qwen3ForCausalLM has them)"),
-                                 (_DENSE[0], _DENSE[1], _DENSE[2].format("Llama"))),
+                                 (_DENSE[0], _DENSE[1], _DENSE[2].format("Llama")),
+                                 ("bias", (False,), "transformers' Llama layer without biases (its attention_bias "
+                                                    "and mlp_bias are not measured; Qwen2ForCausalLM's q, k and v "
+                                                    "biases are: --add-qkv-bias)")),
     keeps=frozenset({"silu_output", "norm_fp32_copy", "softmax_fp32", "rotary_tables"}),
     notes=("hf: transformers 5.23 LlamaForCausalLM on one device, as measured by the harness: "
            "LlamaRMSNorm keeps an fp32 copy of its input and its 16-bit normalized tensor, not "
            "its input; eager attention keeps q and k, v repeated to a heads and the softmax in "
            "fp32 beside its 16-bit copy; sdpa (is_causal, enable_gqa) keeps k and v in their "
            "groups; the unfused SwiGLU keeps four f-wide tensors; cos and sin once a forward",))
+
+# transformers 5.23.0's Qwen2ForCausalLM (models/qwen2/modular_qwen2.py): LlamaForCausalLM's classes with
+# biases on q_proj, k_proj and v_proj always, none on o_proj or the MLP, and Gemma2's rotary embedding (cos and
+# sin in the input's dtype, as Llama's); without a sliding window (use_sliding_window false, the default)
+_HF_QWEN2 = ModelClass(
+    "Qwen2ForCausalLM",
+    architecture=_LLAMA_LAYER + (
+        ("qk_norm", (False,), "transformers' Qwen2 layer, which has no q and k norms (Qwen3ForCausalLM has them)"),
+        (_DENSE[0], _DENSE[1], _DENSE[2].format("Qwen2")),
+        ("bias", (False,), "transformers' Qwen2 layer, whose o_proj and MLP have no biases"),
+        ("qkv_bias", (True,), "transformers' Qwen2 attention, whose q, k and v always have biases")),
+    keeps=_HF_LLAMA.keeps,
+    notes=("hf: transformers 5.23 Qwen2ForCausalLM on one device, as measured by the harness: Llama's layer (see "
+           "LlamaForCausalLM) with biases on q, k and v, which keep nothing more",))
 
 # transformers 5.23.0's Qwen3DecoderLayer (models/qwen3/modeling_qwen3.py): Llama's layer with
 # q_norm and k_norm, Qwen3RMSNorms over each head of q_proj's and k_proj's outputs before rope
@@ -352,7 +369,7 @@ _HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_setti
            flash_head_dim_why="transformers' sdpa passes enable_gqa only for a head dim of at most 256 "
                               "(sdpa_attention.py, use_gqa_in_sdpa); beyond, it copies k and v to a heads, "
                               "which actmem does not count yet",
-           models=(_HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE, _HF_QWEN2_MOE),
+           models=(_HF_QWEN2, _HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE, _HF_QWEN2_MOE),
            selective_recompute="transformers has no selective recompute: choose none or full (the Trainer's "
                                "activation checkpointing)",
            notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "

@@ -52,17 +52,21 @@ def read_hf_config(path: Path) -> dict:
 
 def _hf_unmeasured(kind: str, config: dict) -> str | None:
     """Why transformers runs this config with code the harness has not measured: the harness
-    runs LlamaForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel with gelu_new, MixtralForCausalLM,
-    Qwen3MoeForCausalLM and Qwen2MoeForCausalLM without their aux loss or router jitter (hf.py); None where it
-    is that."""
-    if kind not in ("llama", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe"):
+    runs LlamaForCausalLM (MistralForCausalLM is its code: modular_mistral.py), Qwen2ForCausalLM,
+    Qwen3ForCausalLM, GPT2LMHeadModel with gelu_new, MixtralForCausalLM, Qwen3MoeForCausalLM and
+    Qwen2MoeForCausalLM without their aux loss or router jitter (hf.py); None where it is that."""
+    if kind not in ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe"):
         return f"{kind} is a class of its own in transformers, whose own code actmem has not measured"
+    if kind == "mistral" and config.get("sliding_window"):
+        return ("a sliding window: MistralModel then makes a sliding-window mask, which sdpa keeps beside k and v "
+                "repeated to every head; actmem has not measured it (sliding_window null, Mistral 7B v0.2 on, "
+                "runs LlamaForCausalLM's code)")
     if kind in MOE_READ and config.get("output_router_logits"):
         return ("output_router_logits: transformers then adds the aux loss, keeping every layer's router logits "
                 "(load_balancing_loss_func), which actmem has not measured")
     if kind == "mixtral" and config.get("router_jitter_noise"):
         return "router_jitter_noise: the jitter's noise and its product are kept, which actmem has not measured"
-    if (kind == "mixtral" and config.get("sliding_window")) or (kind in ("qwen3", "qwen3_moe", "qwen2_moe")
+    if (kind == "mixtral" and config.get("sliding_window")) or (kind in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
                                                                 and config.get("use_sliding_window")):
         return ("a sliding window: sdpa is then handed a mask, which it keeps beside k and v repeated to every head "
                 "(sdpa_attention.py, use_gqa_in_sdpa: no enable_gqa with a mask); actmem has not measured it")
@@ -167,6 +171,10 @@ def _llama(config, path):
     window = _optional_int(config, path, "sliding_window")
     if window and config.get("use_sliding_window", kind == "mistral"):
         notes += (f"sliding window {window:,}: flash attention keeps the same tensors with or without it",)
+    elif kind == "mistral":
+        notes += ("mistral: MistralForCausalLM is LlamaForCausalLM's code (transformers' modular_mistral.py), its "
+                  "attention handed sliding_window null: under --implementation hf priced and measured as "
+                  "LlamaForCausalLM",)
     return model, architecture, notes
 
 

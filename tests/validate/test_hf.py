@@ -133,6 +133,30 @@ def test_checkpoint_arguments_unnamed_or_uncounted_turn_the_gate_red(monkeypatch
     assert rows["checkpoint_causal_mask"] == 4_096 and any("checkpoint_causal_mask" in line for line in failures)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_mistral_keeps_what_llama_keeps(monkeypatch, recompute):
+    """A Mistral config without a sliding window is priced as LlamaForCausalLM (modular_mistral.py: its classes
+    are Llama's, the attention handed sliding_window None): MistralForCausalLM itself, built at the small Llama
+    spec's dims and measured with Llama's rules, is 0 B off that spec's rows, checkpointed or not."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def mistral(spec):
+        model, arch = spec.model, spec.architecture
+        return MistralForCausalLM(MistralConfig(
+            vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=arch.ffn(model.hidden),
+            num_hidden_layers=model.layers, num_attention_heads=model.heads,
+            num_key_value_heads=arch.query_groups_or(model.heads), head_dim=arch.head_dim_or(model.hidden, model.heads),
+            max_position_embeddings=model.seq_len, sliding_window=None, use_cache=False, attention_dropout=0.0,
+            attn_implementation="sdpa"))
+
+    monkeypatch.setattr(hf, "_model", mistral)
+    spec = small_spec(2, 1, name="small-hf", **(HF | dict(attention_core="flash")))
+    model = hf.build_model(spec)
+    assert type(model).__name__ == "MistralForCausalLM"
+    rows = hf.measure(configs_for(spec, [recompute], 1)[0])
+    assert judge(rows, 0.0) == [] and not any(row["term"] == "unattributed" for row in rows)
+
+
 def _qwen3(core):
     spec = small_spec(2, 1, name="small-hf-qwen3", qk_norm=True, **(HF | dict(attention_core=core)))
     rows = hf.measure(configs_for(spec, ["none"], 1)[0])

@@ -302,6 +302,8 @@ def small_grid() -> list[Config]:
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf", **(HF | dict(attention_core=core))),
                                ["none", "full"], 1)
+    # and its Qwen2ForCausalLM (Llama's layer with q, k and v biases), sdpa, checkpointed too
+    configs += configs_for(small_spec(2, 1, name="small-hf-qwen2", qkv_bias=True, **HF), ["none", "full"], 1)
     # and its Qwen3ForCausalLM (Llama's layer with q and k norms), eager and sdpa
     for core in ("eager", "flash"):
         configs += configs_for(small_spec(2, 1, name="small-hf-qwen3", qk_norm=True,

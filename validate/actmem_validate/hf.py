@@ -215,8 +215,8 @@ def build_model(spec):
 
 
 def _model(spec):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
-        Qwen3ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     model, arch = spec.model, spec.architecture
     core = "eager" if arch.attention_core == "eager" else "sdpa"
@@ -230,6 +230,13 @@ def _model(spec):
             head_dim=arch.head_dim_or(model.hidden, model.heads), max_position_embeddings=model.seq_len,
             attention_bias=False, tie_word_embeddings=arch.tied_output, use_cache=False, attention_dropout=0.0,
             attn_implementation=core))
+    if _class_name(spec) == "Qwen2ForCausalLM":       # q, k, v biases always, none elsewhere
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=arch.ffn(model.hidden),
+            num_hidden_layers=model.layers, num_attention_heads=model.heads,
+            num_key_value_heads=arch.query_groups_or(model.heads), head_dim=arch.head_dim_or(model.hidden, model.heads),
+            max_position_embeddings=model.seq_len, tie_word_embeddings=arch.tied_output, use_cache=False,
+            attention_dropout=0.0, use_sliding_window=False, attn_implementation=core))
     if _is_gpt2(spec):
         return GPT2LMHeadModel(GPT2Config(
             vocab_size=model.vocab, n_positions=model.seq_len, n_embd=model.hidden, n_layer=model.layers,

@@ -242,17 +242,21 @@ def test_torch_native_turns_sp_on_under_tp_and_says_so():
 
 def test_a_preset_pipeline_given_up_by_pp_and_its_optimizer_named():
     """Llama 3.1 405B's preset runs p = 16 with 7-layer first and last stages and Megatron's distributed optimizer:
-    --pp 1 drops the uneven layout (a note says so); torch-native refuses the optimizer, naming the preset."""
+    --pp 1 drops the uneven layout (a note says so); torch-native has no use for the optimizer, which is left out,
+    named in a note; asked for by its flag, it is refused."""
     runner = CliRunner()
     base = ["estimate", "--model", "llama-3.1-405b", "--implementation", "torch-native", "--tp", "8", "--gpus", "512",
-            "--fsdp", "--pp", "1"]
-    refused = runner.invoke(cli, base)
-    assert refused.exit_code == 2 and "the preset's run uses Megatron's distributed optimizer" in refused.output
-    out = json.loads(runner.invoke(cli, base + ["--no-distributed-optimizer", "--global-batch", "512",
-                                                "--format", "json"]).output)
+            "--fsdp", "--pp", "1", "--global-batch", "512"]
+    out = json.loads(runner.invoke(cli, base + ["--format", "json"]).output)
     assert out["run"]["pipeline_parallel"] == 1 and out["stage"]["layers"] == 126
+    assert out["run"]["distributed_optimizer"] is False
     assert any("uneven pipeline (first_stage_layers 7, last_stage_layers 7) left out" in note
                for note in out["assumptions"])
+    assert any("the preset's Megatron settings left out under --implementation torch-native, which has no use for "
+               "them: distributed_optimizer True" in note for note in out["assumptions"])
+    refused = runner.invoke(cli, base + ["--distributed-optimizer"])
+    assert refused.exit_code == 2 and "Megatron's distributed optimizer is not modelled for --implementation " \
+        "torch-native" in refused.output
 
 
 def test_cli_prices_it_and_refuses_it_in_one_line():

@@ -56,6 +56,23 @@ def test_mixtral_8x7b_layer_by_hand(actmem):
     assert any(note.startswith("hf: transformers 5.23 MixtralForCausalLM") for note in out["assumptions"])
 
 
+def test_the_mixtral_preset_runs_under_hf_without_its_megatron_layout(actmem):
+    """The mixtral-8x7b preset is Megatron-LM's example run (p = 4, EP = 8, the distributed optimizer, the alltoall
+    dispatcher, grouped GEMM): under hf those are left out, named in one note, and the layer is the config.json's
+    (Mixtral 8x7B's dims), by hand above."""
+    s, h, a, g, d = 4096, 4096, 32, 8, 128
+    out = actmem.json("estimate", "--model", "mixtral-8x7b", "--implementation", "hf")
+    run = next(row for row in out["techniques"] if row["technique"] == "none")
+    assert run["per_layer_bytes"] == 14 * s * h + 8 * s + 4 * s * a * d + 4 * s * g * d + 4 * a * s \
+        + _moe_block(s, 2, 8, h, 14336, weight_bytes=4)
+    assert out["run"]["pipeline_parallel"] == 1 and out["run"]["distributed_optimizer"] is False
+    assert any("left out under --implementation hf, which has no use for them: pipeline_parallel 4, expert_parallel "
+               "8, distributed_optimizer True, moe_dispatcher alltoall, moe_grouped_gemm True" in note
+               for note in out["assumptions"])
+    assert_one_line_error(actmem("estimate", "--model", "mixtral-8x7b", "--implementation", "hf", "--pp", "4"),
+                          "pipeline parallelism (p = 4) is not modelled for --implementation hf")
+
+
 def test_qwen3_30b_a3b_moe_rows_by_hand(actmem):
     """Qwen3-30B-A3B (h = 2048, E = 128, k = 8, f_e = 768, norm_topk_prob) at s = 4096: the block's rows
     are the hand list's, its routing weights 16-bit (router_top_value.to(router_logits.dtype)):

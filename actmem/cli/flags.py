@@ -561,17 +561,43 @@ def _run_defaults(flags: dict, preset, run: dict, architecture: dict, sweeping: 
         notes += (f"the preset's uneven pipeline ({', '.join(f'{key} {value}' for key, value in uneven.items())}) "
                   f"left out: --pp {flags['pipeline_parallel']} lays the layers out again",)
     code = implementation(architecture.get("implementation", MEGATRON))
-    if (preset and preset.run.get("distributed_optimizer") and flags.get("distributed_optimizer") is None
-            and "distributed_optimizer" not in code.runs and not sweeping):
-        raise SpecError(f"the preset's run uses Megatron's distributed optimizer, which --implementation {code.name} "
-                        f"does not run: give --no-distributed-optimizer"
-                        + (" (--fsdp shards the model state itself)" if "fsdp" in code.runs else ""))
+    if preset:
+        notes += _left_out_for(code, flags, preset, run, architecture)
     if (code.name == "torch-native" and run.get("tensor_parallel", 1) > 1
             and run.get("sequence_parallel") is None):
         run["sequence_parallel"] = True
         notes += ("sequence parallelism on: torchtitan's plan always has it under tensor parallelism (--no-sp for "
                   "plain DTensor TP)",)
     return notes
+
+
+#: (run key, the value that is no run shape, the run shape a code must have for another): a preset's Megatron
+#: layout, which a code without the shape leaves out
+_RUN_SHAPES = (("tensor_parallel", 1, "tensor"), ("sequence_parallel", False, "tensor"),
+               ("pipeline_parallel", 1, "pipeline"), ("interleave", 1, "pipeline"),
+               ("first_stage_layers", None, "pipeline"), ("last_stage_layers", None, "pipeline"),
+               ("context_parallel", 1, "context"), ("expert_parallel", 1, "expert"),
+               ("expert_tensor_parallel", None, "expert"), ("distributed_optimizer", False, "distributed_optimizer"))
+
+
+def _left_out_for(code, flags: dict, preset, run: dict, architecture: dict) -> tuple:
+    """A preset's run shapes and Megatron settings that another implementation has no use for, which the flags
+    did not give, left out (in place) and named in a note: its pipeline, experts spread over ranks and
+    distributed optimizer under hf, its dispatcher and grouped GEMM under transformers' own experts. A flag
+    that asks for one is the rules' to refuse."""
+    if code.name == preset.architecture.get("implementation", MEGATRON):
+        return ()
+    left = {}
+    for key, neutral, shape in _RUN_SHAPES:
+        if shape not in code.runs and flags.get(key) is None and run.get(key, neutral) not in (neutral, None):
+            left[key] = run.pop(key)
+    for key, neutral in code.dropped_settings:
+        if flags.get(key) is None and architecture.get(key, neutral) != neutral:
+            left[key] = architecture.pop(key)
+    if not left:
+        return ()
+    return (f"the preset's Megatron settings left out under --implementation {code.name}, which has no use for them: "
+            + ", ".join(f"{key} {value}" for key, value in left.items()),)
 
 
 def _preset_and_flags(flags: dict, preset=None, sweeping: bool = False) -> tuple:

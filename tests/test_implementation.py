@@ -350,3 +350,13 @@ def test_gpt2_reordered_upcast_attention_is_refused_under_hf(actmem, tmp_path):
     path.write_text(json.dumps(config))
     assert_one_line_error(actmem("estimate", "--model", str(path), "--implementation", "hf",
                                  "--attention-core", "eager"), "reorder_and_upcast_attn")
+
+
+def test_the_technique_caption_speaks_of_the_code_it_prices(actmem):
+    """Under hf (one device, autograd's weight gradients) the caption names no tensor parallelism at a row's t and
+    no Transformer Engine caches; under Megatron it does."""
+    hf = " ".join(actmem("estimate", "--model", "llama-3.1-8b", "--implementation", "hf").output.split())
+    assert "--implementation hf runs a whole model a GPU" in hf
+    assert "TE's dummy weight gradients" not in hf and "at the row's t" not in hf
+    megatron = " ".join(actmem("estimate", "--model", "llama-3.1-8b", "--tp", "8", "--sp").output.split())
+    assert "TE's dummy weight gradients at the row's t" in megatron

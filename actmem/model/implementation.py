@@ -468,7 +468,9 @@ IMPLEMENTATIONS = {
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
               "sdpa with is_causal for flash; a whole model a GPU: data parallelism alone, DDP or DeepSpeed's ZeRO)",
-        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention"),
+        architecture=(("attention_core", ("eager", "flash"), "transformers' eager and sdpa attention (flash is sdpa, "
+                                                             "transformers' default; its flash_attention_2 runs the "
+                                                             "flash-attn package on a GPU and is not measured)"),
                       ("rope_fusion", (True,), "transformers' own rotary embedding (--no-rope-fusion is "
                                                "Megatron's)")),
         **_HF),

@@ -200,15 +200,23 @@ def _techniques_table(est: Estimate) -> Table:
                       _bar(share, width=12, style="yellow" if is_run else "cyan") + (">" if share > 1 else " "),
                       Text(f"{format_in(_with_state(row), units['total'])} {_MARKS[verdict]}",
                            style=_VERDICT_STYLES[verdict]))
-    table.caption = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7"
-                     + ("; at t = 1, where tp is none and each SP row its twin, each row is shown once"
-                        if est.spec.run.tensor_parallel == 1 else "") + "); "
-                     + ("+ params: with the weights and optimizer state at the row's t (the gradients, held only at some "
-                        "moments, are in the peak); " if est.parameters.transient_gradients else
-                        "+ params: with weights, gradients, optimizer state and TE's dummy weight gradients at the row's "
-                        "t; ")
-                     + "✓ where the row's peak floor and the reserve fit on every stage, ~ where only the floor does "
-                     "(tight); ◀ this run")
+    code = est.spec.architecture.code
+    at_t = " at the row's t" if "tensor" in code.runs else ""
+    if "tensor" in code.runs:
+        share = ("vs tp: per-layer bytes as a share of the tensor-parallel baseline (Figure 7"
+                 + ("; at t = 1, where tp is none and each SP row its twin, each row is shown once"
+                    if est.spec.run.tensor_parallel == 1 else "") + "); ")
+    else:
+        share = (f"vs tp: per-layer bytes as a share of the row without recompute (the paper's tensor-parallel "
+                 f"baseline, Figure 7, at t = 1: --implementation {code.name} runs a whole model a GPU); ")
+    if est.parameters.transient_gradients:
+        state = (f"+ params: with the weights and optimizer state{at_t} (the gradients, held only at some moments, "
+                 "are in the peak); ")
+    else:
+        state = ("+ params: with weights, gradients, optimizer state"
+                 + (" and TE's dummy weight gradients" if "wgrad_fusion" in code.has else "") + f"{at_t}; ")
+    table.caption = (share + state + "✓ where the row's peak floor and the reserve fit on every stage, ~ where only "
+                     "the floor does (tight); ◀ this run")
     table.caption_justify = "left"
     return table
 

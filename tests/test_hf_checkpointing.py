@@ -95,3 +95,36 @@ def test_a_trainer_spelling_that_disagrees_is_refused(actmem):
     assert_one_line_error(actmem(*HF_FULL[:-4], "--recompute", "none", "--gradient_checkpointing"),
                           "recompute is given more than once and the values disagree: --recompute none and "
                           "--gradient_checkpointing")
+
+
+def test_the_trainers_batch_spellings(actmem):
+    """--per_device_train_batch_size 2 and --gradient_accumulation_steps 4 on 8 GPUs: a global batch of
+    2 · 4 · 8 = 64, four microbatches a step."""
+    out = actmem.json("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", "--gpus", "8",
+                      "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4")
+    assert (out["run"]["micro_batch"], out["run"]["global_batch"]) == (2, 64)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--gradient-accumulation-steps", "4"), "--gradient-accumulation-steps needs --gpus"),
+    (("--gpus", "8", "--global-batch", "16", "--gradient-accumulation-steps", "4"),
+     "the global batch 16 and --gradient-accumulation-steps 4 disagree: micro batch · steps · d = 1 · 4 · 8 = 32"),
+    (("--gpus", "8", "--gradient-accumulation-steps", "0"), "--gradient-accumulation-steps must be a positive integer"),
+])
+def test_gradient_accumulation_that_cannot_hold_is_refused(actmem, args, fragment):
+    assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", *args), fragment)
+
+
+def test_gradient_accumulation_agrees_with_a_deepspeed_config(actmem, tmp_path):
+    """The file's gradient_accumulation_steps 8 and micro batch 2 on 8 GPUs: the flag's 8 agrees (global 128), 4 is
+    refused naming both."""
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+                                "gradient_accumulation_steps": 8, "train_micro_batch_size_per_gpu": 2}))
+    base = ("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", "--gpus", "8", "--deepspeed", str(path))
+    assert actmem.json(*base, "--gradient-accumulation-steps", "8")["run"]["global_batch"] == 2 * 8 * 8
+    assert_one_line_error(actmem(*base, "--gradient-accumulation-steps", "4"),
+                          f"--gradient-accumulation-steps 4 and --deepspeed {path} (gradient_accumulation_steps 8) "
+                          "disagree")

@@ -301,8 +301,12 @@ RUN_FLAGS = (
          "an uneven pipeline: layers on the first stage (the others share the rest)"),
     Flag(("--last-stage-layers", "--decoder-last-pipeline-num-layers"), "last_stage_layers",
          "an uneven pipeline: layers on the last stage"),
-    Flag(("--micro-batch", "--micro-batch-size"), "micro_batch", "microbatch size b"),
+    Flag(("--micro-batch", "--micro-batch-size", "--per-device-train-batch-size", "--per_device_train_batch_size"),
+         "micro_batch", "microbatch size b (the Trainer's per-device batch)"),
     GLOBAL_BATCH,
+    Flag(("--gradient-accumulation-steps", "--gradient_accumulation_steps"), "gradient_accumulation",
+         "microbatches a step on each data-parallel rank (the Trainer's and DeepSpeed's): with --gpus, the global "
+         "batch b·N·d"),
     GPUS,
     Flag(("--recompute", "--recompute-granularity"), "recompute",
          "activation recomputation: none, selective or full (Megatron's --recompute-granularity; under "

@@ -396,6 +396,9 @@ def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict 
         from actmem.model.deepspeed import zero_from_run
 
         zero_from_run(run)
+    if run.get("gradient_accumulation") is not None:
+        _accumulated_batch(run)
+    run.pop("gradient_accumulation", None)
     _check_keys("run", run, Run, required=False)
     _check_keys("architecture", architecture or {}, Architecture, required=False)
     if isinstance(run.get("recompute_modules"), str):    # a flag: 'core_attn,mlp' or 'core_attn mlp'
@@ -407,6 +410,28 @@ def build_spec(model: dict, run: dict, name: str = "custom", architecture: dict 
             raise SpecError(f"recompute must be one of none, selective, full; got {run['recompute']!r}")
     return Spec(Model(**model), Run(**run), name=name, architecture=Architecture(**(architecture or {})),
                 **options)
+
+
+def _accumulated_batch(run: dict) -> None:
+    """--gradient-accumulation-steps N (the Trainer's and DeepSpeed's spelling of the microbatches a step): the
+    global batch b·N·d, d = gpus/(t·c·p), set in place; it must agree with a --global-batch given too."""
+    steps = run["gradient_accumulation"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise SpecError(f"--gradient-accumulation-steps must be a positive integer, got {steps!r}")
+    zero = run.get("zero")
+    if zero is not None and zero.accumulation not in (None, steps):
+        raise SpecError(f"--gradient-accumulation-steps {steps} and --deepspeed {zero.source} "
+                        f"(gradient_accumulation_steps {zero.accumulation}) disagree; give it once")
+    if run.get("gpus") is None:
+        raise SpecError("--gradient-accumulation-steps needs --gpus: the global batch is micro batch · steps · "
+                        "data-parallel ranks")
+    ranks = run.get("tensor_parallel", 1) * run.get("context_parallel", 1) * run.get("pipeline_parallel", 1)
+    implied = run.get("micro_batch", 1) * steps * (run["gpus"] // ranks)
+    if run.get("global_batch") is not None and run["global_batch"] != implied:
+        raise SpecError(f"the global batch {run['global_batch']} and --gradient-accumulation-steps {steps} disagree: "
+                        f"micro batch · steps · d = {run.get('micro_batch', 1)} · {steps} · {run['gpus'] // ranks} = "
+                        f"{implied}; give one")
+    run["global_batch"] = implied
 
 
 def _check_keys(section: str, values: dict, cls, required: bool) -> None:

@@ -22,6 +22,7 @@ PLACEHOLDERS = {
     "@train_gpt.sh": "@" + str(DATA / "docs" / "train_gpt.sh"),
     "@train_mixtral_8x7b_distributed.sh": "@" + str(DATA / "megatron_examples" / "train_mixtral_8x7b_distributed.sh"),
     "ds_config_zero3.json": str(DATA / "deepspeed" / "ds_config_zero3.json"),
+    "deepspeed_zero3.yaml": str(DATA / "accelerate" / "trl_deepspeed_zero3.yaml"),
 }
 
 #: examples that need torch, a GPU or minutes: where each is run

@@ -358,10 +358,11 @@ RUN_FLAGS = (
          "bf16, the Trainer's AdamW, DeepSpeed's defaults for the rest (a 1 GB reduce bucket); --deepspeed reads "
          "your own config", click.IntRange(1, 3)),
     Flag(("--deepspeed",), "deepspeed",
-         "a DeepSpeed config file (ds_config.json, as the Trainer's --deepspeed takes it): its ZeRO stage, bucket "
-         "sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; what changes memory and is not "
-         "modelled (offloading, fp16, quantized or hierarchical partitions, AutoTP, ...) is refused by name, and "
-         "keys DeepSpeed ignores are named", click.Path(dir_okay=False), metavar="DS_CONFIG"),
+         "a DeepSpeed config file (ds_config.json, as the Trainer's --deepspeed takes it), or an accelerate config "
+         "(x.yaml, distributed_type DEEPSPEED, as accelerate launch --config_file takes it: its GPUs too): the ZeRO "
+         "stage, bucket sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; what changes "
+         "memory and is not modelled (offloading, fp16, quantized or hierarchical partitions, AutoTP, ...) is "
+         "refused by name, and keys DeepSpeed ignores are named", click.Path(dir_okay=False), metavar="DS_CONFIG"),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),

@@ -61,6 +61,8 @@ class ZeroConfig:
     """train_batch_size where the file gives a number."""
     notes: tuple = ()
     """What the file left to the Trainer that actmem assumed (bf16), and the keys it accepted unread."""
+    gpus: int | None = None
+    """The processes an accelerate config launches (num_processes), where it was one."""
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -104,6 +106,7 @@ def zero_from_run(run: dict) -> None:
     if stage is not None and stage != config.stage:
         raise SpecError(f"--zero-stage {stage} and --deepspeed {path} (zero_optimization.stage {config.stage}) "
                         "disagree; give the stage once")
+    _agree(run, "gpus", config.gpus, "--gpus", "num_processes", path)
     _agree(run, "micro_batch", config.micro_batch, "--micro-batch-size", "train_micro_batch_size_per_gpu", path)
     micro, gpus = run.get("micro_batch", 1), run.get("gpus")
     implied = (micro * config.accumulation * gpus if config.accumulation is not None and gpus is not None

@@ -14,6 +14,7 @@ adds bf16.enabled true where the config has no bf16 section).
 """
 
 import json
+from dataclasses import replace
 
 from actmem.errors import SpecError
 from actmem.model.deepspeed import (DEEPSPEED_ADAM, DEEPSPEED_VERSION, MAX_REUSE_DISTANCE, PERSISTENCE_THRESHOLD,
@@ -87,7 +88,10 @@ TOP_UNMODELLED = {
 
 
 def read(path: str, hidden: int) -> ZeroConfig:
-    """The ZeroConfig a DeepSpeed config file describes, for a model of hidden size ``hidden``."""
+    """The ZeroConfig a DeepSpeed config file describes, for a model of hidden size ``hidden``: DeepSpeed's JSON, or
+    an accelerate config (YAML) of distributed_type DEEPSPEED."""
+    if str(path).endswith((".yaml", ".yml")):
+        return _accelerate(path, hidden)
     try:
         with open(path) as file:
             config = json.load(file)
@@ -100,6 +104,69 @@ def read(path: str, hidden: int) -> ZeroConfig:
     if not isinstance(config, dict):
         raise SpecError(f"--deepspeed {path} must hold a JSON object, the DeepSpeed config")
     return from_dict(config, hidden, source=path)
+
+
+#: an accelerate config's deepspeed_config keys (accelerate 16cb6eb8, utils/launch.py, prepare_deepspeed_cmd_env: each
+#: an ACCELERATE_ variable that utils/dataclasses.py's DeepSpeedPlugin reads): what actmem reads, and what changes
+#: no memory it counts; any other is refused by name
+ACCELERATE_READ = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
+                   "deepspeed_config_file", "zero3_save_16bit_model")
+ACCELERATE_NO_MEMORY = ("gradient_clipping", "zero3_init_flag", "deepspeed_multinode_launcher", "deepspeed_hostfile",
+                        "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "offload_optimizer_nvme_path",
+                        "offload_param_nvme_path")
+
+
+def _accelerate(path: str, hidden: int) -> ZeroConfig:
+    """An accelerate config (``accelerate launch --config_file``) of distributed_type DEEPSPEED: its
+    deepspeed_config_file read as DeepSpeed's JSON, or else the config DeepSpeedPlugin.__post_init__ writes from its
+    deepspeed_config (zero_stage, 2 when absent; the offload devices; gradient_accumulation_steps, "auto" when
+    absent; the batch left "auto" for the Trainer) with bf16 where mixed_precision is bf16; num_processes, the
+    GPUs it launches."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            config = yaml.safe_load(file)
+    except OSError as error:
+        raise SpecError(f"--deepspeed {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise SpecError(f"--deepspeed {path} is not YAML ({str(error).splitlines()[0]}): give DeepSpeed's JSON config "
+                        "or accelerate's YAML") from None
+    if not isinstance(config, dict) or config.get("distributed_type") != "DEEPSPEED":
+        kind = config.get("distributed_type") if isinstance(config, dict) else None
+        raise SpecError(f"--deepspeed {path}: an accelerate config of distributed_type {kind!r}; actmem reads "
+                        "DEEPSPEED's (accelerate's FSDP is not modelled)")
+    plugin = config.get("deepspeed_config") or {}
+    unknown = sorted(set(plugin) - set(ACCELERATE_READ) - set(ACCELERATE_NO_MEMORY))
+    if unknown:
+        raise SpecError(f"--deepspeed {path}: deepspeed_config's {', '.join(unknown)}: not read by actmem (it reads "
+                        f"{', '.join(ACCELERATE_READ)})")
+    gpus = config.get("num_processes")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise SpecError(f"--deepspeed {path}: num_processes must be a positive integer, got {gpus!r}")
+    precision = str(config.get("mixed_precision", "no")).lower()
+    if precision not in ("bf16", "no"):
+        raise SpecError(f"--deepspeed {path}: mixed_precision {precision}: actmem prices bf16 training only")
+    if plugin.get("deepspeed_config_file") not in (None, "none"):
+        zero = read(plugin["deepspeed_config_file"], hidden)
+        return replace(zero, gpus=gpus, source=path, notes=zero.notes + (
+            f"{path}: accelerate's deepspeed_config_file, {zero.source}, read as DeepSpeed's config",))
+    offloaded = [key for key in ("offload_optimizer_device", "offload_param_device")
+                 if str(plugin.get(key, "none")).lower() != "none"]
+    if offloaded:
+        raise SpecError(f"--deepspeed {path}: {', '.join(f'{key} {plugin[key]}' for key in offloaded)}: ZeRO-Offload "
+                        "is not modelled yet (none prices the GPU-only run)")
+    written = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+               "gradient_accumulation_steps": plugin.get("gradient_accumulation_steps", "auto"),
+               "zero_optimization": {"stage": plugin.get("zero_stage", 2),
+                                     "stage3_gather_16bit_weights_on_model_save":
+                                         bool(plugin.get("zero3_save_16bit_model", False))}}
+    if precision == "bf16":
+        written["bf16"] = {"enabled": True}
+    zero = from_dict(written, hidden, source=path)
+    return replace(zero, gpus=gpus, notes=zero.notes + (
+        f"{path}: accelerate's DeepSpeedPlugin writes the DeepSpeed config from its deepspeed_config "
+        f"(zero_stage {written['zero_optimization']['stage']}, DeepSpeed's defaults for the rest)",))
 
 
 def from_dict(config: dict, hidden: int, source: str = "the DeepSpeed config") -> ZeroConfig:

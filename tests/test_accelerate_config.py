@@ -1,0 +1,64 @@
+"""An accelerate config (``accelerate launch --config_file``, TRL's examples/accelerate_configs) given to
+--deepspeed: read as accelerate's DeepSpeedPlugin writes the DeepSpeed config from it (accelerate 16cb6eb8,
+utils/dataclasses.py, __post_init__; utils/launch.py, prepare_deepspeed_cmd_env), the GPUs from num_processes.
+A config without an optimizer section, ZeRO stage N, bf16 and DeepSpeed's other defaults is what --zero-stage N
+prices, so the two agree to the byte."""
+
+import json
+
+import pytest
+
+from tests.conftest import assert_one_line_error
+
+ZERO3 = "tests/data/accelerate/trl_deepspeed_zero3.yaml"
+ZERO2 = "tests/data/accelerate/trl_deepspeed_zero2.yaml"
+HF = ("estimate", "--model", "llama-3.1-8b", "--implementation", "hf", "--gradient_checkpointing")
+
+
+@pytest.mark.parametrize("path, stage", [(ZERO3, 3), (ZERO2, 2)])
+def test_trls_accelerate_configs_price_as_their_stage_on_their_gpus(actmem, path, stage):
+    out = actmem.json(*HF, "--deepspeed", path)
+    same = actmem.json(*HF, "--zero-stage", str(stage), "--gpus", "8")
+    assert out["run"]["gpus"] == 8 and out["run"]["zero_stage"] == stage
+    assert out["peak_floor"]["total_bytes"] == same["peak_floor"]["total_bytes"]
+    assert any("accelerate's DeepSpeedPlugin writes the DeepSpeed config" in note for note in out["assumptions"])
+
+
+def test_a_deepspeed_config_file_it_names_is_read(actmem, tmp_path):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
+                    "  deepspeed_config_file: tests/data/deepspeed/ds_config_zero3.json\n")
+    out = actmem.json(*HF, "--deepspeed", str(path))
+    direct = actmem.json(*HF, "--deepspeed", "tests/data/deepspeed/ds_config_zero3.json", "--gpus", "8")
+    assert out["peak_floor"]["total_bytes"] == direct["peak_floor"]["total_bytes"]
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_processes": 16}, None),            # --gpus 8 against 16: refused below
+    ({"distributed_type": "MULTI_GPU"}, "an accelerate config of distributed_type 'MULTI_GPU'; actmem reads "
+                                        "DEEPSPEED's"),
+    ({"mixed_precision": "fp16"}, "mixed_precision fp16: actmem prices bf16 training only"),
+    ({"deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "cpu"}},
+     "offload_optimizer_device cpu: ZeRO-Offload is not modelled yet"),
+    ({"deepspeed_config": {"zero_stage": 3, "deepspeed_moe_layer_cls_names": "MixtralSparseMoeBlock"}},
+     "deepspeed_config's deepspeed_moe_layer_cls_names: not read by actmem"),
+])
+def test_what_an_accelerate_config_cannot_price_is_refused(actmem, tmp_path, change, fragment):
+    import yaml
+
+    config = yaml.safe_load(open(ZERO3)) | change
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    if fragment is None:
+        assert_one_line_error(actmem(*HF, "--deepspeed", str(path), "--gpus", "8"),
+                              f"--gpus 8 and --deepspeed {path} (num_processes: 16) disagree")
+    else:
+        assert_one_line_error(actmem(*HF, "--deepspeed", str(path)), fragment)
+
+
+def test_its_gradient_accumulation_must_agree_with_the_trainers(actmem):
+    """TRL's ZeRO-3 config says gradient_accumulation_steps 1, which the Trainer's must match (it raises on a
+    mismatch: integrations/deepspeed.py, trainer_config_process)."""
+    assert_one_line_error(actmem(*HF, "--deepspeed", ZERO3, "--gradient_accumulation_steps", "4"),
+                          f"--gradient-accumulation-steps 4 and --deepspeed {ZERO3}")
+    assert json.dumps(actmem.json(*HF, "--deepspeed", ZERO3, "--gradient_accumulation_steps", "1")["run"]["global_batch"]) == "8"

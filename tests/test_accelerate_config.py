@@ -4,8 +4,6 @@ utils/dataclasses.py, __post_init__; utils/launch.py, prepare_deepspeed_cmd_env)
 A config without an optimizer section, ZeRO stage N, bf16 and DeepSpeed's other defaults is what --zero-stage N
 prices, so the two agree to the byte."""
 
-import json
-
 import pytest
 
 from tests.conftest import assert_one_line_error
@@ -26,11 +24,17 @@ def test_trls_accelerate_configs_price_as_their_stage_on_their_gpus(actmem, path
 
 def test_a_deepspeed_config_file_it_names_is_read(actmem, tmp_path):
     path = tmp_path / "accelerate.yaml"
-    path.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
+    """Its settings are the file's; beside it accelerate refuses its own (DeepSpeedPlugin._deepspeed_config_checks,
+    mixed_precision too), and so does actmem."""
+    path.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
                     "  deepspeed_config_file: tests/data/deepspeed/ds_config_zero3.json\n")
     out = actmem.json(*HF, "--deepspeed", str(path))
     direct = actmem.json(*HF, "--deepspeed", "tests/data/deepspeed/ds_config_zero3.json", "--gpus", "8")
     assert out["peak_floor"]["total_bytes"] == direct["peak_floor"]["total_bytes"]
+    path.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
+                    "  zero_stage: 2\n  deepspeed_config_file: tests/data/deepspeed/ds_config_zero3.json\n")
+    assert_one_line_error(actmem(*HF, "--deepspeed", str(path)),
+                          "zero_stage, mixed_precision beside deepspeed_config_file: accelerate refuses them")
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -61,4 +65,21 @@ def test_its_gradient_accumulation_must_agree_with_the_trainers(actmem):
     mismatch: integrations/deepspeed.py, trainer_config_process)."""
     assert_one_line_error(actmem(*HF, "--deepspeed", ZERO3, "--gradient_accumulation_steps", "4"),
                           f"--gradient-accumulation-steps 4 and --deepspeed {ZERO3}")
-    assert json.dumps(actmem.json(*HF, "--deepspeed", ZERO3, "--gradient_accumulation_steps", "1")["run"]["global_batch"]) == "8"
+    out = actmem.json(*HF, "--deepspeed", ZERO3, "--gradient_accumulation_steps", "1")
+    assert out["run"]["global_batch"] == 8
+
+
+def test_a_named_file_without_gradient_accumulation_takes_accelerates_1(actmem, tmp_path):
+    """DeepSpeedPlugin.__post_init__ sets gradient_accumulation_steps 1 in a named file that gives none: the Trainer's
+    4 would then mismatch (trainer_config_process raises), and actmem refuses it."""
+    import json
+
+    config = json.loads(open("tests/data/deepspeed/ds_config_zero3.json").read())
+    del config["gradient_accumulation_steps"]
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
+                    f"  deepspeed_config_file: {tmp_path / 'ds.json'}\n")
+    assert actmem.json(*HF, "--deepspeed", str(path))["run"]["global_batch"] == 8
+    assert_one_line_error(actmem(*HF, "--deepspeed", str(path), "--gradient_accumulation_steps", "4"),
+                          "(gradient_accumulation_steps 1) disagree")

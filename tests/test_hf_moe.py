@@ -66,11 +66,25 @@ def test_the_mixtral_preset_runs_under_hf_without_its_megatron_layout(actmem):
     assert run["per_layer_bytes"] == 14 * s * h + 8 * s + 4 * s * a * d + 4 * s * g * d + 4 * a * s \
         + _moe_block(s, 2, 8, h, 14336, weight_bytes=4)
     assert out["run"]["pipeline_parallel"] == 1 and out["run"]["distributed_optimizer"] is False
+    # its 32 GPUs were p·d = 4·8: its 8 data-parallel ranks are kept, and its 256 sequences are 32 microbatches
+    assert (out["run"]["gpus"], out["run"]["global_batch"]) == (8, 256)
+    assert any("its GPUs 32 become 8, its d data-parallel ranks" in note for note in out["assumptions"])
     assert any("left out under --implementation hf, which has no use for them: pipeline_parallel 4, expert_parallel "
                "8, distributed_optimizer True, moe_dispatcher alltoall, moe_grouped_gemm True" in note
                for note in out["assumptions"])
     assert_one_line_error(actmem("estimate", "--model", "mixtral-8x7b", "--implementation", "hf", "--pp", "4"),
                           "pipeline parallelism (p = 4) is not modelled for --implementation hf")
+
+
+def test_a_preset_under_hf_takes_the_trainers_batch_and_its_explain(actmem):
+    """--gradient_accumulation_steps over the preset's 8 ranks sets the global batch, 1 · 4 · 8 = 32, leaving the
+    preset's 256 out (named); plan's --explain starts from the same pruned run."""
+    out = actmem.json("estimate", "--model", "mixtral-8x7b", "--implementation", "hf", "--gradient_accumulation_steps",
+                      "4")
+    assert out["run"]["global_batch"] == 32
+    assert any("the preset's global batch 256 left out" in note for note in out["assumptions"])
+    assert actmem("plan", "--model", "mixtral-8x7b", "--implementation", "hf", "--explain",
+                  "t=1 p=1 m=1 b=1 none").exit_code == 0
 
 
 def test_qwen3_30b_a3b_moe_rows_by_hand(actmem):

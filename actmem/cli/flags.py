@@ -568,6 +568,10 @@ def _run_defaults(flags: dict, preset, run: dict, architecture: dict, sweeping: 
     code = implementation(architecture.get("implementation", MEGATRON))
     if preset:
         notes += _left_out_for(code, flags, preset, run, architecture)
+    if (flags.get("gradient_accumulation") is not None and flags.get("global_batch") is None
+            and run.get("global_batch") is not None):
+        notes += (f"the preset's global batch {run.pop('global_batch')} left out: --gradient-accumulation-steps "
+                  "sets it",)
     if (code.name == "torch-native" and run.get("tensor_parallel", 1) > 1
             and run.get("sequence_parallel") is None):
         run["sequence_parallel"] = True
@@ -601,8 +605,16 @@ def _left_out_for(code, flags: dict, preset, run: dict, architecture: dict) -> t
             left[key] = architecture.pop(key)
     if not left:
         return ()
+    # the preset's GPUs were t·c·p·d: its data-parallel ranks d are kept, so its batch still divides
+    split = 1
+    for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        split *= left.get(key, 1)
+    kept = ""
+    if split > 1 and run.get("gpus") is not None and flags.get("gpus") is None:
+        kept = f"; its GPUs {run['gpus']} become {run['gpus'] // split}, its d data-parallel ranks (--gpus to change)"
+        run["gpus"] //= split
     return (f"the preset's Megatron settings left out under --implementation {code.name}, which has no use for them: "
-            + ", ".join(f"{key} {value}" for key, value in left.items()),)
+            + ", ".join(f"{key} {value}" for key, value in left.items()) + kept,)
 
 
 def _preset_and_flags(flags: dict, preset=None, sweeping: bool = False) -> tuple:
@@ -678,7 +690,7 @@ def model_from_flags(flags: dict) -> ModelChoice:
     spec = build_spec(model, {}, architecture=architecture, dims_only=True)   # the dims; names what is missing
     pick = lambda key: flags[key] if flags[key] is not None else run.get(key)
     gradient_bytes = _gradient_bytes(flags["grad_dtype"]) if flags.get("grad_dtype") else None
-    return ModelChoice(name, spec.model, spec.architecture, (dict(preset.run) if preset else {}) | script_run,
+    return ModelChoice(name, spec.model, spec.architecture, (run if preset else {}) | script_run,
                        pick("gpus"), pick("global_batch"), preset.gpu if preset else None, gradient_bytes,
                        optimizer_state(flags), flags["vocab_divisible_by"],
                        frozenset(key for key in pasted if key.startswith("--")))

@@ -268,9 +268,12 @@ def _zero_notes(spec: Spec) -> list:
              2: "the gradient partition from the earlier microbatches through the last one's, and at the backward's "
                 "last reduce the bucket, the partition (twice with gradient accumulation) and the token embedding's "
                 "gradient where it exceeds the bucket, with the all-reduce's copy of it",
-             3: "the output layer's weight, gathered from its forward through the loss to its backward, and the "
-                "layers' it certainly keeps gathered too (twice the weights from that layer on short of "
-                "stage3_max_reuse_distance)"}[zero.stage]
+             3: "the output layer's weight, gathered from its forward through the loss to its backward (tied to the "
+                "embedding, to the embedding's backward where the whole model "
+                f"{'three times' if spec.run.recompute is Recompute.FULL else 'twice'} over is short of "
+                "stage3_max_reuse_distance), and the layers' it certainly keeps gathered too (where "
+                f"{'three passes (forward, rerun, backward)' if spec.run.recompute is Recompute.FULL else 'two passes'}"
+                " over the weights from that layer on are short of the distance)"}[zero.stage]
     return [f"DeepSpeed {DEEPSPEED_VERSION}'s {zero.label} as the Hugging Face Trainer runs it ({zero.source}): bf16 "
             f"weights, gradients and buckets, {optimizer}; a reduce bucket of {zero.reduce_bucket_size:,} elements"
             f"{resolved('reduce_bucket_size')}{whole}; {batch}; rank 0 of d = {spec.data_parallel} is counted (at "

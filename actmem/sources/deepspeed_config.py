@@ -92,6 +92,11 @@ def read(path: str, hidden: int) -> ZeroConfig:
     an accelerate config (YAML) of distributed_type DEEPSPEED."""
     if str(path).endswith((".yaml", ".yml")):
         return _accelerate(path, hidden)
+    return from_dict(_json(path), hidden, source=path)
+
+
+def _json(path: str) -> dict:
+    """A DeepSpeed config file's JSON object."""
     try:
         with open(path) as file:
             config = json.load(file)
@@ -103,7 +108,7 @@ def read(path: str, hidden: int) -> ZeroConfig:
                         "names it in deepspeed_config.deepspeed_config_file)") from None
     if not isinstance(config, dict):
         raise SpecError(f"--deepspeed {path} must hold a JSON object, the DeepSpeed config")
-    return from_dict(config, hidden, source=path)
+    return config
 
 
 #: an accelerate config's deepspeed_config keys (accelerate 16cb6eb8, utils/launch.py, prepare_deepspeed_cmd_env: each
@@ -114,6 +119,11 @@ ACCELERATE_READ = ("zero_stage", "offload_optimizer_device", "offload_param_devi
 ACCELERATE_NO_MEMORY = ("gradient_clipping", "zero3_init_flag", "deepspeed_multinode_launcher", "deepspeed_hostfile",
                         "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "offload_optimizer_nvme_path",
                         "offload_param_nvme_path")
+#: ... and those accelerate refuses beside a deepspeed_config_file (DeepSpeedPlugin._deepspeed_config_checks; the
+#: YAML's mixed_precision too: commands/launch.py, launch_command)
+ACCELERATE_NOT_WITH_A_FILE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage",
+                              "offload_optimizer_device", "offload_param_device", "offload_param_nvme_path",
+                              "offload_optimizer_nvme_path", "zero3_save_16bit_model")
 
 
 def _accelerate(path: str, hidden: int) -> ZeroConfig:
@@ -148,9 +158,7 @@ def _accelerate(path: str, hidden: int) -> ZeroConfig:
     if precision not in ("bf16", "no"):
         raise SpecError(f"--deepspeed {path}: mixed_precision {precision}: actmem prices bf16 training only")
     if plugin.get("deepspeed_config_file") not in (None, "none"):
-        zero = read(plugin["deepspeed_config_file"], hidden)
-        return replace(zero, gpus=gpus, source=path, notes=zero.notes + (
-            f"{path}: accelerate's deepspeed_config_file, {zero.source}, read as DeepSpeed's config",))
+        return _accelerate_file(path, plugin, config, gpus, hidden)
     offloaded = [key for key in ("offload_optimizer_device", "offload_param_device")
                  if str(plugin.get(key, "none")).lower() != "none"]
     if offloaded:
@@ -167,6 +175,23 @@ def _accelerate(path: str, hidden: int) -> ZeroConfig:
     return replace(zero, gpus=gpus, notes=zero.notes + (
         f"{path}: accelerate's DeepSpeedPlugin writes the DeepSpeed config from its deepspeed_config "
         f"(zero_stage {written['zero_optimization']['stage']}, DeepSpeed's defaults for the rest)",))
+
+
+def _accelerate_file(path: str, plugin: dict, config: dict, gpus, hidden: int) -> ZeroConfig:
+    """An accelerate config that names its deepspeed_config_file: that file, with gradient_accumulation_steps 1
+    where it gives none (DeepSpeedPlugin.__post_init__); the settings accelerate refuses beside a file refused."""
+    beside = [key for key in ACCELERATE_NOT_WITH_A_FILE if key in plugin] + (
+        ["mixed_precision"] if config.get("mixed_precision") is not None else [])
+    if beside:
+        raise SpecError(f"--deepspeed {path}: {', '.join(beside)} beside deepspeed_config_file: accelerate refuses "
+                        "them (they belong in the DeepSpeed config file)")
+    file = plugin["deepspeed_config_file"]
+    written = {"gradient_accumulation_steps": 1} | _json(file)
+    zero = from_dict(written, hidden, source=file)
+    return replace(zero, gpus=gpus, source=path, notes=zero.notes + (
+        f"{path}: accelerate's deepspeed_config_file, {file}, read as DeepSpeed's config"
+        + ("" if "gradient_accumulation_steps" in _json(file) else
+           ", gradient_accumulation_steps 1 where it gives none (as accelerate sets it)"),))
 
 
 def from_dict(config: dict, hidden: int, source: str = "the DeepSpeed config") -> ZeroConfig:

@@ -12,7 +12,7 @@ import sys
 import click
 
 from actmem.errors import SpecError
-from actmem.cli.flags import build_spec_from_flags, given_flags, option, spec_options, with_megatron_args, \
+from actmem.cli.flags import SPEC_FLAGS, build_spec_from_flags, given_flags, option, spec_options, with_megatron_args, \
     with_setting
 
 _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
@@ -209,10 +209,10 @@ def _check_output(output) -> None:
 
 #: flags a measurement sets itself: each technique its SP and recompute; one data-parallel
 #: rank with --microbatches; no GPU to fit. Given, they would be ignored, so they are refused.
-_SET_BY_TECHNIQUES = ("--sp", "--no-sp", "--sequence-parallel", "--no-sequence-parallel", "--recompute",
-                      "--recompute-granularity", "--recompute-activations", "--gpus", "--global-batch",
-                      "--global-batch-size", "--distributed-optimizer", "--no-distributed-optimizer",
-                      "--use-distributed-optimizer", "--gpu-memory")
+#: every spelling of those settings (the Trainer's --gradient_checkpointing and --gradient_accumulation_steps too)
+_SET_BY_TECHNIQUES = tuple(spelling for flag in SPEC_FLAGS if flag.key in (
+    "sequence_parallel", "recompute", "gpus", "global_batch", "gradient_accumulation", "distributed_optimizer",
+    "gpu_memory") for name in flag.names for spelling in name.split("/"))
 
 
 def _configs(grid, techniques, microbatches, flags):

@@ -83,3 +83,12 @@ def test_a_named_file_without_gradient_accumulation_takes_accelerates_1(actmem, 
     assert actmem.json(*HF, "--deepspeed", str(path))["run"]["global_batch"] == 8
     assert_one_line_error(actmem(*HF, "--deepspeed", str(path), "--gradient_accumulation_steps", "4"),
                           "(gradient_accumulation_steps 1) disagree")
+
+
+def test_a_file_without_a_micro_batch_says_what_b_it_priced(actmem):
+    """TRL's configs leave train_micro_batch_size_per_gpu "auto" (accelerate's plugin writes it so): the Trainer's
+    --per_device_train_batch_size fills it (8 by default: training_args.py), so the estimate says the b it priced."""
+    notes = " ".join(actmem.json(*HF, "--deepspeed", ZERO3, "--per_device_train_batch_size", "2")["assumptions"])
+    assert "the file gives no train_micro_batch_size_per_gpu" in notes and "priced at b = 2 (--micro-batch)" in notes
+    notes = " ".join(actmem.json(*HF, "--zero-stage", "3", "--gpus", "8")["assumptions"])
+    assert "train_micro_batch_size_per_gpu" not in notes

@@ -261,6 +261,9 @@ def _zero_notes(spec: Spec) -> list:
              if zero.stage == 3 else "")
     batch = (f"{n} microbatches a step (gradient accumulation)" if n and n > 1 else
              "one microbatch a step" + ("" if n else " (no --global-batch: no gradient accumulation)"))
+    if zero.micro_batch is None and not zero.source.startswith("--zero-stage"):
+        batch += (f"; the file gives no train_micro_batch_size_per_gpu (\"auto\": the Trainer's "
+                  f"--per_device_train_batch_size, 8 by default): priced at b = {spec.run.micro_batch} (--micro-batch)")
     stage = {1: "every gradient and the reduce bucket from the earlier microbatches through the last one's, and "
                 "at the reduce after the backward every gradient its first bucket did not take beside the bucket, "
                 "then the all-reduce's flattened copy of that bucket or the gradient partition (under overlap_comm: "

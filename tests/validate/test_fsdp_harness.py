@@ -50,11 +50,16 @@ def test_each_run_peaks_where_the_floor_says():
 
 def test_the_floor_is_the_peak_without_recompute(fsdp_rows):
     """Where nothing unmodelled is live (no recompute, t = 1) the measured peak is the floor and 12 B (small scalars);
-    now and then a few hundred bytes more of gloo's own (runs on this machine: 264 B once in 52),
-    so within 1 KiB."""
+    now and then more of gloo's own (runs on this machine: 264 B once in 52; once, in a CI run of session 35, more
+    than 1 KiB, by an amount not recorded), so within 1 KiB, a run off it measured once more: a wrong floor is off
+    every time."""
     exact = [row for row in _rows(fsdp_rows, "peak") if row["config"].endswith(" none") and " t=1 " in row["config"]]
     assert len(exact) == 6
-    assert all(0 <= row["measured_bytes"] - row["formula_bytes"] <= 1024 for row in exact)
+    off = [row["config"] for row in exact if not 0 <= row["measured_bytes"] - row["formula_bytes"] <= 1024]
+    if off:         # gloo's own allocations vary from run to run, a wrong floor does not: measured once more
+        again = _rows(run_real([config for config in fsdp_configs() if config.label in off]), "peak")
+        gaps = {row["config"]: row["measured_bytes"] - row["formula_bytes"] for row in again}
+        assert len(gaps) == len(off) and all(0 <= gap <= 1024 for gap in gaps.values()), gaps
 
 
 def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):

@@ -66,18 +66,21 @@ def _sampled(evaluated, per_group=3):
 @pytest.mark.parametrize("imbalance, changes", [
     (1, {}), (Fraction(5, 4), {}), (1, {"moe_permute_fusion": True}),
     (Fraction(3, 2), {"moe_capacity_factor": 1.25}), (1, {"moe_capacity_factor": 1.5, "moe_pad_to_capacity": True}),
+    (1, {"fp8_format": "e4m3", "fp8_recipe": "tensorwise"}), (Fraction(5, 4), {"fp8_format": "hybrid"}),
 ])
 def test_every_row_is_the_estimate_s_verdict(imbalance, changes):
     """The sweep's peak of a row is the exact estimate's of the same run (its configuration read back
     from its label), balanced and with the busiest rank receiving 5/4 of its share; with TE's fused
-    permutation (its maps depend on EP), a capacity that caps a 3/2 imbalance, and padding to capacity:
-    the stage model is one, evaluated twice."""
+    permutation (its maps depend on EP), a capacity that caps a 3/2 imbalance, padding to capacity, and FP8
+    experts (their rows padded by up to E/EP·15, and their weight state, both depend on EP): the stage model is
+    one, evaluated twice."""
     req = _request(imbalance, **changes)
     evaluated = plan(req).evaluated
     for row in _sampled(evaluated):
         run = parse_config(config_label(row), layers=32) | {"gpus": 32, "global_batch": 256,
                                                             "routing_imbalance": imbalance}
-        spec = build_spec(MIXTRAL.model, run, architecture=MIXTRAL.architecture | changes, gpu_name="h100")
+        spec = build_spec(MIXTRAL.model, run, architecture=MIXTRAL.architecture | changes, gpu_name="h100",
+                          gpu_fp8=GPUS["h100"].fp8)
         assert row.peak_bytes == estimate(spec).verdict_bytes, config_label(row)
 
 

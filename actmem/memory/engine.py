@@ -11,7 +11,7 @@ import sympy
 
 from actmem.model.architecture import PAPER, Architecture, keeps_norm_input
 from actmem.memory.pipeline import chunks_in_flight
-from actmem.model.symbols import C, L, a, b, c, e, ep, h, m, p, r, s, t, v
+from actmem.model.symbols import C, L, P, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
 from actmem.model.recompute import Recompute, remakes, reruns
@@ -21,7 +21,7 @@ layer_activations, microbatches_held, holds_output = sympy.symbols(
     "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
 
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep, C)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep, C, P)
 
 
 def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):

@@ -165,19 +165,43 @@ def fp8_linear_shapes(h, t, arch, heads) -> tuple:
             (arch.fc1_width * f // t, h), (h, f // t))
 
 
-def fp8_state(h, t, arch, heads, layers, generation):
-    """(bytes the weights shrink by, bytes TE keeps beside them) of ``layers`` dense layers under FP8
+def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=1):
+    """(bytes the weights shrink by, bytes TE keeps beside them) of ``layers`` layers under FP8
     (actmem.model.fp8): --fp8-param-gather turns a linear weight's 2 bytes into 1; TE keeps a weight element's
-    FP8 workspace or Hopper transpose (weight_copy_bytes) and each module's scaling state. 0, 0 without FP8."""
+    FP8 workspace or Hopper transpose (weight_copy_bytes) and each module's scaling state. A MoE model's
+    ``moe_layers`` of them (None: all) keep their attention's two modules' and their E/EP experts' (expert_fp8_kept);
+    the others are its dense twin's. 0, 0 without FP8."""
     from actmem.model import fp8
 
     if not arch.fp8:
         return 0, 0
+    if arch.moe:           # fp8.check_fp8 refuses --fp8-param-gather beside experts: nothing shrinks
+        from actmem.model.experts import dense_twin
+
+        own = layers if moe_layers is None else moe_layers
+        _, dense = fp8_state(h, t, dense_twin(arch), heads, layers - own, generation)
+        attention = fp8_linear_shapes(h, t, arch, heads)[:2]
+        kept = (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in attention)
+                + len(attention) * fp8.module_state_bytes(arch) + expert_fp8_kept(h, arch, ep, etp, generation))
+        return 0, own * kept + dense
     shapes = fp8_linear_shapes(h, t, arch, heads)
     shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
     kept = layers * (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in shapes)
                      + fp8.MODULES_A_LAYER * fp8.module_state_bytes(arch))
     return shrink, kept
+
+
+def expert_fp8_kept(h, arch, ep, etp, generation):
+    """What TE keeps for one MoE layer's FP8 experts on a rank: each of its G = E/EP experts' fc1 [2f_e/ETP, h]
+    and fc2 [h, f_e/ETP] weight copies (grouped_linear.py: get_weight_workspace, cache_name f"weight{i}", made
+    on an iteration's first microbatch and kept), and fc1's and fc2's GroupedLinear's scaling state, a module's
+    worth an expert (base.py: num_gemms·3 forward and num_gemms·2 backward quantizers, a weight scale_inv each)."""
+    from actmem.model import fp8
+
+    f_e, groups = arch.expert_ffn(h), arch.num_experts // ep
+    weights = (fp8.weight_copy_bytes(arch, generation, 2 * f_e // etp, h)
+               + fp8.weight_copy_bytes(arch, generation, h, f_e // etp))
+    return groups * (weights + 2 * fp8.module_state_bytes(arch))
 
 
 @dataclass(frozen=True)
@@ -263,4 +287,6 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         shrink, kept = fp8_state(h, t, arch, heads, stage_layers if fp8_layers is None else fp8_layers, gpu_fp8)
         return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept) if arch.fp8 else state
     experts = own * expert_parameters(h, arch, ep, etp)
-    return state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)
+    state = state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)
+    _, kept = fp8_state(h, t, arch, heads, stage_layers, gpu_fp8, own, ep, etp)
+    return replace(state, fp8_bytes=kept) if arch.fp8 else state

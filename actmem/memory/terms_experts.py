@@ -119,16 +119,45 @@ def _chunk_maps(arch):
     return 0 if arch.moe_pad_to_capacity else 2 * I32 * expert_rows(arch) * several
 
 
+def padded_rows(arch):
+    """T_pad: under FP8 the rows the rank's experts compute, each expert's padded to a multiple of a
+    (TEGroupedMLP.forward: quantization_padding), a·floor((T + P)/a) with P bound to the most padding can add
+    (actmem.model.fp8.expert_padding_rows); T otherwise."""
+    if not (arch.moe and arch.fp8):
+        return expert_rows(arch)
+    from actmem.model.fp8 import padding_multiple
+
+    align = padding_multiple(arch.fp8)
+    return align * sympy.floor((expert_rows(arch) + symbols.P) / align)
+
+
+def _fp8_experts(arch) -> bool:
+    return bool(arch.moe and arch.fp8)
+
+
+def _group_scales(arch):
+    """Under FP8 each of the G = E/EP local experts' quantized inputs keeps its own fp32 scale_inv [1]
+    (grouped_linear.py: split_quantize with a quantizer a group; quantizer.cpp); 0 in 16 bits."""
+    from actmem.model.fp8 import SCALE_INV_BYTES
+
+    return SCALE_INV_BYTES * _experts(arch) / symbols.ep if _fp8_experts(arch) else 0
+
+
+def _gemm_input_bytes(arch) -> int:
+    """A saved GEMM input's element: FP8's columnwise copy, one byte; else 16 bits."""
+    return 1 if _fp8_experts(arch) else A16
+
+
 def _experts_input(arch):
-    return A16 * h * expert_rows(arch)
+    return _gemm_input_bytes(arch) * h * padded_rows(arch) + _group_scales(arch)
 
 
 def _experts_fc1_output(arch):
-    return A16 * 2 * _expert_ffn(arch) / e * expert_rows(arch)
+    return A16 * 2 * _expert_ffn(arch) / e * padded_rows(arch)
 
 
 def _experts_fc2_input(arch):
-    return A16 * _expert_ffn(arch) / e * expert_rows(arch)
+    return _gemm_input_bytes(arch) * _expert_ffn(arch) / e * padded_rows(arch) + _group_scales(arch)
 
 
 def _router_bytes(arch) -> int:
@@ -148,7 +177,7 @@ def _sequence_aux(arch) -> bool:
 
 
 def _experts_probs(arch):
-    return _router_bytes(arch) * expert_rows(arch)
+    return _router_bytes(arch) * padded_rows(arch)
 
 
 def _megatron(present):
@@ -258,17 +287,25 @@ _MEGATRON_MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for t
          _fused_alltoall_sorting, module="moe"),
     Term("experts_input", _experts_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc1 keeps the rows the rank's experts receive, [T, h] (2hT): the dispatcher's output, "
-         "one storage that each expert's input is a view of", moe, module="moe"),
+         "one storage that each expert's input is a view of; under FP8 TE's GroupedLinear keeps instead each "
+         "expert's rows, padded to a multiple of 16, quantized: its columnwise copy, one byte an element, with "
+         "an fp32 scale_inv [1] an expert (grouped_linear.py, _GroupedLinear.forward: split_quantize, "
+         "update_usage(rowwise_usage=False); h·T_pad + 4E/EP)", moe, module="moe"),
     Term("experts_fc1_output", _experts_fc1_output, Region.REPLICATED, _STORED, Scope.LAYER,
          "the weighted SwiGLU keeps its input, fc1's output [T, 2f_e/ETP] (fused_bias_swiglu.py, "
-         "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP)", moe, module="moe"),
+         "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP), under FP8 of the padded "
+         "T_pad rows", moe, module="moe"),
     Term("experts_probs", _experts_probs, Region.REPLICATED, _STORED, Scope.LAYER,
-         "... and the routing probabilities it scales by, [T, 1] in the logits' dtype (2T in 16 bits, 4T in fp32)",
+         "... and the routing probabilities it scales by, [T, 1] in the logits' dtype (2T in 16 bits, 4T in fp32; "
+         "under FP8 padded too: [T_pad, 1])",
          moe, module="moe"),
     Term("experts_fc2_input", _experts_fc2_input, Region.REPLICATED, _STORED, Scope.LAYER,
          "the experts' fc2 keeps its input, the activation's output [T, f_e/ETP] (2f_e·T/ETP; TE's GroupedLinear: "
-         "split views of one storage); --recompute-modules moe_act frees it once fc2 has run and makes it again "
-         "in fc2's backward (experts.py, TEGroupedMLP: CheckpointWithoutOutput, discard_output_and_register_recompute)",
+         "split views of one storage); under FP8 each expert's columnwise copy, one byte an element, with its "
+         "fp32 scale_inv (f_e·T_pad/ETP + 4E/EP); --recompute-modules moe_act frees it once fc2 has run and makes "
+         "it again in fc2's backward (experts.py, TEGroupedMLP: CheckpointWithoutOutput, "
+         "discard_output_and_register_recompute; under FP8 fc2 then saves its original input: "
+         "set_save_original_input)",
          moe, module="moe_act"),
 ))
 #: the shared experts (Megatron's shared_experts.py, SharedExpertMLP: one tensor-parallel MLP of f_s that every

@@ -34,10 +34,23 @@ core's q, k, v, output and statistics (FP8 attention is off by default), the act
   [ceil(M/128), roundup(K, 4)], a weight's 128x128 blocks [ceil(M/128), roundup(ceil(K/128), 4)] and its
   transpose's; Megatron's projection keeps its 16-bit input under both (save_original_input).
 
+- the experts (Megatron's TEGroupedMLP, --moe-grouped-gemm, over TE's GroupedLinear: grouped_linear.py,
+  _GroupedLinear.forward): each local expert's rows are padded to a multiple of a = 16 (32 under MXFP8:
+  experts.py, TEGroupedMLP.forward, quantization_padding; fp8_padding.py, Fp8Padding), probabilities too;
+  fc1 and fc2 quantize their inputs a group at a time (split_quantize, one quantizer a group) and keep each
+  group's columnwise copy alone, one byte an element, with its own fp32 scale_inv [1]; the 16-bit rows,
+  padded or not, are kept by nothing; the weighted SwiGLU keeps fc1's 16-bit output and the probabilities
+  over the padded rows; under --recompute-modules moe_act Megatron has fc2 save its original input
+  (set_save_original_input), which the checkpoint frees. A GroupedLinear of G experts is G modules' worth
+  of weight copies and scaling state (base.py: num_gemms·3 forward and num_gemms·2 backward quantizers).
+  The router's GEMM is not TE's and stays 16-bit (moe_utils.py, RouterGatingLinearFunction).
+
 Modelled: delayed and tensorwise scaling on Hopper and Blackwell, with and without --fp8-param-gather; MXFP8 on
 Blackwell and blockwise on Hopper and Blackwell, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
-scales are counted for the local rows) and without --fp8-param-gather. Refused with the reason: the rest, FP8
-beside experts or latent attention, and any code but Megatron-Core with TE.
+scales are counted for the local rows) and without --fp8-param-gather; experts under delayed and tensorwise
+scaling, as TE's grouped GEMM, without shared experts, --fp8-param-gather or --first-last-layers-bf16. Refused
+with the reason: the rest, FP8 beside latent attention or multi-token prediction, and any code but
+Megatron-Core with TE.
 """
 
 from actmem.errors import SpecError
@@ -110,9 +123,45 @@ def check_fp8(arch) -> None:
     if arch.fp8_amax_history_len != 1 and recipe != "delayed":
         raise SpecError(f"--fp8-amax-history-len {arch.fp8_amax_history_len} sizes delayed scaling's amax history; "
                         f"the {recipe} recipe keeps none")
-    if arch.moe or arch.multi_latent_attention or arch.mtp_layers:
-        raise SpecError("FP8 beside experts, multi-latent attention or multi-token prediction: TE's grouped and "
-                        "latent linears quantize other tensors, not priced yet")
+    if arch.multi_latent_attention or arch.mtp_layers:
+        raise SpecError("FP8 beside multi-latent attention or multi-token prediction: TE's latent linears quantize "
+                        "other tensors, not priced yet")
+    if arch.moe:
+        _check_fp8_experts(arch)
+
+
+def _check_fp8_experts(arch) -> None:
+    """FP8 experts are priced as TE's GroupedLinear under the per-tensor recipes (the module's docstring)."""
+    if arch.fp8 in BLOCK_RECIPES:
+        raise SpecError(f"FP8 experts under --fp8-recipe {arch.fp8}: TE's GroupedLinear quantizes their inputs into "
+                        "bulk buffers of 256-byte-aligned groups, read but not priced yet; give delayed or tensorwise")
+    if not arch.moe_grouped_gemm:
+        raise SpecError("FP8 experts are modelled as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP); "
+                        "SequentialMLP's per-expert TE linears under FP8 are not priced yet")
+    if arch.moe_shared_ffn is not None:
+        raise SpecError("FP8 beside shared experts: their TE linears' FP8 saves (fc1's original input, fc2's FP8 "
+                        "copy) are read but not priced yet")
+    if arch.fp8_param_gather:
+        raise SpecError("--fp8-param-gather beside experts: the experts' FP8 parameters and their transposes are "
+                        "not priced yet; drop it")
+    if arch.fp8_first_last_bf16:
+        raise SpecError("--first-last-layers-bf16 beside experts: not priced yet")
+
+
+def padding_multiple(recipe) -> int:
+    """a: the rows each expert's input is padded to a multiple of under FP8 (TE's fp8_padding.py, Fp8Padding;
+    quantization.py, get_fp8_align_size: 32 under MXFP8, 16 otherwise)."""
+    return 32 if recipe == "mxfp8" else 16
+
+
+def expert_padding_rows(arch, ep):
+    """P: the rows FP8's padding may add to a rank's expert rows T, at their most: each of its G = E/EP local
+    experts padded up to a multiple of a adds at most a - 1 (experts.py, TEGroupedMLP.forward:
+    quantization_padding), so T_pad = a·floor((T + P)/a) is the most that T rows can become whatever their
+    split among the experts. 0 without FP8 experts. Ints, or arrays of EP over a sweep."""
+    if not (arch.fp8 and arch.moe):
+        return 0
+    return arch.num_experts // ep * (padding_multiple(arch.fp8) - 1)
 
 
 def _up(x, n):

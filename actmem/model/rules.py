@@ -420,7 +420,7 @@ RULES = (
     Rule(lambda v: not v.architecture.fp8 or _fp8_dims_fit(v, 8, 16),
          lambda v: f"FP8 GEMMs need their inputs' and weights' rows divisible by 8 and their last dims by 16 "
                    f"(Transformer Engine asserts it: utils.py, assert_dim_for_fp8_exec): the rows a rank quantizes, "
-                   f"{_rows(v)}, h = {v.hidden}, f/t and the linears' widths over t = {v.t}",
+                   f"{_rows(v)}, h = {v.hidden}, f/t (f_e/ETP for experts) and the linears' widths over t = {v.t}",
          ("architecture", "run_known")),
     Rule(lambda v: v.architecture.fp8 != "mxfp8" or _fp8_dims_fit(v, 32, 32),
          lambda v: f"--fp8-recipe mxfp8 needs every quantized tensor's dims divisible by 32 (Transformer Engine "
@@ -431,6 +431,15 @@ RULES = (
          lambda v: f"--fp8-recipe blockwise under sequence parallelism gathers the norms' quantized outputs, which "
                    f"needs their rows and h divisible by 128 (Transformer Engine asserts it: layernorm_linear.py, "
                    f"assert_dim_for_all_gather): {_rows(v)} rows a rank, h = {v.hidden}", ("architecture", "run_known")),
+    Rule(lambda v: v.architecture.fp8 != "delayed" or not {"moe_act", "layernorm"} & set(v.recompute_modules or ()),
+         lambda v: "--recompute-modules moe_act or layernorm under FP8 delayed scaling: Megatron refuses them "
+                   "(transformer_config.py: 'Delayed scaling does not support moe_act and layernorm recompute for "
+                   "fp8'); give another --fp8-recipe", ("architecture",)),
+    Rule(lambda v: not (v.architecture.fp8 and v.experts)
+         or not {"moe", "shared_experts"} & set(v.recompute_modules or ()),
+         lambda v: "--recompute-modules moe beside FP8 experts: under FP8 Megatron recomputes the MoE layer through "
+                   "Transformer Engine's checkpoint (moe_layer.py: te_checkpoint), whose saves are not read yet",
+         ("architecture",)),
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
                    "raises without it (arguments.py)", ("architecture", "run_known")),
@@ -605,6 +614,9 @@ def _fp8_dims_fit(v, rows: int, cols: int):
     for width in ((arch.attention_width(v.hidden, heads) + 2 * arch.kv_width(v.hidden, heads)) // t,
                   arch.fc1_width * arch.ffn(v.hidden) // t):
         fits = fits & (width % rows == 0)
+    if arch.moe:     # the experts' fc2 input [T_pad, f_e/ETP] and fc1's weight rows, 2f_e/ETP (the rows are padded)
+        expert = arch.expert_ffn(v.hidden) // (t if v.etp is None else v.etp)
+        fits = fits & (expert % cols == 0) & ((2 * expert) % rows == 0)
     return fits
 
 

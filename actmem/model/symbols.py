@@ -17,10 +17,13 @@ ep = sympy.Symbol("EP", positive=True, integer=True)
 #: C, an expert's capacity under --moe-expert-capacity-factor: bound to the integer Megatron computes in floating
 #: point (actmem.model.experts.capacity), not a ceiling sympy would take exactly
 C = sympy.Symbol("C", positive=True, integer=True)
+#: P, the rows FP8's per-expert padding may add to a rank's expert rows (actmem.model.fp8.expert_padding_rows): an
+#: estimate binds its most, the harness what its rank's experts did receive
+P = sympy.Symbol("P", nonnegative=True, integer=True)
 
 #: name in the spec -> symbol, in the order of Table 1
 BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r,
-           "ep": ep, "C": C}
+           "ep": ep, "C": C, "P": P}
 
 #: a mixture-of-experts layer's own sizes, as the formulas view shows its rows (an estimate binds
 #: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the

@@ -29,11 +29,12 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     of 0.5 dropping by probability under alltoall and by position under allgather, of 1.5 dropping beside EP = 2,
     padded to capacity under both dispatchers; TE's grouped GEMM (TEGroupedMLP over a GroupedLinear stand-in),
     with moe_act recomputed; TE's fused permutation (its stand-in) under both dispatchers, padded too; beside
-    context parallelism c = 2 under both dispatchers, the sequence-wise aux loss too), every
+    context parallelism c = 2 under both dispatchers, the sequence-wise aux loss too; FP8 experts under the
+    tensorwise and delayed recipes, over both dispatchers, beside EP = 2, at t = 2, with moe_act recomputed), every
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 24
+    assert len({row["config"] for row in grid_rows}) == 28
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -43,7 +44,7 @@ def test_the_experts_rows_are_what_the_rank_received(grid_rows):
     so both ranks' experts receive every routed row, balanced whatever the routing: T = k·s·b = 2·16·2 = 64,
     the experts' input 2·h·T = 2·16·64 = 2048 B on each rank."""
     gathered = [row for row in grid_rows if "t=2 EP=1 ETP=2 alltoall" in row["config"]
-                and "selective" not in row["config"] and "in a layer" not in row["config"]
+                and "selective" not in row["config"] and "in a layer" not in row["config"] and "fp8" not in row["config"]
                 and row["term"] == "experts_input"]
     assert [row["measured_bytes"] for row in gathered] == [2048, 2048]
 
@@ -69,11 +70,11 @@ def test_above_factor_1_a_rank_receives_more_than_k_n_and_the_old_cap_fails(grid
     table's cap E·min(C, N)·ETP admits; the cap an earlier table had, min(k·N, E·C)·ETP = 64, fails the gate."""
     config = next(c for c in moe_grid() if "capacity 1.5 by probs aux" in c.label)
     ranks = measure(config)
-    assert max(received for _, received, _, _ in ranks) > 64
-    for rank, received, kept, named in ranks:
+    assert max(received for _, received, _, _, _ in ranks) > 64
+    for rank, received, kept, _, named in ranks:
         assert judge(term_rows(config, rank, formula(config.spec, config.technique, received, kept_copies=kept),
                                named), 0.0) == []
-    rank, received, kept, named = max(ranks, key=lambda r: r[1])
+    rank, received, kept, _, named = max(ranks, key=lambda r: r[1])
     capped = formula(config.spec, config.technique, min(received, 64), kept_copies=kept)
     assert judge(term_rows(config, rank, capped, named), 0.0)
 
@@ -123,7 +124,7 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
     """Inject the failures: the formula without the aux loss's scores (measured, not in the formula),
     the formula with a row the layer does not keep, and a saved tensor named by no row."""
     config = moe_grid()[0]
-    rank, received, kept, named = measure(config)[0]
+    rank, received, kept, _, named = measure(config)[0]
     expected = formula(config.spec, config.technique, received, kept_copies=kept)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     missing = {name: n for name, n in expected.items() if name != "aux_loss_scores"}
@@ -154,3 +155,38 @@ def test_dims_that_would_make_two_expert_tensors_alike_are_refused():
 ])
 def test_validate_refuses_a_moe_run_it_cannot_measure(actmem, args, fragments):
     assert_one_line_error(actmem("validate", *args), *fragments)
+
+
+def test_fp8_experts_keep_one_byte_copies_of_padded_rows(grid_rows):
+    """Delayed scaling at t = ETP = 2, EP = 1 (h = 32, f_e/ETP = 48): each rank's 8 experts receive T = k·s·b = 64
+    rows, each expert's padded to a multiple of 16; fc1 keeps each expert's one-byte copy and its 4-byte
+    scale_inv, 32·T_pad + 32, fc2 48·T_pad + 32, the SwiGLU 4·48·T_pad, the probabilities 2·T_pad, and no 16-bit
+    input of either. Whatever T_pad the routing made, the four rows agree on it; moe_act (tensorwise) frees fc2's."""
+    config = "t=2 EP=1 ETP=2 alltoall router bf16 grouped fp8 delayed aux 0.01"
+    fc1, fc2 = (_kept(grid_rows, config, term) for term in ("experts_input", "experts_fc2_input"))
+    swiglu, probs = (_kept(grid_rows, config, term) for term in ("experts_fc1_output", "experts_probs"))
+    for rank in range(2):
+        padded = (fc1[rank] - 32) // 32
+        assert padded % 16 == 0 and 64 <= padded <= 64 + 8 * 15
+        assert (fc2[rank], swiglu[rank], probs[rank]) == (48 * padded + 32, 4 * 48 * padded, 2 * padded)
+    assert _kept(grid_rows, "fp8 tensorwise aux 0.01 selective:moe_act", "experts_fc2_input") in ([], [0, 0])
+
+
+def test_the_gate_fails_fp8_experts_priced_wrong():
+    """Inject the failures on the tensorwise layer beside EP = 2: the rows priced in 16 bits (FP8 not counted), the
+    padding at its most rather than what the routing made, the 16-bit padded input held too, a scale_inv missing."""
+    from dataclasses import replace
+
+    config = next(c for c in moe_grid() if "EP=2 ETP=1 alltoall router bf16 grouped fp8 tensorwise" in c.label)
+    rank, received, kept, padded, named = measure(config)[0]
+    expected = formula(config.spec, config.technique, received, kept_copies=kept, padded_rows=padded)
+    assert judge(term_rows(config, rank, expected, named), 0.0) == []
+    bf16 = replace(config.spec, architecture=config.spec.architecture.bf16_twin())
+    assert judge(term_rows(config, rank, formula(bf16, config.technique, received, kept_copies=kept), named), 0.0)
+    at_most = formula(config.spec, config.technique, received, kept_copies=kept)
+    if at_most != expected:
+        assert judge(term_rows(config, rank, at_most, named), 0.0)
+    held = named | {"experts_input": named["experts_input"] + 2 * 32 * padded}
+    assert judge(term_rows(config, rank, expected, held), 0.0)
+    lost = named | {"experts_fc2_input": named["experts_fc2_input"] - 4}
+    assert judge(term_rows(config, rank, expected, lost), 0.0)

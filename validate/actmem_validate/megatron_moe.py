@@ -45,7 +45,8 @@ class MoEConfig:
         return (f"moe E={arch.num_experts} k={arch.moe_topk} t={run.tensor_parallel} "
                 + f"c={run.context_parallel} " * (run.context_parallel > 1) + f"EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
-                + "grouped " * arch.moe_grouped_gemm + "fused " * arch.moe_permute_fusion
+                + "grouped " * arch.moe_grouped_gemm + f"fp8 {arch.fp8} " * bool(arch.fp8)
+                + "fused " * arch.moe_permute_fusion
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
                    if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
                 + (f"sigmoid{' bias' if arch.moe_expert_bias else ''} " if arch.moe_score_function == "sigmoid" else "")
@@ -68,10 +69,12 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
              expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False,
              capacity: float | None = None, drop_policy: str = "probs", pad: bool = False,
-             grouped: bool = False, fused: bool = False, c: int = 1) -> Spec:
+             grouped: bool = False, fused: bool = False, c: int = 1, fp8: str | None = None) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
-    shared experts of f_s = 14 where asked."""
-    arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=10, moe_ffn_hidden=10, activation="swiglu",
+    shared experts of f_s = 14 where asked. ``fp8``: the experts under that FP8 recipe, on a Hopper, at h = 32 and
+    f_e = 96, dims TE's FP8 GEMMs take (rules.py: the attention's a·d/t and f_e/ETP divisible by 16)."""
+    ffn = 96 if fp8 else 10
+    arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=ffn, moe_ffn_hidden=ffn, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
                         moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
@@ -81,10 +84,12 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_router_group_topk=groups and groups[1],
                         moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss", moe_capacity_factor=capacity,
                         moe_drop_policy=drop_policy, moe_pad_to_capacity=pad, moe_grouped_gemm=grouped,
-                        moe_permute_fusion=fused)
+                        moe_permute_fusion=fused, fp8_format=fp8 and "e4m3", fp8_recipe=fp8)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp, context_parallel=c)
-    return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="moe", architecture=arch)
+    gpu = {"gpu_name": "a Hopper GPU", "gpu_fp8": "hopper"} if fp8 else {}
+    return Spec(Model(heads=4, hidden=32 if fp8 else 16, layers=1, vocab=64, seq_len=16), run, name="moe",
+                architecture=arch, **gpu)
 
 
 def moe_grid() -> list:
@@ -125,6 +130,14 @@ def moe_grid() -> list:
     act = RecomputePolicy(Recompute.SELECTIVE, frozenset({"moe_act"}))
     configs += [MoEConfig(moe_spec(ep=2, grouped=True), run_technique(False, NONE)),
                 MoEConfig(moe_spec(t=2, grouped=True, shared=True), run_technique(True, act))]
+    # FP8 experts (TE's GroupedLinear's FP8 stand-in, each expert's rows padded to 16): tensorwise beside EP = 2
+    # (four local experts), delayed at t = ETP = 2 (eight), tensorwise with moe_act recomputed at t = 2, and under
+    # the allgather dispatcher beside EP = 2
+    configs += [MoEConfig(moe_spec(ep=2, grouped=True, fp8="tensorwise"), run_technique(False, NONE)),
+                MoEConfig(moe_spec(t=2, grouped=True, fp8="delayed"), run_technique(True, NONE)),
+                MoEConfig(moe_spec(t=2, grouped=True, fp8="tensorwise"), run_technique(True, act)),
+                MoEConfig(moe_spec(ep=2, grouped=True, fp8="tensorwise", dispatcher="allgather"),
+                          run_technique(False, NONE))]
     # the permutation as TE's fused kernels (their CPU stand-in, te_permutation): under alltoall at EP = 1 (the
     # chunk sorts of 8 local experts), beside EP = 2 with the router in fp32, padded to capacity beside EP = 2;
     # under allgather beside EP = 2
@@ -145,9 +158,10 @@ def moe_grid() -> list:
 
 
 def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool = False,
-            kept_copies: int | None = None) -> dict:
-    """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows; ``in_layer``: with
-    its pre-MLP norm's rows. Under a capacity factor that drops (not padded), the alltoall permute keeps the
+            kept_copies: int | None = None, padded_rows: int | None = None) -> dict:
+    """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows, and under FP8
+    computed ``padded_rows`` (each expert's padded to a multiple of 16: P bound to what padding added, as r to
+    the rows received); ``in_layer``: with its pre-MLP norm's rows. Under a capacity factor that drops (not padded), the alltoall permute keeps the
     indices of the ``kept_copies`` its rank kept, which the table bounds by min(k·N, E·C): the row is bound to
     them where they are within it (as T to the rows received), and stays the bound, to fail, where they are not."""
     from actmem.memory import engine
@@ -162,6 +176,8 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
                                                   moe_pad_to_capacity=False)),
                             bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
+    if padded_rows is not None:
+        bindings[symbols.P] = padded_rows - expert_rows
     norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
     rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
             if term.present(arch)}
@@ -194,6 +210,10 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
     # the router's top-k indices; the aux loss's own are freed before the forward ends (terms.py): a second
     # [N, k] int64 storage held is no row's, and fails the gate
     topk_indices = iter(("router_topk_indices",))
+    # under FP8 each local expert's quantized input keeps an fp32 scale_inv [1]: fc1's G, then fc2's G (in the
+    # order they run; none for fc2 under moe_act, which saves its original input)
+    groups = e // run.expert_parallel
+    scales = iter(("experts_input",) * groups + ("experts_fc2_input",) * groups)
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
     # (padded to capacity, the alltoall permute's probabilities' flat indices, selected first: moe_utils.py, permute)
     vectors = iter(("aux_loss_tokens_per_expert",) * moe_aux_loss(arch)
@@ -228,6 +248,10 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
             name = "permute_chunk_maps"           # TE's chunk sorts' maps, [T] each
         elif (dtype, shape) in by_shape:
             name = by_shape[(dtype, shape)]
+        elif arch.fp8 and dtype == "float8_e4m3fn" and len(shape) == 2 and shape[1] in (h, f):
+            name = "experts_input" if shape[1] == h else "experts_fc2_input"     # an expert's columnwise copy
+        elif arch.fp8 and (dtype, shape) == ("float32", (1,)):
+            name = next(scales, f"unnamed {dtype} {list(shape)}")
         elif dtype == probs and len(shape) == 2 and shape[1] == 1:
             name = "experts_probs"
         elif dtype == "bfloat16" and len(shape) == 2 and shape[1] in by_width:
@@ -317,32 +341,45 @@ def _cpu_shims() -> None:
     rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
 
 
-def _grouped_linear():
+def _grouped_linear(fp8: str | None = None, fc2_original_input: bool = False):
     """(column, row): Transformer Engine's GroupedLinear as Megatron's TEColumn/TERowParallelGroupedLinear wrap
     it for the experts, keeping what TE's keeps in 16 bits (module/grouped_linear.py, _GroupedLinear.forward:
     the input split into views of its one storage, torch.split(inp, m_splits), and the weights, saved with
     prepare_for_saving; the output one storage the grouped GEMM writes). No communication: with ETP or EP > 1
     Megatron's expert linears leave it to the dispatcher (explicit_expert_comm). TE needs a GPU; this stand-in
-    runs its arithmetic on a CPU, so that megatron-core's own TEGroupedMLP (its moe_act checkpoint too) runs."""
+    runs its arithmetic on a CPU, so that megatron-core's own TEGroupedMLP (its moe_act checkpoint too) runs.
+    Under ``fp8`` (TE 2.11, actmem.model.fp8) each expert's input is quantized on its own (split_quantize, a
+    quantizer an expert) and only its columnwise copy is kept, one byte an element (float8_e4m3fn [M_i, K]:
+    Blackwell's layout; Hopper's transpose [K, M_i] holds the same bytes), with its own fp32 scale_inv [1];
+    ``fc2_original_input``: fc2 saves its 16-bit input instead (Megatron's set_save_original_input under moe_act
+    recompute), which the checkpoint frees. The FP8 weight copies TE caches are model state, not stood in for."""
     import torch
 
     class _GroupedGemm(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, inp, m_splits, *weights):
+        def forward(ctx, inp, m_splits, quantize, *weights):
             inputs = torch.split(inp, m_splits)
             out = torch.empty(inp.shape[0], weights[0].shape[0], dtype=inp.dtype)
             for x, weight, y in zip(inputs, weights, torch.split(out, m_splits)):
                 torch.matmul(x, weight.t(), out=y)
-            ctx.save_for_backward(*inputs, *weights)
-            ctx.m_splits = m_splits
+            if quantize:       # an expert's columnwise copy and its scale_inv, a storage each
+                kept = [x.to(torch.float8_e4m3fn) for x in inputs]
+                kept += [torch.ones(1, dtype=torch.float32) for _ in inputs]
+            else:
+                kept = list(inputs)
+            ctx.save_for_backward(*kept, *weights)
+            ctx.m_splits, ctx.quantize = m_splits, quantize
             return out
 
         @staticmethod
         def backward(ctx, grad):
             saved, n = ctx.saved_tensors, len(ctx.m_splits)
+            inputs, weights = saved[:n], saved[-n:]
+            if ctx.quantize:
+                inputs = [x.to(grad.dtype) for x in inputs]
             grads = torch.split(grad, ctx.m_splits)
-            grad_input = torch.cat([g @ w for g, w in zip(grads, saved[n:])])
-            return grad_input, None, *(g.t() @ x for g, x in zip(grads, saved[:n]))
+            grad_input = torch.cat([g @ w for g, w in zip(grads, weights)])
+            return grad_input, None, None, *(g.t() @ x for g, x in zip(grads, inputs))
 
     class _GroupedLinear(torch.nn.Module):
         column = True
@@ -353,9 +390,10 @@ def _grouped_linear():
             rows, cols = (output_size // etp, input_size) if self.column else (output_size, input_size // etp)
             self.weights = torch.nn.ParameterList(
                 torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02) for _ in range(num_gemms))
+            self.quantize = fp8 is not None and (self.column or not fc2_original_input)
 
         def forward(self, x, m_splits):
-            return _GroupedGemm.apply(x, list(m_splits), *self.weights), None
+            return _GroupedGemm.apply(x, list(m_splits), self.quantize, *self.weights), None
 
     class _RowGroupedLinear(_GroupedLinear):
         column = False
@@ -363,9 +401,56 @@ def _grouped_linear():
     return _GroupedLinear, _RowGroupedLinear
 
 
+def _fp8_padding(align: int):
+    """(padding, unpadding): Transformer Engine's Fp8Padding and Fp8Unpadding (module/fp8_padding.py, TE 2.11)
+    as TEGroupedMLP calls them: each expert's rows padded to a multiple of ``align`` into a new 16-bit tensor
+    (the input itself where none needs it), saving nothing but the split lists, and the output unpadded."""
+    import torch
+
+    def padded(m_splits):
+        return [(m + align - 1) // align * align for m in m_splits]
+
+    class _Pad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, m_splits, to):
+            out = torch.zeros(sum(to), inp.shape[-1], dtype=inp.dtype)
+            for x, y, m in zip(torch.split(inp.view(-1, inp.shape[-1]), m_splits), torch.split(out, to), m_splits):
+                y[:m] = x
+            ctx.m_splits, ctx.to = m_splits, to
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.cat([g[:m] for g, m in zip(torch.split(grad, ctx.to), ctx.m_splits)]), None, None
+
+    class _Unpad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inp, m_splits, of):
+            ctx.m_splits, ctx.of = m_splits, of
+            return torch.cat([x[:m] for x, m in zip(torch.split(inp, of), m_splits)])
+
+        @staticmethod
+        def backward(ctx, grad):
+            return _Pad.forward(ctx, grad, ctx.m_splits, ctx.of), None, None
+
+    class Padding(torch.nn.Module):
+        def forward(self, inp, m_splits):
+            to = padded(m_splits)
+            return (inp, m_splits) if to == m_splits else (_Pad.apply(inp, m_splits, to), to)
+
+    class Unpadding(torch.nn.Module):
+        def forward(self, inp, m_splits):
+            of = padded(m_splits)
+            return inp if of == m_splits else _Unpad.apply(inp, m_splits, of)
+
+    return Padding(), Unpadding()
+
+
 def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, in_layer: bool = False):
     """megatron-core's MoELayer of this spec, from its local layer spec (SequentialMLP experts), or with
-    --moe-grouped-gemm its TEGroupedMLP over TE's GroupedLinear's stand-in (_grouped_linear)."""
+    --moe-grouped-gemm its TEGroupedMLP over TE's GroupedLinear's stand-in (_grouped_linear); under FP8 with TE's
+    padding's stand-in (_fp8_padding) and config.fp8 set once built, where TEGroupedMLP reads it at each call
+    (built with it, it would import TE's own modules)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -401,7 +486,8 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         from megatron.core.transformer.moe.experts import TEGroupedMLP
         from megatron.core.transformer.spec_utils import ModuleSpec
 
-        column, row = _grouped_linear()
+        moe_act = technique is not None and "moe_act" in technique.modules
+        column, row = _grouped_linear(arch.fp8, fc2_original_input=moe_act)
         submodules = replace(submodules, experts=ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
             linear_fc1=column, linear_fc2=row)))
     if arch.moe_permute_fusion:
@@ -411,6 +497,12 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     if not in_layer:
         layer = MoELayer(config, submodules)
         config.moe_permute_fusion = arch.moe_permute_fusion
+        if arch.fp8:
+            from actmem.model.fp8 import padding_multiple
+
+            layer.experts.quantization_padding, layer.experts.quantization_unpadding = _fp8_padding(
+                padding_multiple(arch.fp8))
+            config.fp8, config.fp8_recipe = arch.fp8_format, arch.fp8
         return layer
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -431,6 +523,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
 
+    from actmem.model.fp8 import padding_multiple
     from actmem_validate.gloo import held_storages, rank_group, recorder
 
     spec, run = config.spec, config.spec.run
@@ -445,11 +538,14 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         torch.manual_seed(1 + rank)               # each rank's own tokens: routing differs by rank
         rows = spec.model.seq_len // run.context_parallel // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
-        received, kept = [], []
+        received, kept, padded = [], [], []
         moe = layer.mlp if config.in_layer else layer
         experts_forward = moe.experts.forward
+        align = padding_multiple(spec.architecture.fp8)     # the rows each expert's are padded to under FP8
         moe.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
-            received.append(int(sum(tokens_per_expert))), experts_forward(tokens, tokens_per_expert, *args, **kwargs))[1]
+            received.append(int(sum(tokens_per_expert))),
+            padded.append(sum(-(-int(n) // align) * align for n in tokens_per_expert)),
+            experts_forward(tokens, tokens_per_expert, *args, **kwargs))[2]
         preprocess = moe.token_dispatcher.dispatch_preprocess     # the routed copies this rank keeps, after capacity
         moe.token_dispatcher.dispatch_preprocess = lambda tokens, routing_map, probs: (
             kept.append(int(routing_map.sum())), preprocess(tokens, routing_map, probs))[1]
@@ -463,11 +559,12 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         x_key = x.untyped_storage().data_ptr()
         named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
         out.float().sum().backward()
-        results.put((rank, received[0], kept[0], named))
+        results.put((rank, received[0], kept[0], padded[0] if spec.architecture.fp8 else None, named))
 
 
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
-    """(rank, expert rows received, routed copies kept, {term: bytes saved}) of every rank of one configuration."""
+    """(rank, expert rows received, routed copies kept, under FP8 the rows its experts computed padded (else
+    None), {term: bytes saved}) of every rank of one configuration."""
     from actmem_validate.gloo import spawn
 
     return spawn(_rank, config)
@@ -479,7 +576,7 @@ def rows(configs, timeout: int = 300) -> list[dict]:
 
     table = []
     for config in configs:
-        for rank, received, kept, named in measure(config, timeout):
-            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer, kept),
-                               named)
+        for rank, received, kept, padded, named in measure(config, timeout):
+            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer, kept,
+                                                     padded), named)
     return table

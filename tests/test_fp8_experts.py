@@ -75,18 +75,80 @@ def test_the_fp8_weight_state_of_the_experts(actmem):
     assert actmem.json("estimate", *MIXTRAL)["parameters"]["fp8_bytes"] == 0
 
 
-def test_moe_act_recompute_frees_fc2_s_fp8_copy(actmem):
+SHARED = MIXTRAL + ("--moe-shared-expert-intermediate-size", "4096")
+
+
+@pytest.mark.parametrize("recipe, overlap, fc1", [
+    (TENSORWISE, (), {}),
+    (("--fp8-format", "hybrid"), (), {"shared_experts_fc1_input_fp8": 8_388_612}),
+    (("--fp8-format", "hybrid"), ("--moe-shared-expert-overlap",), {"shared_experts_fc1_input_gathered_fp8": 16_777_220}),
+    (TENSORWISE, ("--moe-shared-expert-overlap",), {"shared_experts_fc1_input_gathered": 33_554_432}),
+])
+def test_shared_experts_under_fp8(actmem, recipe, overlap, fc1):
+    """Shared experts of f_s = 4096 beside t = 2 (SP): fc2 (TE's row-parallel Linear) keeps its input's
+    columnwise copy, s·f_s/t + 4 = 4096·2048 + 4 = 8,388,612 (16 bits: 16,777,216); their SwiGLU its 16-bit input,
+    2·s·2f_s/t = 33,554,432. fc1 keeps, under tensorwise, its original input, the router's (nothing more); under
+    delayed scaling its input quantized, the rank's shard s/t·h + 4 = 8,388,612; overlapping the dispatcher, the
+    input gathered ahead, quantized whole under delayed (s·h + 4 = 16,777,220, the 16-bit one freed), 16-bit
+    under tensorwise (2·s·h = 33,554,432). Their FP8 weight state a layer: fc1 [2·4096/2, 4096] + fc2
+    [4096, 4096/2] = 25,165,824 elements, 2 B on Hopper, and two modules' 44 B: 50,331,736 beside the 746,586,552
+    above, so 8 x 796,918,288 = 6,375,346,304 a stage."""
+    out = actmem.json("estimate", *SHARED, *recipe, *overlap)
+    rows = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["term"].startswith("shared")}
+    assert rows == {"shared_experts_swiglu_input": 33_554_432, "shared_experts_fc2_input": 8_388_612} | fc1
+    assert out["parameters"]["fp8_bytes"] == 8 * (746_586_552 + 50_331_736) == 6_375_346_304
+
+
+@pytest.mark.parametrize("recipe, rows, blocks, fc1, fc2", [
+    # blockwise (rows padded to 16): T_pad = 8240 as above; Q = G·(128 - 16) = 448, so B = floor((8240 + 448)/128) =
+    # floor(67.875) = 67 blocks of 128 rows; fp32 GEMM_READY scales 4·B·roundup(K, 4): fc1 4·67·4096 = 1,097,728,
+    # fc2 4·67·7168 = 1,921,024
+    (("--fp8-recipe", "blockwise"), 8240, 67, 33_751_040 + 1_097_728, 59_064_320 + 1_921_024),
+    # MXFP8 on a B200 (rows padded to 32): P = 4·31 = 124, T_pad = 32·floor((8192 + 124)/32) = 32·259 = 8288;
+    # Q = 4·96 = 384, B = floor(8672/128) = 67; E8M0 scales 4·B·roundup(K, 128): fc1 4096·8288 + 1,097,728,
+    # fc2 7168·8288 + 1,921,024
+    (("--fp8-recipe", "mxfp8", "--gpu", "b200"), 8288, 67, 4096 * 8288 + 1_097_728, 7168 * 8288 + 1_921_024),
+])
+def test_the_block_recipes_keep_every_expert_s_copy_and_scales_in_one_buffer(actmem, recipe, rows, blocks, fc1, fc2):
+    """TE's split_quantize allocates the block recipes' columnwise copies in one buffer (data regions 256-byte
+    aligned, scales 16: padded rows fill both exactly); an expert's scales cover its padded rows' 128-row
+    blocks, counted at their most. The shared experts' fc2 keeps its block scales, [s, f_s/t] = [4096, 2048]:
+    blockwise 4·32·2048, MXFP8 roundup(4096/32, 4)·roundup(2048, 128) = 128·2048, both 262,144."""
+    out = actmem.json("estimate", *SHARED, "--fp8-format", "e4m3", *recipe)
+    layer = {row["term"]: row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer"}
+    assert (layer["experts_input"], layer["experts_fc2_input"]) == (fc1, fc2)
+    assert layer["experts_fc1_output"] == 4 * 7168 * rows and layer["experts_probs"] == 2 * rows
+    assert (layer["shared_experts_fc2_input"], layer["shared_experts_fc2_input_scales"]) == (8_388_608, 262_144)
+    assert fc1 - 4096 * rows == 4 * blocks * 4096
+
+
+def test_moe_act_recompute_frees_fc2_s_fp8_copy_and_its_rerun_remakes_16_bits(actmem):
     """--recompute-modules moe_act under tensorwise: fc2 saves its original 16-bit input, which the checkpoint
-    frees (experts.py: set_save_original_input), so experts_fc2_input is gone; the rest stays."""
-    rows = _experts(actmem.json("estimate", *MIXTRAL, *TENSORWISE, "--recompute", "selective",
-                                "--recompute-modules", "moe_act"))
+    frees (experts.py: set_save_original_input), so experts_fc2_input is gone; the rest stays. The rerun (the peak's
+    moment here) remakes that 16-bit input and keeps its own output beside it (random.py, CheckpointWithoutOutput):
+    2 x 2·7168·8240 = 236,257,280 B, not twice the FP8 copy."""
+    out = actmem.json("estimate", *MIXTRAL, *TENSORWISE, "--recompute", "selective", "--recompute-modules", "moe_act")
+    rows = _experts(out)
     assert "experts_fc2_input" not in rows and rows["experts_input"] == 33_751_056
+    assert out["peak_floor"]["moment"] == "the first backward, its recompute done"
+    assert {row["name"]: row["bytes"] for row in out["peak_floor"]["rows"]}["rematerialised"] == 236_257_280
+
+
+def test_the_preset_s_layer_and_weight_state_by_recipe(actmem):
+    """Mixtral 8x7B as its preset runs (t = 1, EP 8, one expert a rank: no padding at balance), docs/models.md's
+    table. bf16 990,822,468 B a layer (docs/models.md, Mixture of experts); tensorwise: the QKV's input (the norm's
+    output) 2·4096·4096 -> 4096·4096 + 4, the experts' input 2·4096·8192 -> 4096·8192 + 4, fc2's 2·14,336·8192 ->
+    14,336·8192 + 4: 990,822,468 - 16,777,212 - 33,554,428 - 117,440,508 = 823,050,320; delayed keeps the
+    projection's input quantized too, 4096·4096 + 4: 839,827,540. The weight state: QKV 6144·4096 + proj
+    4096·4096 + fc1 28,672·4096 + fc2 4096·14,336 = 218,103,808 elements, 2 B on Hopper, and 4 modules' 44 B:
+    436,207,792 a layer, 3,489,662,336 over the stage's 8."""
+    for recipe, layer in (((), 990_822_468), (("--fp8-format", "hybrid"), 839_827_540), (TENSORWISE, 823_050_320)):
+        out = actmem.json("estimate", "--model", "mixtral-8x7b", *recipe)
+        assert sum(row["bytes_each"] for row in out["run_terms"] if row["scope"] == "layer") == layer
+        assert out["parameters"]["fp8_bytes"] == (3_489_662_336 if recipe else 0)
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("--fp8-format", "e4m3", "--fp8-recipe", "blockwise"), "FP8 experts under --fp8-recipe blockwise"),
-    (("--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--gpu", "b200"), "FP8 experts under --fp8-recipe mxfp8"),
-    (TENSORWISE + ("--moe-shared-expert-intermediate-size", "4096"), "FP8 beside shared experts"),
     (TENSORWISE + ("--recompute", "selective", "--recompute-modules", "moe"), "te_checkpoint"),
     (("--fp8-format", "hybrid", "--recompute", "selective", "--recompute-modules", "moe_act"),
      "moe_act or layernorm under FP8 delayed scaling"),

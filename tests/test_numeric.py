@@ -19,7 +19,7 @@ def test_numeric_matches_exact_on_a_grid():
     counts = {engine.layer_activations: 124, engine.microbatches_held: 16, engine.holds_output: 0}
     for technique in TABLE_2:
         expr = engine.held_bytes(technique)
-        fast = engine.numeric(expr)(s, b, h, a, L, t, p, v, m, *counts.values(), 1, 1, 1, 1, 1, 0)   # c, e, r, EP, C, P
+        fast = engine.numeric(expr)(s, b, h, a, L, t, p, v, m, *counts.values(), 1, 1, 1, 1, 1, 0, 0)   # c, e, r, EP, C, P, Q
         for i, (si, bi, ti) in enumerate(grid):
             # the bindings only: the flash core's, since Megatron's eager core refuses s = 8192
             spec = Spec(Model(a, h, L, v, si), Run(tensor_parallel=ti, pipeline_parallel=p,
@@ -36,4 +36,4 @@ def test_held_bytes_matches_the_estimate(actmem):
         technique = next(t for t in TECHNIQUES if t.name == row["technique"])
         f = engine.numeric(engine.held_bytes(technique))
         assert f(*spec_args, held["layer_activations"], held["embedding_microbatches"],
-                 int(held["holds_output_layer"]), 1, 1, 1, 1, 1, 0) == row["first_stage_bytes"]     # c, e, r, EP, C, P
+                 int(held["holds_output_layer"]), 1, 1, 1, 1, 1, 0, 0) == row["first_stage_bytes"]     # c, e, r, EP, C, P, Q

@@ -127,6 +127,22 @@ def test_growth_marks_where_the_s_squared_terms_overtake_the_rest(tmp_path):
     assert tp.other_per_layer_bytes == s * b * 6144 * (10 + 24 // t)
 
 
+def test_a_flash_moe_layer_has_no_s_squared_bytes():
+    """Mixtral 8x7B (a flash core: no scores kept): no row of its layer grows with s², though its expert rows hold
+    a ceiling of s and a floor under FP8, whose second derivative sympy leaves standing (771,768,320 B a layer
+    were once called quadratic)."""
+    from actmem.memory.techniques import TECHNIQUES
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
+    from actmem.views.plot_frames import _s_squared_per_layer_bytes
+
+    preset = load_preset("mixtral-8x7b")
+    for architecture in (preset.architecture, preset.architecture | {"fp8_format": "e4m3", "fp8_recipe": "tensorwise"}):
+        spec = build_spec(preset.model, preset.run, architecture=architecture, name=preset.name, gpu_name="h100",
+                          gpu_fp8="hopper")
+        assert [_s_squared_per_layer_bytes(spec, technique) for technique in TECHNIQUES] == [0] * len(TECHNIQUES)
+
+
 def test_growth_frame_is_the_csv_and_meets_the_estimate_at_the_models_s(tmp_path):
     from actmem.views.plot_frames import growth_frame, memory_frame
     from actmem.sources.presets import load_preset

@@ -11,7 +11,7 @@ import sympy
 
 from actmem.model.architecture import PAPER, Architecture, keeps_norm_input
 from actmem.memory.pipeline import chunks_in_flight
-from actmem.model.symbols import C, L, P, a, b, c, e, ep, h, m, p, r, s, t, v
+from actmem.model.symbols import C, L, P, Q, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
 from actmem.model.recompute import Recompute, remakes, reruns
@@ -21,7 +21,7 @@ layer_activations, microbatches_held, holds_output = sympy.symbols(
     "layer_activations microbatches_held holds_output", nonnegative=True, integer=True)
 
 #: argument order of the functions ``numeric`` returns
-NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep, C, P)
+NUMERIC_ARGS = (s, b, h, a, L, t, p, v, m, layer_activations, microbatches_held, holds_output, c, e, r, ep, C, P, Q)
 
 
 def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
@@ -112,12 +112,20 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     if technique.recompute is Recompute.SELECTIVE:
         if module is None:
             raise ValueError("selective recompute reruns one module at a time: name it")
-        return sympy.Add(*(term_bytes(term, technique.whole(), arch) * _rerun_copies(term, technique, arch, module)
+        return sympy.Add(*(_rerun_bytes(term, technique.whole(), arch) * _rerun_copies(term, technique, arch, module)
                            for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)
+
+
+def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
+    """Bytes of one instance of a row as a selective rerun remakes it: the row's (``whole``: the technique
+    keeping every module), or what Term.remade says it remakes where that differs."""
+    if term.remade is None or not term_bytes(term, whole, arch):
+        return term_bytes(term, whole, arch)
+    return term.remade(arch) / divisor(term, whole, arch)
 
 
 def _rerun_copies(term, technique, arch, module) -> int:

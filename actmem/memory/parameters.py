@@ -169,7 +169,8 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
     """(bytes the weights shrink by, bytes TE keeps beside them) of ``layers`` layers under FP8
     (actmem.model.fp8): --fp8-param-gather turns a linear weight's 2 bytes into 1; TE keeps a weight element's
     FP8 workspace or Hopper transpose (weight_copy_bytes) and each module's scaling state. A MoE model's
-    ``moe_layers`` of them (None: all) keep their attention's two modules' and their E/EP experts' (expert_fp8_kept);
+    ``moe_layers`` of them (None: all) keep their attention's two modules', their shared experts' two and their E/EP
+    experts' (expert_fp8_kept);
     the others are its dense twin's. 0, 0 without FP8."""
     from actmem.model import fp8
 
@@ -180,9 +181,11 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
 
         own = layers if moe_layers is None else moe_layers
         _, dense = fp8_state(h, t, dense_twin(arch), heads, layers - own, generation)
-        attention = fp8_linear_shapes(h, t, arch, heads)[:2]
-        kept = (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in attention)
-                + len(attention) * fp8.module_state_bytes(arch) + expert_fp8_kept(h, arch, ep, etp, generation))
+        linears = fp8_linear_shapes(h, t, arch, heads)[:2]          # the attention's QKV and proj
+        if arch.moe_shared_ffn is not None:                          # the shared experts' fc1 and fc2, over t
+            linears += ((2 * arch.moe_shared_ffn // t, h), (h, arch.moe_shared_ffn // t))
+        kept = (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in linears)
+                + len(linears) * fp8.module_state_bytes(arch) + expert_fp8_kept(h, arch, ep, etp, generation))
         return 0, own * kept + dense
     shapes = fp8_linear_shapes(h, t, arch, heads)
     shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)

@@ -14,6 +14,24 @@ from actmem.model.symbols import b, h, s
 from actmem.model.widths import LOGITS_BYTES as F32
 
 
+def roundup(x, n):
+    """TE's roundup (common.cpp), on sympy expressions."""
+    return n * sympy.ceiling(x / n)
+
+
+def block_scales(rows, cols, gathered: bool):
+    """The block scales of a saved input's columnwise copy, [rows, cols] (quantizer.cpp, get_scale_shape): MXFP8
+    [roundup(rows/32, 4), roundup(cols, 128)] of E8M0 bytes; blockwise fp32 [ceil(rows/128), cols] in the
+    gatherable COMPACT layout (the norms' outputs under SP), [ceil(rows/128), roundup(cols, 4)] GEMM_READY."""
+    from actmem.model.fp8 import SCALE_INV_BYTES
+
+    def scales(arch):
+        if arch.fp8 == "mxfp8":
+            return roundup(rows / 32, 4) * roundup(cols, 128)
+        return SCALE_INV_BYTES * sympy.ceiling(rows / 128) * (cols if gathered else roundup(cols, 4))
+    return scales
+
+
 class Region(Enum):
     """Where a tensor lives relative to the tensor-parallel blocks (Figures 4 and 5)."""
 
@@ -82,6 +100,10 @@ class Term:
     fixed: object = 0
     """Bytes of one instance that no parallelism splits, beside ``bytes`` (a number, or a function of the
     architecture): an FP8 tensor's fp32 scale_inv (actmem.model.fp8)."""
+    remade: object = None
+    """Where it differs from what the forward keeps, the bytes (with no parallelism, a function of the
+    architecture) of what its module's selective rerun makes again: under FP8 the experts' moe_act rerun remakes
+    fc2's 16-bit input, which fc2 then saved in place of its FP8 copy (set_save_original_input). None: the row."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""

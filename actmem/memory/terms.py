@@ -25,7 +25,7 @@ from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as INDEX, L
     MASK_BYTES as MASK
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
 from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
-from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
+from actmem.memory.term import block_scales as _block_scales, ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
     SBH as _sbh, STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope, Term: API)
 
 
@@ -40,21 +40,6 @@ def _fp8_scale(arch) -> int:
     """An FP8 tensor's fp32 scale_inv, [1], kept beside it (actmem.model.fp8); the block-scaled recipes keep
     block scales instead (_block_scales)."""
     return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
-
-
-def _roundup(x, n):
-    return n * sympy.ceiling(x / n)
-
-
-def _block_scales(rows, cols, gathered: bool):
-    """The block scales of a saved input's columnwise copy, [rows, cols] (quantizer.cpp, get_scale_shape): MXFP8
-    [roundup(rows/32, 4), roundup(cols, 128)] of E8M0 bytes; blockwise fp32 [ceil(rows/128), cols] in the
-    gatherable COMPACT layout (the norms' outputs under SP), [ceil(rows/128), roundup(cols, 4)] GEMM_READY."""
-    def scales(arch):
-        if arch.fp8 == "mxfp8":
-            return _roundup(rows / 32, 4) * _roundup(cols, 128)
-        return SCALE_INV_BYTES * sympy.ceiling(rows / 128) * (cols if gathered else _roundup(cols, 4))
-    return scales
 
 
 def _block_recipe(arch) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import sympy
 
-from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term
+from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term, block_scales, roundup
 from actmem.model import symbols
 from actmem.model.architecture import grouped_mm_experts, grouped_mm_renormalised, megatron_moe, moe, moe_aux_loss, \
     moe_group_mask, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, moe_sigmoid_normalised, moe_topk_softmax, \
@@ -135,12 +135,64 @@ def _fp8_experts(arch) -> bool:
     return bool(arch.moe and arch.fp8)
 
 
-def _group_scales(arch):
-    """Under FP8 each of the G = E/EP local experts' quantized inputs keeps its own fp32 scale_inv [1]
-    (grouped_linear.py: split_quantize with a quantizer a group; quantizer.cpp); 0 in 16 bits."""
+def _scale_blocks(arch):
+    """B: the 128-row scale blocks of the experts' padded rows under a block-scaled recipe, Σ ceil(M_i/128), at
+    most floor((T_pad + Q)/128) (actmem.model.fp8.expert_block_rows; the harness binds Q to what routing made)."""
+    from actmem.model.fp8 import BLOCK_ROWS
+
+    return sympy.floor((padded_rows(arch) + symbols.Q) / BLOCK_ROWS)
+
+
+def _group_scales(arch, cols):
+    """The scales of the G = E/EP local experts' quantized [M_i, cols] inputs under FP8: delayed and tensorwise, an
+    fp32 scale_inv [1] an expert (grouped_linear.py: split_quantize, a quantizer an expert, each its own tensor:
+    cast.cpp, create_tensor); the block recipes, the columnwise scales in split_quantize's one bulk buffer (cast.cpp,
+    bulk_allocate_*: data regions 256-byte aligned, scales 16, which padded rows fill exactly), an expert's MXFP8
+    [roundup(M_i/32, 4), roundup(cols, 128)] E8M0 bytes, 4·ceil(M_i/128) rows of them, or blockwise fp32
+    GEMM_READY [ceil(M_i/128), roundup(cols, 4)] (quantizer.cpp, get_scale_shape): 4·B·roundup(cols, 128) or
+    4·B·roundup(cols, 4); 0 in 16 bits."""
     from actmem.model.fp8 import SCALE_INV_BYTES
 
-    return SCALE_INV_BYTES * _experts(arch) / symbols.ep if _fp8_experts(arch) else 0
+    if not _fp8_experts(arch):
+        return 0
+    if arch.fp8 == "mxfp8":
+        return 4 * _scale_blocks(arch) * roundup(cols, 128)
+    if arch.fp8 == "blockwise":
+        return SCALE_INV_BYTES * _scale_blocks(arch) * roundup(cols, 4)
+    return SCALE_INV_BYTES * _experts(arch) / symbols.ep
+
+
+def _scale_inv(arch) -> int:
+    """A quantized tensor's fp32 scale_inv [1] under delayed or tensorwise FP8 (actmem.model.fp8), else 0 (the
+    block recipes keep block scales: shared_experts_fc2_input_scales)."""
+    from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
+
+    return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
+
+
+def _shared_block_scales(arch) -> bool:
+    """the shared experts under a block-scaled FP8 recipe (mxfp8, blockwise)"""
+    from actmem.model.fp8 import BLOCK_RECIPES
+
+    return shared_experts(arch) and arch.fp8 in BLOCK_RECIPES
+
+
+def _shared_fc1_fp8(overlap: bool):
+    """Under FP8 delayed scaling the shared experts' fc1 keeps its input quantized (a TE Linear: Megatron hands it
+    save_original_input under every other recipe, the router's own input then: shared_experts.py, __init__);
+    ``overlap``: the input it all-gathered ahead, or the rank's shard (under SP) it gathers itself."""
+    def present(arch) -> bool:
+        return shared_experts(arch) and arch.fp8 == "delayed" and arch.moe_shared_overlap == overlap
+
+    present.__doc__ = (f"FP8 delayed scaling, where the shared experts' fc1 quantizes its input "
+                       f"({'overlapping' if overlap else 'not overlapping'} the dispatcher)")
+    return present
+
+
+def _shared_fc1_gathered(arch) -> bool:
+    """the shared experts overlap the dispatcher (their fc1 keeping its gathered 16-bit input), not under FP8
+    delayed scaling (which keeps it quantized)"""
+    return shared_experts_overlap(arch) and arch.fp8 != "delayed"
 
 
 def _gemm_input_bytes(arch) -> int:
@@ -149,15 +201,22 @@ def _gemm_input_bytes(arch) -> int:
 
 
 def _experts_input(arch):
-    return _gemm_input_bytes(arch) * h * padded_rows(arch) + _group_scales(arch)
+    return _gemm_input_bytes(arch) * h * padded_rows(arch) + _group_scales(arch, h)
 
 
 def _experts_fc1_output(arch):
     return A16 * 2 * _expert_ffn(arch) / e * padded_rows(arch)
 
 
+def _activation_output(arch):
+    """The weighted SwiGLU's 16-bit output, fc2's input [T_pad, f_e/ETP] (T rows in 16 bits)."""
+    return A16 * _expert_ffn(arch) / e * padded_rows(arch)
+
+
 def _experts_fc2_input(arch):
-    return _gemm_input_bytes(arch) * _expert_ffn(arch) / e * padded_rows(arch) + _group_scales(arch)
+    if not _fp8_experts(arch):
+        return _activation_output(arch)
+    return _expert_ffn(arch) / e * padded_rows(arch) + _group_scales(arch, _expert_ffn(arch) / e)
 
 
 def _router_bytes(arch) -> int:
@@ -290,7 +349,9 @@ _MEGATRON_MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for t
          "one storage that each expert's input is a view of; under FP8 TE's GroupedLinear keeps instead each "
          "expert's rows, padded to a multiple of 16, quantized: its columnwise copy, one byte an element, with "
          "an fp32 scale_inv [1] an expert (grouped_linear.py, _GroupedLinear.forward: split_quantize, "
-         "update_usage(rowwise_usage=False); h·T_pad + 4E/EP)", moe, module="moe"),
+         "update_usage(rowwise_usage=False); h·T_pad + 4E/EP), under the block recipes all experts' copies and "
+         "block scales in one buffer (h·T_pad + 4B·roundup(h, 128) under MXFP8, rows padded to 32; "
+         "+ 4B·roundup(h, 4) blockwise; B the 128-row blocks)", moe, module="moe"),
     Term("experts_fc1_output", _experts_fc1_output, Region.REPLICATED, _STORED, Scope.LAYER,
          "the weighted SwiGLU keeps its input, fc1's output [T, 2f_e/ETP] (fused_bias_swiglu.py, "
          "WeightedSwiGLUFunction: save_for_backward(input, weights); 4f_e·T/ETP), under FP8 of the padded "
@@ -305,8 +366,8 @@ _MEGATRON_MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for t
          "fp32 scale_inv (f_e·T_pad/ETP + 4E/EP); --recompute-modules moe_act frees it once fc2 has run and makes "
          "it again in fc2's backward (experts.py, TEGroupedMLP: CheckpointWithoutOutput, "
          "discard_output_and_register_recompute; under FP8 fc2 then saves its original input: "
-         "set_save_original_input)",
-         moe, module="moe_act"),
+         "set_save_original_input), so under FP8 the rerun remakes its 16-bit input (2f_e·T_pad/ETP)",
+         moe, module="moe_act", remade=_activation_output),
 ))
 #: the shared experts (Megatron's shared_experts.py, SharedExpertMLP: one tensor-parallel MLP of f_s that every
 #: token passes, its fc1 keeping the router's input, the same storage, module="moe", unless it overlaps; and
@@ -316,13 +377,32 @@ SHARED_EXPERT_TERMS = (
          Region.REPLICATED, _STORED, Scope.LAYER,
          "overlapping the dispatcher (--moe-shared-expert-overlap), the shared experts' fc1 keeps the input it "
          "all-gathers ahead (shared_experts.py, pre_forward_comm: cached_fc1_input; 2sbh at t > 1; at t = 1 the "
-         "router's input itself)", shared_experts_overlap, module="moe"),
+         "router's input itself)", _shared_fc1_gathered, module="moe"),
+    Term("shared_experts_fc1_input_gathered_fp8", _sbh, Region.REPLICATED, _STORED, Scope.LAYER,
+         "... under FP8 delayed scaling fc1 (parallel_mode None when overlapping) keeps that input's columnwise "
+         "copy instead, one byte an element, with its fp32 scale_inv (sbh + 4; at t = 1 too), and the 16-bit "
+         "rows it gathered are freed (linear_fc1_forward_and_act: cached_fc1_input = None)", _shared_fc1_fp8(True),
+         module="moe", fixed=_scale_inv),
+    Term("shared_experts_fc1_input_fp8", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "under FP8 delayed scaling the shared experts' fc1 keeps its input quantized, the rank's shard under SP "
+         "(TE's Linear quantizes it rowwise before its all-gather and keeps that: linear.py), one byte an "
+         "element, with its fp32 scale_inv (sbh + 4); under the other recipes Megatron has it keep its original "
+         "input, the router's (shared_experts.py: set_save_original_input)", _shared_fc1_fp8(False),
+         module="shared_experts", fixed=_scale_inv),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
          "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "
          "up_proj's outputs", shared_experts, module="shared_experts"),
-    Term("shared_experts_fc2_input", lambda arch: A16 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
-         "the shared experts' fc2 keeps its input (2sbf_s)", shared_experts, module="shared_experts"),
+    Term("shared_experts_fc2_input", lambda arch: (1 if arch.fp8 else A16) * _shared_ffn(arch) * s * b, Region.BLOCK,
+         _STORED, Scope.LAYER,
+         "the shared experts' fc2 keeps its input (2sbf_s); under FP8 (TE's Linear) its columnwise copy, one byte "
+         "an element, with its fp32 scale_inv (sbf_s + 4)", shared_experts, module="shared_experts",
+         fixed=_scale_inv),
+    Term("shared_experts_fc2_input_scales", lambda arch: block_scales(s * b, _shared_ffn(arch) / t, gathered=False)(arch),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "... under a block-scaled recipe, its columnwise copy's block scales, [s·b, f_s/t] (quantizer.cpp, "
+         "get_scale_shape: MXFP8 E8M0 [roundup(sb/32, 4), roundup(f_s/t, 128)]; blockwise fp32 GEMM_READY "
+         "[ceil(sb/128), roundup(f_s/t, 4)])", _shared_block_scales, module="shared_experts"),
     Term("shared_experts_gate_score", A16 * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the shared experts' gate keeps its sigmoid output, [N, 1], which the product saves too "
          "(shared_experts.py: sigmoid(linear(x, gate_weight)); 2sb)", shared_experts_gate, module="shared_experts"),

@@ -41,14 +41,20 @@ core's q, k, v, output and statistics (FP8 attention is off by default), the act
   group's columnwise copy alone, one byte an element, with its own fp32 scale_inv [1]; the 16-bit rows,
   padded or not, are kept by nothing; the weighted SwiGLU keeps fc1's 16-bit output and the probabilities
   over the padded rows; under --recompute-modules moe_act Megatron has fc2 save its original input
-  (set_save_original_input), which the checkpoint frees. A GroupedLinear of G experts is G modules' worth
+  (set_save_original_input), which the checkpoint frees. Under MXFP8 and blockwise, split_quantize puts every
+  expert's columnwise copy and then its block scales in one buffer (cast.cpp, bulk_allocate_*: data 256-byte
+  aligned, scales 16), scales for each 128 rows of an expert's. A GroupedLinear of G experts is G modules' worth
   of weight copies and scaling state (base.py: num_gemms·3 forward and num_gemms·2 backward quantizers).
   The router's GEMM is not TE's and stays 16-bit (moe_utils.py, RouterGatingLinearFunction).
+- the shared experts (SharedExpertMLP over TE's column- and row-parallel Linear): fc2 keeps its input's columnwise
+  copy, as a dense fc2; fc1, under every recipe but delayed, its original input (shared_experts.py:
+  set_save_original_input), the router's own; under delayed scaling its input quantized, the rank's shard (or,
+  overlapping the dispatcher, the input it gathered ahead, whose 16-bit copy is then freed).
 
 Modelled: delayed and tensorwise scaling on Hopper and Blackwell, with and without --fp8-param-gather; MXFP8 on
 Blackwell and blockwise on Hopper and Blackwell, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
-scales are counted for the local rows) and without --fp8-param-gather; experts under delayed and tensorwise
-scaling, as TE's grouped GEMM, without shared experts, --fp8-param-gather or --first-last-layers-bf16. Refused
+scales are counted for the local rows) and without --fp8-param-gather; experts under every recipe, as TE's
+grouped GEMM, with their shared experts (TE linears), without --fp8-param-gather or --first-last-layers-bf16. Refused
 with the reason: the rest, FP8 beside latent attention or multi-token prediction, and any code but
 Megatron-Core with TE.
 """
@@ -132,15 +138,9 @@ def check_fp8(arch) -> None:
 
 def _check_fp8_experts(arch) -> None:
     """FP8 experts are priced as TE's GroupedLinear under the per-tensor recipes (the module's docstring)."""
-    if arch.fp8 in BLOCK_RECIPES:
-        raise SpecError(f"FP8 experts under --fp8-recipe {arch.fp8}: TE's GroupedLinear quantizes their inputs into "
-                        "bulk buffers of 256-byte-aligned groups, read but not priced yet; give delayed or tensorwise")
     if not arch.moe_grouped_gemm:
         raise SpecError("FP8 experts are modelled as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP); "
                         "SequentialMLP's per-expert TE linears under FP8 are not priced yet")
-    if arch.moe_shared_ffn is not None:
-        raise SpecError("FP8 beside shared experts: their TE linears' FP8 saves (fc1's original input, fc2's FP8 "
-                        "copy) are read but not priced yet")
     if arch.fp8_param_gather:
         raise SpecError("--fp8-param-gather beside experts: the experts' FP8 parameters and their transposes are "
                         "not priced yet; drop it")
@@ -150,7 +150,7 @@ def _check_fp8_experts(arch) -> None:
 
 def padding_multiple(recipe) -> int:
     """a: the rows each expert's input is padded to a multiple of under FP8 (TE's fp8_padding.py, Fp8Padding;
-    quantization.py, get_fp8_align_size: 32 under MXFP8, 16 otherwise)."""
+    quantization.py, get_align_size_for_quantization: 32 under MXFP8, 16 otherwise)."""
     return 32 if recipe == "mxfp8" else 16
 
 
@@ -162,6 +162,21 @@ def expert_padding_rows(arch, ep):
     if not (arch.fp8 and arch.moe):
         return 0
     return arch.num_experts // ep * (padding_multiple(arch.fp8) - 1)
+
+
+BLOCK_ROWS = 128
+"""The rows of a block-scaled recipe's columnwise scale block: MXFP8's [roundup(M/32, 4), ...] is 4 rows of 32
+for each 128 rows of an expert's M (a multiple of 32), blockwise's [ceil(M/128), ...] one (quantizer.cpp)."""
+
+
+def expert_block_rows(arch, ep):
+    """Q: under a block-scaled recipe the experts' columnwise copies keep scales for B = Σ ceil(M_i/128) blocks of
+    their G = E/EP experts' padded rows M_i, each expert's at most (128 - a)/128 of a block more than its rows:
+    B = floor((T_pad + Q)/128) with Q = G·(128 - a) is the most B can be. 0 under the other recipes. Ints, or
+    arrays of EP over a sweep."""
+    if not (arch.moe and arch.fp8 in BLOCK_RECIPES):
+        return 0
+    return arch.num_experts // ep * (BLOCK_ROWS - padding_multiple(arch.fp8))
 
 
 def _up(x, n):

@@ -617,6 +617,8 @@ def _fp8_dims_fit(v, rows: int, cols: int):
     if arch.moe:     # the experts' fc2 input [T_pad, f_e/ETP] and fc1's weight rows, 2f_e/ETP (the rows are padded)
         expert = arch.expert_ffn(v.hidden) // (t if v.etp is None else v.etp)
         fits = fits & (expert % cols == 0) & ((2 * expert) % rows == 0)
+        if arch.moe_shared_ffn is not None:      # the shared experts' fc2 input [(s/c)·b, f_s/t], fc1's rows 2f_s/t
+            fits = fits & ((arch.moe_shared_ffn // t) % cols == 0) & ((2 * arch.moe_shared_ffn // t) % rows == 0)
     return fits
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from actmem.model import defaults, rules, symbols
 from actmem.model.architecture import Architecture
-from actmem.model.fp8 import expert_padding_rows
+from actmem.model.fp8 import expert_block_rows, expert_padding_rows
 from actmem.errors import SpecError
 from actmem.model.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from actmem.model.optimizer_state import OptimizerState
@@ -353,7 +353,8 @@ class Spec:
                   "v": self.padded_vocab, "m": run.interleave, "c": run.context_parallel,
                   "e": run.etp, "r": self.effective_imbalance, "ep": run.expert_parallel,
                   "C": self.expert_capacity(run.tensor_parallel),
-                  "P": expert_padding_rows(self.architecture, run.expert_parallel)}
+                  "P": expert_padding_rows(self.architecture, run.expert_parallel),
+                  "Q": expert_block_rows(self.architecture, run.expert_parallel)}
         return {symbols.BY_NAME[name]: value for name, value in values.items()}
 
     def bindings_at(self, t: int) -> dict:

@@ -20,10 +20,13 @@ C = sympy.Symbol("C", positive=True, integer=True)
 #: P, the rows FP8's per-expert padding may add to a rank's expert rows (actmem.model.fp8.expert_padding_rows): an
 #: estimate binds its most, the harness what its rank's experts did receive
 P = sympy.Symbol("P", nonnegative=True, integer=True)
+#: Q, the rows the experts' 128-row scale blocks may add under a block-scaled FP8 recipe
+#: (actmem.model.fp8.expert_block_rows): bound as P is
+Q = sympy.Symbol("Q", nonnegative=True, integer=True)
 
 #: name in the spec -> symbol, in the order of Table 1
 BY_NAME = {"s": s, "b": b, "h": h, "a": a, "L": L, "t": t, "p": p, "v": v, "m": m, "c": c, "e": e, "r": r,
-           "ep": ep, "C": C, "P": P}
+           "ep": ep, "C": C, "P": P, "Q": Q}
 
 #: a mixture-of-experts layer's own sizes, as the formulas view shows its rows (an estimate binds
 #: the architecture's integers in their place): E experts, top-k, an expert's hidden size f_e, the

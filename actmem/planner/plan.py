@@ -23,7 +23,7 @@ from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import ParameterBytes, expert_parameters, first_stage_parameters, mtp_parameters, stage_state
 from actmem.model.experts import capacity, check_routing, dense_twin, expert_shards, last_layer_moe
-from actmem.model.fp8 import check_gpu, expert_padding_rows
+from actmem.model.fp8 import check_gpu, expert_block_rows, expert_padding_rows
 from actmem.planner.expert_sweep import expert_sizes, expert_values, imbalance, middle_stages, mixed, prefix_or_periodic, \
     stage_kinds
 from actmem.memory.pipeline import chunks_held, held_counts, split_text, stage_split
@@ -486,7 +486,7 @@ def _numeric_args(req: PlanRequest, values) -> tuple:
             values("layer_activations"), values("microbatches_held"), values("holds_output"), values("c"),
             values("etp"), imbalance(req, values("ep")), values("ep"),
             capacity(req.architecture, s / values("c") * values("b") / values("t")),
-            expert_padding_rows(req.architecture, values("ep")))
+            expert_padding_rows(req.architecture, values("ep")), expert_block_rows(req.architecture, values("ep")))
 
 
 def _whole_bytes(values, rows: int) -> np.ndarray:

@@ -107,9 +107,14 @@ def _s_squared_per_layer_bytes(spec, technique) -> int:
     t = spec.run.tensor_parallel if technique.tensor_parallel else 1     # 'none' is t = 1
     bindings = spec.bindings_at(t)
     arch = spec.architecture
-    quadratic = [engine.term_bytes(term, technique, arch) for term in layer_terms(arch)
-                 if sympy.diff(term.size(arch), symbols.s, 2) != 0]
+    quadratic = [engine.term_bytes(term, technique, arch) for term in layer_terms(arch) if _quadratic_in_s(term.size(arch))]
     return engine.exact(sympy.Add(*quadratic), bindings)
+
+
+def _quadratic_in_s(size) -> bool:
+    """A row with s squared in it, expanded (the scores' as²b); a second derivative would also call a ceiling, a
+    floor or a Min of s (the MoE rows) quadratic, where sympy leaves a step's derivative standing."""
+    return any(power.base == symbols.s and power.exp >= 2 for power in sympy.expand(size).atoms(sympy.Pow))
 
 
 # -- how it grows ----------------------------------------------------------------------------

@@ -30,11 +30,13 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     padded to capacity under both dispatchers; TE's grouped GEMM (TEGroupedMLP over a GroupedLinear stand-in),
     with moe_act recomputed; TE's fused permutation (its stand-in) under both dispatchers, padded too; beside
     context parallelism c = 2 under both dispatchers, the sequence-wise aux loss too; FP8 experts under the
-    tensorwise and delayed recipes, over both dispatchers, beside EP = 2, at t = 2, with moe_act recomputed), every
+    tensorwise and delayed recipes, over both dispatchers, beside EP = 2, at t = 2, with moe_act recomputed, beside
+    shared experts under both recipes, overlapping the dispatcher too, and under MXFP8 and blockwise scaling,
+    their bulk buffers), every
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 28
+    assert len({row["config"] for row in grid_rows}) == 34
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -179,14 +181,57 @@ def test_the_gate_fails_fp8_experts_priced_wrong():
 
     config = next(c for c in moe_grid() if "EP=2 ETP=1 alltoall router bf16 grouped fp8 tensorwise" in c.label)
     rank, received, kept, padded, named = measure(config)[0]
-    expected = formula(config.spec, config.technique, received, kept_copies=kept, padded_rows=padded)
+    expected = formula(config.spec, config.technique, received, kept_copies=kept, padding=padded)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     bf16 = replace(config.spec, architecture=config.spec.architecture.bf16_twin())
     assert judge(term_rows(config, rank, formula(bf16, config.technique, received, kept_copies=kept), named), 0.0)
     at_most = formula(config.spec, config.technique, received, kept_copies=kept)
     if at_most != expected:
         assert judge(term_rows(config, rank, at_most, named), 0.0)
-    held = named | {"experts_input": named["experts_input"] + 2 * 32 * padded}
+    held = named | {"experts_input": named["experts_input"] + 2 * 32 * padded[0]}
     assert judge(term_rows(config, rank, expected, held), 0.0)
     lost = named | {"experts_fc2_input": named["experts_fc2_input"] - 4}
     assert judge(term_rows(config, rank, expected, lost), 0.0)
+
+
+def test_fp8_shared_experts_keep_what_te_s_linears_keep(grid_rows):
+    """Shared experts of f_s = 128 (h = 32, s·b = 32): fc2 keeps its input's columnwise copy and scale_inv,
+    s·b·f_s/t + 4: 32·64 + 4 = 2052 at t = 2, 32·128 + 4 = 4100 at t = 1; fc1 keeps, under tensorwise, the
+    router's input (nothing of its own); under delayed scaling its input quantized, 32·32 + 4 = 1028 (the rank's
+    whole input at t = 1; overlapping the dispatcher at t = 2, the input it gathered ahead, whose 16-bit copy is
+    then freed)."""
+    tensorwise = "t=2 EP=1 ETP=2 alltoall router bf16 grouped fp8 tensorwise shared aux"
+    overlap = "grouped fp8 delayed shared gated overlap"
+    whole = "t=1 EP=2 ETP=1 alltoall router bf16 grouped fp8 delayed shared aux"
+    assert _kept(grid_rows, tensorwise, "shared_experts_fc2_input") == [2052] * 2
+    assert not [n for n in _kept(grid_rows, tensorwise, "shared_experts_fc1_input_fp8") if n]
+    assert _kept(grid_rows, overlap, "shared_experts_fc1_input_gathered_fp8") == [1028] * 2
+    assert not [n for n in _kept(grid_rows, overlap, "shared_experts_fc1_input_gathered") if n]
+    assert _kept(grid_rows, whole, "shared_experts_fc1_input_fp8") == [1028] * 2
+    assert _kept(grid_rows, whole, "shared_experts_fc2_input") == [4100] * 2
+
+
+def test_the_gate_fails_a_shared_expert_s_16_bit_input_held_under_delayed_scaling():
+    """Overlapping the dispatcher under delayed scaling, fc1's gathered 16-bit input (2·s·b·h = 2048 B) held
+    beside its FP8 copy is a row the formula has not: red."""
+    config = next(c for c in moe_grid() if "fp8 delayed shared gated overlap" in c.label)
+    rank, received, kept, padded, named = measure(config)[0]
+    expected = formula(config.spec, config.technique, received, kept_copies=kept, padding=padded)
+    assert judge(term_rows(config, rank, expected, named), 0.0) == []
+    held = named | {"shared_experts_fc1_input_gathered": 2048}
+    assert any("shared_experts_fc1_input_gathered" in line for line in judge(term_rows(config, rank, expected, held), 0.0))
+
+
+def test_the_block_recipes_keep_one_buffer_of_copies_and_scales(grid_rows):
+    """Blockwise beside EP = 2 (h = 32, f_e = 96, rows padded to 16): fc1's buffer holds each expert's copy (32·M_i)
+    and fp32 scales 4·ceil(M_i/128)·roundup(32, 4) = 128 a block; fc2's 96·M_i and 4·96 = 384 a block. With at
+    most 4·16 rows an expert here, every non-empty expert is one block: fc1 = 32·T_pad + 128·B, fc2 = 96·T_pad +
+    384·B with the same T_pad and B on both. MXFP8 (rows padded to 32, E8M0 scales 4 rows x roundup(K, 128) a
+    block: 512 for fc1, 512 for fc2)."""
+    for config, (k1, s1, k2, s2) in (("grouped fp8 blockwise aux 0.01", (32, 128, 96, 384)),
+                                     ("grouped fp8 mxfp8 shared", (32, 512, 96, 512))):
+        fc1 = [n for n in _kept(grid_rows, config, "experts_input")][:2]
+        fc2 = [n for n in _kept(grid_rows, config, "experts_fc2_input")][:2]
+        for a, c in zip(fc1, fc2):
+            blocks = [(a - s1 * b) // k1 for b in range(1, 9) if (a - s1 * b) % k1 == 0 and (c - s2 * b) == k2 * ((a - s1 * b) // k1)]
+            assert blocks, (config, a, c)

@@ -71,14 +71,15 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
              capacity: float | None = None, drop_policy: str = "probs", pad: bool = False,
              grouped: bool = False, fused: bool = False, c: int = 1, fp8: str | None = None) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
-    shared experts of f_s = 14 where asked. ``fp8``: the experts under that FP8 recipe, on a Hopper, at h = 32 and
-    f_e = 96, dims TE's FP8 GEMMs take (rules.py: the attention's a·d/t and f_e/ETP divisible by 16)."""
+    shared experts of f_s = 14 where asked. ``fp8``: the experts under that FP8 recipe, on a Hopper, at h = 32,
+    f_e = 96 and f_s = 128, dims TE's FP8 GEMMs take (rules.py: the attention's a·d/t, f_e/ETP and f_s/t divisible
+    by 16)."""
     ffn = 96 if fp8 else 10
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=ffn, moe_ffn_hidden=ffn, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, moe_dispatcher=dispatcher,
                         moe_aux_loss_coeff=1e-2 if aux else 0.0, moe_router_dtype=router_dtype, tied_output=False,
-                        moe_shared_ffn=14 if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
+                        moe_shared_ffn=(128 if fp8 else 14) if shared else None, moe_shared_gate=gate, moe_shared_overlap=overlap,
                         moe_pre_softmax=pre_softmax, moe_score_function="sigmoid" if sigmoid else "softmax",
                         moe_expert_bias=expert_bias, moe_router_groups=groups and groups[0],
                         moe_router_group_topk=groups and groups[1],
@@ -87,7 +88,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_permute_fusion=fused, fp8_format=fp8 and "e4m3", fp8_recipe=fp8)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp, context_parallel=c)
-    gpu = {"gpu_name": "a Hopper GPU", "gpu_fp8": "hopper"} if fp8 else {}
+    generation = "blackwell" if fp8 == "mxfp8" else "hopper"          # MXFP8 runs on Blackwell alone
+    gpu = {"gpu_name": f"a {generation.capitalize()} GPU", "gpu_fp8": generation} if fp8 else {}
     return Spec(Model(heads=4, hidden=32 if fp8 else 16, layers=1, vocab=64, seq_len=16), run, name="moe",
                 architecture=arch, **gpu)
 
@@ -138,6 +140,18 @@ def moe_grid() -> list:
                 MoEConfig(moe_spec(t=2, grouped=True, fp8="tensorwise"), run_technique(True, act)),
                 MoEConfig(moe_spec(ep=2, grouped=True, fp8="tensorwise", dispatcher="allgather"),
                           run_technique(False, NONE))]
+    # ... beside shared experts (TE linears' FP8 stand-in): tensorwise at t = 2 (fc1 keeps the router's input),
+    # delayed at t = 2, gated and overlapping the dispatcher (fc1 keeps the gathered input quantized), delayed
+    # beside EP = 2 at t = 1 (the whole input quantized)
+    configs += [MoEConfig(spec, run_technique(spec.run.sequence_parallel, NONE)) for spec in (
+        moe_spec(t=2, grouped=True, shared=True, fp8="tensorwise"),
+        moe_spec(t=2, grouped=True, shared=True, gate=True, overlap=True, fp8="delayed"),
+        moe_spec(ep=2, grouped=True, shared=True, fp8="delayed"))]
+    # ... under the block-scaled recipes (their bulk buffers, rows padded to 32 under MXFP8): MXFP8 beside EP = 2
+    # with shared experts, blockwise beside EP = 2, and with moe_act recomputed
+    configs += [MoEConfig(moe_spec(ep=2, grouped=True, shared=True, fp8="mxfp8"), run_technique(False, NONE)),
+                MoEConfig(moe_spec(ep=2, grouped=True, fp8="blockwise"), run_technique(False, NONE)),
+                MoEConfig(moe_spec(ep=2, grouped=True, fp8="blockwise"), run_technique(False, act))]
     # the permutation as TE's fused kernels (their CPU stand-in, te_permutation): under alltoall at EP = 1 (the
     # chunk sorts of 8 local experts), beside EP = 2 with the router in fp32, padded to capacity beside EP = 2;
     # under allgather beside EP = 2
@@ -158,10 +172,11 @@ def moe_grid() -> list:
 
 
 def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool = False,
-            kept_copies: int | None = None, padded_rows: int | None = None) -> dict:
+            kept_copies: int | None = None, padding: tuple | None = None) -> dict:
     """{term: bytes} of one MoE layer on a rank whose experts received ``expert_rows`` rows, and under FP8
-    computed ``padded_rows`` (each expert's padded to a multiple of 16: P bound to what padding added, as r to
-    the rows received); ``in_layer``: with its pre-MLP norm's rows. Under a capacity factor that drops (not padded), the alltoall permute keeps the
+    ``padding``: (the rows they computed, each expert's padded to a multiple of 16 or 32, the 128-row scale blocks
+    of those): P and Q bound to what padding and the blocks added, as r to the rows received; ``in_layer``: with
+    its pre-MLP norm's rows. Under a capacity factor that drops (not padded), the alltoall permute keeps the
     indices of the ``kept_copies`` its rank kept, which the table bounds by min(k·N, E·C): the row is bound to
     them where they are within it (as T to the rows received), and stays the bound, to fail, where they are not."""
     from actmem.memory import engine
@@ -176,8 +191,10 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
                                                   moe_pad_to_capacity=False)),
                             bindings | {symbols.r: 1})
     bindings[symbols.r] = Fraction(expert_rows, balanced)
-    if padded_rows is not None:
+    if padding is not None:
+        padded_rows, blocks = padding
         bindings[symbols.P] = padded_rows - expert_rows
+        bindings[symbols.Q] = 128 * blocks - padded_rows
     norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
     rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
             if term.present(arch)}
@@ -210,10 +227,6 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
     # the router's top-k indices; the aux loss's own are freed before the forward ends (terms.py): a second
     # [N, k] int64 storage held is no row's, and fails the gate
     topk_indices = iter(("router_topk_indices",))
-    # under FP8 each local expert's quantized input keeps an fp32 scale_inv [1]: fc1's G, then fc2's G (in the
-    # order they run; none for fc2 under moe_act, which saves its original input)
-    groups = e // run.expert_parallel
-    scales = iter(("experts_input",) * groups + ("experts_fc2_input",) * groups)
     # int64 vectors in the order saved: the aux loss's tokens per expert, then the permutation's indices
     # (padded to capacity, the alltoall permute's probabilities' flat indices, selected first: moe_utils.py, permute)
     vectors = iter(("aux_loss_tokens_per_expert",) * moe_aux_loss(arch)
@@ -222,12 +235,18 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
     if arch.moe_shared_ffn is not None:        # the shared experts': 3-D, or 2-D over the whole sequence
         f_s, t = arch.moe_shared_ffn // run.tensor_parallel, run.tensor_parallel
         by_shape |= {("bfloat16", (s, b, f_s)): "shared_experts_fc2_input",
+                     ("float8_e4m3fn", (s, b, f_s)): "shared_experts_fc2_input",
+                     ("float8_e4m3fn", (s, b, h) if arch.moe_shared_overlap else (n // b, b, h)):
+                         "shared_experts_fc1_input_gathered_fp8" if arch.moe_shared_overlap
+                         else "shared_experts_fc1_input_fp8",
                      ("bfloat16", (n // b, b, 1)): "shared_experts_gate_score",
                      ("bfloat16", (n // b, b, h)): "shared_experts_output",
                      ("bfloat16", (s, b, h)): "shared_experts_fc1_input_gathered" if t > 1 else "shared_experts_output",
                      ("bfloat16", (s * b, 2 * f_s)): "shared_experts_swiglu_input"}
         if 2 * f_s in by_width:
             raise ValueError(f"f_s/t = {f_s} gives the shared experts' SwiGLU an expert tensor's width: pick other dims")
+        if arch.fp8 and f_s == h:
+            raise ValueError(f"f_s/t = h = {h} gives the shared experts' fc1 and fc2 FP8 copies one shape: pick other dims")
     named = {}
     for key, dtype, shape, n_bytes in saved:
         if key == x_key:
@@ -248,10 +267,10 @@ def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
             name = "permute_chunk_maps"           # TE's chunk sorts' maps, [T] each
         elif (dtype, shape) in by_shape:
             name = by_shape[(dtype, shape)]
+        elif arch.fp8 and key in _STAND_IN_TERMS:
+            name = _STAND_IN_TERMS[key]         # a scale_inv or a bulk buffer, named by the stand-in that made it
         elif arch.fp8 and dtype == "float8_e4m3fn" and len(shape) == 2 and shape[1] in (h, f):
             name = "experts_input" if shape[1] == h else "experts_fc2_input"     # an expert's columnwise copy
-        elif arch.fp8 and (dtype, shape) == ("float32", (1,)):
-            name = next(scales, f"unnamed {dtype} {list(shape)}")
         elif dtype == probs and len(shape) == 2 and shape[1] == 1:
             name = "experts_probs"
         elif dtype == "bfloat16" and len(shape) == 2 and shape[1] in by_width:
@@ -341,6 +360,54 @@ def _cpu_shims() -> None:
     rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
 
 
+_STAND_IN_TERMS: dict = {}
+"""{storage address: term} of the storages the FP8 stand-ins made, on this rank's run: the fp32 scale_inv [1] every
+quantized input keeps (the same dtype and shape whoever made it) and the block recipes' bulk buffers; cleared at
+each run (_rank)."""
+
+
+def _scale_inv(term: str):
+    """TE's fp32 scale_inv [1] of a tensor quantized for ``term`` (quantizer.cpp), named for _named."""
+    import torch
+
+    scale = torch.ones(1, dtype=torch.float32)
+    _STAND_IN_TERMS[scale.untyped_storage().data_ptr()] = term
+    return scale
+
+
+def _bulk_columnwise(inputs, recipe: str, term: str) -> list:
+    """Transformer Engine's split_quantize under a block-scaled recipe, its columnwise buffer (cast.cpp,
+    bulk_allocate_mxfp8_tensors / bulk_allocate_fp8_blockwise_tensors, TE 2.11): one uint8 storage, each expert's
+    data [M_i, K] (one byte an element) from a 256-byte boundary, then each expert's scales from a 16-byte one,
+    MXFP8's E8M0 [roundup(M_i/32, 4), roundup(K, 128)], blockwise's fp32 GEMM_READY [ceil(M_i/128),
+    roundup(K, 4)] (quantizer.cpp, get_scale_shape); the experts' views of it, which keep it alive. The rowwise
+    buffer TE frees once the GEMM has run (update_usage) is not made."""
+    import torch
+
+    def up(x, n):
+        return -(-x // n) * n
+
+    cols = inputs[0].shape[-1]
+    scales = [up(-(-len(x) // 32), 4) * up(cols, 128) if recipe == "mxfp8" else 4 * -(-len(x) // 128) * up(cols, 4)
+              for x in inputs]
+    offsets, end = [], 0
+    for x in inputs:
+        offsets.append(up(end, 256))
+        end = offsets[-1] + len(x) * cols
+    scale_offsets = []
+    for size in scales:
+        scale_offsets.append(up(end, 16))
+        end = scale_offsets[-1] + size
+    buffer = torch.zeros(end, dtype=torch.uint8)
+    _STAND_IN_TERMS[buffer.untyped_storage().data_ptr()] = term
+    kept = []
+    for x, offset in zip(inputs, offsets):
+        data = buffer[offset:offset + x.numel()].view(torch.float8_e4m3fn).view(x.shape)
+        data.copy_(x.to(torch.float8_e4m3fn))
+        kept.append(data)
+    return kept + [buffer[offset:offset + size] for offset, size in zip(scale_offsets, scales)]
+
+
 def _grouped_linear(fp8: str | None = None, fc2_original_input: bool = False):
     """(column, row): Transformer Engine's GroupedLinear as Megatron's TEColumn/TERowParallelGroupedLinear wrap
     it for the experts, keeping what TE's keeps in 16 bits (module/grouped_linear.py, _GroupedLinear.forward:
@@ -357,14 +424,16 @@ def _grouped_linear(fp8: str | None = None, fc2_original_input: bool = False):
 
     class _GroupedGemm(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, inp, m_splits, quantize, *weights):
+        def forward(ctx, inp, m_splits, quantize, term, *weights):
             inputs = torch.split(inp, m_splits)
             out = torch.empty(inp.shape[0], weights[0].shape[0], dtype=inp.dtype)
             for x, weight, y in zip(inputs, weights, torch.split(out, m_splits)):
                 torch.matmul(x, weight.t(), out=y)
-            if quantize:       # an expert's columnwise copy and its scale_inv, a storage each
+            if quantize and fp8 in ("mxfp8", "blockwise"):   # every expert's copy and scales in one buffer
+                kept = _bulk_columnwise(inputs, fp8, term)
+            elif quantize:     # an expert's columnwise copy and its scale_inv, a storage each
                 kept = [x.to(torch.float8_e4m3fn) for x in inputs]
-                kept += [torch.ones(1, dtype=torch.float32) for _ in inputs]
+                kept += [_scale_inv(term) for _ in inputs]
             else:
                 kept = list(inputs)
             ctx.save_for_backward(*kept, *weights)
@@ -379,7 +448,7 @@ def _grouped_linear(fp8: str | None = None, fc2_original_input: bool = False):
                 inputs = [x.to(grad.dtype) for x in inputs]
             grads = torch.split(grad, ctx.m_splits)
             grad_input = torch.cat([g @ w for g, w in zip(grads, weights)])
-            return grad_input, None, None, *(g.t() @ x for g, x in zip(grads, inputs))
+            return grad_input, None, None, None, *(g.t() @ x for g, x in zip(grads, inputs))
 
     class _GroupedLinear(torch.nn.Module):
         column = True
@@ -393,12 +462,85 @@ def _grouped_linear(fp8: str | None = None, fc2_original_input: bool = False):
             self.quantize = fp8 is not None and (self.column or not fc2_original_input)
 
         def forward(self, x, m_splits):
-            return _GroupedGemm.apply(x, list(m_splits), self.quantize, *self.weights), None
+            term = "experts_input" if self.column else "experts_fc2_input"
+            return _GroupedGemm.apply(x, list(m_splits), self.quantize, term, *self.weights), None
 
     class _RowGroupedLinear(_GroupedLinear):
         column = False
 
     return _GroupedLinear, _RowGroupedLinear
+
+
+def _te_linears(fp8: str):
+    """(column, row): Transformer Engine's Linear as Megatron's TEColumnParallelLinear and TERowParallelLinear
+    build the shared experts' fc1 and fc2 (moe_module_specs.py), under FP8, on a CPU (TE 2.11, linear.py;
+    actmem.model.fp8): fc1 under sequence parallelism all-gathers the rank's shard itself and keeps, under delayed
+    scaling, that shard quantized (one byte, its scale_inv), under the other recipes the shard itself (Megatron's
+    set_save_original_input: the router's input); fc2 keeps its input's columnwise copy and scale_inv (under a block
+    recipe its block scales) and reduce-scatters its output. Overlapping the dispatcher Megatron sets parallel_mode None on both: no
+    communication of their own, fc1 handed the input gathered ahead."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim, \
+        reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region
+
+    def _scales(x, term):
+        """The copy's fp32 scale_inv [1], or under a block recipe its GEMM_READY block scales (layers.block_scales)."""
+        if fp8 not in ("mxfp8", "blockwise"):
+            return _scale_inv(term)
+        from actmem_validate.layers import block_scales
+
+        scales = block_scales(x.numel() // x.shape[-1], x.shape[-1], fp8, compact=False, device=x.device)
+        _STAND_IN_TERMS[scales.untyped_storage().data_ptr()] = term + "_scales"
+        return scales
+
+    class _Gemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, quantize, term, group):
+            total = x if group is None else _gather_along_first_dim(x, group)
+            kept = (x.to(torch.float8_e4m3fn), _scales(x, term)) if quantize else (x,)
+            ctx.save_for_backward(*kept, weight)
+            ctx.quantize, ctx.group = quantize, group
+            return torch.matmul(total, weight.t())
+
+        @staticmethod
+        def backward(ctx, grad):
+            saved = ctx.saved_tensors
+            x, weight = (saved[0].to(grad.dtype) if ctx.quantize else saved[0]), saved[-1]
+            total = x if ctx.group is None else _gather_along_first_dim(x, ctx.group)
+            grad_total = torch.matmul(grad, weight)
+            grad_x = grad_total if ctx.group is None else _reduce_scatter_along_first_dim(grad_total, ctx.group)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ total.reshape(-1, total.shape[-1])
+            return grad_x, grad_weight, None, None, None
+
+    class _Linear(torch.nn.Module):
+        column = True
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__()
+            self.t, self.sequence_parallel = config.tensor_model_parallel_size, config.sequence_parallel
+            rows, cols = (output_size // self.t, input_size) if self.column else (output_size, input_size // self.t)
+            self.weight = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02)
+            self.parallel_mode = "column" if self.column else "row"
+
+        def forward(self, x):
+            group = parallel_state.get_tensor_model_parallel_group()
+            communicate = self.parallel_mode is not None and self.t > 1
+            if self.column:
+                gather = group if communicate and self.sequence_parallel else None
+                return _Gemm.apply(x, self.weight, fp8 == "delayed", "shared_experts_fc1_input_fp8"
+                                   if self.parallel_mode else "shared_experts_fc1_input_gathered_fp8", gather), None
+            partial = _Gemm.apply(x, self.weight, True, "shared_experts_fc2_input", None)
+            if not communicate:
+                return partial, None
+            reduce = reduce_scatter_to_sequence_parallel_region if self.sequence_parallel else \
+                reduce_from_tensor_model_parallel_region
+            return reduce(partial), None
+
+    class _RowLinear(_Linear):
+        column = False
+
+    return _Linear, _RowLinear
 
 
 def _fp8_padding(align: int):
@@ -490,6 +632,10 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
         column, row = _grouped_linear(arch.fp8, fc2_original_input=moe_act)
         submodules = replace(submodules, experts=ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
             linear_fc1=column, linear_fc2=row)))
+        if arch.fp8:        # the shared experts' TE linears' FP8 stand-ins
+            column, row = _te_linears(arch.fp8)
+            submodules = replace(submodules, shared_experts=replace(submodules.shared_experts, submodules=replace(
+                submodules.shared_experts.submodules, linear_fc1=column, linear_fc2=row)))
     if arch.moe_permute_fusion:
         from actmem_validate import te_permutation
 
@@ -539,12 +685,13 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         rows = spec.model.seq_len // run.context_parallel // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
         received, kept, padded = [], [], []
+        _STAND_IN_TERMS.clear()
         moe = layer.mlp if config.in_layer else layer
         experts_forward = moe.experts.forward
         align = padding_multiple(spec.architecture.fp8)     # the rows each expert's are padded to under FP8
         moe.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))),
-            padded.append(sum(-(-int(n) // align) * align for n in tokens_per_expert)),
+            padded.append(_padding(tokens_per_expert, align)),
             experts_forward(tokens, tokens_per_expert, *args, **kwargs))[2]
         preprocess = moe.token_dispatcher.dispatch_preprocess     # the routed copies this rank keeps, after capacity
         moe.token_dispatcher.dispatch_preprocess = lambda tokens, routing_map, probs: (
@@ -562,9 +709,16 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         results.put((rank, received[0], kept[0], padded[0] if spec.architecture.fp8 else None, named))
 
 
+def _padding(tokens_per_expert, align: int) -> tuple:
+    """(Σ roundup(n_i, align), Σ ceil(roundup(n_i, align)/128)): the rows the experts computed under FP8, each
+    expert's padded (TEGroupedMLP: quantization_padding), and their 128-row scale blocks."""
+    rows = [-(-int(n) // align) * align for n in tokens_per_expert]
+    return sum(rows), sum(-(-n // 128) for n in rows)
+
+
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
-    """(rank, expert rows received, routed copies kept, under FP8 the rows its experts computed padded (else
-    None), {term: bytes saved}) of every rank of one configuration."""
+    """(rank, expert rows received, routed copies kept, under FP8 (the rows its experts computed padded, their
+    128-row blocks), else None, {term: bytes saved}) of every rank of one configuration."""
     from actmem_validate.gloo import spawn
 
     return spawn(_rank, config)

@@ -434,6 +434,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        gradient_bytes=spec.gradient_bytes, optimizer_bytes=spec.optimizer.bytes_per_parameter,
                        ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
                        extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
-                       fp8_layers=sum(stage_fp8_layers(spec, stage)) if arch.fp8_first_last_bf16 else None)
+                       fp8_layers=sum(stage_fp8_layers(spec, stage)) if arch.fp8_first_last_bf16 else None,
+                       eh_projections=mtp)
 
 

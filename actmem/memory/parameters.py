@@ -157,12 +157,19 @@ def _attention_shapes(h, t, arch, heads) -> tuple:
                     (heads * (arch.qk_head_dim + arch.v_head_dim) // t, arch.kv_lora_rank, 1))
 
 
+def fp8_attention_shapes(h, t, arch, heads) -> tuple:
+    """(rows, cols) of the attention's TE linear weights on one of t GPUs, those FP8 quantizes: QKV
+    [(ad + 2gd)/t, h] or multi-latent attention's projections (_attention_shapes: its down projections
+    whole), and proj [h, ad/t] (a·d_v/t under MLA)."""
+    return (*((rows, cols) for rows, cols, _ in _attention_shapes(h, t, arch, heads)),
+            (h, arch.attention_width(h, heads) // t))
+
+
 def fp8_linear_shapes(h, t, arch, heads) -> tuple:
-    """(rows, cols) of a dense layer's TE linear weights on one of t GPUs, those FP8 quantizes: QKV
-    [(ad + 2gd)/t, h], proj [h, ad/t], fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (no biases nor norms)."""
+    """(rows, cols) of a dense layer's TE linear weights on one of t GPUs, those FP8 quantizes: the attention's
+    (fp8_attention_shapes), fc1 [f/t, h] (2f/t gated), fc2 [h, f/t] (no biases nor norms)."""
     f = arch.ffn(h)
-    return ((qkv_width(h, arch, heads) // t, h), (h, arch.attention_width(h, heads) // t),
-            (arch.fc1_width * f // t, h), (h, f // t))
+    return (*fp8_attention_shapes(h, t, arch, heads), (arch.fc1_width * f // t, h), (h, f // t))
 
 
 def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=1):
@@ -181,7 +188,7 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
 
         own = layers if moe_layers is None else moe_layers
         _, dense = fp8_state(h, t, dense_twin(arch), heads, layers - own, generation)
-        linears = fp8_linear_shapes(h, t, arch, heads)[:2]          # the attention's QKV and proj
+        linears = fp8_attention_shapes(h, t, arch, heads)
         if arch.moe_shared_ffn is not None:                          # the shared experts' fc1 and fc2, over t
             linears += ((2 * arch.moe_shared_ffn // t, h), (h, arch.moe_shared_ffn // t))
         kept = (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in linears)
@@ -190,7 +197,7 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
     shapes = fp8_linear_shapes(h, t, arch, heads)
     shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
     kept = layers * (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in shapes)
-                     + fp8.MODULES_A_LAYER * fp8.module_state_bytes(arch))
+                     + len(shapes) * fp8.module_state_bytes(arch))
     return shrink, kept
 
 
@@ -264,7 +271,7 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
-                extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None) -> ParameterBytes:
+                extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None, eh_projections=0) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
@@ -272,7 +279,9 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     for a dense model); the others are ``arch``'s dense twin's (actmem.model.experts.dense_twin).
     ``extra``: parameters beside the layers (the multi-token-prediction layers'), sharded as the dense.
     ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state); ``fp8_layers``: the
-    stage's layers that run in FP8 where some run in bf16 (--first-last-layers-bf16; None: all).
+    stage's layers that run in FP8 where some run in bf16 (--first-last-layers-bf16; None: all); ``eh_projections``:
+    the multi-token-prediction layers' eh_proj on the stage, TE linears [h/t, 2h] of their own under FP8 (their
+    transformer layers are among ``stage_layers``).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -286,10 +295,22 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
+    projections = eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8)
     if not arch.moe:
         shrink, kept = fp8_state(h, t, arch, heads, stage_layers if fp8_layers is None else fp8_layers, gpu_fp8)
-        return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept) if arch.fp8 else state
+        return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) \
+            if arch.fp8 else state
     experts = own * expert_parameters(h, arch, ep, etp)
     state = state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)
     _, kept = fp8_state(h, t, arch, heads, stage_layers, gpu_fp8, own, ep, etp)
-    return replace(state, fp8_bytes=kept) if arch.fp8 else state
+    return replace(state, fp8_bytes=kept + projections) if arch.fp8 else state
+
+
+def _eh_proj_fp8_kept(h, t, arch, generation):
+    """What TE keeps for one multi-token-prediction eh_proj under FP8: its [h/t, 2h] weight's copies and a
+    module's scaling state (actmem.model.fp8); 0 in 16 bits."""
+    from actmem.model import fp8
+
+    if not arch.fp8:
+        return 0
+    return fp8.weight_copy_bytes(arch, generation, h // t, 2 * h) + fp8.module_state_bytes(arch)

@@ -19,6 +19,15 @@ def roundup(x, n):
     return n * sympy.ceiling(x / n)
 
 
+def fp8_scale_inv(arch) -> int:
+    """An FP8 tensor's fp32 scale_inv, [1], kept beside it under delayed or tensorwise scaling (quantizer.cpp;
+    actmem.model.fp8); 0 in 16 bits, and under the block-scaled recipes, which keep block scales instead
+    (block_scales)."""
+    from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
+
+    return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
+
+
 def block_scales(rows, cols, gathered: bool):
     """The block scales of a saved input's columnwise copy, [rows, cols] (quantizer.cpp, get_scale_shape): MXFP8
     [roundup(rows/32, 4), roundup(cols, 128)] of E8M0 bytes; blockwise fp32 [ceil(rows/128), cols] in the

@@ -13,7 +13,7 @@ from actmem.model.architecture import PAPER, checkpoint_causal_mask, checkpoint_
     dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    flash_heads, hidden_dropout, keeps_norm_input, latent, loss_in_fp32_gradients, moe, \
+    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_query, loss_in_fp32_gradients, moe, \
     norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
     squared_relu, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -25,7 +25,7 @@ from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as INDEX, L
     MASK_BYTES as MASK
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
 from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
-from actmem.memory.term import block_scales as _block_scales, ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
+from actmem.memory.term import block_scales as _block_scales, fp8_scale_inv, ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
     SBH as _sbh, STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope, Term: API)
 
 
@@ -36,10 +36,7 @@ def _gemm_input(arch) -> int:
     return 1 if arch.fp8 else A16
 
 
-def _fp8_scale(arch) -> int:
-    """An FP8 tensor's fp32 scale_inv, [1], kept beside it (actmem.model.fp8); the block-scaled recipes keep
-    block scales instead (_block_scales)."""
-    return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
+_fp8_scale = fp8_scale_inv
 
 
 def _block_recipe(arch) -> bool:
@@ -130,6 +127,23 @@ def _latent_input_norm(arch):
     return "layernorm" if latent(arch) else None
 
 
+def _latent_fp8(arch) -> bool:
+    """multi-latent attention under FP8, where its q and kv linears on the norm's output keep a copy each"""
+    return latent(arch) and bool(arch.fp8)
+
+
+def _latent_block_fp8(arch) -> bool:
+    """multi-latent attention under a block-scaled FP8 recipe"""
+    return latent(arch) and arch.fp8 in BLOCK_RECIPES
+
+
+def _q_copy_module(arch):
+    """What drops the q linear's FP8 copy of the norm's output: the q down projection runs outside the
+    mla_up_proj checkpoint, before it (its input norm's, as qkv_input), the q projection without a latent
+    inside it (multi_latent_attention.py, qkv_up_proj_and_rope_apply under CheckpointWithoutOutput)."""
+    return "mla_up_proj" if not latent_query(arch) else _latent_input_norm(arch)
+
+
 def _sbf(width: int):
     """An sb x (width·f) 16-bit tensor; f is the architecture's MLP size (4h by default)."""
     return lambda arch: A16 * width * s * b * arch.ffn(h)
@@ -163,6 +177,15 @@ TERMS = (
     Term("qkv_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
          "under a block-scaled FP8 recipe the norm's output keeps its block scales beside it, of the rank's s·b/t "
          "rows under SP (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)", _block_recipe, module=_latent_input_norm),
+    # under FP8 multi-latent attention's two linears on the input norm's output keep a copy each (the kv down
+    # projection's is qkv_input above)
+    Term("qkv_input_q_fp8", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "under FP8 multi-latent attention's q down projection (TELinear, duplicated), or without a q latent its "
+         "q projection (TEColumnParallelLinear, the rank's shard under SP), keeps its own copy of the norm's "
+         "output, one byte an element, with its scale_inv (linear.py: each module quantizes its input; the "
+         "16-bit output is then kept by neither; sbh + 4)", _latent_fp8, module=_q_copy_module, fixed=_fp8_scale),
+    Term("qkv_input_q_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
+         "... under a block-scaled recipe, that copy's block scales", _latent_block_fp8, module=_q_copy_module),
     *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import sympy
 
-from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term, block_scales, roundup
+from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term, block_scales, \
+    fp8_scale_inv, roundup
 from actmem.model import symbols
 from actmem.model.architecture import grouped_mm_experts, grouped_mm_renormalised, megatron_moe, moe, moe_aux_loss, \
     moe_group_mask, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, moe_sigmoid_normalised, moe_topk_softmax, \
@@ -162,12 +163,7 @@ def _group_scales(arch, cols):
     return SCALE_INV_BYTES * _experts(arch) / symbols.ep
 
 
-def _scale_inv(arch) -> int:
-    """A quantized tensor's fp32 scale_inv [1] under delayed or tensorwise FP8 (actmem.model.fp8), else 0 (the
-    block recipes keep block scales: shared_experts_fc2_input_scales)."""
-    from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
-
-    return SCALE_INV_BYTES if arch.fp8 and arch.fp8 not in BLOCK_RECIPES else 0
+_scale_inv = fp8_scale_inv
 
 
 def _shared_block_scales(arch) -> bool:

@@ -5,7 +5,7 @@
 import sympy
 
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINTED as _CHECKPOINTED, STORED as _STORED, Region, Scope, \
-    Term, norm_statistics, SBH as _sbh
+    Term, block_scales, fp8_scale_inv, norm_statistics, SBH as _sbh
 from actmem.model import symbols
 from actmem.model.architecture import hidden_dropout, latent, latent_norms, latent_query, latent_query_norm, mtp
 from actmem.model.symbols import a, b, h, s, t
@@ -35,6 +35,48 @@ def _latent_values(arch):
     return a * arch.v_head_dim if latent(arch) else a * symbols.d_v
 
 
+def _quantized(arch) -> int:
+    """Bytes an element of a latent's norm output (ln_out) as the fused up projection keeps it: one under FP8 (its
+    quantized copy), else 16-bit."""
+    return 1 if arch.fp8 else A16
+
+
+def _q_latent_fp8(arch) -> bool:
+    """FP8 multi-latent attention with a q latent and no latent norms: the q up projection keeps the latent's FP8
+    copy, and the mla_up_proj checkpoint its 16-bit self"""
+    return latent_query(arch) and bool(arch.fp8) and not arch.qk_norm
+
+
+def _q_latent_16bit(arch) -> bool:
+    """the q latent kept in 16 bits: by the up projection (its input, or the fused norm's), whatever is recomputed"""
+    return latent_query(arch) and not _q_latent_fp8(arch)
+
+
+def _kv_latent_bytes(arch) -> int:
+    """The kv latent as the kv up projection keeps it: its FP8 copy without latent norms, else 16-bit."""
+    return 1 if arch.fp8 and not arch.qk_norm else A16
+
+
+def _kv_latent_scale(arch):
+    return fp8_scale_inv(arch) if not arch.qk_norm else 0
+
+
+def _block_fp8(present):
+    """A latent's block scales: where ``present`` and the recipe is block-scaled."""
+    def block_and(arch) -> bool:
+        from actmem.model.fp8 import BLOCK_RECIPES
+
+        return present(arch) and arch.fp8 in BLOCK_RECIPES
+
+    block_and.__doc__ = f"{present.__doc__}, under a block-scaled FP8 recipe"
+    return block_and
+
+
+def _no_query_latent_fp8(arch) -> bool:
+    """FP8 multi-latent attention without a q latent, whose mla_up_proj checkpoint keeps the norm's 16-bit output"""
+    return latent(arch) and not latent_query(arch) and bool(arch.fp8)
+
+
 #: megatron-core 0.16.1's MLASelfAttention in TE's layer spec (multi_latent_attention.py,
 #: get_query_key_value_tensors; gpt_layer_specs.py: the down projections TELinear, replicated over t;
 #: the up projections TEColumnParallelLinear, or TELayerNormColumnParallelLinear under --qk-layernorm),
@@ -44,20 +86,40 @@ MLA_TERMS = (
     Term("mla_q_latent", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the q up projection keeps its input, the q latent [N, q_r] (2sb·q_r): TE's column-parallel linear "
          "(saved_inputmat, its own shard of the sequence under SP), or with --qk-layernorm the fused norm's "
-         "input (layernorm_linear.py, _LayerNormLinear: inputmat)", latent_query),
+         "input (layernorm_linear.py, _LayerNormLinear: inputmat)", _q_latent_16bit),
+    Term("mla_q_latent_fp8", lambda arch: _latent_query(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+         "under FP8, without --qk-layernorm, the q up projection keeps the q latent quantized instead, one byte an "
+         "element (the rank's rowwise shard under SP, columnwise at t = 1) with its scale_inv (linear.py; "
+         "sb·q_r + 4)", _q_latent_fp8, module="mla_up_proj", fixed=fp8_scale_inv),
+    Term("mla_q_latent_checkpointed", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _CHECKPOINTED,
+         Scope.LAYER, "... and the mla_up_proj checkpoint, which runs the up projections without grad, keeps the "
+         "16-bit q latent, its argument (2sb·q_r)", _q_latent_fp8, kept_by="mla_up_proj"),
+    Term("mla_q_latent_scales", lambda arch: block_scales(s * b / t, _latent_query(arch), gathered=True)(arch),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "under a block-scaled FP8 recipe, the q latent's quantized copy keeps its block scales (the fused norm's "
+         "output under --qk-layernorm)", _block_fp8(latent_query), module="mla_up_proj"),
     Term("mla_q_latent_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm, module="mla_up_proj"),
-    Term("mla_q_latent_normed", lambda arch: A16 * _latent_query(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's gather; "
-         "2sb·q_r)", latent_query_norm, module="mla_up_proj"),
-    Term("mla_kv_latent", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("mla_q_latent_normed", lambda arch: _quantized(arch) * _latent_query(arch) * s * b, Region.BOUNDARY,
+         _STORED, Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's "
+         "gather; 2sb·q_r; under FP8 quantized, sb·q_r + 4)", latent_query_norm, module="mla_up_proj",
+         fixed=fp8_scale_inv),
+    Term("mla_kv_latent", lambda arch: _kv_latent_bytes(arch) * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED,
+         Scope.LAYER,
          "the kv up projection keeps its input, the kv latent [N, kv_r] (2sb·kv_r): a strided view of the kv down "
          "projection's [N, kv_r + d_rope] output (torch.split), which TE copies contiguous first (base.py, "
-         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed", latent, module="mla_up_proj"),
+         "prepare_forward: allow_non_contiguous=False) and keeps; the down projection's output is then freed; under "
+         "FP8 without --qk-layernorm its quantized copy instead (sb·kv_r + 4)", latent, module="mla_up_proj",
+         fixed=_kv_latent_scale),
+    Term("mla_kv_latent_scales", lambda arch: block_scales(s * b / t, _latent_kv(arch), gathered=True)(arch),
+         Region.REPLICATED, _STORED, Scope.LAYER,
+         "under a block-scaled FP8 recipe, the kv latent's quantized copy keeps its block scales (the fused norm's "
+         "output under --qk-layernorm)", _block_fp8(latent), module="mla_up_proj"),
     Term("mla_kv_latent_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms, module="mla_up_proj"),
-    Term("mla_kv_latent_normed", lambda arch: A16 * _latent_kv(arch) * s * b, Region.BOUNDARY, _STORED,
-         Scope.LAYER, "... and its output (ln_out; 2sb·kv_r)", latent_norms, module="mla_up_proj"),
+    Term("mla_kv_latent_normed", lambda arch: _quantized(arch) * _latent_kv(arch) * s * b, Region.BOUNDARY,
+         _STORED, Scope.LAYER, "... and its output (ln_out; 2sb·kv_r; under FP8 quantized, sb·kv_r + 4)",
+         latent_norms, module="mla_up_proj", fixed=fp8_scale_inv),
     Term("mla_query", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
          "the attention core keeps q, the q up projection's output [s, b, a/t, d_qk + d_rope], whose rope part the "
          "fused YaRN kernel rotates in place (ApplyMLARotaryEmbQ: saves only the cached cos and sin; 2sb·a(d_qk + "
@@ -82,11 +144,22 @@ MLA_TERMS = (
          "... and the rope key, which under SP at t > 1 is all-gathered over the sequence first "
          "(gather_from_sequence_parallel_region: [s, b, d_rope], 2sb·d_rope whole on every rank; at t = 1 a view "
          "of the same output)", latent, kept_by="mla_up_proj"),
+    Term("mla_norm_output_checkpointed", A16 * _sbh, Region.BOUNDARY, _CHECKPOINTED, Scope.LAYER,
+         "without a q latent the mla_up_proj checkpoint keeps the input norm's output as its q argument (2sbh): "
+         "in 16 bits the kv down projection's own input, under FP8 a tensor of its own beside that projection's "
+         "quantized copy", _no_query_latent_fp8, kept_by="mla_up_proj"),
 )
 
 
 def _mtp(arch):
     return arch.mtp_layers
+
+
+def _mtp_block_fp8(arch) -> bool:
+    """multi-token prediction under a block-scaled FP8 recipe"""
+    from actmem.model.fp8 import BLOCK_RECIPES
+
+    return mtp(arch) and arch.fp8 in BLOCK_RECIPES
 
 
 #: megatron-core 0.16.1's multi-token prediction (transformer/multi_token_prediction.py,
@@ -117,9 +190,15 @@ MTP_TERMS = (
          "the first; 2sbh/t; under full recompute the checkpoint's argument)", mtp),
     Term("mtp_hidden_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
          Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
-    Term("mtp_eh_proj_input", lambda arch: A16 * 2 * _sbh * _mtp(arch), Region.BOUNDARY, _STORED, Scope.OUTPUT,
+    Term("mtp_eh_proj_input", lambda arch: (1 if arch.fp8 else A16) * 2 * _sbh * _mtp(arch), Region.BOUNDARY,
+         _STORED, Scope.OUTPUT,
          "eh_proj (TEColumnParallelLinear, [h/t, 2h]) keeps its input, the two norms' outputs side by side "
-         "(torch.cat: [s/t, b, 2h], 4sbh/t)", mtp),
+         "(torch.cat: [s/t, b, 2h], 4sbh/t); under FP8 (multi_token_prediction.py: get_fp8_context without a "
+         "layer number, always FP8) its quantized copy, the rank's shard, one byte an element, with its scale_inv "
+         "(2sbh/t + 4)", mtp, fixed=lambda arch: fp8_scale_inv(arch) * _mtp(arch)),
+    Term("mtp_eh_proj_input_scales", lambda arch: block_scales(s * b / t, 2 * h, gathered=True)(arch) * _mtp(arch),
+         Region.REPLICATED, _STORED, Scope.OUTPUT,
+         "... under a block-scaled FP8 recipe, that copy's block scales", _mtp_block_fp8),
     Term("mtp_layer_input_gathered", lambda arch: A16 * s * b * h * (t - 1) / t * _mtp(arch), Region.REPLICATED,
          _STORED, Scope.OUTPUT,
          "under SP the projection's output is gathered whole ([s, b, h]: gather_from_tensor_model_parallel_region) "

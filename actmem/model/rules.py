@@ -426,15 +426,21 @@ RULES = (
          lambda v: f"--fp8-recipe mxfp8 needs every quantized tensor's dims divisible by 32 (Transformer Engine "
                    f"asserts it: quantizer.cpp): the rows a rank quantizes, {_rows(v)}, h = {v.hidden}, f/t, and "
                    f"the linears' widths over t = {v.t}", ("architecture", "run_known")),
-    Rule(lambda v: v.architecture.fp8 != "blockwise" or not v.sequence_parallel or (
-        (_rows(v) % 128 == 0) & (v.hidden % 128 == 0)),
+    Rule(lambda v: v.architecture.fp8 != "blockwise" or _implies(v.sequence_parallel, (
+        (_rows(v) % 128 == 0) & (v.hidden % 128 == 0) & _latents_gather(v.architecture))),
          lambda v: f"--fp8-recipe blockwise under sequence parallelism gathers the norms' quantized outputs, which "
                    f"needs their rows and h divisible by 128 (Transformer Engine asserts it: layernorm_linear.py, "
-                   f"assert_dim_for_all_gather): {_rows(v)} rows a rank, h = {v.hidden}", ("architecture", "run_known")),
+                   f"assert_dim_for_all_gather): {_rows(v)} rows a rank, h = {v.hidden}"
+                   + (f", and MLA's latents, q_r = {v.architecture.q_lora_rank}, kv_r = {v.architecture.kv_lora_rank}"
+                      if v.architecture.multi_latent_attention else ""), ("architecture", "run_known")),
     Rule(lambda v: v.architecture.fp8 != "delayed" or not {"moe_act", "layernorm"} & set(v.recompute_modules or ()),
          lambda v: "--recompute-modules moe_act or layernorm under FP8 delayed scaling: Megatron refuses them "
                    "(transformer_config.py: 'Delayed scaling does not support moe_act and layernorm recompute for "
                    "fp8'); give another --fp8-recipe", ("architecture",)),
+    Rule(lambda v: not (v.architecture.fp8 and v.latent) or "layernorm" not in (v.recompute_modules or ()),
+         lambda v: "--recompute-modules layernorm beside FP8 multi-latent attention: Megatron then has the q and kv "
+                   "down projections keep the norm's 16-bit output (set_save_original_input), but not the q "
+                   "projection without a q latent; not priced yet", ("architecture",)),
     Rule(lambda v: not (v.architecture.fp8 and v.experts)
          or not {"moe", "shared_experts"} & set(v.recompute_modules or ()),
          lambda v: "--recompute-modules moe beside FP8 experts: under FP8 Megatron recomputes the MoE layer through "
@@ -589,6 +595,14 @@ class Values:
     """DeepSpeed's ZeRO stage (--zero-stage, --deepspeed), 0 where none (actmem.memory.zero)."""
 
 
+def _latents_gather(arch) -> bool:
+    """Multi-latent attention's latents, which its column-parallel up projections all-gather under SP quantized:
+    divisible by 128 under blockwise scaling (float8_blockwise_tensor.py, is_quantizable); True without MLA."""
+    if not arch.multi_latent_attention:
+        return True
+    return arch.kv_lora_rank % 128 == 0 and (arch.q_lora_rank is None or arch.q_lora_rank % 128 == 0)
+
+
 def _block_fp8(arch) -> bool:
     from actmem.model.fp8 import BLOCK_RECIPES
 
@@ -619,6 +633,15 @@ def _fp8_dims_fit(v, rows: int, cols: int):
         fits = fits & (expert % cols == 0) & ((2 * expert) % rows == 0)
         if arch.moe_shared_ffn is not None:      # the shared experts' fc2 input [(s/c)·b, f_s/t], fc1's rows 2f_s/t
             fits = fits & ((arch.moe_shared_ffn // t) % cols == 0) & ((2 * arch.moe_shared_ffn // t) % rows == 0)
+    if arch.multi_latent_attention:    # the latents (the up projections' inputs) and every projection's width
+        from actmem.model.latent import query_width
+
+        latents = (arch.kv_lora_rank,) + ((arch.q_lora_rank,) if arch.q_lora_rank is not None else ())
+        for width in latents:
+            fits = fits & (width % cols == 0)
+        for width in (*latents, arch.kv_lora_rank + arch.qk_pos_emb_head_dim, query_width(arch, heads) // t,
+                      heads * (arch.qk_head_dim + arch.v_head_dim) // t):
+            fits = fits & (width % rows == 0)
     return fits
 
 

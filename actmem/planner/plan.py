@@ -399,7 +399,7 @@ def _stage_memory(req: PlanRequest, grid: pd.DataFrame, name: str, stage) -> pd.
                          gradient_bytes=req.gradient_bytes, optimizer_bytes=req.optimizer.bytes_per_parameter,
                          ep=g.ep, etp=g.etp, moe_layers=moe, extra=extra,
                          dense_layers_too=False if moe is None else (moe > 0) & (moe < layers + mtp),
-                         gpu_fp8=req.gpu.fp8)
+                         gpu_fp8=req.gpu.fp8, eh_projections=mtp)
     sharded = grid.fsdp.to_numpy()
     if sharded.any():        # FSDP2's state (fsdp.model_state); its gradients are held at some moments only
         params = _where(sharded, fsdp.model_state(sharded_model(req, g)), params)

@@ -23,11 +23,12 @@ def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
     """Twelve layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
     with SP; selective recompute of mla_up_proj, layernorm and mlp, of mla_up_proj alone, of core_attn, of
     core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h; the unfused rope, YaRN on one rank,
-    plain rope at t = 2 with SP, YaRN beside core_attn, layernorm and mlp), every rank: each row measured
-    equals its formula, nothing unnamed, the totals equal; and every MLA row of the table is measured,
-    non-zero, on some layout."""
+    plain rope at t = 2 with SP, YaRN beside core_attn, layernorm and mlp; under FP8: tensorwise at t = 2 with SP,
+    delayed with q from h and no latent norms, with mla_up_proj recomputed under both, MXFP8 and blockwise on
+    one rank), every rank: each row measured equals its formula, nothing unnamed, the totals equal; and every
+    MLA row of the table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 12
+    assert len({row["config"] for row in grid_rows}) == 18
     measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
     assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input",
                                                 "core_attn_mask_type"} <= measured
@@ -103,3 +104,46 @@ def test_the_unfused_rope_keeps_cos_and_sin_for_q_and_k(grid_rows):
     sp = {row["term"]: row["measured_bytes"] for row in grid_rows
           if row["config"] == "mla q_r=18 kv_r=12 norms unfused rope t=2 sp b=2" and row["rank"] == 1}
     assert sp["rope_cos_sin"] == 512
+
+
+def test_fp8_keeps_two_one_byte_copies_of_the_norm_output_and_quantized_latents(grid_rows):
+    """Tensorwise at t = 2 with SP (h = 32, a = 4, s = 16, b = 2, q_r = 48, kv_r = 16, f = 64; n = 8 rows a rank):
+    the q and kv down projections keep a copy each of the norm's output, n·b·h + 4 = 516 (its 16-bit self kept by
+    neither); with the latent norms, the latents 16-bit (their norms' inputs: 2·8·2·48 = 1536, 2·8·2·16 = 512)
+    and the norms' outputs quantized, 8·2·48 + 4 = 772 and 8·2·16 + 4 = 260; the projection keeps nothing of its
+    own (its original input); fc1 the MLP norm's output 516, fc2 s·b·f/t + 4 = 16·2·32 + 4 = 1028. Delayed with q
+    from h: the projection keeps its input quantized, s·b·a·d_v/t + 4 = 16·2·2·8 + 4 = 516, and the kv latent
+    (no norm) its copy, 8·2·16 + 4 = 260. Recomputing mla_up_proj under FP8, the checkpoint keeps the 16-bit q
+    latent (1536) in place of the up projection's copy, and with q from h the norm's 16-bit output (1024)."""
+    def kept(config):
+        return {row["term"]: row["measured_bytes"] for row in grid_rows if row["rank"] == 0 and row["measured_bytes"]
+                and row["config"] == config}
+
+    tensorwise = kept("mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2")
+    assert {name: tensorwise[name] for name in ("qkv_input", "qkv_input_q_fp8", "mla_q_latent", "mla_q_latent_normed",
+                                                "mla_kv_latent", "mla_kv_latent_normed", "fc1_input", "fc2_input")} \
+        == {"qkv_input": 516, "qkv_input_q_fp8": 516, "mla_q_latent": 1536, "mla_q_latent_normed": 772,
+            "mla_kv_latent": 512, "mla_kv_latent_normed": 260, "fc1_input": 516, "fc2_input": 1028}
+    assert "projection_input_fp8" not in tensorwise
+    delayed = kept("mla q from h kv_r=16 fp8 delayed t=2 sp b=2")
+    assert (delayed["projection_input_fp8"], delayed["mla_kv_latent"]) == (516, 260)
+    assert kept("mla q_r=48 kv_r=16 fp8 tensorwise t=2 sp b=2 selective:mla_up_proj")["mla_q_latent_checkpointed"] == 1536
+    assert kept("mla q from h kv_r=16 fp8 delayed t=2 sp b=2 selective:core_attn+mla_up_proj")[
+        "mla_norm_output_checkpointed"] == 1024
+
+
+def test_the_gate_fails_fp8_mla_priced_wrong():
+    """Inject the failures on the tensorwise layer: one copy of the norm's output where the layer keeps two, the
+    16-bit norm output held beside the copies, the latents priced in 16 bits."""
+    from dataclasses import replace
+
+    config = next(c for c in mla_grid() if c.label == "mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2")
+    rank, named = measure(config)[0]
+    expected = formula(config.spec, config.technique)
+    assert judge(term_rows(config, rank, expected, named), 0.0) == []
+    one_copy = {name: n for name, n in expected.items() if name != "qkv_input_q_fp8"}
+    assert any("qkv_input_q_fp8 measured" in line for line in judge(term_rows(config, rank, one_copy, named), 0.0))
+    held = named | {"unnamed bfloat16 [8, 2, 32]": 1024}
+    assert judge(term_rows(config, rank, expected, held), 0.0)
+    bf16 = replace(config.spec, architecture=config.spec.architecture.bf16_twin())
+    assert judge(term_rows(config, rank, formula(bf16, config.technique), named), 0.0)

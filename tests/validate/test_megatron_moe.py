@@ -36,7 +36,7 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 34
+    assert len({row["config"] for row in grid_rows}) == 35
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -199,7 +199,7 @@ def test_fp8_shared_experts_keep_what_te_s_linears_keep(grid_rows):
     s·b·f_s/t + 4: 32·64 + 4 = 2052 at t = 2, 32·128 + 4 = 4100 at t = 1; fc1 keeps, under tensorwise, the
     router's input (nothing of its own); under delayed scaling its input quantized, 32·32 + 4 = 1028 (the rank's
     whole input at t = 1; overlapping the dispatcher at t = 2, the input it gathered ahead, whose 16-bit copy is
-    then freed)."""
+    then freed; not overlapping at t = 2, the rank's shard, 516)."""
     tensorwise = "t=2 EP=1 ETP=2 alltoall router bf16 grouped fp8 tensorwise shared aux"
     overlap = "grouped fp8 delayed shared gated overlap"
     whole = "t=1 EP=2 ETP=1 alltoall router bf16 grouped fp8 delayed shared aux"
@@ -209,6 +209,9 @@ def test_fp8_shared_experts_keep_what_te_s_linears_keep(grid_rows):
     assert not [n for n in _kept(grid_rows, overlap, "shared_experts_fc1_input_gathered") if n]
     assert _kept(grid_rows, whole, "shared_experts_fc1_input_fp8") == [1028] * 2
     assert _kept(grid_rows, whole, "shared_experts_fc2_input") == [4100] * 2
+    # delayed at t = 2 not overlapping: the rank's shard, s·b/t·h + 4 = 16·32 + 4
+    shard = "t=2 EP=1 ETP=2 alltoall router bf16 grouped fp8 delayed shared aux"
+    assert _kept(grid_rows, shard, "shared_experts_fc1_input_fp8") == [516] * 2
 
 
 def test_the_gate_fails_a_shared_expert_s_16_bit_input_held_under_delayed_scaling():
@@ -222,16 +225,16 @@ def test_the_gate_fails_a_shared_expert_s_16_bit_input_held_under_delayed_scalin
     assert any("shared_experts_fc1_input_gathered" in line for line in judge(term_rows(config, rank, expected, held), 0.0))
 
 
-def test_the_block_recipes_keep_one_buffer_of_copies_and_scales(grid_rows):
-    """Blockwise beside EP = 2 (h = 32, f_e = 96, rows padded to 16): fc1's buffer holds each expert's copy (32·M_i)
-    and fp32 scales 4·ceil(M_i/128)·roundup(32, 4) = 128 a block; fc2's 96·M_i and 4·96 = 384 a block. With at
-    most 4·16 rows an expert here, every non-empty expert is one block: fc1 = 32·T_pad + 128·B, fc2 = 96·T_pad +
-    384·B with the same T_pad and B on both. MXFP8 (rows padded to 32, E8M0 scales 4 rows x roundup(K, 128) a
-    block: 512 for fc1, 512 for fc2)."""
-    for config, (k1, s1, k2, s2) in (("grouped fp8 blockwise aux 0.01", (32, 128, 96, 384)),
-                                     ("grouped fp8 mxfp8 shared", (32, 512, 96, 512))):
-        fc1 = [n for n in _kept(grid_rows, config, "experts_input")][:2]
-        fc2 = [n for n in _kept(grid_rows, config, "experts_fc2_input")][:2]
-        for a, c in zip(fc1, fc2):
-            blocks = [(a - s1 * b) // k1 for b in range(1, 9) if (a - s1 * b) % k1 == 0 and (c - s2 * b) == k2 * ((a - s1 * b) // k1)]
-            assert blocks, (config, a, c)
+def test_the_block_recipes_keep_one_buffer_of_copies_and_scales():
+    """Beside EP = 2 (h = 32, f_e = 96; G = 4 experts a rank): each GroupedLinear keeps one buffer, its experts'
+    one-byte copies and then their block scales for each 128 of an expert's padded rows; with the rows T_pad and
+    the 128-row blocks B the rank's routing made (measured): blockwise (rows padded to 16) fc1 32·T_pad +
+    4·B·roundup(32, 4) = 32·T_pad + 128·B, fc2 96·T_pad + 384·B; MXFP8 (padded to 32, E8M0 scales, 4 rows of
+    roundup(K, 128) a block) fc1 32·T_pad + 4·B·128, fc2 96·T_pad + 4·B·128."""
+    for fragment, (fc1_scale, fc2_scale) in (("grouped fp8 blockwise shared", (128, 384)),
+                                             ("grouped fp8 mxfp8 shared", (512, 512))):
+        config = next(c for c in moe_grid() if fragment in c.label)
+        for rank, received, kept, (padded, blocks), named in measure(config):
+            assert padded % (32 if "mxfp8" in fragment else 16) == 0 and blocks >= padded / 128
+            assert named["experts_input"] == 32 * padded + fc1_scale * blocks, (fragment, rank)
+            assert named["experts_fc2_input"] == 96 * padded + fc2_scale * blocks, (fragment, rank)

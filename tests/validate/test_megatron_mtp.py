@@ -19,11 +19,12 @@ def grid_rows():
 
 
 def test_every_row_of_megatrons_mtp_block_is_counted_to_the_byte(grid_rows):
-    """Four layouts (one prediction layer; two chained; t = 2 with SP; the same under full recompute, where
-    Megatron checkpoints each prediction layer whole), every rank: each row equals its formula both ways,
-    nothing unnamed; and every MTP row is measured, non-zero, somewhere."""
+    """Six layouts (one prediction layer; two chained; t = 2 with SP; the same under full recompute, where
+    Megatron checkpoints each prediction layer whole; under FP8, tensorwise at t = 2, blockwise on one rank), every
+    rank: each row equals its formula both ways, nothing unnamed; and every MTP row is measured, non-zero,
+    somewhere."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 4
+    assert len({row["config"] for row in grid_rows}) == 6
     measured = {name for row in grid_rows if row["measured_bytes"] > 0 for name in row["term"].split("+")}
     # the embedding's dropout mask: every layout runs at dropout 0 (a CPU's dropout keeps another tensor than a
     # GPU's bool mask), so that row rests on the source
@@ -34,7 +35,7 @@ def test_the_layer_keeps_the_whole_gathered_input_under_sp(grid_rows):
     """At t = 2 with SP, s = 16, b = 2, h = 16: eh_proj's output is gathered whole and scattered as a view of
     it, so the layer's input norm keeps the whole 2·s·b·h = 1024 B storage, not its 2sbh/t = 512: the layer's
     own row and mtp_layer_input_gathered, 512 each, one storage."""
-    joint = [row for row in grid_rows if row["config"].endswith("t=2 sp b=2")
+    joint = [row for row in grid_rows if row["config"] == "mtp D=1 mla+dense t=2 sp b=2"
              and row["term"] == "attention_layernorm_input+mtp_layer_input_gathered"]
     assert [row["measured_bytes"] for row in joint] == [1024, 1024]
 
@@ -67,3 +68,15 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
 def test_validate_refuses_an_mtp_run_it_cannot_measure(actmem):
     assert_one_line_error(actmem("validate", "--grid", "mtp", "--mode", "fake"),
                           "--grid mtp runs megatron-core's multi-token prediction on real CPU")
+
+
+def test_eh_proj_keeps_its_input_quantized_under_fp8(grid_rows):
+    """Under FP8 eh_proj (a TE column-parallel linear, always FP8 in the prediction layer) keeps its [s/t, b, 2h]
+    input's one-byte copy: tensorwise at t = 2 (h = 32, s = 16, b = 2) 8·2·64 + 4 = 1028; blockwise on one rank
+    16·2·64 = 2048 and fp32 scales a 128 rows, 4·1·64 = 256 (16 bits: 4096)."""
+    def kept(config, term):
+        return [row["measured_bytes"] for row in grid_rows if row["config"] == config and row["term"] == term]
+
+    assert kept("mtp D=1 mla+dense fp8 tensorwise t=2 sp b=2", "mtp_eh_proj_input") == [1028] * 2
+    assert kept("mtp D=1 mla+dense fp8 blockwise t=1 b=2", "mtp_eh_proj_input") == [2048]
+    assert kept("mtp D=1 mla+dense fp8 blockwise t=1 b=2", "mtp_eh_proj_input_scales") == [256]

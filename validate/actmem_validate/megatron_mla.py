@@ -44,6 +44,7 @@ class MLAConfig:
         recompute = (f" selective:{'+'.join(policy.ordered_modules)}"
                      if policy.granularity is Recompute.SELECTIVE else "")
         rope = "" if arch.rope_fusion else f" unfused {arch.rope_type or 'yarn'}"
+        rope += f" fp8 {arch.fp8}" if arch.fp8 else ""
         return (f"mla {q} kv_r={arch.kv_lora_rank}{' norms' if arch.qk_norm else ''}{rope} t={run.tensor_parallel}"
                 f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}{recompute}")
 
@@ -52,18 +53,29 @@ class MLAConfig:
         return self.spec.run.tensor_parallel
 
 
+#: the FP8 layer's dims (h, q_r, kv_r, d_qk, d_rope, d_v, f): TE's FP8 GEMMs need every quantized width a multiple
+#: of 16 (rules.py, _fp8_dims_fit; 32 under MXFP8, whose kv_r + d_rope too, so d_rope 32)
+FP8_DIMS = {None: (32, 48, 16, 8, 8, 8, 64), "mxfp8": (32, 64, 32, 8, 32, 8, 64)}
+
+
 def mla_spec(t: int = 1, q_rank: int | None = 18, norms: bool = True, sp: bool | None = None, b: int = 2,
-             rope: str | None = None) -> Spec:
+             rope: str | None = None, fp8: str | None = None) -> Spec:
     """A small layer whose saved tensors' shapes are all distinct where they must be: h = 16, a = 4, s = 16,
     q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4 (YaRN's kernel needs a multiple of 4), d_v = 10, f = 14.
-    rope: None for the fused YaRN kernel, 'yarn' or 'rope' for the unfused rope of that type."""
-    arch = Architecture(multi_latent_attention=True, q_lora_rank=q_rank, kv_lora_rank=12, qk_head_dim=6,
-                        qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=norms, activation="swiglu", ffn_hidden=14,
+    rope: None for the fused YaRN kernel, 'yarn' or 'rope' for the unfused rope of that type. ``fp8``: under that
+    recipe, on a Hopper (MXFP8: a Blackwell), at FP8_DIMS (q_r is then theirs where given)."""
+    h, q_r, kv_r, d_qk, d_rope, d_v, f = (16, q_rank, 12, 6, 4, 10, 14) if fp8 is None else \
+        FP8_DIMS.get(fp8, FP8_DIMS[None])
+    arch = Architecture(multi_latent_attention=True, q_lora_rank=q_r if q_rank else None, kv_lora_rank=kv_r,
+                        qk_head_dim=d_qk, qk_pos_emb_head_dim=d_rope, v_head_dim=d_v, qk_norm=norms,
+                        activation="swiglu", ffn_hidden=f,
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
                         attention_dropout=0.0, hidden_dropout=0.0, tied_output=False, rope_type=rope,
-                        rope_fusion=rope is None)
+                        rope_fusion=rope is None, fp8_format=fp8 and "e4m3", fp8_recipe=fp8)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1 if sp is None else sp, micro_batch=b)
-    return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="mla", architecture=arch)
+    generation = "blackwell" if fp8 == "mxfp8" else "hopper"
+    gpu = {"gpu_name": f"a {generation.capitalize()} GPU", "gpu_fp8": generation} if fp8 else {}
+    return Spec(Model(heads=4, hidden=h, layers=1, vocab=64, seq_len=16), run, name="mla", architecture=arch, **gpu)
 
 
 def mla_grid() -> list:
@@ -85,7 +97,15 @@ def mla_grid() -> list:
                (mla_spec(t=2), selective("core_attn")), (mla_spec(t=2), selective("core_attn", "mla_up_proj")),
                (mla_spec(t=2, q_rank=None, norms=False), selective("mla_up_proj", "layernorm")),
                (mla_spec(rope="yarn"), NONE), (mla_spec(t=2, rope="rope"), NONE),
-               (mla_spec(t=2, rope="yarn"), selective("core_attn", "layernorm", "mlp")))
+               (mla_spec(t=2, rope="yarn"), selective("core_attn", "layernorm", "mlp")),
+               # FP8 (TE's linears' stand-ins keeping their inputs' one-byte copies): tensorwise at t = 2 with SP in
+               # DeepSeek-V3's shape; delayed with q from h and no latent norms (the projection's quantized input);
+               # mla_up_proj recomputed under both (its checkpoint keeps the 16-bit q latent, or the norm's output);
+               # MXFP8 and blockwise on one rank
+               (mla_spec(t=2, fp8="tensorwise"), NONE), (mla_spec(t=2, q_rank=None, norms=False, fp8="delayed"), NONE),
+               (mla_spec(t=2, norms=False, fp8="tensorwise"), selective("mla_up_proj")),
+               (mla_spec(t=2, q_rank=None, norms=False, fp8="delayed"), selective("mla_up_proj", "core_attn")),
+               (mla_spec(fp8="mxfp8"), NONE), (mla_spec(norms=False, fp8="blockwise"), NONE))
     return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]
 
 
@@ -106,6 +126,8 @@ def layer_saves(spec: Spec) -> list:
     """(dtype, shape, row) of what one layer of MLA and a SwiGLU MLP in TE's spec saves, in order (the rows a
     technique keeps are a subsequence); its input is named by its storage, not here."""
     arch, run = spec.architecture, spec.run
+    if arch.fp8:
+        return _fp8_layer_saves(spec)
     t, s, b, h = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.hidden
     n, heads, f = (s // t if run.sequence_parallel else s), spec.model.heads // t, arch.ffn(h) // t
     qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
@@ -127,6 +149,56 @@ def layer_saves(spec: Spec) -> list:
         ("bfloat16", (s, b, f), "fc2_input")]
 
 
+def _fp8_layer_saves(spec: Spec) -> list:
+    """layer_saves under FP8 (actmem.model.fp8, TE 2.11): each linear's GEMM input as its one-byte copy and scales
+    (an fp32 scale_inv [1], named after the row, or block scales, the row's *_scales): the q and kv linears on the
+    norm's output a copy each, the latents (the fused norms' outputs under --qk-layernorm, whose inputs stay
+    16-bit), the projection's input under delayed scaling, fc1's norm output and fc2's input; what the mla_up_proj
+    checkpoint keeps, 16-bit."""
+    arch, run = spec.architecture, spec.run
+    t, s, b, h = run.tensor_parallel, spec.model.seq_len, run.micro_batch, spec.model.hidden
+    n, heads, f = (s // t if run.sequence_parallel else s), spec.model.heads // t, arch.ffn(h) // t
+    qk, q_r, kv_r = arch.qk_head_dim + arch.qk_pos_emb_head_dim, arch.q_lora_rank, arch.kv_lora_rank
+
+    def quantized(shape, name, scales):
+        rows, cols = 1, shape[-1]
+        for size in shape[:-1]:
+            rows *= size
+        if arch.fp8 == "mxfp8":
+            scale = ("uint8", (-(-(rows // 32) // 4) * 4, -(-cols // 128) * 128), scales)
+        elif arch.fp8 == "blockwise":
+            scale = ("float32", (-(-rows // 128), cols), scales)
+        else:
+            scale = ("float32", (1,), name)
+        return [("float8_e4m3fn", shape, name), scale]
+
+    def latent_saves(width, latent, normed, statistics):
+        if not arch.qk_norm:
+            return quantized((n, b, width), latent if latent != "mla_q_latent" else "mla_q_latent_fp8",
+                             f"{latent}_scales")
+        return [("bfloat16", (n, b, width), latent), ("float32", (n, b, 1), statistics),
+                *quantized((n, b, width), normed, f"{latent}_scales")]
+
+    return [
+        ("float32", (n, b, 1), "attention_norm_statistics"),
+        *quantized((n, b, h), "qkv_input_q_fp8", "qkv_input_q_scales"),
+        *quantized((n, b, h), "qkv_input", "qkv_input_scales"),
+        # the mla_up_proj checkpoint's 16-bit arguments
+        ("bfloat16", (n, b, h), "mla_norm_output_checkpointed"),
+        *([("bfloat16", (n, b, q_r), "mla_q_latent_checkpointed")] if q_r else []),
+        ("bfloat16", (n, b, kv_r), "mla_kv_down_output"), ("bfloat16", (s, b, arch.qk_pos_emb_head_dim),
+                                                          "mla_rope_key_gathered"),
+        *(latent_saves(q_r, "mla_q_latent", "mla_q_latent_normed", "mla_q_latent_statistics") if q_r else []),
+        *latent_saves(kv_r, "mla_kv_latent", "mla_kv_latent_normed", "mla_kv_latent_statistics"),
+        ("bfloat16", (s, b, heads, qk), "mla_query"), ("bfloat16", (s, b, heads, qk), "mla_key"),
+        ("bfloat16", (s, b, heads, arch.v_head_dim), "mla_value"), ("float32", (b, heads, s), "softmax_lse"),
+        ("bfloat16", (s, b, heads * arch.v_head_dim), "projection_input"),
+        *quantized((s, b, heads * arch.v_head_dim), "projection_input_fp8", "projection_input_scales"),
+        ("bfloat16", (n, b, h), "mlp_layernorm_input"), ("float32", (n, b, 1), "mlp_norm_statistics"),
+        *quantized((n, b, h), "fc1_input", "fc1_input_scales"), ("bfloat16", (s * b, 2 * f), "swiglu_input"),
+        *quantized((s, b, f), "fc2_input", "fc2_input_scales")]
+
+
 def _named(saved: list, spec: Spec, technique: Technique, x_key) -> dict:
     """{term: bytes} of the saved storages (key, dtype, shape, bytes) in the order saved: the layer's input
     by its storage, the rest by dtype and shape, in the order the technique's rows are saved."""
@@ -144,12 +216,15 @@ def _named(saved: list, spec: Spec, technique: Technique, x_key) -> dict:
     return named
 
 
-def _stand_ins():
+def _stand_ins(fp8: str | None = None):
     """Transformer Engine's modules as the layer spec names them, each keeping what TE's keeps (module/
     linear.py, _Linear.forward: saved_inputmat = inputmat, the local shard under SP; module/
     layernorm_linear.py, _LayerNormLinear.forward: inputmat, ln_out (before SP's gather), mu, rsigma;
     base.py, prepare_forward: a non-contiguous input is copied contiguous first; dot_product_attention/
-    backends.py, FusedAttnFunc: q, k, v, out and the fp32 softmax statistics, [b, a/t, s] here)."""
+    backends.py, FusedAttnFunc: q, k, v, out and the fp32 softmax statistics, [b, a/t, s] here). Under the
+    ``fp8`` recipe every linear keeps its GEMM input's one-byte copy and scales in place of the 16-bit input
+    (the fused norm's output, ln_out, for the LayerNormLinear; the norm keeps its own input), unless told to
+    save its original input (save_original_input); TE's FP8 weight copies are model state, not stood in for."""
     import torch
     from megatron.core.tensor_parallel.mappings import (_gather_along_first_dim, _reduce_scatter_along_first_dim,
                                                         reduce_from_tensor_model_parallel_region,
@@ -159,23 +234,35 @@ def _stand_ins():
     from actmem_validate.fused import Norm
 
     class _GatheredLinear(torch.autograd.Function):
-        """y = gather(x)·Wᵀ, saving x as given (the local shard under SP) and re-gathering in backward."""
+        """y = gather(x)·Wᵀ, saving x as given (the local shard under SP) and re-gathering in backward; under
+        ``quantize`` (FP8) x's one-byte copy and its scales in its place (_fp8_saved)."""
 
         @staticmethod
-        def forward(ctx, x, weight, group, gather):
-            ctx.save_for_backward(x, weight)
-            ctx.group, ctx.gather = group, gather
+        def forward(ctx, x, weight, group, gather, quantize=False):
+            ctx.save_for_backward(*(_fp8_saved(x, gather) if quantize else (x,)), weight)
+            ctx.group, ctx.gather, ctx.quantize = group, gather, quantize
             total = _gather_along_first_dim(x, group) if gather else x
             return total @ weight.t()
 
         @staticmethod
         def backward(ctx, grad):
-            x, weight = ctx.saved_tensors
+            saved = ctx.saved_tensors
+            x, weight = (saved[0].to(grad.dtype) if ctx.quantize else saved[0]), saved[-1]
             total = _gather_along_first_dim(x, ctx.group) if ctx.gather else x
             grad_x = grad @ weight
             if ctx.gather:
                 grad_x = _reduce_scatter_along_first_dim(grad_x, ctx.group)
-            return grad_x, grad.flatten(0, -2).t() @ total.flatten(0, -2), None, None
+            return grad_x, grad.flatten(0, -2).t() @ total.flatten(0, -2), None, None, None
+
+    def _fp8_saved(x, gathered: bool) -> tuple:
+        """What TE 2.11's linears keep of an FP8 GEMM's input (actmem.model.fp8): its one-byte copy (rowwise, the
+        rank's shard, where a column-parallel linear gathers it under SP; else columnwise: the same bytes) and
+        its fp32 scale_inv [1], or under a block recipe its block scales (COMPACT where gathered)."""
+        from actmem_validate.layers import block_scales
+
+        scales = (torch.ones(1, dtype=torch.float32) if fp8 not in ("mxfp8", "blockwise")
+                  else block_scales(x.numel() // x.shape[-1], x.shape[-1], fp8, compact=gathered, device=x.device))
+        return x.to(torch.float8_e4m3fn), scales
 
     class TELinear(torch.nn.Module):
         """TE's Linear: 'duplicated' (the down projections: whole weight, no communication), 'column'
@@ -191,11 +278,13 @@ def _stand_ins():
             self.weight = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02)
             self.parallel_mode, self.tp_group, self.t = parallel_mode, tp_group, t
             self.sequence_parallel = config.sequence_parallel and t > 1
+            self.save_original_input = False       # Megatron's set_save_original_input (see _rank)
 
         def forward(self, x):
             x = x.contiguous()                                  # prepare_forward
             out = _GatheredLinear.apply(x, self.weight, self.tp_group,
-                                        self.parallel_mode == "column" and self.sequence_parallel)
+                                        self.parallel_mode == "column" and self.sequence_parallel,
+                                        fp8 is not None and not self.save_original_input)
             if self.parallel_mode == "row" and self.t > 1:
                 out = (reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group) if self.sequence_parallel
                        else reduce_from_tensor_model_parallel_region(out, group=self.tp_group))
@@ -425,14 +514,17 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
 
     from actmem_validate.gloo import held_storages, rank_group, recorder
 
-    stand_ins = _stand_ins()
     spec, run = config.spec, config.spec.run
+    stand_ins = _stand_ins(spec.architecture.fp8)
     with rank_group(rank, world, port, lambda: _cpu_shims(stand_ins), run.tensor_parallel):
         from megatron.core.transformer.spec_utils import build_module
 
         torch.manual_seed(0)
         layer = build_module(layer_spec(spec.architecture, stand_ins), config=config_for(spec, config.technique),
                              layer_number=1)
+        # Megatron hands the projection save_original_input under every FP8 recipe but delayed
+        # (multi_latent_attention.py, __init__; it asks TE's version, which does not import here)
+        layer.self_attention.linear_proj.save_original_input = spec.architecture.fp8 not in (None, "delayed")
         torch.manual_seed(1 + rank)
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)

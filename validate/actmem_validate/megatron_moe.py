@@ -147,11 +147,13 @@ def moe_grid() -> list:
         moe_spec(t=2, grouped=True, shared=True, fp8="tensorwise"),
         moe_spec(t=2, grouped=True, shared=True, gate=True, overlap=True, fp8="delayed"),
         moe_spec(ep=2, grouped=True, shared=True, fp8="delayed"))]
-    # ... under the block-scaled recipes (their bulk buffers, rows padded to 32 under MXFP8): MXFP8 beside EP = 2
-    # with shared experts, blockwise beside EP = 2, and with moe_act recomputed
+    # ... under the block-scaled recipes (their bulk buffers, rows padded to 32 under MXFP8): MXFP8 and blockwise
+    # beside EP = 2 with shared experts, blockwise with moe_act recomputed
     configs += [MoEConfig(moe_spec(ep=2, grouped=True, shared=True, fp8="mxfp8"), run_technique(False, NONE)),
-                MoEConfig(moe_spec(ep=2, grouped=True, fp8="blockwise"), run_technique(False, NONE)),
+                MoEConfig(moe_spec(ep=2, grouped=True, shared=True, fp8="blockwise"), run_technique(False, NONE)),
                 MoEConfig(moe_spec(ep=2, grouped=True, fp8="blockwise"), run_technique(False, act))]
+    # ... and delayed beside shared experts at t = 2, not overlapping: fc1 keeps the rank's shard quantized
+    configs.append(MoEConfig(moe_spec(t=2, grouped=True, shared=True, fp8="delayed"), run_technique(True, NONE)))
     # the permutation as TE's fused kernels (their CPU stand-in, te_permutation): under alltoall at EP = 1 (the
     # chunk sorts of 8 local experts), beside EP = 2 with the router in fp32, padded to capacity beside EP = 2;
     # under allgather beside EP = 2

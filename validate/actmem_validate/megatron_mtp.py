@@ -44,30 +44,40 @@ class MTPConfig:
     @property
     def label(self) -> str:
         run = self.spec.run
-        return (f"mtp D={self.spec.architecture.mtp_layers} mla+dense t={run.tensor_parallel}"
-                f"{' sp' if run.sequence_parallel else ''} b={run.micro_batch}{' full' if self.full else ''}")
+        fp8 = self.spec.architecture.fp8
+        return (f"mtp D={self.spec.architecture.mtp_layers} mla+dense{f' fp8 {fp8}' if fp8 else ''} "
+                f"t={run.tensor_parallel}{' sp' if run.sequence_parallel else ''} b={run.micro_batch}"
+                f"{' full' if self.full else ''}")
 
     @property
     def world_size(self) -> int:
         return self.spec.run.tensor_parallel
 
 
-def mtp_spec(t: int = 1, depth: int = 1, b: int = 2) -> Spec:
+def mtp_spec(t: int = 1, depth: int = 1, b: int = 2, fp8: str | None = None) -> Spec:
     """One layer of MLA (q_r = 18, kv_r = 12, d_qk = 6, d_rope = 4, d_v = 10, latent norms) and a SwiGLU MLP
-    of f = 14, h = 16, a = 4, s = 16, v = 64, and ``depth`` prediction layers of the same kind."""
-    arch = Architecture(multi_latent_attention=True, q_lora_rank=18, kv_lora_rank=12, qk_head_dim=6,
-                        qk_pos_emb_head_dim=4, v_head_dim=10, qk_norm=True, activation="swiglu", ffn_hidden=14,
+    of f = 14, h = 16, a = 4, s = 16, v = 64, and ``depth`` prediction layers of the same kind; ``fp8``: under
+    that recipe on a Hopper, at the MLA harness's FP8 dims (megatron_mla.FP8_DIMS)."""
+    from actmem_validate.megatron_mla import FP8_DIMS
+
+    h, q_r, kv_r, d_qk, d_rope, d_v, f = (16, 18, 12, 6, 4, 10, 14) if fp8 is None else FP8_DIMS[None]
+    arch = Architecture(multi_latent_attention=True, q_lora_rank=q_r, kv_lora_rank=kv_r, qk_head_dim=d_qk,
+                        qk_pos_emb_head_dim=d_rope, v_head_dim=d_v, qk_norm=True, activation="swiglu", ffn_hidden=f,
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
-                        attention_dropout=0.0, hidden_dropout=0.0, tied_output=False, mtp_layers=depth)
+                        attention_dropout=0.0, hidden_dropout=0.0, tied_output=False, mtp_layers=depth,
+                        fp8_format=fp8 and "e4m3", fp8_recipe=fp8)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=b)
-    return Spec(Model(heads=4, hidden=16, layers=1, vocab=64, seq_len=16), run, name="mtp", architecture=arch)
+    gpu = {"gpu_name": "a Hopper GPU", "gpu_fp8": "hopper"} if fp8 else {}
+    return Spec(Model(heads=4, hidden=h, layers=1, vocab=64, seq_len=16), run, name="mtp", architecture=arch, **gpu)
 
 
 def mtp_grid() -> list:
     """One rank with one prediction layer (DeepSeek-V3's); two layers chained (the second's hidden states
     are the first's output); t = 2 with SP (the embedding's masked lookup, the gathered layer input); full
-    recompute at t = 2 (Megatron checkpoints each prediction layer whole, uniform 1)."""
-    specs = ((mtp_spec(), NONE), (mtp_spec(depth=2), NONE), (mtp_spec(t=2), NONE), (mtp_spec(t=2), FULL))
+    recompute at t = 2 (Megatron checkpoints each prediction layer whole, uniform 1); under FP8 (eh_proj and the
+    layer's TE linears keeping their inputs' one-byte copies): tensorwise at t = 2, blockwise on one rank."""
+    specs = ((mtp_spec(), NONE), (mtp_spec(depth=2), NONE), (mtp_spec(t=2), NONE), (mtp_spec(t=2), FULL),
+             (mtp_spec(t=2, fp8="tensorwise"), NONE), (mtp_spec(fp8="blockwise"), NONE))
     return [MTPConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in specs]
 
 
@@ -106,13 +116,26 @@ def _order(spec: Spec, technique: Technique) -> dict:
         saves = ([("int64", (b, s), "mtp_token_ids"), ("bool", (b, s), "mtp_token_mask"),
                   ("bfloat16", (n, b, h), "mtp_embedding_output"), ("float32", (n, b, 1), "mtp_embedding_norm_statistics")]
                  + [("bfloat16", (n, b, h), "mtp_hidden_input")] * (depth > 0)
-                 + [("float32", (n, b, 1), "mtp_hidden_norm_statistics"), ("bfloat16", (n, b, 2 * h), "mtp_eh_proj_input"),
+                 + [("float32", (n, b, 1), "mtp_hidden_norm_statistics"), *_eh_proj_saves(spec, n, b, h),
                     ("bfloat16", (n, b, h), layer_input)] + layer_saves(spec)
                  + [("bfloat16", (n, b, h), "mtp_final_norm_input"), ("float32", (n, b, 1), "mtp_final_norm_statistics")])
         for dtype, shape, name in saves:
             if all(part in kept for part in name.split("+")):
                 order.setdefault((dtype, shape), []).append(name)
     return order
+
+
+def _eh_proj_saves(spec: Spec, n: int, b: int, h: int) -> list:
+    """What eh_proj keeps of its [n, b, 2h] input: itself, or under FP8 its one-byte copy and its scale_inv (or
+    block scales, COMPACT: its gathered input's)."""
+    arch = spec.architecture
+    if not arch.fp8:
+        return [("bfloat16", (n, b, 2 * h), "mtp_eh_proj_input")]
+    rows = n * b
+    scale = {"mxfp8": ("uint8", (-(-(rows // 32) // 4) * 4, -(-2 * h // 128) * 128), "mtp_eh_proj_input_scales"),
+             "blockwise": ("float32", (-(-rows // 128), 2 * h), "mtp_eh_proj_input_scales")}.get(
+        arch.fp8, ("float32", (1,), "mtp_eh_proj_input"))
+    return [("float8_e4m3fn", (n, b, 2 * h), "mtp_eh_proj_input"), scale]
 
 
 def _named(saved: list, spec: Spec, technique: Technique, hidden_key) -> dict:
@@ -159,18 +182,22 @@ def _rank(rank: int, world: int, port: int, config: MTPConfig, results) -> None:
     from actmem_validate.gloo import held_storages, rank_group, recorder
     from actmem_validate.megatron_mla import _cpu_shims, _stand_ins
 
-    stand_ins = _stand_ins()
     spec, run = config.spec, config.spec.run
+    stand_ins = _stand_ins(spec.architecture.fp8)
     with rank_group(rank, world, port, lambda: _cpu_shims(stand_ins), run.tensor_parallel):
         torch.manual_seed(0)
         block, embedding = _block(spec, config.technique, stand_ins)
+        for layer in block.layers:        # Megatron's set_save_original_input, as megatron_mla._rank does
+            layer.transformer_layer.self_attention.linear_proj.save_original_input = \
+                spec.architecture.fp8 not in (None, "delayed")
         s, b = spec.model.seq_len, run.micro_batch
         tokens = torch.randint(0, spec.model.vocab, (b, s))          # the same on every rank of the group
         positions = torch.arange(s).expand(b, s)
         torch.manual_seed(1 + rank)
         rows = s // (run.tensor_parallel if run.sequence_parallel else 1)
         hidden = torch.randn(rows, b, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
-        output_layer = stand_ins["column"](spec.model.hidden, spec.model.vocab, config=block.config)
+        # the output layer is Megatron's own ColumnParallelLinear, never FP8: the 16-bit stand-in
+        output_layer = _stand_ins()["column"](spec.model.hidden, spec.model.vocab, config=block.config)
         saved, pack = recorder()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = block(input_ids=tokens, position_ids=positions, hidden_states=hidden, attention_mask=None,

@@ -147,3 +147,15 @@ def test_plan_under_blockwise_runs_for_a_dense_model(actmem):
                  "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
     assert out.exit_code == 0, out.output
     assert "Fastest that fit" in out.output
+
+
+def test_fp8_param_gather_makes_eh_proj_s_weight_one_byte_too(actmem):
+    """Megatron builds the prediction layers under FP8's init context (multi_token_prediction.py: get_fp8_context
+    (is_init=True)), so under --fp8-param-gather eh_proj's weight is FP8 as well: Llama 3.1 8B with one prediction
+    layer, the weights shrink by its 33 layers' linears, 33 x 218,103,808 = 7,197,425,664, and eh_proj's [4096,
+    8192], 33,554,432: 7,230,980,096 B."""
+    run = ("--model", "llama-3.1-8b", "--gpu", "h100", "--mtp-num-layers", "1", "--fp8-format", "hybrid")
+    plain = actmem.json("estimate", *run)["parameters"]["weights_bytes"]
+    gathered = actmem.json("estimate", *run, "--fp8-param-gather", "--distributed-optimizer", "--gpus", "8",
+                           "--global-batch", "8")["parameters"]["weights_bytes"]
+    assert plain - gathered == 33 * 218_103_808 + 4096 * 8192 == 7_230_980_096

@@ -407,7 +407,35 @@ def _fp8_notes(spec) -> list:
         [f"--first-last-layers-bf16: the model's first {arch.fp8_bf16_start} and last {arch.fp8_bf16_end} layers run "
          f"outside FP8 (fp8_utils.py, is_first_last_bf16_layer: by global index), keeping 16-bit inputs and no FP8 "
          f"weight copies; on a stage of both kinds each layer is counted as its kind keeps, the stage's last "
-         f"layer's kind deciding its backward's moments"] if arch.fp8_first_last_bf16 else [])
+         f"layer's kind deciding its backward's moments"] if arch.fp8_first_last_bf16 else []) + _fp8_model_notes(spec)
+
+
+def _fp8_model_notes(spec) -> list:
+    """What FP8 changes in the experts, latent attention and prediction layers (actmem.model.fp8)."""
+    from actmem.model.fp8 import BLOCK_RECIPES, expert_padding_rows, padding_multiple
+
+    arch, notes = spec.architecture, []
+    if arch.moe:
+        align, ep = padding_multiple(arch.fp8), spec.run.expert_parallel
+        notes.append(
+            f"FP8 experts (TEGroupedMLP over TE's GroupedLinear): each of a rank's {arch.num_experts // ep} experts' rows "
+            f"padded to a multiple of {align}, counted at their most, {expert_padding_rows(arch, ep):,} rows beside "
+            f"the T rows it receives (how the rows split among the experts is not known); each expert's fc1 and fc2 "
+            f"inputs kept in one byte (fc2's freed under --recompute-modules moe_act, its rerun remaking 16 bits)"
+            + (", with block scales for each 128 of its rows, counted at their most too" if arch.fp8 in BLOCK_RECIPES
+               else ", with a 4-byte scale_inv each")
+            + "; the weighted SwiGLU's 16-bit input over the padded rows; the router 16-bit"
+            + ("; the shared experts' fc2 input in one byte, fc1 its input quantized under delayed scaling, its "
+               "original input (the router's) otherwise" if arch.moe_shared_ffn is not None else ""))
+    if arch.multi_latent_attention:
+        notes.append("FP8 multi-latent attention: the q and kv linears on the input norm's output keep a one-byte "
+                     "copy each (its 16-bit output kept by neither); the up projections the latents quantized "
+                     + ("(their fused norms' outputs; the norms keep their 16-bit inputs)" if arch.qk_norm
+                        else "(the latents themselves)"))
+    if arch.mtp_layers:
+        notes.append("FP8 multi-token prediction: its layers run in FP8 whatever their number (Megatron asks its FP8 "
+                     "context for none); eh_proj keeps its input in one byte")
+    return notes
 
 
 def _capacity_text(arch) -> str:

@@ -296,6 +296,10 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     projections = eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8)
+    # under --fp8-param-gather eh_proj's weight is FP8 too (multi_token_prediction.py: built under
+    # get_fp8_context(is_init=True)), one byte an element in DDP's buffer
+    state = replace(state, weights_bytes=state.weights_bytes - eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1)
+                    * int(bool(arch.fp8 and arch.fp8_param_gather)))
     if not arch.moe:
         shrink, kept = fp8_state(h, t, arch, heads, stage_layers if fp8_layers is None else fp8_layers, gpu_fp8)
         return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) \

@@ -56,8 +56,9 @@ Blackwell and blockwise on Hopper and Blackwell, with sequence parallelism at t 
 scales are counted for the local rows) and without --fp8-param-gather; experts under every recipe, as TE's
 grouped GEMM, with their shared experts (TE linears), without --fp8-param-gather or --first-last-layers-bf16;
 multi-latent attention (memory/terms_latent.py: each linear's input quantized, two copies of the input norm's
-output), without --fp8-param-gather or layernorm recompute. Refused with the reason: the rest, FP8 beside
-multi-token prediction, and any code but Megatron-Core with TE.
+output), without --fp8-param-gather or layernorm recompute; multi-token prediction (eh_proj's input
+quantized), without --first-last-layers-bf16. Refused with the reason: the rest, and any code but Megatron-Core
+with TE.
 """
 
 from actmem.errors import SpecError
@@ -142,8 +143,8 @@ def check_fp8(arch) -> None:
 def _check_fp8_experts(arch) -> None:
     """FP8 experts are priced as TE's GroupedLinear under the per-tensor recipes (the module's docstring)."""
     if not arch.moe_grouped_gemm:
-        raise SpecError("FP8 experts are modelled as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP); "
-                        "SequentialMLP's per-expert TE linears under FP8 are not priced yet")
+        raise SpecError("FP8 experts are modelled as TE's grouped GEMM (TEGroupedMLP): give --moe-grouped-gemm, as "
+                        "Megatron's FP8 MoE runs do; SequentialMLP's per-expert TE linears under FP8 are not priced yet")
     if arch.fp8_param_gather:
         raise SpecError("--fp8-param-gather beside experts: the experts' FP8 parameters and their transposes are "
                         "not priced yet; drop it")
@@ -219,7 +220,7 @@ def check_gpu(recipe, generation, gpu_name: str) -> None:
     blockwise on Hopper alone."""
     if recipe is not None and generation not in WEIGHT_COPY_BYTES:
         raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {gpu_name} has none that "
-                        "actmem has read Transformer Engine for")
+                        "actmem has read Transformer Engine for: give --gpu h100, h200 or b200")
     if recipe in BLOCK_RECIPE_GPU and generation not in BLOCK_RECIPE_GPU[recipe]:
         raise SpecError(f"--fp8-recipe {recipe} runs on {' or '.join(g.capitalize() for g in BLOCK_RECIPE_GPU[recipe])} "
                         f"(Transformer Engine asserts it); {gpu_name} is {generation.capitalize()}")

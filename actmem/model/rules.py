@@ -420,12 +420,12 @@ RULES = (
     Rule(lambda v: not v.architecture.fp8 or _fp8_dims_fit(v, 8, 16),
          lambda v: f"FP8 GEMMs need their inputs' and weights' rows divisible by 8 and their last dims by 16 "
                    f"(Transformer Engine asserts it: utils.py, assert_dim_for_fp8_exec): the rows a rank quantizes, "
-                   f"{_rows(v)}, h = {v.hidden}, f/t (f_e/ETP for experts) and the linears' widths over t = {v.t}",
+                   f"{_rows(v)}, h = {v.hidden}, f/t and the linears' widths over t = {v.t}{_fp8_widths(v)}",
          ("architecture", "run_known")),
     Rule(lambda v: v.architecture.fp8 != "mxfp8" or _fp8_dims_fit(v, 32, 32),
          lambda v: f"--fp8-recipe mxfp8 needs every quantized tensor's dims divisible by 32 (Transformer Engine "
                    f"asserts it: quantizer.cpp): the rows a rank quantizes, {_rows(v)}, h = {v.hidden}, f/t, and "
-                   f"the linears' widths over t = {v.t}", ("architecture", "run_known")),
+                   f"the linears' widths over t = {v.t}{_fp8_widths(v)}", ("architecture", "run_known")),
     Rule(lambda v: v.architecture.fp8 != "blockwise" or _implies(v.sequence_parallel, (
         (_rows(v) % 128 == 0) & (v.hidden % 128 == 0) & _latents_gather(v.architecture))),
          lambda v: f"--fp8-recipe blockwise under sequence parallelism gathers the norms' quantized outputs, which "
@@ -443,8 +443,10 @@ RULES = (
                    "projection without a q latent; not priced yet", ("architecture",)),
     Rule(lambda v: not (v.architecture.fp8 and v.experts)
          or not {"moe", "shared_experts"} & set(v.recompute_modules or ()),
-         lambda v: "--recompute-modules moe beside FP8 experts: under FP8 Megatron recomputes the MoE layer through "
-                   "Transformer Engine's checkpoint (moe_layer.py: te_checkpoint), whose saves are not read yet",
+         lambda v: f"--recompute-modules {' and '.join(sorted({'moe', 'shared_experts'} & set(v.recompute_modules)))} "
+                   "beside FP8 experts: under FP8 Megatron recomputes through Transformer Engine's checkpoint "
+                   "(moe_layer.py: te_checkpoint), whose saves are not read yet; moe_act, or --recompute full, "
+                   "is priced",
          ("architecture",)),
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
@@ -593,6 +595,20 @@ class Values:
     """The 16-bit weights' dtype (--params-dtype), when given."""
     zero: object = 0
     """DeepSpeed's ZeRO stage (--zero-stage, --deepspeed), 0 where none (actmem.memory.zero)."""
+
+
+def _fp8_widths(v) -> str:
+    """The experts' and latents' widths an FP8 dims rule checks, for its message."""
+    arch, t = v.architecture, v.t
+    widths = []
+    if arch.moe:
+        widths.append(f"f_e/ETP = {arch.expert_ffn(v.hidden) // (t if v.etp is None else v.etp)}")
+        if arch.moe_shared_ffn is not None:
+            widths.append(f"f_s/t = {arch.moe_shared_ffn // t}")
+    if arch.multi_latent_attention:
+        widths += [f"kv_r = {arch.kv_lora_rank}", f"kv_r + d_rope = {arch.kv_lora_rank + arch.qk_pos_emb_head_dim}"]
+        widths += [f"q_r = {arch.q_lora_rank}"] * (arch.q_lora_rank is not None)
+    return f" ({', '.join(widths)})" if widths else ""
 
 
 def _latents_gather(arch) -> bool:

@@ -174,7 +174,14 @@ def _plan_assumptions(req) -> list[str]:
          "softmax_switches" in req.architecture.code.has else []) + ([_experts_note(req)] if req.architecture.moe else []) \
         + ([_MTP_NOTE.format(d=req.architecture.mtp_layers)] if req.architecture.mtp_layers else []) \
         + ([_FSDP_NOTE.format(code=req.architecture.implementation)] if "fsdp" in req.architecture.code.runs else []) \
-        + ([_ZERO_NOTE.format(code=req.architecture.implementation)] if "zero" in req.architecture.code.runs else [])
+        + ([_ZERO_NOTE.format(code=req.architecture.implementation)] if "zero" in req.architecture.code.runs else []) \
+        + ([_FP8_NOTE.format(format=req.architecture.fp8_format, recipe=req.architecture.fp8)]
+           if req.architecture.fp8 else [])
+
+
+_FP8_NOTE = ("FP8 ({format}, {recipe} scaling): its memory priced in every row as `actmem estimate` prices it (the "
+             "saved inputs in one byte, TE's FP8 weight copies; docs/models.md); its time not: every GEMM is timed "
+             "at the 16-bit speed measured, so FP8's faster GEMMs are not in the times or the MFU (issue 28)")
 
 
 _ZERO_NOTE = ("{code}: every configuration's model state is DDP's (the whole model's weights, gradients and Adam on "

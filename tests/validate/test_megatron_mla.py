@@ -24,11 +24,11 @@ def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
     with SP; selective recompute of mla_up_proj, layernorm and mlp, of mla_up_proj alone, of core_attn, of
     core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h; the unfused rope, YaRN on one rank,
     plain rope at t = 2 with SP, YaRN beside core_attn, layernorm and mlp; under FP8: tensorwise at t = 2 with SP,
-    delayed with q from h and no latent norms, with mla_up_proj recomputed under both, MXFP8 and blockwise on
-    one rank), every rank: each row measured equals its formula, nothing unnamed, the totals equal; and every
+    delayed with q from h and no latent norms, with mla_up_proj recomputed under both and with the latent norms,
+    MXFP8 and blockwise on one rank), every rank: each row measured equals its formula, nothing unnamed, the totals equal; and every
     MLA row of the table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 18
+    assert len({row["config"] for row in grid_rows}) == 19
     measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
     assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input",
                                                 "core_attn_mask_type"} <= measured

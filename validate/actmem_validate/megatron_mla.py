@@ -104,6 +104,7 @@ def mla_grid() -> list:
                # MXFP8 and blockwise on one rank
                (mla_spec(t=2, fp8="tensorwise"), NONE), (mla_spec(t=2, q_rank=None, norms=False, fp8="delayed"), NONE),
                (mla_spec(t=2, norms=False, fp8="tensorwise"), selective("mla_up_proj")),
+               (mla_spec(t=2, fp8="tensorwise"), selective("mla_up_proj")),
                (mla_spec(t=2, q_rank=None, norms=False, fp8="delayed"), selective("mla_up_proj", "core_attn")),
                (mla_spec(fp8="mxfp8"), NONE), (mla_spec(norms=False, fp8="blockwise"), NONE))
     return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]

@@ -361,7 +361,8 @@ def _moe_notes(spec: Spec) -> list:
         f"{_capacity_text(arch)}, {arch.moe_score_function} top-{arch.moe_topk} of {arch.num_experts} experts"
         + ({"aux_loss": " with the aux loss", "seq_aux_loss": " with the sequence-wise aux loss"}.get(
             arch.moe_load_balancing, "") if arch.moe_aux_loss_coeff > 0 else "")
-        + f", EP = {run.expert_parallel}, ETP = {run.etp}: {arch.num_experts // run.expert_parallel} experts a rank",
+        + f", EP = {run.expert_parallel}, ETP = {run.etp}: {plural(arch.num_experts // run.expert_parallel, 'expert')} "
+          f"a rank",
         *_permutation_notes(spec),
         _histogram_note(spec) if run.expert_loads is not None else "expert rows: "
         + (f"padded to capacity, each expert receives C = {spec.expert_capacity(run.tensor_parallel)} rows from each "
@@ -418,8 +419,8 @@ def _fp8_model_notes(spec) -> list:
     if arch.moe:
         align, ep = padding_multiple(arch.fp8), spec.run.expert_parallel
         notes.append(
-            f"FP8 experts (TEGroupedMLP over TE's GroupedLinear): each of a rank's {arch.num_experts // ep} experts' rows "
-            f"padded to a multiple of {align}, counted at their most, {expert_padding_rows(arch, ep):,} rows beside "
+            f"FP8 experts (TEGroupedMLP over TE's GroupedLinear): each expert's rows ({plural(arch.num_experts // ep, 'expert')} "
+            f"a rank) padded to a multiple of {align}, counted at their most, {expert_padding_rows(arch, ep):,} rows beside "
             f"the T rows it receives (how the rows split among the experts is not known); each expert's fc1 and fc2 "
             f"inputs kept in one byte (fc2's freed under --recompute-modules moe_act, its rerun remaking 16 bits)"
             + (", with block scales for each 128 of its rows, counted at their most too" if arch.fp8 in BLOCK_RECIPES

@@ -117,7 +117,7 @@ def render_estimate(est: Estimate, all_stages: bool = False, codes=None) -> None
         console.print(_codes_table(est, codes))
     notes = _notes()
     for note in est.assumptions:
-        notes.add_row("·", note)
+        notes.add_row("·", Text(note))           # plain text: a shape such as [b, s] is not markup
     console.print(Text("Assumptions", style="bold"), notes)
 
 

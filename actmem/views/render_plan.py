@@ -54,7 +54,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
         console.print(_nothing_fits(plan, nothing))
     notes = _notes()
     for note in _plan_assumptions(req):
-        notes.add_row("·", note)
+        notes.add_row("·", Text(note))           # plain text: a shape such as [b, s] is not markup
     console.print(Text("Assumptions", style="bold"), notes)
 
 

@@ -19,6 +19,14 @@ def roundup(x, n):
     return n * sympy.ceiling(x / n)
 
 
+def gemm_input_bytes(arch) -> int:
+    """Bytes an element of a saved GEMM input TE quantizes: one under FP8 (its one-byte copy: actmem.model.fp8),
+    else 16-bit."""
+    from actmem.model.widths import ACTIVATION_BYTES
+
+    return 1 if arch.fp8 else ACTIVATION_BYTES
+
+
 def fp8_scale_inv(arch) -> int:
     """An FP8 tensor's fp32 scale_inv, [1], kept beside it under delayed or tensorwise scaling (quantizer.cpp;
     actmem.model.fp8); 0 in 16 bits, and under the block-scaled recipes, which keep block scales instead

@@ -20,23 +20,18 @@ from actmem.model.architecture import PAPER, checkpoint_causal_mask, checkpoint_
     unfused_weight_gradients
 from actmem.model.recompute import Recompute
 from actmem.model.symbols import a, b, c, h, s, t, v
-from actmem.model.fp8 import BLOCK_RECIPES, SCALE_INV_BYTES
+from actmem.model.fp8 import BLOCK_RECIPES
 from actmem.model.widths import ACTIVATION_BYTES as A16, INDEX_BYTES as INDEX, LOGITS_BYTES as F32, \
     MASK_BYTES as MASK
 from actmem.memory.terms_experts import HF_MOE_TERMS, MOE_TERMS
 from actmem.memory.terms_latent import MLA_TERMS, MTP_TERMS
-from actmem.memory.term import block_scales as _block_scales, fp8_scale_inv, ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
+from actmem.memory.term import block_scales as _block_scales, fp8_scale_inv, gemm_input_bytes, \
+    ALWAYS as _ALWAYS, CHECKPOINT as _CHECKPOINT, CHECKPOINTED as _CHECKPOINTED, \
     SBH as _sbh, STORED as _STORED, Region, Scope, Term, norm_statistics  # noqa: F401 (Region, Scope, Term: API)
 
 
 
 
-def _gemm_input(arch) -> int:
-    """Bytes an element of a saved GEMM input TE quantizes: one under FP8 (actmem.model.fp8), else 16-bit."""
-    return 1 if arch.fp8 else A16
-
-
-_fp8_scale = fp8_scale_inv
 
 
 def _block_recipe(arch) -> bool:
@@ -168,12 +163,12 @@ TERMS = (
          "the norm before attention keeps fp32 statistics, 8 B a token for LayerNorm (mu, rsigma) and "
          "4 B for RMSNorm (rsigma); counted on the flash path, beside TE's kernels, and under every "
          "other code", counts_norm_statistics, module=_latent_input_norm),
-    Term("qkv_input", lambda arch: _gemm_input(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("qkv_input", lambda arch: gemm_input_bytes(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "Q, K, V matmuls keep their shared input (4.1, 2sbh); under multi-latent attention the q and kv down "
          "projections keep it, one storage (TELinear: saved_inputmat = inputmat), which --recompute-modules "
          "layernorm frees once the attention has run; under FP8 TE's LayerNormLinear keeps the norm's output "
          "quantized, one byte an element, with its 4-byte scale_inv (layernorm_linear.py: ln_out)",
-         module=_latent_input_norm, fixed=_fp8_scale),
+         module=_latent_input_norm, fixed=fp8_scale_inv),
     Term("qkv_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
          "under a block-scaled FP8 recipe the norm's output keeps its block scales beside it, of the rank's s·b/t "
          "rows under SP (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)", _block_recipe, module=_latent_input_norm),
@@ -183,7 +178,7 @@ TERMS = (
          "under FP8 multi-latent attention's q down projection (TELinear, duplicated), or without a q latent its "
          "q projection (TEColumnParallelLinear, the rank's shard under SP), keeps its own copy of the norm's "
          "output, one byte an element, with its scale_inv (linear.py: each module quantizes its input; the "
-         "16-bit output is then kept by neither; sbh + 4)", _latent_fp8, module=_q_copy_module, fixed=_fp8_scale),
+         "16-bit output is then kept by neither; sbh + 4)", _latent_fp8, module=_q_copy_module, fixed=fp8_scale_inv),
     Term("qkv_input_q_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
          "... under a block-scaled recipe, that copy's block scales", _latent_block_fp8, module=_q_copy_module),
     *MLA_TERMS,
@@ -285,7 +280,7 @@ TERMS = (
          "under FP8 delayed scaling the projection keeps its input quantized, its transposed (columnwise) copy, "
          "one byte an element, with its 4-byte scale_inv, and not the 16-bit input (linear.py: "
          "update_usage(rowwise_usage=False); TE refuses save_original_input there, which Megatron sets under "
-         "every other recipe to keep the 16-bit input alone: attention.py)", _fp8_delayed, fixed=_fp8_scale),
+         "every other recipe to keep the 16-bit input alone: attention.py)", _fp8_delayed, fixed=fp8_scale_inv),
     Term("attention_dropout_mask", MASK * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "dropout after the projection keeps its 1-byte mask (4.1, sbh)", hidden_dropout),
     # -- MLP block, section 4.1: 19sbh ------------------------------------------------
@@ -295,10 +290,10 @@ TERMS = (
     Term("mlp_norm_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "the norm before the MLP keeps fp32 statistics (as attention_norm_statistics); TE fuses it "
          "into linear_fc1, inside the MLP's checkpoint (a MoE layer's is a TENorm of its own)", counts_norm_statistics, module=_mlp_with_fused_norm),
-    Term("fc1_input", lambda arch: _gemm_input(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("fc1_input", lambda arch: gemm_input_bytes(arch) * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "h→4h linear keeps its input (4.1, 2sbh); with the MLP recomputed under Megatron's local spec "
          "(the eager core) it is what the MLP's checkpoint keeps; under FP8 the norm's output quantized, one "
-         "byte an element, with its 4-byte scale_inv", dense_mlp, module=_mlp_with_fused_norm, fixed=_fp8_scale),
+         "byte an element, with its 4-byte scale_inv", dense_mlp, module=_mlp_with_fused_norm, fixed=fp8_scale_inv),
     Term("fc1_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
          "... and under a block-scaled recipe its block scales, as the QKV's", _dense(_block_recipe),
          module=_mlp_with_fused_norm),
@@ -327,10 +322,10 @@ TERMS = (
          "the same tensor as its input; under Megatron's jit_fuser (torch.compile) the partitioner "
          "saves one tensor of that shape, relu's input or output (its backward needs one of them); "
          "the bias, when there is one, is added before it and keeps nothing", _dense(squared_relu), module="mlp"),
-    Term("fc2_input", lambda arch: _gemm_input(arch) * s * b * arch.ffn(h), Region.BLOCK, _STORED, Scope.LAYER,
+    Term("fc2_input", lambda arch: gemm_input_bytes(arch) * s * b * arch.ffn(h), Region.BLOCK, _STORED, Scope.LAYER,
          "f→h linear keeps its input, the activation's output (4.1, 8sbh; 2sbf); under FP8 its columnwise copy "
          "(on Hopper the transpose), one byte an element, with its 4-byte scale_inv (linear.py: "
-         "update_usage(rowwise_usage=False))", dense_mlp, module="mlp", fixed=_fp8_scale),
+         "update_usage(rowwise_usage=False))", dense_mlp, module="mlp", fixed=fp8_scale_inv),
     Term("fc2_input_scales", lambda arch: _block_scales(s * b, arch.ffn(h) / t, gathered=False)(arch),
          Region.REPLICATED, _STORED, Scope.LAYER,
          "... and under a block-scaled recipe the block scales of its columnwise copy [s·b, f/t]", _dense(_block_recipe),
@@ -425,7 +420,7 @@ MLP_BACKWARD_TERMS = (
     Term("fc1_output_gradient", lambda arch: A16 * arch.fc1_width * s * b * arch.ffn(h), Region.BLOCK, _ALWAYS,
          Scope.LAYER, "the gradient fc1's backward starts from: the activation's input gradient (2sbf/t; "
          "4sbf/t for SwiGLU's 2f-wide input)"),
-    Term("fc1_input_gathered", lambda arch: _gemm_input(arch) * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
+    Term("fc1_input_gathered", lambda arch: gemm_input_bytes(arch) * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,
          "under SP, fc1's saved input shard all-gathered again for its weight gradient (2sbh; under FP8 the "
          "quantized shard, one byte an element: on Hopper its transpose is made beside it, not counted, a floor)"),
     Term("fc1_input_gradient", A16 * _sbh, Region.REPLICATED, _ALWAYS, Scope.LAYER,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import sympy
 
 from actmem.memory.term import SBH as _sbh, STORED as _STORED, Region, Scope, Term, block_scales, \
-    fp8_scale_inv, roundup
+    fp8_scale_inv, gemm_input_bytes, roundup
 from actmem.model import symbols
 from actmem.model.architecture import grouped_mm_experts, grouped_mm_renormalised, megatron_moe, moe, moe_aux_loss, \
     moe_group_mask, moe_pre_softmax, moe_sigmoid, moe_sigmoid_aux_loss, moe_sigmoid_normalised, moe_topk_softmax, \
@@ -163,9 +163,6 @@ def _group_scales(arch, cols):
     return SCALE_INV_BYTES * _experts(arch) / symbols.ep
 
 
-_scale_inv = fp8_scale_inv
-
-
 def _shared_block_scales(arch) -> bool:
     """the shared experts under a block-scaled FP8 recipe (mxfp8, blockwise)"""
     from actmem.model.fp8 import BLOCK_RECIPES
@@ -191,13 +188,8 @@ def _shared_fc1_gathered(arch) -> bool:
     return shared_experts_overlap(arch) and arch.fp8 != "delayed"
 
 
-def _gemm_input_bytes(arch) -> int:
-    """A saved GEMM input's element: FP8's columnwise copy, one byte; else 16 bits."""
-    return 1 if _fp8_experts(arch) else A16
-
-
 def _experts_input(arch):
-    return _gemm_input_bytes(arch) * h * padded_rows(arch) + _group_scales(arch, h)
+    return gemm_input_bytes(arch) * h * padded_rows(arch) + _group_scales(arch, h)
 
 
 def _experts_fc1_output(arch):
@@ -378,22 +370,22 @@ SHARED_EXPERT_TERMS = (
          "... under FP8 delayed scaling fc1 (parallel_mode None when overlapping) keeps that input's columnwise "
          "copy instead, one byte an element, with its fp32 scale_inv (sbh + 4; at t = 1 too), and the 16-bit "
          "rows it gathered are freed (linear_fc1_forward_and_act: cached_fc1_input = None)", _shared_fc1_fp8(True),
-         module="moe", fixed=_scale_inv),
+         module="moe", fixed=fp8_scale_inv),
     Term("shared_experts_fc1_input_fp8", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "under FP8 delayed scaling the shared experts' fc1 keeps its input quantized, the rank's shard under SP "
          "(TE's Linear quantizes it rowwise before its all-gather and keeps that: linear.py), one byte an "
          "element, with its fp32 scale_inv (sbh + 4); under the other recipes Megatron has it keep its original "
          "input, the router's (shared_experts.py: set_save_original_input)", _shared_fc1_fp8(False),
-         module="shared_experts", fixed=_scale_inv),
+         module="shared_experts", fixed=fp8_scale_inv),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
          "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "
          "up_proj's outputs", shared_experts, module="shared_experts"),
-    Term("shared_experts_fc2_input", lambda arch: (1 if arch.fp8 else A16) * _shared_ffn(arch) * s * b, Region.BLOCK,
+    Term("shared_experts_fc2_input", lambda arch: gemm_input_bytes(arch) * _shared_ffn(arch) * s * b, Region.BLOCK,
          _STORED, Scope.LAYER,
          "the shared experts' fc2 keeps its input (2sbf_s); under FP8 (TE's Linear) its columnwise copy, one byte "
          "an element, with its fp32 scale_inv (sbf_s + 4)", shared_experts, module="shared_experts",
-         fixed=_scale_inv),
+         fixed=fp8_scale_inv),
     Term("shared_experts_fc2_input_scales", lambda arch: block_scales(s * b, _shared_ffn(arch) / t, gathered=False)(arch),
          Region.REPLICATED, _STORED, Scope.LAYER,
          "... under a block-scaled recipe, its columnwise copy's block scales, [s·b, f_s/t] (quantizer.cpp, "

@@ -5,7 +5,7 @@
 import sympy
 
 from actmem.memory.term import ALWAYS as _ALWAYS, CHECKPOINTED as _CHECKPOINTED, STORED as _STORED, Region, Scope, \
-    Term, block_scales, fp8_scale_inv, norm_statistics, SBH as _sbh
+    Term, block_scales, fp8_scale_inv, gemm_input_bytes, norm_statistics, SBH as _sbh
 from actmem.model import symbols
 from actmem.model.architecture import hidden_dropout, latent, latent_norms, latent_query, latent_query_norm, mtp
 from actmem.model.symbols import a, b, h, s, t
@@ -33,12 +33,6 @@ def _rope_dim(arch):
 
 def _latent_values(arch):
     return a * arch.v_head_dim if latent(arch) else a * symbols.d_v
-
-
-def _quantized(arch) -> int:
-    """Bytes an element of a latent's norm output (ln_out) as the fused up projection keeps it: one under FP8 (its
-    quantized copy), else 16-bit."""
-    return 1 if arch.fp8 else A16
 
 
 def _q_latent_fp8(arch) -> bool:
@@ -100,7 +94,7 @@ MLA_TERMS = (
          "output under --qk-layernorm)", _block_fp8(latent_query), module="mla_up_proj"),
     Term("mla_q_latent_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "... the q latent's norm keeps fp32 statistics (rsigma, 4sb for RMSNorm)", latent_query_norm, module="mla_up_proj"),
-    Term("mla_q_latent_normed", lambda arch: _quantized(arch) * _latent_query(arch) * s * b, Region.BOUNDARY,
+    Term("mla_q_latent_normed", lambda arch: gemm_input_bytes(arch) * _latent_query(arch) * s * b, Region.BOUNDARY,
          _STORED, Scope.LAYER, "... and its output, which the up projection's GEMM reads (ln_out, saved before SP's "
          "gather; 2sb·q_r; under FP8 quantized, sb·q_r + 4)", latent_query_norm, module="mla_up_proj",
          fixed=fp8_scale_inv),
@@ -117,7 +111,7 @@ MLA_TERMS = (
          "output under --qk-layernorm)", _block_fp8(latent), module="mla_up_proj"),
     Term("mla_kv_latent_statistics", norm_statistics(1), Region.BOUNDARY, _STORED, Scope.LAYER,
          "... the kv latent's norm keeps fp32 statistics (4sb for RMSNorm)", latent_norms, module="mla_up_proj"),
-    Term("mla_kv_latent_normed", lambda arch: _quantized(arch) * _latent_kv(arch) * s * b, Region.BOUNDARY,
+    Term("mla_kv_latent_normed", lambda arch: gemm_input_bytes(arch) * _latent_kv(arch) * s * b, Region.BOUNDARY,
          _STORED, Scope.LAYER, "... and its output (ln_out; 2sb·kv_r; under FP8 quantized, sb·kv_r + 4)",
          latent_norms, module="mla_up_proj", fixed=fp8_scale_inv),
     Term("mla_query", lambda arch: A16 * _latent_heads(arch) * s * b, Region.BLOCK, _STORED, Scope.LAYER,
@@ -190,7 +184,7 @@ MTP_TERMS = (
          "the first; 2sbh/t; under full recompute the checkpoint's argument)", mtp),
     Term("mtp_hidden_norm_statistics", lambda arch: F32 * arch.norm_statistics * s * b * _mtp(arch),
          Region.BOUNDARY, _STORED, Scope.OUTPUT, "... and its fp32 statistics", mtp),
-    Term("mtp_eh_proj_input", lambda arch: (1 if arch.fp8 else A16) * 2 * _sbh * _mtp(arch), Region.BOUNDARY,
+    Term("mtp_eh_proj_input", lambda arch: gemm_input_bytes(arch) * 2 * _sbh * _mtp(arch), Region.BOUNDARY,
          _STORED, Scope.OUTPUT,
          "eh_proj (TEColumnParallelLinear, [h/t, 2h]) keeps its input, the two norms' outputs side by side "
          "(torch.cat: [s/t, b, 2h], 4sbh/t); under FP8 (multi_token_prediction.py: get_fp8_context without a "

@@ -149,7 +149,6 @@ def test_the_preset_s_layer_and_weight_state_by_recipe(actmem):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (TENSORWISE + ("--recompute", "selective", "--recompute-modules", "moe"), "te_checkpoint"),
     (("--fp8-format", "hybrid", "--recompute", "selective", "--recompute-modules", "moe_act"),
      "moe_act or layernorm under FP8 delayed scaling"),
     (TENSORWISE + ("--moe-ffn-hidden-size", "14328"), "divisible by 8"),
@@ -172,3 +171,87 @@ def test_megatron_refuses_layernorm_recompute_under_delayed_scaling_in_a_dense_m
     assert_one_line_error(actmem("estimate", "--model", "llama-3.1-8b", "--gpu", "h100", "--fp8-format", "hybrid",
                                  "--recompute", "selective", "--recompute-modules", "layernorm"),
                           "Delayed scaling does not support moe_act and layernorm recompute")
+
+
+FIRST_LAST = MIXTRAL + TENSORWISE + ("--first-last-layers-bf16",)
+
+
+def _counted(out, term) -> dict:
+    """{bytes each: layers held} of a term's rows (one a kind of layer where the kinds keep different bytes)."""
+    return {row["bytes_each"]: row["count"] for row in out["run_terms"] if row["term"] == term}
+
+
+def test_first_last_layers_bf16_beside_experts_keep_16_bit_padded_rows(actmem):
+    """--first-last-layers-bf16: layer 0 (first stage) and layer 31 (last) run in bf16, yet Megatron's TEGroupedMLP
+    pads their experts' rows as the FP8 ones' (experts.py: keyed on config.fp8), to TE's Fp8Padding's alignment
+    outside an autocast, 16 on a Hopper (fp8.bf16_padding_multiple). The first stage holds 4 microbatches of its 8
+    layers (1F1B at p = 4): 4 of layer 0, 28 of the FP8 layers.
+    - experts_input: bf16 2·4096·8240 = 67,502,080 (a bf16 run's, unpadded: 67,108,864), FP8 33,751,056;
+    - experts_fc2_input: bf16 2·7168·8240 = 118,128,640, FP8 59,064,336;
+    - the SwiGLU's input and the probabilities, 16-bit over the padded rows in both: one row of 32.
+    The FP8 weight state: 7 FP8 layers' 746,586,552 = 5,226,105,864 B (the bf16 layer keeps none)."""
+    out = actmem.json("estimate", *FIRST_LAST)
+    assert _counted(out, "experts_input") == {67_502_080: 4, 33_751_056: 28}
+    assert _counted(out, "experts_fc2_input") == {118_128_640: 4, 59_064_336: 28}
+    assert _counted(out, "experts_fc1_output") == {236_257_280: 32}
+    assert _counted(out, "experts_probs") == {16_480: 32}
+    assert out["parameters"]["fp8_bytes"] == 7 * 746_586_552 == 5_226_105_864
+    last = actmem.json("estimate", *FIRST_LAST, "--stage", "last")       # one microbatch of 8 layers: 31 in bf16
+    assert _counted(last, "experts_input") == {67_502_080: 1, 33_751_056: 7}
+
+
+def test_the_prediction_layer_runs_in_fp8_beside_first_last_layers_bf16(actmem):
+    """Megatron runs the multi-token-prediction layers under the global FP8 context, whatever their number
+    (multi_token_prediction.py: get_fp8_context(self.config), no layer number), so the last stage's MTP layer is an
+    FP8 MoE layer beside its bf16 layer 31: experts_input FP8 for 7 + 1 layers, bf16 for 1. Its weight state: 8 FP8
+    MoE layers' 746,586,552 B and eh_proj's [h/t, 2h] = [2048, 8192] weight, 2 B an element on a Hopper, and a
+    module's 44 B: 33,554,476; 6,006,246,892 in all."""
+    out = actmem.json("estimate", *FIRST_LAST, "--mtp-num-layers", "1", "--stage", "last")
+    assert _counted(out, "experts_input") == {67_502_080: 1, 33_751_056: 8}
+    assert out["parameters"]["fp8_bytes"] == 8 * 746_586_552 + 2 * 2048 * 8192 + 44 == 6_006_246_892
+
+
+def test_first_last_layers_bf16_beside_experts_pads_as_the_gpu_does(actmem):
+    """On a Blackwell TE's default recipe is MXFP8 (quantization.py, get_default_fp8_recipe), so a bf16 layer's
+    experts pad to 32: under --fp8-recipe mxfp8 (32 too) it is priced, T_pad = 32·floor((8192 + 4·31)/32) = 8288,
+    the bf16 layer's experts_input 2·4096·8288 = 67,895,296; under tensorwise (FP8 layers padding to 16) it is
+    refused."""
+    mxfp8 = actmem.json("estimate", *MIXTRAL, "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--first-last-layers-bf16",
+                        "--gpu", "b200")
+    assert 67_895_296 in _counted(mxfp8, "experts_input")
+    assert_one_line_error(actmem("estimate", *FIRST_LAST, "--gpu", "b200"),
+                          "its bf16 layers pad each expert's rows to 32", "its FP8 layers to 16")
+
+
+def test_fp8_param_gather_makes_the_experts_weights_one_byte(actmem):
+    """--fp8-param-gather beside experts: each expert's GroupedLinear weight is an FP8 parameter (base.py,
+    reset_parameters: quantizer(param); the expert data-parallel buffer uint8), and on Hopper TE keeps its transpose
+    beside it and no cached copy (base.py, get_weight_workspace returns the parameter). A Mixtral MoE layer at t = 2,
+    EP = 2 has 20,971,520 attention and 352,321,536 expert weight elements: 373,293,056, a byte less each, 8 layers
+    on the first stage: 2,986,344,448 B; the FP8 state 1 B an element and the 10 modules' 440 B: 8·373,293,496 =
+    2,986,347,968."""
+    run = MIXTRAL + TENSORWISE + ("--distributed-optimizer",)
+    cached = actmem.json("estimate", *run)["parameters"]
+    gathered = actmem.json("estimate", *run, "--fp8-param-gather")["parameters"]
+    assert cached["weights_bytes"] - gathered["weights_bytes"] == 8 * 373_293_056 == 2_986_344_448
+    assert (cached["fp8_bytes"], gathered["fp8_bytes"]) == (8 * 746_586_552, 8 * 373_293_496)
+
+
+def test_the_moe_and_shared_experts_modules_recompute_through_te_s_checkpoint(actmem):
+    """Under FP8 Megatron checkpoints the MoE layer, or its shared experts, through TE's checkpoint, which saves its
+    tensor arguments by reference as Megatron's own does: recomputing moe, a layer keeps of its MLP the router's
+    input alone, the rank's shard under SP, 2·(4096/2)·4096 = 16,777,216 B, nothing of its experts or router;
+    recomputing shared_experts (f_s = 4096), the shared experts' rows go (fc2's one-byte copy 8,388,612) and the
+    experts' FP8 rows stay."""
+    moe = actmem.json("estimate", *MIXTRAL, *TENSORWISE, "--recompute", "selective", "--recompute-modules", "moe")
+    kept = {row["term"]: row["bytes_each"] for row in moe["run_terms"]}
+    assert kept["router_input"] == 16_777_216
+    assert not [term for term in kept if term.startswith(("experts_", "permute_", "aux_loss_")) or
+                term.startswith("router_") and term != "router_input"]
+    shared = actmem.json("estimate", *SHARED, *TENSORWISE, "--recompute", "selective", "--recompute-modules",
+                         "shared_experts")
+    terms = {row["term"]: row["bytes_each"] for row in shared["run_terms"]}
+    assert not [term for term in terms if term.startswith("shared_experts_")]
+    assert _experts(shared) == _experts(actmem.json("estimate", *SHARED, *TENSORWISE))
+    assert "shared_experts_fc2_input" in {row["term"] for row in actmem.json("estimate", *SHARED, *TENSORWISE)[
+        "run_terms"]}

@@ -79,7 +79,7 @@ def test_the_estimate_sizes_the_busiest_rank_and_names_it(actmem, tmp_path):
     out = actmem.json("estimate", "--model", "mixtral-8x7b", "--moe-load-histogram", _histogram(tmp_path))
     terms = {row["term"]: row["bytes_each"] for row in out["run_terms"]}
     assert terms["experts_input"] == 161_062_912 and terms["router_input"] == 2 * 4096 * 4096
-    assert out["run"]["routing_imbalance"] == "12/5" and out["run"]["expert_load_layers"] == 1
+    assert out["run"]["routing_imbalance"] == 2.4 and out["run"]["expert_load_layers"] == 1
     note = next(line for line in out["assumptions"] if line.startswith("expert rows: from the load histogram"))
     assert "rank 6 (experts 6-6), receives 12/5 (= 2.4)" in note
 
@@ -143,7 +143,7 @@ def test_megatrons_tokens_per_expert_logs_are_read_as_they_are_written(actmem):
     assert busiest_rank(rows, 2).imbalance == Fraction(75, 64)
     out = actmem.json("estimate", "--model", "mixtral-8x7b", "--ep", "4", "--gpus", "32",
                       "--moe-load-histogram", MEGATRON_LOGS)
-    assert Fraction(out["run"]["routing_imbalance"]) == Fraction(175, 128)
+    assert out["run"]["routing_imbalance"] == 175 / 128            # a number in the JSON (exact: 128 is 2^7)
 
 
 def test_the_expert_tensor_parallel_ranks_are_read_once(tmp_path):

@@ -67,13 +67,14 @@ def _sampled(evaluated, per_group=3):
     (1, {}), (Fraction(5, 4), {}), (1, {"moe_permute_fusion": True}),
     (Fraction(3, 2), {"moe_capacity_factor": 1.25}), (1, {"moe_capacity_factor": 1.5, "moe_pad_to_capacity": True}),
     (1, {"fp8_format": "e4m3", "fp8_recipe": "tensorwise"}), (Fraction(5, 4), {"fp8_format": "hybrid"}),
+    (1, {"fp8_format": "e4m3", "fp8_recipe": "tensorwise", "fp8_param_gather": True}),
 ])
 def test_every_row_is_the_estimate_s_verdict(imbalance, changes):
     """The sweep's peak of a row is the exact estimate's of the same run (its configuration read back
     from its label), balanced and with the busiest rank receiving 5/4 of its share; with TE's fused
     permutation (its maps depend on EP), a capacity that caps a 3/2 imbalance, padding to capacity, and FP8
-    experts (their rows padded by up to E/EP·15, and their weight state, both depend on EP): the stage model is
-    one, evaluated twice."""
+    experts (their rows padded by up to E/EP·15, and their weight state, both depend on EP), under
+    --fp8-param-gather too (the experts' weights one byte, E/EP of them): the stage model is one, evaluated twice."""
     req = _request(imbalance, **changes)
     evaluated = plan(req).evaluated
     for row in _sampled(evaluated):

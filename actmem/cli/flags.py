@@ -328,8 +328,9 @@ RUN_FLAGS = (
          "with selective recompute: what it recomputes, from core_attn (the attention core, the "
          "default and the paper's), mlp (a dense layer's MLP with its fused norm, keeping its input), "
          "layernorm (the norms that are modules of their own: multi-latent attention's input norm; no "
-         "change under TE's fused norms) and mla_up_proj (multi-latent attention's up projections), e.g. "
-         "core_attn,mlp", str,
+         "change under TE's fused norms), mla_up_proj (multi-latent attention's up projections), and a "
+         "mixture of experts' moe (the whole MoE layer, keeping its input), moe_act (the experts' "
+         "activation) and shared_experts (the shared experts), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
          "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (Megatron carves ETP·EP from "
@@ -507,7 +508,7 @@ def _itself(value):
 
 
 GPU = Flag(("--gpu",), "gpu_name",
-           "The GPU: a100 (a100-80), a100-40, h100, h200, b200 or mi300x, at the memory its allocator can reach "
+           "The GPU: a100 (a100-80), a100-40, h100, h200, h800, b200 or mi300x, at the memory its allocator can reach "
            "(h100: 79.10 GiB); default: the preset's, else a100 (the paper's).", str, metavar="NAME")
 GPU_FLAGS = (
     GPU,
@@ -808,15 +809,22 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     return build_spec(model, run, name=name, architecture=architecture, **options)
 
 
-def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
-    """The GPU a spec must fit: --gpu (else the preset's, else the paper's A100), its memory
-    (--gpu-memory in place of the table's) and the reserve."""
+def chosen_gpu(given: str | None, preset_gpu: str | None) -> tuple:
+    """(the Gpu: --gpu, else the preset's, else actmem's default, the paper's A100; whether it is the default)."""
     from actmem.model.hardware import DEFAULT_GPU, gpu_named
+
+    return gpu_named(given or preset_gpu or DEFAULT_GPU), not (given or preset_gpu)
+
+
+def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
+    """The GPU a spec must fit: --gpu (else the preset's, else the paper's A100, said to be the default), its
+    memory (--gpu-memory in place of the table's) and the reserve."""
     from actmem.units import parse_bytes
 
-    gpu = gpu_named(flags.get("gpu_name") or preset_gpu or DEFAULT_GPU)
+    gpu, default = chosen_gpu(flags.get("gpu_name"), preset_gpu)
     memory = flags.get("gpu_memory")
     return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}", "gpu_fp8": gpu.fp8,
+            "gpu_default": default,
             "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
             "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}
 

@@ -286,8 +286,7 @@ def plan(fmt, top, config, **flags):
 
 def plan_request(flags: dict):
     """(model name, PlanRequest, the preset's run values)."""
-    from actmem.cli.flags import gpu_options
-    from actmem.model.hardware import DEFAULT_GPU, gpu_named
+    from actmem.cli.flags import chosen_gpu, gpu_options
     from actmem.planner.plan import PlanRequest
     from actmem.sources.expert_loads import loads_for
 
@@ -305,10 +304,11 @@ def plan_request(flags: dict):
     if choice.gpus is None or choice.global_batch is None:
         raise SpecError("plan needs --gpus and --global-batch (the preset gives neither)")
     flags = resolve(flags, GPU_FLAGS + (MOE_IMBALANCE, MOE_LOADS))
-    gpu = gpu_named(flags["gpu_name"] or choice.gpu or DEFAULT_GPU)
+    gpu, default = chosen_gpu(flags["gpu_name"], choice.gpu)
     memory = gpu_options(flags, choice.gpu)
     request = PlanRequest(model=choice.model, gpus=choice.gpus, global_batch=choice.global_batch, gpu=gpu,
                           gpu_memory_bytes=memory["gpu_memory_bytes"], reserve_bytes=memory["reserve_bytes"],
+                          gpu_default=memory["gpu_default"],
                           gpus_per_node=flags["gpus_per_node"], efficiency=flags["efficiency"],
                           overlap_grad_reduce=flags["overlap_grad_reduce"] or "--overlap-grad-reduce" in choice.pasted,
                           overlap_param_gather=flags["overlap_param_gather"] or "--overlap-param-gather" in choice.pasted,
@@ -341,8 +341,9 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
     Example (Table 5 of the paper):
       actmem flops --model 530b --iteration-time 37.83
     """
+    from actmem.cli.flags import chosen_gpu
+    from actmem.model.hardware import DEFAULT_GPU_WORDS
     from actmem.planner.flops import flops_report
-    from actmem.model.hardware import DEFAULT_GPU, gpu_named
 
     choice = model_from_flags(flags)
     global_batch, gpus = choice.global_batch, choice.gpus
@@ -357,11 +358,13 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
                             f"got {iteration_time}")
         if gpus is None:
             raise SpecError("MFU needs --gpus with --iteration-time (the preset gives none)")
-    gpu = gpu_named(resolve(flags, (GPU,))["gpu_name"] or choice.gpu or DEFAULT_GPU)
+    gpu, default = chosen_gpu(resolve(flags, (GPU,))["gpu_name"], choice.gpu)
     peak = gpu.peak_flops if peak_tflops is None else peak_tflops * 1e12
     if not (math.isfinite(peak) and peak > 0):
         raise SpecError(f"--peak-tflops must be positive and finite, got {peak_tflops}")
     report = flops_report(choice.model, global_batch, gpus, peak, iteration_time, choice.architecture)
+    report["peak_of"] = ("--peak-tflops" if peak_tflops is not None else
+                         f"{gpu.name}, {DEFAULT_GPU_WORDS}" if default else gpu.name)
     if iteration_time is not None and report["mfu"] > 1:   # model FLOPs: the least any run computes
         raise SpecError(f"MFU would be {100 * report['mfu']:,.0f}%, above the GPUs' peak: check "
                         f"--iteration-time ({iteration_time}), --gpus ({gpus}) and the peak "

@@ -389,6 +389,8 @@ def _moe_notes(spec: Spec) -> list:
 
 def _fp8_notes(spec) -> list:
     """What FP8 is counted as (actmem.model.fp8), and what it leaves out."""
+    from actmem.model.fp8 import bf16_padding_multiple
+
     arch = spec.architecture
     if not arch.fp8:
         return []
@@ -401,14 +403,20 @@ def _fp8_notes(spec) -> list:
             + "; the rest stays 16-bit; read off TE's source, checked in the harness against a CPU stand-in that "
             "keeps the same, not TE's own kernels",
             "FP8 not counted: the quantized gradients of the backward (its floor counts fc1's gathered input in one "
-            "byte)" + (f"; under a recompute that reruns TE's linears (full, or the mlp module), each rerun module's "
-                       f"stash of its forward scales and amax history, 4·3·({history} + 1) B a module a microbatch in "
-                       "flight, and the clone it keeps after (quantization.py: "
+            "byte)" + (f"; under a recompute that reruns TE's linears (full, or the mlp, moe or shared_experts "
+                       f"modules, the last two through TE's checkpoint), each rerun module's stash of its forward "
+                       f"scales and amax history, 4·3·({history} + 1) B a module (a grouped GEMM's G times) a "
+                       "microbatch in flight, and the clone it keeps after (quantization.py: "
                        "copy_forward_fp8_meta_tensors_for_recompute)" if arch.fp8 == "delayed" else "")] + (
         [f"--first-last-layers-bf16: the model's first {arch.fp8_bf16_start} and last {arch.fp8_bf16_end} layers run "
          f"outside FP8 (fp8_utils.py, is_first_last_bf16_layer: by global index), keeping 16-bit inputs and no FP8 "
          f"weight copies; on a stage of both kinds each layer is counted as its kind keeps, the stage's last "
-         f"layer's kind deciding its backward's moments"] if arch.fp8_first_last_bf16 else []) + _fp8_model_notes(spec)
+         f"layer's kind deciding its backward's moments"
+         + (f"; their experts' rows still padded, to a multiple of {bf16_padding_multiple(spec.gpu_fp8)} (TEGroupedMLP "
+            f"pads whenever the run is FP8; TE's Fp8Padding outside an FP8 autocast takes the GPU's default "
+            f"recipe's alignment), so kept in 16 bits over the padded rows" if arch.moe else "")
+         + ("; the multi-token-prediction layers run in FP8 (Megatron's global FP8 context, no layer number)"
+            if arch.mtp_layers else "")] if arch.fp8_first_last_bf16 else []) + _fp8_model_notes(spec)
 
 
 def _fp8_model_notes(spec) -> list:

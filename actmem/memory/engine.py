@@ -123,9 +123,10 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
 def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
     """Bytes of one instance of a row as a selective rerun remakes it: the row's (``whole``: the technique
     keeping every module), or what Term.remade says it remakes where that differs."""
-    if term.remade is None or not term_bytes(term, whole, arch):
+    remade = None if term.remade is None else term.remade(arch)
+    if remade is None or not term_bytes(term, whole, arch):
         return term_bytes(term, whole, arch)
-    return term.remade(arch) / divisor(term, whole, arch)
+    return remade / divisor(term, whole, arch)
 
 
 def _rerun_copies(term, technique, arch, module) -> int:

@@ -1,6 +1,6 @@
 """One estimate: a spec in, a table of named byte counts out. No terminal here."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from actmem.memory import assumptions, engine, fsdp, zero
@@ -84,6 +84,22 @@ class TechniqueRow:
 
 
 @dataclass(frozen=True)
+class AgainstBf16:
+    """An FP8 run against the same run in bf16, on the stage that decides the FP8 run's verdict: what FP8 saves in
+    activations and adds in model state (FP8 saves less than its users expect: issue 29)."""
+
+    stage: int
+    activations_bytes: int
+    """FP8's activations on the stage less bf16's (negative: saved)."""
+    model_state_bytes: int
+    """FP8's model state on the stage less bf16's: TE's FP8 weight copies and scaling state, less what the weights
+    shrink under --fp8-param-gather."""
+    verdict_bytes: int
+    """The FP8 run's verdict less the bf16 run's (each its busiest stage's peak floor)."""
+    bf16_verdict_bytes: int
+
+
+@dataclass(frozen=True)
 class Estimate:
     spec: Spec
     occupancy: StageOccupancy
@@ -111,6 +127,19 @@ class Estimate:
         return tuple(StageLoad(i, layers, self.occupancy, self.run) if i == self.stage else
                      _stage_load(self.spec, self.run.technique, i, layers)
                      for i, layers in enumerate(stage_layers(self.spec)))
+
+    @cached_property
+    def against_bf16(self) -> AgainstBf16 | None:
+        """Under FP8, the same run in bf16 beside it (Architecture.bf16_twin: no FP8 anywhere); else None."""
+        if not self.spec.architecture.fp8:
+            return None
+        spec = replace(self.spec, architecture=self.spec.architecture.bf16_twin())
+        loads = [_stage_load(spec, self.run.technique, i, layers) for i, layers in enumerate(stage_layers(spec))]
+        mine, theirs = self.busiest_stage, loads[self.busiest_stage.stage]
+        verdict = max(load.peak.total_bytes for load in loads)
+        return AgainstBf16(mine.stage, mine.activations_bytes - theirs.activations_bytes,
+                           mine.parameters.total_bytes - theirs.parameters.total_bytes,
+                           self.verdict_bytes - verdict, verdict)
 
     @property
     def busiest_stage(self) -> StageLoad:
@@ -266,45 +295,39 @@ def one_rank_rows(spec: Spec, techniques: tuple) -> tuple:
 
 def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tuple:
     """(the stage's last layer's architecture, its kind's layers or None where every layer is of it,
-    ((the other kind's architecture, its layers),) or ()): a MoE model's dense layers
-    (--moe-layer-freq) are its dense twin's (actmem.model.experts.dense_twin). ``mtp``: the
-    multi-token-prediction layers the stage counts (stages.mtp_layers_held), of the model's last
-    layer's kind, after the stage's own: the last kind's count then includes them."""
-    last, n_last, others = _layer_kinds(spec, stage, arch)
-    if not mtp:
-        return last, n_last, others
-    last_count = stage_layers(spec)[stage] if n_last is None else n_last
-    if mtp_layer_kind(spec) == int(last.moe):      # the predictions are of the stage's last kind
-        return last, last_count + mtp, others
-    kind = arch if mtp_layer_kind(spec) else dense_twin(arch)   # the stage ends in the other kind
-    return kind, mtp, ((last, last_count),) + others
-
-
-def _layer_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
-    if arch.fp8 and arch.fp8_first_last_bf16:
-        return _precision_kinds(spec, stage, arch)
-    if not arch.moe:
+    ((another kind's architecture, its layers), ...) or ()): a layer's kind is whether it has experts and
+    whether it runs in FP8 (stage_layer_kinds); a MoE model's dense layers (--moe-layer-freq) are its dense
+    twin's (actmem.model.experts.dense_twin), an FP8 run's bf16 layers (--first-last-layers-bf16) its bf16
+    twin's (Architecture.bf16_twin). ``mtp``: the multi-token-prediction layers the stage counts
+    (stages.mtp_layers_held), after the stage's own, of the model's last layer's kind (mtp_layer_kind) and in
+    FP8 where the run is (multi_token_prediction.py: the global FP8 context, no layer number)."""
+    kinds = stage_layer_kinds(spec, stage) + ((bool(mtp_layer_kind(spec)), bool(arch.fp8)),) * mtp
+    counts = {kind: kinds.count(kind) for kind in kinds}       # in order of first appearance
+    if not kinds:                                              # a stage of no layers
         return arch, None, ()
-    from actmem.model.experts import dense_twin
-
-    return _two_kinds(stage_moe_layers(spec, stage), arch, dense_twin(arch))
-
-
-def _precision_kinds(spec: Spec, stage: int, arch: Architecture) -> tuple:
-    """layer_kinds for --first-last-layers-bf16: the stage's FP8 layers and its bf16 ones (Architecture.bf16_twin)."""
-    return _two_kinds(stage_fp8_layers(spec, stage), arch, arch.bf16_twin())
+    last = kinds[-1]
+    if len(counts) == 1 and not mtp:          # the prediction layers are counted beyond the stage's own
+        return _kind_architecture(arch, last, spec.gpu_fp8), None, ()
+    return (_kind_architecture(arch, last, spec.gpu_fp8), counts[last],
+            tuple((_kind_architecture(arch, kind, spec.gpu_fp8), n) for kind, n in counts.items() if kind != last))
 
 
-def _two_kinds(kinds: tuple, arch: Architecture, twin: Architecture) -> tuple:
-    """layer_kinds' answer for a stage whose layers are ``arch``'s (1) or ``twin``'s (0), in order."""
-    main, other = sum(kinds), len(kinds) - sum(kinds)
-    if not other:
-        return arch, None, ()
-    if not main:
-        return twin, None, ()
-    if kinds[-1] == 1:
-        return arch, main, ((twin, other),)
-    return twin, other, ((arch, main),)
+def stage_layer_kinds(spec: Spec, stage: int) -> tuple:
+    """(has experts, runs in FP8) for each of a stage's layers, in order (stages.stage_moe_layers,
+    stages.stage_fp8_layers)."""
+    arch, layers = spec.architecture, stage_layers(spec)[stage]
+    experts = stage_moe_layers(spec, stage) if arch.moe else (0,) * layers
+    fp8 = stage_fp8_layers(spec, stage) or (int(bool(arch.fp8)),) * layers
+    return tuple((bool(e), bool(f)) for e, f in zip(experts, fp8))
+
+
+def _kind_architecture(arch: Architecture, kind: tuple, generation) -> Architecture:
+    """The architecture a layer of ``kind`` (has experts, runs in FP8) runs, of a run of ``arch`` on a GPU of FP8
+    ``generation``."""
+    experts, fp8 = kind
+    if arch.fp8 and not fp8:
+        arch = arch.bf16_twin(generation)
+    return arch if experts or not arch.moe else dense_twin(arch)
 
 
 def _counts(occupancy: StageOccupancy) -> tuple:
@@ -428,13 +451,15 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     mtp = mtp_layers_held(spec, stage, full_recompute=False)
     moe = sum(stage_moe_layers(spec, stage)) + mtp * mtp_layer_kind(spec) if arch.moe else None
     extra = mtp_parameters(model.hidden, t, vocab, arch, run.pipeline_parallel) if mtp else 0
+    kinds = stage_layer_kinds(spec, stage) + ((bool(mtp_layer_kind(spec)), True),) * mtp
+    fp8 = [experts for experts, fp8 in kinds if fp8]       # the layers that run in FP8, and which have experts
     return stage_state(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len, arch, model.heads,
                        stage_layers=layers + mtp, stage=stage, shards=spec.optimizer_shards,
                        expert_shards=spec.expert_optimizer_shards, distributed_optimizer=run.distributed_optimizer,
                        gradient_bytes=spec.gradient_bytes, optimizer_bytes=spec.optimizer.bytes_per_parameter,
                        ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
                        extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
-                       fp8_layers=sum(stage_fp8_layers(spec, stage)) if arch.fp8_first_last_bf16 else None,
+                       fp8_layers=(len(fp8), sum(fp8)) if arch.fp8_first_last_bf16 else None,
                        eh_projections=mtp)
 
 

@@ -183,17 +183,20 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
 
     if not arch.fp8:
         return 0, 0
-    if arch.moe:           # fp8.check_fp8 refuses --fp8-param-gather beside experts: nothing shrinks
+    if arch.moe:
         from actmem.model.experts import dense_twin
 
         own = layers if moe_layers is None else moe_layers
-        _, dense = fp8_state(h, t, dense_twin(arch), heads, layers - own, generation)
+        dense_shrink, dense = fp8_state(h, t, dense_twin(arch), heads, layers - own, generation)
         linears = fp8_attention_shapes(h, t, arch, heads)
         if arch.moe_shared_ffn is not None:                          # the shared experts' fc1 and fc2, over t
             linears += ((2 * arch.moe_shared_ffn // t, h), (h, arch.moe_shared_ffn // t))
         kept = (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in linears)
                 + len(linears) * fp8.module_state_bytes(arch) + expert_fp8_kept(h, arch, ep, etp, generation))
-        return 0, own * kept + dense
+        # --fp8-param-gather: each expert's GroupedLinear weight{i} an FP8 parameter as a dense TE linear's
+        # (base.py, reset_parameters: quantizer(param)), one byte in the expert data-parallel buffer
+        elements = sum(rows * cols for rows, cols in linears) + expert_parameters(h, arch, ep, etp)
+        return own * elements * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather) + dense_shrink, own * kept + dense
     shapes = fp8_linear_shapes(h, t, arch, heads)
     shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
     kept = layers * (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in shapes)
@@ -278,8 +281,9 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     ``expert_shards``. ``moe_layers``: how many of the stage's layers have experts (None: all, or none
     for a dense model); the others are ``arch``'s dense twin's (actmem.model.experts.dense_twin).
     ``extra``: parameters beside the layers (the multi-token-prediction layers'), sharded as the dense.
-    ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state); ``fp8_layers``: the
-    stage's layers that run in FP8 where some run in bf16 (--first-last-layers-bf16; None: all); ``eh_projections``:
+    ``gpu_fp8``: the GPU's FP8 generation, for what TE keeps of FP8 weights (fp8_state); ``fp8_layers``: (the
+    stage's layers that run in FP8, those of them with experts) where some run in bf16 (--first-last-layers-bf16;
+    None: all); ``eh_projections``:
     the multi-token-prediction layers' eh_proj on the stage, TE linears [h/t, 2h] of their own under FP8 (their
     transformer layers are among ``stage_layers``).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
@@ -300,14 +304,15 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     # get_fp8_context(is_init=True)), one byte an element in DDP's buffer
     state = replace(state, weights_bytes=state.weights_bytes - eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1)
                     * int(bool(arch.fp8 and arch.fp8_param_gather)))
+    fp8_all, fp8_moe = (stage_layers, own) if fp8_layers is None else fp8_layers
     if not arch.moe:
-        shrink, kept = fp8_state(h, t, arch, heads, stage_layers if fp8_layers is None else fp8_layers, gpu_fp8)
+        shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8)
         return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) \
             if arch.fp8 else state
     experts = own * expert_parameters(h, arch, ep, etp)
     state = state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)
-    _, kept = fp8_state(h, t, arch, heads, stage_layers, gpu_fp8, own, ep, etp)
-    return replace(state, fp8_bytes=kept + projections) if arch.fp8 else state
+    shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8, fp8_moe, ep, etp)
+    return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) if arch.fp8 else state
 
 
 def _eh_proj_fp8_kept(h, t, arch, generation):

@@ -120,7 +120,8 @@ class Term:
     remade: object = None
     """Where it differs from what the forward keeps, the bytes (with no parallelism, a function of the
     architecture) of what its module's selective rerun makes again: under FP8 the experts' moe_act rerun remakes
-    fc2's 16-bit input, which fc2 then saved in place of its FP8 copy (set_save_original_input). None: the row."""
+    fc2's 16-bit input, which fc2 then saved in place of its FP8 copy (set_save_original_input); or what the
+    function returns, None for the row. None: the row."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""

@@ -139,6 +139,15 @@ def _q_copy_module(arch):
     return "mla_up_proj" if not latent_query(arch) else _latent_input_norm(arch)
 
 
+def _layernorm_rerun_none(arch):
+    """What the input norm's rerun (--recompute-modules layernorm) makes of the q linear's FP8 copy of its output:
+    nothing, as of each copy but the one qkv_input's remade stands for, the norm's 16-bit output restored in place
+    (random.py, CheckpointWithoutOutput), which the down projections saved under FP8 in place of their copies
+    (multi_latent_attention.py, set_for_recompute_input_layernorm: set_save_original_input). None (the row itself)
+    where the copy is the q projection's, which the mla_up_proj rerun remakes."""
+    return 0 if latent_query(arch) else None
+
+
 def _sbf(width: int):
     """An sb x (width·f) 16-bit tensor; f is the architecture's MLP size (4h by default)."""
     return lambda arch: A16 * width * s * b * arch.ffn(h)
@@ -168,19 +177,22 @@ TERMS = (
          "projections keep it, one storage (TELinear: saved_inputmat = inputmat), which --recompute-modules "
          "layernorm frees once the attention has run; under FP8 TE's LayerNormLinear keeps the norm's output "
          "quantized, one byte an element, with its 4-byte scale_inv (layernorm_linear.py: ln_out)",
-         module=_latent_input_norm, fixed=fp8_scale_inv),
+         module=_latent_input_norm, fixed=fp8_scale_inv, remade=lambda arch: A16 * _sbh),
     Term("qkv_input_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
          "under a block-scaled FP8 recipe the norm's output keeps its block scales beside it, of the rank's s·b/t "
-         "rows under SP (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)", _block_recipe, module=_latent_input_norm),
+         "rows under SP (MXFP8: E8M0 a 32 elements; blockwise: fp32 a 128)", _block_recipe, module=_latent_input_norm,
+         remade=lambda arch: 0),
     # under FP8 multi-latent attention's two linears on the input norm's output keep a copy each (the kv down
     # projection's is qkv_input above)
     Term("qkv_input_q_fp8", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
          "under FP8 multi-latent attention's q down projection (TELinear, duplicated), or without a q latent its "
          "q projection (TEColumnParallelLinear, the rank's shard under SP), keeps its own copy of the norm's "
          "output, one byte an element, with its scale_inv (linear.py: each module quantizes its input; the "
-         "16-bit output is then kept by neither; sbh + 4)", _latent_fp8, module=_q_copy_module, fixed=fp8_scale_inv),
+         "16-bit output is then kept by neither; sbh + 4)", _latent_fp8, module=_q_copy_module, fixed=fp8_scale_inv,
+         remade=_layernorm_rerun_none),
     Term("qkv_input_q_scales", _block_scales(s * b / t, h, gathered=True), Region.REPLICATED, _STORED, Scope.LAYER,
-         "... under a block-scaled recipe, that copy's block scales", _latent_block_fp8, module=_q_copy_module),
+         "... under a block-scaled recipe, that copy's block scales", _latent_block_fp8, module=_q_copy_module,
+         remade=_layernorm_rerun_none),
     *MLA_TERMS,
     # q_layernorm and k_layernorm (--qk-layernorm; attention.py, get_query_key_value_tensors: after
     # the split, before rope): TENorm is TE's op-based RMSNorm or LayerNorm, whose op_forward

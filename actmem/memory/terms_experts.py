@@ -121,14 +121,15 @@ def _chunk_maps(arch):
 
 
 def padded_rows(arch):
-    """T_pad: under FP8 the rows the rank's experts compute, each expert's padded to a multiple of a
-    (TEGroupedMLP.forward: quantization_padding), a·floor((T + P)/a) with P bound to the most padding can add
-    (actmem.model.fp8.expert_padding_rows); T otherwise."""
-    if not (arch.moe and arch.fp8):
-        return expert_rows(arch)
-    from actmem.model.fp8 import padding_multiple
+    """T_pad: under FP8, and in a bf16 layer of an FP8 run, the rows the rank's experts compute, each expert's padded
+    to a multiple of a (TEGroupedMLP.forward: quantization_padding; actmem.model.fp8.row_padding),
+    a·floor((T + P)/a) with P bound to the most padding can add (actmem.model.fp8.expert_padding_rows); T
+    otherwise."""
+    from actmem.model.fp8 import row_padding
 
-    align = padding_multiple(arch.fp8)
+    align = row_padding(arch) if arch.moe else None
+    if align is None:
+        return expert_rows(arch)
     return align * sympy.floor((expert_rows(arch) + symbols.P) / align)
 
 

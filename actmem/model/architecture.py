@@ -193,6 +193,10 @@ class Architecture:
     moe_grouped_gemm: bool = False
     """The experts as TE's grouped GEMM (--moe-grouped-gemm, TEGroupedMLP) rather than one MLP each
     (SequentialMLP): the same saved tensors (actmem.model.experts)."""
+    moe_bf16_padding: int | None = None
+    """a of a MoE layer that runs in bf16 inside an FP8 run (--first-last-layers-bf16; Architecture.bf16_twin): its
+    TEGroupedMLP still pads each expert's rows, keyed on the run's config.fp8 (experts.py: quantization_padding),
+    to the multiple TE's Fp8Padding takes outside an FP8 autocast (fp8.bf16_padding_multiple); None elsewhere."""
     implementation: str = MEGATRON
     """The second axis, whose code runs the layer (actmem.model.implementation): 'megatron' (the
     paper's, the default), 'torch-native' (DTensor TP/SP as torchtitan plans it) or 'hf'
@@ -262,10 +266,15 @@ class Architecture:
         return bool(self.fp8 and self.fp8_first_last_bf16
                     and (index < self.fp8_bf16_start or index >= layers - self.fp8_bf16_end))
 
-    def bf16_twin(self) -> "Architecture":
-        """This layer as it runs outside FP8 (a first or last layer under --first-last-layers-bf16)."""
+    def bf16_twin(self, generation: str | None = None) -> "Architecture":
+        """This layer as it runs outside FP8: a first or last layer under --first-last-layers-bf16, given the GPU's FP8
+        ``generation``, a MoE layer's experts still padded as on it (moe_bf16_padding); without, the layer of a
+        bf16 run."""
+        from actmem.model.fp8 import bf16_padding_multiple
+
+        padding = bf16_padding_multiple(generation) if self.moe and self.fp8 and generation else None
         return replace(self, fp8_format=None, fp8_recipe=None, fp8_param_gather=False, fp8_amax_history_len=1,
-                       fp8_first_last_bf16=False, fp8_bf16_start=1, fp8_bf16_end=1)
+                       fp8_first_last_bf16=False, fp8_bf16_start=1, fp8_bf16_end=1, moe_bf16_padding=padding)
 
     @property
     def fp8(self) -> str | None:
@@ -276,6 +285,18 @@ class Architecture:
     def moe(self) -> bool:
         """Every layer's MLP is a mixture of experts (--num-experts)."""
         return self.num_experts is not None
+
+    def record(self) -> dict:
+        """The fields as the JSON output carries them, less those of a feature the model does not use (latent
+        attention's widths, FP8's settings, the experts' settings: Megatron's defaults, which such a model never
+        reads) and moe_bf16_padding (a bf16 layer's of an FP8 run, never the run's own); the switch that turns each
+        on stays (multi_latent_attention, fp8_format, num_experts)."""
+        unused = ("moe_bf16_padding",) + (("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                                                  "v_head_dim")
+                  * (not self.multi_latent_attention)
+                  + tuple(name for name in vars(self) if name.startswith("fp8_") and name != "fp8_format") * (not self.fp8)
+                  + tuple(name for name in vars(self) if name.startswith("moe_")) * (not self.moe))
+        return {name: value for name, value in vars(self).items() if name not in unused}
 
     def expert_ffn(self, hidden):
         """f_e: an expert's hidden size (--moe-ffn-hidden-size, else the MLP's f)."""

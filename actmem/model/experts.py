@@ -23,7 +23,7 @@ DEFAULTS = {"moe_topk": 2, "moe_ffn_hidden": None, "moe_load_balancing": "aux_lo
             "moe_shared_ffn": None, "moe_shared_gate": False, "moe_shared_overlap": False, "moe_pre_softmax": False,
             "moe_score_function": "softmax", "moe_expert_bias": False, "moe_router_groups": None,
             "moe_router_group_topk": None, "moe_capacity_factor": None, "moe_drop_policy": "probs",
-            "moe_pad_to_capacity": False, "moe_permute_fusion": False}
+            "moe_pad_to_capacity": False, "moe_permute_fusion": False, "moe_bf16_padding": None}
 #: bytes of the routing probabilities the permutation and the experts keep, by --moe-router-dtype
 #: (router.py: the logits in that dtype; moe_utils.py, topk_routing_with_score_function: probs type_as
 #: the logits); the softmax's own outputs are fp32 whatever it is

@@ -54,11 +54,14 @@ core's q, k, v, output and statistics (FP8 attention is off by default), the act
 Modelled: delayed and tensorwise scaling on Hopper and Blackwell, with and without --fp8-param-gather; MXFP8 on
 Blackwell and blockwise on Hopper and Blackwell, with sequence parallelism at t > 1 (actmem's limit: the saved shards' block
 scales are counted for the local rows) and without --fp8-param-gather; experts under every recipe, as TE's
-grouped GEMM, with their shared experts (TE linears), without --fp8-param-gather or --first-last-layers-bf16;
+grouped GEMM, with their shared experts (TE linears), --fp8-param-gather (each expert's weight an FP8 parameter,
+base.py: reset_parameters) and --first-last-layers-bf16 (a bf16 layer's experts still padded: bf16_padding_multiple);
 multi-latent attention (memory/terms_latent.py: each linear's input quantized, two copies of the input norm's
-output), without --fp8-param-gather or layernorm recompute; multi-token prediction (eh_proj's input
-quantized), without --first-last-layers-bf16. Refused with the reason: the rest, and any code but Megatron-Core
-with TE.
+output), with --fp8-param-gather (its down projections' FP8 weights whole on every rank) and layernorm recompute
+(the down projections then save the norm's 16-bit output, set_for_recompute_input_layernorm); the moe and
+shared_experts recompute modules (TE's checkpoint keeps what Megatron's does); multi-token prediction (eh_proj's
+input quantized; its layers FP8 beside --first-last-layers-bf16). Refused with the reason: the rest, and any code
+but Megatron-Core with TE.
 """
 
 from actmem.errors import SpecError
@@ -99,6 +102,9 @@ def check_fp8(arch) -> None:
                             f"it only with that switch: give it")
     if arch.fp8_first_last_bf16 and arch.fp8_format is None:
         raise SpecError("--first-last-layers-bf16 keeps layers out of FP8 training: give --fp8-format")
+    if arch.moe_bf16_padding not in (None, 16, 32) or (arch.moe_bf16_padding and arch.fp8_format is not None):
+        raise SpecError(f"moe_bf16_padding is a bf16 layer's of an FP8 run (16 or 32, without FP8 of its own); got "
+                        f"{arch.moe_bf16_padding!r}")
     if arch.fp8_recipe is not None and arch.fp8_format is None:
         raise SpecError(f"--fp8-recipe {arch.fp8_recipe} chooses FP8's scaling; Megatron reads it only with "
                         "--fp8-format (e4m3 or hybrid), which turns FP8 on: give it")
@@ -129,13 +135,6 @@ def check_fp8(arch) -> None:
     if arch.fp8_amax_history_len != 1 and recipe != "delayed":
         raise SpecError(f"--fp8-amax-history-len {arch.fp8_amax_history_len} sizes delayed scaling's amax history; "
                         f"the {recipe} recipe keeps none")
-    if arch.mtp_layers and arch.fp8_first_last_bf16:
-        raise SpecError("--first-last-layers-bf16 beside multi-token prediction: Megatron runs the prediction "
-                        "layers in FP8 whatever their number (multi_token_prediction.py: get_fp8_context without "
-                        "a layer number), not priced yet")
-    if arch.multi_latent_attention and arch.fp8_param_gather:
-        raise SpecError("--fp8-param-gather beside multi-latent attention: its replicated down projections' FP8 "
-                        "parameters are not priced yet; drop it")
     if arch.moe:
         _check_fp8_experts(arch)
 
@@ -145,11 +144,23 @@ def _check_fp8_experts(arch) -> None:
     if not arch.moe_grouped_gemm:
         raise SpecError("FP8 experts are modelled as TE's grouped GEMM (TEGroupedMLP): give --moe-grouped-gemm, as "
                         "Megatron's FP8 MoE runs do; SequentialMLP's per-expert TE linears under FP8 are not priced yet")
-    if arch.fp8_param_gather:
-        raise SpecError("--fp8-param-gather beside experts: the experts' FP8 parameters and their transposes are "
-                        "not priced yet; drop it")
-    if arch.fp8_first_last_bf16:
-        raise SpecError("--first-last-layers-bf16 beside experts: not priced yet")
+
+
+def bf16_padding_multiple(generation) -> int:
+    """a of a MoE layer run in bf16 inside an FP8 run (Architecture.moe_bf16_padding): Megatron's TEGroupedMLP pads
+    whenever config.fp8 (experts.py: quantization_padding), and Megatron runs a bf16 layer under no FP8 autocast
+    (fp8_utils.py, get_fp8_context: nullcontext()), where TE's Fp8Padding takes the default recipe's alignment
+    (fp8_padding.py: FP8GlobalStateManager.get_fp8_recipe(), restored to None on each autocast's exit;
+    quantization.py, get_default_fp8_recipe: MXFP8BlockScaling where MXFP8 runs, Blackwell, so 32; else
+    DelayedScaling, 16), once, at the module's first forward (it caches align_size). 'blackwell' is the B200's sm100
+    here; a compute capability 12 part would take current scaling's 16 (none is in actmem's GPU table)."""
+    return 32 if generation == "blackwell" else 16
+
+
+def row_padding(arch) -> int | None:
+    """a: the multiple a MoE layer pads each expert's rows to, under FP8 (padding_multiple) or as a bf16 layer of
+    an FP8 run (moe_bf16_padding); None where it does not pad."""
+    return padding_multiple(arch.fp8) if arch.fp8 else arch.moe_bf16_padding
 
 
 def padding_multiple(recipe) -> int:
@@ -215,12 +226,22 @@ def module_state_bytes(arch) -> int:
     return SCALE_INV_BYTES + SCALE_INV_BYTES * quantizers * rows
 
 
-def check_gpu(recipe, generation, gpu_name: str) -> None:
+def check_gpu(arch, generation, gpu_name: str, default: bool = False) -> None:
     """FP8 needs FP8 tensor cores: Hopper or Blackwell (TE raises on older GPUs); MXFP8 runs on Blackwell and
-    blockwise on Hopper alone."""
+    blockwise on Hopper alone. ``default``: the GPU is actmem's, not the input's (the refusal says so)."""
+    recipe = arch.fp8
     if recipe is not None and generation not in WEIGHT_COPY_BYTES:
-        raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {gpu_name} has none that "
-                        "actmem has read Transformer Engine for: give --gpu h100, h200 or b200")
+        from actmem.model.hardware import DEFAULT_GPU, GPUS
+
+        named = (f"no --gpu was given and actmem's default, the paper's {GPUS[DEFAULT_GPU].name}," if default
+                 else gpu_name)
+        raise SpecError(f"FP8 needs a GPU with FP8 tensor cores (Hopper or Blackwell); {named} has none that "
+                        "actmem has read Transformer Engine for: give --gpu h100, h200, h800 or b200")
     if recipe in BLOCK_RECIPE_GPU and generation not in BLOCK_RECIPE_GPU[recipe]:
         raise SpecError(f"--fp8-recipe {recipe} runs on {' or '.join(g.capitalize() for g in BLOCK_RECIPE_GPU[recipe])} "
                         f"(Transformer Engine asserts it); {gpu_name} is {generation.capitalize()}")
+    if arch.moe and arch.fp8_first_last_bf16 and recipe and padding_multiple(recipe) != bf16_padding_multiple(generation):
+        raise SpecError(f"--first-last-layers-bf16 beside experts under --fp8-recipe {recipe} on {gpu_name}: its bf16 "
+                        f"layers pad each expert's rows to {bf16_padding_multiple(generation)} (TE's default recipe "
+                        f"there), its FP8 layers to {padding_multiple(recipe)}; not priced yet: give --fp8-recipe "
+                        f"mxfp8")

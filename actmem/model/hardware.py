@@ -70,6 +70,10 @@ GPUS = {
     # The memory-bound kernels' table overcharges it: a device-to-device copy moves about 4.3 TB/s on
     # an H200 here against 3.0 on an H100 (the workplace's device notes, KINDS.md, 2026-10/11).
     "h200": Gpu("H200 SXM 141GB", _gib(139.72), 989e12, 360e9, 50e9, "hopper", "h100"),
+    # H800 SXM: the H100's chip, compute and 80 GB of HBM3 (its capacity taken as the H100's) with NVLink cut to
+    # 400 GB/s both ways: "NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times that of IB (50 GB/s)"
+    # (DeepSeek-V3 Technical Report, arXiv 2412.19437, section 3.2.2, of the H800 cluster it trained on).
+    "h800": Gpu("H800 SXM 80GB", _gib(79.10), 989e12, 160e9, 50e9, "hopper", "h100"),
     # B200 (HGX B200): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity); NVLink 5
     # (1.8 TB/s both ways), taken at the H100's share of it, ~720 GB/s bus bandwidth; one
     # 400 Gb/s ConnectX-7 link a GPU. PyTorch reports 178.35-178.36 GiB total capacity.
@@ -80,8 +84,18 @@ GPUS = {
     "mi300x": Gpu("MI300X 192GB", _gib(191.69), 1307.4e12, 300e9, 50e9),
     # GB200 is not here: no reported capacity to cite yet (give --gpu-memory).
 }
-#: the paper's GPU, for a model whose preset names none
+#: the paper's GPU, for a model whose preset names none (and said so: DEFAULT_GPU_WORDS)
 DEFAULT_GPU = "a100"
+DEFAULT_GPU_WORDS = "actmem's default, the paper's GPU; give --gpu for yours"
+
+
+def gpu_label(name: str, default: bool) -> str:
+    """A GPU's name as the output shows it, saying where it is actmem's default (with --gpu-memory alone, the
+    default's FP8 and speed beside the memory given)."""
+    if not default:
+        return name
+    default_name = GPUS[DEFAULT_GPU].name
+    return f"{name if name == default_name else f'{name}, otherwise {default_name}'}, {DEFAULT_GPU_WORDS}"
 
 
 def gpu_named(name: str) -> Gpu:

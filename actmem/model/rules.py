@@ -215,6 +215,16 @@ OFFLOADING_RULES = (
 )
 
 
+def _expert_layout_hint(v) -> str:
+    """What to change where the expert layout does not fit the GPUs: ETP follows t unless given (Megatron's
+    --expert-tensor-parallel-size defaults to --tensor-model-parallel-size)."""
+    hint = f"; give --gpus a multiple of {v.etp * v.ep * v.p}, or a smaller --ep or --pp"
+    if v.etp == 1:
+        return hint
+    return hint + (" or --etp (ETP is t unless given: Megatron's --expert-tensor-parallel-size defaults to "
+                   "--tensor-model-parallel-size)")
+
+
 def _first_last_bf16(v) -> bool:
     return bool(v.architecture is not None and v.architecture.fp8 and v.architecture.fp8_first_last_bf16)
 
@@ -350,7 +360,9 @@ RULES = (
          lambda v: "context parallelism runs Transformer Engine's attention: actmem models it with the "
                    "cuDNN flash core (--attention-core flash), which keeps no s² term", ("core",)),
     Rule(lambda v: _implies(not _uneven(v), v.layers % v.p == 0),
-         lambda v: f"p ({v.p}) must divide layers ({v.layers})"),
+         lambda v: f"p ({v.p}) must divide layers ({v.layers}), or give an uneven pipeline's first and last "
+                   f"stages, without interleaving (--first-stage-layers N --last-stage-layers N, Megatron's "
+                   f"--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers)"),
     Rule(lambda v: not _uneven(v) or (v.p > 1) & (v.m == 1),
          lambda v: f"an uneven pipeline (first or last stage layers given) needs p > 1 and no "
                    f"interleave (p = {v.p}, m = {v.m})"),
@@ -437,17 +449,6 @@ RULES = (
          lambda v: "--recompute-modules moe_act or layernorm under FP8 delayed scaling: Megatron refuses them "
                    "(transformer_config.py: 'Delayed scaling does not support moe_act and layernorm recompute for "
                    "fp8'); give another --fp8-recipe", ("architecture",)),
-    Rule(lambda v: not (v.architecture.fp8 and v.latent) or "layernorm" not in (v.recompute_modules or ()),
-         lambda v: "--recompute-modules layernorm beside FP8 multi-latent attention: Megatron then has the q and kv "
-                   "down projections keep the norm's 16-bit output (set_save_original_input), but not the q "
-                   "projection without a q latent; not priced yet", ("architecture",)),
-    Rule(lambda v: not (v.architecture.fp8 and v.experts)
-         or not {"moe", "shared_experts"} & set(v.recompute_modules or ()),
-         lambda v: f"--recompute-modules {' and '.join(sorted({'moe', 'shared_experts'} & set(v.recompute_modules)))} "
-                   "beside FP8 experts: under FP8 Megatron recomputes through Transformer Engine's checkpoint "
-                   "(moe_layer.py: te_checkpoint), whose saves are not read yet; moe_act, or --recompute full, "
-                   "is priced",
-         ("architecture",)),
     Rule(lambda v: not v.architecture.fp8_param_gather or v.distributed_optimizer,
          lambda v: "--fp8-param-gather needs the distributed optimizer (--use-distributed-optimizer): Megatron "
                    "raises without it (arguments.py)", ("architecture", "run_known")),
@@ -482,7 +483,8 @@ RULES = (
                    "mixture-of-experts layer: give --num-experts", ("dense",)),
     Rule(lambda v: v.gpus % (v.etp * v.ep * v.p) == 0,
          lambda v: f"ETP·EP·p ({v.etp}·{v.ep}·{v.p} = {v.etp * v.ep * v.p}) must divide gpus ({v.gpus}): Megatron "
-                   "lays the experts out over the same GPUs (parallel_state.py, initialize_model_parallel)",
+                   "lays the experts out over the same GPUs (parallel_state.py, initialize_model_parallel)"
+                   + _expert_layout_hint(v),
          ("experts",) + _DATA_PARALLEL),
     Rule(lambda v: _not_in(v.recompute, v.unmodelled_recompute),
          lambda v: v.unmodelled_recompute[v.recompute], ("recompute", "unmodelled_recompute")),

@@ -10,7 +10,7 @@ from actmem.model import defaults, rules, symbols
 from actmem.model.architecture import Architecture
 from actmem.model.fp8 import expert_block_rows, expert_padding_rows
 from actmem.errors import SpecError
-from actmem.model.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
+from actmem.model.hardware import DEFAULT_GPU, DEFAULT_RESERVE, GPUS, gpu_label
 from actmem.model.optimizer_state import OptimizerState
 from actmem.model.recompute import RecomputePolicy
 from actmem.model.recompute import RECOMPUTE_MODULES, Recompute
@@ -185,6 +185,8 @@ class Spec:
     gpu_name: str = GPUS[DEFAULT_GPU].name
     gpu_fp8: str | None = GPUS[DEFAULT_GPU].fp8
     """The GPU's FP8 generation (actmem.model.hardware.Gpu.fp8): what TE keeps of an FP8 weight."""
+    gpu_default: bool = False
+    """The GPU is actmem's default (hardware.DEFAULT_GPU), not one the input named: the output says so."""
     gradient_bytes: int = GRADIENT_BYTES
     """Bytes a main gradient: 4 (fp32, bf16 training's default) or 2 (the parameters' dtype: fp16
     training without --accumulate-allreduce-grads-in-fp32, or --grad-reduce-in-bf16)."""
@@ -221,8 +223,13 @@ class Spec:
         from actmem.model.fp8 import check_gpu
 
         if not self.dims_only:        # the dims alone name no GPU yet (plan checks its own: PlanRequest)
-            check_gpu(self.architecture.fp8, self.gpu_fp8, self.gpu_name)
+            check_gpu(self.architecture, self.gpu_fp8, self.gpu_name, self.gpu_default)
         rules.check(self.rule_values())
+
+    @property
+    def gpu_label(self) -> str:
+        """The GPU's name, and where it is actmem's default, that it is ('A100 80GB, actmem's default, ...')."""
+        return gpu_label(self.gpu_name, self.gpu_default)
 
     def rule_values(self) -> rules.Values:
         """This spec in the names ``actmem.model.rules`` reads."""

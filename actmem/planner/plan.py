@@ -19,7 +19,7 @@ from actmem.planner import iteration
 from actmem.model.architecture import PAPER, Architecture
 from actmem.errors import SpecError
 from actmem.planner.flops import mlp_tensor_parallel_share, model_flops
-from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu
+from actmem.model.hardware import DEFAULT_EFFICIENCY, DEFAULT_RESERVE, Gpu, gpu_label
 from actmem.model.optimizer_state import OptimizerState
 from actmem.memory.parameters import ParameterBytes, expert_parameters, first_stage_parameters, mtp_parameters, stage_state
 from actmem.model.experts import capacity, check_routing, dense_twin, expert_shards, last_layer_moe
@@ -94,6 +94,13 @@ class PlanRequest:
     overlap_param_gather: bool = False
     """Megatron's --overlap-param-gather (off by default; needs --overlap-grad-reduce): the distributed
     optimizer's all-gather overlaps the next iteration's forward."""
+    gpu_default: bool = False
+    """The GPU is actmem's default (hardware.DEFAULT_GPU), not one the input named: the output says so."""
+
+    @property
+    def gpu_label(self) -> str:
+        """The GPU's name, and where it is actmem's default, that it is (as Spec.gpu_label)."""
+        return gpu_label(self.gpu.name, self.gpu_default)
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
@@ -104,7 +111,7 @@ class PlanRequest:
             raise SpecError("--moe-imbalance and --moe-load-histogram shape a mixture-of-experts layer: give "
                             "--num-experts")
         check_routing(self.architecture, self.routing_imbalance, self.expert_loads)
-        check_gpu(self.architecture.fp8, self.gpu.fp8, self.gpu.name)
+        check_gpu(self.architecture, self.gpu.fp8, self.gpu.name, self.gpu_default)
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise SpecError("--overlap-param-gather needs --overlap-grad-reduce (Megatron asserts it: "
                             "arguments.py, 'Must use --overlap-param-gather with --overlap-grad-reduce')")

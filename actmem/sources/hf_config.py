@@ -290,7 +290,8 @@ def _deepseek(config, path):
                   "last stage, as Megatron trains them (--mtp-num-layers; give --mtp-num-layers 0 to leave "
                   f"{'them' if mtp > 1 else 'it'} out)",)
     if config.get("quantization_config"):
-        notes += ("quantization_config: the released weights' format, not the training precision: priced in 16 bits",)
+        notes += ("quantization_config: the released weights' format, not the training precision, which the run's "
+                  "flags choose (16 bits, or FP8 under --fp8-format)",)
     return model, architecture, notes
 
 

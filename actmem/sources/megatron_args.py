@@ -211,6 +211,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
     does not have is refused as unknown."""
     used, ignored, unknown, refused, missing, stray, settings = [], [], [], [], [], [], {}
     words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
+    words, repeated = _last_of_each(words, takes_value)
     i = 0
     while i < len(words):
         name = words[i]
@@ -228,7 +229,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
         elif name in takes_value:
             used += [name, *values]
         elif name in SETTINGS:
-            settings.setdefault(name, (tuple(values) if count == MANY else values[0]) if values else True)
+            settings.setdefault(name, tuple(values) if count == MANY else values[0] if values else True)
         else:
             kind, why = megatron_table.classify(name, values)
             if kind == megatron_table.IGNORED:
@@ -239,7 +240,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
     used += _implied(words, settings)
     layout, layout_notes, layout_problems = megatron_pipeline.read(words, settings)
     used += layout
-    settings["notes"] = _read_notes(settings) + layout_notes
+    settings["notes"] = repeated + _read_notes(settings) + layout_notes
     if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
         settings["notes"].append(
@@ -282,6 +283,31 @@ def _read_notes(settings) -> list[str]:
 def _unknown(name: str) -> str:
     near = megatron_table.closest(name) if name.startswith("--") else None
     return f"{name} (did you mean {near}?)" if near else name
+
+
+def _last_of_each(words: list[str], takes_value: dict) -> tuple[list[str], list[str]]:
+    """(the words with each argument's earlier occurrences dropped, a note for each whose value changed): a script
+    that gives an argument twice (a later override) runs with the last, as Megatron's argparse keeps it (every
+    argument of add_megatron_arguments at d98e8a64 stores; none appends). An occurrence whose value is missing
+    stays for sort to refuse, as Megatron's parser does; only the arguments actmem reads get a note."""
+    spans, i = {}, 0                        # name -> [(start, end, values)], in order
+    while i < len(words):
+        count = _value_count(words[i], takes_value) if words[i].startswith("--") else None
+        if count is None:                   # a stray word or an unknown name: sort names it
+            i += 1
+            continue
+        values, after = _values(words, i, count or 0)
+        if count not in (0, MANY, "optional") and (len(values) < count or any(v.startswith("--") for v in values)):
+            i += 1                          # its value is missing: sort refuses it
+            continue
+        spans.setdefault(words[i], []).append((i, after, tuple(values)))
+        i = after
+    dropped = {index for given in spans.values() for start, end, _ in given[:-1] for index in range(start, end)}
+    notes = [f"{name} is given {len(given)} times ({' then '.join(' '.join(values) or 'alone' for *_, values in given)}): "
+             f"Megatron's parser keeps the last, and so does actmem"
+             for name, given in spans.items() if len({values for *_, values in given}) > 1
+             and (name in takes_value or name in SETTINGS)]
+    return [word for index, word in enumerate(words) if index not in dropped], notes
 
 
 def _value_count(name: str, takes_value: dict):
@@ -372,7 +398,11 @@ def attention_core(settings) -> str | None:
 
 def _recompute_modules(settings) -> list[str]:
     """Megatron takes the modules as words of their own (nargs='*'): 'core_attn,mlp' would be
-    one unknown module to it."""
+    one unknown module to it; given none, its selective recompute recomputes nothing, which actmem does not read
+    as a run of its own."""
+    if settings.get(RECOMPUTE_MODULES) == ():
+        return [f"{RECOMPUTE_MODULES} names no module: Megatron's selective recompute then recomputes nothing "
+                "(transformer_config.py: recompute_modules []); name the modules, or drop the recompute"]
     joined = [module for module in settings.get(RECOMPUTE_MODULES) or () if "," in module]
     if joined:
         return [f"{RECOMPUTE_MODULES} {' '.join(joined)}: Megatron takes the modules as separate words "
@@ -407,14 +437,14 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
     if refused:
         reasons = {}
         for why, name in refused:
-            reasons.setdefault(why, []).append(name)
+            reasons.setdefault(why, {})[name] = None         # each name once, however often given
         problems.append("changes memory and is not modelled yet: " +
                         "; ".join(f"{', '.join(names)} ({why})" for why, names in reasons.items()))
     if unknown:
         problems.append(f"not an argument of Megatron-LM (at {megatron_table.pinned_commit()[:12]}): "
-                        f"{', '.join(unknown)}")
+                        f"{', '.join(dict.fromkeys(unknown))}")
     if missing:
-        problems.append(f"expects a value: {', '.join(missing)}")
+        problems.append(f"expects a value: {', '.join(dict.fromkeys(missing))}")
     if "--num-query-groups" in words and GQA_SWITCH not in settings:
         problems.append("Megatron ignores --num-query-groups without --group-query-attention")
     precision = [name for name in PRECISION if name in settings]

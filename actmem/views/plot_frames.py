@@ -228,9 +228,9 @@ def _fastest_else_leanest(evaluated, keys: list[str]) -> list:
 
 def _request_settings(req, model_name: str) -> dict:
     """What ``actmem plan --format csv`` writes beside each row, and the model's name."""
-    return {"model": model_name, "gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
-            "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
-            "budget_bytes": req.budget_bytes}
+    from actmem.views.report import plan_settings
+
+    return {"model": model_name} | plan_settings(req)
 
 
 # -- formula against measurement --------------------------------------------------------------

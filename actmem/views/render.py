@@ -353,6 +353,8 @@ def _verdict(est: Estimate, width: int) -> Text:
     text.append_text(_bar(used, width=bar, style=style))
     text.append(numbers + "\n")
     text.append(" " * len(word) + margin + "\n", style=style)
+    if est.against_bf16 is not None:
+        text.append(_against_bf16(est) + "\n")
     state = busiest.parameters.total_bytes
     if state + est.spec.reserve_bytes > budget:       # no activation technique can help: say so
         params = busiest.parameters
@@ -363,6 +365,20 @@ def _verdict(est: Estimate, width: int) -> Text:
     if est.host_bytes:
         text.append(_host_line(est))
     return text
+
+
+def _against_bf16(est: Estimate) -> str:
+    """FP8's net against the same run in bf16: what it saves in activations and adds in model state."""
+    net, p = est.against_bf16, est.spec.run.pipeline_parallel
+
+    def signed(n: int) -> str:
+        return f"{'+' if n > 0 else '−' if n < 0 else '±'}{abs(gib(n)):,.2f} GiB"
+
+    shrink = ", less a byte a weight element under --fp8-param-gather" if est.spec.architecture.fp8_param_gather else ""
+    return (f"FP8 against this run in bf16: {signed(net.verdict_bytes)} at the peak ({gib(est.verdict_bytes):,.2f} "
+            f"against {gib(net.bf16_verdict_bytes):,.2f} GiB); on {stage_name(net.stage, p, article=True)} the "
+            f"activations {signed(net.activations_bytes)}, the model state {signed(net.model_state_bytes)} (TE's "
+            f"FP8 weight copies and scaling state{shrink})")
 
 
 def _shard_advice(spec) -> str:
@@ -408,7 +424,7 @@ def _verdict_words(est: Estimate, where: str) -> tuple[str, str, str]:
     spec = est.spec
     memory, reserve = spec.gpu_memory_bytes, spec.reserve_bytes
     numbers = f" {gib(est.verdict_bytes):,.2f} of {gib(memory):,.2f} GiB ({100 * est.verdict_bytes / memory:.0f}%) on {where}"
-    gpu = f"({spec.gpu_name})"
+    gpu = f"({spec.gpu_label})"
     if est.verdict == FITS:
         return "fits ", numbers, f"{gib(est.spare_bytes):,.2f} GiB to spare beyond the reserve of {gib(reserve):,.2f} GiB {gpu}"
     if est.verdict == TIGHT:
@@ -438,11 +454,22 @@ def _stages_table(est: Estimate) -> Table:
                       f"{load.occupancy.layer_activations:,}", format_in(load.activations_bytes, unit),
                       format_in(load.parameters.total_bytes, unit), format_in(peak - load.total_bytes, unit),
                       Text(format_in(peak, unit), style="green" if peak <= budget else "red"))
-    table.caption = ("held: layer activations in flight at the stage's first backward; model state: "
-                     "weights, fp32 main gradients, optimizer state, TE's dummy weight gradients; rerun: what that backward "
+    table.caption = (f"held: layer activations in flight at the stage's first backward; model state: "
+                     f"{_model_state_words(est.spec, est.stages)}; rerun: what that backward "
                      "recomputes beyond what it frees first; the parts add to the peak; ◀ the verdict's")
     table.caption_justify = "left"
     return table
+
+
+def _model_state_words(spec, stages) -> str:
+    """What the stage table's model state holds, as this run holds it: the main gradients' dtype, and TE's dummy
+    weight gradients and FP8 state where a stage holds them."""
+    parts = ["weights", f"{'fp32' if spec.gradient_bytes == 4 else '16-bit'} main gradients", "optimizer state"]
+    if any(load.parameters.dummy_wgrads_bytes for load in stages):
+        parts.append("TE's dummy weight gradients")
+    if any(load.parameters.fp8_bytes for load in stages):
+        parts.append("TE's FP8 weight copies and scaling state")
+    return ", ".join(parts)
 
 
 def inline(expr) -> str:

@@ -20,7 +20,7 @@ def render_plan(plan, top: int, nothing=None) -> None:
     model = req.model
     console.print(Text(f"actmem plan · a={model.heads} h={model.hidden} L={model.layers} "
                        f"s={model.seq_len}", style="bold"))
-    console.print(f"{plural(req.gpus, 'GPU')} ({req.gpu.name}) · global batch {req.global_batch}")
+    console.print(f"{plural(req.gpus, 'GPU')} ({req.gpu_label}) · global batch {req.global_batch}")
     console.print(f"budget {gib(req.budget_bytes):,.2f} GiB a GPU: {gib(req.gpu_memory_bytes):,.2f} GiB "
                   f"less a reserve of {gib(req.reserve_bytes):,.2f} GiB")
     derived = f" and {plan.block_rows:,} block=N derived from them" if plan.block_rows else ""
@@ -282,4 +282,4 @@ def render_flops(name: str, report: dict) -> None:
     console.print(table)
     if report["iteration_s"] is not None:
         console.print(f"MFU {100 * report['mfu']:.1f}% at {report['iteration_s']} s an iteration on "
-                      f"{report['gpus']} GPUs of {report['peak_flops'] / 1e12:.0f} TFLOP/s peak")
+                      f"{report['gpus']} GPUs of {report['peak_flops'] / 1e12:.0f} TFLOP/s peak ({report['peak_of']})")

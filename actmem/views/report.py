@@ -15,7 +15,7 @@ def records(est: Estimate, codes=None) -> dict:
         "model": {"name": spec.name, "heads": spec.model.heads, "hidden": spec.model.hidden,
                   "layers": spec.model.layers, "vocab": spec.model.vocab,
                   "padded_vocab": spec.padded_vocab, "seq_len": spec.model.seq_len},
-        "architecture": vars(spec.architecture),
+        "architecture": spec.architecture.record(),
         "run": {"tensor_parallel": run.tensor_parallel, "pipeline_parallel": run.pipeline_parallel,
                 "interleave": run.interleave, "micro_batch": run.micro_batch,
                 "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
@@ -26,7 +26,7 @@ def records(est: Estimate, codes=None) -> dict:
                 "global_batch": run.global_batch, "gpus": run.gpus,
                 "data_parallel": spec.data_parallel, "microbatches_per_iteration": spec.microbatches,
                 "distributed_optimizer": run.distributed_optimizer, "expert_parallel": run.expert_parallel,
-                "expert_tensor_parallel": run.etp, "routing_imbalance": str(spec.effective_imbalance),
+                "expert_tensor_parallel": run.etp, "routing_imbalance": float(spec.effective_imbalance),
                 "expert_load_layers": None if run.expert_loads is None else len(run.expert_loads),
                 "expert_data_parallel": spec.expert_optimizer_shards if spec.architecture.moe else None,
                 "offload_layers": run.offload_layers, "fsdp": run.fsdp, "fsdp_replicate": run.fsdp_replicate, "fsdp_reshard": run.fsdp_reshard,
@@ -52,6 +52,7 @@ def records(est: Estimate, codes=None) -> dict:
         "busiest_stage": est.busiest_stage.stage,
         "verdict_bytes": est.verdict_bytes,
         "gpu": spec.gpu_name,
+        "gpu_default": spec.gpu_default,
         "gpu_memory_bytes": spec.gpu_memory_bytes,
         "reserve_bytes": spec.reserve_bytes,
         "headroom_bytes": spec.gpu_memory_bytes - est.verdict_bytes,
@@ -59,6 +60,7 @@ def records(est: Estimate, codes=None) -> dict:
         "verdict": est.verdict,
         "fits": est.fits,
         "host_bytes": est.host_bytes,
+        "against_bf16": None if est.against_bf16 is None else vars(est.against_bf16),
         "assumptions": list(est.assumptions),
     } | side
 
@@ -106,7 +108,7 @@ def settings(est: Estimate) -> list[dict]:
     rows += list(rec["architecture"].items())
     rows += list(rec["run"].items())
     rows += [("stage", est.stage), ("busiest_stage", rec["busiest_stage"]),
-             ("verdict_bytes", rec["verdict_bytes"]), ("gpu", rec["gpu"]),
+             ("verdict_bytes", rec["verdict_bytes"]), ("gpu", rec["gpu"]), ("gpu_default", rec["gpu_default"]),
              ("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("reserve_bytes", rec["reserve_bytes"]),
              ("verdict", rec["verdict"]), ("fits", rec["fits"])]
     return [{"setting": key, "value": "" if value is None else str(value).lower()
@@ -164,7 +166,7 @@ def to_markdown(est: Estimate, codes=None) -> str:
              "implementations": "The same model and run under each implementation"}
     where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"
     head = (f"# actmem · {est.spec.name}: {est.verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
-            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU ({est.spec.gpu_name}) of {where}; "
+            f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU ({est.spec.gpu_label}) of {where}; "
             f"{est.spare_bytes / 2**30:,.2f} GiB beyond a reserve of {est.spec.reserve_bytes / 2**30:,.2f} GiB.\n")
     parts = [f"## {title[name]}\n\n{df.astype(object).fillna('').to_markdown(index=False)}\n"
              for name, df in frames(est, codes).items()]          # a blank, not <NA>, where none
@@ -214,9 +216,9 @@ def plan_json(plan, top: int, nothing=None) -> str:
     req = plan.request
     why_not = plan.why_not()
     return json.dumps({
-        "request": {"model": vars(req.model), "architecture": vars(req.architecture),
+        "request": {"model": vars(req.model), "architecture": req.architecture.record(),
                     "gpus": req.gpus, "global_batch": req.global_batch,
-                    "gpu": req.gpu.name, "gpu_memory_bytes": req.gpu_memory_bytes,
+                    "gpu": req.gpu.name, "gpu_default": req.gpu_default, "gpu_memory_bytes": req.gpu_memory_bytes,
                     "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes,
                     "efficiency": req.efficiency, "kernel_tables": compute_source(req),
                     "overlap_grad_reduce": req.overlap_grad_reduce, "overlap_param_gather": req.overlap_param_gather},
@@ -240,10 +242,14 @@ def plan_csv(plan, top: int, nothing=None) -> str:
     req = plan.request
     frame = plan.fitting if nothing is None else plan.why_not()
     table = pd.DataFrame(_plan_rows(frame, top), columns=["config"] + PLAN_COLUMNS)
-    settings = {"gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
-                "gpu_memory_bytes": req.gpu_memory_bytes, "reserve_bytes": req.reserve_bytes,
-                "budget_bytes": req.budget_bytes}
-    return table.assign(**settings).to_csv(index=False)
+    return table.assign(**plan_settings(req)).to_csv(index=False)
+
+
+def plan_settings(req) -> dict:
+    """What `actmem plan --format csv` writes beside each row: the request's GPUs, batch and budget."""
+    return {"gpus_total": req.gpus, "global_batch": req.global_batch, "gpu": req.gpu.name,
+            "gpu_default": req.gpu_default, "gpu_memory_bytes": req.gpu_memory_bytes,
+            "reserve_bytes": req.reserve_bytes, "budget_bytes": req.budget_bytes}
 
 
 def _zero(zero) -> dict:

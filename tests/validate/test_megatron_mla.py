@@ -25,10 +25,11 @@ def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
     core_attn and mla_up_proj, of mla_up_proj and layernorm with q from h; the unfused rope, YaRN on one rank,
     plain rope at t = 2 with SP, YaRN beside core_attn, layernorm and mlp; under FP8: tensorwise at t = 2 with SP,
     delayed with q from h and no latent norms, with mla_up_proj recomputed under both and with the latent norms,
-    MXFP8 and blockwise on one rank), every rank: each row measured equals its formula, nothing unnamed, the totals equal; and every
+    MXFP8 and blockwise on one rank, layernorm recomputed with and without a q latent), every rank: each row
+    measured equals its formula, nothing unnamed, the totals equal; and every
     MLA row of the table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 19
+    assert len({row["config"] for row in grid_rows}) == 21
     measured = {row["term"] for row in grid_rows if row["measured_bytes"] > 0}
     assert {term.name for term in MLA_TERMS} | {"qkv_input", "softmax_lse", "projection_input",
                                                 "core_attn_mask_type"} <= measured
@@ -147,3 +148,32 @@ def test_the_gate_fails_fp8_mla_priced_wrong():
     assert judge(term_rows(config, rank, expected, held), 0.0)
     bf16 = replace(config.spec, architecture=config.spec.architecture.bf16_twin())
     assert judge(term_rows(config, rank, formula(bf16, config.technique), named), 0.0)
+
+
+def test_fp8_layernorm_recompute_frees_the_down_projections_copies(grid_rows):
+    """Under FP8 with the input norm recomputed, Megatron has the q and kv down projections save the norm's 16-bit
+    output itself (multi_latent_attention.py, set_for_recompute_input_layernorm), which the norm's checkpoint
+    frees: neither one-byte copy stays (h = 32, s/t·b = 16 rows: 512 + 4 each without it). Without a q latent the
+    q projection is not told to, and keeps its copy of the rank's shard, 16·32 + 4 = 516."""
+    def kept(config):
+        return {row["term"]: row["measured_bytes"] for row in grid_rows if row["measured_bytes"]
+                and row["config"] == config}
+
+    latent = kept("mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2 selective:layernorm")
+    assert not {"qkv_input", "qkv_input_q_fp8"} & set(latent) and latent["mla_q_latent"] == 1536
+    assert kept("mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2")["qkv_input_q_fp8"] == 516
+    from_h = kept("mla q from h kv_r=16 fp8 tensorwise t=2 sp b=2 selective:layernorm")
+    assert from_h["qkv_input_q_fp8"] == 516 and "qkv_input" not in from_h
+
+
+def test_the_gate_fails_fp8_layernorm_recompute_priced_as_if_the_copies_stayed():
+    """Inject the failure: the q latent layer with layernorm recomputed, priced as without it (both copies kept)."""
+    config = next(c for c in mla_grid() if c.label == "mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2 "
+                                                      "selective:layernorm")
+    rank, named = measure(config)[0]
+    assert judge(term_rows(config, rank, formula(config.spec, config.technique), named), 0.0) == []
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import NONE
+
+    kept = formula(config.spec, run_technique(True, NONE))
+    assert judge(term_rows(config, rank, kept, named), 0.0)

@@ -106,7 +106,11 @@ def mla_grid() -> list:
                (mla_spec(t=2, norms=False, fp8="tensorwise"), selective("mla_up_proj")),
                (mla_spec(t=2, fp8="tensorwise"), selective("mla_up_proj")),
                (mla_spec(t=2, q_rank=None, norms=False, fp8="delayed"), selective("mla_up_proj", "core_attn")),
-               (mla_spec(fp8="mxfp8"), NONE), (mla_spec(norms=False, fp8="blockwise"), NONE))
+               (mla_spec(fp8="mxfp8"), NONE), (mla_spec(norms=False, fp8="blockwise"), NONE),
+               # ... with the input norm recomputed (layernorm): the down projections keep its 16-bit output,
+               # which the checkpoint frees; without a q latent the q projection keeps its own copy
+               (mla_spec(t=2, fp8="tensorwise"), selective("layernorm")),
+               (mla_spec(t=2, q_rank=None, norms=False, fp8="tensorwise"), selective("layernorm")))
     return [MLAConfig(spec, run_technique(spec.run.sequence_parallel, policy)) for spec, policy in layouts]
 
 
@@ -526,6 +530,10 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
         # Megatron hands the projection save_original_input under every FP8 recipe but delayed
         # (multi_latent_attention.py, __init__; it asks TE's version, which does not import here)
         layer.self_attention.linear_proj.save_original_input = spec.architecture.fp8 not in (None, "delayed")
+        if spec.architecture.fp8 and "layernorm" in config.technique.modules:
+            # as transformer_layer.py's __init__ does under FP8 (built here without it): Megatron's own choice of
+            # the linears that then keep the norm's 16-bit output, set_save_original_input on the stand-ins
+            layer.self_attention.set_for_recompute_input_layernorm()
         torch.manual_seed(1 + rank)
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)

@@ -19,6 +19,7 @@ from fractions import Fraction
 
 from actmem.memory.techniques import Technique, run_technique
 from actmem.model.architecture import Architecture, moe_aux_loss, moe_group_mask
+from actmem.model.fp8 import row_padding
 from actmem.model.recompute import NONE, Recompute, RecomputePolicy
 from actmem.model.spec import Model, Run, Spec
 
@@ -46,6 +47,7 @@ class MoEConfig:
                 + f"c={run.context_parallel} " * (run.context_parallel > 1) + f"EP={run.expert_parallel} "
                 f"ETP={run.etp} {arch.moe_dispatcher} router {arch.moe_router_dtype or 'bf16'} "
                 + "grouped " * arch.moe_grouped_gemm + f"fp8 {arch.fp8} " * bool(arch.fp8)
+                + f"bf16 layer of an fp8 run (rows padded to {arch.moe_bf16_padding}) " * bool(arch.moe_bf16_padding)
                 + "fused " * arch.moe_permute_fusion
                 + (f"shared{' gated' if arch.moe_shared_gate else ''}{' overlap' if arch.moe_shared_overlap else ''} "
                    if arch.moe_shared_ffn else "") + ("pre-softmax " if arch.moe_pre_softmax else "")
@@ -69,11 +71,13 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
              gate: bool = False, overlap: bool = False, pre_softmax: bool = False, sigmoid: bool = False,
              expert_bias: bool = False, groups: tuple | None = None, seq_aux: bool = False,
              capacity: float | None = None, drop_policy: str = "probs", pad: bool = False,
-             grouped: bool = False, fused: bool = False, c: int = 1, fp8: str | None = None) -> Spec:
+             grouped: bool = False, fused: bool = False, c: int = 1, fp8: str | None = None,
+             bf16_padding: int | None = None) -> Spec:
     """A small MoE layer whose saved tensors' shapes are all distinct: h = 16, f_e = 10, s = 16, b = 2, and
     shared experts of f_s = 14 where asked. ``fp8``: the experts under that FP8 recipe, on a Hopper, at h = 32,
     f_e = 96 and f_s = 128, dims TE's FP8 GEMMs take (rules.py: the attention's a·d/t, f_e/ETP and f_s/t divisible
-    by 16)."""
+    by 16). ``bf16_padding``: the layer as a bf16 layer of an FP8 run runs it (--first-last-layers-bf16), its
+    experts' rows padded to that multiple (Architecture.moe_bf16_padding)."""
     ffn = 96 if fp8 else 10
     arch = Architecture(num_experts=experts, moe_topk=topk, ffn_hidden=ffn, moe_ffn_hidden=ffn, activation="swiglu",
                         bias=False, normalization="rmsnorm", attention_core="flash", position_embedding="rope",
@@ -85,7 +89,8 @@ def moe_spec(t: int = 1, ep: int = 1, etp: int | None = None, aux: bool = True, 
                         moe_router_group_topk=groups and groups[1],
                         moe_load_balancing="seq_aux_loss" if seq_aux else "aux_loss", moe_capacity_factor=capacity,
                         moe_drop_policy=drop_policy, moe_pad_to_capacity=pad, moe_grouped_gemm=grouped,
-                        moe_permute_fusion=fused, fp8_format=fp8 and "e4m3", fp8_recipe=fp8)
+                        moe_permute_fusion=fused, fp8_format=fp8 and "e4m3", fp8_recipe=fp8,
+                        moe_bf16_padding=bf16_padding)
     run = Run(tensor_parallel=t, sequence_parallel=t > 1, micro_batch=2, expert_parallel=ep,
               expert_tensor_parallel=etp, context_parallel=c)
     generation = "blackwell" if fp8 == "mxfp8" else "hopper"          # MXFP8 runs on Blackwell alone
@@ -154,6 +159,16 @@ def moe_grid() -> list:
                 MoEConfig(moe_spec(ep=2, grouped=True, fp8="blockwise"), run_technique(False, act))]
     # ... and delayed beside shared experts at t = 2, not overlapping: fc1 keeps the rank's shard quantized
     configs.append(MoEConfig(moe_spec(t=2, grouped=True, shared=True, fp8="delayed"), run_technique(True, NONE)))
+    # ... recomputed through TE's checkpoint (its stand-in, _te_checkpoint): the whole layer at t = 2, the shared
+    # experts beside EP = 2, tensorwise
+    for spec, modules in ((moe_spec(t=2, grouped=True, shared=True, fp8="tensorwise"), ("moe",)),
+                          (moe_spec(ep=2, grouped=True, shared=True, fp8="tensorwise"), ("shared_experts",))):
+        configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel,
+                                                     RecomputePolicy(Recompute.SELECTIVE, frozenset(modules)))))
+    # a bf16 layer of an FP8 run (--first-last-layers-bf16): its GEMMs in bf16, its experts' rows still padded, to
+    # 16 (a Hopper's) beside EP = 2, and to 32 (a Blackwell's) at t = 2 with shared experts and moe_act recomputed
+    configs += [MoEConfig(moe_spec(ep=2, grouped=True, bf16_padding=16), run_technique(False, NONE)),
+                MoEConfig(moe_spec(t=2, grouped=True, shared=True, bf16_padding=32), run_technique(True, act))]
     # the permutation as TE's fused kernels (their CPU stand-in, te_permutation): under alltoall at EP = 1 (the
     # chunk sorts of 8 local experts), beside EP = 2 with the router in fp32, padded to capacity beside EP = 2;
     # under allgather beside EP = 2
@@ -360,7 +375,21 @@ def _cpu_shims() -> None:
     from actmem_validate.megatron_mla import rng_shims
 
     rng_shims()           # the moe and shared_experts recompute checkpoints' RNG state and FP8 check
+    from megatron.core.transformer.moe import moe_layer
 
+    moe_layer.te_checkpoint = _te_checkpoint
+
+
+def _te_checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args):
+    """Transformer Engine's checkpoint, which Megatron's MoE layer takes for its moe and shared_experts recompute
+    under FP8 (moe_layer.py: te_checkpoint), as it runs there (TE 2.11, distributed.py: checkpoint, the reentrant
+    _CheckpointFunction, use_reentrant's default): the forward under no_grad, its tensor arguments saved by
+    reference (save_for_backward), the RNG states on the host; under delayed scaling each module's amax history and
+    scale cloned for the recompute (quantization.py: copy_forward_fp8_meta_tensors_for_recompute), which the
+    harness's tensorwise layouts do not make. Megatron's own CheckpointFunction keeps the same, so it stands in."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.checkpoint(function, distribute_saved_activations, *args)
 
 _STAND_IN_TERMS: dict = {}
 """{storage address: term} of the storages the FP8 stand-ins made, on this rank's run: the fp32 scale_inv [1] every
@@ -645,12 +674,9 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     if not in_layer:
         layer = MoELayer(config, submodules)
         config.moe_permute_fusion = arch.moe_permute_fusion
-        if arch.fp8:
-            from actmem.model.fp8 import padding_multiple
-
-            layer.experts.quantization_padding, layer.experts.quantization_unpadding = _fp8_padding(
-                padding_multiple(arch.fp8))
-            config.fp8, config.fp8_recipe = arch.fp8_format, arch.fp8
+        if row_padding(arch):       # under FP8, or a bf16 layer of an FP8 run: its GEMMs in bf16, config.fp8 set
+            layer.experts.quantization_padding, layer.experts.quantization_unpadding = _fp8_padding(row_padding(arch))
+            config.fp8, config.fp8_recipe = arch.fp8_format or "e4m3", arch.fp8 or _RUN_RECIPE[row_padding(arch)]
         return layer
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -667,11 +693,15 @@ def _layer(spec: Spec, ignored: tuple = (), technique: Technique | None = None, 
     return layer
 
 
+#: the FP8 run a bf16 layer is one of, by the rows it pads to (fp8.bf16_padding_multiple): blockwise on a Hopper,
+#: MXFP8 on a Blackwell (a recipe whose FP8 layers pad as its bf16 ones do: fp8.check_gpu)
+_RUN_RECIPE = {16: "blockwise", 32: "mxfp8"}
+
+
 def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
 
-    from actmem.model.fp8 import padding_multiple
     from actmem_validate.gloo import held_storages, rank_group, recorder
 
     spec, run = config.spec, config.spec.run
@@ -690,10 +720,10 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         _STAND_IN_TERMS.clear()
         moe = layer.mlp if config.in_layer else layer
         experts_forward = moe.experts.forward
-        align = padding_multiple(spec.architecture.fp8)     # the rows each expert's are padded to under FP8
+        align = row_padding(spec.architecture)     # the rows each expert's are padded to, under FP8 (or None)
         moe.experts.forward = lambda tokens, tokens_per_expert, *args, **kwargs: (
             received.append(int(sum(tokens_per_expert))),
-            padded.append(_padding(tokens_per_expert, align)),
+            padded.append(align and _padding(tokens_per_expert, align)),
             experts_forward(tokens, tokens_per_expert, *args, **kwargs))[2]
         preprocess = moe.token_dispatcher.dispatch_preprocess     # the routed copies this rank keeps, after capacity
         moe.token_dispatcher.dispatch_preprocess = lambda tokens, routing_map, probs: (
@@ -708,7 +738,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         x_key = x.untyped_storage().data_ptr()
         named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
         out.float().sum().backward()
-        results.put((rank, received[0], kept[0], padded[0] if spec.architecture.fp8 else None, named))
+        results.put((rank, received[0], kept[0], padded[0], named))
 
 
 def _padding(tokens_per_expert, align: int) -> tuple:

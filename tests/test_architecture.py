@@ -80,10 +80,10 @@ def test_flops_follow_the_layer():
 @pytest.mark.parametrize("args, fragments", [
     (["--ffn-hidden-size", "1001"], ["t (8) must divide ffn_hidden (1001)"]),
     (["--ffn", "0"], ["ffn_hidden must be a positive integer, got 0"]),
-    (["--swiglu", "--activation", "gelu"], ["activation is given more than once", "--swiglu"]),
+    (["--swiglu", "--activation", "gelu"], ["disagree: two values of one setting (activation)", "--swiglu"]),
     (["--activation", "relu"], ["'relu' is not one of"]),
     (["--normalization", "batchnorm"], ["'batchnorm' is not one of"]),
-    (["--disable-bias-linear", "--add-bias-linear"], ["bias is given more than once"]),
+    (["--disable-bias-linear", "--add-bias-linear"], ["disagree: two values of one setting (bias)"]),
 ])
 def test_bad_architecture_flags(actmem, args, fragments):
     assert_one_line_error(actmem("estimate", "--model", "530b", *args), *fragments)

@@ -61,7 +61,7 @@ def test_each_stage_holds_the_masks_of_its_microbatches_in_flight(actmem):
     (["--model", "llama-3.1-8b", "--implementation", "torch-native", "--attention-mask"],
      "--implementation torch-native builds no such mask"),
     (["--megatron-args", LLAMA_8B + NO_MASK, "--attention-mask"],
-     "attention_mask is given more than once and the values disagree"),
+     "disagree: two values of one setting (attention mask)"),
 ])
 def test_what_actmem_cannot_count_is_refused(actmem, args, fragment):
     assert_one_line_error(actmem("estimate", *args), fragment)

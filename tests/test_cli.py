@@ -121,7 +121,7 @@ BAD_INPUTS = [
     (["--model", "530b", "--gpu-memory", "80G"], ["memory size '80G'"]),
     (["--model", "530b", "--recompute", "sometimes"], ["'sometimes' is not one of"]),
     (["--model", "530b", "--recompute", "full", "--recompute-granularity", "selective"],
-     ["recompute is given more than once and the values disagree", "--recompute full",
+     ["disagree: two values of one setting (recompute)", "--recompute full",
       "--recompute-granularity selective"]),
     (["--model", "530b", "--make-vocab-size-divisible-by", "0"], ["vocab_divisible_by must be"]),
     (["--model", "530b", "--num-layers-per-virtual-pipeline-stage", "2"],

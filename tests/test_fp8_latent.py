@@ -188,8 +188,10 @@ def test_layernorm_recompute_beside_fp8_latent_attention(q_rank, recipe):
     """Under FP8 with --recompute-modules layernorm, Megatron has the down projections save the input norm's 16-bit
     output (multi_latent_attention.py, set_for_recompute_input_layernorm), which the norm's checkpoint frees: with a
     q latent neither one-byte copy stays; without one the q projection keeps its own. The norm's rerun restores its
-    16-bit output whatever the recipe: DeepSeek-V3 at t = 1, s = 4096, a MoE layer's two norms' outputs
-    2·4096·7168 = 58,720,256 and their fp32 statistics 4·4096 = 16,384 each: 117,473,280, as in bf16."""
+    16-bit output whatever the recipe, so actmem's layernorm rerun under FP8 is bf16's: DeepSeek-V3 at t = 1,
+    s = 4096, a MoE layer's two norms' outputs 2·4096·7168 = 58,720,256 and their fp32 statistics 4·4096 = 16,384
+    each, 117,473,280 (the two norms rerun at two moments, each then holding its output twice, CheckpointWithoutOutput
+    keeping its own beside the restored storage: a known inexactness of the bf16 rerun too, in the issue's note)."""
     from actmem.memory import engine
     from actmem.memory.estimate import estimate
     from actmem.memory.techniques import run_technique

@@ -114,10 +114,11 @@ def test_fp8_says_what_it_nets_against_the_same_run_in_bf16(actmem):
     32·436,207,792 = 13,958,649,344 B more model state. The peak moves by their sum; a bf16 run has no such line."""
     out = actmem.json("estimate", "--model", "llama-3.1-8b", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise")
     net = out["against_bf16"]
-    assert (net["stage"], net["activations_bytes"], net["model_state_bytes"]) == (0, -5_905_579_648, 13_958_649_344)
+    assert (net["stage"], net["activations_delta_bytes"], net["model_state_delta_bytes"]) == (
+        0, -5_905_579_648, 13_958_649_344)
     bf16 = actmem.json("estimate", "--model", "llama-3.1-8b")
     assert bf16["against_bf16"] is None and net["bf16_verdict_bytes"] == bf16["verdict_bytes"]
-    assert net["verdict_bytes"] == out["verdict_bytes"] - bf16["verdict_bytes"] == -5_905_579_648 + 13_958_649_344
+    assert net["verdict_delta_bytes"] == out["verdict_bytes"] - bf16["verdict_bytes"] == -5_905_579_648 + 13_958_649_344
     text = " ".join(actmem("estimate", "--model", "llama-3.1-8b", "--fp8-format", "e4m3", "--fp8-recipe",
                            "tensorwise").stdout.split())
     assert ("FP8 against this run in bf16: +7.50 GiB at the peak (183.53 against 176.03 GiB); on the first stage the "
@@ -149,3 +150,50 @@ def test_deepseek_v3_s_last_stage_counts_its_prediction_layer(actmem):
                       "--last-stage-layers", "15", "--ep", "8", "--gpus", "32", "--stage", "last")
     counts = {row["term"]: row["count"] for row in out["run_terms"]}
     assert counts["qkv_input"] == 16 and counts["experts_input"] == 16 and "fc1_input" not in counts
+
+
+def test_the_second_trial_s_fixes(actmem, tmp_path):
+    """A new user's second trial (session 37): FP8's net in markdown and CSV too; Megatron's space-separated
+    --recompute-modules typed as a flag says to join them with commas; a flag beside a pasted script's value names
+    the flag, not actmem's internal name; the MTP layer in the held count; the refusals say which recompute to give
+    and name only the FP8 flag given."""
+    fp8 = ("--model", "llama-3.1-8b", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise")
+    assert "FP8 against this run in bf16: +7.50 GiB at the peak" in actmem("estimate", *fp8, "--format", "markdown").stdout
+    assert "settings,against_bf16_activations_delta_bytes,-5905579648" in actmem("estimate", *fp8, "--format", "csv").stdout
+    spaced = actmem("estimate", "--model", "deepseek-v3", "--recompute", "selective", "--recompute-modules",
+                    "layernorm", "mla_up_proj")
+    assert_one_line_error(spaced, "--recompute-modules takes its modules as one word, comma-separated")
+    pasted = _paste(tmp_path, "--tensor-model-parallel-size", "4", "--sequence-parallel")
+    assert_one_line_error(actmem("estimate", "--megatron-args", pasted, "--tp", "8"),
+                          "--tp 8 and --tensor-model-parallel-size 4 disagree: two values of one setting (tensor parallel)")
+    header = " ".join(actmem("estimate", "--model", "deepseek-v3", "--pp", "1").stdout.split())
+    assert "61 layer activations and 1 multi-token-prediction layer activation held" in header
+    assert_one_line_error(actmem("estimate", "--model", "22b", "--recompute", "none", "--recompute-modules", "mlp"),
+                          "this run's recompute is none: give --recompute selective")
+    alone = actmem("estimate", "--model", "22b", "--fp8-amax-history-len", "4")
+    assert_one_line_error(alone, "--fp8-amax-history-len shapes FP8 training: give --fp8-format")
+    assert "--fp8-param-gather" not in alone.stderr
+
+
+def test_the_second_review_s_fixes(actmem):
+    """Session 37's review: (1) recomputing shared_experts, Megatron does not hand fc1 save_original_input
+    (shared_experts.py: only without that recompute), so under tensorwise too the rerun keeps fc1's quantized input,
+    the rank's shard, 2048·7168 = 14,680,064 B for DeepSeek-V3 at t = 2: the rerun is delayed scaling's less only
+    its 4-byte scale_inv (not counted); (2) the precision-aware optimizer under a recipe but delayed keeps
+    Megatron's own fp32 master shard (optimizer_config.py: use_precision_aware_optimizer_no_fp8_or_ds_fp8), 4 B,
+    not TE's 2-byte remainder: Llama 3.1 8B at t = 2, d = 4, 4,015,263,744 parameters a rank, 12 B and 10 B / 4."""
+    run = ("-m", "deepseek-v3", "--tp", "2", "--pp", "8", "--ep", "8", "--gpus", "256", "--sp",
+           "--use-distributed-optimizer", "--first-stage-layers", "5", "--last-stage-layers", "8", "--fp8-format", "e4m3",
+           "--recompute", "selective", "--recompute-modules", "shared_experts")
+
+    def rerun(recipe):
+        floor = actmem.json("estimate", *run, "--fp8-recipe", recipe)["peak_floor"]
+        return next(row["bytes"] for row in floor["rows"] if row["name"] == "rematerialised")
+
+    assert rerun("delayed") - rerun("tensorwise") == 4
+    llama = ("-m", "llama-3.1-8b", "--tp", "2", "--sp", "--gpus", "8", "--use-distributed-optimizer",
+             "--use-precision-aware-optimizer", "--fp8-format", "e4m3")
+    tensorwise = actmem.json("estimate", *llama, "--fp8-recipe", "tensorwise")["parameters"]
+    delayed = actmem.json("estimate", *llama, "--fp8-recipe", "delayed")["parameters"]
+    assert (tensorwise["optimizer_bytes"], delayed["optimizer_bytes"]) == (4_015_263_744 * 12 // 4,
+                                                                           4_015_263_744 * 10 // 4)

@@ -27,6 +27,12 @@ def test_a_gpu_the_input_names_is_not_the_default(actmem, given):
     assert "actmem's default" not in actmem("estimate", *QWEN, *given).stdout
 
 
+def test_a_named_gpu_stays_named_beside_its_memory(actmem):
+    out = actmem.json("estimate", *QWEN, "--gpu", "h100", "--gpu-memory", "200GiB")
+    assert (out["gpu"], out["gpu_default"], out["gpu_memory_bytes"]) == ("H100 SXM 80GB at --gpu-memory 200GiB", False,
+                                                                          200 * 2**30)
+
+
 def test_memory_alone_is_still_the_default_gpu_s_fp8_and_speed(actmem):
     """--gpu-memory replaces the memory, not the GPU: FP8 support and the planner's speed stay the default A100's,
     and the output says so."""

@@ -27,7 +27,7 @@ def test_16_bit_gradients_are_2_bytes_a_parameter(actmem, args):
 
 def test_two_dtypes_that_disagree_are_refused(actmem):
     assert_one_line_error(actmem("estimate", "--model", "530b", "--grad-dtype", "fp32", "--grad-reduce-in-bf16"),
-                          "grad_dtype is given more than once and the values disagree")
+                          "disagree: two values of one setting (grad dtype)")
     # bf16 and fp16 buffers are both 2 B: the same setting
     assert actmem("estimate", "--model", "530b", "--grad-dtype", "fp16", "--grad-reduce-in-bf16").exit_code == 0
 

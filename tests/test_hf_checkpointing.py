@@ -93,8 +93,7 @@ def test_the_trainers_spellings_are_full_recompute(actmem, spelling):
 
 def test_a_trainer_spelling_that_disagrees_is_refused(actmem):
     assert_one_line_error(actmem(*HF_FULL[:-4], "--recompute", "none", "--gradient_checkpointing"),
-                          "recompute is given more than once and the values disagree: --recompute none and "
-                          "--gradient_checkpointing")
+                          "--recompute none and --gradient_checkpointing disagree: two values of one setting (recompute)")
 
 
 def test_the_trainers_batch_spellings(actmem):

@@ -33,7 +33,7 @@ def test_equals_signs_and_inline_text_work(actmem):
     ("--recompute-modules core_attn,mlp --frobnicate 3 --turbo",
      ["--recompute-modules core_attn,mlp: Megatron takes the modules as separate words "
       "(--recompute-modules core_attn mlp)", "not an argument of Megatron-LM (at d98e8a64ddf3): --frobnicate, --turbo"]),
-    ("--use-flash-attn", ["attention_core is given more than once and the values disagree"]),
+    ("--use-flash-attn", ["disagree: two values of one setting (attention core)"]),
     ("--max-position-embeddings 2048", ["the learned position table has 2,048 rows (--max-position-embeddings), "
                                         "fewer than the sequence's 4,096 positions"]),
     ("stray", ["words that follow no argument, as Megatron's parser would refuse them: stray"]),

@@ -100,9 +100,9 @@ def test_a_closed_pipe_is_quiet_and_not_exit_1():
 
 @pytest.mark.parametrize("args, fragments", [
     (["--tp", "4", "--tensor-model-parallel-size", "8"],
-     ["tensor_parallel is given more than once", "--tp 4 and --tensor-model-parallel-size 8"]),
+     ["--tp 4 and --tensor-model-parallel-size 8 disagree: two values of one setting (tensor parallel)"]),
     (["--tp", "4", "--tp", "2"], ["--tp 4 and --tp 2"]),
-    (["--sp", "--no-sp"], ["sequence_parallel", "--sp and --no-sp"]),
+    (["--sp", "--no-sp"], ["--sp and --no-sp disagree", "(sequence parallel)"]),
     (["--sequence-parallel", "--no-sp"], ["--sequence-parallel", "--no-sp", "disagree"]),
     (["--use-distributed-optimizer", "--no-distributed-optimizer", "--gpus", "560"],
      ["--use-distributed-optimizer", "--no-distributed-optimizer", "disagree"]),

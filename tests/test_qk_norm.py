@@ -106,7 +106,7 @@ def test_the_megatron_switch_the_flag_and_the_preset_agree(actmem):
     assert _per_layer(pasted)["qk_norm_input"] == 10_485_760
     assert "qk_norm_input" not in _per_layer(actmem.json("estimate", "--model", "qwen3-8b", *RUN, "--no-qk-norm"))
     assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --qk-layernorm", "--no-qk-norm"),
-                          "qk_norm is given more than once and the values disagree")
+                          "disagree: two values of one setting (qk norm)")
 
 
 @pytest.mark.parametrize("args, fragment", [

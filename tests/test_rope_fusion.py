@@ -37,7 +37,7 @@ def test_the_flag_and_the_paste_agree(actmem):
     flagged = actmem.json("estimate", "--megatron-args", LLAMA_8B, "--no-rope-fusion")
     assert pasted["run_terms"] == flagged["run_terms"]
     assert_one_line_error(actmem("estimate", "--megatron-args", LLAMA_8B + " --no-rope-fusion", "--rope-fusion"),
-                          "rope_fusion is given more than once and the values disagree")
+                          "disagree: two values of one setting (rope fusion)")
 
 
 def test_a_partial_rotation_keeps_narrower_cos_and_sin(actmem):

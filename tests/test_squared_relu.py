@@ -33,4 +33,4 @@ def test_the_paste_reads_squared_relu_and_megatron_s_fusion_rule(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", base),
                           "Megatron refuses --squared-relu with its default fused bias-GeLU")
     assert_one_line_error(actmem("estimate", "--megatron-args", f"{base} --disable-bias-linear --swiglu"),
-                          "activation is given more than once and the values disagree")
+                          "disagree: two values of one setting (activation)")

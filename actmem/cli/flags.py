@@ -496,9 +496,11 @@ def resolve(flags: dict, table) -> dict:
             # one spelling given two values names itself (--model 530b --model 22b); --sp and --no-sp, or
             # two spellings, name the setting
             names = {flag.names[index] for flag, index, _ in given if flag.type is not bool}
-            setting = names.pop() if len({(f, i) for f, i, _ in given}) == 1 and names else key
-            raise SpecError(f"{setting} is given more than once and the values disagree: "
-                            f"{' and '.join(spelled)}; give it once")
+            if len({(f, i) for f, i, _ in given}) == 1 and names:
+                raise SpecError(f"{names.pop()} is given more than once and the values disagree: "
+                                f"{' and '.join(spelled)}; give it once")
+            raise SpecError(f"{' and '.join(spelled)} disagree: two values of one setting ({key.replace('_', ' ')}); "
+                            "give one")
         out[key] = given[0][2] if given else None
     return out
 
@@ -823,7 +825,9 @@ def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
 
     gpu, default = chosen_gpu(flags.get("gpu_name"), preset_gpu)
     memory = flags.get("gpu_memory")
-    return {"gpu_name": gpu.name if memory is None else f"--gpu-memory {memory}", "gpu_fp8": gpu.fp8,
+    # --gpu-memory replaces the memory alone: a GPU named beside it stays named (its FP8 and speed are read)
+    name = gpu.name if memory is None else f"--gpu-memory {memory}" if default else f"{gpu.name} at --gpu-memory {memory}"
+    return {"gpu_name": name, "gpu_fp8": gpu.fp8,
             "gpu_default": default,
             "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
             "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}

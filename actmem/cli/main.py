@@ -76,7 +76,25 @@ def _message(error) -> str:
                 return f"{error.option_name} is a Megatron-LM argument that actmem does not model yet: {why}"
             return (f"{error.option_name} is a Megatron-LM argument that cannot change memory ({why}); "
                     "actmem takes it inside --megatron-args, where it is listed as ignored")
+    extra = _stray_modules(error)
+    if extra:
+        return (f"unexpected extra argument{'s' * (len(extra) > 1)} {' '.join(extra)}: --recompute-modules takes its "
+                f"modules as one word, comma-separated (e.g. --recompute-modules core_attn,{','.join(extra)}); "
+                "Megatron's space-separated form is read inside --megatron-args")
     return error.format_message() if isinstance(error, click.ClickException) else str(error)
+
+
+def _stray_modules(error) -> tuple:
+    """The recompute modules a usage error found as stray words: Megatron's `--recompute-modules a b` typed as
+    actmem's flag, which takes one comma-separated value; () for any other error."""
+    import re
+
+    from actmem.model.recompute import RECOMPUTE_MODULES
+
+    found = re.fullmatch(r"Got unexpected extra arguments? \((.*)\)", error.format_message()) \
+        if isinstance(error, click.UsageError) else None
+    words = tuple(found.group(1).split()) if found else ()
+    return words if words and set(words) <= set(RECOMPUTE_MODULES) else ()
 
 
 class _Commands(OneLineErrors):

@@ -428,8 +428,11 @@ def _fp8_model_notes(spec) -> list:
         align, ep = padding_multiple(arch.fp8), spec.run.expert_parallel
         notes.append(
             f"FP8 experts (TEGroupedMLP over TE's GroupedLinear): each expert's rows ({plural(arch.num_experts // ep, 'expert')} "
-            f"a rank) padded to a multiple of {align}, counted at their most, {expert_padding_rows(arch, ep):,} rows beside "
-            f"the T rows it receives (how the rows split among the experts is not known); each expert's fc1 and fc2 "
+            f"a rank) padded to a multiple of {align}, "
+            + (f"counted at their most, {expert_padding_rows(arch, ep):,} rows beside the T rows it receives (how the "
+               f"rows split among the experts is not known)" if arch.num_experts // ep > 1 else
+               "the T rows the rank receives rounded up")
+            + f"; each expert's fc1 and fc2 "
             f"inputs kept in one byte (fc2's freed under --recompute-modules moe_act, its rerun remaking 16 bits)"
             + (", with block scales for each 128 of its rows, counted at their most too" if arch.fp8 in BLOCK_RECIPES
                else ", with a 4-byte scale_inv each")

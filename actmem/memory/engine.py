@@ -123,8 +123,8 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
 def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
     """Bytes of one instance of a row as a selective rerun remakes it: the row's (``whole``: the technique
     keeping every module), or what Term.remade says it remakes where that differs."""
-    remade = None if term.remade is None else term.remade(arch)
-    if remade is None or not term_bytes(term, whole, arch):
+    remade = None if term.remade is None or not term.present(arch) else term.remade(arch)
+    if remade is None:
         return term_bytes(term, whole, arch)
     return remade / divisor(term, whole, arch)
 

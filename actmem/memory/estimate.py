@@ -89,12 +89,12 @@ class AgainstBf16:
     activations and adds in model state (FP8 saves less than its users expect: issue 29)."""
 
     stage: int
-    activations_bytes: int
+    activations_delta_bytes: int
     """FP8's activations on the stage less bf16's (negative: saved)."""
-    model_state_bytes: int
+    model_state_delta_bytes: int
     """FP8's model state on the stage less bf16's: TE's FP8 weight copies and scaling state, less what the weights
     shrink under --fp8-param-gather."""
-    verdict_bytes: int
+    verdict_delta_bytes: int
     """The FP8 run's verdict less the bf16 run's (each its busiest stage's peak floor)."""
     bf16_verdict_bytes: int
 

@@ -176,10 +176,12 @@ def _shared_fc1_fp8(overlap: bool):
     save_original_input under every other recipe, the router's own input then: shared_experts.py, __init__);
     ``overlap``: the input it all-gathered ahead, or the rank's shard (under SP) it gathers itself."""
     def present(arch) -> bool:
-        return shared_experts(arch) and arch.fp8 == "delayed" and arch.moe_shared_overlap == overlap
+        return shared_experts(arch) and (arch.fp8 == "delayed" if overlap else bool(arch.fp8)) \
+            and arch.moe_shared_overlap == overlap
 
     present.__doc__ = (f"FP8 delayed scaling, where the shared experts' fc1 quantizes its input "
-                       f"({'overlapping' if overlap else 'not overlapping'} the dispatcher)")
+                       f"({'overlapping' if overlap else 'not overlapping'} the dispatcher)"
+                       + ("" if overlap else "; under the other recipes a row of 0 bytes, which their rerun remakes"))
     return present
 
 
@@ -372,12 +374,15 @@ SHARED_EXPERT_TERMS = (
          "copy instead, one byte an element, with its fp32 scale_inv (sbh + 4; at t = 1 too), and the 16-bit "
          "rows it gathered are freed (linear_fc1_forward_and_act: cached_fc1_input = None)", _shared_fc1_fp8(True),
          module="moe", fixed=fp8_scale_inv),
-    Term("shared_experts_fc1_input_fp8", _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
+    Term("shared_experts_fc1_input_fp8", lambda arch: _sbh * int(arch.fp8 == "delayed"), Region.BOUNDARY, _STORED,
+         Scope.LAYER,
          "under FP8 delayed scaling the shared experts' fc1 keeps its input quantized, the rank's shard under SP "
          "(TE's Linear quantizes it rowwise before its all-gather and keeps that: linear.py), one byte an "
          "element, with its fp32 scale_inv (sbh + 4); under the other recipes Megatron has it keep its original "
-         "input, the router's (shared_experts.py: set_save_original_input)", _shared_fc1_fp8(False),
-         module="shared_experts", fixed=fp8_scale_inv),
+         "input, the router's (shared_experts.py: set_save_original_input), but not under --recompute-modules "
+         "shared_experts, whose rerun then keeps its quantized copy (sbh; its scales not counted)",
+         _shared_fc1_fp8(False), module="shared_experts", fixed=lambda arch: fp8_scale_inv(arch) * int(arch.fp8 == "delayed"),
+         remade=lambda arch: None if arch.fp8 == "delayed" else _sbh),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
          "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "

@@ -89,7 +89,9 @@ SCALE_INV_BYTES = 4
 def check_fp8(arch) -> None:
     """Refuse an FP8 setting actmem does not model, with why."""
     if arch.fp8_format is None and (arch.fp8_param_gather or arch.fp8_amax_history_len != 1):
-        raise SpecError("--fp8-param-gather and --fp8-amax-history-len shape FP8 training: give --fp8-format")
+        given = " and ".join(flag for flag, on in (("--fp8-param-gather", arch.fp8_param_gather),
+                                                   ("--fp8-amax-history-len", arch.fp8_amax_history_len != 1)) if on)
+        raise SpecError(f"{given} shape{'s' * (' and ' not in given)} FP8 training: give --fp8-format")
     if isinstance(arch.fp8_amax_history_len, bool) or not isinstance(arch.fp8_amax_history_len, int) \
             or arch.fp8_amax_history_len < 1:
         raise SpecError(f"--fp8-amax-history-len must be a whole number >= 1, got {arch.fp8_amax_history_len!r}")

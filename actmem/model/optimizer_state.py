@@ -38,6 +38,10 @@ class OptimizerState:
     exp_avg_sq: str = "fp32"
     params: str = "bf16"
     """The 16-bit weights' dtype (Megatron's --bf16 or --fp16): remainders only beside bf16."""
+    fp8_recipe: str | None = None
+    """The run's FP8 recipe (Architecture.fp8), or None: under a recipe but delayed, with fp32 main params, Megatron
+    keeps its own fp32 master shard and hands TE's FusedAdam no master (optimizer_config.py, __post_init__:
+    use_precision_aware_optimizer_no_fp8_or_ds_fp8 False; distrib_optimizer.py: shard_main_param)."""
 
     def __post_init__(self):
         for name, allowed in (("main_params", MAIN_PARAMS_DTYPES), ("exp_avg", MOMENT_DTYPES),
@@ -51,9 +55,15 @@ class OptimizerState:
                             "optimizer state stays fp32 without it: optimizer_config.py)")
 
     @property
+    def megatron_master(self) -> bool:
+        """The precision-aware optimizer beside an FP8 recipe but delayed, with fp32 main params: Megatron's own
+        fp32 master shard, 4 bytes (fp8_recipe)."""
+        return self.precision_aware and self.main_params == "fp32" and self.fp8_recipe not in (None, "delayed")
+
+    @property
     def remainders(self) -> bool:
         """TE keeps only the trailing 16 bits of the fp32 master weight (store_param_remainders)."""
-        return self.precision_aware and self.main_params == "fp32" and self.params == "bf16"
+        return self.precision_aware and self.main_params == "fp32" and self.params == "bf16" and not self.megatron_master
 
     @property
     def master_bytes(self) -> int:
@@ -81,7 +91,10 @@ class OptimizerState:
         if not self.precision_aware:
             return f"{self.bytes_per_parameter} B fp32 master weight and Adam moments"
         master = ("2 B master-weight remainder (the 16 bits a bf16 weight lacks: TE's store_param_remainders)"
-                  if self.remainders else f"{self.master_bytes} B {self.main_params} master weight")
+                  if self.remainders else
+                  f"4 B fp32 master weight, Megatron's own under FP8's {self.fp8_recipe} recipe (optimizer_config.py: "
+                  f"use_precision_aware_optimizer_no_fp8_or_ds_fp8)" if self.megatron_master else
+                  f"{self.master_bytes} B {self.main_params} master weight")
         return (f"{self.bytes_per_parameter} B of TE's precision-aware Adam: {master}, "
                 f"{DTYPE_BYTES[self.exp_avg]} B {self.exp_avg} exp_avg, "
                 f"{DTYPE_BYTES[self.exp_avg_sq]} B {self.exp_avg_sq} exp_avg_sq")

@@ -322,13 +322,14 @@ RULES = (
     *(_at_most(key, label, largest) for key, (label, largest) in LARGEST.items()),
     Rule(lambda v: v.recompute == "full",
          lambda v: f"--recompute-method and --recompute-num-layers shape full recompute; this run's recompute is "
-                   f"{v.recompute}", ("recompute_shape",)),
+                   f"{v.recompute}: give --recompute full", ("recompute_shape",)),
     Rule(lambda v: None not in v.recompute_shape,
          lambda v: "give --recompute-method and --recompute-num-layers together, as Megatron requires",
          ("recompute_shape",)),
     Rule(lambda v: v.recompute == "selective",
          lambda v: f"--recompute-modules chooses what selective recompute recomputes (Megatron reads it only then; "
-                   f"a preset names it recompute_modules); this run's recompute is {v.recompute}",
+                   f"a preset names it recompute_modules); this run's recompute is {v.recompute}: give --recompute "
+                   f"selective",
          ("recompute_modules",)),
     Rule(lambda v: _learned_positions_reach(v.architecture, v.seq_len),
          lambda v: f"the learned position table has {v.architecture.position_rows:,} rows "

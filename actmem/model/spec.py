@@ -4,7 +4,7 @@ Every constraint a user can break raises ``SpecError`` with the arithmetic in
 the message, e.g. ``t (3) must divide heads (128)``.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from actmem.model import defaults, rules, symbols
 from actmem.model.architecture import Architecture
@@ -215,6 +215,7 @@ class Spec:
             raise SpecError(f"optimizer must be an OptimizerState, got {self.optimizer!r}")
         if not isinstance(self.architecture, Architecture):
             raise SpecError(f"architecture must be an Architecture, got {self.architecture!r}")
+        object.__setattr__(self, "optimizer", replace(self.optimizer, fp8_recipe=self.architecture.fp8))
         object.__setattr__(self, "vocab_divisible_by", self.architecture.code.stored_padding(
             self.vocab_divisible_by, defaults.VOCAB_DIVISIBLE_BY))
         from actmem.model.experts import check_routing

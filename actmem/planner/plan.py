@@ -106,6 +106,8 @@ class PlanRequest:
         for name in ("gpus", "global_batch", "gpus_per_node", "max_micro_batch", "gpu_memory_bytes",
                      "vocab_divisible_by"):
             require_positive_int(name, getattr(self, name))
+        # the precision-aware optimizer's master weight hangs on the FP8 recipe (OptimizerState.fp8_recipe)
+        object.__setattr__(self, "optimizer", replace(self.optimizer, fp8_recipe=self.architecture.fp8))
         check_imbalance(self.routing_imbalance)
         if (self.routing_imbalance != 1 or self.expert_loads is not None) and not self.architecture.moe:
             raise SpecError("--moe-imbalance and --moe-load-histogram shape a mixture-of-experts layer: give "

@@ -11,6 +11,7 @@ from actmem.memory.stages import split_of, stage_name
 from actmem.memory.stage_model import LAYER_MOMENT_ROWS
 from actmem.units import column_unit, format_in, gib, plural
 from actmem.model.widths import GRADIENT_BYTES, WEIGHT_BYTES
+from actmem.views.report import against_bf16_line
 
 _BAR_WIDTH = 24
 _VERDICT_BAR, _VERDICT_BAR_LEAST = 30, 6   # the verdict's bar shrinks to keep its line whole
@@ -177,8 +178,14 @@ def _header(est: Estimate) -> Group:
 
 
 def _techniques_table(est: Estimate) -> Table:
+    from actmem.memory.stages import mtp_layers_held
+
     offloaded = est.spec.run.offload_layers
     held = plural(est.occupancy.layer_activations, 'layer activation')
+    mtp = (mtp_layers_held(est.spec, est.stage, full_recompute=False) * est.occupancy.layer_activations
+           // max(est.stages[est.stage].layers, 1))            # a layer each for the microbatches the stage holds
+    if mtp:          # the multi-token-prediction layers, counted as the stage's (stages.mtp_layers_held)
+        held += f" and {plural(mtp, 'multi-token-prediction layer activation')}"
     where = (f"{held}, {est.occupancy.layer_activations - offloaded} on the GPU and {offloaded} on the host under CPU "
              f"offloading (the rows that recompute, which Megatron does not offload, keep all on the GPU)"
              if offloaded else f"{held} held")
@@ -354,7 +361,7 @@ def _verdict(est: Estimate, width: int) -> Text:
     text.append(numbers + "\n")
     text.append(" " * len(word) + margin + "\n", style=style)
     if est.against_bf16 is not None:
-        text.append(_against_bf16(est) + "\n")
+        text.append(against_bf16_line(est) + "\n")
     state = busiest.parameters.total_bytes
     if state + est.spec.reserve_bytes > budget:       # no activation technique can help: say so
         params = busiest.parameters
@@ -365,20 +372,6 @@ def _verdict(est: Estimate, width: int) -> Text:
     if est.host_bytes:
         text.append(_host_line(est))
     return text
-
-
-def _against_bf16(est: Estimate) -> str:
-    """FP8's net against the same run in bf16: what it saves in activations and adds in model state."""
-    net, p = est.against_bf16, est.spec.run.pipeline_parallel
-
-    def signed(n: int) -> str:
-        return f"{'+' if n > 0 else '−' if n < 0 else '±'}{abs(gib(n)):,.2f} GiB"
-
-    shrink = ", less a byte a weight element under --fp8-param-gather" if est.spec.architecture.fp8_param_gather else ""
-    return (f"FP8 against this run in bf16: {signed(net.verdict_bytes)} at the peak ({gib(est.verdict_bytes):,.2f} "
-            f"against {gib(net.bf16_verdict_bytes):,.2f} GiB); on {stage_name(net.stage, p, article=True)} the "
-            f"activations {signed(net.activations_bytes)}, the model state {signed(net.model_state_bytes)} (TE's "
-            f"FP8 weight copies and scaling state{shrink})")
 
 
 def _shard_advice(spec) -> str:

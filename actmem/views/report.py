@@ -111,6 +111,7 @@ def settings(est: Estimate) -> list[dict]:
              ("verdict_bytes", rec["verdict_bytes"]), ("gpu", rec["gpu"]), ("gpu_default", rec["gpu_default"]),
              ("gpu_memory_bytes", rec["gpu_memory_bytes"]), ("reserve_bytes", rec["reserve_bytes"]),
              ("verdict", rec["verdict"]), ("fits", rec["fits"])]
+    rows += [(f"against_bf16_{key}", value) for key, value in (rec["against_bf16"] or {}).items()]
     return [{"setting": key, "value": "" if value is None else str(value).lower()
              if isinstance(value, bool) else str(value)} for key, value in rows]
 
@@ -167,7 +168,8 @@ def to_markdown(est: Estimate, codes=None) -> str:
     where = f"{stage_name(est.busiest_stage.stage, est.spec.run.pipeline_parallel, article=True)}, the busiest"
     head = (f"# actmem · {est.spec.name}: {est.verdict}\n\n{est.verdict_bytes / 2**30:,.2f} of "
             f"{est.spec.gpu_memory_bytes / 2**30:,.2f} GiB per GPU ({est.spec.gpu_label}) of {where}; "
-            f"{est.spare_bytes / 2**30:,.2f} GiB beyond a reserve of {est.spec.reserve_bytes / 2**30:,.2f} GiB.\n")
+            f"{est.spare_bytes / 2**30:,.2f} GiB beyond a reserve of {est.spec.reserve_bytes / 2**30:,.2f} GiB.\n"
+            + (f"\n{against_bf16_line(est)}.\n" if est.against_bf16 is not None else ""))
     parts = [f"## {title[name]}\n\n{df.astype(object).fillna('').to_markdown(index=False)}\n"
              for name, df in frames(est, codes).items()]          # a blank, not <NA>, where none
     notes = "\n".join(f"- {note}" for note in est.assumptions)
@@ -243,6 +245,24 @@ def plan_csv(plan, top: int, nothing=None) -> str:
     frame = plan.fitting if nothing is None else plan.why_not()
     table = pd.DataFrame(_plan_rows(frame, top), columns=["config"] + PLAN_COLUMNS)
     return table.assign(**plan_settings(req)).to_csv(index=False)
+
+
+def against_bf16_line(est: Estimate) -> str:
+    """FP8's net against the same run in bf16 (Estimate.against_bf16): what it saves in activations and adds in
+    model state, one line for the terminal and markdown."""
+    from actmem.memory.stages import stage_name
+    from actmem.units import gib
+
+    net, p = est.against_bf16, est.spec.run.pipeline_parallel
+
+    def signed(n: int) -> str:
+        return f"{'+' if n > 0 else '−' if n < 0 else '±'}{abs(gib(n)):,.2f} GiB"
+
+    shrink = ", less a byte a weight element under --fp8-param-gather" if est.spec.architecture.fp8_param_gather else ""
+    return (f"FP8 against this run in bf16: {signed(net.verdict_delta_bytes)} at the peak "
+            f"({gib(est.verdict_bytes):,.2f} against {gib(net.bf16_verdict_bytes):,.2f} GiB); on "
+            f"{stage_name(net.stage, p, article=True)} the activations {signed(net.activations_delta_bytes)}, the "
+            f"model state {signed(net.model_state_delta_bytes)} (TE's FP8 weight copies and scaling state{shrink})")
 
 
 def plan_settings(req) -> dict:

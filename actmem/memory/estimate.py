@@ -301,7 +301,7 @@ def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tup
     twin's (Architecture.bf16_twin). ``mtp``: the multi-token-prediction layers the stage counts
     (stages.mtp_layers_held), after the stage's own, of the model's last layer's kind (mtp_layer_kind) and in
     FP8 where the run is (multi_token_prediction.py: the global FP8 context, no layer number)."""
-    kinds = stage_layer_kinds(spec, stage) + ((bool(mtp_layer_kind(spec)), bool(arch.fp8)),) * mtp
+    kinds = stage_layer_kinds(spec, stage, mtp)
     counts = {kind: kinds.count(kind) for kind in kinds}       # in order of first appearance
     if not kinds:                                              # a stage of no layers
         return arch, None, ()
@@ -312,13 +312,15 @@ def layer_kinds(spec: Spec, stage: int, arch: Architecture, mtp: int = 0) -> tup
             tuple((_kind_architecture(arch, kind, spec.gpu_fp8), n) for kind, n in counts.items() if kind != last))
 
 
-def stage_layer_kinds(spec: Spec, stage: int) -> tuple:
+def stage_layer_kinds(spec: Spec, stage: int, mtp: int = 0) -> tuple:
     """(has experts, runs in FP8) for each of a stage's layers, in order (stages.stage_moe_layers,
-    stages.stage_fp8_layers)."""
+    stages.stage_fp8_layers), then for its ``mtp`` multi-token-prediction layers: of the model's last layer's kind,
+    in FP8 where the run is."""
     arch, layers = spec.architecture, stage_layers(spec)[stage]
     experts = stage_moe_layers(spec, stage) if arch.moe else (0,) * layers
     fp8 = stage_fp8_layers(spec, stage) or (int(bool(arch.fp8)),) * layers
-    return tuple((bool(e), bool(f)) for e, f in zip(experts, fp8))
+    return (tuple((bool(e), bool(f)) for e, f in zip(experts, fp8))
+            + ((bool(mtp_layer_kind(spec)), bool(arch.fp8)),) * mtp)
 
 
 def _kind_architecture(arch: Architecture, kind: tuple, generation) -> Architecture:
@@ -451,8 +453,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
     mtp = mtp_layers_held(spec, stage, full_recompute=False)
     moe = sum(stage_moe_layers(spec, stage)) + mtp * mtp_layer_kind(spec) if arch.moe else None
     extra = mtp_parameters(model.hidden, t, vocab, arch, run.pipeline_parallel) if mtp else 0
-    kinds = stage_layer_kinds(spec, stage) + ((bool(mtp_layer_kind(spec)), True),) * mtp
-    fp8 = [experts for experts, fp8 in kinds if fp8]       # the layers that run in FP8, and which have experts
+    fp8 = [experts for experts, fp8 in stage_layer_kinds(spec, stage, mtp) if fp8]   # FP8 layers: which have experts
     return stage_state(model.hidden, model.layers, run.pipeline_parallel, t, vocab, model.seq_len, arch, model.heads,
                        stage_layers=layers + mtp, stage=stage, shards=spec.optimizer_shards,
                        expert_shards=spec.expert_optimizer_shards, distributed_optimizer=run.distributed_optimizer,

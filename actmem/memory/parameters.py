@@ -299,20 +299,19 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
-    projections = eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8)
+    if arch.moe:
+        experts = own * expert_parameters(h, arch, ep, etp)
+        state = state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes,
+                                        optimizer_bytes)
+    if not arch.fp8:
+        return state
+    fp8_all, fp8_moe = (stage_layers, own) if fp8_layers is None else fp8_layers
+    shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8, fp8_moe if arch.moe else None, ep, etp)
     # under --fp8-param-gather eh_proj's weight is FP8 too (multi_token_prediction.py: built under
     # get_fp8_context(is_init=True)), one byte an element in DDP's buffer
-    state = replace(state, weights_bytes=state.weights_bytes - eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1)
-                    * int(bool(arch.fp8 and arch.fp8_param_gather)))
-    fp8_all, fp8_moe = (stage_layers, own) if fp8_layers is None else fp8_layers
-    if not arch.moe:
-        shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8)
-        return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) \
-            if arch.fp8 else state
-    experts = own * expert_parameters(h, arch, ep, etp)
-    state = state + parameter_bytes(experts, expert_shards, distributed_optimizer, 0, gradient_bytes, optimizer_bytes)
-    shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8, fp8_moe, ep, etp)
-    return replace(state, weights_bytes=state.weights_bytes - shrink, fp8_bytes=kept + projections) if arch.fp8 else state
+    shrink += eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
+    return replace(state, weights_bytes=state.weights_bytes - shrink,
+                   fp8_bytes=kept + eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8))
 
 
 def _eh_proj_fp8_kept(h, t, arch, generation):

@@ -14,7 +14,7 @@ from actmem.memory.pipeline import chunks_in_flight
 from actmem.model.symbols import C, L, P, Q, a, b, c, e, ep, h, m, p, r, s, t, v
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import RERUN_OUTPUT, STAGE_TERMS, TERMS, TRANSIENT_TERMS, Region, Scope, Term, layer_terms
-from actmem.model.recompute import Recompute, remakes, reruns
+from actmem.model.recompute import PARTS, Recompute, remakes, reruns
 
 #: how many of each scope the first stage holds, as symbols for the vectorised form
 layer_activations, microbatches_held, holds_output = sympy.symbols(
@@ -89,12 +89,30 @@ def held_bytes(technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
 
 #: what a module's rerun makes again beyond the rows it dropped: the attention core's output,
 #: which the projection kept as its input and freed before the rerun (freed_before_rerun).
-#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor). The experts'
-#: activation's rerun (moe_act, CheckpointWithoutOutput._recompute: random.py) copies what it made back into
-#: the freed fc2 input and keeps its own output too (ctx.outputs) until the checkpoint's backward: twice
-_RERUN_OUTPUT = {"core_attn": "projection_input", "moe_act": "experts_fc2_input"}
-#: the reruns whose output is kept twice at their end, where the output is itself a row the module dropped
-_RERUN_KEEPS_TWICE = frozenset({"moe_act"})
+#: The MLP's rerun makes its output again too, which nothing kept: not counted (a floor). The reruns of
+#: CheckpointWithoutOutput (random.py, _recompute: the experts' activation, moe_act; multi-latent attention's
+#: up projections, mla_up_proj; each norm of layernorm) copy what they made back into the freed outputs and
+#: keep their own outputs too (ctx.outputs) until the checkpoint's backward: twice. A norm's output is the row
+#: its linears keep (the down projections' input under multi-latent attention, the router's in a MoE layer);
+#: the up projections' are q, k and v. Measured: tests/validate (--grid mla, --grid moe: the rerun rows)
+_RERUN_OUTPUT = {"core_attn": ("projection_input",), "moe_act": ("experts_fc2_input",),
+                 "mla_up_proj": ("mla_query", "mla_key", "mla_value"),
+                 "input_layernorm": ("qkv_input",), "pre_mlp_layernorm": ("router_input",)}
+#: the reruns whose outputs are kept twice at their end, where an output is itself a row the module dropped
+_RERUN_KEEPS_TWICE = frozenset({"moe_act", "mla_up_proj", "input_layernorm", "pre_mlp_layernorm"})
+#: the first row a rerun hooked on a block's output gradient finds freed (discard_output_and_register_recompute):
+#: a norm's once the bias-dropout-add after its block has run backward (and everything after it), before the
+#: block's own backward; the up projections' (multi_latent_attention.py: hooked on core_attn_out) once the output
+#: projection's backward has run, before the core's (_mla_core_output); the experts' activation's (experts.py:
+#: hooked on fc2's output) before the shared experts' backward, which the MoE layer ran first (moe_layer.py,
+#: shared_experts_compute before route), or inside the dispatch where they overlap it: both before the experts
+_FREED_FROM = {"input_layernorm": "attention_dropout_mask", "pre_mlp_layernorm": "mlp_dropout_mask",
+               "mla_up_proj": "projection_input_fp8", "moe_act": "mlp_dropout_mask"}
+#: the norm whose rerun comes first, as its block's output gradient arrives, and whose outputs (two copies) and
+#: statistics stay until its checkpoint's backward, after the block's: every rerun inside the block holds them
+#: (0 where the norm is not recomputed, or is fused into a linear)
+_HELD_THROUGH = {"core_attn": "input_layernorm", "mla_up_proj": "input_layernorm", "mlp": "pre_mlp_layernorm",
+                 "moe": "pre_mlp_layernorm", "moe_act": "pre_mlp_layernorm", "shared_experts": "pre_mlp_layernorm"}
 
 
 @cache
@@ -106,18 +124,27 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     norm keeps it, which is then the checkpoint's own storage (CheckpointFunction.backward
     detaches it: a view; transformers' LlamaRMSNorm keeps an fp32 copy instead, a row of its
     own), and their output again (RERUN_OUTPUT). Selective recompute reruns one ``module`` at a time: the rows
-    it dropped, and for the attention core its output again. None reruns nothing."""
+    it dropped, and for the attention core its output again; and what a norm's rerun before it still holds
+    (_HELD_THROUGH). None reruns nothing."""
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
     if technique.recompute is Recompute.SELECTIVE:
-        if module is None:
-            raise ValueError("selective recompute reruns one module at a time: name it")
-        return sympy.Add(*(_rerun_bytes(term, technique.whole(), arch) * _rerun_copies(term, technique, arch, module)
-                           for term in layer_terms(arch)))
+        _one_unit(module)
+        before = _HELD_THROUGH.get(module)
+        held = rematerialised_bytes(technique, arch, module=before) if before else 0
+        return held + sympy.Add(*(_rerun_bytes(term, technique.whole(), arch) *
+                                  _rerun_copies(term, technique, arch, module) for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)
     return group * layer - kept + output if group else sympy.Integer(0)
+
+
+def _one_unit(module) -> None:
+    """A selective rerun is one module's, or one part's of a module rerun in parts (recompute.PARTS)."""
+    if module is None or module in PARTS:
+        raise ValueError(f"selective recompute reruns one module at a time, a module in parts one part at a time: "
+                         f"name it, not {module}")
 
 
 def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
@@ -132,11 +159,12 @@ def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
 def _rerun_copies(term, technique, arch, module) -> int:
     """How many copies of a row a selective rerun of ``module`` holds at its end: the rows it dropped, once; its
     output, once more where no dropped row is it (core_attn's, which the projection kept), twice where
-    the rerun keeps its own beside the one it restores (moe_act: random.py, CheckpointWithoutOutput)."""
+    the rerun keeps its own beside the one it restores (random.py, CheckpointWithoutOutput: _RERUN_KEEPS_TWICE),
+    none where such a rerun does not run (its module not recomputed)."""
     dropped = remakes(module, term.module_of(arch), technique.modules) and technique.drops(term, arch)
-    if term.name != _RERUN_OUTPUT.get(module):
+    if term.name not in _RERUN_OUTPUT.get(module, ()):
         return int(dropped)
-    return 2 if dropped and module in _RERUN_KEEPS_TWICE else 1
+    return 2 * dropped if module in _RERUN_KEEPS_TWICE else 1
 
 
 @cache
@@ -146,14 +174,32 @@ def freed_before_rerun(technique: Technique, arch: Architecture = PAPER, module:
     rows where the stage holds them (the loss runs backward first; ``holds_output``), and
     under selective recompute the last layer's rows after the rerun ``module``'s own (the
     layer's backward runs in reverse: the MLP's bias-dropout-add before the MLP is rerun, the
-    MLP and the attention projection before the attention core is)."""
+    MLP and the attention projection before the attention core is; a norm's rows from the bias-dropout-add after
+    its block on, _FREED_FROM)."""
     freed = output_rows(technique, arch)
     if technique.recompute is Recompute.SELECTIVE:
-        if module is None:
-            raise ValueError("selective recompute reruns one module at a time: name it")
-        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in TERMS[rows_after(module, arch):]
-                             if term.scope is Scope.LAYER))
+        freed += sympy.Add(*(term_bytes(term, technique, arch) for term in freed_layer_rows(technique, arch, module)))
     return freed
+
+
+def freed_layer_rows(technique: Technique, arch: Architecture, module: str) -> tuple:
+    """The last layer's rows a selective rerun of ``module`` finds freed (freed_before_rerun)."""
+    _one_unit(module)
+    start = _TERM_INDEX[_FREED_FROM[module]] if module in _FREED_FROM else rows_after(module, arch)
+    rows = tuple(term for term in TERMS[start:] if term.scope is Scope.LAYER)
+    return _mla_core_output(technique) + rows if module == "mla_up_proj" else rows
+
+
+def _mla_core_output(technique: Technique) -> tuple:
+    """Of the attention output the projection kept, what the up projections' rerun finds freed: the projection's
+    copy where one is its own, flash-attn's at b > 1 (flash_output's size; the kernel keeps its own output);
+    where the projection's input is the core's output (TE's sbhd layout, a view), none while the core keeps
+    it, and all of it where the core is recomputed (its checkpoint keeps only q, k and v)."""
+    rows = (TERMS[_TERM_INDEX["flash_output"]],)
+    return rows + (TERMS[_TERM_INDEX["projection_input"]],) if "core_attn" in technique.modules else rows
+
+
+_TERM_INDEX = {term.name: i for i, term in enumerate(TERMS)}
 
 
 def rows_after(module: str, arch: Architecture) -> int:

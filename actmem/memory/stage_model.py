@@ -31,7 +31,7 @@ from actmem.memory.peak import PeakRow
 from actmem.memory.pipeline import minimum
 from actmem.memory.techniques import Technique
 from actmem.memory.terms import TRANSIENT_TERMS
-from actmem.model.recompute import Recompute
+from actmem.model.recompute import Recompute, rerun_units
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
     if technique.recompute is Recompute.SELECTIVE:
         return tuple(_rerun(held, value(engine.rematerialised_bytes(technique, arch, module=module)),
                             value(engine.freed_before_rerun(technique, arch, module)), technique)
-                     for module in technique.modules)
+                     for module in rerun_units(technique.modules))
     if technique.recompute is not Recompute.FULL:
         return ()
     one = value(engine.rematerialised_bytes(technique, arch))
@@ -235,9 +235,11 @@ def rematerialised_source(technique: Technique) -> str:
         return "selective recompute reruns the last layer's attention core: the rows it dropped"
     if technique.recompute is Recompute.SELECTIVE:
         return (f"selective recompute reruns the last layer's modules ({', '.join(technique.modules)}) one at "
-                "a time in the backward's order, each with the rows after it freed (the MLP with all but the "
-                "mask after it held, the attention core after the MLP and the projection are done): the rows "
-                "each dropped, at the rerun that holds the most")
+                "a time in the backward's order (layernorm's two norms apart), each with the rows after it freed "
+                "(the MLP with all but the mask after it held, the attention core after the MLP and the projection "
+                "are done): the rows each dropped, and where Megatron's CheckpointWithoutOutput reruns it (moe_act, "
+                "mla_up_proj, each norm) its outputs twice, a norm's through its block's reruns; at the rerun that "
+                "holds the most")
     if technique.partial and technique.policy.method == "uniform":
         return ("full recompute reruns a checkpointed group of the chunk, its tail or the group of N "
                 "before it (with the tail's checkpoint freed), whichever holds more: its layers as "

@@ -108,18 +108,19 @@ def _mlp_with_fused_norm(arch):
     layer spec: the checkpoint keeps the norm's input); under Megatron's local spec (the eager
     core) the norm is a module of its own, outside, and the checkpoint keeps its output. A MoE
     layer's pre-MLP norm is a TENorm of its own, and 'mlp' leaves a MoE layer whole
-    (transformer_layer.py: recompute_mlp only where not is_moe_layer): 'layernorm', which reruns that
-    norm (CheckpointWithoutOutput) and frees its output once the MoE layer has run."""
+    (transformer_layer.py: recompute_mlp only where not is_moe_layer): 'pre_mlp_layernorm', the part of
+    --recompute-modules layernorm that reruns that norm (CheckpointWithoutOutput) and frees its output once the
+    MoE layer has run."""
     if moe(arch):      # its pre-MLP norm: a TENorm of its own, which --recompute-modules layernorm reruns
-        return "layernorm"
+        return "pre_mlp_layernorm"
     return "mlp" if te_layer_spec(arch) else None
 
 
 def _latent_input_norm(arch):
-    """'layernorm' where the input norm is a TENorm of its own (multi-latent attention's layer spec), which
-    --recompute-modules layernorm reruns (transformer_layer.py: CheckpointWithoutOutput, its output
+    """'input_layernorm' where the input norm is a TENorm of its own (multi-latent attention's layer spec), the
+    part of --recompute-modules layernorm that reruns it (transformer_layer.py: CheckpointWithoutOutput, its output
     discarded once the attention has run); None where TE fuses it into the QKV linear (IdentityOp)."""
-    return "layernorm" if latent(arch) else None
+    return "input_layernorm" if latent(arch) else None
 
 
 def _latent_fp8(arch) -> bool:

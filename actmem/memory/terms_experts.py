@@ -251,7 +251,7 @@ _MEGATRON_MOE_TERMS = tuple(replace(term, present=_megatron(term.present)) for t
          "the router's gating linear keeps its input, the pre-MLP norm's output (moe_utils.py, "
          "RouterGatingLinearFunction.forward: save_for_backward(inp, weight, bias); 2sbh), which "
          "--recompute-modules layernorm frees once the MoE layer has run (transformer_layer.py, "
-         "_forward_post_mlp: discard_output_and_register_recompute)", moe, module="layernorm"),
+         "_forward_post_mlp: discard_output_and_register_recompute)", moe, module="pre_mlp_layernorm"),
     Term("router_topk_indices", lambda arch: I64 * _topk(arch) * s * b, Region.BOUNDARY, _STORED, Scope.LAYER,
          "the router's top-k expert indices, int64 [N, k] (moe_utils.py, topk_routing_with_score_function: "
          "torch.topk's indices, which its backward and the scatter into routing_probs save; 8sbk)", moe, module="moe"),

@@ -36,11 +36,24 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 #: the modules whose code runs inside another's: the moe module's checkpoint wraps the whole MoE layer, its
 #: shared experts and its experts' activation too (moe_layer.py, forward)
 INSIDE = {"moe_act": "moe", "shared_experts": "moe"}
+#: the modules whose rerun comes in parts, each at a moment of its own: --recompute-modules layernorm checkpoints
+#: the input norm and the pre-MLP norm apart (transformer_layer.py: input_layernorm_checkpoint,
+#: pre_mlp_norm_checkpoint, each a CheckpointWithoutOutput), the input norm's rerun hooked on the attention's
+#: output gradient, the pre-MLP norm's on the MLP's (discard_output_and_register_recompute)
+PARTS = {"layernorm": ("input_layernorm", "pre_mlp_layernorm")}
+_PART_OF = {part: module for module, parts in PARTS.items() for part in parts}
 
 
 def reruns(given: str, module: str | None) -> bool:
-    """Whether recomputing ``given`` drops a row that ``module`` drops: the module itself or one inside it."""
-    return module is not None and (module == given or INSIDE.get(module) == given)
+    """Whether recomputing ``given`` drops a row that ``module`` drops: the module itself, one inside it, or one
+    of its parts."""
+    return module is not None and (module == given or INSIDE.get(module) == given or _PART_OF.get(module) == given)
+
+
+def rerun_units(modules) -> tuple:
+    """What a selective recompute of ``modules`` reruns one at a time, in the order given: each module, or each
+    part of one rerun in parts (layernorm's two norms)."""
+    return tuple(part for module in modules for part in PARTS.get(module, (module,)))
 
 
 def remakes(given: str, module: str | None, modules) -> bool:

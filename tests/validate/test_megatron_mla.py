@@ -19,6 +19,11 @@ def grid_rows():
     return rows(mla_grid())
 
 
+def _forward(grid_rows) -> list:
+    """The rows of what the forward keeps (not the rerun rows of the backward)."""
+    return [row for row in grid_rows if row["kind"] != "rerun"]
+
+
 def test_every_row_of_megatrons_mla_is_counted_to_the_byte(grid_rows):
     """Twelve layouts (one rank; t = 2 with SP; t = 2 without; q straight from h, no latent norms, at t = 2
     with SP; selective recompute of mla_up_proj, layernorm and mlp, of mla_up_proj alone, of core_attn, of
@@ -43,7 +48,7 @@ def test_the_measured_bytes_are_the_hand_derived_ones(grid_rows):
     = 2560 each; v 2·s·b·a·d_v = 2560; the output 2560; the log-sum-exp 4·b·a·s = 512; the MLP's norm input and
     output 1024 each, rsigma 128, SwiGLU's input 2·s·b·2f = 1792, fc2's 896. At t = 2 with SP every one halves
     (the sequence under SP, the heads and f over t)."""
-    one = {row["term"]: row["measured_bytes"] for row in grid_rows
+    one = {row["term"]: row["measured_bytes"] for row in _forward(grid_rows)
            if row["config"] == "mla q_r=18 kv_r=12 norms t=1 b=2"}
     assert one == {"attention_layernorm_input": 1024, "attention_norm_statistics": 128, "qkv_input": 1024,
                    "mla_q_latent": 1152, "mla_q_latent_statistics": 128,
@@ -52,7 +57,7 @@ def test_the_measured_bytes_are_the_hand_derived_ones(grid_rows):
                    "softmax_lse": 512, "projection_input": 2560, "mlp_layernorm_input": 1024,
                    "mlp_norm_statistics": 128, "fc1_input": 1024, "swiglu_input": 1792, "fc2_input": 896,
                    "total": 21888}
-    sp = [row for row in grid_rows if row["config"] == "mla q_r=18 kv_r=12 norms t=2 sp b=2" and row["term"] != "total"]
+    sp = [row for row in _forward(grid_rows) if row["config"] == "mla q_r=18 kv_r=12 norms t=2 sp b=2" and row["term"] != "total"]
     assert {row["term"]: row["measured_bytes"] for row in sp} == {name: n // 2 for name, n in one.items()
                                                                     if name != "total"}
 
@@ -62,7 +67,7 @@ def test_the_up_projections_checkpoint_keeps_its_arguments(grid_rows):
     512, the q latent 2·8·2·18 = 576, the kv down projection's whole output (the kv latent's view) 2·8·2·(12 + 4) =
     512, the rope key gathered 2·16·2·4 = 256, the log-sum-exp 4·2·2·16 = 256, the core's output 2·16·2·20 = 1280,
     the MLP's checkpoint's input 512: 3904, nothing else (q, k and v discarded, the norms rerun)."""
-    kept = {row["term"]: row["measured_bytes"] for row in grid_rows if row["rank"] == 0 and row["measured_bytes"]
+    kept = {row["term"]: row["measured_bytes"] for row in _forward(grid_rows) if row["rank"] == 0 and row["measured_bytes"]
             and row["config"] == "mla q_r=18 kv_r=12 norms t=2 sp b=2 selective:layernorm+mla_up_proj+mlp"}
     assert kept == {"attention_layernorm_input": 512, "mla_q_latent": 576, "mla_kv_down_output": 512,
                     "mla_rope_key_gathered": 256, "softmax_lse": 256, "projection_input": 1280,
@@ -73,7 +78,7 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
     """Inject the failures: the formula without the kv latent's copy (measured, not in the formula),
     the formula with a row the layer does not keep, and a saved tensor named by no row."""
     config = mla_grid()[0]
-    rank, named = measure(config)[0]
+    rank, named, _ = measure(config)[0]
     expected = formula(config.spec, config.technique)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     missing = {name: n for name, n in expected.items() if name != "mla_kv_latent"}
@@ -99,10 +104,10 @@ def test_the_unfused_rope_keeps_cos_and_sin_for_q_and_k(grid_rows):
     """Megatron's own unfused path (rope_utils.py, _apply_rotary_pos_emb_bshd) on one rank: 16-bit cos_ and sin_
     [s, 1, 1, d_rope] for q and again for k, 4·2·16·4 = 512 B; the rest of the layer as under the fused kernel
     (21,888 B), so 22,400 in all; at t = 2 with SP still 512 on each rank (the rope sees the whole sequence)."""
-    one = {row["term"]: row["measured_bytes"] for row in grid_rows
+    one = {row["term"]: row["measured_bytes"] for row in _forward(grid_rows)
            if row["config"] == "mla q_r=18 kv_r=12 norms unfused yarn t=1 b=2"}
     assert one["rope_cos_sin"] == 512 and one["total"] == 21_888 + 512
-    sp = {row["term"]: row["measured_bytes"] for row in grid_rows
+    sp = {row["term"]: row["measured_bytes"] for row in _forward(grid_rows)
           if row["config"] == "mla q_r=18 kv_r=12 norms unfused rope t=2 sp b=2" and row["rank"] == 1}
     assert sp["rope_cos_sin"] == 512
 
@@ -117,7 +122,7 @@ def test_fp8_keeps_two_one_byte_copies_of_the_norm_output_and_quantized_latents(
     (no norm) its copy, 8·2·16 + 4 = 260. Recomputing mla_up_proj under FP8, the checkpoint keeps the 16-bit q
     latent (1536) in place of the up projection's copy, and with q from h the norm's 16-bit output (1024)."""
     def kept(config):
-        return {row["term"]: row["measured_bytes"] for row in grid_rows if row["rank"] == 0 and row["measured_bytes"]
+        return {row["term"]: row["measured_bytes"] for row in _forward(grid_rows) if row["rank"] == 0 and row["measured_bytes"]
                 and row["config"] == config}
 
     tensorwise = kept("mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2")
@@ -139,7 +144,7 @@ def test_the_gate_fails_fp8_mla_priced_wrong():
     from dataclasses import replace
 
     config = next(c for c in mla_grid() if c.label == "mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2")
-    rank, named = measure(config)[0]
+    rank, named, _ = measure(config)[0]
     expected = formula(config.spec, config.technique)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     one_copy = {name: n for name, n in expected.items() if name != "qkv_input_q_fp8"}
@@ -156,7 +161,7 @@ def test_fp8_layernorm_recompute_frees_the_down_projections_copies(grid_rows):
     frees: neither one-byte copy stays (h = 32, s/t·b = 16 rows: 512 + 4 each without it). Without a q latent the
     q projection is not told to, and keeps its copy of the rank's shard, 16·32 + 4 = 516."""
     def kept(config):
-        return {row["term"]: row["measured_bytes"] for row in grid_rows if row["measured_bytes"]
+        return {row["term"]: row["measured_bytes"] for row in _forward(grid_rows) if row["measured_bytes"]
                 and row["config"] == config}
 
     latent = kept("mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2 selective:layernorm")
@@ -170,10 +175,65 @@ def test_the_gate_fails_fp8_layernorm_recompute_priced_as_if_the_copies_stayed()
     """Inject the failure: the q latent layer with layernorm recomputed, priced as without it (both copies kept)."""
     config = next(c for c in mla_grid() if c.label == "mla q_r=48 kv_r=16 norms fp8 tensorwise t=2 sp b=2 "
                                                       "selective:layernorm")
-    rank, named = measure(config)[0]
+    rank, named, _ = measure(config)[0]
     assert judge(term_rows(config, rank, formula(config.spec, config.technique), named), 0.0) == []
     from actmem.memory.techniques import run_technique
     from actmem.model.recompute import NONE
 
     kept = formula(config.spec, run_technique(True, NONE))
     assert judge(term_rows(config, rank, kept, named), 0.0)
+
+
+def _reruns(grid_rows, label: str) -> dict:
+    """{(rank, unit): (formula, measured)} of a layout's rerun rows."""
+    return {(row["rank"], row["term"].removeprefix("rerun ")): (row["formula_bytes"], row["measured_bytes"])
+            for row in grid_rows if row["kind"] == "rerun" and row["config"] == label}
+
+
+def test_each_checkpoint_without_output_rerun_is_measured_as_it_ends(grid_rows):
+    """Megatron's CheckpointWithoutOutput reruns (the input norm's under layernorm, the up projections' under
+    mla_up_proj), measured where each ends (gloo.rerun_moments), against actmem's rerun moment, by hand:
+    - q from h, tensorwise, layernorm, t = 2 with SP (h = 32, s = 16, b = 2, 2 heads a rank, d_qk 16, d_v 8): the
+      hook fires on the attention's output gradient, the MLP's rows freed. Held: the layer's input 2·8·2·32 = 1024,
+      the q projection's FP8 copy 512 + 4, the kv latent's 256 + 4, q and k 2·16·2·2·16 = 2048 each, v 1024, the
+      fp32 log-sum-exp 256, the projection's input 1024: 8200. The rerun: the norm's output restored (1024) and its
+      own beside it (ctx.outputs, 1024), its fp32 statistics 4·8·2 = 64: 10,312.
+    - q_r = 18, kv_r = 12, core_attn and mla_up_proj, t = 2 with SP (h = 16, 4 heads, d_qk 10 = 6 + 4, d_v 10):
+      the hook fires on the core's output gradient, the projection's backward done; the core's checkpoint keeps q,
+      k and v alone, so its output, the projection's input, is freed. Held: the input 512, its norm's statistics
+      64 and output 512, the q latent 576, the kv down projection's output 2·8·2·16 = 512, the gathered rope key
+      256, the mask type 4: 2436. The rerun: the latents' norms' statistics 64 twice, the q latent normed 576, the
+      kv latent 384 and normed 384, and q, k, v 2·16·2·2·10 = 1280 each, twice (restored, and ctx.outputs): 11,588.
+    The earlier pricing of the up projections' rerun (their outputs once, the core's rows and the kv latent's
+    freed) gave 6,980."""
+    norm = _reruns(grid_rows, "mla q from h kv_r=16 fp8 tensorwise t=2 sp b=2 selective:layernorm")
+    assert norm == {(rank, "input_layernorm"): (10_312, 10_312) for rank in (0, 1)}
+    assert 1024 + 516 + 260 + 2 * 2048 + 1024 + 256 + 1024 + 2 * 1024 + 64 == 10_312
+    up = _reruns(grid_rows, "mla q_r=18 kv_r=12 norms t=2 sp b=2 selective:core_attn+mla_up_proj")
+    assert up == {(rank, "mla_up_proj"): (11_588, 11_588) for rank in (0, 1)}
+    assert 512 + 64 + 512 + 576 + 512 + 256 + 4 + 2 * 64 + 576 + 2 * 384 + 6 * 1280 == 11_588
+    # beside layernorm, the norm's rerun came first and holds its output twice and its statistics through the
+    # up projections' rerun: every layout that reruns both measures it
+    both = [row for row in grid_rows if row["kind"] == "rerun" and "layernorm+mla_up_proj" in row["config"]]
+    assert len(both) == 8 and all(row["formula_bytes"] == row["measured_bytes"] > 0 for row in both)
+
+
+def test_the_gate_fails_a_rerun_priced_wrong_either_way():
+    """Inject the failures on the norm's rerun (q from h, tensorwise, layernorm): its own copy of the output not
+    counted (1024 B less), a rerun measured that actmem does not price, one priced that does not run."""
+    from actmem_validate.compare import rerun_rows
+    from actmem.memory.terms import layer_terms
+
+    config = next(c for c in mla_grid() if c.label == "mla q from h kv_r=16 fp8 tensorwise t=2 sp b=2 selective:layernorm")
+    spec, technique = config.spec, config.technique
+    rank, named, moments = measure(config)[0]
+    expected = formula(spec, technique)
+
+    def gate(measured):
+        return judge(rerun_rows(config, rank, technique, spec.architecture, expected, layer_terms(spec.architecture),
+                                spec.bindings_at(2), measured), 0.0)
+
+    assert moments == {"input_layernorm": 10_312} and gate(moments) == []
+    assert any("rerun input_layernorm" in line for line in gate({"input_layernorm": 10_312 - 1024}))
+    assert any("rerun mla_up_proj" in line for line in gate(moments | {"mla_up_proj": 1}))
+    assert any("rerun input_layernorm" in line for line in gate({}))

@@ -37,7 +37,7 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 39
+    assert len({row["config"] for row in grid_rows}) == 40
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -76,11 +76,11 @@ def test_above_factor_1_a_rank_receives_more_than_k_n_and_the_old_cap_fails(grid
     table's cap E·min(C, N)·ETP admits; the cap an earlier table had, min(k·N, E·C)·ETP = 64, fails the gate."""
     config = next(c for c in moe_grid() if "capacity 1.5 by probs aux" in c.label)
     ranks = measure(config)
-    assert max(received for _, received, _, _, _ in ranks) > 64
-    for rank, received, kept, _, named in ranks:
+    assert max(received for _, received, _, _, _, _ in ranks) > 64
+    for rank, received, kept, _, named, _ in ranks:
         assert judge(term_rows(config, rank, formula(config.spec, config.technique, received, kept_copies=kept),
                                named), 0.0) == []
-    rank, received, kept, _, named = max(ranks, key=lambda r: r[1])
+    rank, received, kept, _, named, _ = max(ranks, key=lambda r: r[1])
     capped = formula(config.spec, config.technique, min(received, 64), kept_copies=kept)
     assert judge(term_rows(config, rank, capped, named), 0.0)
 
@@ -90,7 +90,7 @@ def test_moe_act_frees_the_experts_fc2_input(grid_rows):
     = 5; without recompute fc2 keeps its input 2·5·T = 640 B (the SequentialMLP rows, test above); under
     --recompute-modules moe_act it is freed once fc2 has run (0 B), fc1's output 4·5·64 = 1280 and the
     probabilities 2·64 = 128 kept by the checkpoint."""
-    act = "grouped shared aux 0.01 selective:moe_act"
+    act = "grouped shared aux 0.01 selective:moe_act$"
     assert _kept(grid_rows, act, "experts_fc2_input") in ([], [0, 0])
     assert _kept(grid_rows, act, "experts_fc1_output") == [1280] * 2 and _kept(grid_rows, act, "experts_probs") == [128] * 2
 
@@ -133,7 +133,7 @@ def test_the_gate_fails_a_row_left_out_of_the_formula_or_a_tensor_no_row_names()
     """Inject the failures: the formula without the aux loss's scores (measured, not in the formula),
     the formula with a row the layer does not keep, and a saved tensor named by no row."""
     config = moe_grid()[0]
-    rank, received, kept, _, named = measure(config)[0]
+    rank, received, kept, _, named, _ = measure(config)[0]
     expected = formula(config.spec, config.technique, received, kept_copies=kept)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     missing = {name: n for name, n in expected.items() if name != "aux_loss_scores"}
@@ -187,7 +187,7 @@ def test_the_gate_fails_fp8_experts_priced_wrong():
     from dataclasses import replace
 
     config = next(c for c in moe_grid() if "EP=2 ETP=1 alltoall router bf16 grouped fp8 tensorwise" in c.label)
-    rank, received, kept, padded, named = measure(config)[0]
+    rank, received, kept, padded, named, _ = measure(config)[0]
     expected = formula(config.spec, config.technique, received, kept_copies=kept, padding=padded)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     bf16 = replace(config.spec, architecture=config.spec.architecture.bf16_twin())
@@ -230,8 +230,8 @@ def test_the_gate_fails_a_bf16_layer_of_an_fp8_run_priced_unpadded():
 
     config = next(c for c in moe_grid() if "grouped bf16 layer of an fp8 run (rows padded to 16)" in c.label)
     measured = measure(config)
-    assert any(padded[0] != received for _, received, _, padded, _ in measured)    # the routing leaves rows to pad
-    for rank, received, kept, padded, named in measured:
+    assert any(padded[0] != received for _, received, _, padded, _, _ in measured)    # the routing leaves rows to pad
+    for rank, received, kept, padded, named, _ in measured:
         expected = formula(config.spec, config.technique, received, kept_copies=kept, padding=padded)
         assert judge(term_rows(config, rank, expected, named), 0.0) == []
         unpadded = replace(config.spec, architecture=replace(config.spec.architecture, moe_bf16_padding=None))
@@ -263,7 +263,7 @@ def test_the_gate_fails_a_shared_expert_s_16_bit_input_held_under_delayed_scalin
     """Overlapping the dispatcher under delayed scaling, fc1's gathered 16-bit input (2·s·b·h = 2048 B) held
     beside its FP8 copy is a row the formula has not: red."""
     config = next(c for c in moe_grid() if "fp8 delayed shared gated overlap" in c.label)
-    rank, received, kept, padded, named = measure(config)[0]
+    rank, received, kept, padded, named, _ = measure(config)[0]
     expected = formula(config.spec, config.technique, received, kept_copies=kept, padding=padded)
     assert judge(term_rows(config, rank, expected, named), 0.0) == []
     held = named | {"shared_experts_fc1_input_gathered": 2048}
@@ -279,7 +279,7 @@ def test_the_block_recipes_keep_one_buffer_of_copies_and_scales():
     for fragment, (fc1_scale, fc2_scale) in (("grouped fp8 blockwise shared", (128, 384)),
                                              ("grouped fp8 mxfp8 shared", (512, 512))):
         config = next(c for c in moe_grid() if fragment in c.label)
-        for rank, received, kept, (padded, blocks), named in measure(config):
+        for rank, received, kept, (padded, blocks), named, _ in measure(config):
             assert padded % (32 if "mxfp8" in fragment else 16) == 0 and blocks >= padded / 128
             assert named["experts_input"] == 32 * padded + fc1_scale * blocks, (fragment, rank)
             assert named["experts_fc2_input"] == 96 * padded + fc2_scale * blocks, (fragment, rank)
@@ -291,3 +291,21 @@ def test_fp8_shared_experts_recomputed_through_te_s_checkpoint_keep_nothing(grid
     assert not [n for term in ("shared_experts_fc2_input", "shared_experts_swiglu_input", "shared_experts_fc1_input_fp8")
                 for n in _kept(grid_rows, recomputed, term) if n]
     assert all(n > 0 for n in _kept(grid_rows, recomputed, "experts_input"))
+
+
+def test_each_checkpoint_without_output_rerun_is_measured_as_it_ends(grid_rows):
+    """The experts' activation's rerun (moe_act) and the pre-MLP norm's (layernorm, in a layer), measured where
+    each ends (gloo.rerun_moments), equal actmem's rerun moments on every rank: the shared experts' rows held
+    through moe_act's rerun (the MoE layer ran them first: moe_layer.py, shared_experts_compute before route),
+    the norm's output held twice (restored, and ctx.outputs) with its statistics, and through moe_act's rerun
+    after it. Each layout with moe_act reruns it; the layouts in a layer with layernorm rerun the norm."""
+    reruns = [row for row in grid_rows if row["kind"] == "rerun"]
+    assert all(row["formula_bytes"] == row["measured_bytes"] > 0 for row in reruns)
+    units = {(row["config"].rsplit(" ", 1)[-1] if "in a layer" not in row["config"] else
+              row["config"].removesuffix(" in a layer").rsplit(" ", 1)[-1] + " in a layer", row["term"])
+             for row in reruns}
+    assert units == {("selective:moe_act", "rerun moe_act"), ("selective:layernorm in a layer", "rerun pre_mlp_layernorm"),
+                     ("selective:moe_act+layernorm in a layer", "rerun moe_act"),
+                     ("selective:moe_act+layernorm in a layer", "rerun pre_mlp_layernorm")}
+    with_act = {row["config"] for row in grid_rows if "moe_act" in row["config"]}
+    assert len(with_act) == 5 and {row["config"] for row in reruns if row["term"] == "rerun moe_act"} == with_act

@@ -19,6 +19,10 @@ below the floor, and above it by more than a gap the run allows (``--max-peak-ga
 transients actmem does not model yet). Under context parallelism the row is ``floor_cp``,
 judged from below only: the harness's context-parallel attention all-gathers k and v and
 computes fp32 s/c x s scores, its own peak, not Transformer Engine's ring.
+``rerun`` (Megatron-Core's layers): each rerun of a CheckpointWithoutOutput (--recompute-modules layernorm's two
+norms, mla_up_proj, moe_act) measured as it ends, the saved storages still alive and what the rerun keeps, against
+actmem's rerun moment for one layer, both ways (a rerun measured that actmem does not price fails, and one it prices
+that does not run).
 ``allocated``, ``pytorch_choice`` and ``reserve`` rows are information.
 """
 
@@ -60,7 +64,7 @@ CUDNN_RNG_STATE_BYTES = 2 * 8
 H200 with torch 2.11: 32 B over two layers); none from the CPU's flash kernel."""
 """The flash kernel's saved philox state by device type: none on the CPU's kernel
 (_scaled_dot_product_flash_attention_for_cpu returns no rng tensors)."""
-CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state", "held")
+CHECKED = ("paper", "residual", "unnamed", "total", "floor", "floor_cp", "host", "state", "held", "rerun")
 """The kinds of row the gate judges; the others are information."""
 HARNESS_LEAVES_OUT = ("weights", "optimizer_state")
 """Rows of the floor the harness's peak does not hold: its peak is measured above the
@@ -204,6 +208,31 @@ def _joined(formula: dict, joints: list) -> dict:
     return formula
 
 
+#: the reruns megatron-core runs through CheckpointWithoutOutput, which the harness measures (gloo.rerun_moments)
+WITHOUT_OUTPUT = ("input_layernorm", "mla_up_proj", "pre_mlp_layernorm", "moe_act")
+
+
+def rerun_rows(config, rank: int, technique, arch, rows: dict, table, bindings: dict, measured: dict) -> list[dict]:
+    """One ``rerun`` row a CheckpointWithoutOutput rerun either side has: actmem's moment for one layer (the
+    rows ``rows`` holds, less those the rerun finds freed, plus what it remakes: engine.freed_layer_rows,
+    rematerialised_bytes, bound to ``bindings``) against ``measured`` ({unit: bytes}, gloo.rerun_moments). A
+    rerun is priced where the unit drops a row of ``table``, the terms the harness's layer has."""
+    from actmem.memory import engine
+    from actmem.memory.terms import layer_terms
+    from actmem.model.recompute import rerun_units
+
+    formula = {}
+    if technique.recompute is Recompute.SELECTIVE:
+        for unit in (unit for unit in rerun_units(technique.modules) if unit in WITHOUT_OUTPUT):
+            if not any(term.module_of(arch) == unit and term in table for term in layer_terms(arch)):
+                continue
+            freed = sum(rows.get(term.name, 0) for term in engine.freed_layer_rows(technique, arch, unit))
+            remade = engine.exact(engine.rematerialised_bytes(technique, arch, module=unit), bindings)
+            formula[unit] = sum(rows.values()) - freed + remade
+    return [_row(config, rank, f"rerun {unit}", formula.get(unit, 0), measured.get(unit, 0), "rerun")
+            for unit in sorted(set(formula) | set(measured))]
+
+
 def _backend_kind(name: str) -> str:
     if all(part in PAPER_TERMS for part in name.split("+")):
         return "paper"
@@ -266,6 +295,8 @@ def _failure(row: dict) -> str:
         return f"{where} (residual) measured {measured}, the harness's code saves {formula}"
     if row["kind"] == "state":
         return f"{where}: the model state's storages hold {measured}, actmem says {formula}"
+    if row["kind"] == "rerun":
+        return f"{where}: the rerun holds {measured} as it ends, actmem's rerun moment {formula}"
     if row["kind"] == "host":
         return f"{where}: the host copies held {measured} at their most, actmem's host line says {formula}"
     if not row["formula_bytes"]:

@@ -127,3 +127,65 @@ def _dead(storage) -> bool:
     """A recorded storage that holds nothing now: freed, or resized to 0 by a recompute checkpoint that
     discards its output (its address free for a later one)."""
     return storage is None or not storage.nbytes()
+
+
+#: megatron-core's CheckpointWithoutOutput instances, by the attribute that holds each, and the unit actmem prices
+#: its rerun as (actmem.memory.engine.rematerialised_bytes; the two norms are --recompute-modules layernorm's parts)
+_RERUN_UNITS = {"input_layernorm_checkpoint": "input_layernorm", "pre_mlp_norm_checkpoint": "pre_mlp_layernorm",
+                "activation_checkpoint": "moe_act"}
+
+
+def _rerun_unit(layer, checkpoint) -> str:
+    """The unit of a CheckpointWithoutOutput: the attribute of a module of the layer that holds it
+    (transformer_layer.py, experts.py), or multi-latent attention's, which lets go of its own once registered
+    (multi_latent_attention.py: qkv_up_checkpoint = None) and reruns its up projections."""
+    for module in layer.modules():
+        for attribute, unit in _RERUN_UNITS.items():
+            if getattr(module, attribute, None) is checkpoint:
+                return unit
+    if getattr(checkpoint.run_function, "__name__", "") == "qkv_up_proj_and_rope_apply":
+        return "mla_up_proj"
+    raise ValueError(f"a CheckpointWithoutOutput rerun of {checkpoint.run_function!r}: whose is it?")
+
+
+@contextlib.contextmanager
+def rerun_moments(layer, saved: dict, moments: dict):
+    """Each rerun of megatron-core's CheckpointWithoutOutput in the backward (--recompute-modules layernorm's two
+    norms, mla_up_proj, moe_act), measured as it ends, into ``moments[unit]``: the bytes the forward's saved
+    storages (``saved``, recorder's) still hold then, at their size then (the backward has freed what it ran,
+    and the rerun resized its output's storage back), and what this rerun and those before it made or restored
+    that is alive (the outputs restored, ctx.outputs beside them, what their own autograd saved: a norm's rerun
+    holds its outputs through its block's reruns); less the layer's model state (its parameters and
+    buffers then: the rope's cos and sin are cached in the forward). The moment actmem's stage model prices as
+    its ``rerun``. Entered before the forward: the checkpoints register their rerun there, as a bound hook."""
+    import weakref
+
+    import torch
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    original = CheckpointWithoutOutput._recompute
+    earlier = []            # what the reruns before made or restored: a norm's stays through its block's reruns
+
+    def measured(self, grad):
+        if self.ctx is None:
+            return original(self, grad)
+        unit, ctx, restored = _rerun_unit(layer, self), self.ctx, tuple(self.outputs)
+        made, pack = recorder()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = original(self, grad)
+        state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
+        # (the outputs it restored by name: the forward's record may have let a discarded, empty one go for
+        # another saved at its address)
+        earlier.extend([ref for ref, _, _ in made.values()]
+                       + [weakref.ref(output.untyped_storage()) for output in (*restored, *ctx.outputs)])
+        storages = [ref() for ref, _, _ in saved.values()] + [ref() for ref in earlier]
+        alive = {storage.data_ptr(): storage.nbytes() for storage in storages
+                 if storage is not None and storage.nbytes() and storage.data_ptr() not in state}
+        moments[unit] = sum(alive.values())
+        return result
+
+    CheckpointWithoutOutput._recompute = measured
+    try:
+        yield moments
+    finally:
+        CheckpointWithoutOutput._recompute = original

@@ -517,7 +517,7 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
 
-    from actmem_validate.gloo import held_storages, rank_group, recorder
+    from actmem_validate.gloo import held_storages, rank_group, recorder, rerun_moments
 
     spec, run = config.spec, config.spec.run
     stand_ins = _stand_ins(spec.architecture.fp8)
@@ -538,22 +538,34 @@ def _rank(rank: int, world: int, port: int, config: MLAConfig, results) -> None:
         rows = spec.model.seq_len // (run.tensor_parallel if run.sequence_parallel else 1)
         x = torch.randn(rows, run.micro_batch, spec.model.hidden, dtype=torch.bfloat16, requires_grad=True)
         saved, pack = recorder()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out, _ = layer(hidden_states=x, attention_mask=None)
-        named = _named(held_storages(saved, layer), spec, config.technique, x.untyped_storage().data_ptr())
-        out.float().sum().backward()
-        results.put((rank, named))
+        # (patched before the forward: the checkpoints register their rerun as a bound hook there)
+        with rerun_moments(layer, saved, {}) as moments:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out, _ = layer(hidden_states=x, attention_mask=None)
+            named = _named(held_storages(saved, layer), spec, config.technique, x.untyped_storage().data_ptr())
+            out.float().sum().backward()
+        results.put((rank, named, moments))
 
 
 def measure(config: MLAConfig) -> list[tuple]:
-    """(rank, {term: bytes saved}) of every rank of one configuration."""
+    """(rank, {term: bytes saved}, {rerun: bytes held as it ends}) of every rank of one configuration."""
     from actmem_validate.gloo import spawn
 
     return spawn(_rank, config)
 
 
 def rows(configs) -> list[dict]:
-    """The error table's rows (compare.term_rows) of every rank of every configuration."""
-    from actmem_validate.gloo import term_table
+    """The error table's rows of every rank of every configuration: compare.term_rows, then compare.rerun_rows."""
+    from actmem.memory.terms import layer_terms
+    from actmem_validate.compare import rerun_rows, term_rows
 
-    return term_table(configs, measure, formula)
+    table = []
+    for config in configs:
+        spec, technique = config.spec, config.technique
+        expected = formula(spec, technique)
+        layer = layer_terms(spec.architecture)
+        for rank, named, moments in measure(config):
+            table += term_rows(config, rank, expected, named)
+            table += rerun_rows(config, rank, technique, spec.architecture, expected, layer,
+                                spec.bindings_at(spec.run.tensor_parallel), moments)
+    return table

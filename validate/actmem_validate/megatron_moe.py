@@ -181,10 +181,15 @@ def moe_grid() -> list:
     configs += [MoEConfig(spec, run_technique(False, NONE)) for spec in (
         moe_spec(ep=2, c=2), moe_spec(ep=2, c=2, dispatcher="allgather", seq_aux=True))]
     # inside a TransformerLayer after its pre-MLP TENorm: as it is, and with layernorm recomputed (the norm's
-    # output, the router's input, freed once the layer has run), at t = 2 with shared experts
+    # output, the router's input, freed once the layer has run), at t = 2 with shared experts; and as TE's grouped
+    # GEMM with moe_act recomputed beside it (the norm's rerun comes first and holds its output, twice, through
+    # the experts' activation's rerun: the rerun rows)
     spec = moe_spec(t=2, shared=True)
     for policy in (NONE, RecomputePolicy(Recompute.SELECTIVE, frozenset({"layernorm"}))):
         configs.append(MoEConfig(spec, run_technique(True, policy), in_layer=True))
+    configs.append(MoEConfig(moe_spec(t=2, grouped=True, shared=True),
+                             run_technique(True, RecomputePolicy(Recompute.SELECTIVE, frozenset({"layernorm", "moe_act"}))),
+                             in_layer=True))
     return configs
 
 
@@ -197,12 +202,25 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
     indices of the ``kept_copies`` its rank kept, which the table bounds by min(k·N, E·C): the row is bound to
     them where they are within it (as T to the rows received), and stays the bound, to fail, where they are not."""
     from actmem.memory import engine
-    from actmem.memory.terms import MOE_TERMS, TERMS
+
+    arch, bindings = spec.architecture, _bindings(spec, expert_rows, padding)
+    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings)
+            for term in _layer_terms(arch, in_layer)}
+    bound = rows.get("permute_sorted_indices")
+    if bound and arch.moe_capacity_factor is not None and not arch.moe_pad_to_capacity and kept_copies is not None \
+            and 8 * kept_copies <= bound:
+        rows["permute_sorted_indices"] = 8 * kept_copies
+    return rows
+
+
+def _bindings(spec: Spec, expert_rows: int, padding: tuple | None) -> dict:
+    """The spec's bindings with r bound to the rows the rank's experts received, and P and Q to what padding and
+    the 128-row blocks added under FP8 (formula)."""
+    from actmem.memory import engine
     from actmem.memory.terms_experts import expert_rows as balanced_rows
     from actmem.model import symbols
 
-    arch, t = spec.architecture, spec.run.tensor_parallel
-    bindings = spec.bindings_at(t)
+    arch, bindings = spec.architecture, spec.bindings_at(spec.run.tensor_parallel)
     # r against the balanced rows without a capacity: T = min(⌈r·k·N·ETP⌉, the capacity's) is then what was received
     balanced = engine.exact(balanced_rows(replace(arch, moe_capacity_factor=None, moe_drop_policy="probs",
                                                   moe_pad_to_capacity=False)),
@@ -212,14 +230,15 @@ def formula(spec: Spec, technique: Technique, expert_rows: int, in_layer: bool =
         padded_rows, blocks = padding
         bindings[symbols.P] = padded_rows - expert_rows
         bindings[symbols.Q] = 128 * blocks - padded_rows
+    return bindings
+
+
+def _layer_terms(arch, in_layer: bool) -> tuple:
+    """The rows of the harness's layer: the MoE layer's, and ``in_layer`` its pre-MLP norm's."""
+    from actmem.memory.terms import MOE_TERMS, TERMS
+
     norm = tuple(term for term in TERMS if term.name in ("mlp_layernorm_input", "mlp_norm_statistics")) * in_layer
-    rows = {term.name: engine.exact(engine.term_bytes(term, technique, arch), bindings) for term in MOE_TERMS + norm
-            if term.present(arch)}
-    bound = rows.get("permute_sorted_indices")
-    if bound and arch.moe_capacity_factor is not None and not arch.moe_pad_to_capacity and kept_copies is not None \
-            and 8 * kept_copies <= bound:
-        rows["permute_sorted_indices"] = 8 * kept_copies
-    return rows
+    return tuple(term for term in MOE_TERMS + norm if term.present(arch))
 
 
 def _named(saved: list, spec: Spec, x_key, norm_input_key=None) -> dict:
@@ -702,7 +721,7 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
 
-    from actmem_validate.gloo import held_storages, rank_group, recorder
+    from actmem_validate.gloo import held_storages, rank_group, recorder, rerun_moments
 
     spec, run = config.spec, config.spec.run
     with rank_group(rank, world, port, _cpu_shims, run.tensor_parallel, expert_model_parallel_size=run.expert_parallel,
@@ -732,13 +751,14 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
         # storage saved by a node autograd has already freed may lend its address to a later one (the later
         # one recorded); the layer's parameters and buffers are model state
         saved, pack = recorder()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out, _ = layer(hidden_states=x, attention_mask=None) if config.in_layer else layer(x)
-        held = held_storages(saved, layer)
-        x_key = x.untyped_storage().data_ptr()
-        named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
-        out.float().sum().backward()
-        results.put((rank, received[0], kept[0], padded[0], named))
+        with rerun_moments(layer, saved, {}) as moments:     # (entered before the forward registers the reruns)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out, _ = layer(hidden_states=x, attention_mask=None) if config.in_layer else layer(x)
+            held = held_storages(saved, layer)
+            x_key = x.untyped_storage().data_ptr()
+            named = (_named(held, spec, norm_output[0], x_key) if config.in_layer else _named(held, spec, x_key))
+            out.float().sum().backward()
+        results.put((rank, received[0], kept[0], padded[0], named, moments))
 
 
 def _padding(tokens_per_expert, align: int) -> tuple:
@@ -750,19 +770,24 @@ def _padding(tokens_per_expert, align: int) -> tuple:
 
 def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
     """(rank, expert rows received, routed copies kept, under FP8 (the rows its experts computed padded, their
-    128-row blocks), else None, {term: bytes saved}) of every rank of one configuration."""
+    128-row blocks), else None, {term: bytes saved}, {rerun: bytes held as it ends}) of every rank of one
+    configuration."""
     from actmem_validate.gloo import spawn
 
     return spawn(_rank, config)
 
 
 def rows(configs, timeout: int = 300) -> list[dict]:
-    """The error table's rows (compare.term_rows) of every rank of every configuration."""
-    from actmem_validate.compare import term_rows
+    """The error table's rows of every rank of every configuration: compare.term_rows, then compare.rerun_rows."""
+    from actmem_validate.compare import rerun_rows, term_rows
 
     table = []
     for config in configs:
-        for rank, received, kept, padded, named in measure(config, timeout):
-            table += term_rows(config, rank, formula(config.spec, config.technique, received, config.in_layer, kept,
-                                                     padded), named)
+        spec, technique = config.spec, config.technique
+        for rank, received, kept, padded, named, moments in measure(config, timeout):
+            expected = formula(spec, technique, received, config.in_layer, kept, padded)
+            table += term_rows(config, rank, expected, named)
+            table += rerun_rows(config, rank, technique, spec.architecture, expected,
+                                _layer_terms(spec.architecture, config.in_layer),
+                                _bindings(spec, received, padded), moments)
     return table

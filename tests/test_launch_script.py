@@ -65,6 +65,10 @@ def test_quoted_array_expansion_keeps_each_element_whole():
     ('N=6\npython t.py --n $((N / 4 + N % 4 * 10))\n', ["--n", "21"]),       # 1 + 2*10
     ('python t.py --n $(($1 * 2))\n', ["--n", "$(($1*2))"]),                 # a placeholder, one word
     ('V=(a b c)\npython t.py --v ${V[1]} --n ${#V[@]}\n', ["--v", "b", "--n", "3"]),
+    # a command substitution either way is one placeholder word, named by its command
+    ('python t.py --a `date +%s` --b $(nproc --all)\n', ["--a", "$(date…)", "--b", "$(nproc…)"]),
+    # the last line continued into the end of the file, as T5's example ends: bash ends the command there
+    ('python t.py --a 1 \\\n    --b 2 \\\n', ["--a", "1", "--b", "2"]),
 ])
 def test_expansions(text, arguments):
     assert read(text).arguments == arguments

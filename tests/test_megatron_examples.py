@@ -92,6 +92,28 @@ def test_the_other_examples_are_refused_naming_only_what_is_not_modelled(actmem,
     assert "not an argument" not in result.stderr and "follow no argument" not in result.stderr
 
 
+def test_t5_s_script_is_refused_for_what_it_trains(actmem):
+    """examples/t5/train_t5_220m_distributed.sh ends in a line continued into the end of the file, which bash
+    runs: the refusal names the model family, not a parse error."""
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_t5_220m_distributed.sh'}"),
+                          "trains with pretrain_t5.py: encoder-decoder (T5) models are not modelled")
+
+
+def test_an_argument_megatron_stops_on_is_refused_with_its_advice(actmem, tmp_path):
+    """Megatron's validate_args stops on its removed arguments (arguments.py, "Deprecated arguments"):
+    --checkpoint-activations prints its advice and exits; --batch-size is an assertion."""
+    script = tmp_path / "old.sh"
+    script.write_text("torchrun pretrain_gpt.py --bf16 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                      "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 --vocab-size 100 "
+                      "--checkpoint-activations --batch-size 4\n")
+    result = actmem("estimate", "--megatron-args", f"@{script}")
+    assert_one_line_error(result, "Megatron refuses --checkpoint-activations: no longer valid (Megatron prints so "
+                                  "and exits): use --recompute-activations, or --recompute-granularity and "
+                                  "--recompute-method (arguments.py)")
+    assert "Megatron refuses --batch-size: no longer valid (an assertion): use --micro-batch-size" in result.stderr
+    assert "not modelled" not in result.stderr
+
+
 def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(actmem):
     """The training command lives in TRAINING_CMD, run by `srun bash -c "${TRAINING_CMD}"` inside
     an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP; its

@@ -68,7 +68,10 @@ def read(text: str) -> Launch:
     import tree_sitter
     import tree_sitter_bash
 
-    source = text.encode()
+    # a last line continued into the end of the file (T5's example ends so): bash ends the command there, where
+    # tree-sitter's grammar finds an error
+    stripped = text.rstrip()
+    source = (stripped[:-1] + "\n" if stripped.endswith("\\") and not stripped.endswith("\\\\") else text).encode()
     tree = tree_sitter.Parser(tree_sitter.Language(tree_sitter_bash.language())).parse(source)
     if tree.root_node.has_error:
         line = _first_error(tree.root_node)
@@ -305,8 +308,10 @@ class _Shell:
             return self._variable(self._text(node)[1:], unset_as_empty)
         if kind == "expansion":
             return self._expansion(node, unset_as_empty)
-        if kind == "command_substitution":        # never run: a placeholder of one word
-            return Unknown(f"$({self._text(node)[2:].split()[0]}…)")
+        if kind == "command_substitution":        # never run: a placeholder of one word, as `cmd` or $(cmd)
+            text = self._text(node)
+            inner = text[1:-1] if text.startswith("`") else text[2:-1]
+            return Unknown(f"$({(inner.split() or [''])[0]}…)")
         if kind == "arithmetic_expansion":
             number = self._arithmetic(node.named_children[0]) if node.named_children else None
             # a placeholder of one word, as bash's result would be

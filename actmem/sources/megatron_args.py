@@ -210,6 +210,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
     Megatron argument is ignored or refused by its class (megatron_table); a name Megatron
     does not have is refused as unknown."""
     used, ignored, unknown, refused, missing, stray, settings = [], [], [], [], [], [], {}
+    stopped = []
     words = [part for word in words for part in (word.split("=", 1) if word.startswith("--") else [word])]
     words, repeated = _last_of_each(words, takes_value)
     i = 0
@@ -234,6 +235,8 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
             kind, why = megatron_table.classify(name, values)
             if kind == megatron_table.IGNORED:
                 ignored.append(name)
+            elif kind == megatron_table.MEGATRON_REFUSES:
+                stopped.append(f"Megatron refuses {name}: {why} (arguments.py)")
             else:
                 refused.append((why, name))
         i = after
@@ -245,7 +248,8 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
         settings["notes"].append(
             "--sequence-parallel at tensor-parallel size 1: Megatron turns it off (arguments.py), and so does actmem")
-    problems = layout_problems + _problems(words + ["--vocab-size"] * vocab_given, settings, refused, unknown, missing)
+    problems = layout_problems + list(dict.fromkeys(stopped)) + _problems(
+        words + ["--vocab-size"] * vocab_given, settings, refused, unknown, missing)
     if stray:
         problems.append(f"words that follow no argument, as Megatron's parser would refuse them: {', '.join(stray)} "
                         "(in a script, an unquoted ${ARRAY[@]} splits a quoted element at its spaces)")

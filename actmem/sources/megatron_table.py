@@ -17,7 +17,7 @@ else:                                   # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 DATA = Path(__file__).parent / "data"
-IGNORED, NOT_MODELLED = "ignored", "not_modelled"
+IGNORED, NOT_MODELLED, MEGATRON_REFUSES = "ignored", "not_modelled", "megatron_refuses"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _classes() -> dict:
 
 
 def classify(option: str, values=()) -> tuple[str, str]:
-    """(class, why) of a Megatron option actmem does not read: 'ignored' or 'not_modelled';
+    """(class, why) of a Megatron option actmem does not read: 'ignored', 'not_modelled' or 'megatron_refuses';
     an option restricted to some values (--optimizer adam) is not modelled at others."""
     table = _classes()
     prefixes = sorted((p for p in table["prefixes"] if option.startswith(p)), key=len)
@@ -95,5 +95,5 @@ def problems(table: dict | None = None, classes: dict | None = None, modelled=()
     found += [f"{name} is read by actmem and classified as well" for name in modelled if name in classes["arguments"]]
     found += [f"{where} {name}: class {entry.get('class')!r}" for where in ("groups", "prefixes", "arguments")
               for name, entry in classes[where].items()
-              if entry.get("class") not in (IGNORED, NOT_MODELLED) or not entry.get("why")]
+              if entry.get("class") not in (IGNORED, NOT_MODELLED, MEGATRON_REFUSES) or not entry.get("why")]
     return found

@@ -116,3 +116,48 @@ def test_the_reading_is_bashs_own(tmp_path):
                              env=env, cwd=tmp_path, check=True).stdout.splitlines()
     launch = read(script)
     assert printed == launch.launcher[1:] + [launch.script] + launch.arguments
+
+
+CASES = r"""SCALE="8B" # or "800M"
+case "${SCALE}" in
+    "800M")
+        LAYERS=4
+        ;;
+    8*|9*)
+        LAYERS=8; EXTRA=(--hidden-size 64) ;;
+    *)
+        exit 1
+        ;;
+esac
+case $NEVER_SET in
+    x) ;;
+    *) PRECISION=--bf16 ;;
+esac
+if [[ $BATCH -eq 0 ]]; then MODE=--interactive; else MODE=--batch; fi
+torchrun pretrain_gpt.py --num-layers $LAYERS ${EXTRA[@]} $PRECISION $MODE
+"""
+
+
+def test_a_case_on_a_known_word_runs_its_first_matching_item_as_bash_does(tmp_path):
+    """A quoted pattern matches literally, an unquoted one as a glob (8* matches 8B), * when nothing else does (an
+    unset word is empty); [[ $X -eq 0 ]] evaluates an unset X as 0. Checked against bash where it is on the
+    machine (Megatron's mamba example picks its shape with such a case)."""
+    launch = read(CASES)
+    assert launch.arguments == ["--num-layers", "8", "--hidden-size", "64", "--bf16", "--interactive"]
+    if shutil.which("bash"):
+        shim = 'torchrun() { printf "%s\\n" "$@"; }\n'
+        printed = subprocess.run(["bash", "-c", shim + CASES], capture_output=True, text=True,
+                                 env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, check=True).stdout.splitlines()
+        assert printed == [launch.script] + launch.arguments
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('case $(hostname) in\n  a) A=--x ;;\nesac\npython t.py $A\n', "a case statement sets variables"),
+    ('X=a\ncase $X in\n  a) A=--x ;&\n  b) A=--y ;;\nesac\npython t.py $A\n', "a case statement sets variables"),
+    ('if [ "$UNSET" -eq 0 ]; then A=--x; fi\npython t.py $A\n', "cannot know its answer"),
+])
+def test_a_case_or_test_it_cannot_decide_is_refused(text, fragment):
+    """A case on a command's output, an item that falls through to the next (;&), and [ ]'s -eq on an empty word
+    (an error in bash) are refused where they set the arguments."""
+    with pytest.raises(SpecError, match=fragment):
+        read(text)

@@ -99,6 +99,13 @@ def test_t5_s_script_is_refused_for_what_it_trains(actmem):
                           "trains with pretrain_t5.py: encoder-decoder (T5) models are not modelled")
 
 
+def test_mamba_s_script_is_read_through_its_case_and_refused_for_what_it_trains(actmem):
+    """examples/mamba/train.sh picks its shape in a case statement on MODEL_SCALE, set two lines above: read as
+    bash runs it, the refusal names the model family (its hybrid layer pattern), not the case."""
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_mamba.sh'}"),
+                          "trains with ../../pretrain_hybrid.py: hybrid Mamba models are not modelled")
+
+
 def test_an_argument_megatron_stops_on_is_refused_with_its_advice(actmem, tmp_path):
     """Megatron's validate_args stops on its removed arguments (arguments.py, "Deprecated arguments"):
     --checkpoint-activations prints its advice and exits; --batch-size is an assertion."""

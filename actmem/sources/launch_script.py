@@ -20,6 +20,7 @@ reads it); the words after it are the training script's arguments and the words 
 launcher.
 """
 
+import fnmatch
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ _BLOCKS = {"program", "compound_statement", "subshell", "list", "pipeline", "red
 #: nodes that may hide assignments or the training command behind a loop or a function
 _OPAQUE_BLOCKS = {"for_statement", "c_style_for_statement", "while_statement", "case_statement",
                   "function_definition"}
+#: how a case item may end besides ';;', going on to the next items: not read
+_FALLTHROUGH = {";&", ";;&"}
 _TRAINING = re.compile(r"\.py$")
 
 
@@ -114,6 +117,8 @@ class _Shell:
             self._command(node)
         elif kind == "if_statement":
             self._if(node)
+        elif kind == "case_statement" and self._case(node):
+            pass
         elif kind in _OPAQUE_BLOCKS and self._changes_arguments(node):
             raise SpecError(f"--megatron-args: line {node.start_point[0] + 1}: a {kind.replace('_', ' ')} "
                             "sets variables or launches the training, and actmem reads a script without "
@@ -191,6 +196,28 @@ class _Shell:
                     self.run(statement)
                 return
 
+    def _case(self, node) -> bool:
+        """Run the first item of a case statement whose pattern matches its word, as bash does (a quoted
+        pattern literally, an unquoted one as a glob); False, for the caller to judge it opaque, where the word
+        is a command's output or an item falls through (';&', ';;&')."""
+        word = self._condition_value(node.child_by_field_name("value"))
+        items = [child for child in node.named_children if child.type == "case_item"]
+        if word is None or any(child.type in _FALLTHROUGH for item in items for child in item.children):
+            return False
+        for item in items:
+            patterns = [item.children[i] for i in range(item.child_count) if item.field_name_for_child(i) == "value"]
+            if any(self._matches(word, pattern) for pattern in patterns):
+                for statement in item.named_children:
+                    if statement not in patterns and statement.type != "comment":
+                        self.run(statement)
+                return True
+        return True
+
+    def _matches(self, word: str, pattern) -> bool:
+        if pattern.type in ("string", "raw_string"):
+            return word == self._condition_value(pattern)
+        return fnmatch.fnmatchcase(word, self._text(pattern))
+
     def _clauses(self, node) -> list:
         """[(condition nodes or None for else, body nodes)] of an elif or else clause (an elif
         clause holds the clauses after it in some grammars' trees, never here: flat)."""
@@ -220,7 +247,7 @@ class _Shell:
         kind = node.type
         if kind == "test_command":
             inner = node.named_children
-            return self._expression(inner[0]) if len(inner) == 1 else None
+            return self._expression(inner[0], self._text(node).startswith("[[")) if len(inner) == 1 else None
         if kind == "list":
             left, operator, right = node.children[0], self._text(node.children[1]), node.children[2]
             a, b = self._test(left), self._test(right)
@@ -232,15 +259,18 @@ class _Shell:
             return None if verdict is None else not verdict
         return None                                   # a command: its exit status is unknowable here
 
-    def _expression(self, node) -> bool | None:
+    def _expression(self, node, arithmetic_words: bool = False) -> bool | None:
+        """A test's verdict (None where it cannot be known). ``arithmetic_words``: inside [[ ]], whose -eq and
+        the like evaluate their operands as arithmetic, an empty or unset one as 0; in [ ] an empty one is an
+        error (bash: 'integer expression expected'), left undecided."""
         kind = node.type
         if kind == "parenthesized_expression":
-            return self._expression(node.named_children[0])
+            return self._expression(node.named_children[0], arithmetic_words)
         if kind == "unary_expression":
             operator = self._text(node.child_by_field_name("operator") or node.children[0])
             operand = node.named_children[-1]
             if operator == "!":
-                verdict = self._expression(operand)
+                verdict = self._expression(operand, arithmetic_words)
                 return None if verdict is None else not verdict
             value = self._condition_value(operand)
             if value is None or operator not in ("-z", "-n"):
@@ -251,7 +281,7 @@ class _Shell:
             left = node.child_by_field_name("left")
             right = node.child_by_field_name("right")
             if operator in ("&&", "||"):
-                a, b = self._expression(left), self._expression(right)
+                a, b = self._expression(left, arithmetic_words), self._expression(right, arithmetic_words)
                 if operator == "&&":
                     return False if False in (a, b) else (None if None in (a, b) else True)
                 return True if True in (a, b) else (None if None in (a, b) else False)
@@ -262,9 +292,11 @@ class _Shell:
                 return a == b
             if operator == "!=":
                 return a != b
-            numbers = _integer(a), _integer(b)
             tests = {"-eq": int.__eq__, "-ne": int.__ne__, "-lt": int.__lt__, "-le": int.__le__,
                      "-gt": int.__gt__, "-ge": int.__ge__}
+            if "" in (a, b) and not arithmetic_words:
+                return None
+            numbers = _integer(a or "0"), _integer(b or "0")
             if operator in tests and None not in numbers:
                 return tests[operator](*numbers)
             return None

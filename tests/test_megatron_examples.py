@@ -180,3 +180,11 @@ def test_plan_and_flops_take_the_script_too(actmem, tmp_path):
     assert "run    t=2 p=1 m=1 b=1 · SP on · recompute none" in explained.stdout
     flops = actmem.json("flops", "--megatron-args", f"@{script}")
     assert flops["global_batch"] == 128
+
+
+def test_the_attention_backend_a_script_names_is_said(actmem):
+    """examples/llama/train_llama3_8b_h100_fp8.sh gives --attention-backend fused: priced as the flash path
+    (TE's cuDNN attention keeps no s² tensor), and the notes say which flag decided it."""
+    out = actmem.json("estimate", "--megatron-args", f"@{EXAMPLES / 'train_llama3_8b_h100_fp8.sh'}", "--gpu", "h100")
+    assert out["architecture"]["attention_core"] == "flash"
+    assert any(note.startswith("--attention-backend fused read: TE's cuDNN fused attention") for note in out["assumptions"])

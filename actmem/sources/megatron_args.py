@@ -32,6 +32,11 @@ ATTENTION = ("--attention-backend", "--transformer-impl")
 #: (dot_product_attention/utils.py prefers FusedAttention there; on Ampere it picks
 #: flash-attn: give --attention-backend flash)
 BACKEND_CORES = {"local": "eager", "flash": "flash-attn", "fused": "flash", "auto": "flash"}
+#: what each backend a script names is counted as, said in the notes
+_BACKEND_NOTES = {"local": "Megatron's own core (the eager path: the softmax and its mask kept)",
+                  "flash": "TE's flash-attn backend (flash-attn's kernel: its output and fp32 log-sum-exp)",
+                  "fused": "TE's cuDNN fused attention, counted as the flash path (its output and fp32 softmax "
+                           "statistics, no s² tensor)"}
 #: how context parallelism communicates; actmem models Megatron's default, the p2p ring
 CP_COMM = "--cp-comm-type"
 #: Megatron's switch for no learned position table (with rope, or with no positions at all)
@@ -276,7 +281,8 @@ _READ_NOTES = (
 
 
 def _read_notes(settings) -> list[str]:
-    notes = []
+    backend = settings.get("--attention-backend")
+    notes = [f"--attention-backend {backend} read: {_BACKEND_NOTES[backend]}"] if backend in _BACKEND_NOTES else []
     for names, note in _READ_NOTES:
         given = [name for name in names if name in settings]
         if given:

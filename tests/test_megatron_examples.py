@@ -106,6 +106,14 @@ def test_mamba_s_script_is_read_through_its_case_and_refused_for_what_it_trains(
                           "trains with ../../pretrain_hybrid.py: hybrid Mamba models are not modelled")
 
 
+def test_a_vision_language_example_is_refused_for_what_it_trains(actmem):
+    """examples/multimodal/pretrain_mistral_clip.sh runs examples/multimodal/train.py, a training script of its
+    folder's own: the refusal names the family, not the script's own flags as unknown to Megatron."""
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'pretrain_mistral_clip.sh'}"),
+                          "trains with examples/multimodal/train.py: vision-language (examples/multimodal) models "
+                          "are not modelled")
+
+
 def test_an_argument_megatron_stops_on_is_refused_with_its_advice(actmem, tmp_path):
     """Megatron's validate_args stops on its removed arguments (arguments.py, "Deprecated arguments"):
     --checkpoint-activations prints its advice and exits; --batch-size is an assertion."""

@@ -98,7 +98,9 @@ FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)"
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
             "pretrain_vision_classify.py": "vision", "pretrain_vision_dino.py": "vision",
             "pretrain_vision_inpaint.py": "vision", "pretrain_ict.py": "biencoder", "train_rl.py":
-            "reinforcement learning", "pretrain_retro.py": "retrieval (RETRO)"}
+            "reinforcement learning", "pretrain_retro.py": "retrieval (RETRO)",
+            # Megatron-LM's examples whose training script is a train.py of their own folder
+            "multimodal/train.py": "vision-language (examples/multimodal)", "mimo/train.py": "multimodal (MIMO)"}
 #: environment variables that decide what Megatron and TE run: TE's attention backends must
 #: agree with --attention-backend (Megatron asserts it: language_module._set_attention_backend)
 ATTENTION_ENVIRONMENT = {"local": (0, 0, 0), "flash": (1, 0, 0), "fused": (0, 1, 0), "unfused": (0, 0, 1),
@@ -122,7 +124,7 @@ def read(text: str) -> tuple[list[str], list[str], int | None]:
     if not launch_script.looks_like_script(text):
         return split(text), [], None
     launch = launch_script.read(text)
-    family = FAMILIES.get(launch.script.rsplit("/", 1)[-1])
+    family = FAMILIES.get(launch.script.rsplit("/", 1)[-1]) or FAMILIES.get("/".join(launch.script.split("/")[-2:]))
     if family:
         raise SpecError(f"--megatron-args: the script trains with {launch.script}: {family} models are not "
                         "modelled (actmem models pretrain_gpt.py's decoder-only transformer)")

@@ -28,9 +28,19 @@ def test_a_gpu_the_input_names_is_not_the_default(actmem, given):
 
 
 def test_a_named_gpu_stays_named_beside_its_memory(actmem):
-    out = actmem.json("estimate", *QWEN, "--gpu", "h100", "--gpu-memory", "200GiB")
-    assert (out["gpu"], out["gpu_default"], out["gpu_memory_bytes"]) == ("H100 SXM 80GB at --gpu-memory 200GiB", False,
-                                                                          200 * 2**30)
+    out = actmem.json("estimate", *QWEN, "--gpu", "h100", "--gpu-memory", "70GiB")
+    assert (out["gpu"], out["gpu_default"], out["gpu_memory_bytes"]) == ("H100 SXM 80GB at --gpu-memory 70GiB", False,
+                                                                          70 * 2**30)
+
+
+def test_more_memory_than_the_named_gpu_has_is_refused(actmem):
+    """An H100's allocator reaches 79.10 GiB (hardware.py): 200 GiB beside --gpu h100 is a contradiction, refused;
+    beside a preset's GPU it may stand for another GPU, and the output names it "at --gpu-memory"."""
+    assert_one_line_error(actmem("estimate", *QWEN, "--gpu", "h100", "--gpu-memory", "200GiB"),
+                          "--gpu-memory 200GiB is more than the H100 SXM 80GB named by --gpu lets its allocator reach "
+                          "(79.10 GiB)")
+    out = actmem.json("estimate", "--model", "deepseek-v3", "--gpu-memory", "100GiB")
+    assert out["gpu"] == "H800 SXM 80GB at --gpu-memory 100GiB" and out["gpu_memory_bytes"] == 100 * 2**30
 
 
 def test_memory_alone_is_still_the_default_gpu_s_fp8_and_speed(actmem):

@@ -135,7 +135,7 @@ def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(ac
     multi-latent attention and multi-token prediction are read (--multi-latent-attention, the ranks and head
     dims, --mtp-num-layers; YaRN's scaling and the MTP loss's factor change values only)."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'sbatch_mfsdp_deepseek_v3.sh'}")
-    assert_one_line_error(result, "mixture of experts (issue 27)", "sharded data parallelism (issue 30)",
+    assert_one_line_error(result, "the flex dispatcher (DeepEP or HybridEP", "sharded data parallelism",
                           "HuggingFaceTokenizer takes its vocabulary from its files")
     names = _refused_names(result.stderr)
     assert {"--moe-flex-dispatcher-backend", "--use-megatron-fsdp"} <= names

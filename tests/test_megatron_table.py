@@ -56,10 +56,10 @@ def test_the_arguments_actmem_reads_take_as_many_values_as_megatrons_parser_give
 @pytest.mark.parametrize("option, kind, why", [
     ("--lr", "ignored", "the learning-rate schedule"),
     ("--log-params-norm", "ignored", "logging"),
-    ("--moe-router-topk", "not_modelled", "mixture of experts (issue 27)"),
-    ("--fp8-param-gather", "not_modelled", "FP8 training (issue 29)"),
+    ("--moe-router-topk", "not_modelled", "mixture of experts"),
+    ("--fp8-param-gather", "not_modelled", "FP8 training"),
     ("--inference-max-requests", "ignored", "inference only: no training step reads it"),
-    ("--use-torch-fsdp2", "not_modelled", "sharded data parallelism (issue 30)"),
+    ("--use-torch-fsdp2", "not_modelled", "sharded data parallelism"),
 ])
 def test_an_argument_is_classed_by_its_name_then_its_prefix_then_its_group(option, kind, why):
     assert megatron_table.classify(option) == (kind, why)

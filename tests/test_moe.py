@@ -123,7 +123,8 @@ def test_at_ep_1_the_experts_state_shards_with_the_dense_parameters(actmem):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (_with("--moe-token-dispatcher-type", "flex"), ["the flex dispatcher (DeepEP)"]),
+    (_with("--moe-token-dispatcher-type", "flex"), ["--moe-token-dispatcher-type flex: the flex dispatcher (DeepEP or "
+                                                     "HybridEP)"]),
     ([a for a in MOE if a != "--swiglu"], ["modelled with SwiGLU experts"]),
     (MOE + ["--ep", "3"], ["EP (3) must divide the experts (8)"]),
     (MOE + ["--tp", "2"], ["a mixture-of-experts layer at t = 2 needs sequence parallelism"]),

@@ -827,9 +827,15 @@ def gpu_options(flags: dict, preset_gpu: str | None) -> dict:
     memory = flags.get("gpu_memory")
     # --gpu-memory replaces the memory alone: a GPU named beside it stays named (its FP8 and speed are read)
     name = gpu.name if memory is None else f"--gpu-memory {memory}" if default else f"{gpu.name} at --gpu-memory {memory}"
+    memory_bytes = gpu.memory_bytes if memory is None else parse_bytes(memory)
+    if flags.get("gpu_name") and memory_bytes > gpu.memory_bytes:
+        # (beside a preset's GPU it may stand for another GPU: the name says "at --gpu-memory")
+        raise SpecError(f"--gpu-memory {memory} is more than the {gpu.name} named by --gpu lets its allocator reach "
+                        f"({gpu.memory_bytes / 2**30:.2f} GiB): give at most that, or --gpu-memory alone for a GPU "
+                        "actmem does not know")
     return {"gpu_name": name, "gpu_fp8": gpu.fp8,
             "gpu_default": default,
-            "gpu_memory_bytes": gpu.memory_bytes if memory is None else parse_bytes(memory),
+            "gpu_memory_bytes": memory_bytes,
             "reserve_bytes": parse_bytes(flags.get("reserve") or DEFAULT_RESERVE, allow_zero=True)}
 
 

@@ -34,8 +34,8 @@ DISPATCHERS = ("allgather", "alltoall")
 _NOT_MODELLED = {
     "global_aux_loss": "its global aux loss keeps scores across the data-parallel group, not measured yet",
     "sinkhorn": "the Sinkhorn router keeps its iterations' tensors, not measured yet",
-    "flex": "the flex dispatcher (DeepEP) runs kernels actmem has not read yet: give --moe-token-dispatcher-type "
-            "alltoall",
+    "flex": "the flex dispatcher (DeepEP or HybridEP) keeps each layer's handle past the backward and its buffers "
+            "outside PyTorch's allocator, not modelled yet: give --moe-token-dispatcher-type alltoall to price the rest",
 }
 
 
@@ -139,9 +139,10 @@ def check_experts(arch) -> None:
         raise SpecError("--moe-grouped-gemm under the eager core: Megatron's local spec builds its legacy GroupedMLP "
                         "(grouped_gemm's gmm, real weight gradients), which actmem does not model: drop "
                         "--moe-grouped-gemm, or --attention-core flash (TE's grouped GEMM)")
-    for name in ("moe_load_balancing", "moe_dispatcher"):
+    for name, flag in (("moe_load_balancing", "--moe-load-balancing"),
+                       ("moe_dispatcher", "--moe-token-dispatcher-type")):
         if getattr(arch, name) in _NOT_MODELLED:
-            raise SpecError(f"{name} {getattr(arch, name)}: {_NOT_MODELLED[getattr(arch, name)]}")
+            raise SpecError(f"{flag} {getattr(arch, name)}: {_NOT_MODELLED[getattr(arch, name)]}")
     if arch.moe_load_balancing not in LOAD_BALANCING:
         raise SpecError(f"moe_load_balancing must be one of {', '.join(LOAD_BALANCING + tuple(_NOT_MODELLED)[:2])}; "
                         f"got {arch.moe_load_balancing!r}")

@@ -181,7 +181,7 @@ def _plan_assumptions(req) -> list[str]:
 
 _FP8_NOTE = ("FP8 ({format}, {recipe} scaling): its memory priced in every row as `actmem estimate` prices it (the "
              "saved inputs in one byte, TE's FP8 weight copies; docs/models.md); its time not: every GEMM is timed "
-             "at the 16-bit speed measured, so FP8's faster GEMMs are not in the times or the MFU (issue 28)")
+             "at the 16-bit speed measured, so FP8's faster GEMMs are not in the times or the MFU")
 
 
 _ZERO_NOTE = ("{code}: every configuration's model state is DDP's (the whole model's weights, gradients and Adam on "

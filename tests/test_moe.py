@@ -50,7 +50,8 @@ def test_megatrons_mixtral_example_is_priced_from_the_script_as_it_is(actmem):
     - the distributed optimizer: the experts over gpus/(ETP·EP·p) = 32/32 = 1 rank, the rest over
       d = 32/4 = 8: 12·(1,409,286,144 + 466,944,000/8) = 17,611,849,728 B."""
     assert_one_line_error(actmem("estimate", "--megatron-args", f"@{MIXTRAL}", "--vocab-size", "32000"),
-                          "ETP·EP·p (1·8·4 = 32) must divide gpus (8)")
+                          "ETP·EP·p (1·8·4 = 32) must divide gpus (8)",
+                          "(gpus: 8 from the script's launcher, torchrun --nproc-per-node 8 x --nnodes 1)")
     out = actmem.json("estimate", "--megatron-args", f"@{MIXTRAL}", "--vocab-size", "32000", "--gpus", "32")
     terms = _terms(out)
     assert (terms["experts_input"], terms["experts_fc1_output"], terms["experts_fc2_input"],

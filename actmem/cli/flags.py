@@ -808,7 +808,20 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
                              f"{', '.join(pasted['ignored'])}",)
     if not options["notes"]:
         del options["notes"]
-    return build_spec(model, run, name=name, architecture=architecture, **options)
+    try:
+        return build_spec(model, run, name=name, architecture=architecture, **options)
+    except SpecError as error:
+        raise _from_the_launcher(error, pasted.get("notes", ())) from None
+
+
+def _from_the_launcher(error: SpecError, notes) -> SpecError:
+    """A refusal about the GPU count, where the count is the pasted script's launcher's: said so, with the way
+    to give the run's own."""
+    launcher = next((note for note in notes if note.startswith("GPUs: ") and "from the launcher" in note), None)
+    if launcher is None or "gpus (" not in str(error):
+        return error
+    said = launcher.removeprefix("GPUs: ").replace("from the launcher (", "from the script's launcher, ").rstrip(")")
+    return SpecError(f"{error} (gpus: {said})")
 
 
 def chosen_gpu(given: str | None, preset_gpu: str | None) -> tuple:

@@ -608,3 +608,38 @@ def test_forced_load_balancing_is_named_and_changes_nothing(actmem):
                          "--bf16 --moe-router-force-load-balancing")
     assert forced["activations_bytes"] == plain["activations_bytes"]
     assert any("--moe-router-force-load-balancing" in line for line in forced["assumptions"])
+
+
+def test_a_rerun_holds_what_the_reruns_before_it_still_hold():
+    """The order Megatron's backward runs the reruns of one layer in (DeepSeek-V3, t = 1, s = 4096; a review of
+    megatron-core 0.16.1's source, and measured for the CheckpointWithoutOutput reruns: tests/validate, the rerun
+    rows):
+    - mla_up_proj's rerun (hooked on the core's output gradient) comes before the core's, whose checkpoint then
+      reruns on the q, k and v it restored: the core's rerun holds all of mla_up_proj's (q, k, v twice, the
+      latents' norms) on top of its own;
+    - moe_act's rerun runs inside the moe checkpoint's backward: it holds all that moe's rerun made;
+    - the shared experts' checkpoint runs backward after the routed experts and the router: its rerun finds their
+      rows freed, every one of them (the router's input, one storage with the checkpoint's, stays)."""
+    from actmem.memory import engine
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
+
+    preset = load_preset("deepseek-v3")
+    spec = build_spec(preset.model, {"micro_batch": 1, "expert_parallel": 64, "gpus": 64},
+                      architecture=preset.architecture | {"mtp_layers": 0})
+    arch, bindings = spec.architecture_at(1), spec.bindings()
+
+    def rerun(modules, unit):
+        technique = run_technique(False, RecomputePolicy.parse(f"selective:{modules}"))
+        return engine.exact(engine.rematerialised_bytes(technique, arch, module=unit), bindings)
+
+    up = rerun("core_attn+mla_up_proj", "mla_up_proj")
+    assert up > 6 * 2 * 4096 * 128 * 128         # q, k and v twice: 128 heads of d 192, 192 and 128
+    assert rerun("core_attn+mla_up_proj", "core_attn") == rerun("core_attn", "core_attn") + up
+    assert rerun("moe+moe_act", "moe_act") == rerun("moe_act", "moe_act") + rerun("moe+moe_act", "moe")
+    shared = run_technique(False, RecomputePolicy.parse("selective:shared_experts"))
+    freed = {term.name for term in engine.freed_layer_rows(shared, arch, "shared_experts")}
+    routed = {term.name for term in engine.layer_terms(arch) if term.module_of(arch) == "moe"}
+    assert routed - {"router_input"} <= freed and "router_input" not in freed

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from actmem.memory import backward, engine
 from actmem.model import rules
-from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, megatron_moe, qk_norm, te_layer_spec, \
-    torch_softmax, unfused_weight_gradients
+from actmem.model.architecture import PAPER, Architecture, counts_norm_statistics, latent, megatron_moe, moe, qk_norm, \
+    te_layer_spec, torch_softmax, unfused_weight_gradients
 from actmem.memory.parameters import ParameterBytes
 from actmem.memory.pipeline import StageOccupancy
 from actmem.model.spec import Spec
@@ -214,7 +214,7 @@ def _recompute_notes(spec: Spec) -> list:
         notes.append("recompute module mlp: Megatron checkpoints the MLP (transformer_layer.py, _forward_mlp: "
                      f"tensor_parallel.checkpoint(self.mlp, ...)); {kept}; the mask of the bias-dropout-add "
                      "after it is kept")
-    if "layernorm" in modules:
+    if "layernorm" in modules and not (latent(spec.architecture) or moe(spec.architecture)):
         notes.append("recompute module layernorm changes no byte here: Megatron recomputes only a norm of its "
                      "own, and Transformer Engine fuses both norms into the next linear (input_layernorm and "
                      "pre_mlp_layernorm are IdentityOps in its layer spec)")

@@ -105,14 +105,26 @@ _RERUN_KEEPS_TWICE = frozenset({"moe_act", "mla_up_proj", "input_layernorm", "pr
 #: block's own backward; the up projections' (multi_latent_attention.py: hooked on core_attn_out) once the output
 #: projection's backward has run, before the core's (_mla_core_output); the experts' activation's (experts.py:
 #: hooked on fc2's output) before the shared experts' backward, which the MoE layer ran first (moe_layer.py,
-#: shared_experts_compute before route), or inside the dispatch where they overlap it: both before the experts
+#: shared_experts_compute before route; _moe_act_freed where they overlap the dispatch); the shared experts'
+#: checkpoint's (tensor_parallel.checkpoint) after the routed experts' and the router's backward (_ROUTED)
 _FREED_FROM = {"input_layernorm": "attention_dropout_mask", "pre_mlp_layernorm": "mlp_dropout_mask",
-               "mla_up_proj": "projection_input_fp8", "moe_act": "mlp_dropout_mask"}
-#: the norm whose rerun comes first, as its block's output gradient arrives, and whose outputs (two copies) and
-#: statistics stay until its checkpoint's backward, after the block's: every rerun inside the block holds them
-#: (0 where the norm is not recomputed, or is fused into a linear)
-_HELD_THROUGH = {"core_attn": "input_layernorm", "mla_up_proj": "input_layernorm", "mlp": "pre_mlp_layernorm",
-                 "moe": "pre_mlp_layernorm", "moe_act": "pre_mlp_layernorm", "shared_experts": "pre_mlp_layernorm"}
+               "mla_up_proj": "projection_input_fp8", "moe_act": "mlp_dropout_mask",
+               "shared_experts": "mlp_dropout_mask"}
+#: the rerun before it whose rows stay held through it, until that rerun's checkpoint's backward, which comes after:
+#: a norm's (its outputs twice and its statistics) through the reruns of its block; the up projections' (q, k and
+#: v twice, which the core's checkpoint then holds as its inputs) through the core's; the whole MoE layer's (moe)
+#: through its experts' activation's, which runs inside moe's backward. Each chains on (the up projections' to the
+#: input norm's, moe's to the pre-MLP norm's), and is 0 where that module is not recomputed
+_HELD_THROUGH = {"core_attn": "mla_up_proj", "mla_up_proj": "input_layernorm", "mlp": "pre_mlp_layernorm",
+                 "moe": "pre_mlp_layernorm", "moe_act": "moe", "shared_experts": "pre_mlp_layernorm"}
+#: the routed experts' and the router's rows, between the router's input (which the shared experts' checkpoint
+#: keeps too, one storage) and the shared experts' own
+_ROUTED = ("router_topk_indices", "shared_experts_fc1_input_gathered")
+#: the shared experts' rows whose backward runs before the routed experts' where they overlap the dispatch: fc2's
+#: and the gate's product's, made after the combine (moe_layer.py, combine_postprocess: linear_fc2_forward;
+#: post_forward_comm sets its gradient's sequence number past every other), so they are freed when moe_act's rerun
+#: runs; the gate's score, which its sigmoid made during the dispatch, stays (measured: --grid moe)
+_OVERLAPPED_AFTER = ("shared_experts_fc2_input", "shared_experts_fc2_input_scales", "shared_experts_output")
 
 
 @cache
@@ -187,7 +199,13 @@ def freed_layer_rows(technique: Technique, arch: Architecture, module: str) -> t
     _one_unit(module)
     start = _TERM_INDEX[_FREED_FROM[module]] if module in _FREED_FROM else rows_after(module, arch)
     rows = tuple(term for term in TERMS[start:] if term.scope is Scope.LAYER)
-    return _mla_core_output(technique) + rows if module == "mla_up_proj" else rows
+    if module == "mla_up_proj":
+        return _mla_core_output(technique) + rows
+    if module == "shared_experts":
+        return TERMS[_TERM_INDEX[_ROUTED[0]]:_TERM_INDEX[_ROUTED[1]]] + rows
+    if module == "moe_act" and arch.moe_shared_overlap:
+        return tuple(TERMS[_TERM_INDEX[name]] for name in _OVERLAPPED_AFTER) + rows
+    return rows
 
 
 def _mla_core_output(technique: Technique) -> tuple:

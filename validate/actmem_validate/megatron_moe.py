@@ -136,7 +136,9 @@ def moe_grid() -> list:
     # activation recomputed (moe_act: fc2's input freed once fc2 has run) at t = ETP = 2 beside shared experts
     act = RecomputePolicy(Recompute.SELECTIVE, frozenset({"moe_act"}))
     configs += [MoEConfig(moe_spec(ep=2, grouped=True), run_technique(False, NONE)),
-                MoEConfig(moe_spec(t=2, grouped=True, shared=True), run_technique(True, act))]
+                MoEConfig(moe_spec(t=2, grouped=True, shared=True), run_technique(True, act)),
+                # ... beside gated shared experts overlapping the dispatcher: their fc2 and gate run backward first
+                MoEConfig(moe_spec(t=2, grouped=True, shared=True, gate=True, overlap=True), run_technique(True, act))]
     # FP8 experts (TE's GroupedLinear's FP8 stand-in, each expert's rows padded to 16): tensorwise beside EP = 2
     # (four local experts), delayed at t = ETP = 2 (eight), tensorwise with moe_act recomputed at t = 2, and under
     # the allgather dispatcher beside EP = 2

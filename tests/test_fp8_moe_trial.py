@@ -186,13 +186,22 @@ def test_the_second_review_s_fixes(actmem):
     Megatron's own fp32 master shard (optimizer_config.py: use_precision_aware_optimizer_no_fp8_or_ds_fp8), 4 B,
     not TE's 2-byte remainder: Llama 3.1 8B at t = 2, d = 4: 4 + 4 + 4 = 12 B a parameter against 2 + 4 + 4 = 10 B,
     over the same parameters and shards."""
-    run = ("-m", "deepseek-v3", "--tp", "2", "--pp", "8", "--ep", "8", "--gpus", "256", "--sp",
-           "--use-distributed-optimizer", "--first-stage-layers", "5", "--last-stage-layers", "8", "--fp8-format", "e4m3",
-           "--recompute", "selective", "--recompute-modules", "shared_experts")
+    from actmem.memory import engine
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
 
-    def rerun(recipe):
-        floor = actmem.json("estimate", *run, "--fp8-recipe", recipe)["peak_floor"]
-        return next(row["bytes"] for row in floor["rows"] if row["name"] == "rematerialised")
+    preset = load_preset("deepseek-v3")
+    shared = run_technique(True, RecomputePolicy.parse("selective:shared_experts"))
+
+    def rerun(recipe):       # (the shared experts' rerun is below the stage's start: it finds the routed rows freed)
+        spec = build_spec(preset.model, {"tensor_parallel": 2, "sequence_parallel": True, "expert_parallel": 8,
+                                         "gpus": 16, "micro_batch": 1},
+                          architecture=preset.architecture | {"mtp_layers": 0, "fp8_format": "e4m3", "fp8_recipe": recipe},
+                          gpu_name="h100", gpu_fp8="hopper")
+        arch = spec.architecture_at(1)
+        return engine.exact(engine.rematerialised_bytes(shared, arch, module="shared_experts"), spec.bindings())
 
     assert rerun("delayed") - rerun("tensorwise") == 4
     llama = ("-m", "llama-3.1-8b", "--tp", "2", "--sp", "--gpus", "8", "--use-distributed-optimizer",

@@ -210,7 +210,11 @@ def test_each_checkpoint_without_output_rerun_is_measured_as_it_ends(grid_rows):
     assert norm == {(rank, "input_layernorm"): (10_312, 10_312) for rank in (0, 1)}
     assert 1024 + 516 + 260 + 2 * 2048 + 1024 + 256 + 1024 + 2 * 1024 + 64 == 10_312
     up = _reruns(grid_rows, "mla q_r=18 kv_r=12 norms t=2 sp b=2 selective:core_attn+mla_up_proj")
-    assert up == {(rank, "mla_up_proj"): (11_588, 11_588) for rank in (0, 1)}
+    # the core's rerun (Megatron's own checkpoint, measured before the backward through it) comes next, on the q, k
+    # and v the up projections restored: all of their rerun held, and the core's own, its fp32 log-sum-exp
+    # 4·b·(a/t)·s = 4·2·2·16 = 256 and its output, the projection's input 2·16·2·2·10 = 1280
+    assert up == {(rank, unit): (n, n) for rank in (0, 1) for unit, n in (("mla_up_proj", 11_588),
+                                                                           ("core_attn", 11_588 + 256 + 1280))}
     assert 512 + 64 + 512 + 576 + 512 + 256 + 4 + 2 * 64 + 576 + 2 * 384 + 6 * 1280 == 11_588
     # beside layernorm, the norm's rerun came first and holds its output twice and its statistics through the
     # up projections' rerun: every layout that reruns both measures it

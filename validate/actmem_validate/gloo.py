@@ -148,44 +148,85 @@ def _rerun_unit(layer, checkpoint) -> str:
     raise ValueError(f"a CheckpointWithoutOutput rerun of {checkpoint.run_function!r}: whose is it?")
 
 
+def _checkpoint_unit(run_function) -> str | None:
+    """The unit of a rerun through megatron-core's own checkpoint (tensor_parallel.checkpoint, CheckpointFunction)
+    that the harness measures: the attention core's (attention.py, _checkpointed_attention_forward). None for the
+    others, not measured yet: the dense MLP's (its rerun output is left out of actmem's floor), and the MoE
+    layer's and the shared experts' (measured once, both off: their rerun outputs, and their FP8 copies, are not
+    priced yet; the issue's note has the numbers)."""
+    name = getattr(getattr(run_function, "func", run_function), "__qualname__", "")
+    return "core_attn" if "_checkpointed_attention_forward" in name else None
+
+
 @contextlib.contextmanager
 def rerun_moments(layer, saved: dict, moments: dict):
-    """Each rerun of megatron-core's CheckpointWithoutOutput in the backward (--recompute-modules layernorm's two
-    norms, mla_up_proj, moe_act), measured as it ends, into ``moments[unit]``: the bytes the forward's saved
-    storages (``saved``, recorder's) still hold then, at their size then (the backward has freed what it ran,
-    and the rerun resized its output's storage back), and what this rerun and those before it made or restored
-    that is alive (the outputs restored, ctx.outputs beside them, what their own autograd saved: a norm's rerun
-    holds its outputs through its block's reruns); less the layer's model state (its parameters and
-    buffers then: the rope's cos and sin are cached in the forward). The moment actmem's stage model prices as
-    its ``rerun``. Entered before the forward: the checkpoints register their rerun there, as a bound hook."""
+    """Each rerun in the backward, measured at its moment, into ``moments[unit]``: megatron-core's
+    CheckpointWithoutOutput (--recompute-modules layernorm's two norms, mla_up_proj, moe_act) as it ends, and its
+    own checkpoint's (CheckpointFunction.backward) once its forward has rerun, before the backward through it: the
+    attention core's (core_attn; the others', not measured yet, still count for the reruns inside them). Each is the bytes the forward's saved storages (``saved``, recorder's) still hold
+    then, at their size then (the backward has freed what it ran, and a rerun resized its output's storage back),
+    and what this rerun and those before it made or restored that is alive (the outputs, ctx.outputs beside them,
+    what their own autograd saved: a norm's rerun holds its outputs through its block's reruns); less the layer's
+    model state (its parameters and buffers then: the rope's cos and sin are cached in the forward). The moment
+    actmem's stage model prices as its ``rerun``. Entered before the forward: the checkpoints register their rerun
+    there, as a bound hook."""
+    import gc
     import weakref
 
     import torch
-    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+    from megatron.core.tensor_parallel import random
 
-    original = CheckpointWithoutOutput._recompute
     earlier = []            # what the reruns before made or restored: a norm's stays through its block's reruns
 
-    def measured(self, grad):
-        if self.ctx is None:
-            return original(self, grad)
-        unit, ctx, restored = _rerun_unit(layer, self), self.ctx, tuple(self.outputs)
-        made, pack = recorder()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = original(self, grad)
-        state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
-        # (the outputs it restored by name: the forward's record may have let a discarded, empty one go for
-        # another saved at its address)
+    def measure(unit, made, outputs):
         earlier.extend([ref for ref, _, _ in made.values()]
-                       + [weakref.ref(output.untyped_storage()) for output in (*restored, *ctx.outputs)])
+                       + [weakref.ref(output.untyped_storage()) for output in outputs])
+        if unit is None:
+            return
+        gc.collect()     # what only a reference cycle keeps is garbage the code no longer holds, freed when gc runs
+        state = {tensor.untyped_storage().data_ptr() for tensor in (*layer.parameters(), *layer.buffers())}
         storages = [ref() for ref, _, _ in saved.values()] + [ref() for ref in earlier]
         alive = {storage.data_ptr(): storage.nbytes() for storage in storages
                  if storage is not None and storage.nbytes() and storage.data_ptr() not in state}
         moments[unit] = sum(alive.values())
+
+    without_output = random.CheckpointWithoutOutput._recompute
+
+    def measured(self, grad):
+        if self.ctx is None:
+            return without_output(self, grad)
+        unit, ctx, restored = _rerun_unit(layer, self), self.ctx, tuple(self.outputs)
+        made, pack = recorder()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = without_output(self, grad)
+        # (the outputs it restored by name: the forward's record may have let a discarded, empty one go for
+        # another saved at its address)
+        measure(unit, made, (*restored, *ctx.outputs))
         return result
 
-    CheckpointWithoutOutput._recompute = measured
+    checkpoint_backward = random.CheckpointFunction.backward
+    backward = torch.autograd.backward
+
+    def measured_checkpoint(ctx, *grads):
+        unit = _checkpoint_unit(ctx.run_function)
+        made, pack = recorder()
+
+        def at_the_rerun(outputs, *args, **kwargs):      # CheckpointFunction.backward's own backward through it
+            torch.autograd.backward = backward
+            measure(unit, made, [output for output in outputs if torch.is_tensor(output)])
+            return backward(outputs, *args, **kwargs)
+
+        torch.autograd.backward = at_the_rerun
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                return checkpoint_backward(ctx, *grads)
+        finally:
+            torch.autograd.backward = backward
+
+    random.CheckpointWithoutOutput._recompute = measured
+    random.CheckpointFunction.backward = staticmethod(measured_checkpoint)
     try:
         yield moments
     finally:
-        CheckpointWithoutOutput._recompute = original
+        random.CheckpointWithoutOutput._recompute = without_output
+        random.CheckpointFunction.backward = staticmethod(checkpoint_backward)

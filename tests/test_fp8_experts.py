@@ -130,7 +130,7 @@ def test_moe_act_recompute_frees_fc2_s_fp8_copy_and_its_rerun_remakes_16_bits(ac
     out = actmem.json("estimate", *MIXTRAL, *TENSORWISE, "--recompute", "selective", "--recompute-modules", "moe_act")
     rows = _experts(out)
     assert "experts_fc2_input" not in rows and rows["experts_input"] == 33_751_056
-    assert out["peak_floor"]["moment"] == "the first backward, its recompute done"
+    assert out["peak_floor"]["moment"] == "the first backward, the experts' activation's (moe_act) rerun done"
     assert {row["name"]: row["bytes"] for row in out["peak_floor"]["rows"]}["rematerialised"] == 236_257_280
 
 

@@ -643,3 +643,19 @@ def test_a_rerun_holds_what_the_reruns_before_it_still_hold():
     freed = {term.name for term in engine.freed_layer_rows(shared, arch, "shared_experts")}
     routed = {term.name for term in engine.layer_terms(arch) if term.module_of(arch) == "moe"}
     assert routed - {"router_input"} <= freed and "router_input" not in freed
+
+
+def test_the_peak_names_the_rerun_that_decides_it_and_mlp_says_it_changes_nothing_beside_experts(actmem):
+    """DeepSeek-V3 with every module recomputed: the attention side's rerun decides (the core's, holding the up
+    projections' q, k and v twice and the input norm's output), and the moment says so. Mixtral, whose every layer
+    has experts: --recompute-modules mlp changes no byte (Megatron recomputes a dense layer's MLP only), and says so
+    rather than describe a checkpoint that does not run."""
+    every = actmem.json("estimate", "--model", "deepseek-v3", "--pp", "8", "--last-stage-layers", "5", "--recompute",
+                        "selective", "--recompute-modules", "layernorm,mla_up_proj,core_attn,moe,moe_act,shared_experts")
+    assert every["stages"][0]["peak_floor"]["moment"] == "the first backward, the attention core's rerun done"
+    mlp = actmem.json("estimate", "--model", "mixtral-8x7b", "--recompute", "selective", "--recompute-modules", "mlp")
+    plain = actmem.json("estimate", "--model", "mixtral-8x7b")
+    assert mlp["verdict_bytes"] == plain["verdict_bytes"]
+    notes = " ".join(mlp["assumptions"])
+    assert "recompute module mlp changes no byte here" in notes and "so the MLP keeps only" not in notes
+    assert "saves memory instead" not in notes

@@ -80,13 +80,13 @@ def _attention_notes(spec: Spec, rows: tuple) -> list:
                      f"{arch.normalization}, as in TE 2): each keeps its input made contiguous, a copy out of the "
                      "QKV output, and fp32 statistics a head a token (qk_norm_input, qk_norm_statistics)")
     if "selective" not in arch.unmodelled_recompute(spec.model.heads, spec.run.recompute_modules) \
-            and "core_attn" in (spec.run.recompute_modules or ("core_attn",)):
+            and "core_attn" in (spec.run.recompute_modules or ("core_attn",)) and not arch.multi_latent_attention:
         notes.append("selective recompute of the attention core (core_attn) under flash: Megatron's checkpoint "
                      "keeps its inputs, the rotated q and k and v, a view of the QKV output, so that whole output "
                      "(qkv_output); it drops only TE's copy of v, the log-sum-exp and flash-attn's output copy. "
                      "Against no recompute it keeps 2sb·(a + g)d/t more and 4b·as/t less: more at every size "
                      "under TE's cuDNN core; under flash-attn at b > 1 also 2sb·ad/t less, so more unless "
-                     "g·d < 2a. --recompute-modules mlp saves memory instead")
+                     "g·d < 2a" + ("" if _every_layer_moe(arch) else ". --recompute-modules mlp saves memory instead"))
     c = spec.run.context_parallel
     if c > 1:
         notes.append(f"context parallelism c = {c}: each rank keeps s/c = {spec.model.seq_len // c:,} tokens of "
@@ -193,6 +193,12 @@ def _layer_backward_note(arch: Architecture) -> str:
     return ""
 
 
+def _every_layer_moe(arch: Architecture) -> bool:
+    """A mixture of experts in every layer (--moe-layer-freq 1, or a pattern of 1s)."""
+    freq = arch.moe_layer_freq
+    return bool(arch.moe) and (freq == 1 if isinstance(freq, int) else all(freq))
+
+
 def _recompute_notes(spec: Spec) -> list:
     """What --recompute-modules other than Megatron's default does to the rows; transformers' checkpointing."""
     modules = spec.run.recompute_modules
@@ -206,7 +212,10 @@ def _recompute_notes(spec: Spec) -> list:
         return []
     notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"
              + ("" if "core_attn" in modules else ": the attention core is not recomputed, its rows are kept")]
-    if "mlp" in modules:
+    if "mlp" in modules and _every_layer_moe(spec.architecture):
+        notes.append("recompute module mlp changes no byte here: Megatron recomputes a dense layer's MLP only "
+                     "(transformer_layer.py: recompute_mlp where not is_moe_layer), and every layer here has experts")
+    elif "mlp" in modules:
         kept = ("Transformer Engine fuses its norm into linear_fc1, so the MLP keeps only the norm's input "
                 "(mlp_layernorm_input, one storage with the checkpoint's)" if te_layer_spec(spec.architecture) else
                 "the eager core runs in Megatron's local spec, whose norm is a module of its own before the MLP, "

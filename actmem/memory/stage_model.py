@@ -145,7 +145,7 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
     their activations are freed, a moment the floor does not take."""
     if technique.recompute is Recompute.SELECTIVE:
         return tuple(_rerun(held, value(engine.rematerialised_bytes(technique, arch, module=module)),
-                            value(engine.freed_before_rerun(technique, arch, module)), technique)
+                            value(engine.freed_before_rerun(technique, arch, module)), technique, unit=module)
                      for module in rerun_units(technique.modules))
     if technique.recompute is not Recompute.FULL:
         return ()
@@ -159,8 +159,16 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
             _rerun(held, one + (n - 1) * layer, freed + per_layer, technique, tail < n))
 
 
-def _rerun(held, rematerialised, freed, technique, when=True) -> StageMoment:
-    return StageMoment("rerun", "the first backward, its recompute done", (
+#: a selective rerun's unit, as the moment's name says it
+_RERUN_WORDS = {"core_attn": "the attention core's", "mla_up_proj": "the up projections' (mla_up_proj)",
+                "input_layernorm": "the input norm's (layernorm)", "pre_mlp_layernorm": "the pre-MLP norm's (layernorm)",
+                "mlp": "the MLP's", "moe": "the MoE layer's (moe)", "moe_act": "the experts' activation's (moe_act)",
+                "shared_experts": "the shared experts' (shared_experts)"}
+
+
+def _rerun(held, rematerialised, freed, technique, when=True, unit=None) -> StageMoment:
+    done = f"{_RERUN_WORDS.get(unit, unit)} rerun done" if unit else "its recompute done"
+    return StageMoment("rerun", f"the first backward, {done}", (
         PeakRow("activations_in_flight", held - freed,
              "the saved activations in flight, less what the backward freed before the rerun"),
         PeakRow("rematerialised", rematerialised, rematerialised_source(technique))),

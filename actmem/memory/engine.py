@@ -105,7 +105,7 @@ _RERUN_KEEPS_TWICE = frozenset({"moe_act", "mla_up_proj", "input_layernorm", "pr
 #: block's own backward; the up projections' (multi_latent_attention.py: hooked on core_attn_out) once the output
 #: projection's backward has run, before the core's (_mla_core_output); the experts' activation's (experts.py:
 #: hooked on fc2's output) before the shared experts' backward, which the MoE layer ran first (moe_layer.py,
-#: shared_experts_compute before route; _moe_act_freed where they overlap the dispatch); the shared experts'
+#: shared_experts_compute before route; _OVERLAPPED_AFTER where they overlap the dispatch); the shared experts'
 #: checkpoint's (tensor_parallel.checkpoint) after the routed experts' and the router's backward (_ROUTED)
 _FREED_FROM = {"input_layernorm": "attention_dropout_mask", "pre_mlp_layernorm": "mlp_dropout_mask",
                "mla_up_proj": "projection_input_fp8", "moe_act": "mlp_dropout_mask",
@@ -136,8 +136,8 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
     norm keeps it, which is then the checkpoint's own storage (CheckpointFunction.backward
     detaches it: a view; transformers' LlamaRMSNorm keeps an fp32 copy instead, a row of its
     own), and their output again (RERUN_OUTPUT). Selective recompute reruns one ``module`` at a time: the rows
-    it dropped, and for the attention core its output again; and what a norm's rerun before it still holds
-    (_HELD_THROUGH). None reruns nothing."""
+    it dropped, and for the attention core its output again; and what an earlier rerun of the layer still holds
+    (_HELD_THROUGH: a norm's, the up projections', moe's). None reruns nothing."""
     if technique.recompute is Recompute.NONE:
         return sympy.Integer(0)
     if technique.recompute is Recompute.SELECTIVE:

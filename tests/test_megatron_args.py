@@ -55,6 +55,26 @@ def test_a_pasted_value_that_disagrees_with_a_flag_is_refused(actmem):
                           "--tp 4 and --tensor-model-parallel-size 8")
 
 
+def test_a_value_the_script_computes_is_named_and_a_flag_beside_the_paste_gives_it(actmem, tmp_path):
+    """A script's positional parameter or command output as a value actmem must read: refused naming the paste,
+    the argument and what to do; with that flag given beside the paste (either spelling), the flag decides, and
+    the notes say so. A value click refuses that is no placeholder names the paste too."""
+    script = tmp_path / "train.sh"
+    script.write_text(f"torchrun --nproc-per-node 8 pretrain_gpt.py {MODEL.replace('--num-layers 32', '--num-layers $1')} {RUN} "
+                      f"--seq-length $(cat seq.txt) {NOISE}\n".replace("--seq-length 4096 ", ""))
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}"),
+                          "--megatron-args: --num-layers is $1, which the script computes when it runs",
+                          "give --num-layers beside --megatron-args")
+    out = actmem.json("estimate", "--megatron-args", f"@{script}", "--layers", "32", "--seq-length", "4096")
+    assert (out["model"]["layers"], out["model"]["seq_len"]) == (32, 4096)
+    notes = " ".join(out["assumptions"])
+    assert "--num-layers: the flag's, in place of the script's $1" in notes
+    assert "--seq-length: the flag's, in place of the script's $(cat…)" in notes
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"{MODEL.replace('32 --hidden', 'x --hidden')} {RUN} "
+                                                                "--bf16 --attention-backend local"),
+                          "--megatron-args: Invalid value for '--num-layers': 'x' is not a valid integer")
+
+
 def test_a_missing_file_is_one_line(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", "@/no/such/args.txt"), "cannot read it")
 

@@ -645,14 +645,51 @@ def test_a_rerun_holds_what_the_reruns_before_it_still_hold():
     assert routed - {"router_input"} <= freed and "router_input" not in freed
 
 
+def test_the_dispatchers_sorted_indices_are_held_at_the_shared_experts_rerun_with_one_chunk_in_flight():
+    """The token dispatcher keeps the permutation's sorted indices as its own attribute until the layer's next
+    forward (token_dispatcher.py: reversed_local_input_permutation_mapping; measured: tests/validate, the shared
+    experts' rerun row). With one chunk in flight the backward's microbatch made them, and they are held when the
+    shared experts rerun; with two, a later forward has replaced them and the backward freed them. DeepSeek-V3,
+    t = 1, s = 4096, b = 1, top-8: int64 [N·k] = 8·4096·8 = 262,144 B. The rerun itself holds the shared experts'
+    output again, 2Nh = 2·4096·7168 = 58,720,256 B (CheckpointFunction.backward holds what it made)."""
+    from actmem.memory import engine
+    from actmem.memory.stage_model import StageCounts, stage_activations
+    from actmem.memory.techniques import run_technique
+    from actmem.model.recompute import RecomputePolicy
+    from actmem.model.spec import build_spec
+    from actmem.sources.presets import load_preset
+
+    preset = load_preset("deepseek-v3")
+    spec = build_spec(preset.model, {"micro_batch": 1, "expert_parallel": 64, "gpus": 64},
+                      architecture=preset.architecture | {"mtp_layers": 0})
+    arch = spec.architecture_at(1)
+    bindings = spec.bindings() | {engine.microbatches_held: 1, engine.holds_output: 0}
+    shared = run_technique(False, RecomputePolicy.parse("selective:shared_experts"))
+
+    def freed(chunks):
+        moments = stage_activations(shared, arch, lambda expr: engine.exact(expr, bindings), StageCounts(4, chunks)
+                                    ).moments
+        start, rerun = (next(m for m in moments if m.name == name) for name in ("start", "rerun"))
+        return start.bytes - rerun.parts[0].bytes, rerun.parts[1].bytes
+
+    (one, remade), (two, same) = freed(1), freed(2)
+    assert two - one == 8 * 4096 * 8 == 262_144 and remade == same
+    without_output = engine.exact(engine.rematerialised_bytes(shared, arch, module="shared_experts"), bindings) \
+        - engine.exact(engine.term_bytes(engine.RERUN_OUTPUT, shared, arch), bindings)
+    assert remade - without_output == 2 * 4096 * 7168 == 58_720_256
+
+
 def test_the_peak_names_the_rerun_that_decides_it_and_mlp_says_it_changes_nothing_beside_experts(actmem):
-    """DeepSeek-V3 with every module recomputed: the attention side's rerun decides (the core's, holding the up
-    projections' q, k and v twice and the input norm's output), and the moment says so. Mixtral, whose every layer
+    """DeepSeek-V3 with every module recomputed (t = 1, s = 4096): the experts' activation's rerun decides, and the
+    moment says so. It runs inside the moe checkpoint's backward, which holds all that moe's rerun made and the
+    layer's output it made again, 2·4096·7168 = 58,720,256 B; without that output it held 17 MB less than the
+    attention core's rerun (which holds the up projections' q, k and v twice and the input norm's output) and the
+    core's decided. Mixtral, whose every layer
     has experts: --recompute-modules mlp changes no byte (Megatron recomputes a dense layer's MLP only), and says so
     rather than describe a checkpoint that does not run."""
     every = actmem.json("estimate", "--model", "deepseek-v3", "--pp", "8", "--last-stage-layers", "5", "--recompute",
                         "selective", "--recompute-modules", "layernorm,mla_up_proj,core_attn,moe,moe_act,shared_experts")
-    assert every["stages"][0]["peak_floor"]["moment"] == "the first backward, the attention core's rerun done"
+    assert every["stages"][0]["peak_floor"]["moment"] == "the first backward, the experts' activation's (moe_act) rerun done"
     mlp = actmem.json("estimate", "--model", "mixtral-8x7b", "--recompute", "selective", "--recompute-modules", "mlp")
     plain = actmem.json("estimate", "--model", "mixtral-8x7b")
     assert mlp["verdict_bytes"] == plain["verdict_bytes"]

@@ -327,8 +327,8 @@ RUN_FLAGS = (
     Flag(("--recompute-modules",), "recompute_modules",
          "with selective recompute: what it recomputes, from core_attn (the attention core, the "
          "default and the paper's), mlp (a dense layer's MLP with its fused norm, keeping its input), "
-         "layernorm (the norms that are modules of their own: multi-latent attention's input norm; no "
-         "change under TE's fused norms), mla_up_proj (multi-latent attention's up projections), and a "
+         "layernorm (the norms that are modules of their own: multi-latent attention's input norm, a MoE "
+         "layer's pre-MLP norm; no change where TE fuses a norm into the next linear), mla_up_proj (multi-latent attention's up projections), and a "
          "mixture of experts' moe (the whole MoE layer, keeping its input), moe_act (the experts' "
          "activation) and shared_experts (the shared experts), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
@@ -742,8 +742,14 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
                       for i in range(len(flag.names)))
     used, ignored, checks = megatron_args.sort(words, takes_value, vocab_given)
     notes += megatron_args.vocabulary_notes(words + ["--vocab-size"] * vocab_given, checks) + checks.pop("notes", [])
+    used, decided = _placeholders_given(used, takes_value, flags)
+    notes += [f"{name}: the flag's, in place of the script's {value} (a value it computes when it runs)"
+              for name, value in decided]
     default_mask = megatron_args.NO_MASK not in used          # (make_context consumes ``used``)
-    pasted = command.make_context("--megatron-args", used).params
+    try:
+        pasted = command.make_context("--megatron-args", list(used)).params
+    except click.BadParameter as error:
+        raise SpecError(_bad_pasted_value(error, used)) from None
     if default_mask and any(flags.get(key) for key in flags if key.startswith("attention_mask__")):
         # the paste's mask is only Megatron's default: a flag given beside it says otherwise
         pasted = {key: value for key, value in pasted.items() if not key.startswith("attention_mask__")}
@@ -761,6 +767,43 @@ def with_megatron_args(flags: dict) -> tuple[dict, dict]:
         notes = [note for note in notes if not note.startswith("GPUs:")] + [
             f"GPUs: --gpus, in place of the launcher's {launcher_gpus}"]
     return merged, dict(checks, ignored=ignored, notes=notes)
+
+
+def _placeholder(value: str) -> bool:
+    """A value the script computes when it runs (launch_script: $1, $(command), a variable it never sets), which
+    actmem reads without running: no value of actmem's options has a $ or a backtick in it."""
+    return "$" in value or "`" in value
+
+
+def _placeholders_given(used: list, takes_value: dict, flags: dict) -> tuple[list, list]:
+    """(the pasted words less each option whose value is a placeholder and that a flag beside the paste gives,
+    [(name, placeholder)] of those): the flag decides there, as the script's run would."""
+    spellings = {name: flag for flag in SPEC_FLAGS for name in flag.names}
+    kept, decided, i = [], [], 0
+    while i < len(used):
+        name = used[i]
+        flag = spellings.get(name)
+        value = used[i + 1] if takes_value.get(name) and i + 1 < len(used) else None
+        if value is not None and _placeholder(value) and flag is not None and any(
+                flags.get(flag.dest(index)) not in (None, False, ()) for index in range(len(flag.names))):
+            decided.append((name, value))
+            i += 2
+            continue
+        kept.append(name)
+        i += 1
+    return kept, decided
+
+
+def _bad_pasted_value(error: click.BadParameter, used: list) -> str:
+    """One line for a pasted value click refuses, naming the paste, and for a placeholder what to do."""
+    names = error.param.opts if error.param is not None else []
+    at = next((i for i, word in enumerate(used) if word in names), None)
+    value = used[at + 1] if at is not None and at + 1 < len(used) else ""
+    if at is not None and _placeholder(value):
+        return (f"--megatron-args: {used[at]} is {value}, which the script computes when it runs (a positional "
+                f"parameter, a command's output, a variable it never sets); actmem reads the script without "
+                f"running it: give {used[at]} beside --megatron-args")
+    return f"--megatron-args: {error.format_message()}"
 
 
 def build_spec_from_flags(flags: dict, dims_only: bool = False):

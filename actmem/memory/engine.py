@@ -100,6 +100,12 @@ _RERUN_OUTPUT = {"core_attn": ("projection_input",), "moe_act": ("experts_fc2_in
                  "input_layernorm": ("qkv_input",), "pre_mlp_layernorm": ("router_input",)}
 #: the reruns whose outputs are kept twice at their end, where an output is itself a row the module dropped
 _RERUN_KEEPS_TWICE = frozenset({"moe_act", "mla_up_proj", "input_layernorm", "pre_mlp_layernorm"})
+#: the reruns through megatron-core's own checkpoint (tensor_parallel.checkpoint, CheckpointFunction) that hold the
+#: block's 16-bit output they made again (random.py, CheckpointFunction.backward: outputs = ctx.run_function(...),
+#: then torch.autograd.backward(outputs, args), which runs with them held), one [s, b, h] like full recompute's
+#: (RERUN_OUTPUT): the MoE layer's (moe_layer.py: custom_forward) and the shared experts' (shared_experts_compute).
+#: Measured: --grid moe. The dense MLP's, the same, is left out of the floor (it would move the dense peak gates)
+_RERUN_HOLDS_BLOCK_OUTPUT = frozenset({"moe", "shared_experts"})
 #: the first row a rerun hooked on a block's output gradient finds freed (discard_output_and_register_recompute):
 #: a norm's once the bias-dropout-add after its block has run backward (and everything after it), before the
 #: block's own backward; the up projections' (multi_latent_attention.py: hooked on core_attn_out) once the output
@@ -120,6 +126,12 @@ _HELD_THROUGH = {"core_attn": "mla_up_proj", "mla_up_proj": "input_layernorm", "
 #: the routed experts' and the router's rows, between the router's input (which the shared experts' checkpoint
 #: keeps too, one storage) and the shared experts' own
 _ROUTED = ("router_topk_indices", "shared_experts_fc1_input_gathered")
+#: what the token dispatcher keeps as an attribute of its own until the layer's next forward, beside the permutation
+#: backward's saved copy: its sorted indices (token_dispatcher.py, both dispatchers: reversed_local_input_permutation_
+#: mapping; TE's row map where the permutation is fused, source read only). A rerun after the permutation's backward
+#: (the shared experts') finds them held where that microbatch's forward was the layer's last, one chunk in flight
+#: (stage_model; the harness's one microbatch: measured, --grid moe), and freed where a later one's has replaced them
+DISPATCHER_KEEPS = ("permute_sorted_indices", "permute_row_id_map")
 #: the shared experts' rows whose backward runs before the routed experts' where they overlap the dispatch: fc2's
 #: and the gate's product's, made after the combine (moe_layer.py, combine_postprocess: linear_fc2_forward;
 #: post_forward_comm sets its gradient's sequence number past every other), so they are freed when moe_act's rerun
@@ -144,8 +156,10 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         _one_unit(module)
         before = _HELD_THROUGH.get(module)
         held = rematerialised_bytes(technique, arch, module=before) if before else 0
-        return held + sympy.Add(*(_rerun_bytes(term, technique.whole(), arch) *
-                                  _rerun_copies(term, technique, arch, module) for term in layer_terms(arch)))
+        runs = module in _RERUN_HOLDS_BLOCK_OUTPUT and module in technique.modules    # not as a link of the chain
+        output = term_bytes(RERUN_OUTPUT, technique, arch) if runs else 0
+        return held + output + sympy.Add(*(_rerun_bytes(term, technique.whole(), arch, module) *
+                                           _rerun_copies(term, technique, arch, module) for term in layer_terms(arch)))
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)
@@ -159,13 +173,15 @@ def _one_unit(module) -> None:
                          f"name it, not {module}")
 
 
-def _rerun_bytes(term, whole: Technique, arch) -> sympy.Expr:
-    """Bytes of one instance of a row as a selective rerun remakes it: the row's (``whole``: the technique
-    keeping every module), or what Term.remade says it remakes where that differs."""
-    remade = None if term.remade is None or not term.present(arch) else term.remade(arch)
+def _rerun_bytes(term, whole: Technique, arch, module: str) -> sympy.Expr:
+    """Bytes of one instance of a row as a selective rerun of ``module`` remakes it: the row's (``whole``: the
+    technique keeping every module), or where the rerun is the row's own module's, what Term.remade says it
+    remakes where that differs (a rerun of a module around it, moe's, keeps the row as the forward would)."""
+    own = module == term.module_of(arch)
+    remade = None if term.remade is None or not term.present(arch) or not own else term.remade(arch)
     if remade is None:
         return term_bytes(term, whole, arch)
-    return remade / divisor(term, whole, arch)
+    return remade / divisor(term, whole, arch) + term.fixed_bytes(arch, remade=True)
 
 
 def _rerun_copies(term, technique, arch, module) -> int:
@@ -206,6 +222,14 @@ def freed_layer_rows(technique: Technique, arch: Architecture, module: str) -> t
     if module == "moe_act" and arch.moe_shared_overlap:
         return tuple(TERMS[_TERM_INDEX[name]] for name in _OVERLAPPED_AFTER) + rows
     return rows
+
+
+def dispatcher_kept(technique: Technique, arch: Architecture, module: str) -> sympy.Expr:
+    """Of the rows a selective rerun of ``module`` finds freed, what the token dispatcher still holds where that
+    microbatch's forward was the layer's last (DISPATCHER_KEEPS): the stage model adds it back with one chunk in
+    flight."""
+    return sympy.Add(*(term_bytes(term, technique, arch) for term in freed_layer_rows(technique, arch, module)
+                       if term.name in DISPATCHER_KEEPS))
 
 
 def _mla_core_output(technique: Technique) -> tuple:

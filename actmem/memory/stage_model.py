@@ -137,15 +137,18 @@ def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
 
 
 def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
-    """The rerun moments: each module of a selective recompute; under full recompute the
+    """The rerun moments: each module of a selective recompute (with one chunk in flight, what the token dispatcher
+    still holds of the rows freed before it); under full recompute the
     first rerun of the chunk's backward, 1 layer, or under 'uniform' the chunk's tail group
     (its last, perhaps shorter than N) and, where the tail is shorter, the next group of N
     with the tail's checkpoint freed; under 'block' 1 layer where every layer of the chunk is
     checkpointed, else none: its last layers are kept whole, so the first rerun comes after
     their activations are freed, a moment the floor does not take."""
     if technique.recompute is Recompute.SELECTIVE:
+        latest = counts.chunks == 1         # the layer's last forward was this microbatch's (engine.DISPATCHER_KEEPS)
         return tuple(_rerun(held, value(engine.rematerialised_bytes(technique, arch, module=module)),
-                            value(engine.freed_before_rerun(technique, arch, module)), technique, unit=module)
+                            value(engine.freed_before_rerun(technique, arch, module))
+                            - latest * value(engine.dispatcher_kept(technique, arch, module)), technique, unit=module)
                      for module in rerun_units(technique.modules))
     if technique.recompute is not Recompute.FULL:
         return ()

@@ -122,13 +122,16 @@ class Term:
     architecture) of what its module's selective rerun makes again: under FP8 the experts' moe_act rerun remakes
     fc2's 16-bit input, which fc2 then saved in place of its FP8 copy (set_save_original_input); or what the
     function returns, None for the row. None: the row."""
+    remade_fixed: object = 0
+    """Beside ``remade``, its bytes that no parallelism splits (the scales of an FP8 copy the rerun makes)."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""
         return self.bytes(arch) if callable(self.bytes) else self.bytes
 
-    def fixed_bytes(self, arch=PAPER):
-        return self.fixed(arch) if callable(self.fixed) else self.fixed
+    def fixed_bytes(self, arch=PAPER, remade: bool = False):
+        fixed = self.remade_fixed if remade else self.fixed
+        return fixed(arch) if callable(fixed) else fixed
 
     def module_of(self, arch=PAPER) -> str | None:
         """The recompute module that drops it in this architecture."""

@@ -185,6 +185,18 @@ def _shared_fc1_fp8(overlap: bool):
     return present
 
 
+def _shared_fc1_rerun_scales(arch):
+    """The scales of the copy the shared experts' fc1 quantizes in their rerun (no save_original_input under
+    --recompute-modules shared_experts): a per-tensor recipe's scale_inv; a block recipe's of the rank's shard,
+    [sb/t, h], in the layout TE gathers under SP (COMPACT) and GEMM_READY at t = 1 (block_scales)."""
+    from actmem.model.fp8 import BLOCK_RECIPES
+
+    if arch.fp8 not in BLOCK_RECIPES:
+        return fp8_scale_inv(arch)
+    return sympy.Piecewise((block_scales(s * b / t, h, gathered=True)(arch), t > 1),
+                           (block_scales(s * b, h, gathered=False)(arch), True))
+
+
 def _shared_fc1_gathered(arch) -> bool:
     """the shared experts overlap the dispatcher (their fc1 keeping its gathered 16-bit input), not under FP8
     delayed scaling (which keeps it quantized)"""
@@ -380,9 +392,10 @@ SHARED_EXPERT_TERMS = (
          "(TE's Linear quantizes it rowwise before its all-gather and keeps that: linear.py), one byte an "
          "element, with its fp32 scale_inv (sbh + 4); under the other recipes Megatron has it keep its original "
          "input, the router's (shared_experts.py: set_save_original_input), but not under --recompute-modules "
-         "shared_experts, whose rerun then keeps its quantized copy (sbh; its scales not counted)",
+         "shared_experts, whose rerun then keeps its quantized copy with its scales (sbh + 4; a block recipe's "
+         "block scales of the rank's [sb/t, h], source read only)",
          _shared_fc1_fp8(False), module="shared_experts", fixed=lambda arch: fp8_scale_inv(arch) * int(arch.fp8 == "delayed"),
-         remade=lambda arch: None if arch.fp8 == "delayed" else _sbh),
+         remade=lambda arch: None if arch.fp8 == "delayed" else _sbh, remade_fixed=_shared_fc1_rerun_scales),
     Term("shared_experts_swiglu_input", lambda arch: A16 * 2 * _shared_ffn(arch) * s * b, Region.BLOCK, _STORED,
          Scope.LAYER, "the shared experts' SwiGLU keeps its input, fc1's output (fused_bias_swiglu.py, "
          "SwiGLUFunction; 4sbf_s); unfused (transformers' Qwen2MoeMLP), the same bytes as gate_proj's and "

@@ -36,7 +36,8 @@ class Unknown(str):
 class Launch:
     """What a launch script runs: ``launcher`` (torchrun and its options), ``script``
     (pretrain_gpt.py), ``arguments`` (the training script's), ``environment`` (the variables
-    exported to it) and ``unset`` (variables the script reads but never sets)."""
+    exported to it) and ``unset`` (variables the script reads where they are unset: set nowhere, later, or
+    only in a branch not taken)."""
 
     launcher: list
     script: str
@@ -117,10 +118,11 @@ class _Shell:
             self._command(node)
         elif kind == "if_statement":
             self._if(node)
-        elif kind == "case_statement" and self._case(node):
+        elif kind == "case_statement" and self._case(node) is None:
             pass
         elif kind in _OPAQUE_BLOCKS and self._changes_arguments(node):
-            raise SpecError(f"--megatron-args: line {node.start_point[0] + 1}: a {kind.replace('_', ' ')} "
+            why = self._case(node) if kind == "case_statement" else ""
+            raise SpecError(f"--megatron-args: line {node.start_point[0] + 1}: a {kind.replace('_', ' ')}{why} "
                             "sets variables or launches the training, and actmem reads a script without "
                             "running it; paste the training script's arguments instead")
 
@@ -196,22 +198,26 @@ class _Shell:
                     self.run(statement)
                 return
 
-    def _case(self, node) -> bool:
+    def _case(self, node) -> str | None:
         """Run the first item of a case statement whose pattern matches its word, as bash does (a quoted
-        pattern literally, an unquoted one as a glob); False, for the caller to judge it opaque, where the word
-        is a command's output or an item falls through (';&', ';;&')."""
-        word = self._condition_value(node.child_by_field_name("value"))
+        pattern literally, an unquoted one as a glob), and return None; where it cannot, why not, for the caller
+        to judge it opaque: the word is a value the script computes when it runs, or an item falls through
+        (';&', ';;&')."""
+        value = node.child_by_field_name("value")
+        word = self._condition_value(value)
         items = [child for child in node.named_children if child.type == "case_item"]
-        if word is None or any(child.type in _FALLTHROUGH for item in items for child in item.children):
-            return False
+        if word is None:
+            return f" on {self._text(value)}, a value the script computes when it runs,"
+        if any(child.type in _FALLTHROUGH for item in items for child in item.children):
+            return " whose items fall through to the next (;& or ;;&)"
         for item in items:
             patterns = [item.children[i] for i in range(item.child_count) if item.field_name_for_child(i) == "value"]
             if any(self._matches(word, pattern) for pattern in patterns):
                 for statement in item.named_children:
                     if statement not in patterns and statement.type != "comment":
                         self.run(statement)
-                return True
-        return True
+                return None
+        return None
 
     def _matches(self, word: str, pattern) -> bool:
         if pattern.type in ("string", "raw_string"):

@@ -129,7 +129,8 @@ def read(text: str) -> tuple[list[str], list[str], int | None]:
         raise SpecError(f"--megatron-args: the script trains with {launch.script}: {family} models are not "
                         "modelled (actmem models pretrain_gpt.py's decoder-only transformer)")
     notes = [f"read from a launch script: {launch.script}'s arguments, as bash expands them (positional "
-             "parameters and $(commands) are placeholders; variables the script never sets read as unset"
+             "parameters and $(commands) are placeholders; variables unset where it reads them, set nowhere or only "
+             "in a branch bash would not take, read as unset"
              + (f": {', '.join(launch.unset)}" if launch.unset else "") + ")"]
     notes += _environment(launch.environment, launch.arguments)
     gpus, note = launcher_gpus(launch.launcher)

@@ -437,7 +437,7 @@ def _shown(est: Estimate) -> str:
 def _stages_table(est: Estimate) -> Table:
     """Every stage's peak floor by part, the busiest marked (--stage all)."""
     table = _table("Peak per GPU, every pipeline stage (at least: actmem.memory.peak)")
-    for column in ("stage", "layers", "held", "activations", "model state", "rerun", "peak"):
+    for column in ("stage", "layers", "held", "activations", "model state", "backward", "peak"):
         table.add_column(column, **_column_kind(whole=("stage",))(column))
     budget, busiest = est.spec.gpu_memory_bytes, est.busiest_stage
     unit = column_unit([load.peak.total_bytes for load in est.stages])
@@ -448,8 +448,10 @@ def _stages_table(est: Estimate) -> Table:
                       format_in(load.parameters.total_bytes, unit), format_in(peak - load.total_bytes, unit),
                       Text(format_in(peak, unit), style="green" if peak <= budget else "red"))
     table.caption = (f"held: layer activations in flight at the stage's first backward; model state: "
-                     f"{_model_state_words(est.spec, est.stages)}; rerun: what that backward "
-                     "recomputes beyond what it frees first; the parts add to the peak; ◀ the verdict's")
+                     f"{_model_state_words(est.spec, est.stages)}; backward: what that backward adds at the "
+                     "stage's peak moment beyond what it frees first (a rerun, the loss's logits gradient, a "
+                     "layer's gradients: each stage's moment is peak_floor.moment in --format json); the parts "
+                     "add to the peak; ◀ the verdict's")
     table.caption_justify = "left"
     return table
 

@@ -7,8 +7,9 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from actmem_validate.compare import judge, term_rows  # noqa: E402
-from actmem_validate.megatron_moe import formula, measure, moe_grid, moe_spec, rows  # noqa: E402
+from actmem_validate.megatron_moe import _layer_terms, formula, measure, moe_grid, moe_spec, rows  # noqa: E402
 from actmem.memory.terms import MOE_TERMS as TERMS_OF_MOE  # noqa: E402
+from actmem.model.symbols import r  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
 
 #: every row of the table's MoE layer: the grid must measure each on some layout
@@ -112,7 +113,7 @@ def test_the_moe_modules_checkpoint_keeps_the_routers_input_alone(grid_rows):
     through TE's checkpoint (its stand-in)."""
     def kept(fp8: bool):
         return [(row["term"], row["measured_bytes"]) for row in grid_rows if row["config"].endswith("selective:moe")
-                and ("fp8" in row["config"]) == fp8 and row["measured_bytes"]]
+                and ("fp8" in row["config"]) == fp8 and row["measured_bytes"] and row["kind"] != "rerun"]
     assert kept(False) == [("router_input", 512), ("total", 512)] * 2
     assert kept(True) == [("router_input", 1024), ("total", 1024)] * 2
 
@@ -307,6 +308,62 @@ def test_each_checkpoint_without_output_rerun_is_measured_as_it_ends(grid_rows):
              for row in reruns}
     assert units == {("selective:moe_act", "rerun moe_act"), ("selective:layernorm in a layer", "rerun pre_mlp_layernorm"),
                      ("selective:moe_act+layernorm in a layer", "rerun moe_act"),
-                     ("selective:moe_act+layernorm in a layer", "rerun pre_mlp_layernorm")}
+                     ("selective:moe_act+layernorm in a layer", "rerun pre_mlp_layernorm"),
+                     ("selective:moe", "rerun moe"), ("selective:shared_experts", "rerun shared_experts")}
     with_act = {row["config"] for row in grid_rows if "moe_act" in row["config"]}
     assert len(with_act) == 6 and {row["config"] for row in reruns if row["term"] == "rerun moe_act"} == with_act
+
+
+def _reruns(grid_rows, label: str) -> dict:
+    return {(row["rank"], row["term"]): (row["formula_bytes"], row["measured_bytes"])
+            for row in grid_rows if row["kind"] == "rerun" and row["config"] == label}
+
+
+SHARED_BF16 = "moe E=8 k=2 t=2 EP=2 ETP=1 alltoall router bf16 shared gated sigmoid aux 0.01 selective:shared_experts"
+SHARED_FP8 = "moe E=8 k=2 t=1 EP=2 ETP=1 alltoall router bf16 grouped fp8 tensorwise shared aux 0.01 selective:shared_experts"
+
+
+def test_the_moe_layers_and_the_shared_experts_reruns_hold_their_output_through_their_backward(grid_rows):
+    """The reruns through megatron-core's own checkpoint (CheckpointFunction.backward: the outputs it made again are
+    held while it runs backward through them), measured before that backward, by hand (s = 16, b = 2):
+    - shared experts, bf16, gated, t = 2 with SP, EP = 2 (h = 16, f_s = 14): the routed experts' and the router's
+      backward done (they ran after the shared experts). Held: the checkpoint's input, the router's, 2·8·2·16 = 512,
+      and the permutation's sorted indices, int64 [16·2] = 256, which the dispatcher keeps as its own attribute
+      until the layer's next forward (one microbatch: this one's). The rerun: the SwiGLU's input, fc1's output
+      over the gathered 32 tokens, 2·32·2·7 = 896; fc2's input 2·16·2·7 = 448; the gate's score 2·8·2 = 32; the
+      output it scales 512; the product, the rerun's output, 512: 3168 (actmem said 2400 before: no output, the
+      indices freed).
+    - the same under FP8 tensorwise, t = 1 (h = 32, f_s = 128): the input 2·32·32 = 2048, the indices int64 [64] =
+      512; fc1, which Megatron hands no save_original_input under this recompute, keeps its input quantized
+      32·32 + 4 = 1028; the SwiGLU's input 2·32·256 = 16,384; fc2's FP8 copy 32·128 + 4 = 4100; the output 2048:
+      26,120 (before: 23,556).
+    - the whole MoE layer, bf16 and FP8 (t = ETP = 2): every row of the layer again and its output, 2·8·2·16 = 512
+      (bf16, h = 16) beyond them; under FP8 the experts' fc2 keeps its FP8 copies in moe's rerun, not the 16-bit
+      input moe_act's rerun remakes (actmem said 54,632 against 49,032 before)."""
+    assert 512 + 256 + 896 + 448 + 32 + 512 + 512 == 3168
+    assert _reruns(grid_rows, SHARED_BF16) == {(rank, "rerun shared_experts"): (3168, 3168) for rank in (0, 1)}
+    assert 2048 + 512 + 1028 + 16_384 + 4100 + 2048 == 26_120
+    assert _reruns(grid_rows, SHARED_FP8) == {(rank, "rerun shared_experts"): (26_120, 26_120) for rank in (0, 1)}
+    moe = [row for row in grid_rows if row["term"] == "rerun moe"]
+    assert len(moe) == 4 and all(row["formula_bytes"] == row["measured_bytes"] > 0 for row in moe)
+
+
+def test_the_gate_fails_a_moe_rerun_priced_wrong(grid_rows):
+    """Inject the failures on the shared experts' rerun (bf16): its output not counted (512 B less), the
+    dispatcher's sorted indices counted freed (256 B less), the fc1 copy under FP8 left out (1028 B less)."""
+    from actmem_validate.compare import rerun_rows
+
+    for label, measured, short in ((SHARED_BF16, 3168, 512), (SHARED_BF16, 3168, 256), (SHARED_FP8, 26_120, 1028)):
+        config = next(c for c in moe_grid() if c.label == label)
+        rows_of_rank = [row for row in grid_rows if row["config"] == label and row["rank"] == 0]
+        expected = {row["term"]: row["formula_bytes"] for row in rows_of_rank
+                    if row["kind"] not in ("rerun", "total")}
+        arch = config.spec.architecture
+        terms = _layer_terms(arch, False)
+        bindings = config.spec.bindings_at(config.spec.run.tensor_parallel) | {r: 1}   # the shared experts: any routing
+
+        def gate(moments):
+            return judge(rerun_rows(config, 0, config.technique, arch, expected, terms, bindings, moments), 0.0)
+
+        assert gate({"shared_experts": measured}) == []
+        assert any("rerun shared_experts" in line for line in gate({"shared_experts": measured - short}))

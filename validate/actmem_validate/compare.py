@@ -210,8 +210,8 @@ def _joined(formula: dict, joints: list) -> dict:
 
 
 #: the reruns the harness measures (gloo.rerun_moments): megatron-core's CheckpointWithoutOutput's, and of its own
-#: checkpoint's the attention core's (gloo._checkpoint_unit says why not the others yet)
-MEASURED_RERUNS = ("input_layernorm", "mla_up_proj", "core_attn", "pre_mlp_layernorm", "moe_act")
+#: checkpoint's the attention core's, the MoE layer's and the shared experts' (gloo._checkpoint_unit: not the MLP's)
+MEASURED_RERUNS = ("input_layernorm", "mla_up_proj", "core_attn", "pre_mlp_layernorm", "moe_act", "moe", "shared_experts")
 
 
 def rerun_rows(config, rank: int, technique, arch, rows: dict, table, bindings: dict, measured: dict) -> list[dict]:
@@ -228,7 +228,8 @@ def rerun_rows(config, rank: int, technique, arch, rows: dict, table, bindings: 
         for unit in (unit for unit in rerun_units(technique.modules) if unit in MEASURED_RERUNS):
             if not any(term.module_of(arch) == unit and term in table for term in layer_terms(arch)):
                 continue
-            freed = sum(rows.get(term.name, 0) for term in engine.freed_layer_rows(technique, arch, unit))
+            freed = sum(rows.get(term.name, 0) for term in engine.freed_layer_rows(technique, arch, unit)
+                        if term.name not in engine.DISPATCHER_KEEPS)     # one microbatch: the dispatcher's last
             remade = engine.exact(engine.rematerialised_bytes(technique, arch, module=unit), bindings)
             formula[unit] = sum(rows.values()) - freed + remade
     return [_row(config, rank, f"rerun {unit}", formula.get(unit, 0), measured.get(unit, 0), "rerun")

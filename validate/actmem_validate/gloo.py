@@ -150,12 +150,16 @@ def _rerun_unit(layer, checkpoint) -> str:
 
 def _checkpoint_unit(run_function) -> str | None:
     """The unit of a rerun through megatron-core's own checkpoint (tensor_parallel.checkpoint, CheckpointFunction)
-    that the harness measures: the attention core's (attention.py, _checkpointed_attention_forward). None for the
-    others, not measured yet: the dense MLP's (its rerun output is left out of actmem's floor), and the MoE
-    layer's and the shared experts' (measured once, both off: their rerun outputs, and their FP8 copies, are not
-    priced yet; the issue's note has the numbers)."""
-    name = getattr(getattr(run_function, "func", run_function), "__qualname__", "")
-    return "core_attn" if "_checkpointed_attention_forward" in name else None
+    that the harness measures: the attention core's (attention.py, _checkpointed_attention_forward), the MoE
+    layer's (moe_layer.py: custom_forward) and the shared experts' (the SharedExpertMLP itself). None for the dense
+    MLP's, not measured: its rerun output is left out of actmem's floor."""
+    function = getattr(run_function, "func", run_function)
+    name = getattr(function, "__qualname__", "")
+    if "_checkpointed_attention_forward" in name:
+        return "core_attn"
+    if "MoELayer.forward" in name:
+        return "moe"
+    return "shared_experts" if type(function).__name__ == "SharedExpertMLP" else None
 
 
 @contextlib.contextmanager
@@ -163,7 +167,8 @@ def rerun_moments(layer, saved: dict, moments: dict):
     """Each rerun in the backward, measured at its moment, into ``moments[unit]``: megatron-core's
     CheckpointWithoutOutput (--recompute-modules layernorm's two norms, mla_up_proj, moe_act) as it ends, and its
     own checkpoint's (CheckpointFunction.backward) once its forward has rerun, before the backward through it: the
-    attention core's (core_attn; the others', not measured yet, still count for the reruns inside them). Each is the bytes the forward's saved storages (``saved``, recorder's) still hold
+    attention core's (core_attn), the MoE layer's (moe) and the shared experts' (the dense MLP's, not measured, still
+    counts for the reruns inside it). Each is the bytes the forward's saved storages (``saved``, recorder's) still hold
     then, at their size then (the backward has freed what it ran, and a rerun resized its output's storage back),
     and what this rerun and those before it made or restored that is alive (the outputs, ctx.outputs beside them,
     what their own autograd saved: a norm's rerun holds its outputs through its block's reruns); less the layer's

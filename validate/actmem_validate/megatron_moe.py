@@ -529,7 +529,8 @@ def _te_linears(fp8: str):
     actmem.model.fp8): fc1 under sequence parallelism all-gathers the rank's shard itself and keeps, under delayed
     scaling, that shard quantized (one byte, its scale_inv), under the other recipes the shard itself (Megatron's
     set_save_original_input: the router's input); fc2 keeps its input's columnwise copy and scale_inv (under a block
-    recipe its block scales) and reduce-scatters its output. Overlapping the dispatcher Megatron sets parallel_mode None on both: no
+    recipe its block scales) and reduce-scatters its output. Under --recompute-modules shared_experts Megatron
+    hands fc1 no save_original_input: it keeps its shard quantized under every recipe. Overlapping the dispatcher Megatron sets parallel_mode None on both: no
     communication of their own, fc1 handed the input gathered ahead."""
     import torch
     from megatron.core import parallel_state
@@ -574,13 +575,17 @@ def _te_linears(fp8: str):
             rows, cols = (output_size // self.t, input_size) if self.column else (output_size, input_size // self.t)
             self.weight = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.bfloat16) * 0.02)
             self.parallel_mode = "column" if self.column else "row"
+            # fc1 keeps its input quantized under delayed scaling, and where Megatron does not hand it
+            # save_original_input: under --recompute-modules shared_experts (shared_experts.py, __init__)
+            self.quantize_input = fp8 == "delayed" or (config.recompute_granularity == "selective"
+                                                       and "shared_experts" in config.recompute_modules)
 
         def forward(self, x):
             group = parallel_state.get_tensor_model_parallel_group()
             communicate = self.parallel_mode is not None and self.t > 1
             if self.column:
                 gather = group if communicate and self.sequence_parallel else None
-                return _Gemm.apply(x, self.weight, fp8 == "delayed", "shared_experts_fc1_input_fp8"
+                return _Gemm.apply(x, self.weight, self.quantize_input, "shared_experts_fc1_input_fp8"
                                    if self.parallel_mode else "shared_experts_fc1_input_gathered_fp8", gather), None
             partial = _Gemm.apply(x, self.weight, True, "shared_experts_fc2_input", None)
             if not communicate:

@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("torch")
 
 from actmem_validate.compare import RESIDUALS, judge, worst_error  # noqa: E402
-from actmem_validate.grid import configs_for, preset_grid, small_grid, small_spec  # noqa: E402
+from actmem_validate.grid import configs_for, preset_grid, small_spec  # noqa: E402
 from actmem_validate.launch import FAIL_RANK_VARIABLE, HarnessError, run_fake, run_real  # noqa: E402
+from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 
 def paper_rows(rows):
@@ -23,8 +24,11 @@ def config(technique, layers=2, t=2, p=1, m=1, n=1, dropout=0.1):
 
 
 def test_real_small_grid_matches_every_term_to_the_byte():
-    rows = run_real(small_grid())
-    assert judge(rows, 0.0) == []
+    """CI's run of `actmem validate --grid small --max-peak-gap 30` (tests/validate/cli_grid.py): every term to the
+    byte, and the peak within 30% of actmem's floor (at h = 64 a layer's backward transients are large next to
+    what it keeps: 23% at c = 2 beside t = 2 and p = 2)."""
+    rows = validate_grid("small", "--max-peak-gap", "30")
+    assert judge(rows, 0.0, max_peak_gap=30) == []
     assert paper_rows(rows)
     for row in paper_rows(rows):
         assert row["measured_bytes"] == row["formula_bytes"], row

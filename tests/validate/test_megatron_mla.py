@@ -9,14 +9,15 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from actmem_validate.compare import judge, term_rows  # noqa: E402
-from actmem_validate.megatron_mla import formula, measure, mla_grid, rows  # noqa: E402
+from actmem_validate.megatron_mla import formula, measure, mla_grid  # noqa: E402
 from actmem.memory.terms import MLA_TERMS  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
+from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def grid_rows():
-    return rows(mla_grid())
+    return validate_grid("mla")        # CI's run of `actmem validate --grid mla` (tests/validate/cli_grid.py)
 
 
 def _forward(grid_rows) -> list:

@@ -7,10 +7,11 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from actmem_validate.compare import judge, term_rows  # noqa: E402
-from actmem_validate.megatron_moe import _layer_terms, formula, measure, moe_grid, moe_spec, rows  # noqa: E402
+from actmem_validate.megatron_moe import _layer_terms, formula, measure, moe_grid, moe_spec  # noqa: E402
 from actmem.memory.terms import MOE_TERMS as TERMS_OF_MOE  # noqa: E402
 from actmem.model.symbols import r  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
+from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 #: every row of the table's MoE layer: the grid must measure each on some layout
 MOE_TERMS = {term.name for term in TERMS_OF_MOE}
@@ -18,7 +19,7 @@ MOE_TERMS = {term.name for term in TERMS_OF_MOE}
 
 @pytest.fixture(scope="module")
 def grid_rows():
-    return rows(moe_grid())
+    return validate_grid("moe")        # CI's run of `actmem validate --grid moe` (tests/validate/cli_grid.py)
 
 
 def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):

@@ -8,14 +8,15 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from actmem_validate.compare import judge, term_rows  # noqa: E402
-from actmem_validate.megatron_mtp import formula, measure, mtp_grid, rows  # noqa: E402
+from actmem_validate.megatron_mtp import formula, measure, mtp_grid  # noqa: E402
 from actmem.memory.terms import MTP_TERMS  # noqa: E402
 from tests.conftest import assert_one_line_error  # noqa: E402
+from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def grid_rows():
-    return rows(mtp_grid())
+    return validate_grid("mtp")        # CI's run of `actmem validate --grid mtp` (tests/validate/cli_grid.py)
 
 
 def test_every_row_of_megatrons_mtp_block_is_counted_to_the_byte(grid_rows):

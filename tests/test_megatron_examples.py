@@ -77,15 +77,12 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
 
 
 @pytest.mark.parametrize("script, refused", [
-    ("train_llama3_8b_fsdp_h100_fp8.sh",
-     {"--use-megatron-fsdp",
-      "--data-parallel-sharding-strategy", "--fsdp-double-buffer", "--fsdp-manual-registration",
-      "--use-nccl-ub"}),
+    ("train_llama3_8b_fsdp_h100_fp8.sh", {"--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub"}),
 ])
 def test_the_other_examples_are_refused_naming_only_what_is_not_modelled(actmem, script, refused):
     """The names each script carries that change memory in ways actmem does not count yet
-    (read off the scripts by hand: Megatron-FSDP); every other
-    argument is modelled or ignored."""
+    (read off the scripts by hand: Megatron-FSDP's NCCL user buffers and their double buffers; Megatron-FSDP
+    itself is read: tests/test_megatron_fsdp.py); every other argument is modelled or ignored."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / script}")
     assert_one_line_error(result, "changes memory and is not modelled yet: ")
     assert _refused_names(result.stderr) == refused
@@ -131,14 +128,16 @@ def test_an_argument_megatron_stops_on_is_refused_with_its_advice(actmem, tmp_pa
 
 def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(actmem):
     """The training command lives in TRAINING_CMD, run by `srun bash -c "${TRAINING_CMD}"` inside
-    an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP; its
+    an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP's NCCL user
+    buffers and bf16 gradient communication (Megatron-FSDP itself, and its main gradients' dtype, are read); its
     multi-latent attention and multi-token prediction are read (--multi-latent-attention, the ranks and head
     dims, --mtp-num-layers; YaRN's scaling and the MTP loss's factor change values only)."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'sbatch_mfsdp_deepseek_v3.sh'}")
     assert_one_line_error(result, "the flex dispatcher (DeepEP or HybridEP", "sharded data parallelism",
                           "HuggingFaceTokenizer takes its vocabulary from its files")
     names = _refused_names(result.stderr)
-    assert {"--moe-flex-dispatcher-backend", "--use-megatron-fsdp"} <= names
+    assert {"--moe-flex-dispatcher-backend", "--fsdp-double-buffer", "--megatron-fsdp-grad-comm-dtype"} <= names
+    assert not {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--megatron-fsdp-main-grads-dtype"} & names
     assert not {"--num-experts", "--moe-layer-freq"} & names       # read: the experts and their layout are modelled
     assert not {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
                 "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--mtp-num-layers",

@@ -364,6 +364,14 @@ RUN_FLAGS = (
          "stage, bucket sizes, optimizer and batch, \"auto\" resolved as the Trainer resolves it; what changes "
          "memory and is not modelled (offloading, fp16, quantized or hierarchical partitions, AutoTP, ...) is "
          "refused by name, and keys DeepSpeed ignores are named", click.Path(dir_okay=False), metavar="DS_CONFIG"),
+    Flag(("--megatron-fsdp/--no-megatron-fsdp", "--use-megatron-fsdp"), "megatron_fsdp",
+         "megatron-core's own FSDP (Megatron-FSDP, --implementation megatron; give --gpus): the model state sharded "
+         "over the d·c data-parallel ranks as --data-parallel-sharding-strategy says, held at every moment; its "
+         "main gradients in --megatron-fsdp-main-grads-dtype (the weights' dtype unless given)", bool),
+    Flag(("--data-parallel-sharding-strategy",), "fsdp_sharding",
+         "with --use-megatron-fsdp, what it shards: no_shard, optim (the fp32 main weights and Adam's state), "
+         "optim_grads (and the main gradients), optim_grads_params (and the 16-bit weights; the default)",
+         click.Choice(["no_shard", "optim", "optim_grads", "optim_grads_params"])),
     Flag(("--sp/--no-sp", "--sequence-parallel/--no-sequence-parallel"), "sequence_parallel",
          "sequence parallelism (needs t > 1)", bool),
     Flag(("--distributed-optimizer/--no-distributed-optimizer", "--use-distributed-optimizer"),
@@ -396,6 +404,10 @@ STATE_FLAGS = (
     Flag(("--grad-reduce-in-bf16",), "grad_dtype", "Megatron's switch for --grad-dtype bf16", constant="bf16",
          same=_gradient_bytes),
     MAIN_GRADS,
+    Flag(("--megatron-fsdp-main-grads-dtype",), "fsdp_main_grads",
+         "with --use-megatron-fsdp, its main gradients' dtype: auto (the default: the weights' dtype, 2 B), fp32, "
+         "bf16 or fp16 (Megatron-FSDP's gradient buffer; --grad-dtype is Megatron's DDP's)",
+         click.Choice(["auto", "fp32", "bf16", "fp16"])),
     PRECISION_AWARE,
     Flag(("--main-params-dtype",), "main_params_dtype",
          "the precision-aware optimizer's master weights: fp32 (default; beside bf16 weights TE keeps only the 16 "
@@ -841,6 +853,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options.update(gpu_options(flags, preset.gpu if preset else None))
     if flags["grad_dtype"] is not None:
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
+    options.update(_megatron_fsdp_gradients(flags, run))
     options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
@@ -855,6 +868,24 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
         return build_spec(model, run, name=name, architecture=architecture, **options)
     except SpecError as error:
         raise _from_the_launcher(error, pasted.get("notes", ())) from None
+
+
+def _megatron_fsdp_gradients(flags: dict, run: dict) -> dict:
+    """{'gradient_bytes': ...} under Megatron-FSDP: its gradient buffer follows --megatron-fsdp-main-grads-dtype
+    (Megatron-LM d98e8a64, arguments.py: auto, the default, the weights' dtype; the buffer, param_and_grad_buffer.py),
+    not DDP's --grad-dtype, which Megatron-FSDP does not read: given beside it, refused."""
+    given = flags.get("fsdp_main_grads")
+    if not run.get("megatron_fsdp"):
+        if given is not None:
+            raise SpecError(f"--megatron-fsdp-main-grads-dtype {given} is Megatron-FSDP's: give --use-megatron-fsdp "
+                            "too, or leave it out")
+        return {}
+    if flags["grad_dtype"] is not None:
+        raise SpecError("--grad-dtype (Megatron's --grad-reduce-in-bf16, --main-grads-dtype) sets the gradient "
+                        "buffer of Megatron's DDP, which Megatron-FSDP does not read: its main gradients follow "
+                        "--megatron-fsdp-main-grads-dtype (auto, the weights' dtype, unless given)")
+    dtype = given if given not in (None, "auto") else flags.get("params_dtype") or "bf16"
+    return {"gradient_bytes": _gradient_bytes(dtype)}
 
 
 def _from_the_launcher(error: SpecError, notes) -> SpecError:

@@ -316,6 +316,9 @@ def plan_request(flags: dict):
         raise SpecError("plan sweeps FSDP2 itself under --implementation torch-native (its rows end in 'fsdp', at "
                         "torchtitan's default resharding, over all d ranks): the preset's run sets fsdp_replicate "
                         "or fsdp_reshard, which `actmem estimate` prices for one run; drop them from the preset")
+    if choice.preset_run.get("megatron_fsdp") or choice.preset_run.get("fsdp_sharding"):
+        raise SpecError("plan does not sweep Megatron-FSDP yet (--use-megatron-fsdp, "
+                        "--data-parallel-sharding-strategy): `actmem estimate` prices one run of it")
     if choice.architecture.fp8_first_last_bf16:
         raise SpecError("plan does not sweep --first-last-layers-bf16 yet (its stages' FP8 and bf16 layers): "
                         "`actmem estimate` prices one run of it")

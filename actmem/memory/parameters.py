@@ -7,6 +7,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 
 from dataclasses import dataclass, replace
 
+from actmem.memory.megatron_fsdp import state_bytes
 from actmem.model.architecture import PAPER
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -235,6 +236,9 @@ class ParameterBytes:
     zero: int = 0
     """DeepSpeed's ZeRO stage (actmem.memory.zero), 0 where none: at stages 1 and 2 the gradients are not held at
     every moment either."""
+    megatron_fsdp: str | None = None
+    """Megatron-FSDP's sharding strategy (actmem.memory.megatron_fsdp), None where the run does not use it: its
+    buffers are held at every moment."""
 
     @property
     def transient_gradients(self) -> bool:
@@ -274,7 +278,8 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
-                extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None, eh_projections=0) -> ParameterBytes:
+                extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None, eh_projections=0,
+                megatron_fsdp=None) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
@@ -285,7 +290,8 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     stage's layers that run in FP8, those of them with experts) where some run in bf16 (--first-last-layers-bf16;
     None: all); ``eh_projections``:
     the multi-token-prediction layers' eh_proj on the stage, TE linears [h/t, 2h] of their own under FP8 (their
-    transformer layers are among ``stage_layers``).
+    transformer layers are among ``stage_layers``); ``megatron_fsdp``: Megatron-FSDP's sharding strategy, which
+    shards the state over ``shards`` as it says (actmem.memory.megatron_fsdp; a dense model: the rules).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -298,6 +304,9 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         count = count + (stage_layers - own) * layer_parameters(h, t, dense, heads)
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
+    if megatron_fsdp is not None:      # TE's dummy weight gradients as under DDP, 2 B an element
+        return ParameterBytes(count, *state_bytes(count, shards, megatron_fsdp, gradient_bytes, optimizer_bytes),
+                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp)
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if arch.moe:
         experts = own * expert_parameters(h, arch, ep, etp)

@@ -72,6 +72,18 @@ def _zero_state(params) -> tuple:
                                                            "partition, the step counters and the gradient norm"),)
 
 
+def _megatron_fsdp_sources(strategy: str) -> tuple:
+    """The sources of the state rows under Megatron-FSDP (actmem.memory.megatron_fsdp): what its strategy shards."""
+    from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
+
+    weights, gradients, optimizer = ("the rank's shard of" if sharded else "the whole"
+                                     for sharded in MEGATRON_FSDP_STRATEGIES[strategy])
+    return (f"16-bit weights: {weights} model weights (Megatron-FSDP, {strategy}; the units gathered to compute "
+            f"are not counted)",
+            f"main gradients: {gradients} gradient buffer, allocated once (Megatron-FSDP, {strategy})",
+            f"fp32 main weights and Adam's two moments: {optimizer} main-weight buffer's (Megatron-FSDP, {strategy})")
+
+
 def peak_floor(row) -> PeakFloor:
     """The floor for one technique on one stage (an estimate.TechniqueRow): its model state and
     the largest of the moments of its first backward after the pipeline fills
@@ -82,13 +94,12 @@ def peak_floor(row) -> PeakFloor:
         return PeakFloor(_fsdp_state(params) + row.peak_moment.parts, row.peak_moment.when)
     if params.zero:
         return PeakFloor(_zero_state(params) + row.peak_moment.parts, row.peak_moment.when)
-    state = (
-        PeakRow("weights", params.weights_bytes, "16-bit weights of the stage"),
-        PeakRow("main_gradients", params.gradients_bytes,
-                "fp32 main gradients: one buffer, allocated before the first step (Megatron's DDP)"),
-        PeakRow("optimizer_state", params.optimizer_bytes,
-                "fp32 master weights and Adam's two moments (or this rank's shard of them)"),
-    ) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
+    sources = (_megatron_fsdp_sources(params.megatron_fsdp) if params.megatron_fsdp else
+               ("16-bit weights of the stage", "fp32 main gradients: one buffer, allocated before the first step "
+                "(Megatron's DDP)", "fp32 master weights and Adam's two moments (or this rank's shard of them)"))
+    state = tuple(PeakRow(name, value, source) for name, value, source in zip(
+        ("weights", "main_gradients", "optimizer_state"),
+        (params.weights_bytes, params.gradients_bytes, params.optimizer_bytes), sources)) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
          if params.dummy_wgrads_bytes else ()) + ((PeakRow("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),)
                                                   if params.fp8_bytes else ())
     moment = row.peak_moment

@@ -44,11 +44,12 @@ class Implementation:
     architecture: tuple = ()
     """(field, allowed values, why): the architecture the implementation is modelled for."""
     runs: frozenset = frozenset({"tensor", "pipeline", "context", "partial_recompute", "distributed_optimizer",
-                                 "expert", "cpu_offloading"})
+                                 "expert", "cpu_offloading", "megatron_fsdp"})
     """Which of Megatron's run shapes it has: t > 1, p > 1, c > 1, --recompute-method, the
     distributed optimizer (model state is counted as Megatron's mixed-precision Adam), experts
     spread over ranks (EP > 1, and with them a routing imbalance between ranks), and Transformer
-    Engine's whole-layer CPU offloading (--cpu-offloading-num-layers); and "fsdp", PyTorch's FSDP2 as
+    Engine's whole-layer CPU offloading (--cpu-offloading-num-layers), megatron-core's own FSDP
+    (--use-megatron-fsdp); and "fsdp", PyTorch's FSDP2 as
     torchtitan applies it (--fsdp), which Megatron's code does not run; and "zero", DeepSpeed's ZeRO as the
     Hugging Face Trainer runs it (--zero-stage, --deepspeed)."""
     selective_recompute: str | None = None
@@ -425,6 +426,15 @@ _MEGATRON_LIMITS = (
      "--qk-layernorm is modelled under the flash attention core only: Megatron runs the eager core in its "
      "local spec, whose q and k norms (LNImpl: apex's or torch's) keep what actmem does not count yet"),
 )
+
+#: Megatron-FSDP's --data-parallel-sharding-strategy, each with what it shards over the d·c data-parallel ranks:
+#: (16-bit weights, main gradients, optimizer state: the fp32 main weights and Adam's moments). megatron-core 0.16.1,
+#: distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py (_init_each_parameter_group_buffers: the buffers a
+#: strategy shards; no weight buffer under no_shard, the module's own weights); Megatron-LM's default, d98e8a64,
+#: optim_grads_params (arguments.py)
+MEGATRON_FSDP_STRATEGIES = {"no_shard": (False, False, False), "optim": (False, False, True),
+                            "optim_grads": (False, True, True), "optim_grads_params": (True, True, True)}
+MEGATRON_FSDP_DEFAULT = "optim_grads_params"
 
 #: torchtitan 018740b7's fsdp_reshard_after_forward (models/llama3/infra/parallelize.py, apply_fsdp): which of
 #: FSDP2's groups the forward reshards (--fsdp-reshard-after-forward; actmem.memory.fsdp)

@@ -290,6 +290,35 @@ FSDP_RULES = (
 )
 
 
+#: megatron-core's own FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy; actmem.memory.megatron_fsdp):
+#: where it runs, and what actmem has not read for it yet, each a refusal
+MEGATRON_FSDP_RULES = (
+    Rule(lambda v: _implies(v.megatron_fsdp, "megatron_fsdp" in v.code.runs),
+         lambda v: f"--use-megatron-fsdp is megatron-core's own FSDP, modelled under --implementation megatron, not "
+                   f"{v.code.name} (torch-native shards its model state with --fsdp, hf with --zero-stage)", ("code",)),
+    Rule(lambda v: _implies(v.fsdp_sharding is not None, v.megatron_fsdp),
+         lambda v: f"--data-parallel-sharding-strategy {v.fsdp_sharding} is Megatron-FSDP's, read only beside "
+                   "--use-megatron-fsdp: give that too, or leave it out"),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.gpus is not None),
+         lambda v: "--use-megatron-fsdp shards the model state over the d·c data-parallel ranks: give --gpus "
+                   "(d = gpus/(t·c·p))", ("run_known",)),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.p == 1),
+         lambda v: f"--use-megatron-fsdp is modelled at p = 1 (this run: p = {v.p}): its buffers beside a "
+                   f"pipeline's stages are not read yet"),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not v.architecture.moe),
+         lambda v: "--use-megatron-fsdp is modelled for dense models: its experts' buffers over the expert "
+                   "data-parallel group are not read yet", ("architecture",)),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not v.architecture.fp8),
+         lambda v: "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8 and its gradients in bf16, which "
+                   "is not modelled yet", ("architecture",)),
+    Rule(lambda v: _implies(v.megatron_fsdp, not v.precision_aware),
+         lambda v: "--use-megatron-fsdp beside --use-precision-aware-optimizer is not modelled yet (Megatron-FSDP "
+                   "keeps its own main-weight buffer)"),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.offload_layers == 0),
+         lambda v: "--use-megatron-fsdp beside --cpu-offloading-num-layers is not modelled yet"),
+)
+
+
 #: DeepSpeed's ZeRO as the Hugging Face Trainer runs it (--zero-stage, --deepspeed; actmem.memory.zero)
 ZERO_RULES = (
     Rule(lambda v: _implies(v.zero > 0, "zero" in v.code.runs),
@@ -492,6 +521,7 @@ RULES = (
     *OFFLOADING_RULES,
     *FIRST_LAST_BF16_RULES,
     *FSDP_RULES,
+    *MEGATRON_FSDP_RULES,
     *ZERO_RULES,
 )
 
@@ -598,6 +628,10 @@ class Values:
     """The 16-bit weights' dtype (--params-dtype), when given."""
     zero: object = 0
     """DeepSpeed's ZeRO stage (--zero-stage, --deepspeed), 0 where none (actmem.memory.zero)."""
+    megatron_fsdp: object = False
+    """--use-megatron-fsdp: megatron-core's own FSDP (actmem.memory.megatron_fsdp)."""
+    fsdp_sharding: object = None
+    """--data-parallel-sharding-strategy, where given."""
 
 
 def _fp8_widths(v) -> str:

@@ -102,6 +102,12 @@ class Run:
     fsdp_reshard: str = "default"
     """--fsdp-reshard-after-forward: which groups FSDP2's forward reshards, torchtitan's policy
     (actmem.model.implementation.RESHARD_POLICIES)."""
+    megatron_fsdp: bool = False
+    """--use-megatron-fsdp: megatron-core's own FSDP over the d·c data-parallel ranks (actmem.memory.megatron_fsdp),
+    the model state sharded as fsdp_sharding says."""
+    fsdp_sharding: str | None = None
+    """--data-parallel-sharding-strategy: what Megatron-FSDP shards (implementation.MEGATRON_FSDP_STRATEGIES);
+    None: Megatron-LM's default, optim_grads_params."""
     zero: object = None
     """DeepSpeed's ZeRO as the Hugging Face Trainer runs it (actmem.model.deepspeed.ZeroConfig: --zero-stage or
     --deepspeed ds_config.json), None where the run has none."""
@@ -113,7 +119,7 @@ class Run:
                             f"more, got {self.offload_layers!r}")
         check_imbalance(self.routing_imbalance)
         from actmem.model.deepspeed import ZeroConfig
-        from actmem.model.implementation import RESHARD_POLICIES
+        from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES, RESHARD_POLICIES
 
         if self.zero is not None and not isinstance(self.zero, ZeroConfig):
             raise SpecError(f"zero must be a ZeroConfig (give zero_stage or deepspeed), got {self.zero!r}")
@@ -121,10 +127,13 @@ class Run:
         if self.fsdp_reshard not in RESHARD_POLICIES:
             raise SpecError(f"fsdp_reshard (--fsdp-reshard-after-forward) must be one of {', '.join(RESHARD_POLICIES)}, "
                             f"got {self.fsdp_reshard!r}")
+        if self.fsdp_sharding is not None and self.fsdp_sharding not in MEGATRON_FSDP_STRATEGIES:
+            raise SpecError(f"fsdp_sharding (--data-parallel-sharding-strategy) must be one of "
+                            f"{', '.join(MEGATRON_FSDP_STRATEGIES)}, got {self.fsdp_sharding!r}")
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
-        for name in ("sequence_parallel", "distributed_optimizer", "fsdp"):
+        for name in ("sequence_parallel", "distributed_optimizer", "fsdp", "megatron_fsdp"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
@@ -265,7 +274,7 @@ class Spec:
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
             offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
             fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard, params_dtype=self.optimizer.params,
-            zero=run.zero.stage if run.zero else 0)
+            zero=run.zero.stage if run.zero else 0, megatron_fsdp=run.megatron_fsdp, fsdp_sharding=run.fsdp_sharding)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local
@@ -305,6 +314,14 @@ class Spec:
     def fsdp_shards(self) -> int:
         """The ranks FSDP2 shards the model state over: d, or d/R under HSDP (--fsdp-replicate R)."""
         return self.data_parallel // self.run.fsdp_replicate
+
+    @property
+    def megatron_fsdp_strategy(self) -> str | None:
+        """What Megatron-FSDP shards (--data-parallel-sharding-strategy, Megatron-LM's default where not given);
+        None where the run does not use it."""
+        from actmem.model.implementation import MEGATRON_FSDP_DEFAULT
+
+        return (self.run.fsdp_sharding or MEGATRON_FSDP_DEFAULT) if self.run.megatron_fsdp else None
 
     @property
     def optimizer_shards(self) -> int:

@@ -164,6 +164,8 @@ def _header(est: Estimate) -> Group:
                      f" · HSDP: {run.fsdp_replicate} replicas of FSDP2 over {spec.fsdp_shards}")
     if run.zero:
         offload += f" · DeepSpeed {run.zero.label} over d={spec.data_parallel}"
+    if run.megatron_fsdp:
+        offload += f" · Megatron-FSDP {spec.megatron_fsdp_strategy} over {_dc(spec)}"
     lines.add_row("run", f"t={run.tensor_parallel}{cp} p={run.pipeline_parallel}{split} m={run.interleave} "
                          f"b={run.micro_batch} · SP {'on' if run.sequence_parallel else 'off'} · "
                          f"recompute {run.policy.label}{offload}")
@@ -260,7 +262,8 @@ def _memory_table(est: Estimate) -> Table:
     if est.spec.architecture.moe and est.spec.run.distributed_optimizer:     # experts: over their own ranks
         optimizer += f" (the experts' / {est.spec.expert_optimizer_shards})"
     rows = (("activations", est.activations_bytes, "the run's terms above"),) + (
-        _fsdp_state_rows(est) if params.fsdp else _zero_state_rows(est) if params.zero else (
+        _fsdp_state_rows(est) if params.fsdp else _zero_state_rows(est) if params.zero else
+        _megatron_fsdp_state_rows(est) if params.megatron_fsdp else (
             ("weights", params.weights_bytes, per_param + f"{WEIGHT_BYTES} B"
              + (", less 1 B an element of the linears' weights, FP8 (--fp8-param-gather)"
                 if est.spec.architecture.fp8_param_gather else "")),
@@ -326,6 +329,29 @@ def _zero_state_rows(est: Estimate) -> tuple:
             ("optimizer state", params.optimizer_bytes, state))
 
 
+def _dc(spec) -> str:
+    """The data-parallel ranks the model state shards over, as a run line writes them: 'd=8' or 'd·c=16'."""
+    return f"d={spec.optimizer_shards}" if spec.run.context_parallel == 1 else f"d·c={spec.optimizer_shards}"
+
+
+def _megatron_fsdp_state_rows(est: Estimate) -> tuple:
+    """The memory table's model state under Megatron-FSDP (actmem.memory.megatron_fsdp): what its strategy shards."""
+    from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
+
+    spec, params = est.spec, est.parameters
+    strategy = spec.megatron_fsdp_strategy
+    sharded = MEGATRON_FSDP_STRATEGIES[strategy]
+    per = lambda width, shards: (f"{params.count:,} parameters × {width} B"
+                                 + (f" / {_dc(spec)}" if shards else ", whole"))
+    grads = "fp32" if spec.gradient_bytes == GRADIENT_BYTES else "16-bit"
+    return (("weights", params.weights_bytes, per(WEIGHT_BYTES, sharded[0]) + " (the units gathered to compute, "
+             "and the buckets' padding, are not counted)"),
+            ("gradients", params.gradients_bytes, per(spec.gradient_bytes, sharded[1]) + f" ({grads}: "
+             "--megatron-fsdp-main-grads-dtype)"),
+            ("optimizer state", params.optimizer_bytes, per(spec.optimizer.bytes_per_parameter, sharded[2])
+             + " (the fp32 main weights and Adam's two moments)"))
+
+
 def _fsdp_state_rows(est: Estimate) -> tuple:
     """The memory table's model state under FSDP2 (actmem.memory.fsdp)."""
     from actmem.memory.fsdp import ADAM_BYTES, PARAMETER_BYTES, REDUCE_BYTES, STEP_BYTES
@@ -379,8 +405,10 @@ def _shard_advice(spec) -> str:
     runs = spec.architecture.code.runs
     flags = [flag for flag, shape in (("--tp", "tensor"), ("--pp", "pipeline")) if shape in runs]
     split = f"split the model ({', '.join(flags)})" if flags else "use a GPU with more memory"
-    if spec.run.fsdp:
+    if spec.run.fsdp or spec.megatron_fsdp_strategy == "optim_grads_params":
         return f"shard it over more GPUs (--gpus) or {split}"
+    if spec.run.megatron_fsdp:
+        return f"shard more of it (--data-parallel-sharding-strategy optim_grads_params) over more GPUs, or {split}"
     if spec.run.zero and spec.run.zero.stage == 3:
         return (f"shard it over more GPUs (--gpus) or {split}; ZeRO-Offload (offload_optimizer, offload_param), "
                 "which moves it to the host, is not modelled yet")

@@ -76,11 +76,14 @@ def _example(tmp_path, strategy=None, fsdp=True):
 
 def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_is_its_ddp_path(actmem, tmp_path):
     """The example (8 GPUs, t = 1, optim_grads_params, --no-gradient-accumulation-fusion: no dummy weight
-    gradients) keeps 16N/8 = 16,060,522,496 B of model state a rank. With SHARDING_STRATEGY=optim and fp32 main
+    gradients) keeps 16N/8 = 16,060,522,496 B of model state a rank, and the weights outside its units gathered
+    through the step, 2·(2·128,256·4096 + 4096) = 2,101,354,496 B. With SHARDING_STRATEGY=optim and fp32 main
     gradients it keeps what its DDP path (USE_MEGATRON_FSDP=0: DDP with the distributed optimizer, fp32 gradients)
     keeps: 2N + 4N + 12N/8 (the DDP path fuses the weight gradients: its dummies beside)."""
     out = actmem.json("estimate", "--megatron-args", _example(tmp_path))
-    assert out["parameters"]["total_bytes"] == 16 * N // 8 == 16_060_522_496
+    gathered = 2 * (2 * 128_256 * 4096 + 4096)
+    assert out["parameters"]["gathered_bytes"] == gathered == 2_101_354_496
+    assert out["parameters"]["total_bytes"] == 16 * N // 8 + gathered == 16_060_522_496 + gathered
     assert out["parameters"]["dummy_wgrads_bytes"] == 0
     optim = actmem.json("estimate", "--megatron-args", _example(tmp_path, "optim"),
                         "--megatron-fsdp-main-grads-dtype", "fp32")
@@ -110,3 +113,17 @@ def test_what_megatron_fsdp_is_not_modelled_beside_is_refused(actmem, args, frag
 def test_plan_refuses_a_megatron_fsdp_paste(actmem, tmp_path):
     assert_one_line_error(actmem("plan", "--megatron-args", _example(tmp_path), "--gpus", "8"),
                           "plan does not sweep Megatron-FSDP yet")
+
+
+def test_an_fp16_paste_keeps_fp16_gradients_and_turns_the_distributed_optimizer_on(actmem, tmp_path):
+    """Under --fp16 Megatron's DDP keeps 16-bit gradient buffers (actmem implies --grad-dtype fp16 for a paste);
+    Megatron-FSDP's own follow the weights' dtype, fp16, 2 B: not refused as a DDP setting. Megatron-FSDP v1 turns
+    the distributed optimizer on (arguments.py: 'Using DistributedOptimizer')."""
+    text = open(EXAMPLE).read().replace('DTYPE="fp8"', 'DTYPE="fp16"').replace("    --bf16\n", "    --fp16\n")
+    text = "\n".join(line for line in text.splitlines()
+                     if line.strip() not in ("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"))
+    script = tmp_path / "fp16.sh"
+    script.write_text(text)
+    out = actmem.json("estimate", "--megatron-args", f"@{script}")
+    assert out["parameters"]["gradients_bytes"] == 2 * N // 8
+    assert out["run"]["distributed_optimizer"] is True

@@ -649,7 +649,8 @@ def test_the_dispatchers_sorted_indices_are_held_at_the_shared_experts_rerun_wit
     """The token dispatcher keeps the permutation's sorted indices as its own attribute until the layer's next
     forward (token_dispatcher.py: reversed_local_input_permutation_mapping; measured: tests/validate, the shared
     experts' rerun row). With one chunk in flight the backward's microbatch made them, and they are held when the
-    shared experts rerun; with two, a later forward has replaced them and the backward freed them. DeepSeek-V3,
+    shared experts rerun; with two, a later forward has replaced them and the backward freed them (but on the
+    stage with the output layer, whose first backward is of the microbatch its last chunk just ran). DeepSeek-V3,
     t = 1, s = 4096, b = 1, top-8: int64 [N·k] = 8·4096·8 = 262,144 B. The rerun itself holds the shared experts'
     output again, 2Nh = 2·4096·7168 = 58,720,256 B (CheckpointFunction.backward holds what it made)."""
     from actmem.memory import engine
@@ -663,10 +664,10 @@ def test_the_dispatchers_sorted_indices_are_held_at_the_shared_experts_rerun_wit
     spec = build_spec(preset.model, {"micro_batch": 1, "expert_parallel": 64, "gpus": 64},
                       architecture=preset.architecture | {"mtp_layers": 0})
     arch = spec.architecture_at(1)
-    bindings = spec.bindings() | {engine.microbatches_held: 1, engine.holds_output: 0}
     shared = run_technique(False, RecomputePolicy.parse("selective:shared_experts"))
 
-    def freed(chunks):
+    def freed(chunks, last=0):
+        bindings = spec.bindings() | {engine.microbatches_held: 1, engine.holds_output: last}
         moments = stage_activations(shared, arch, lambda expr: engine.exact(expr, bindings), StageCounts(4, chunks)
                                     ).moments
         start, rerun = (next(m for m in moments if m.name == name) for name in ("start", "rerun"))
@@ -674,6 +675,10 @@ def test_the_dispatchers_sorted_indices_are_held_at_the_shared_experts_rerun_wit
 
     (one, remade), (two, same) = freed(1), freed(2)
     assert two - one == 8 * 4096 * 8 == 262_144 and remade == same
+    # on the stage with the output layer the first backward follows its last chunk's forward of the same microbatch,
+    # interleaved too (five chunks in flight): held
+    assert freed(5, last=1)[0] == freed(1, last=1)[0]
+    bindings = spec.bindings()
     without_output = engine.exact(engine.rematerialised_bytes(shared, arch, module="shared_experts"), bindings) \
         - engine.exact(engine.term_bytes(engine.RERUN_OUTPUT, shared, arch), bindings)
     assert remade - without_output == 2 * 4096 * 7168 == 58_720_256

@@ -853,7 +853,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options.update(gpu_options(flags, preset.gpu if preset else None))
     if flags["grad_dtype"] is not None:
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
-    options.update(_megatron_fsdp_gradients(flags, run))
+    options.update(_megatron_fsdp_gradients(flags, run, implementation(architecture.get("implementation", MEGATRON))))
     options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
         code = implementation(architecture.get("implementation", MEGATRON))
@@ -870,10 +870,12 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
         raise _from_the_launcher(error, pasted.get("notes", ())) from None
 
 
-def _megatron_fsdp_gradients(flags: dict, run: dict) -> dict:
+def _megatron_fsdp_gradients(flags: dict, run: dict, code) -> dict:
     """{'gradient_bytes': ...} under Megatron-FSDP: its gradient buffer follows --megatron-fsdp-main-grads-dtype
-    (Megatron-LM d98e8a64, arguments.py: auto, the default, the weights' dtype; the buffer, param_and_grad_buffer.py),
-    not DDP's --grad-dtype, which Megatron-FSDP does not read: given beside it, refused."""
+    (Megatron-LM d98e8a64, arguments.py: auto, the default, the weights' dtype; its param_and_grad_buffer.py,
+    _resolve_group_grad_dtype), not DDP's --grad-dtype, which Megatron-FSDP there does not read: given beside it,
+    refused. (megatron-core 0.16.1 had no such flag: fp32 unless --grad-reduce-in-bf16.) Megatron-FSDP v1 turns
+    the distributed optimizer on (``run``, in place), whose state it then shards as its strategy says."""
     given = flags.get("fsdp_main_grads")
     if not run.get("megatron_fsdp"):
         if given is not None:
@@ -885,6 +887,8 @@ def _megatron_fsdp_gradients(flags: dict, run: dict) -> dict:
                         "buffer of Megatron's DDP, which Megatron-FSDP does not read: its main gradients follow "
                         "--megatron-fsdp-main-grads-dtype (auto, the weights' dtype, unless given)")
     dtype = given if given not in (None, "auto") else flags.get("params_dtype") or "bf16"
+    if "megatron_fsdp" in code.runs:        # Megatron-FSDP v1 sets it (arguments.py: 'Using DistributedOptimizer')
+        run["distributed_optimizer"] = True
     return {"gradient_bytes": _gradient_bytes(dtype)}
 
 

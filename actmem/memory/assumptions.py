@@ -263,12 +263,18 @@ def _megatron_fsdp_notes(spec: Spec) -> list:
     return [f"Megatron-FSDP (megatron-core's own FSDP, --use-megatron-fsdp), --data-parallel-sharding-strategy "
             f"{strategy}: " + (f"{', '.join(sharded)} sharded over {over}" if sharded else "nothing sharded")
             + ", each in a buffer allocated once and held at every moment (param_and_grad_buffer.py); its "
-            "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype), its main weights fp32",
+            "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
+            "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
+            "of its own here",
             "not counted under Megatron-FSDP: each bucket's padding to d·c times the lcm of its parameters' row "
             "sizes (0.01% of Llama 3 8B's state at d = 8, more at larger d and t), and the step's transients: the "
             "units all-gathered to compute and the prefetch window (max(5·10⁸ elements, a unit): megatron_fsdp.py), the "
-            "embedding and output layer's bucket gathered, the gradients queued for their reduce-scatter (up to "
-            "max(10⁹ elements, two units)): the peak floor is below the run's by those"]
+            "gradients queued for their reduce-scatter (up to max(10⁹ elements, two units)): the peak floor is below "
+            "the run's by those"] + (
+        ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
+         "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
+         "only the units' buckets are released): counted whole beside their shards ('gathered weights')"]
+        if MEGATRON_FSDP_STRATEGIES[strategy][0] else [])
 
 
 def _zero_notes(spec: Spec) -> list:

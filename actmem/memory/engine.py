@@ -128,10 +128,12 @@ _HELD_THROUGH = {"core_attn": "mla_up_proj", "mla_up_proj": "input_layernorm", "
 _ROUTED = ("router_topk_indices", "shared_experts_fc1_input_gathered")
 #: what the token dispatcher keeps as an attribute of its own until the layer's next forward, beside the permutation
 #: backward's saved copy: its sorted indices (token_dispatcher.py, both dispatchers: reversed_local_input_permutation_
-#: mapping; TE's row map where the permutation is fused, source read only). A rerun after the permutation's backward
+#: mapping, the alltoall's permute_sorted_indices, the allgather's permute_local_indices; TE's row map where the
+#: permutation is fused, source read only); and the allgather's probabilities (local_probs, the experts' [T] probs
+#: before their unsqueeze: experts_probs where no FP8 padding copies them). A rerun after the permutation's backward
 #: (the shared experts') finds them held where that microbatch's forward was the layer's last, one chunk in flight
 #: (stage_model; the harness's one microbatch: measured, --grid moe), and freed where a later one's has replaced them
-DISPATCHER_KEEPS = ("permute_sorted_indices", "permute_row_id_map")
+DISPATCHER_KEEPS = ("permute_sorted_indices", "permute_local_indices", "permute_row_id_map")
 #: the shared experts' rows whose backward runs before the routed experts' where they overlap the dispatch: fc2's
 #: and the gate's product's, made after the combine (moe_layer.py, combine_postprocess: linear_fc2_forward;
 #: post_forward_comm sets its gradient's sequence number past every other), so they are freed when moe_act's rerun
@@ -229,7 +231,13 @@ def dispatcher_kept(technique: Technique, arch: Architecture, module: str) -> sy
     microbatch's forward was the layer's last (DISPATCHER_KEEPS): the stage model adds it back with one chunk in
     flight."""
     return sympy.Add(*(term_bytes(term, technique, arch) for term in freed_layer_rows(technique, arch, module)
-                       if term.name in DISPATCHER_KEEPS))
+                       if term.name in dispatcher_keeps(arch)))
+
+
+def dispatcher_keeps(arch: Architecture) -> tuple:
+    """The rows the token dispatcher of ``arch`` still holds after the layer's backward (DISPATCHER_KEEPS)."""
+    unpadded = arch.moe_dispatcher == "allgather" and not arch.fp8 and not arch.moe_bf16_padding
+    return DISPATCHER_KEEPS + ("experts_probs",) * unpadded
 
 
 def _mla_core_output(technique: Technique) -> tuple:

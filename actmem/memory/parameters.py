@@ -7,7 +7,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 
 from dataclasses import dataclass, replace
 
-from actmem.memory.megatron_fsdp import state_bytes
+from actmem.memory.megatron_fsdp import gathered_outside_units, state_bytes
 from actmem.model.architecture import PAPER
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -239,6 +239,10 @@ class ParameterBytes:
     megatron_fsdp: str | None = None
     """Megatron-FSDP's sharding strategy (actmem.memory.megatron_fsdp), None where the run does not use it: its
     buffers are held at every moment."""
+    gathered_bytes: int = 0
+    """Under Megatron-FSDP's optim_grads_params, the 16-bit weights outside its units (the embedding, the output
+    layer, the final norm) all-gathered in the forward and kept until the backward's end: held at every moment of
+    the first backward (megatron_fsdp.gathered_outside_units)."""
 
     @property
     def transient_gradients(self) -> bool:
@@ -253,7 +257,7 @@ class ParameterBytes:
     @property
     def total_bytes(self):
         return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
-                + self.fp8_bytes)
+                + self.fp8_bytes + self.gathered_bytes)
 
     def __add__(self, other: "ParameterBytes") -> "ParameterBytes":
         """Two groups of parameters on one GPU (a MoE layer's experts beside the rest: sharded over
@@ -305,8 +309,10 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     if megatron_fsdp is not None:      # TE's dummy weight gradients as under DDP, 2 B an element
+        outside = stage_parameters(h, L, p, t, v, s, arch, heads, 0, stage)      # the embedding's and the head's
         return ParameterBytes(count, *state_bytes(count, shards, megatron_fsdp, gradient_bytes, optimizer_bytes),
-                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp)
+                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp,
+                              gathered_bytes=gathered_outside_units(outside, megatron_fsdp))
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if arch.moe:
         experts = own * expert_parameters(h, arch, ep, etp)

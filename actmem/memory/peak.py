@@ -31,6 +31,11 @@ FP8_SOURCE = ("what TE keeps for FP8 training: the linears' weights cached in FP
               "(actmem.model.fp8)")
 
 
+GATHERED_SOURCE = ("16-bit weights outside Megatron-FSDP's units (the embedding, the output layer, the final norm), "
+                   "all-gathered into a bucket of their own in the forward and kept until the backward's end "
+                   "(megatron_fsdp.py, _root_pre_backward: only the units' buckets are released; unpadded)")
+
+
 @dataclass(frozen=True)
 class PeakRow:
     name: str
@@ -101,6 +106,7 @@ def peak_floor(row) -> PeakFloor:
         ("weights", "main_gradients", "optimizer_state"),
         (params.weights_bytes, params.gradients_bytes, params.optimizer_bytes), sources)) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
          if params.dummy_wgrads_bytes else ()) + ((PeakRow("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),)
-                                                  if params.fp8_bytes else ())
+                                                  if params.fp8_bytes else ()) + (
+        (PeakRow("gathered_weights", params.gathered_bytes, GATHERED_SOURCE),) if params.gathered_bytes else ())
     moment = row.peak_moment
     return PeakFloor(state + moment.parts, moment.when)

@@ -145,7 +145,9 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
     checkpointed, else none: its last layers are kept whole, so the first rerun comes after
     their activations are freed, a moment the floor does not take."""
     if technique.recompute is Recompute.SELECTIVE:
-        latest = counts.chunks == 1         # the layer's last forward was this microbatch's (engine.DISPATCHER_KEEPS)
+        # the layer's last forward was this microbatch's (engine.DISPATCHER_KEEPS): one chunk in flight, or the stage
+        # with the output layer, whose first backward follows its last chunk's forward of that microbatch
+        latest = (counts.chunks == 1) | (value(engine.holds_output) == 1)
         return tuple(_rerun(held, value(engine.rematerialised_bytes(technique, arch, module=module)),
                             value(engine.freed_before_rerun(technique, arch, module))
                             - latest * value(engine.dispatcher_kept(technique, arch, module)), technique, unit=module)

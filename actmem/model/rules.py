@@ -256,8 +256,8 @@ _DATA_PARALLEL = ("gpus", "run_known")
 FSDP_RULES = (
     Rule(lambda v: _implies(v.fsdp, "fsdp" in v.code.runs),
          lambda v: f"--fsdp is PyTorch's FSDP2 as torchtitan applies it, modelled under --implementation torch-native "
-                   f"only, not {v.code.name} (Megatron shards its optimizer state with --use-distributed-optimizer; "
-                   f"its own FSDP, --use-megatron-fsdp or --use-torch-fsdp2, is not modelled yet)", ("code",)),
+                   f"only, not {v.code.name} (Megatron shards its optimizer state with --use-distributed-optimizer, "
+                   f"its model state with --use-megatron-fsdp; its --use-torch-fsdp2 is not modelled yet)", ("code",)),
     Rule(lambda v: _implies(v.fsdp, v.gpus is not None),
          lambda v: "--fsdp shards the model state over the d data-parallel ranks: give --gpus (d = gpus/t)",
          ("run_known",)),

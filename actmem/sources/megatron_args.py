@@ -339,8 +339,8 @@ def _implied(words, settings) -> list[str]:
     implied = []
     if QK_LAYER_SCALING in settings and "--attention-softmax-in-fp32" not in words:
         implied += ["--attention-softmax-in-fp32"]                   # TransformerConfig sets it
-    if "--fp16" in settings and FP32_GRADIENTS not in settings:      # fp16's gradient buffers stay 16-bit
-        implied += ["--grad-dtype", "fp16"]
+    if "--fp16" in settings and FP32_GRADIENTS not in settings and "--use-megatron-fsdp" not in words:
+        implied += ["--grad-dtype", "fp16"]      # fp16's DDP gradient buffers stay 16-bit (Megatron-FSDP's: its own)
     if "--fp16" in settings:                     # the precision-aware optimizer's remainders need bf16
         implied += ["--params-dtype", "fp16"]
     if GQA_SWITCH in settings and "--num-query-groups" not in words:

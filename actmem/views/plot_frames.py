@@ -33,7 +33,7 @@ MAP_MEMORY_COLUMN = "peak_bytes"
 #: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``. gradients_bytes: those held at
 #: every moment; FSDP2's and ZeRO-1/2's, held at some moments only, are in transient_bytes where the peak holds them.
 MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                "dummy_wgrads_bytes", "fp8_bytes", "transient_bytes")
+                "dummy_wgrads_bytes", "fp8_bytes", "gathered_bytes", "transient_bytes")
 
 #: What ``actmem validate --format csv`` writes (actmem_validate.compare: the row, then its gate).
 VALIDATION_COLUMNS = ("config", "technique", "rank", "term", "kind", "formula_bytes", "measured_bytes",
@@ -58,13 +58,14 @@ def run_label(spec) -> str:
     whole_chunk = policy.method == "block" and not block        # block N as large as a chunk: plain full
     name = PLAN_BLOCK if block else (sweep_name(policy) if whole_chunk or not policy.partial else None) or policy.word
     layers = stage_layers(spec)
-    return config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
-                                        m=run.interleave, b=run.micro_batch,
-                                        first_stage_layers=layers[0], last_stage_layers=layers[-1],
-                                        stage_layers=layers[1] if len(layers) > 2 else layers[0],
-                                        sequence_parallel=run.sequence_parallel, recompute=name,
-                                        recompute_layers=policy.layers if block else 0,
-                                        distributed_optimizer=run.distributed_optimizer))
+    label = config_label(SimpleNamespace(t=run.tensor_parallel, c=run.context_parallel, p=run.pipeline_parallel,
+                                         m=run.interleave, b=run.micro_batch,
+                                         first_stage_layers=layers[0], last_stage_layers=layers[-1],
+                                         stage_layers=layers[1] if len(layers) > 2 else layers[0],
+                                         sequence_parallel=run.sequence_parallel, recompute=name,
+                                         recompute_layers=policy.layers if block else 0,
+                                         distributed_optimizer=run.distributed_optimizer and not run.megatron_fsdp))
+    return label + (f" mfsdp:{spec.megatron_fsdp_strategy}" if run.megatron_fsdp else "")
 
 
 # -- where the memory goes -----------------------------------------------------------------
@@ -94,7 +95,7 @@ def _technique_rows(est) -> list[dict]:
                      "weights_bytes": params.weights_bytes,
                      "gradients_bytes": 0 if params.transient_gradients else params.gradients_bytes,
                      "optimizer_bytes": params.optimizer_bytes, "dummy_wgrads_bytes": params.dummy_wgrads_bytes,
-                     "fp8_bytes": params.fp8_bytes,
+                     "fp8_bytes": params.fp8_bytes, "gathered_bytes": params.gathered_bytes,
                      "total_bytes": row.total_bytes,
                      "transient_bytes": row.transient_bytes, "peak_bytes": row.peak_bytes,
                      "gpu_memory_bytes": spec.gpu_memory_bytes, "fits": est.technique_fits(row)})

@@ -273,6 +273,9 @@ def _memory_table(est: Estimate) -> Table:
     if params.dummy_wgrads_bytes:
         rows += (("dummy weight gradients", params.dummy_wgrads_bytes,
                   "16-bit, one a linear's weight shape, kept by TE (get_dummy_wgrad)"),)
+    if params.gathered_bytes:
+        rows += (("gathered weights", params.gathered_bytes, "16-bit, outside Megatron-FSDP's units (embedding, "
+                  "output layer, final norm): gathered from the forward to the backward's end"),)
     if params.fp8_bytes:
         rows += (("FP8 weight state", params.fp8_bytes,
                   "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)
@@ -344,8 +347,8 @@ def _megatron_fsdp_state_rows(est: Estimate) -> tuple:
     per = lambda width, shards: (f"{params.count:,} parameters × {width} B"
                                  + (f" / {_dc(spec)}" if shards else ", whole"))
     grads = "fp32" if spec.gradient_bytes == GRADIENT_BYTES else "16-bit"
-    return (("weights", params.weights_bytes, per(WEIGHT_BYTES, sharded[0]) + " (the units gathered to compute, "
-             "and the buckets' padding, are not counted)"),
+    return (("weights", params.weights_bytes, per(WEIGHT_BYTES, sharded[0]) + (
+                " (the units gathered to compute, and the buckets' padding, are not counted)" if sharded[0] else "")),
             ("gradients", params.gradients_bytes, per(spec.gradient_bytes, sharded[1]) + f" ({grads}: "
              "--megatron-fsdp-main-grads-dtype)"),
             ("optimizer state", params.optimizer_bytes, per(spec.optimizer.bytes_per_parameter, sharded[2])

@@ -46,6 +46,7 @@ def records(est: Estimate, codes=None) -> dict:
                        "optimizer_bytes": est.parameters.optimizer_bytes,
                        "dummy_wgrads_bytes": est.parameters.dummy_wgrads_bytes,
                        "fp8_bytes": est.parameters.fp8_bytes,
+                       "gathered_bytes": est.parameters.gathered_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
         "peak_floor": _floor(est.peak),
@@ -127,7 +128,7 @@ def frames(est: Estimate, codes=None) -> dict:
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
         ("dummy_wgrads", params["dummy_wgrads_bytes"]), ("fp8_weight_state", params["fp8_bytes"]),
-        ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
+        ("gathered_weights", params["gathered_bytes"]), ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]),
         ("host_offload", rec["host_bytes"]))]

@@ -26,7 +26,8 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     """Seven layouts (the alltoall and allgather dispatchers; EP = 2; t = ETP = 2; t = 2 beside EP = 2 and
     ETP = 1; the softmax router over the top-k, over every expert at top-1, and the sigmoid router with and
     without the expert bias; the router in fp32 and fp64; shared experts, gated and overlapping; the aux loss
-    at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts;
+    at Megatron's default coefficient 0; selective recompute of the whole layer, moe, and of the shared experts
+    (under both dispatchers);
     inside a TransformerLayer after its pre-MLP norm, as it is and with layernorm recomputed; a capacity factor
     of 0.5 dropping by probability under alltoall and by position under allgather, of 1.5 dropping beside EP = 2,
     padded to capacity under both dispatchers; TE's grouped GEMM (TEGroupedMLP over a GroupedLinear stand-in),
@@ -39,7 +40,7 @@ def test_every_row_of_megatrons_moe_layer_is_counted_to_the_byte(grid_rows):
     rank: each row measured equals its formula, nothing unnamed, the totals equal; and every MoE row of the
     table is measured, non-zero, on some layout."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 41
+    assert len({row["config"] for row in grid_rows}) == 42
     measured = {row["term"] for row in grid_rows if row["kind"] == "paper" and row["measured_bytes"] > 0}
     assert MOE_TERMS - measured == set()
 
@@ -322,6 +323,7 @@ def _reruns(grid_rows, label: str) -> dict:
 
 SHARED_BF16 = "moe E=8 k=2 t=2 EP=2 ETP=1 alltoall router bf16 shared gated sigmoid aux 0.01 selective:shared_experts"
 SHARED_FP8 = "moe E=8 k=2 t=1 EP=2 ETP=1 alltoall router bf16 grouped fp8 tensorwise shared aux 0.01 selective:shared_experts"
+SHARED_ALLGATHER = "moe E=8 k=2 t=2 EP=1 ETP=2 allgather router bf16 shared aux 0.01 selective:shared_experts"
 
 
 def test_the_moe_layers_and_the_shared_experts_reruns_hold_their_output_through_their_backward(grid_rows):
@@ -338,6 +340,10 @@ def test_the_moe_layers_and_the_shared_experts_reruns_hold_their_output_through_
       512; fc1, which Megatron hands no save_original_input under this recompute, keeps its input quantized
       32·32 + 4 = 1028; the SwiGLU's input 2·32·256 = 16,384; fc2's FP8 copy 32·128 + 4 = 4100; the output 2048:
       26,120 (before: 23,556).
+    - the shared experts under the allgather dispatcher, ungated, t = ETP = 2: the input 512; the dispatcher keeps
+      the indices of the T = k·N = 64 rows its experts received, int64 [64] = 512, and their probabilities,
+      local_probs [64] 16-bit = 128 (the experts' probs row, one storage); the SwiGLU's input 896, fc2's 448, the
+      output 512: 3008.
     - the whole MoE layer, bf16 and FP8 (t = ETP = 2): every row of the layer again and its output, 2·8·2·16 = 512
       (bf16, h = 16) beyond them; under FP8 the experts' fc2 keeps its FP8 copies in moe's rerun, not the 16-bit
       input moe_act's rerun remakes (actmem said 54,632 against 49,032 before)."""
@@ -345,6 +351,8 @@ def test_the_moe_layers_and_the_shared_experts_reruns_hold_their_output_through_
     assert _reruns(grid_rows, SHARED_BF16) == {(rank, "rerun shared_experts"): (3168, 3168) for rank in (0, 1)}
     assert 2048 + 512 + 1028 + 16_384 + 4100 + 2048 == 26_120
     assert _reruns(grid_rows, SHARED_FP8) == {(rank, "rerun shared_experts"): (26_120, 26_120) for rank in (0, 1)}
+    assert 512 + 512 + 128 + 896 + 448 + 512 == 3008
+    assert _reruns(grid_rows, SHARED_ALLGATHER) == {(rank, "rerun shared_experts"): (3008, 3008) for rank in (0, 1)}
     moe = [row for row in grid_rows if row["term"] == "rerun moe"]
     assert len(moe) == 4 and all(row["formula_bytes"] == row["measured_bytes"] > 0 for row in moe)
 

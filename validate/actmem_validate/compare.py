@@ -229,7 +229,7 @@ def rerun_rows(config, rank: int, technique, arch, rows: dict, table, bindings: 
             if not any(term.module_of(arch) == unit and term in table for term in layer_terms(arch)):
                 continue
             freed = sum(rows.get(term.name, 0) for term in engine.freed_layer_rows(technique, arch, unit)
-                        if term.name not in engine.DISPATCHER_KEEPS)     # one microbatch: the dispatcher's last
+                        if term.name not in engine.dispatcher_keeps(arch))     # one microbatch: the dispatcher's last
             remade = engine.exact(engine.rematerialised_bytes(technique, arch, module=unit), bindings)
             formula[unit] = sum(rows.values()) - freed + remade
     return [_row(config, rank, f"rerun {unit}", formula.get(unit, 0), measured.get(unit, 0), "rerun")

@@ -121,7 +121,9 @@ def moe_grid() -> list:
     # selective recompute of the whole MoE layer (its checkpoint keeps the router's input alone) and of the
     # shared experts (theirs the same input), beside t = 2
     for spec, modules in ((moe_spec(t=2, shared=True, gate=True), ("moe",)),
-                          (moe_spec(t=2, ep=2, etp=1, shared=True, gate=True, sigmoid=True), ("shared_experts",))):
+                          (moe_spec(t=2, ep=2, etp=1, shared=True, gate=True, sigmoid=True), ("shared_experts",)),
+                          # ... under the allgather dispatcher, which keeps its indices and probabilities too
+                          (moe_spec(t=2, dispatcher="allgather", shared=True), ("shared_experts",))):
         policy = RecomputePolicy(Recompute.SELECTIVE, frozenset(modules))
         configs.append(MoEConfig(spec, run_technique(spec.run.sequence_parallel, policy)))
     # a capacity factor that drops tokens (0.5: half of each expert's balanced share), by probability under

@@ -83,6 +83,9 @@ def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_is_its_ddp_path
     out = actmem.json("estimate", "--megatron-args", _example(tmp_path))
     gathered = 2 * (2 * 128_256 * 4096 + 4096)
     assert out["parameters"]["gathered_bytes"] == gathered == 2_101_354_496
+    notes = " ".join(out["assumptions"])       # its buckets and hooks are Megatron-FSDP's, not DDP's
+    assert "--overlap-grad-reduce and --overlap-param-gather read: under Megatron-FSDP" in notes
+    assert "Megatron-FSDP's hook adds to main_grad" in notes and "DDP already holds" not in notes
     assert out["parameters"]["total_bytes"] == 16 * N // 8 + gathered == 16_060_522_496 + gathered
     assert out["parameters"]["dummy_wgrads_bytes"] == 0
     optim = actmem.json("estimate", "--megatron-args", _example(tmp_path, "optim"),

@@ -590,7 +590,8 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
     if unfused_weight_gradients(arch):
         notes.append("no gradient accumulation fusion (--no-gradient-accumulation-fusion): no dummy weight gradients; "
                      "each linear makes a 16-bit weight gradient at its backward (TE linear.py: the wgrad GEMM with no "
-                     "out), which DDP's hook adds to main_grad and frees: fc1's is in its backward moment; the "
+                     f"out), which {'Megatron-FSDP' if spec.run.megatron_fsdp else 'DDP'}'s hook adds to main_grad "
+                     "and frees: fc1's is in its backward moment; the "
                      "others' (QKV, projection, fc2, the output layer's) at their own moments are not counted")
     elif "wgrad_fusion" in arch.code.has:
         notes.append("dummy weight gradients: under Megatron's DDP each linear that accumulates into main_grad "

@@ -251,7 +251,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
     used += _implied(words, settings)
     layout, layout_notes, layout_problems = megatron_pipeline.read(words, settings)
     used += layout
-    settings["notes"] = repeated + _read_notes(settings) + layout_notes
+    settings["notes"] = repeated + _read_notes(settings, "--use-megatron-fsdp" in used) + layout_notes
     if "--sequence-parallel" in used and _value_after(words, "--tensor-model-parallel-size") in (None, "1"):
         used.remove("--sequence-parallel")      # Megatron turns it off at t = 1 (arguments.py, with a warning)
         settings["notes"].append(
@@ -283,10 +283,22 @@ _READ_NOTES = (
 )
 
 
-def _read_notes(settings) -> list[str]:
+#: the notes of _READ_NOTES that say otherwise under Megatron-FSDP, whose buckets are its own
+_MEGATRON_FSDP_NOTES = {
+    OVERLAP: "{names} read: under Megatron-FSDP they overlap its gradient reduce-scatters and its units' all-gathers "
+             "with compute; the units it gathers ahead (its prefetch window) are a transient not counted",
+    BUCKETS: "{names} read: under Megatron-FSDP they shape its own buckets (one a TransformerLayer under "
+             "optim_grads_params), whose padding is not counted",
+}
+
+
+def _read_notes(settings, megatron_fsdp: bool = False) -> list[str]:
+    """The assumptions' notes on the read settings; ``megatron_fsdp``: the paste runs Megatron-FSDP, whose
+    buckets are not DDP's."""
     backend = settings.get("--attention-backend")
     notes = [f"--attention-backend {backend} read: {_BACKEND_NOTES[backend]}"] if backend in _BACKEND_NOTES else []
     for names, note in _READ_NOTES:
+        note = _MEGATRON_FSDP_NOTES.get(names, note) if megatron_fsdp else note
         given = [name for name in names if name in settings]
         if given:
             notes.append(note.format(names=" and ".join(given)))

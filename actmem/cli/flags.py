@@ -328,8 +328,8 @@ RUN_FLAGS = (
          "with selective recompute: what it recomputes, from core_attn (the attention core, the "
          "default and the paper's), mlp (a dense layer's MLP with its fused norm, keeping its input), "
          "layernorm (the norms that are modules of their own: multi-latent attention's input norm, a MoE "
-         "layer's pre-MLP norm; no change where TE fuses a norm into the next linear), mla_up_proj (multi-latent attention's up projections), and a "
-         "mixture of experts' moe (the whole MoE layer, keeping its input), moe_act (the experts' "
+         "layer's pre-MLP norm; no change where TE fuses a norm into the next linear), mla_up_proj "
+         "(multi-latent attention's up projections), and a mixture of experts' moe (the whole MoE layer, keeping its input), moe_act (the experts' "
          "activation) and shared_experts (the shared experts), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
@@ -853,10 +853,10 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
     options.update(gpu_options(flags, preset.gpu if preset else None))
     if flags["grad_dtype"] is not None:
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
-    options.update(_megatron_fsdp_gradients(flags, run, implementation(architecture.get("implementation", MEGATRON))))
+    code = implementation(architecture.get("implementation", MEGATRON))
+    options.update(_megatron_fsdp_gradients(flags, run, code))
     options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
-        code = implementation(architecture.get("implementation", MEGATRON))
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
     options["notes"] = notes + tuple(pasted.get("notes", ()))
     if pasted.get("ignored"):

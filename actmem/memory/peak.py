@@ -104,9 +104,10 @@ def peak_floor(row) -> PeakFloor:
                 "(Megatron's DDP)", "fp32 master weights and Adam's two moments (or this rank's shard of them)"))
     state = tuple(PeakRow(name, value, source) for name, value, source in zip(
         ("weights", "main_gradients", "optimizer_state"),
-        (params.weights_bytes, params.gradients_bytes, params.optimizer_bytes), sources)) + ((PeakRow("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),)
-         if params.dummy_wgrads_bytes else ()) + ((PeakRow("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),)
-                                                  if params.fp8_bytes else ()) + (
-        (PeakRow("gathered_weights", params.gathered_bytes, GATHERED_SOURCE),) if params.gathered_bytes else ())
+        (params.weights_bytes, params.gradients_bytes, params.optimizer_bytes), sources))
+    extra = (("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),
+             ("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),
+             ("gathered_weights", params.gathered_bytes, GATHERED_SOURCE))
+    state += tuple(PeakRow(name, value, source) for name, value, source in extra if value)
     moment = row.peak_moment
     return PeakFloor(state + moment.parts, moment.when)

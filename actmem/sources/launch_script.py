@@ -118,13 +118,12 @@ class _Shell:
             self._command(node)
         elif kind == "if_statement":
             self._if(node)
-        elif kind == "case_statement" and self._case(node) is None:
-            pass
-        elif kind in _OPAQUE_BLOCKS and self._changes_arguments(node):
-            why = self._case(node) if kind == "case_statement" else ""
-            raise SpecError(f"--megatron-args: line {node.start_point[0] + 1}: a {kind.replace('_', ' ')}{why} "
-                            "sets variables or launches the training, and actmem reads a script without "
-                            "running it; paste the training script's arguments instead")
+        elif kind in _OPAQUE_BLOCKS:
+            why = self._case(node) if kind == "case_statement" else ""       # None: the case ran, as bash runs it
+            if why is not None and self._changes_arguments(node):
+                raise SpecError(f"--megatron-args: line {node.start_point[0] + 1}: a {kind.replace('_', ' ')}{why} "
+                                "sets variables or launches the training, and actmem reads a script without "
+                                "running it; paste the training script's arguments instead")
 
     def _assign(self, node, environment: dict | None = None) -> None:
         name_node, value_node = node.child_by_field_name("name"), node.child_by_field_name("value")

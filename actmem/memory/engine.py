@@ -297,5 +297,12 @@ def _number(number):
 
 @cache
 def numeric(expr):
-    """A numpy function of NUMERIC_ARGS for sweeps (the planner), from the same expression."""
-    return sympy.lambdify(NUMERIC_ARGS, expr, modules="numpy")
+    """A numpy function of NUMERIC_ARGS for sweeps (the planner), from the same expression.
+
+    numpy's printer with its functions imported one by one: lambdify's modules="numpy" runs
+    `from numpy import *`, which loads numpy's lazy submodules (f2py, testing, ...), a tenth of
+    a second of every `actmem plan`."""
+    from sympy.printing.numpy import NumPyPrinter
+
+    printer = NumPyPrinter({"fully_qualified_modules": False, "inline": True, "allow_unknown_functions": True})
+    return sympy.lambdify(NUMERIC_ARGS, expr, modules={}, printer=printer)

@@ -35,6 +35,7 @@ ELSEWHERE = {
     "actmem validate --grid moe": "tests/validate/test_megatron_moe.py and .ci/run (its CSV into artifacts/)",
     "actmem validate --grid mla": "tests/validate/test_megatron_mla.py and .ci/run (its CSV into artifacts/)",
     "actmem validate --grid mtp": "tests/validate/test_megatron_mtp.py and .ci/run (its CSV into artifacts/)",
+    "actmem validate --grid mfsdp": "tests/validate/test_megatron_fsdp.py and .ci/run (its CSV into artifacts/)",
     "actmem validate --grid zero --max-peak-gap 15": "tests/validate/test_zero_harness.py and .ci/run (its CSV into "
                                                      "artifacts/)",
     "actmem validate --grid presets --mode rank0": "a GPU's (docs/validation.md); on a CPU .ci/run runs the "

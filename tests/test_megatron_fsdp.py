@@ -3,13 +3,31 @@ a rank keeps under each strategy, by hand, and Megatron-LM's own FSDP example as
 
 Llama 3.1 8B at t = 1: N = 2·128,256·4096 (embedding, untied output) + 4096 (final norm) + 32 layers of
 4096·(4096 + 2·8·128) (QKV) + 4096² (projection) + 3·4096·14,336 (SwiGLU) + 2·4096 (norms) = 218,112,000 each:
-N = 1,050,673,152 + 4096 + 6,979,584,000 = 8,030,261,248."""
+N = 1,050,673,152 + 4096 + 6,979,584,000 = 8,030,261,248.
+
+Its buckets, padded as param_and_grad_buffer.py's build_data_parallel_buffer_index lays them out, at d·c = 8:
+- optim, optim_grads, optim_grads_params: a bucket a layer (a unit: Megatron-LM d98e8a64) and one of the rest. A layer's rows widest first: fc2 [4096, 14,336]
+  (row 14,336), the projection, QKV and fc1 (row 4096), the two norms (row 1); chunk factor lcm(14,336, 4096) =
+  28,672. fc2 (2048 chunks) at 0; the projection (16,777,216 = 585 chunks + 4096) ends 4096 into a chunk, QKV
+  (25,165,824 = 877 chunks + 20,480) shares that chunk's last 20,480, a norm fills the 4096 between; fc1 (4096
+  chunks); the other norm at the end: 218,112,000 with no hole, padded to 8·28,672 = 229,376: 951·229,376 =
+  218,136,576 (shard 27,267,072). The rest (embedding, final norm, output: rows 4096, 4096, 1): factor 4096,
+  1,050,677,248 padded to 32,768: 32,065·32,768 = 1,050,705,920 (shard 131,338,240). P = 32·218,136,576 +
+  1,050,705,920 = 8,031,076,352; a rank's shard S = P/8 = 1,003,884,544; padding only at each bucket's end, so
+  rank 0's shard is all parameters and Adam's moments cover S elements there.
+- no_shard: one bucket of every parameter. Rows: 32 fc2s, then the embedding, the layers'
+  projection, QKV and fc1, the output layer, then 65 norms; factor 28,672. fc2s whole; the embedding (18,322 chunks
+  + 8192) shares its last chunk with layer 1's projection (+4096), 4 norms fill the 16,384 left; each layer's QKV
+  (+20,480) shares with the next layer's projection (+4096), a norm the 4096 left; layer 32's QKV with the output
+  (+8192) exactly; 30 norms at the end: no hole, the layout is N long, unpadded under no_shard."""
 
 import pytest
 
 from tests.conftest import assert_one_line_error
 
 N = 8_030_261_248
+P, S = 8_031_076_352, 1_003_884_544            # the padded buckets, a rank's shard (all strategies but no_shard)
+GATHERED = 2 * 1_050_705_920                   # the rest's padded bucket, 16-bit
 EXAMPLE = "tests/data/megatron_examples/train_llama3_8b_fsdp_h100_fp8.sh"
 #: TE's dummy weight gradients (fusion on): QKV [6144, 4096], projection [4096, 4096], fc1 [28,672, 4096],
 #: fc2 [4096, 14,336], output [128,256, 4096], 2 B an element
@@ -23,19 +41,20 @@ def _state(actmem, *args):
 
 
 @pytest.mark.parametrize("strategy, args, expected", [
-    # the default, optim_grads_params, over d = 8: 2 + 2 (bf16 gradients: auto, the weights' dtype) + 12 B, all / 8
-    (None, ("--gpus", "8"), (2 * N // 8, 2 * N // 8, 12 * N // 8)),
-    # optim: the main weights and Adam's moments alone sharded
-    ("optim", ("--gpus", "8"), (2 * N, 2 * N, 12 * N // 8)),
+    # the default, optim_grads_params, over d = 8: 2 + 2 (bf16 gradients: auto, the weights' dtype) + 4 + 8 B a
+    # shard element (fp32 main weights; Adam's moments on the S parameter elements of rank 0's shard)
+    (None, ("--gpus", "8"), (2 * S, 2 * S, 12 * S)),
+    # optim: the main weights and Adam's moments alone sharded; the 16-bit weights and gradients padded, whole
+    ("optim", ("--gpus", "8"), (2 * P, 2 * P, 12 * S)),
     # optim_grads: and the gradients, here fp32 (--megatron-fsdp-main-grads-dtype fp32)
-    ("optim_grads", ("--gpus", "8", "--megatron-fsdp-main-grads-dtype", "fp32"), (2 * N, 4 * N // 8, 12 * N // 8)),
-    # no_shard over d·c = 8·2: nothing sharded, 2 + 4 + 12 = 18 B a parameter, DDP's
+    ("optim_grads", ("--gpus", "8", "--megatron-fsdp-main-grads-dtype", "fp32"), (2 * P, 4 * S, 12 * S)),
+    # no_shard over d·c = 8·2: nothing sharded nor padded, 2 + 4 + 12 = 18 B a parameter, DDP's
     ("no_shard", ("--gpus", "16", "--cp", "2", "--megatron-fsdp-main-grads-dtype", "fp32"), (2 * N, 4 * N, 12 * N)),
 ])
 def test_each_strategy_shards_what_its_buffers_shard(actmem, strategy, args, expected):
     """param_and_grad_buffer.py (_init_each_parameter_group_buffers): which of the weight, gradient and main-weight
-    buffers a strategy distributes; Adam's moments live on the main weights' shards. 8,030,261,248 is divisible by
-    8, so no shard is rounded up."""
+    buffers a strategy distributes, each bucket padded (the module docstring's layouts); Adam's moments live on the
+    main weights' shards."""
     chosen = ("--data-parallel-sharding-strategy", strategy) if strategy else ()
     assert _state(actmem, *args, *chosen) == (*expected, DUMMIES)
     assert DUMMIES == 1_486_880_768
@@ -46,13 +65,13 @@ def test_the_state_is_held_at_every_moment_and_named(actmem):
     the output names the strategy, what it shards and what is not counted."""
     out = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8")
     state = {row["name"]: row["bytes"] for row in out["stages"][0]["peak_floor"]["rows"]}
-    assert (state["weights"], state["main_gradients"], state["optimizer_state"]) == (
-        2 * N // 8, 2 * N // 8, 12 * N // 8)
+    assert (state["weights"], state["main_gradients"], state["optimizer_state"]) == (2 * S, 2 * S, 12 * S)
     assert out["run"]["megatron_fsdp"] == "optim_grads_params"
     notes = " ".join(out["assumptions"])
     assert ("--data-parallel-sharding-strategy optim_grads_params: 16-bit weights, main gradients, fp32 main "
             "weights and Adam's moments sharded over d = 8") in notes
-    assert "not counted under Megatron-FSDP: each bucket's padding" in notes
+    assert "each bucket padded as build_data_parallel_buffer_index lays it out" in notes
+    assert f"{P:,} elements for {N:,} parameters (+0.01%)" in notes
     text = actmem("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8").output
     assert "recompute none · Megatron-FSDP" in text and "optim_grads_params over d=8" in text    # (wrapped)
 
@@ -74,26 +93,26 @@ def _example(tmp_path, strategy=None, fsdp=True):
     return f"@{script}"
 
 
-def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_is_its_ddp_path(actmem, tmp_path):
+def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_pads_what_its_ddp_path_does_not(actmem, tmp_path):
     """The example (8 GPUs, t = 1, optim_grads_params, --no-gradient-accumulation-fusion: no dummy weight
-    gradients) keeps 16N/8 = 16,060,522,496 B of model state a rank, and the weights outside its units gathered
-    through the step, 2·(2·128,256·4096 + 4096) = 2,101,354,496 B. With SHARDING_STRATEGY=optim and fp32 main
-    gradients it keeps what its DDP path (USE_MEGATRON_FSDP=0: DDP with the distributed optimizer, fp32 gradients)
-    keeps: 2N + 4N + 12N/8 (the DDP path fuses the weight gradients: its dummies beside)."""
+    gradients) keeps 16S = 16,062,152,704 B of model state a rank (the module docstring's shard S), and the weights
+    outside its units gathered through the step: the rest's padded bucket, 2·1,050,705,920 = 2,101,411,840 B (its
+    parameters 2·(2·128,256·4096 + 4096) = 2,101,354,496 B, and 28,672 elements of padding). With
+    SHARDING_STRATEGY=optim and fp32 main gradients: 2P + 4P + 12S, where its DDP path (USE_MEGATRON_FSDP=0: DDP
+    with the distributed optimizer, fp32 gradients; the dummies beside) keeps 2N + 4N + 12N/8."""
     out = actmem.json("estimate", "--megatron-args", _example(tmp_path))
-    gathered = 2 * (2 * 128_256 * 4096 + 4096)
-    assert out["parameters"]["gathered_bytes"] == gathered == 2_101_354_496
+    assert out["parameters"]["gathered_bytes"] == GATHERED == 2_101_354_496 + 2 * 28_672
     notes = " ".join(out["assumptions"])       # its buckets and hooks are Megatron-FSDP's, not DDP's
     assert "--overlap-grad-reduce and --overlap-param-gather read: under Megatron-FSDP" in notes
     assert "Megatron-FSDP's hook adds to main_grad" in notes and "DDP already holds" not in notes
-    assert out["parameters"]["total_bytes"] == 16 * N // 8 + gathered == 16_060_522_496 + gathered
+    assert out["parameters"]["total_bytes"] == 16 * S + GATHERED == 16_062_152_704 + GATHERED
     assert out["parameters"]["dummy_wgrads_bytes"] == 0
     optim = actmem.json("estimate", "--megatron-args", _example(tmp_path, "optim"),
                         "--megatron-fsdp-main-grads-dtype", "fp32")
     ddp = actmem.json("estimate", "--megatron-args", _example(tmp_path, fsdp=False))
     state = ("weights_bytes", "gradients_bytes", "optimizer_bytes")
-    assert [optim["parameters"][key] for key in state] == [ddp["parameters"][key] for key in state] == [
-        2 * N, 4 * N, 12 * N // 8]
+    assert [optim["parameters"][key] for key in state] == [2 * P, 4 * P, 12 * S]
+    assert [ddp["parameters"][key] for key in state] == [2 * N, 4 * N, 12 * N // 8]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -128,5 +147,29 @@ def test_an_fp16_paste_keeps_fp16_gradients_and_turns_the_distributed_optimizer_
     script = tmp_path / "fp16.sh"
     script.write_text(text)
     out = actmem.json("estimate", "--megatron-args", f"@{script}")
-    assert out["parameters"]["gradients_bytes"] == 2 * N // 8
+    assert out["parameters"]["gradients_bytes"] == 2 * S
     assert out["run"]["distributed_optimizer"] is True
+
+
+def test_a_bucket_is_laid_out_as_megatron_lays_it_out():
+    """build_data_parallel_buffer_index by hand. Shapes A [4, 6], B [5, 4], C [3, 4], G [7, 4], D [2, 2], E [3]:
+    rows 6, 4, 4, 4, 2, 1; the factor starts at 6, B's row 4 makes it lcm(6, 4) = 12; C (12 elements) and G (28: not
+    a whole number of chunks, but larger than one) keep it (4 divides 12); D (4) and E (3) are smaller than a chunk.
+    A at 0 (2 chunks); B (20 = a chunk + 8) at 24, its last chunk shared with G (28 = 2 chunks + 4: G's remnant
+    fits the 4 left) at 48 - 4 = 44, running to 72; C at 72; D and E at the end, 84 and 88: 91 long, padded to
+    2 ranks · 12 = 24: 96. Rank 0's shard [0, 48) holds 48 parameter elements, rank 1's [48, 96) 43.
+    Without G: B's chunk has 4 free at 44, where D goes (a fragment in the gap); C at 48, E at 60: 63, padded 72;
+    rank 1's shard [36, 72) holds B's last 8, D, C and E: 27, with 9 of padding. Under no_shard no padding: 63."""
+    from actmem.memory.megatron_fsdp import _covered_below, bucket_layout, chunk_factor
+
+    A, B, C, G, D, E = (4, 6), (5, 4), (3, 4), (7, 4), (2, 2), (3,)
+    assert chunk_factor([A, B, C, G, D, E]) == 12
+    size, items = bucket_layout([A, B, C, G, D, E], 2, True)
+    assert (size, items) == (96, [(0, 24), (24, 20), (44, 28), (72, 12), (84, 4), (88, 3)])
+    covered = _covered_below(items)
+    assert (covered(48) - covered(0), covered(96) - covered(48)) == (48, 43)
+    size, items = bucket_layout([A, B, C, D, E], 2, True)
+    assert (size, items) == (72, [(0, 24), (24, 20), (44, 4), (48, 12), (60, 3)])
+    covered = _covered_below(items)
+    assert (covered(36) - covered(0), covered(72) - covered(36)) == (36, 27)
+    assert bucket_layout([A, B, C, D, E], 2, False)[0] == 63

@@ -1,13 +1,13 @@
 """Megatron-FSDP (megatron-core 0.16.1) on CPU over gloo: what model state each rank allocates for each
 --data-parallel-sharding-strategy, from the ParamAndGradBuffer's own buffers and Adam's state, after building the
 wrapped GPTModel and after one forward+backward+DistributedOptimizer(AdamW) step (checked against a no-FSDP run).
-A session's prototype for issue 30 (the harness does not run it yet: actmem_validate is where it goes, with the
-buckets' padding in actmem's formula first); its findings are in docs/models.md's Megatron-FSDP section.
+A session's prototype for issue 30, grown into `actmem validate --grid mfsdp`; it also checks the step's loss and
+gradient norm against a run without FSDP; its findings are in docs/models.md's Megatron-FSDP section.
 
     python tools/megatron_fsdp_probe.py [--world 2|4] [--dtype bf16|fp32] [--no-step] [--json out.json] [--verbose]
         [--strategies no_shard,optim,...] [--grad-fp32 1,0] [--overlap safe|on|off|<ogr><opg>]
     python tools/megatron_fsdp_probe_summary.py out.json          # per-rank table, each number checked against the formulas
-env: MFSDP_SKIP_SHIMS=name,...  MFSDP_DIV_FUSION=1  MFSDP_CLIP_GRAD=1.0  MFSDP_LAST_MICROBATCH=safe|0|1
+env: MFSDP_DIV_FUSION=1  MFSDP_CLIP_GRAD=1.0  MFSDP_LAST_MICROBATCH=safe|0|1
 """
 import argparse
 import contextlib
@@ -26,61 +26,13 @@ CLIP_GRAD = float(os.environ.get("MFSDP_CLIP_GRAD", "0.0"))  # megatron default 
 
 # --------------------------------------------------------------------------------------------- CPU shims
 def cpu_shims(skip=()):
-    """The monkeypatches that let Megatron-FSDP 0.16.1 (and megatron-core's DistributedOptimizer) run on a
-    CPU-only torch 2.13 over gloo. None allocates a tensor. ``skip``: names to leave out (MFSDP_SKIP_SHIMS)."""
-    import torch
-    on = lambda name: name not in skip
+    """The harness's (validate/actmem_validate/megatron_fsdp.py, where the CPU stand-ins are listed)."""
+    if skip:
+        raise SystemExit("MFSDP_SKIP_SHIMS: the shims are the harness's now, all or none")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "validate"))
+    from actmem_validate.megatron_fsdp import cpu_shims as harness_shims
 
-    class _HostStream:
-        def __init__(self, *a, **k): pass
-        def wait_stream(self, *a): pass
-        def synchronize(self): pass
-        def record_event(self, *a, **k): return self
-        def wait_event(self, *a): pass
-        def wait(self, *a): pass             # grad_reduce_event.wait() (param_and_grad_buffer.py:3121)
-        def query(self): return True
-        def __eq__(self, other): return isinstance(other, _HostStream)
-        __hash__ = object.__hash__
-
-    if on("streams"):      # megatron_fsdp.py:361-362 torch.cuda.Stream(); the AG/RS pipelines' current_stream,
-        torch.cuda.Stream = _HostStream                     # wait_stream, torch.cuda.stream(), record_event
-        torch.cuda.current_stream = lambda *a, **k: _HostStream()
-        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    if on("current_device"):   # megatron_fsdp.py:182-188 torch.device(f"cuda:{current_device()}") (compare/warn)
-        torch.cuda.current_device = lambda: 0
-    if on("synchronize"):
-        torch.cuda.synchronize = lambda *a, **k: None
-    if on("empty_cache"):
-        torch.cuda.empty_cache = lambda *a, **k: None
-    if on("tensor_cuda"):      # uneven_dtensor.py:183 validate_uneven_dtensor: torch.tensor(...).cuda()
-        torch.Tensor.cuda = lambda self, *a, **k: self
-    if on("factories"):        # optimizer.py:473-485 (and 907, 1141, clip_grads.py) device='cuda' scalars
-        def _host(factory):
-            def made(*a, **k):
-                d = k.get("device")
-                if d is not None and (isinstance(d, int) or str(d).startswith("cuda")):
-                    k["device"] = "cpu"
-                return factory(*a, **k)
-            return made
-        for name in ("tensor", "zeros", "ones", "empty", "full"):
-            setattr(torch, name, _host(getattr(torch, name)))
-    if on("device_mesh"):      # mcore_fsdp_adapter.py:251-276 DeviceMesh.from_group(..., device_type="cuda")
-        from torch.distributed.device_mesh import DeviceMesh
-        orig_from_group = DeviceMesh.from_group
-        DeviceMesh.from_group = staticmethod(lambda group, device_type, *a, **k: orig_from_group(group, "cpu", *a, **k))
-    if on("rng"):              # megatron-core's CUDA RNG tracker (tensor_parallel/random.py)
-        from megatron.core import tensor_parallel
-        from megatron.core.tensor_parallel import random as mrandom
-
-        class _Tracker:
-            def fork(self, *a, **k): return contextlib.nullcontext()
-            def get_states(self): return {}
-            def set_states(self, s): pass
-            def add(self, *a, **k): pass
-            states_ = {}
-        tracker = _Tracker()
-        tensor_parallel.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker = lambda *a, **k: tracker
-        mrandom._get_cuda_rng_state = mrandom._set_cuda_rng_state = lambda *a, **k: None
+    harness_shims()
 
 
 # --------------------------------------------------------------------------------------------- model

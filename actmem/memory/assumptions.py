@@ -251,7 +251,7 @@ def _fsdp_notes(spec: Spec) -> list:
             "allocated)"]
 
 
-def _megatron_fsdp_notes(spec: Spec) -> list:
+def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
     """Megatron-FSDP's model state (actmem.memory.megatron_fsdp), and what its peak leaves out."""
     from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
 
@@ -262,18 +262,23 @@ def _megatron_fsdp_notes(spec: Spec) -> list:
     over = f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else f"d·c = {spec.optimizer_shards}"
     return [f"Megatron-FSDP (megatron-core's own FSDP, --use-megatron-fsdp), --data-parallel-sharding-strategy "
             f"{strategy}: " + (f"{', '.join(sharded)} sharded over {over}" if sharded else "nothing sharded")
-            + ", each in a buffer allocated once and held at every moment (param_and_grad_buffer.py); its "
+            + ", each in a buffer allocated once and held at every moment (param_and_grad_buffer.py), each bucket "
+            "padded as build_data_parallel_buffer_index lays it out (chunks of the lcm of its parameters' row sizes, "
+            "d·c of them a multiple; a bucket a layer and one of the rest, under no_shard one): "
+            f"{parameters.padded_count:,} elements for {parameters.count:,} parameters "
+            f"(+{100 * (parameters.padded_count - parameters.count) / parameters.count:.2f}%); its "
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
             "of its own here",
-            "not counted under Megatron-FSDP: each bucket's padding to d·c times the lcm of its parameters' row "
-            "sizes (0.01% of Llama 3 8B's state at d = 8, more at larger d and t), and the step's transients: the "
-            "units all-gathered to compute and the prefetch window (max(5·10⁸ elements, a unit): megatron_fsdp.py), the "
-            "gradients queued for their reduce-scatter (up to max(10⁹ elements, two units)): the peak floor is below "
-            "the run's by those"] + (
+            "not counted under Megatron-FSDP, the step's transients: the units all-gathered to compute and the "
+            "prefetch window (max(5·10⁸ elements, a unit): megatron_fsdp.py), the gradients queued for their "
+            "reduce-scatter (up to max(10⁹ elements, two units)), and under 16-bit main gradients the optimizer's fp32 "
+            "copy of the gradient shard (update_main_grads, from the backward's end to the step): the peak floor is "
+            "below the run's by those"] + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
          "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
-         "only the units' buckets are released): counted whole beside their shards ('gathered weights')"]
+         "only the units' buckets are released): their padded bucket counted whole beside their shards ('gathered "
+         "weights')"]
         if MEGATRON_FSDP_STRATEGIES[strategy][0] else [])
 
 
@@ -561,7 +566,7 @@ def notes(spec: Spec, occupancy: StageOccupancy, rows: tuple, parameters: Parame
            "; rotary positions have no parameters"),
     ]
     if spec.run.megatron_fsdp:
-        notes += _megatron_fsdp_notes(spec)
+        notes += _megatron_fsdp_notes(spec, parameters)
     elif spec.run.distributed_optimizer:
         notes.append(f"{WEIGHT_BYTES} B weight + {grad_text} + {adam.describe()} / "
                      + (f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else

@@ -4,8 +4,9 @@ weights: mcore_fsdp_adapter.py, the data-parallel group with context parallelism
 
 megatron-core 0.16.1, distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py ("pgb"), and Megatron-LM
 d98e8a64's arguments for the defaults:
-- the 16-bit weights: the model-weight buffer, sharded under optim_grads_params (is_model_weight_buffer_distributed);
-  under the other strategies no buffer of its own, the module's weights whole (pgb, _init_each_parameter_group_buffers);
+- the 16-bit weights: the model-weight buffer, sharded under optim_grads_params (is_model_weight_buffer_distributed),
+  whole under optim and optim_grads (the module's weights views into it); under no_shard no buffer, the module's own
+  weights (pgb, _init_each_parameter_group_buffers);
 - the main gradients: the gradient buffer, sharded under optim_grads and optim_grads_params, in
   --megatron-fsdp-main-grads-dtype (auto, the default: the parameters' dtype, 2 B under bf16; fp32: 4 B), as
   Megatron-LM d98e8a64 (core 0.20) makes it (_resolve_group_grad_dtype); megatron-core 0.16.1 had no such flag
@@ -18,29 +19,158 @@ Under optim_grads_params the weights outside its units (TransformerLayer: the em
 final norm) are all-gathered into a bucket of their own in the forward (pgb, DataParallelBuffer.fetch_bucket: a new
 unsharded tensor beside the shard) and kept until the backward's end: only the units' buckets are marked
 releasable (megatron_fsdp.py, _root_pre_backward), the rest freed by synchronize_param_gather after the backward.
-Not counted (named in the output): each bucket's padding to a multiple of d·c times the lcm of its parameters' row
-sizes (pgb: 0.01% of Llama 3 8B at d = 8), and the other transients of the step: the units all-gathered to compute
-(and the prefetch window), the gradients awaiting their reduce-scatter.
-Arithmetic only, as parameters.parameter_bytes.
+Each bucket is padded as pgb's build_data_parallel_buffer_index lays it out (replayed here: bucket_layout): its
+parameters' rows walked widest first, packed in chunks of the lcm of their row sizes, the bucket padded to a multiple
+of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only the parameters' elements inside it.
+Not counted (named in the output): the other transients of the step: the units all-gathered to compute (and the
+prefetch window), the gradients awaiting their reduce-scatter, and under 16-bit main gradients the optimizer's fp32
+copy of the gradient shard (update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
+Arithmetic on ints: the planner does not sweep Megatron-FSDP.
 """
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
 
 from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
 from actmem.model.widths import WEIGHT_BYTES
 
-
-def gathered_outside_units(outside, strategy: str):
-    """The 16-bit weights of ``outside`` parameters (those of no unit) held gathered through the first backward:
-    under optim_grads_params, a whole bucket beside their shards (unpadded: a floor); else 0, the weights whole
-    already."""
-    return WEIGHT_BYTES * outside if MEGATRON_FSDP_STRATEGIES[strategy][0] else 0
+#: fp32 main weights, 4 B an element of the main-weight buffer's shard (preserve_fp32_weights)
+MAIN_WEIGHT_BYTES = 4
 
 
-def state_bytes(count, shards, strategy: str, gradient_bytes, optimizer_bytes) -> tuple:
-    """(weights, main gradients, optimizer state) of ``count`` parameters on a rank under ``strategy`` over
-    ``shards`` ranks (d·c), each sharded part the largest shard (rounded up)."""
+def chunk_factor(shapes) -> int:
+    """A bucket's chunk size factor (pgb, _get_parameter_groups, step 3): its parameters walked by row size
+    (shape[1:].numel(), widest first), the factor the lcm of the row sizes met, but where a row divides it and
+    the parameter is a whole number of chunks, or the parameter is smaller than one chunk."""
+    factor = 0
+    for shape in sorted(shapes, key=_row, reverse=True):
+        row, numel = _row(shape), math.prod(shape)
+        if factor == 0:
+            factor = row
+        elif not (row == factor or (factor % row == 0 and numel % factor == 0) or numel < factor):
+            factor = math.lcm(factor, row)
+    return factor
+
+
+def _row(shape) -> int:
+    return math.prod(shape[1:])
+
+
+def bucket_layout(shapes, world: int, sharded: bool) -> tuple:
+    """(padded size, [(offset, numel)] of each parameter) of one bucket, as build_data_parallel_buffer_index
+    lays it out (pgb; megatron-core 0.16.1): its parameters in row-size order (widest first, as the bucket holds
+    them), each not a whole number of chunks ending on a chunk boundary, the next such parameter whose remnant fits
+    sharing that chunk, parameters smaller than a chunk filling the gap or packed at the end (in their order: the
+    code's sort of them is discarded); the size padded to world·factor chunks under every strategy but no_shard."""
+    ordered = sorted(shapes, key=_row, reverse=True)
+    factor = chunk_factor(ordered)
+    sizes = [math.prod(shape) for shape in ordered]
+    regular = [n for n in sizes if n >= factor]
+    fragments = [n for n in sizes if n < factor]
+    items, index = [], 0
+    while regular:
+        numel = regular.pop(0)
+        items.append((index, numel))
+        if numel % factor == 0:
+            index += numel
+            continue
+        gap, remain = index + numel, numel % factor
+        index += (numel // factor + 1) * factor
+        space = factor - remain
+        partner = next((n for n in regular if n % factor and remain + n % factor <= factor), None)
+        if partner is not None:
+            regular.remove(partner)
+            items.append((index - partner % factor, partner))
+            space -= partner % factor
+            index += partner // factor * factor
+        for fragment in list(fragments):
+            if fragment <= space:
+                items.append((gap, fragment))
+                space -= fragment
+                gap += fragment
+                fragments.remove(fragment)
+    for fragment in fragments:
+        items.append((index, fragment))
+        index += fragment
+    return (-(-index // (world * factor)) * world * factor if sharded else index), items
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """A rank's view of Megatron-FSDP's buckets: the parameters N, the padded buckets' sum P, a shard's sum S (P/d·c
+    each), the most parameter elements any rank's shards hold (Adam's moments are made for those alone), and the
+    padded bucket of the weights outside the units."""
+    count: int
+    padded: int
+    shard: int
+    local: int
+    outside_padded: int
+
+
+def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None) -> Buckets:
+    """Megatron-FSDP's buckets for a model of ``layers`` layers of parameter shapes ``layer``, between the
+    parameters before them (the embedding's) and after them (the final norm's, the output layer's), over ``shards``
+    ranks. Under every strategy but no_shard each TransformerLayer is a unit and a bucket of its own, the rest one
+    bucket (Megatron-LM d98e8a64's mcore_fsdp_adapter.py: fsdp_unit_modules; megatron-core 0.16.1 made units under
+    optim_grads_params alone); under no_shard one bucket of every parameter (pgb, _get_parameter_groups: grouped
+    by dtype, expert or not, and unit). Megatron splits the groups outside units at --ddp-bucket-size, which
+    Megatron-LM leaves None unless --overlap-grad-reduce is given (training.py, resolve_ddp_bucket_size): one
+    bucket here. ``rank``: that rank's shards (the harness checks each), else the rank whose shards hold the most."""
+    sharded = strategy != "no_shard"
+    outside = [*outside_first, *outside_last]
+    if sharded:
+        groups = [(layer, layers), (outside, 1)]
+    else:
+        groups = [([*outside_first, *(shape for _ in range(layers) for shape in layer), *outside_last], 1)]
+    laid = [(bucket_layout(shapes, shards, sharded), copies) for shapes, copies in groups]
+    below = [(_covered_below(items), size // shards, copies) for (size, items), copies in laid]
+    local = max(sum(copies * (covered((rank + 1) * shard) - covered(rank * shard)) for covered, shard, copies in below)
+                for rank in (range(shards) if rank is None else (rank,)))
+    padded = sum(size * copies for (size, _), copies in laid)
+    count = sum(math.prod(shape) * copies for shapes, copies in groups for shape in shapes)
+    outside_padded = laid[-1][0][0] if sharded else 0
+    return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local,
+                   outside_padded)
+
+
+def _covered_below(items):
+    """A function of x: the parameter elements of a bucket laid out as ``items`` that lie below offset x (Adam's
+    moments on a rank's shard [r·S, (r+1)·S) are the difference at its ends)."""
+    starts = sorted(items)
+    offsets = [offset for offset, _ in starts]
+    before = [0]
+    for _, numel in starts:
+        before.append(before[-1] + numel)
+
+    def covered(x):
+        i = bisect_right(offsets, x)
+        if i == 0:
+            return 0
+        offset, numel = starts[i - 1]
+        return before[i - 1] + min(numel, x - offset)
+    return covered
+
+
+def gathered_outside_units(laid: Buckets, strategy: str):
+    """The 16-bit weights outside the units held gathered through the first backward: under optim_grads_params,
+    their whole padded bucket beside their shards (DataParallelBuffer.fetch_bucket allocates bucket_index.size);
+    else 0, the weights whole already."""
+    return WEIGHT_BYTES * laid.outside_padded if MEGATRON_FSDP_STRATEGIES[strategy][0] else 0
+
+
+def state_bytes(laid: Buckets, strategy: str, gradient_bytes, optimizer_bytes) -> tuple:
+    """(weights, main gradients, optimizer state) a rank keeps under ``strategy`` (the largest rank's: the most
+    parameter elements in its shards). A sharded buffer is the rank's shards, an unsharded one the buckets whole
+    (padded; under no_shard unpadded, gaps included); the 16-bit weights under no_shard are the module's own, unpadded.
+    The optimizer state: the fp32 main weights' buffer, and the rest of Adam's bytes on the parameter elements that
+    buffer's shard holds (under no_shard all of them)."""
     weights, gradients, optimizer = MEGATRON_FSDP_STRATEGIES[strategy]
 
-    def part(width, sharded):
-        return -(-width * count // shards) if sharded else width * count
+    def buffer(sharded):
+        return laid.shard if sharded else laid.padded
 
-    return part(WEIGHT_BYTES, weights), part(gradient_bytes, gradients), part(optimizer_bytes, optimizer)
+    own = laid.count if strategy == "no_shard" else buffer(weights)
+    moments = laid.local if optimizer else laid.count
+    return (WEIGHT_BYTES * own, gradient_bytes * buffer(gradients),
+            MAIN_WEIGHT_BYTES * buffer(optimizer) + (optimizer_bytes - MAIN_WEIGHT_BYTES) * moments)

@@ -7,7 +7,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 
 from dataclasses import dataclass, replace
 
-from actmem.memory.megatron_fsdp import gathered_outside_units, state_bytes
+from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, state_bytes
 from actmem.model.architecture import PAPER
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -40,6 +40,32 @@ def layer_parameters(h, t, arch=PAPER, heads=None):
             raise ValueError("QK norms need the head count")
         replicated += 2 * arch.norm_parameters * arch.head_dim_or(h, heads)
     return split // t + replicated
+
+
+def layer_shapes(h, t, arch, heads) -> tuple:
+    """One dense layer's parameter shapes on one of t GPUs, in the order a Megatron-Core TransformerLayer of the TE
+    spec names them (named_parameters; its sum is layer_parameters'): the attention's projection [h, ad/t] (bias
+    [h]) (Attention.__init__ builds linear_proj before SelfAttention its linear_qkv), QKV's fused norm [h] (and
+    bias) before its weight [(ad + 2gd)/t, h] (bias), the QK norms [d] (and biases), fc1's fused norm [h] (and
+    bias) before its weight [f/t or 2f/t, h] (bias), fc2 [h, f/t] (bias [h]). Megatron-FSDP lays its buckets out
+    from these (megatron_fsdp.bucket_layout). Multi-latent attention's projections are not listed (refused there)."""
+    f, width, bias, norm = arch.ffn(h), arch.fc1_width, arch.bias, arch.norm_parameters
+    qkv = qkv_width(h, arch, heads)
+    head_dim = arch.head_dim_or(h, heads)
+    return ((h, arch.attention_width(h, heads) // t), *((h,),) * bias,
+            *((h,),) * norm, (qkv // t, h), *((qkv // t,),) * arch.has_qkv_bias,
+            *((head_dim,),) * (2 * norm * arch.qk_norm),
+            *((h,),) * norm, (width * f // t, h), *((width * f // t,),) * bias,
+            (h, f // t), *((h,),) * bias)
+
+
+def outside_shapes(h, t, v, s, arch) -> tuple:
+    """(before the layers, after them): the parameter shapes of a one-stage GPTModel outside its layers, in
+    named_parameters order: the word embedding [v/t, h] and a learned position embedding [rows, h]; the final
+    norm [h] (and bias) and an untied output layer [v/t, h] (stage_parameters)."""
+    rows = s if arch.position_rows is None else arch.position_rows
+    before = ((v // t, h), *((rows, h),) * (arch.position_embedding == "learned"))
+    return before, (*((h,),) * arch.norm_parameters, *((v // t, h),) * (not arch.tied_output))
 
 
 def latent_parameters(h, arch, heads):
@@ -239,6 +265,8 @@ class ParameterBytes:
     megatron_fsdp: str | None = None
     """Megatron-FSDP's sharding strategy (actmem.memory.megatron_fsdp), None where the run does not use it: its
     buffers are held at every moment."""
+    padded_count: int = 0
+    """Under Megatron-FSDP, the elements of its buckets, padding included (megatron_fsdp.Buckets.padded)."""
     gathered_bytes: int = 0
     """Under Megatron-FSDP's optim_grads_params, the 16-bit weights outside its units (the embedding, the output
     layer, the final norm) all-gathered in the forward and kept until the backward's end: held at every moment of
@@ -308,11 +336,12 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         count = count + (stage_layers - own) * layer_parameters(h, t, dense, heads)
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
-    if megatron_fsdp is not None:      # TE's dummy weight gradients as under DDP, 2 B an element
-        outside = stage_parameters(h, L, p, t, v, s, arch, heads, 0, stage)      # the embedding's and the head's
-        return ParameterBytes(count, *state_bytes(count, shards, megatron_fsdp, gradient_bytes, optimizer_bytes),
-                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp,
-                              gathered_bytes=gathered_outside_units(outside, megatron_fsdp))
+    if megatron_fsdp is not None:      # one stage of dense layers (the rules); TE's dummy weight gradients as DDP's
+        laid = buckets(layer_shapes(h, t, arch, heads), stage_layers, *outside_shapes(h, t, v, s, arch), shards,
+                       megatron_fsdp)
+        return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
+                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, padded_count=laid.padded,
+                              gathered_bytes=gathered_outside_units(laid, megatron_fsdp))
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if arch.moe:
         experts = own * expert_parameters(h, arch, ep, etp)

@@ -33,7 +33,7 @@ FP8_SOURCE = ("what TE keeps for FP8 training: the linears' weights cached in FP
 
 GATHERED_SOURCE = ("16-bit weights outside Megatron-FSDP's units (the embedding, the output layer, the final norm), "
                    "all-gathered into a bucket of their own in the forward and kept until the backward's end "
-                   "(megatron_fsdp.py, _root_pre_backward: only the units' buckets are released; unpadded)")
+                   "(megatron_fsdp.py, _root_pre_backward: only the units' buckets are released), their bucket padded")
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,11 @@ MEGATRON_FSDP_RULES = (
     Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not v.architecture.moe),
          lambda v: "--use-megatron-fsdp is modelled for dense models: its experts' buffers over the expert "
                    "data-parallel group are not read yet", ("architecture",)),
+    Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not (v.architecture.multi_latent_attention
+                                                                           or v.architecture.mtp_layers)),
+         lambda v: "--use-megatron-fsdp is modelled for standard attention without multi-token prediction: the "
+                   "order of multi-latent attention's and the prediction layers' parameters in its padded buckets is "
+                   "not read yet", ("architecture",)),
     Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not v.architecture.fp8),
          lambda v: "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8 and its gradients in bf16, which "
                    "is not modelled yet", ("architecture",)),

@@ -24,13 +24,15 @@ _TORCH_MISSING = ("actmem validate needs torch: pip install 'actmem[harness]' "
 @option("--techniques", default=None,
               help="Comma-separated: none, tp, tp-sp, tp-sel, tp-sp-sel, full, tp-sp-full "
                    "[default: all but none].")
-@option("--grid", type=click.Choice(["small", "presets", "moe", "mla", "mtp", "zero"]), default=None,
+@option("--grid", type=click.Choice(["small", "presets", "moe", "mla", "mtp", "mfsdp", "zero"]), default=None,
               help="A named grid instead of one spec: 'small' (t = 1, 2, 4 at small shapes, for "
                    "real runs), 'presets' (the Table 3 models at full scale, for --mode fake, or "
                    "--mode rank0 on a GPU), 'moe' (megatron-core's own MoELayer over gloo ranks, "
                    "expert and tensor parallel; needs megatron-core==0.16.1), 'mla' (its "
                    "MLASelfAttention over gloo ranks, TE's modules as stand-ins; the same) or 'mtp' "
-                   "(its multi-token prediction block, the same way) or 'zero' (transformers' models "
+                   "(its multi-token prediction block, the same way) or 'mfsdp' (its Megatron-FSDP around "
+                   "a small GPTModel, every sharding strategy, each rank's model state; the same) or 'zero' "
+                   "(transformers' models "
                    "under DeepSpeed's ZeRO over gloo ranks; needs deepspeed==0.19.8). "
                    "A grid sets the model, run and techniques itself.")
 @option("--mode", type=click.Choice(["real", "fake", "rank0"]), default="real", show_default=True,
@@ -92,7 +94,7 @@ def validate(techniques, grid, mode, microbatches, max_error, max_peak_gap, time
         raise click.ClickException(_TORCH_MISSING)
     from actmem_validate.compare import judge
 
-    if grid in ("moe", "mla", "mtp"):
+    if grid in ("moe", "mla", "mtp", "mfsdp"):
         rows = _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout)
         failures = judge(rows, max_error, max_peak_gap)
         _emit(rows, fmt, output)
@@ -124,17 +126,19 @@ def _exit_on(failures) -> None:
 
 
 def _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout) -> list:
-    """--grid moe or mla: megatron-core's own MoE layer or multi-latent attention, one forward a
-    configuration, over real gloo ranks."""
+    """--grid moe, mla, mtp or mfsdp: megatron-core's own MoE layer, multi-latent attention, multi-token prediction
+    block (one forward a configuration) or Megatron-FSDP (a step), over real gloo ranks."""
     given = given_flags(flags) + [name for name, value in (("--techniques", techniques),
                                                            ("--microbatches", microbatches)) if value is not None]
     if given:
         raise SpecError(f"--grid {grid} sets the model, run and techniques itself; drop {', '.join(given)}")
-    layer = {"moe": "MoE layer", "mla": "multi-latent attention", "mtp": "multi-token prediction"}[grid]
+    layer = {"moe": "MoE layer", "mla": "multi-latent attention", "mtp": "multi-token prediction",
+             "mfsdp": "Megatron-FSDP"}[grid]
     if mode != "real":
         why = {"moe": "its dispatcher reads the routing's counts on the host",
                "mla": "its sequence-parallel gathers make the tensors it keeps",
-               "mtp": "its sequence-parallel gathers make the tensors it keeps"}[grid]
+               "mtp": "its sequence-parallel gathers make the tensors it keeps",
+               "mfsdp": "its buffers are sharded and gathered over the ranks' group"}[grid]
         raise SpecError(f"--grid {grid} runs megatron-core's {layer} on real CPU ranks ({why}, which --mode {mode} "
                         f"cannot give): drop --mode {mode}")
     try:
@@ -150,6 +154,10 @@ def _megatron_layer_rows(grid, mode, techniques, microbatches, flags, timeout) -
         from actmem_validate.megatron_mtp import mtp_grid, rows as mtp_rows
 
         return mtp_rows(mtp_grid())
+    if grid == "mfsdp":
+        from actmem_validate.megatron_fsdp import mfsdp_grid, rows as mfsdp_rows
+
+        return mfsdp_rows(mfsdp_grid())
     from actmem_validate.megatron_moe import moe_grid, rows
 
     return rows(moe_grid(), timeout)

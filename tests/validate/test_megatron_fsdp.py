@@ -1,0 +1,76 @@
+"""Megatron-FSDP's model state measured (issue 30): `actmem validate --grid mfsdp` runs megatron-core 0.16.1's
+FullyShardedDataParallel around a small GPTModel (local spec) on real gloo ranks, a forward, backward and
+DistributedOptimizer step, and checks each rank's buffers against actmem's, to the byte.
+
+The model by hand (h = 64, f = 96, L = 2, v = 128, s = 16, LayerNorm, biases, tied output): a layer's parameters in
+named order: ln1 [64] ×2, proj [64, 64] + [64], QKV [192, 64] + [192], ln2 [64] ×2, fc1 [96, 64] + [96],
+fc2 [64, 96] + [64]: 29,344. Its bucket: rows widest first, fc2 (96), proj, QKV, fc1 (64), the 1-D ones (1); the chunk
+factor lcm(96, 64) = 192 (QKV 12,288, fc1 6144 and QKV's bias 192 are whole chunks). fc2 at 0; proj (4096 = 21
+chunks + 64) ends at 10,240, 128 short of its last chunk's end: two 64-element fragments (ln1's weight and bias)
+fill it; QKV at 10,368, fc1 at 22,656, QKV's bias at 28,800; the other fragments (352) at 28,992: 29,344, no hole.
+The rest (embedding [128, 64], positions [16, 64], final norm [64] ×2): factor 64, 9344.
+- d = 2: a layer padded to 2·192: 77·384 = 29,568 (shard 14,784; rank 1's holds 29,344 - 14,784 = 14,560
+  parameters), the rest to 128: 9344 (shard 4672). P = 2·29,568 + 9344 = 68,480, S = 34,240.
+  optim_grads_params, bf16 gradients: weights 2S = 68,480, gradients 2S = 68,480, optimizer 4S + 8·(its
+  parameters): rank 0 136,960 + 8·34,240 = 410,880, rank 1 136,960 + 8·(2·14,560 + 4672) = 407,296; gathered
+  weights: the rest's bucket, 2·9344 = 18,688. optim: weights and gradients 2P = 136,960 (whole, padded).
+- no_shard, one bucket of every parameter (N = 68,032): factor 192; both fc2s; the embedding (42 chunks + 128)
+  shares its last chunk with the positions (5 chunks + 64); layer 1's projection (+64) with layer 2's, a fragment
+  between; then QKVs, fc1s, biases, fragments: 68,032, no hole, unpadded: weights and gradients 2N = 136,064,
+  optimizer 12N = 816,384.
+- d = 4, optim_grads_params: a layer padded to 768: 39·768 = 29,952 (shard 7488), the rest to 256: 9472 (shard
+  2368): S = 17,344, weights 34,688, gathered 18,944; rank 3's shards hold 29,344 - 3·7488 = 6880 and 9344 - 3·2368
+  = 2240 parameters: optimizer 4·17,344 + 8·(2·6880 + 2240) = 197,376; ranks 0-2 12S = 208,128."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from actmem_validate.compare import judge  # noqa: E402
+from actmem_validate.megatron_fsdp import formula, measure, mfsdp_grid, state_rows  # noqa: E402
+from tests.validate.cli_grid import validate_grid  # noqa: E402
+
+STATE = ("weights", "main_gradients", "optimizer_state", "gathered_weights")
+
+
+@pytest.fixture(scope="module")
+def grid_rows():
+    return validate_grid("mfsdp")        # CI's run of `actmem validate --grid mfsdp` (tests/validate/cli_grid.py)
+
+
+def _state(rows, config, rank):
+    return tuple(next(row["measured_bytes"] for row in rows if row["config"] == config and row["rank"] == rank
+                      and row["term"] == name) for name in STATE)
+
+
+def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
+    """Six runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4): every
+    state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
+    information."""
+    assert judge(grid_rows, 0.0) == []
+    assert len({row["config"] for row in grid_rows}) == 6
+    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE)
+
+
+def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
+    """The module docstring's numbers: the padding, each rank's Adam moments, the gathered bucket."""
+    assert _state(grid_rows, "mfsdp optim_grads_params d=2 grads bf16", 0) == (68_480, 68_480, 410_880, 18_688)
+    assert _state(grid_rows, "mfsdp optim_grads_params d=2 grads bf16", 1) == (68_480, 68_480, 407_296, 18_688)
+    assert _state(grid_rows, "mfsdp optim d=2 grads bf16", 0) == (136_960, 136_960, 410_880, 0)
+    assert _state(grid_rows, "mfsdp no_shard d=2 grads bf16", 1) == (136_064, 136_064, 816_384, 0)
+    assert _state(grid_rows, "mfsdp optim_grads d=2 grads fp32", 0) == (136_960, 4 * 34_240, 410_880, 0)
+    assert _state(grid_rows, "mfsdp optim_grads_params d=4 grads bf16", 3) == (34_688, 34_688, 197_376, 18_944)
+    assert _state(grid_rows, "mfsdp optim_grads_params d=4 grads bf16", 0)[2] == 208_128
+
+
+def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():
+    """Inject: the weights unpadded (2·(2·29,344 + 9344)/2 = 68,032 for 68,480), no gathered bucket in the formula
+    (as if the rest were released after the forward), and a buffer measured that no row names."""
+    config = mfsdp_grid()[3]                       # optim_grads_params at d = 2
+    rank, measured = measure(config)[0]
+    expected = formula(config, rank)
+    assert judge(state_rows(config, rank, expected, measured), 0.0) == []
+    for wrong, extra in (({"weights": 68_032}, {}), ({"gathered_weights": 0}, {}), ({}, {"a bucket": 1024})):
+        failures = judge(state_rows(config, rank, {**expected, **wrong}, {**measured, **extra}), 0.0)
+        assert len(failures) == 1, (wrong, extra, failures)

@@ -1,0 +1,282 @@
+"""Megatron-FSDP measured: megatron-core 0.16.1's FullyShardedDataParallel (distributed/fsdp/mcore_fsdp_adapter.py)
+around a small GPTModel of its local spec on real gloo CPU ranks, one forward, backward and DistributedOptimizer
+(AdamW) step, each rank's model state against actmem's (actmem.memory.megatron_fsdp), 0 B off:
+- the 16-bit weights (the model-weight buffer, or under no_shard the module's own weights), the main gradients (the
+  gradient buffer), the optimizer state (the fp32 main-weight buffer and AdamW's two moments), each the live
+  storages of the buffers' own tensors after the step (kind 'state');
+- under optim_grads_params the weights outside the units gathered in the forward: the rest's bucket, allocated by
+  its buffer's temporary bucket allocator, measured between the forward and the backward (kind 'state');
+- as information: under 16-bit gradients the optimizer's fp32 copy of the gradient shard (dist_main_grad), and the
+  AdamW step counters torch's fallback optimizer keeps a parameter (TE's FusedAdam keeps one a group).
+The units are Megatron-LM d98e8a64's (each TransformerLayer under every strategy but no_shard), handed to 0.16.1's
+adapter, which made them under optim_grads_params alone. The model's ffn (1.5h) makes the projection's weight end
+inside a chunk, so its bucket's gap is filled (megatron_fsdp.bucket_layout).
+
+CPU stand-ins (none allocates; tools/megatron_fsdp_probe.py found them): CUDA streams, events and
+current_device, Tensor.cuda, the device='cuda' of torch's factories, DeviceMesh.from_group's device type, a
+no-op CUDA RNG tracker; gradient_reduce_div_fusion off (PREMUL_SUM is NCCL's). The reduce paths that 0.16.1 gets
+right on gloo (no_shard and optim reduce only in their hooks at the last microbatch; optim's hook path reduces
+wrongly, so it runs the synchronous reduce-scatter): the gradients' values do not change a byte counted here.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+from actmem.memory.techniques import run_technique
+from actmem.model.architecture import Architecture
+from actmem.model.recompute import NONE
+from actmem.model.spec import Model, Run, Spec
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: (overlap_grad_reduce, overlap_param_gather, leave no_sync before the microbatch) a strategy runs right with on
+#: gloo in 0.16.1 (the probe's checks against a run without FSDP: the loss after the step and the gradient norm)
+SAFE = {"no_shard": (True, True, True), "optim": (False, False, False), "optim_grads": (True, False, True),
+        "optim_grads_params": (True, True, True)}
+
+
+@dataclass(frozen=True)
+class MegatronFSDPConfig:
+    """One Megatron-FSDP run over ``world_size`` gloo ranks (d = world, t = 1)."""
+
+    spec: Spec
+
+    @property
+    def technique(self):
+        return run_technique(False, NONE)
+
+    @property
+    def strategy(self) -> str:
+        return self.spec.megatron_fsdp_strategy
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.spec.gradient_bytes
+
+    @property
+    def label(self) -> str:
+        return f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.run.gpus
+
+
+def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False) -> Spec:
+    """GPT-2's kind of layer (LayerNorm, biases, GeLU, learned positions, tied output) at h = 64, a = 4, f = 96,
+    L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks."""
+    arch = Architecture(ffn_hidden=96, attention_dropout=0.0, hidden_dropout=0.0)
+    run = Run(micro_batch=2, gpus=world, megatron_fsdp=True, fsdp_sharding=strategy, distributed_optimizer=True)
+    return Spec(Model(heads=4, hidden=64, layers=2, vocab=128, seq_len=16), run, name="mfsdp", architecture=arch,
+                gradient_bytes=4 if fp32_gradients else 2)
+
+
+def mfsdp_grid() -> list:
+    """Every strategy at d = 2 with the default (bf16) gradients; fp32 gradients under optim_grads; the default
+    strategy at d = 4 (the last rank's shards short of the padding)."""
+    specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
+    specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4)]
+    return [MegatronFSDPConfig(spec) for spec in specs]
+
+
+def formula(config: MegatronFSDPConfig, rank: int) -> dict:
+    """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
+    from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, state_bytes
+    from actmem.memory.parameters import layer_shapes, outside_shapes
+
+    spec, strategy = config.spec, config.strategy
+    model, arch = spec.model, spec.architecture
+    laid = buckets(layer_shapes(model.hidden, 1, arch, model.heads), model.layers,
+                   *outside_shapes(model.hidden, 1, model.vocab, model.seq_len, arch), config.world_size, strategy,
+                   rank)
+    weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
+                                                spec.optimizer.bytes_per_parameter)
+    return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
+            "gathered_weights": gathered_outside_units(laid, strategy)}
+
+
+def cpu_shims():
+    """The monkeypatches that let Megatron-FSDP 0.16.1 and megatron-core's DistributedOptimizer run on a CPU-only
+    torch over gloo. None allocates a tensor."""
+    import torch
+
+    class _HostStream:
+        def __init__(self, *a, **k): pass
+        def wait_stream(self, *a): pass
+        def synchronize(self): pass
+        def record_event(self, *a, **k): return self
+        def wait_event(self, *a): pass
+        def wait(self, *a): pass             # grad_reduce_event.wait() (param_and_grad_buffer.py)
+        def query(self): return True
+
+    torch.cuda.Stream = _HostStream               # megatron_fsdp.py: its streams; the pipelines' current_stream
+    torch.cuda.current_stream = lambda *a, **k: _HostStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self          # uneven_dtensor.py: torch.tensor(...).cuda()
+
+    def on_the_host(factory):                   # optimizer.py, clip_grads.py: device='cuda' scalars
+        def made(*a, **k):
+            if isinstance(k.get("device"), int) or str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return factory(*a, **k)
+        return made
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_the_host(getattr(torch, name)))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from_group = DeviceMesh.from_group          # mcore_fsdp_adapter.py: DeviceMesh.from_group(..., "cuda")
+    DeviceMesh.from_group = staticmethod(lambda group, device_type, *a, **k: from_group(group, "cpu", *a, **k))
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    class _Tracker:
+        def fork(self, *a, **k): return contextlib.nullcontext()
+        def get_states(self): return {}
+        def set_states(self, states): pass
+        def add(self, *a, **k): pass
+
+    tracker = _Tracker()
+    tensor_parallel.get_cuda_rng_tracker = random.get_cuda_rng_tracker = lambda *a, **k: tracker
+    random._get_cuda_rng_state = random._set_cuda_rng_state = lambda *a, **k: None
+
+
+def build_model(spec: Spec):
+    """(config, the GPTModel of the spec in megatron-core's local spec, cast to bf16 by Float16Module as
+    megatron/training's get_model does for --bf16)."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = spec.model
+    config = TransformerConfig(
+        num_layers=model.layers, hidden_size=model.hidden, num_attention_heads=model.heads,
+        ffn_hidden_size=spec.architecture.ffn(model.hidden), use_cpu_initialization=True,
+        params_dtype=torch.float32, bf16=True, pipeline_dtype=torch.bfloat16, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=model.vocab, max_sequence_length=model.seq_len,
+                   share_embeddings_and_output_weights=True)
+    return config, Float16Module(config, gpt)
+
+
+def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results) -> None:
+    """One rank: wrap, forward (the gathered weights measured), backward, step; the buffers measured after."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from actmem_validate.gloo import rank_group
+
+    spec, strategy = config.spec, config.strategy
+    overlap_grads, overlap_gather, last_microbatch = SAFE[strategy]
+    with rank_group(rank, world, port, cpu_shims, 1):
+        torch.manual_seed(1234)
+        model_config, model = build_model(spec)
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+            grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
+            overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
+            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=None)
+        units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
+        fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
+                                        device=torch.device("cpu"))
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                           params_dtype=torch.bfloat16,
+                                                           use_distributed_optimizer=True,
+                                                           clip_grad=0.0), [fsdp])   # its clip asserts CUDA
+        fsdp.zero_grad_buffer()
+        optimizer.zero_grad()
+        generator = torch.Generator().manual_seed(rank)
+        b, s, v = spec.run.micro_batch, spec.model.seq_len, spec.model.vocab
+        tokens, labels = (torch.randint(0, v, (b, s), generator=generator) for _ in range(2))
+        if last_microbatch:
+            with fsdp.no_sync():       # megatron-core's schedules leave no_sync before the last microbatch
+                pass
+        loss = fsdp(tokens, torch.arange(s).expand(b, s), None, labels=labels).float().mean()
+        gathered = _gathered(fsdp)
+        loss.backward()
+        fsdp.finish_grad_sync()
+        optimizer.step()
+        measured = {**_state(fsdp, optimizer), "gathered_weights": gathered}
+        results.put((rank, measured))
+
+
+def _storage(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
+
+def _gathered(fsdp) -> int:
+    """Bytes of the weight buckets outside the units the forward's all-gathers hold now (the temporary bucket of
+    each group of no unit); 0 where none."""
+    held = 0
+    for group in fsdp.param_and_grad_buffer.parameter_groups:
+        buffer = group.model_weight_buffer
+        if group.fsdp_unit_id is None and buffer is not None:
+            bucket = getattr(buffer.temporary_bucket_allocator, "buckets", {}).get(buffer.bucket_index.bucket_id)
+            held += _storage(bucket.data).nbytes() if bucket is not None else 0
+    return held
+
+
+def _state(fsdp, optimizer) -> dict:
+    """{row: bytes} of the live storages of the buffers' own tensors (each once) and of AdamW's state."""
+    import torch
+
+    buffer, seen, rows = fsdp.param_and_grad_buffer, set(), {}
+
+    def add(row, tensor):
+        storage = None if tensor is None else _storage(tensor)
+        if storage is not None and storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            rows[row] = rows.get(row, 0) + storage.nbytes()
+
+    for group in buffer.parameter_groups:
+        if group.model_weight_buffer is not None:
+            add("weights", group.model_weight_buffer.data)
+        else:                                   # no_shard: the module's own weights
+            for parameter in group.params:
+                add("weights", parameter.data)
+        if group.main_weight_buffer is not None:
+            add("optimizer_state", group.main_weight_buffer.data)
+        if group.main_grad_buffer is not None:
+            add("main_gradients", group.main_grad_buffer.data)
+    for copy in buffer.dist_main_grad.values():
+        add("fp32 gradient shard for the step (information)", copy)
+    for state in optimizer.optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                add("optimizer_state" if name in ("exp_avg", "exp_avg_sq") else
+                    "AdamW step counters (information)", value)
+    return rows
+
+
+def measure(config: MegatronFSDPConfig) -> list[tuple]:
+    """(rank, {row: bytes}) of every rank of one configuration."""
+    from actmem_validate.gloo import spawn
+
+    return spawn(_rank, config)
+
+
+def rows(configs) -> list[dict]:
+    """The error table's rows of every rank of every configuration (state_rows)."""
+    return [row for config in configs for rank, measured in measure(config)
+            for row in state_rows(config, rank, formula(config, rank), measured)]
+
+
+def state_rows(config: MegatronFSDPConfig, rank: int, expected: dict, measured: dict) -> list[dict]:
+    """A row a name either side has: the model state ('state', checked both ways: a buffer the formula does not
+    have fails, as does one it has that is not measured), or information."""
+    from actmem_validate.compare import _row
+
+    return [_row(config, rank, name, expected.get(name, 0), measured.get(name, 0),
+                 "information" if name.endswith("(information)") else "state")
+            for name in sorted(set(expected) | set(measured))]

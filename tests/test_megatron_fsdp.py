@@ -123,6 +123,8 @@ def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_pads_what_its_d
     (("--use-megatron-fsdp", "--gpus", "8", "--grad-reduce-in-bf16"),
      "sets the gradient buffer of Megatron's DDP, which Megatron-FSDP does not read"),
     (("--use-megatron-fsdp", "--gpus", "8", "--pp", "2"), "--use-megatron-fsdp is modelled at p = 1"),
+    (("--use-megatron-fsdp", "--gpus", "8", "--mtp-num-layers", "1"),
+     "--use-megatron-fsdp is modelled for standard attention without multi-token prediction"),
     (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--gpu", "h100"),
      "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8"),
     (("--use-megatron-fsdp", "--gpus", "8", "--implementation", "hf"),

@@ -115,6 +115,27 @@ def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_pads_what_its_d
     assert [ddp["parameters"][key] for key in state] == [2 * N, 4 * N, 12 * N // 8]
 
 
+def test_a_pasted_bucket_size_splits_the_buckets_outside_the_units_once_grad_reduce_overlaps(actmem, tmp_path):
+    """Megatron-LM hands Megatron-FSDP --ddp-bucket-size where --overlap-grad-reduce is on (training.py,
+    resolve_ddp_bucket_size), None without it. The example gives --overlap-grad-reduce: at its default size,
+    max(4·10⁷, 10⁶·8), the rest splits into [embedding] and [final norm, output]: 525,336,576 (a multiple of
+    8·4096) and 525,340,672 padded to 525,369,344: 1,050,705,920, as one bucket pads it. At --ddp-bucket-size 1
+    each parameter is a bucket: the embedding and the output whole, the norm (factor 1) padded to 8: nothing
+    padded, the gathered weights 2·(2·128,256·4096 + 4096) = 2,101,354,496. Without --overlap-grad-reduce the size
+    is not read: the one bucket again."""
+    example = _example(tmp_path)[1:]
+    text = open(example).read().replace("--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 1")
+    (tmp_path / "one.sh").write_text(text)
+    (tmp_path / "none.sh").write_text(text.replace("--overlap-grad-reduce ", ""))
+    gathered = {name: actmem.json("estimate", "--megatron-args", f"@{tmp_path / name}")["parameters"]["gathered_bytes"]
+                for name in ("one.sh", "none.sh")}
+    assert gathered == {"one.sh": 2_101_354_496, "none.sh": GATHERED}
+    (tmp_path / "count.sh").write_text(text.replace("--ddp-bucket-size 1", "--ddp-num-buckets 4"))
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{tmp_path / 'count.sh'}"),
+                          "--ddp-num-buckets under Megatron-FSDP (its buckets outside the units sized from the rank's "
+                          "parameter count) is not modelled yet")
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--data-parallel-sharding-strategy", "optim"), "--data-parallel-sharding-strategy optim is Megatron-FSDP's"),
     (("--megatron-fsdp-main-grads-dtype", "fp32", "--gpus", "8"),

@@ -855,6 +855,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
     code = implementation(architecture.get("implementation", MEGATRON))
     options.update(_megatron_fsdp_gradients(flags, run, code))
+    run.update(_megatron_fsdp_buckets(pasted, run))
     options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
@@ -890,6 +891,22 @@ def _megatron_fsdp_gradients(flags: dict, run: dict, code) -> dict:
     if "megatron_fsdp" in code.runs:        # Megatron-FSDP v1 sets it (arguments.py: 'Using DistributedOptimizer')
         run["distributed_optimizer"] = True
     return {"gradient_bytes": _gradient_bytes(dtype)}
+
+
+def _megatron_fsdp_buckets(pasted: dict, run: dict) -> dict:
+    """Under Megatron-FSDP, the pasted --overlap-grad-reduce and --ddp-bucket-size, with which Megatron-LM splits
+    its buckets outside the units (training.py, resolve_ddp_bucket_size); --ddp-num-buckets, which sizes them from
+    the rank's parameter count, is refused there. Elsewhere they change no byte counted: not read into the run."""
+    if not run.get("megatron_fsdp") or not pasted:
+        return {}
+    if "--ddp-num-buckets" in pasted:
+        raise SpecError("--megatron-args: --ddp-num-buckets under Megatron-FSDP (its buckets outside the units sized "
+                        "from the rank's parameter count) is not modelled yet: give --ddp-bucket-size in its place")
+    size = pasted.get("--ddp-bucket-size")
+    if size is not None and not str(size).isdigit():
+        raise SpecError(f"--megatron-args: --ddp-bucket-size must be a whole number of elements, got {size}")
+    return {"overlap_grad_reduce": "--overlap-grad-reduce" in pasted,
+            "ddp_bucket_size": int(size) if size is not None else None}
 
 
 def _from_the_launcher(error: SpecError, notes) -> SpecError:

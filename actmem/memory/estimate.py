@@ -461,6 +461,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        ep=run.expert_parallel, etp=run.etp if t == run.tensor_parallel else 1, moe_layers=moe,
                        extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
                        fp8_layers=(len(fp8), sum(fp8)) if arch.fp8_first_last_bf16 else None,
-                       eh_projections=mtp, megatron_fsdp=spec.megatron_fsdp_strategy)
+                       eh_projections=mtp, megatron_fsdp=spec.megatron_fsdp_strategy,
+                       fsdp_bucket_size=spec.megatron_fsdp_bucket_size if run.megatron_fsdp else None)
 
 

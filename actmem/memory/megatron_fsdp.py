@@ -108,30 +108,55 @@ class Buckets:
     outside_padded: int
 
 
-def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None) -> Buckets:
+def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None,
+            bucket_size=None) -> Buckets:
     """Megatron-FSDP's buckets for a model of ``layers`` layers of parameter shapes ``layer``, between the
     parameters before them (the embedding's) and after them (the final norm's, the output layer's), over ``shards``
     ranks. Under every strategy but no_shard each TransformerLayer is a unit and a bucket of its own, the rest one
-    bucket (Megatron-LM d98e8a64's mcore_fsdp_adapter.py: fsdp_unit_modules; megatron-core 0.16.1 made units under
-    optim_grads_params alone); under no_shard one bucket of every parameter (pgb, _get_parameter_groups: grouped
-    by dtype, expert or not, and unit). Megatron splits the groups outside units at --ddp-bucket-size, which
-    Megatron-LM leaves None unless --overlap-grad-reduce is given (training.py, resolve_ddp_bucket_size): one
-    bucket here. ``rank``: that rank's shards (the harness checks each), else the rank whose shards hold the most."""
+    group (Megatron-LM d98e8a64's mcore_fsdp_adapter.py: fsdp_unit_modules; megatron-core 0.16.1 made units under
+    optim_grads_params alone); under no_shard one group of every parameter (pgb, _get_parameter_groups: grouped by
+    dtype, expert or not, and unit). A group outside the units splits into buckets at ``bucket_size`` elements
+    (split_at; None: whole). ``rank``: that rank's shards (the harness checks each), else the rank whose shards hold
+    the most."""
     sharded = strategy != "no_shard"
-    outside = [*outside_first, *outside_last]
     if sharded:
-        groups = [(layer, layers), (outside, 1)]
+        outside = split_at([*outside_first, *outside_last], bucket_size)
+        groups = [(layer, layers), *((bucket, 1) for bucket in outside)]
     else:
-        groups = [([*outside_first, *(shape for _ in range(layers) for shape in layer), *outside_last], 1)]
+        every = [*outside_first, *(shape for _ in range(layers) for shape in layer), *outside_last]
+        groups = [(bucket, 1) for bucket in split_at(every, bucket_size)]
     laid = [(bucket_layout(shapes, shards, sharded), copies) for shapes, copies in groups]
     below = [(_covered_below(items), size // shards, copies) for (size, items), copies in laid]
     local = max(sum(copies * (covered((rank + 1) * shard) - covered(rank * shard)) for covered, shard, copies in below)
                 for rank in (range(shards) if rank is None else (rank,)))
     padded = sum(size * copies for (size, _), copies in laid)
     count = sum(math.prod(shape) * copies for shapes, copies in groups for shape in shapes)
-    outside_padded = laid[-1][0][0] if sharded else 0
+    outside_padded = sum(size for (size, _), _ in laid[1:]) if sharded else 0
     return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local,
                    outside_padded)
+
+
+def split_at(shapes, size) -> list:
+    """A group's parameters (in named order) as its buckets: each closed where its elements reach ``size``, the
+    parameter that reaches it included (pgb, _get_parameter_groups, step 2); one bucket where ``size`` is None."""
+    if size is None:
+        return [list(shapes)]
+    done, bucket, elements = [], [], 0
+    for shape in shapes:
+        bucket.append(shape)
+        elements += math.prod(shape)
+        if elements >= size:
+            done.append(bucket)
+            bucket, elements = [], 0
+    return done + ([bucket] if bucket else [])
+
+
+def bucket_size(overlap_grad_reduce: bool, given, shards: int):
+    """The size Megatron-LM hands Megatron-FSDP for its buckets outside the units (training.py,
+    resolve_ddp_bucket_size): --ddp-bucket-size, else max(4·10⁷, 10⁶·d·c); None without --overlap-grad-reduce."""
+    if not overlap_grad_reduce:
+        return None
+    return given if given is not None else max(40_000_000, 1_000_000 * shards)
 
 
 def _covered_below(items):

@@ -311,7 +311,7 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
                 extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None, eh_projections=0,
-                megatron_fsdp=None) -> ParameterBytes:
+                megatron_fsdp=None, fsdp_bucket_size=None) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
@@ -323,7 +323,8 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     None: all); ``eh_projections``:
     the multi-token-prediction layers' eh_proj on the stage, TE linears [h/t, 2h] of their own under FP8 (their
     transformer layers are among ``stage_layers``); ``megatron_fsdp``: Megatron-FSDP's sharding strategy, which
-    shards the state over ``shards`` as it says (actmem.memory.megatron_fsdp; a dense model: the rules).
+    shards the state over ``shards`` as it says (actmem.memory.megatron_fsdp; a dense model: the rules), its buckets
+    outside the units split at ``fsdp_bucket_size`` elements (None: whole).
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -338,7 +339,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     if megatron_fsdp is not None:      # one stage of dense layers (the rules); TE's dummy weight gradients as DDP's
         laid = buckets(layer_shapes(h, t, arch, heads), stage_layers, *outside_shapes(h, t, v, s, arch), shards,
-                       megatron_fsdp)
+                       megatron_fsdp, bucket_size=fsdp_bucket_size)
         return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
                               WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, padded_count=laid.padded,
                               gathered_bytes=gathered_outside_units(laid, megatron_fsdp))

@@ -108,6 +108,11 @@ class Run:
     fsdp_sharding: str | None = None
     """--data-parallel-sharding-strategy: what Megatron-FSDP shards (implementation.MEGATRON_FSDP_STRATEGIES);
     None: Megatron-LM's default, optim_grads_params."""
+    overlap_grad_reduce: bool = False
+    """Megatron's --overlap-grad-reduce (a pasted script's): under Megatron-FSDP it makes Megatron-LM split the
+    buckets outside the units (actmem.memory.megatron_fsdp.bucket_size)."""
+    ddp_bucket_size: int | None = _positive(optional=True, default=None)
+    """Megatron's --ddp-bucket-size (a pasted script's), read under Megatron-FSDP beside --overlap-grad-reduce."""
     zero: object = None
     """DeepSpeed's ZeRO as the Hugging Face Trainer runs it (actmem.model.deepspeed.ZeroConfig: --zero-stage or
     --deepspeed ds_config.json), None where the run has none."""
@@ -322,6 +327,13 @@ class Spec:
         from actmem.model.implementation import MEGATRON_FSDP_DEFAULT
 
         return (self.run.fsdp_sharding or MEGATRON_FSDP_DEFAULT) if self.run.megatron_fsdp else None
+
+    @property
+    def megatron_fsdp_bucket_size(self) -> int | None:
+        """Where Megatron-FSDP splits its buckets outside the units (megatron_fsdp.bucket_size); None: unsplit."""
+        from actmem.memory.megatron_fsdp import bucket_size
+
+        return bucket_size(self.run.overlap_grad_reduce, self.run.ddp_bucket_size, self.optimizer_shards)
 
     @property
     def optimizer_shards(self) -> int:

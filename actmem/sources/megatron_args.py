@@ -286,9 +286,11 @@ _READ_NOTES = (
 #: the notes of _READ_NOTES that say otherwise under Megatron-FSDP, whose buckets are its own
 _MEGATRON_FSDP_NOTES = {
     OVERLAP: "{names} read: under Megatron-FSDP they overlap its gradient reduce-scatters and its units' all-gathers "
-             "with compute; the units it gathers ahead (its prefetch window) are a transient not counted",
-    BUCKETS: "{names} read: under Megatron-FSDP they shape its own buckets (one a TransformerLayer under "
-             "optim_grads_params), whose padding is not counted",
+             "with compute, and --overlap-grad-reduce splits its buckets outside the units at --ddp-bucket-size "
+             "(max(4·10⁷, 10⁶·d·c) elements unless given: training.py, resolve_ddp_bucket_size), each padded: "
+             "counted; the units it gathers ahead (its prefetch window) are a transient not counted",
+    BUCKETS: "{names} read: under Megatron-FSDP --ddp-bucket-size splits its buckets outside the units once "
+             "--overlap-grad-reduce is on (training.py, resolve_ddp_bucket_size), each padded: counted",
 }
 
 

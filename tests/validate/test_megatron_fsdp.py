@@ -20,7 +20,12 @@ The rest (embedding [128, 64], positions [16, 64], final norm [64] ×2): factor 
   optimizer 12N = 816,384.
 - d = 4, optim_grads_params: a layer padded to 768: 39·768 = 29,952 (shard 7488), the rest to 256: 9472 (shard
   2368): S = 17,344, weights 34,688, gathered 18,944; rank 3's shards hold 29,344 - 3·7488 = 6880 and 9344 - 3·2368
-  = 2240 parameters: optimizer 4·17,344 + 8·(2·6880 + 2240) = 197,376; ranks 0-2 12S = 208,128."""
+  = 2240 parameters: optimizer 4·17,344 + 8·(2·6880 + 2240) = 197,376; ranks 0-2 12S = 208,128.
+- the same with its buckets outside the units split at 9000 elements (--overlap-grad-reduce --ddp-bucket-size 9000):
+  [embedding, positions] (9216 ≥ 9000: factor 64, 9216 a multiple of 256, shard 2304) and [final norm's weight and
+  bias] (factor 1, 128, a multiple of 4, shard 32): S = 2·7488 + 2304 + 32 = 17,312, weights 34,624, gathered
+  2·(9216 + 128) = 18,688 (one bucket: 18,944); rank 3's shards hold 2·6880 + 2304 + 32 = 16,096 parameters:
+  optimizer 4·17,312 + 8·16,096 = 198,016, rank 0's 12·17,312 = 207,744."""
 
 import pytest
 
@@ -45,11 +50,12 @@ def _state(rows, config, rank):
 
 
 def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
-    """Six runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4): every
+    """Seven runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4, and there
+    with a bucket size): every
     state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
     information."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 6
+    assert len({row["config"] for row in grid_rows}) == 7
     assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE)
 
 
@@ -62,6 +68,9 @@ def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
     assert _state(grid_rows, "mfsdp optim_grads d=2 grads fp32", 0) == (136_960, 4 * 34_240, 410_880, 0)
     assert _state(grid_rows, "mfsdp optim_grads_params d=4 grads bf16", 3) == (34_688, 34_688, 197_376, 18_944)
     assert _state(grid_rows, "mfsdp optim_grads_params d=4 grads bf16", 0)[2] == 208_128
+    split = "mfsdp optim_grads_params d=4 grads bf16 buckets 9000"
+    assert _state(grid_rows, split, 3) == (34_624, 34_624, 198_016, 18_688)
+    assert _state(grid_rows, split, 0)[2] == 207_744
 
 
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():

@@ -54,28 +54,41 @@ class MegatronFSDPConfig:
         return self.spec.gradient_bytes
 
     @property
+    def bucket_size(self):
+        """The bucket size Megatron-LM's training.py hands Megatron-FSDP: --ddp-bucket-size beside
+        --overlap-grad-reduce, else None (the runs here give it explicitly where they give it)."""
+        run = self.spec.run
+        return run.ddp_bucket_size if run.overlap_grad_reduce else None
+
+    @property
     def label(self) -> str:
-        return f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
+        buckets = f" buckets {self.bucket_size}" if self.bucket_size else ""
+        return (f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
+                + buckets)
 
     @property
     def world_size(self) -> int:
         return self.spec.run.gpus
 
 
-def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False) -> Spec:
+def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False, bucket_size=None) -> Spec:
     """GPT-2's kind of layer (LayerNorm, biases, GeLU, learned positions, tied output) at h = 64, a = 4, f = 96,
-    L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks."""
+    L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks; ``bucket_size``: a pasted
+    --overlap-grad-reduce --ddp-bucket-size."""
     arch = Architecture(ffn_hidden=96, attention_dropout=0.0, hidden_dropout=0.0)
-    run = Run(micro_batch=2, gpus=world, megatron_fsdp=True, fsdp_sharding=strategy, distributed_optimizer=True)
+    run = Run(micro_batch=2, gpus=world, megatron_fsdp=True, fsdp_sharding=strategy, distributed_optimizer=True,
+              overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size)
     return Spec(Model(heads=4, hidden=64, layers=2, vocab=128, seq_len=16), run, name="mfsdp", architecture=arch,
                 gradient_bytes=4 if fp32_gradients else 2)
 
 
 def mfsdp_grid() -> list:
     """Every strategy at d = 2 with the default (bf16) gradients; fp32 gradients under optim_grads; the default
-    strategy at d = 4 (the last rank's shards short of the padding)."""
+    strategy at d = 4 (the last rank's shards short of the padding), and there its buckets outside the units split
+    at 9000 elements."""
     specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
-    specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4)]
+    specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4),
+              fsdp_spec("optim_grads_params", world=4, bucket_size=9000)]
     return [MegatronFSDPConfig(spec) for spec in specs]
 
 
@@ -88,7 +101,7 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     model, arch = spec.model, spec.architecture
     laid = buckets(layer_shapes(model.hidden, 1, arch, model.heads), model.layers,
                    *outside_shapes(model.hidden, 1, model.vocab, model.seq_len, arch), config.world_size, strategy,
-                   rank)
+                   rank, spec.megatron_fsdp_bucket_size)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
@@ -184,7 +197,7 @@ def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results)
             use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
             grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
             overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
-            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=None)
+            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size)
         units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
         fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
                                         device=torch.device("cpu"))

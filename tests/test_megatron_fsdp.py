@@ -136,6 +136,22 @@ def test_a_pasted_bucket_size_splits_the_buckets_outside_the_units_once_grad_red
                           "parameter count) is not modelled yet")
 
 
+@pytest.mark.parametrize("edit, fragment", [
+    (("--ckpt-format fsdp_dtensor", ""), "Megatron refuses --use-megatron-fsdp without --ckpt-format fsdp_dtensor"),
+    (('SHARDING_STRATEGY:-"optim_grads_params"', 'SHARDING_STRATEGY:-"no_shard"'),
+     "Megatron refuses --init-model-with-meta-device beside --data-parallel-sharding-strategy no_shard"),
+    (("unset CUDA_DEVICE_MAX_CONNECTIONS", "export CUDA_DEVICE_MAX_CONNECTIONS=1"),
+     "the script exports CUDA_DEVICE_MAX_CONNECTIONS=1, and Megatron refuses it beside --use-megatron-fsdp"),
+])
+def test_what_megatron_stops_on_beside_megatron_fsdp_is_refused(actmem, tmp_path, edit, fragment):
+    """Megatron-LM d98e8a64's validate_args (arguments.py) asserts the checkpoint format, refuses meta-device
+    initialization under no_shard and CUDA_DEVICE_MAX_CONNECTIONS=1 beside Megatron-FSDP: its own example, edited."""
+    text = open(_example(tmp_path)[1:]).read()
+    assert edit[0] in text
+    (tmp_path / "edited.sh").write_text(text.replace(edit[0], edit[1]))
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{tmp_path / 'edited.sh'}"), fragment)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (("--data-parallel-sharding-strategy", "optim"), "--data-parallel-sharding-strategy optim is Megatron-FSDP's"),
     (("--megatron-fsdp-main-grads-dtype", "fp32", "--gpus", "8"),

@@ -175,6 +175,10 @@ def _environment(environment: dict, arguments: list[str]) -> list[str]:
             raise SpecError(f"--megatron-args: the script exports {name}={value}, and Megatron asserts "
                             f"{name}={expected[name]} under --attention-backend {backend} "
                             "(language_module._set_attention_backend): choose the core with --attention-backend")
+        if name == "CUDA_DEVICE_MAX_CONNECTIONS" and str(value) == "1" and "--use-megatron-fsdp" in arguments:
+            raise SpecError("--megatron-args: the script exports CUDA_DEVICE_MAX_CONNECTIONS=1, and Megatron refuses "
+                            "it beside --use-megatron-fsdp (arguments.py: 'FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > "
+                            "1 or unset')")
         if name in QUIET_ENVIRONMENT:
             notes.append(f"environment: {name}={value} read: {QUIET_ENVIRONMENT[name]}")
     return notes
@@ -437,6 +441,21 @@ def _recompute_modules(settings) -> list[str]:
     return []
 
 
+def _megatron_fsdp_problems(words) -> list[str]:
+    """What Megatron-LM (d98e8a64, arguments.py: validate_args) stops on beside --use-megatron-fsdp."""
+    if "--use-megatron-fsdp" not in words:
+        return []
+    problems = []
+    if _value_after(words, "--ckpt-format") != "fsdp_dtensor":
+        problems.append("Megatron refuses --use-megatron-fsdp without --ckpt-format fsdp_dtensor (arguments.py: "
+                        "'Megatron-FSDP requires the `fsdp_dtensor` checkpointing format'): give it")
+    strategy = _value_after(words, "--data-parallel-sharding-strategy") or "optim_grads_params"
+    if "--init-model-with-meta-device" in words and strategy == "no_shard":
+        problems.append("Megatron refuses --init-model-with-meta-device beside --data-parallel-sharding-strategy "
+                        "no_shard (arguments.py: 'not supported or necessary for the no_shard sharding strategy')")
+    return problems
+
+
 def _problems(words, settings, refused, unknown, missing) -> list[str]:
     problems = []
     for setting in (LOAD_BALANCING, AUX_LOSS_COEFF):
@@ -458,6 +477,7 @@ def _problems(words, settings, refused, unknown, missing) -> list[str]:
         problems.append("Megatron refuses --squared-relu with its default fused bias-GeLU (transformer_config.py: "
                         "'When bias_activation_fusion is True, activation function should be either gelu, swiglu, "
                         f"or quick_geglu'): give {BIAS_GELU_FUSION} or --disable-bias-linear")
+    problems += _megatron_fsdp_problems(words)
     if BATCH_SCHEDULE in settings and "--global-batch-size" in words:
         problems.append(f"Megatron refuses {BATCH_SCHEDULE} beside --global-batch-size (arguments.py: "
                         "'Cannot specify both'): give one")

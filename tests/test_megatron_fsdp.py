@@ -212,3 +212,26 @@ def test_a_bucket_is_laid_out_as_megatron_lays_it_out():
     covered = _covered_below(items)
     assert (covered(36) - covered(0), covered(72) - covered(36)) == (36, 27)
     assert bucket_layout([A, B, C, D, E], 2, False)[0] == 63
+
+
+def test_the_last_layers_backward_holds_its_unit_the_prefetched_ones_and_the_gradient_buckets():
+    """Llama 3.1 8B at d = 8 (the module docstring's buckets), at the last layer's fc1 backward: its unit gathered
+    again, 2·218,136,576 = 436,273,152; the prefetch window, half of max(10⁹, 2·218,112,000) = 5·10⁸ elements, adds
+    units while what it added is below it: 0, 218,136,576, 436,273,152 → three units, 1,308,819,456; the unit's bf16
+    gradient bucket, 436,273,152; the no-unit group's (one bucket, the final norm and output in it), 2·1,050,705,920
+    = 2,101,411,840. Under full recompute the same at fc1 (after the rerun); optim_grads: the gradient buckets only."""
+    from actmem.cli.flags import _paste_command, build_spec_from_flags
+    from actmem.memory.estimate import estimate
+
+    def fc1(*args):
+        flags = _paste_command().make_context("estimate", ["-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8",
+                                                           *args]).params
+        moment = next(m for m in estimate(build_spec_from_flags(flags)).run.moments if m.name == "fc1")
+        return {part.name: part.bytes for part in moment.parts if part.name in (
+            "gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")}
+
+    expected = {"gathered_unit_weights": 436_273_152, "prefetched_unit_weights": 1_308_819_456,
+                "unit_gradient_bucket": 436_273_152, "outside_gradient_buckets": 2_101_411_840}
+    assert fc1() == fc1("--recompute", "full") == expected
+    assert fc1("--data-parallel-sharding-strategy", "optim_grads") == {
+        "unit_gradient_bucket": 436_273_152, "outside_gradient_buckets": 2_101_411_840}

@@ -271,11 +271,13 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
             "of its own here",
-            "not counted under Megatron-FSDP, the step's transients: the units all-gathered to compute and the "
-            "prefetch window (max(5·10⁸ elements, a unit): megatron_fsdp.py), the gradients queued for their "
-            "reduce-scatter (up to max(10⁹ elements, two units)), and under 16-bit main gradients the optimizer's fp32 "
-            "copy of the gradient shard (update_main_grads, from the backward's end to the step): the peak floor is "
-            "below the run's by those"] + (
+            "Megatron-FSDP's transients in the last layer's backward moments: its unit all-gathered again, the units "
+            "its prefetch window gathers ahead (half of max(10⁹ elements, two units)), its gradient bucket and the "
+            "no-unit group's that the final norm's and output layer's backward made (held in the reduce-scatter "
+            "queue); not counted: the units re-gathered before the loss (megatron-core 0.16.1 prefetches from the "
+            "final norm's forward), the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
+            "moments, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard "
+            "(update_main_grads, from the backward's end to the step): the peak floor is below the run's by those"] + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
          "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
          "only the units' buckets are released): their padded bucket counted whole beside their shards ('gathered "

@@ -100,12 +100,17 @@ def bucket_layout(shapes, world: int, sharded: bool) -> tuple:
 class Buckets:
     """A rank's view of Megatron-FSDP's buckets: the parameters N, the padded buckets' sum P, a shard's sum S (P/d·c
     each), the most parameter elements any rank's shards hold (Adam's moments are made for those alone), and the
-    padded bucket of the weights outside the units."""
+    padded bucket of the weights outside the units; a unit's (a layer's) bucket, padded, and its parameters; and the
+    padded buckets of the no-unit group that hold a parameter after the layers (the final norm, an untied output
+    layer), whose gradient buckets are made before the layers' backward."""
     count: int
     padded: int
     shard: int
     local: int
     outside_padded: int
+    unit_padded: int = 0
+    unit_count: int = 0
+    after_layers_padded: int = 0
 
 
 def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None,
@@ -131,9 +136,13 @@ def buckets(layer, layers: int, outside_first, outside_last, shards: int, strate
                 for rank in (range(shards) if rank is None else (rank,)))
     padded = sum(size * copies for (size, _), copies in laid)
     count = sum(math.prod(shape) * copies for shapes, copies in groups for shape in shapes)
-    outside_padded = sum(size for (size, _), _ in laid[1:]) if sharded else 0
+    if not sharded:
+        return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local, 0)
+    before = len(outside_first)          # the buckets past the embedding's parameters hold the later ones
+    after_layers = sum(size for ((size, _), _), bucket in zip(laid[1:], outside)
+                       if sum(map(len, outside[:outside.index(bucket) + 1])) > before)
     return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local,
-                   outside_padded)
+                   sum(size for (size, _), _ in laid[1:]), laid[0][0][0], sum(map(math.prod, layer)), after_layers)
 
 
 def split_at(shapes, size) -> list:
@@ -175,6 +184,65 @@ def _covered_below(items):
         offset, numel = starts[i - 1]
         return before[i - 1] + min(numel, x - offset)
     return covered
+
+
+def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, in_the_layer: bool = True) -> tuple:
+    """What Megatron-FSDP certainly holds beside the model state in the last layer's backward, as peak rows (each
+    allocated on the host's order, whatever the streams): under optim_grads_params the layer's unit all-gathered again
+    (its padded bucket, 16-bit) and, its pre-backward done (``in_the_layer``; not at full recompute's rerun, which
+    gathers the unit alone), the units its prefetch window gathers ahead (prefetched_units); under optim_grads and
+    optim_grads_params, once its first weight gradient is made (fc2's: ``in_the_layer``), the layer's unsharded
+    gradient bucket, and the gradient buckets of the no-unit group made at the final norm's and output layer's
+    backward (reduced only once complete, the embedding's at the end, and then held in the reduce-scatter queue, of
+    max(10⁹, two units) elements, until the backward's end: megatron_fsdp.py, _root_post_backward). Not counted:
+    the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction, freed as it completes)."""
+    from actmem.memory.peak import PeakRow
+
+    weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
+    ahead = prefetched_units(laid, layers) * in_the_layer
+    return (PeakRow("gathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * weights, UNIT_SOURCE),
+            PeakRow("prefetched_unit_weights", WEIGHT_BYTES * laid.unit_padded * ahead * weights,
+                    PREFETCH_SOURCE.format(units=ahead)),
+            PeakRow("unit_gradient_bucket", gradient_bytes * laid.unit_padded * gradients * in_the_layer,
+                    UNIT_GRADIENT_SOURCE),
+            PeakRow("outside_gradient_buckets", gradient_bytes * laid.after_layers_padded * gradients, BUCKET_SOURCE))
+
+
+def prefetched_units(laid: Buckets, layers: int) -> int:
+    """Units the backward's prefetch gathers ahead of the one it computes: while what it has added is below half
+    the suggested communication unit, max(10⁹, twice a unit's parameters) elements (megatron_fsdp.py; Megatron-LM's
+    --suggested-communication-unit-size unset), the next unit, by its padded bucket (pgb, AllGatherPipeline.
+    all_gather_params); at most the layers before the last."""
+    window = max(1_000_000_000, 2 * laid.unit_count) // 2
+    ahead = 0
+    while ahead < layers - 1 and ahead * laid.unit_padded < window:
+        ahead += 1
+    return ahead
+
+
+#: the moments before the last layer's backward (stage_model.stage_activations)
+BEFORE_THE_LAYERS = ("start", "loss", "forward_end")
+
+
+def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, layers: int) -> tuple:
+    """The stage's moments (stage_model.StageMoment) with backward_rows beside those of the last layer's backward:
+    a rerun's (full recompute's comes before the layer's pre-backward and first gradient) without what those
+    make."""
+    from actmem.memory.stage_model import with_rows
+
+    return tuple(moment if moment.name in BEFORE_THE_LAYERS else with_rows(
+        moment, backward_rows(laid, strategy, gradient_bytes, layers, in_the_layer=moment.name != "rerun"))
+        for moment in moments)
+
+
+UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for its backward (Megatron-FSDP, "
+               "optim_grads_params: its padded bucket, a temporary beside the shard)")
+PREFETCH_SOURCE = ("16-bit weights of the {units} unit(s) before it, all-gathered ahead by its pre-backward's prefetch "
+                   "(Megatron-FSDP: half of max(10⁹ elements, two units))")
+UNIT_GRADIENT_SOURCE = ("the last layer's unsharded gradient bucket, made at its first weight gradient (fc2's) and "
+                        "reduce-scattered once the layer's backward completes it (Megatron-FSDP)")
+BUCKET_SOURCE = ("the unsharded gradient buckets of the no-unit group that the final norm's and output layer's "
+                 "backward made, held until the backward's end (Megatron-FSDP's reduce-scatter queue)")
 
 
 def gathered_outside_units(laid: Buckets, strategy: str):

@@ -68,6 +68,13 @@ def outside_shapes(h, t, v, s, arch) -> tuple:
     return before, (*((h,),) * arch.norm_parameters, *((v // t, h),) * (not arch.tied_output))
 
 
+def megatron_fsdp_buckets(h, t, v, s, arch, heads, layers, shards, strategy, bucket_size=None, rank=None):
+    """Megatron-FSDP's buckets (megatron_fsdp.Buckets) of a one-stage GPTModel of dense layers (layer_shapes,
+    outside_shapes) over ``shards`` ranks."""
+    return buckets(layer_shapes(h, t, arch, heads), layers, *outside_shapes(h, t, v, s, arch), shards, strategy, rank,
+                   bucket_size)
+
+
 def latent_parameters(h, arch, heads):
     """Multi-latent attention's projections and latent norms, (split over t, whole on every rank),
     as multi_latent_attention.py builds them, none with a bias: q from h straight [a(d_qk + d_rope), h]
@@ -338,8 +345,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         only_dense = dummy_wgrad_elements(h, t, v, dense, heads, holds_output=holds_output)
         dummies = dummies * (own > 0) + only_dense * (own == 0)
     if megatron_fsdp is not None:      # one stage of dense layers (the rules); TE's dummy weight gradients as DDP's
-        laid = buckets(layer_shapes(h, t, arch, heads), stage_layers, *outside_shapes(h, t, v, s, arch), shards,
-                       megatron_fsdp, bucket_size=fsdp_bucket_size)
+        laid = megatron_fsdp_buckets(h, t, v, s, arch, heads, stage_layers, shards, megatron_fsdp, fsdp_bucket_size)
         return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
                               WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, padded_count=laid.padded,
                               gathered_bytes=gathered_outside_units(laid, megatron_fsdp))

@@ -83,8 +83,8 @@ def _megatron_fsdp_sources(strategy: str) -> tuple:
 
     weights, gradients, optimizer = ("the rank's shard of" if sharded else "the whole"
                                      for sharded in MEGATRON_FSDP_STRATEGIES[strategy])
-    return (f"16-bit weights: {weights} model weights (Megatron-FSDP, {strategy}; the units gathered to compute "
-            f"are not counted)",
+    return (f"16-bit weights: {weights} model weights (Megatron-FSDP, {strategy}; the units gathered to compute are "
+            f"the last layer's backward moments' rows)",
             f"main gradients: {gradients} gradient buffer, allocated once (Megatron-FSDP, {strategy})",
             f"fp32 main weights and Adam's two moments: {optimizer} main-weight buffer's (Megatron-FSDP, {strategy})")
 

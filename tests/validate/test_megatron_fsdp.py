@@ -25,7 +25,13 @@ The rest (embedding [128, 64], positions [16, 64], final norm [64] ×2): factor 
   [embedding, positions] (9216 ≥ 9000: factor 64, 9216 a multiple of 256, shard 2304) and [final norm's weight and
   bias] (factor 1, 128, a multiple of 4, shard 32): S = 2·7488 + 2304 + 32 = 17,312, weights 34,624, gathered
   2·(9216 + 128) = 18,688 (one bucket: 18,944); rank 3's shards hold 2·6880 + 2304 + 32 = 16,096 parameters:
-  optimizer 4·17,312 + 8·16,096 = 198,016, rank 0's 12·17,312 = 207,744."""
+  optimizer 4·17,312 + 8·16,096 = 198,016, rank 0's 12·17,312 = 207,744.
+At the last layer's fc1 backward (bf16 gradients; actmem's 'fc1' moment): under optim_grads_params its unit gathered
+again, 2·29,568 = 59,136 (d = 2; 2·29,952 = 59,904 at d = 4), the one unit before it prefetched (the window, 5·10⁸
+elements, holds every unit here), the same again; under optim_grads too its gradient bucket, 59,136, and the no-unit
+group's gradient bucket the final norm's backward made, 2·9344 = 18,688; split at 9000, only the final norm's bucket
+[64, 64]: 2·128 = 256 (the embedding's bucket is made at the end: the tied output layer's gradient reaches the
+embedding's weight with the embedding's own, autograd summing a leaf's gradients first)."""
 
 import pytest
 
@@ -37,6 +43,7 @@ from actmem_validate.megatron_fsdp import formula, measure, mfsdp_grid, state_ro
 from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 STATE = ("weights", "main_gradients", "optimizer_state", "gathered_weights")
+BACKWARD = ("gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +51,9 @@ def grid_rows():
     return validate_grid("mfsdp")        # CI's run of `actmem validate --grid mfsdp` (tests/validate/cli_grid.py)
 
 
-def _state(rows, config, rank):
+def _state(rows, config, rank, names=STATE):
     return tuple(next(row["measured_bytes"] for row in rows if row["config"] == config and row["rank"] == rank
-                      and row["term"] == name) for name in STATE)
+                      and row["term"] == name) for name in names)
 
 
 def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
@@ -56,7 +63,7 @@ def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
     information."""
     assert judge(grid_rows, 0.0) == []
     assert len({row["config"] for row in grid_rows}) == 7
-    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE)
+    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD)
 
 
 def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
@@ -73,13 +80,25 @@ def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
     assert _state(grid_rows, split, 0)[2] == 207_744
 
 
+def test_what_the_last_layers_backward_holds_is_the_hand_derived(grid_rows):
+    """The module docstring's buckets at the last layer's fc1 backward, every rank the same."""
+    for rank in (0, 1):
+        assert _state(grid_rows, "mfsdp optim_grads_params d=2 grads bf16", rank, BACKWARD) == (
+            59_136, 59_136, 59_136, 18_688)
+        assert _state(grid_rows, "mfsdp optim_grads d=2 grads bf16", rank, BACKWARD) == (0, 0, 59_136, 18_688)
+        assert _state(grid_rows, "mfsdp optim d=2 grads bf16", rank, BACKWARD) == (0, 0, 0, 0)
+    split = "mfsdp optim_grads_params d=4 grads bf16 buckets 9000"
+    assert _state(grid_rows, split, 3, BACKWARD) == (59_904, 59_904, 59_904, 256)
+
+
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():
     """Inject: the weights unpadded (2·(2·29,344 + 9344)/2 = 68,032 for 68,480), no gathered bucket in the formula
-    (as if the rest were released after the forward), and a buffer measured that no row names."""
+    (as if the rest were released after the forward), a buffer measured that no row names, and no prefetch."""
     config = mfsdp_grid()[3]                       # optim_grads_params at d = 2
     rank, measured = measure(config)[0]
     expected = formula(config, rank)
     assert judge(state_rows(config, rank, expected, measured), 0.0) == []
-    for wrong, extra in (({"weights": 68_032}, {}), ({"gathered_weights": 0}, {}), ({}, {"a bucket": 1024})):
+    for wrong, extra in (({"weights": 68_032}, {}), ({"gathered_weights": 0}, {}), ({}, {"a bucket": 1024}),
+                         ({"prefetched_unit_weights": 0}, {})):
         failures = judge(state_rows(config, rank, {**expected, **wrong}, {**measured, **extra}), 0.0)
         assert len(failures) == 1, (wrong, extra, failures)

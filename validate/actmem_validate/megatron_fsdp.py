@@ -6,6 +6,10 @@ around a small GPTModel of its local spec on real gloo CPU ranks, one forward, b
   storages of the buffers' own tensors after the step (kind 'state');
 - under optim_grads_params the weights outside the units gathered in the forward: the rest's bucket, allocated by
   its buffer's temporary bucket allocator, measured between the forward and the backward (kind 'state');
+- at the last layer's fc1 backward, actmem's 'fc1' moment (kind 'state'): under optim_grads_params its unit
+  gathered again and the units prefetched before it (their weight buckets), under optim_grads and
+  optim_grads_params its gradient bucket and the no-unit group's gradient buckets the final norm's backward made
+  (megatron_fsdp.backward_rows);
 - as information: under 16-bit gradients the optimizer's fp32 copy of the gradient shard (dist_main_grad), and the
   AdamW step counters torch's fallback optimizer keeps a parameter (TE's FusedAdam keeps one a group).
 The units are Megatron-LM d98e8a64's (each TransformerLayer under every strategy but no_shard), handed to 0.16.1's
@@ -94,18 +98,18 @@ def mfsdp_grid() -> list:
 
 def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
-    from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, state_bytes
-    from actmem.memory.parameters import layer_shapes, outside_shapes
+    from actmem.memory.megatron_fsdp import backward_rows, gathered_outside_units, state_bytes
+    from actmem.memory.parameters import megatron_fsdp_buckets
 
     spec, strategy = config.spec, config.strategy
     model, arch = spec.model, spec.architecture
-    laid = buckets(layer_shapes(model.hidden, 1, arch, model.heads), model.layers,
-                   *outside_shapes(model.hidden, 1, model.vocab, model.seq_len, arch), config.world_size, strategy,
-                   rank, spec.megatron_fsdp_bucket_size)
+    laid = megatron_fsdp_buckets(model.hidden, 1, model.vocab, model.seq_len, arch, model.heads, model.layers,
+                                 config.world_size, strategy, spec.megatron_fsdp_bucket_size, rank)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
+    backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers)}
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
-            "gathered_weights": gathered_outside_units(laid, strategy)}
+            "gathered_weights": gathered_outside_units(laid, strategy), **backward}
 
 
 def cpu_shims():
@@ -213,12 +217,16 @@ def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results)
         if last_microbatch:
             with fsdp.no_sync():       # megatron-core's schedules leave no_sync before the last microbatch
                 pass
+        backward = {}
+        gpt = model.module                       # Float16Module's GPTModel
+        gpt.decoder.layers[-1].mlp.linear_fc1.register_full_backward_hook(
+            lambda *_: backward.update(_in_the_last_layer(fsdp, gpt)))
         loss = fsdp(tokens, torch.arange(s).expand(b, s), None, labels=labels).float().mean()
         gathered = _gathered(fsdp)
         loss.backward()
         fsdp.finish_grad_sync()
         optimizer.step()
-        measured = {**_state(fsdp, optimizer), "gathered_weights": gathered}
+        measured = {**_state(fsdp, optimizer), "gathered_weights": gathered, **backward}
         results.put((rank, measured))
 
 
@@ -230,14 +238,31 @@ def _storage(tensor):
 
 def _gathered(fsdp) -> int:
     """Bytes of the weight buckets outside the units the forward's all-gathers hold now (the temporary bucket of
-    each group of no unit); 0 where none."""
-    held = 0
-    for group in fsdp.param_and_grad_buffer.parameter_groups:
-        buffer = group.model_weight_buffer
-        if group.fsdp_unit_id is None and buffer is not None:
-            bucket = getattr(buffer.temporary_bucket_allocator, "buckets", {}).get(buffer.bucket_index.bucket_id)
-            held += _storage(bucket.data).nbytes() if bucket is not None else 0
-    return held
+    each group of no unit)."""
+    return sum(_temporary(group.model_weight_buffer) for group in fsdp.param_and_grad_buffer.parameter_groups
+               if group.fsdp_unit_id is None)
+
+
+def _in_the_last_layer(fsdp, gpt) -> dict:
+    """At the last layer's fc1 backward: its unit's gathered weight bucket and the other units' (prefetched), its
+    gradient bucket, and the no-unit group's gradient buckets, each where one is allocated."""
+    buffer = fsdp.param_and_grad_buffer
+    groups = buffer.parameter_groups
+    last = groups[buffer.param_to_param_group[next(gpt.decoder.layers[-1].parameters())]]
+    units = [group for group in groups if group.fsdp_unit_id is not None and group is not last]
+    return {"gathered_unit_weights": _temporary(last.model_weight_buffer),
+            "prefetched_unit_weights": sum(_temporary(group.model_weight_buffer) for group in units),
+            "unit_gradient_bucket": _temporary(last.main_grad_buffer),
+            "outside_gradient_buckets": sum(_temporary(group.main_grad_buffer) for group in groups
+                                            if group.fsdp_unit_id is None)}
+
+
+def _temporary(buffer) -> int:
+    """Bytes of the buffer's temporary (unsharded) bucket allocated now; 0 where none."""
+    if buffer is None:
+        return 0
+    bucket = getattr(buffer.temporary_bucket_allocator, "buckets", {}).get(buffer.bucket_index.bucket_id)
+    return _storage(bucket.data).nbytes() if bucket is not None else 0
 
 
 def _state(fsdp, optimizer) -> dict:

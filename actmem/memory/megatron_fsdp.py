@@ -17,14 +17,15 @@ d98e8a64's arguments for the defaults:
 - the buffers are allocated once, at wrapping, and kept: every byte here is held at every moment of the step.
 Under optim_grads_params the weights outside its units (TransformerLayer: the embedding, the output layer, the
 final norm) are all-gathered into a bucket of their own in the forward (pgb, DataParallelBuffer.fetch_bucket: a new
-unsharded tensor beside the shard) and kept until the backward's end: only the units' buckets are marked
-releasable (megatron_fsdp.py, _root_pre_backward), the rest freed by synchronize_param_gather after the backward.
+unsharded tensor beside the shard) and kept: only the units' buckets are marked releasable (megatron_fsdp.py,
+_root_pre_backward); 0.16.1 frees it at finish_grad_sync (synchronize_param_gather), d98e8a64 keeps it across steps.
 Each bucket is padded as pgb's build_data_parallel_buffer_index lays it out (replayed here: bucket_layout): its
 parameters' rows walked widest first, packed in chunks of the lcm of their row sizes, the bucket padded to a multiple
 of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only the parameters' elements inside it.
-Not counted (named in the output): the other transients of the step: the units all-gathered to compute (and the
-prefetch window), the gradients awaiting their reduce-scatter, and under 16-bit main gradients the optimizer's fp32
-copy of the gradient shard (update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
+In the last layer's backward the transients it certainly holds are peak rows (backward_rows: the unit gathered, the
+prefetched units, the gradient buckets). Not counted (named in the output): the units re-gathered before the loss,
+the reduce-scatters' outputs, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard
+(update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
 Arithmetic on ints: the planner does not sweep Megatron-FSDP.
 """
 

@@ -220,18 +220,39 @@ def test_the_last_layers_backward_holds_its_unit_the_prefetched_ones_and_the_gra
     units while what it added is below it: 0, 218,136,576, 436,273,152 → three units, 1,308,819,456; the unit's bf16
     gradient bucket, 436,273,152; the no-unit group's (one bucket, the final norm and output in it), 2·1,050,705,920
     = 2,101,411,840. Under full recompute the same at fc1 (after the rerun); optim_grads: the gradient buckets only."""
-    from actmem.cli.flags import _paste_command, build_spec_from_flags
-    from actmem.memory.estimate import estimate
-
     def fc1(*args):
-        flags = _paste_command().make_context("estimate", ["-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8",
-                                                           *args]).params
-        moment = next(m for m in estimate(build_spec_from_flags(flags)).run.moments if m.name == "fc1")
-        return {part.name: part.bytes for part in moment.parts if part.name in (
-            "gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")}
+        return _fc1("-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", *args)
 
     expected = {"gathered_unit_weights": 436_273_152, "prefetched_unit_weights": 1_308_819_456,
                 "unit_gradient_bucket": 436_273_152, "outside_gradient_buckets": 2_101_411_840}
     assert fc1() == fc1("--recompute", "full") == expected
     assert fc1("--data-parallel-sharding-strategy", "optim_grads") == {
         "unit_gradient_bucket": 436_273_152, "outside_gradient_buckets": 2_101_411_840}
+
+
+def _fc1(*args) -> dict:
+    """Megatron-FSDP's rows of the last layer's fc1 moment."""
+    from actmem.cli.flags import _paste_command, build_spec_from_flags
+    from actmem.memory.estimate import estimate
+
+    flags = _paste_command().make_context("estimate", list(args)).params
+    moment = next(m for m in estimate(build_spec_from_flags(flags)).run.moments if m.name == "fc1")
+    return {part.name: part.bytes for part in moment.parts if part.name in (
+        "gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")}
+
+
+def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_or_the_output(tmp_path):
+    """--ddp-bucket-size 1 makes each parameter outside the units a bucket. Llama 3.1 8B's paste (untied): [embedding]
+    [final norm] [output]: the norm's (4096, factor 1, padded to 8) and the output's (128,256·4096, a multiple of
+    8·4096) are made before the layers: 2·(4096 + 525,336,576) = 1,050,681,344 B; the embedding's at the end, not
+    counted. The 22b preset (tied, t = 8, d = 1): [embedding 6400 × 6144] [positions] [norm weight] [norm bias]: the
+    norm's two, 2·2·6144 = 24,576 B; and with gradient accumulation fusion (Megatron's default) the tied output
+    layer's fused weight gradient goes into the embedding's main_grad at its backward (tensor_parallel/layers.py:
+    get_main_grad), its bucket too: + 2·6400·6144 = 78,667,776 B in all."""
+    text = open(_example(tmp_path)[1:]).read().replace("--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 1")
+    (tmp_path / "one.sh").write_text(text)
+    assert _fc1("--megatron-args", f"@{tmp_path / 'one.sh'}")["outside_gradient_buckets"] == 1_050_681_344
+    paste = "--bf16 --use-megatron-fsdp --ckpt-format fsdp_dtensor --overlap-grad-reduce --ddp-bucket-size 1"
+    tied = ("-m", "22b", "--gpus", "8", "--recompute", "none", "--megatron-args")
+    assert _fc1(*tied, paste)["outside_gradient_buckets"] == 78_667_776
+    assert _fc1(*tied, paste + " --no-gradient-accumulation-fusion")["outside_gradient_buckets"] == 24_576

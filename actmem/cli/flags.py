@@ -895,18 +895,25 @@ def _megatron_fsdp_gradients(flags: dict, run: dict, code) -> dict:
 
 def _megatron_fsdp_buckets(pasted: dict, run: dict) -> dict:
     """Under Megatron-FSDP, the pasted --overlap-grad-reduce and --ddp-bucket-size, with which Megatron-LM splits
-    its buckets outside the units (training.py, resolve_ddp_bucket_size); --ddp-num-buckets, which sizes them from
-    the rank's parameter count, is refused there. Elsewhere they change no byte counted: not read into the run."""
+    its buckets outside the units (training.py, resolve_ddp_bucket_size), and --suggested-communication-unit-size,
+    its prefetch window's and reduce-scatter queue's size; --ddp-num-buckets, which sizes the buckets from the rank's
+    parameter count, is refused there. Elsewhere they change no byte counted: not read into the run."""
     if not run.get("megatron_fsdp") or not pasted:
         return {}
     if "--ddp-num-buckets" in pasted:
         raise SpecError("--megatron-args: --ddp-num-buckets under Megatron-FSDP (its buckets outside the units sized "
                         "from the rank's parameter count) is not modelled yet: give --ddp-bucket-size in its place")
-    size = pasted.get("--ddp-bucket-size")
-    if size is not None and not str(size).isdigit():
-        raise SpecError(f"--megatron-args: --ddp-bucket-size must be a whole number of elements, got {size}")
-    return {"overlap_grad_reduce": "--overlap-grad-reduce" in pasted,
-            "ddp_bucket_size": int(size) if size is not None else None}
+    sizes = {}
+    for name in ("--ddp-bucket-size", "--suggested-communication-unit-size"):
+        size = pasted.get(name)
+        if size is not None and not str(size).isdigit():
+            raise SpecError(f"--megatron-args: {name} must be a whole number of elements, got {size}")
+        sizes[name] = int(size) if size is not None else None
+    if sizes["--suggested-communication-unit-size"] == 0:
+        raise SpecError("--megatron-args: --suggested-communication-unit-size 0 makes Megatron-FSDP's reduce-scatter "
+                        "queue hold nothing, which is not modelled: leave it out or give a size")
+    return {"overlap_grad_reduce": "--overlap-grad-reduce" in pasted, "ddp_bucket_size": sizes["--ddp-bucket-size"],
+            "fsdp_communication_unit": sizes["--suggested-communication-unit-size"]}
 
 
 def _from_the_launcher(error: SpecError, notes) -> SpecError:

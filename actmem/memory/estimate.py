@@ -415,7 +415,8 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
         moments = zero.stage_moments(moments, _zero_model(spec))
     if spec.run.megatron_fsdp:
         moments = megatron_fsdp.stage_moments(moments, _megatron_fsdp_buckets(spec, t, bindings[symbols.v], arch),
-                                              spec.megatron_fsdp_strategy, spec.gradient_bytes, stage_layers)
+                                              spec.megatron_fsdp_strategy, spec.gradient_bytes, stage_layers,
+                                              technique.recompute is Recompute.FULL, spec.run.fsdp_communication_unit)
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,

@@ -115,15 +115,17 @@ class Buckets:
 
 
 def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None,
-            bucket_size=None) -> Buckets:
+            bucket_size=None, output_into_embedding=False) -> Buckets:
     """Megatron-FSDP's buckets for a model of ``layers`` layers of parameter shapes ``layer``, between the
     parameters before them (the embedding's) and after them (the final norm's, the output layer's), over ``shards``
     ranks. Under every strategy but no_shard each TransformerLayer is a unit and a bucket of its own, the rest one
     group (Megatron-LM d98e8a64's mcore_fsdp_adapter.py: fsdp_unit_modules; megatron-core 0.16.1 made units under
     optim_grads_params alone); under no_shard one group of every parameter (pgb, _get_parameter_groups: grouped by
     dtype, expert or not, and unit). A group outside the units splits into buckets at ``bucket_size`` elements
-    (split_at; None: whole). ``rank``: that rank's shards (the harness checks each), else the rank whose shards hold
-    the most."""
+    (split_at; None or 0: whole). ``rank``: that rank's shards (the harness checks each), else the rank whose shards
+    hold the most. ``output_into_embedding``: a tied output layer whose fused weight gradient goes into the
+    embedding's main_grad at its backward (tensor_parallel/layers.py: weight.get_main_grad()), making the embedding's
+    gradient bucket then."""
     sharded = strategy != "no_shard"
     if sharded:
         outside = split_at([*outside_first, *outside_last], bucket_size)
@@ -132,24 +134,48 @@ def buckets(layer, layers: int, outside_first, outside_last, shards: int, strate
         every = [*outside_first, *(shape for _ in range(layers) for shape in layer), *outside_last]
         groups = [(bucket, 1) for bucket in split_at(every, bucket_size)]
     laid = [(bucket_layout(shapes, shards, sharded), copies) for shapes, copies in groups]
-    below = [(_covered_below(items), size // shards, copies) for (size, items), copies in laid]
-    local = max(sum(copies * (covered((rank + 1) * shard) - covered(rank * shard)) for covered, shard, copies in below)
-                for rank in (range(shards) if rank is None else (rank,)))
+    shard = sum((size // shards) * copies for (size, _), copies in laid)
     padded = sum(size * copies for (size, _), copies in laid)
     count = sum(math.prod(shape) * copies for shapes, copies in groups for shape in shapes)
+    local = _largest_local(laid, shards, shard, rank)
     if not sharded:
-        return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local, 0)
-    before = len(outside_first)          # the buckets past the embedding's parameters hold the later ones
-    after_layers = sum(size for ((size, _), _), bucket in zip(laid[1:], outside)
-                       if sum(map(len, outside[:outside.index(bucket) + 1])) > before)
-    return Buckets(count, padded, sum((size // shards) * copies for (size, _), copies in laid), local,
-                   sum(size for (size, _), _ in laid[1:]), laid[0][0][0], sum(map(math.prod, layer)), after_layers)
+        return Buckets(count, padded, shard, local, 0)
+    return Buckets(count, padded, shard, local, sum(size for (size, _), _ in laid[1:]), laid[0][0][0],
+                   sum(map(math.prod, layer)), _made_before_the_layers(laid[1:], outside, len(outside_first),
+                                                                       output_into_embedding))
+
+
+def _made_before_the_layers(laid, outside, before: int, output_into_embedding: bool) -> int:
+    """The padded buckets of the no-unit group whose gradient buckets the backward makes before the layers': those
+    holding a parameter after the layers (the final norm, an untied output layer), and the embedding's where the
+    output layer's gradient goes into it."""
+    made, seen = 0, 0
+    for ((size, _), _), bucket in zip(laid, outside):
+        holds_embedding = seen == 0
+        seen += len(bucket)
+        if seen > before or (holds_embedding and output_into_embedding):
+            made += size
+    return made
+
+
+def _largest_local(laid, shards: int, shard: int, rank) -> int:
+    """The parameter elements of ``rank``'s shards (Adam's moments are made for them), else of the rank whose shards
+    hold the most: rank 0's where its shards have no gap nor padding (the usual case, checked), else every rank's."""
+    below = [(_covered_below(items), size // shards, copies) for (size, items), copies in laid]
+
+    def held(r):
+        return sum(copies * (covered((r + 1) * width) - covered(r * width)) for covered, width, copies in below)
+
+    if rank is not None:
+        return held(rank)
+    first = held(0)
+    return first if first == shard else max(held(r) for r in range(shards))
 
 
 def split_at(shapes, size) -> list:
     """A group's parameters (in named order) as its buckets: each closed where its elements reach ``size``, the
     parameter that reaches it included (pgb, _get_parameter_groups, step 2); one bucket where ``size`` is None."""
-    if size is None:
+    if not size:                # Megatron's `suggested_bucket_size and ...`: None or 0 splits nothing
         return [list(shapes)]
     done, bucket, elements = [], [], 0
     for shape in shapes:
@@ -187,34 +213,37 @@ def _covered_below(items):
     return covered
 
 
-def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, in_the_layer: bool = True) -> tuple:
+def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, prefetched: bool = True,
+                  unit_gradients: bool = True, communication_unit=None) -> tuple:
     """What Megatron-FSDP certainly holds beside the model state in the last layer's backward, as peak rows (each
-    allocated on the host's order, whatever the streams): under optim_grads_params the layer's unit all-gathered again
-    (its padded bucket, 16-bit) and, its pre-backward done (``in_the_layer``; not at full recompute's rerun, which
-    gathers the unit alone), the units its prefetch window gathers ahead (prefetched_units); under optim_grads and
-    optim_grads_params, once its first weight gradient is made (fc2's: ``in_the_layer``), the layer's unsharded
-    gradient bucket, and the gradient buckets of the no-unit group made at the final norm's and output layer's
-    backward (reduced only once complete, the embedding's at the end, and then held in the reduce-scatter queue, of
-    max(10⁹, two units) elements, until the backward's end: megatron_fsdp.py, _root_post_backward). Not counted:
-    the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction, freed as it completes)."""
+    allocated in the host's order, whatever the streams): under optim_grads_params the layer's unit all-gathered
+    again (its padded bucket, 16-bit) and, its pre-backward done (``prefetched``; not at full recompute's rerun,
+    which gathers the unit alone), the units its prefetch window gathers ahead (prefetched_units); under optim_grads
+    and optim_grads_params, once its first weight gradient is made (fc2's: ``unit_gradients``; not at a rerun), the
+    layer's unsharded gradient bucket, and the gradient buckets of the no-unit group made before the layers'
+    backward (Buckets.after_layers_padded: reduced only once complete, and then held in the reduce-scatter queue,
+    the suggested communication unit, max(10⁹, two units) elements under optim_grads_params unless given, until
+    the backward's end: megatron_fsdp.py, _root_post_backward; a queue smaller than those buckets is not modelled). Not counted: the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction,
+    freed as it completes)."""
     from actmem.memory.peak import PeakRow
 
     weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
-    ahead = prefetched_units(laid, layers) * in_the_layer
+    ahead = prefetched_units(laid, layers, communication_unit) * prefetched
     return (PeakRow("gathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * weights, UNIT_SOURCE),
             PeakRow("prefetched_unit_weights", WEIGHT_BYTES * laid.unit_padded * ahead * weights,
                     PREFETCH_SOURCE.format(units=ahead)),
-            PeakRow("unit_gradient_bucket", gradient_bytes * laid.unit_padded * gradients * in_the_layer,
+            PeakRow("unit_gradient_bucket", gradient_bytes * laid.unit_padded * gradients * unit_gradients,
                     UNIT_GRADIENT_SOURCE),
             PeakRow("outside_gradient_buckets", gradient_bytes * laid.after_layers_padded * gradients, BUCKET_SOURCE))
 
 
-def prefetched_units(laid: Buckets, layers: int) -> int:
+def prefetched_units(laid: Buckets, layers: int, communication_unit=None) -> int:
     """Units the backward's prefetch gathers ahead of the one it computes: while what it has added is below half
-    the suggested communication unit, max(10⁹, twice a unit's parameters) elements (megatron_fsdp.py; Megatron-LM's
-    --suggested-communication-unit-size unset), the next unit, by its padded bucket (pgb, AllGatherPipeline.
+    the suggested communication unit (Megatron-LM's --suggested-communication-unit-size; unset, max(10⁹, twice a
+    unit's parameters) elements: megatron_fsdp.py), the next unit, by its padded bucket (pgb, AllGatherPipeline.
     all_gather_params); at most the layers before the last."""
-    window = max(1_000_000_000, 2 * laid.unit_count) // 2
+    window = (communication_unit if communication_unit is not None else
+              max(1_000_000_000, 2 * laid.unit_count)) // 2
     ahead = 0
     while ahead < layers - 1 and ahead * laid.unit_padded < window:
         ahead += 1
@@ -225,15 +254,19 @@ def prefetched_units(laid: Buckets, layers: int) -> int:
 BEFORE_THE_LAYERS = ("start", "loss", "forward_end")
 
 
-def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, layers: int) -> tuple:
+def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, layers: int,
+                  full_recompute: bool, communication_unit=None) -> tuple:
     """The stage's moments (stage_model.StageMoment) with backward_rows beside those of the last layer's backward:
-    a rerun's (full recompute's comes before the layer's pre-backward and first gradient) without what those
-    make."""
+    at a rerun without the unit's gradient bucket (a selective rerun may come before fc2's weight gradient), and at
+    full recompute's, which comes before the layer's pre-backward, without the prefetched units either."""
     from actmem.memory.stage_model import with_rows
 
-    return tuple(moment if moment.name in BEFORE_THE_LAYERS else with_rows(
-        moment, backward_rows(laid, strategy, gradient_bytes, layers, in_the_layer=moment.name != "rerun"))
-        for moment in moments)
+    def rows(moment):
+        rerun = moment.name == "rerun"
+        return backward_rows(laid, strategy, gradient_bytes, layers, prefetched=not (rerun and full_recompute),
+                             unit_gradients=not rerun, communication_unit=communication_unit)
+
+    return tuple(moment if moment.name in BEFORE_THE_LAYERS else with_rows(moment, rows(moment)) for moment in moments)
 
 
 UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for its backward (Megatron-FSDP, "

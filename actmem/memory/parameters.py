@@ -6,6 +6,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 """
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, state_bytes
 from actmem.model.architecture import PAPER
@@ -68,11 +69,12 @@ def outside_shapes(h, t, v, s, arch) -> tuple:
     return before, (*((h,),) * arch.norm_parameters, *((v // t, h),) * (not arch.tied_output))
 
 
+@lru_cache(maxsize=64)
 def megatron_fsdp_buckets(h, t, v, s, arch, heads, layers, shards, strategy, bucket_size=None, rank=None):
     """Megatron-FSDP's buckets (megatron_fsdp.Buckets) of a one-stage GPTModel of dense layers (layer_shapes,
-    outside_shapes) over ``shards`` ranks."""
+    outside_shapes) over ``shards`` ranks; cached: an estimate asks for them a technique and a stage."""
     return buckets(layer_shapes(h, t, arch, heads), layers, *outside_shapes(h, t, v, s, arch), shards, strategy, rank,
-                   bucket_size)
+                   bucket_size, output_into_embedding=arch.tied_output and arch.gradient_accumulation_fusion)
 
 
 def latent_parameters(h, arch, heads):

@@ -111,8 +111,12 @@ class Run:
     overlap_grad_reduce: bool = False
     """Megatron's --overlap-grad-reduce (a pasted script's): under Megatron-FSDP it makes Megatron-LM split the
     buckets outside the units (actmem.memory.megatron_fsdp.bucket_size)."""
-    ddp_bucket_size: int | None = _positive(optional=True, default=None)
-    """Megatron's --ddp-bucket-size (a pasted script's), read under Megatron-FSDP beside --overlap-grad-reduce."""
+    ddp_bucket_size: int | None = None
+    """Megatron's --ddp-bucket-size (a pasted script's), read under Megatron-FSDP beside --overlap-grad-reduce; 0
+    splits nothing."""
+    fsdp_communication_unit: int | None = _positive(optional=True, default=None)
+    """Megatron's --suggested-communication-unit-size (a pasted script's): Megatron-FSDP's prefetch window is half
+    of it; None: max(10⁹, two units) elements (actmem.memory.megatron_fsdp.prefetched_units)."""
     zero: object = None
     """DeepSpeed's ZeRO as the Hugging Face Trainer runs it (actmem.model.deepspeed.ZeroConfig: --zero-stage or
     --deepspeed ds_config.json), None where the run has none."""
@@ -132,6 +136,10 @@ class Run:
         if self.fsdp_reshard not in RESHARD_POLICIES:
             raise SpecError(f"fsdp_reshard (--fsdp-reshard-after-forward) must be one of {', '.join(RESHARD_POLICIES)}, "
                             f"got {self.fsdp_reshard!r}")
+        if self.ddp_bucket_size is not None and (isinstance(self.ddp_bucket_size, bool) or not isinstance(
+                self.ddp_bucket_size, int) or self.ddp_bucket_size < 0):
+            raise SpecError(f"--ddp-bucket-size must be a whole number of elements, 0 or more, got "
+                            f"{self.ddp_bucket_size!r}")
         if self.fsdp_sharding is not None and self.fsdp_sharding not in MEGATRON_FSDP_STRATEGIES:
             raise SpecError(f"fsdp_sharding (--data-parallel-sharding-strategy) must be one of "
                             f"{', '.join(MEGATRON_FSDP_STRATEGIES)}, got {self.fsdp_sharding!r}")

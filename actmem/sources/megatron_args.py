@@ -75,6 +75,9 @@ OVERLAP = ("--overlap-grad-reduce", "--overlap-param-gather")
 #: the bucket layout alone (distributed_data_parallel.py: bucket_size, num_buckets; param_layout.py:
 #: bucket_end_divisor, lcm(d·c, 128) or, padded for NCCL's bus bandwidth, lcm(d·c, 128, 65536))
 BUCKETS = ("--ddp-bucket-size", "--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw")
+#: Megatron-FSDP's all-gather prefetch window (half of it) and reduce-scatter queue (megatron_fsdp.py); DDP has no use
+#: for it
+COMMUNICATION_UNIT = "--suggested-communication-unit-size"
 #: Megatron's fused cross entropy (its default 'native' implementation): _VocabParallelCrossEntropy
 #: in fusions/fused_cross_entropy.py saves what tensor_parallel/cross_entropy.py's saves (the fp32
 #: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
@@ -91,7 +94,7 @@ BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES, LOAD_BALANCING,
             AUX_LOSS_COEFF,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, LOSS_FUSION,
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, COMMUNICATION_UNIT, LOSS_FUSION,
             QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
@@ -279,6 +282,8 @@ _READ_NOTES = (
     (BUCKETS, "{names} read: they shape the buckets, views of DDP's buffers; with the distributed optimizer each "
               "bucket's end is padded (param_layout.py: to lcm(d·c, 128), or lcm(d·c, 128, 65536) padded for "
               "NCCL's bus bandwidth), not counted"),
+    ((COMMUNICATION_UNIT,), "{names} read: only Megatron-FSDP uses it (its prefetch window and reduce-scatter "
+                            "queue); here it changes nothing"),
     ((LOSS_FUSION,), "{names} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
                      "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its "
                      "fp32 gradient to 16 bits in its backward, the same moment"),
@@ -292,7 +297,10 @@ _MEGATRON_FSDP_NOTES = {
     OVERLAP: "{names} read: under Megatron-FSDP they overlap its gradient reduce-scatters and its units' all-gathers "
              "with compute, and --overlap-grad-reduce splits its buckets outside the units at --ddp-bucket-size "
              "(max(4·10⁷, 10⁶·d·c) elements unless given: training.py, resolve_ddp_bucket_size), each padded: "
-             "counted; the units it gathers ahead (its prefetch window) are a transient not counted",
+             "counted",
+    (COMMUNICATION_UNIT,): "{names} read: under Megatron-FSDP its backward's prefetch gathers units ahead while "
+                           "they are below half of it, and its reduce-scatter queue holds it (megatron_fsdp.py): "
+                           "counted in the last layer's backward",
     BUCKETS: "{names} read: under Megatron-FSDP --ddp-bucket-size splits its buckets outside the units once "
              "--overlap-grad-reduce is on (training.py, resolve_ddp_bucket_size), each padded: counted",
 }

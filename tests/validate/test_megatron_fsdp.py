@@ -31,7 +31,10 @@ again, 2·29,568 = 59,136 (d = 2; 2·29,952 = 59,904 at d = 4), the one unit bef
 elements, holds every unit here), the same again; under optim_grads too its gradient bucket, 59,136, and the no-unit
 group's gradient bucket the final norm's backward made, 2·9344 = 18,688; split at 9000, only the final norm's bucket
 [64, 64]: 2·128 = 256 (the embedding's bucket is made at the end: the tied output layer's gradient reaches the
-embedding's weight with the embedding's own, autograd summing a leaf's gradients first)."""
+embedding's weight with the embedding's own, autograd summing a leaf's gradients first, gradient accumulation
+fusion off). Five layers with --suggested-communication-unit-size 59,136: the window, 29,568, is one unit's padded
+bucket: the prefetch adds one unit (0 < 29,568), then stops (29,568 is not below it): 59,136 B, not the four
+units before the last that the default window would gather (236,544)."""
 
 import pytest
 
@@ -57,12 +60,12 @@ def _state(rows, config, rank, names=STATE):
 
 
 def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
-    """Seven runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4, and there
-    with a bucket size): every
+    """Eight runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4, there with
+    a bucket size, and five layers with a communication unit): every
     state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
     information."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 7
+    assert len({row["config"] for row in grid_rows}) == 8
     assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD)
 
 
@@ -89,6 +92,8 @@ def test_what_the_last_layers_backward_holds_is_the_hand_derived(grid_rows):
         assert _state(grid_rows, "mfsdp optim d=2 grads bf16", rank, BACKWARD) == (0, 0, 0, 0)
     split = "mfsdp optim_grads_params d=4 grads bf16 buckets 9000"
     assert _state(grid_rows, split, 3, BACKWARD) == (59_904, 59_904, 59_904, 256)
+    window = "mfsdp optim_grads_params d=2 grads bf16 L=5 unit 59136"
+    assert _state(grid_rows, window, 1, BACKWARD) == (59_136, 59_136, 59_136, 18_688)
 
 
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():

@@ -66,33 +66,40 @@ class MegatronFSDPConfig:
 
     @property
     def label(self) -> str:
+        run = self.spec.run
         buckets = f" buckets {self.bucket_size}" if self.bucket_size else ""
+        unit = f" L={self.spec.model.layers} unit {run.fsdp_communication_unit}" if run.fsdp_communication_unit else ""
         return (f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
-                + buckets)
+                + buckets + unit)
 
     @property
     def world_size(self) -> int:
         return self.spec.run.gpus
 
 
-def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False, bucket_size=None) -> Spec:
+def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False, bucket_size=None, layers: int = 2,
+              communication_unit=None) -> Spec:
     """GPT-2's kind of layer (LayerNorm, biases, GeLU, learned positions, tied output) at h = 64, a = 4, f = 96,
-    L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks; ``bucket_size``: a pasted
-    --overlap-grad-reduce --ddp-bucket-size."""
-    arch = Architecture(ffn_hidden=96, attention_dropout=0.0, hidden_dropout=0.0)
+    L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks, without gradient
+    accumulation fusion (its kernel is CUDA's); ``bucket_size``: a pasted --overlap-grad-reduce --ddp-bucket-size;
+    ``communication_unit``: --suggested-communication-unit-size."""
+    arch = Architecture(ffn_hidden=96, attention_dropout=0.0, hidden_dropout=0.0, gradient_accumulation_fusion=False)
     run = Run(micro_batch=2, gpus=world, megatron_fsdp=True, fsdp_sharding=strategy, distributed_optimizer=True,
-              overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size)
-    return Spec(Model(heads=4, hidden=64, layers=2, vocab=128, seq_len=16), run, name="mfsdp", architecture=arch,
-                gradient_bytes=4 if fp32_gradients else 2)
+              overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size,
+              fsdp_communication_unit=communication_unit)
+    return Spec(Model(heads=4, hidden=64, layers=layers, vocab=128, seq_len=16), run, name="mfsdp",
+                architecture=arch, gradient_bytes=4 if fp32_gradients else 2)
 
 
 def mfsdp_grid() -> list:
     """Every strategy at d = 2 with the default (bf16) gradients; fp32 gradients under optim_grads; the default
     strategy at d = 4 (the last rank's shards short of the padding), and there its buckets outside the units split
-    at 9000 elements."""
+    at 9000 elements; five layers with a communication unit of two layers' buckets (59,136 elements at d = 2), whose
+    window stops the prefetch at one unit."""
     specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
     specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4),
-              fsdp_spec("optim_grads_params", world=4, bucket_size=9000)]
+              fsdp_spec("optim_grads_params", world=4, bucket_size=9000),
+              fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136)]
     return [MegatronFSDPConfig(spec) for spec in specs]
 
 
@@ -107,7 +114,8 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
                                  config.world_size, strategy, spec.megatron_fsdp_bucket_size, rank)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
-    backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers)}
+    backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers,
+                                                             communication_unit=spec.run.fsdp_communication_unit)}
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
             "gathered_weights": gathered_outside_units(laid, strategy), **backward}
 
@@ -201,7 +209,8 @@ def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results)
             use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
             grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
             overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
-            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size)
+            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size,
+            suggested_communication_unit_size=spec.run.fsdp_communication_unit)
         units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
         fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
                                         device=torch.device("cpu"))

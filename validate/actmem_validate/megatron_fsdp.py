@@ -24,7 +24,6 @@ wrongly, so it runs the synchronous reduce-scatter): the gradients' values do no
 """
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 from actmem.memory.techniques import run_technique
@@ -190,53 +189,69 @@ def build_model(spec: Spec):
     return config, Float16Module(config, gpt)
 
 
-def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results) -> None:
-    """One rank: wrap, forward (the gathered weights measured), backward, step; the buffers measured after."""
+@dataclass(frozen=True)
+class _Batch:
+    """Configurations of one world size, run one after the other in one set of processes (a spawn and megatron-core's
+    import a set, not a configuration)."""
+
+    configs: tuple
+
+    @property
+    def world_size(self) -> int:
+        return self.configs[0].world_size
+
+
+def _ranks(rank: int, world: int, port: int, batch: _Batch, results) -> None:
+    """One rank of every configuration of the batch, in one gloo group."""
+    from actmem_validate.gloo import rank_group
+
+    with rank_group(rank, world, port, cpu_shims, 1):
+        results.put((rank, [_run(rank, config) for config in batch.configs]))
+
+
+def _run(rank: int, config: MegatronFSDPConfig) -> dict:
+    """Wrap, forward (the gathered weights measured), backward (the last layer's fc1 moment measured), step; the
+    buffers measured after."""
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from actmem_validate.gloo import rank_group
-
     spec, strategy = config.spec, config.strategy
     overlap_grads, overlap_gather, last_microbatch = SAFE[strategy]
-    with rank_group(rank, world, port, cpu_shims, 1):
-        torch.manual_seed(1234)
-        model_config, model = build_model(spec)
-        ddp_config = DistributedDataParallelConfig(
-            use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
-            grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
-            overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
-            gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size,
-            suggested_communication_unit_size=spec.run.fsdp_communication_unit)
-        units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
-        fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
-                                        device=torch.device("cpu"))
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
-                                                           params_dtype=torch.bfloat16,
-                                                           use_distributed_optimizer=True,
-                                                           clip_grad=0.0), [fsdp])   # its clip asserts CUDA
-        fsdp.zero_grad_buffer()
-        optimizer.zero_grad()
-        generator = torch.Generator().manual_seed(rank)
-        b, s, v = spec.run.micro_batch, spec.model.seq_len, spec.model.vocab
-        tokens, labels = (torch.randint(0, v, (b, s), generator=generator) for _ in range(2))
-        if last_microbatch:
-            with fsdp.no_sync():       # megatron-core's schedules leave no_sync before the last microbatch
-                pass
-        backward = {}
-        gpt = model.module                       # Float16Module's GPTModel
-        gpt.decoder.layers[-1].mlp.linear_fc1.register_full_backward_hook(
-            lambda *_: backward.update(_in_the_last_layer(fsdp, gpt)))
-        loss = fsdp(tokens, torch.arange(s).expand(b, s), None, labels=labels).float().mean()
-        gathered = _gathered(fsdp)
-        loss.backward()
-        fsdp.finish_grad_sync()
-        optimizer.step()
-        measured = {**_state(fsdp, optimizer), "gathered_weights": gathered, **backward}
-        results.put((rank, measured))
+    torch.manual_seed(1234)
+    model_config, model = build_model(spec)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+        grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
+        gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size,
+        suggested_communication_unit_size=spec.run.fsdp_communication_unit)
+    units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
+    fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
+                                    device=torch.device("cpu"))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                       params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+                                                       clip_grad=0.0), [fsdp])   # its clip asserts CUDA
+    fsdp.zero_grad_buffer()
+    optimizer.zero_grad()
+    generator = torch.Generator().manual_seed(rank)
+    b, s, v = spec.run.micro_batch, spec.model.seq_len, spec.model.vocab
+    tokens, labels = (torch.randint(0, v, (b, s), generator=generator) for _ in range(2))
+    if last_microbatch:
+        with fsdp.no_sync():       # megatron-core's schedules leave no_sync before the last microbatch
+            pass
+    backward = {}
+    gpt = model.module                       # Float16Module's GPTModel
+    gpt.decoder.layers[-1].mlp.linear_fc1.register_full_backward_hook(
+        lambda *_: backward.update(_in_the_last_layer(fsdp, gpt)))
+    loss = fsdp(tokens, torch.arange(s).expand(b, s), None, labels=labels).float().mean()
+    gathered = _gathered(fsdp)
+    loss.backward()
+    fsdp.finish_grad_sync()
+    optimizer.step()
+    return {**_state(fsdp, optimizer), "gathered_weights": gathered, **backward}
 
 
 def _storage(tensor):
@@ -308,15 +323,27 @@ def _state(fsdp, optimizer) -> dict:
 
 def measure(config: MegatronFSDPConfig) -> list[tuple]:
     """(rank, {row: bytes}) of every rank of one configuration."""
+    return measure_all([config])[config]
+
+
+def measure_all(configs) -> dict:
+    """{config: [(rank, {row: bytes}), ...]}: the configurations of each world size in one set of processes."""
     from actmem_validate.gloo import spawn
 
-    return spawn(_rank, config)
+    measured = {}
+    for world in dict.fromkeys(config.world_size for config in configs):
+        batch = _Batch(tuple(config for config in configs if config.world_size == world))
+        per_rank = spawn(_ranks, batch)
+        for i, config in enumerate(batch.configs):
+            measured[config] = [(rank, runs[i]) for rank, runs in per_rank]
+    return measured
 
 
 def rows(configs) -> list[dict]:
-    """The error table's rows of every rank of every configuration (state_rows)."""
-    return [row for config in configs for rank, measured in measure(config)
-            for row in state_rows(config, rank, formula(config, rank), measured)]
+    """The error table's rows of every rank of every configuration (state_rows), in the grid's order."""
+    measured = measure_all(configs)
+    return [row for config in configs for rank, values in measured[config]
+            for row in state_rows(config, rank, formula(config, rank), values)]
 
 
 def state_rows(config: MegatronFSDPConfig, rank: int, expected: dict, measured: dict) -> list[dict]:

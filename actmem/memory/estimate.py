@@ -428,7 +428,7 @@ def _megatron_fsdp_buckets(spec: Spec, t: int, vocab: int, arch: Architecture):
     """Megatron-FSDP's buckets at tensor-parallel size t (one stage: the rules)."""
     model = spec.model
     return megatron_fsdp_buckets(model.hidden, t, vocab, model.seq_len, arch, model.heads, model.layers,
-                                 spec.optimizer_shards, spec.megatron_fsdp_strategy, spec.megatron_fsdp_bucket_size)
+                                 spec.optimizer_shards, spec.megatron_fsdp_strategy, megatron_fsdp.bucket_size(spec))
 
 
 def _sharded_model(spec: Spec, t: int, vocab: int, arch: Architecture):
@@ -473,6 +473,6 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
                        fp8_layers=(len(fp8), sum(fp8)) if arch.fp8_first_last_bf16 else None,
                        eh_projections=mtp, megatron_fsdp=spec.megatron_fsdp_strategy,
-                       fsdp_bucket_size=spec.megatron_fsdp_bucket_size if run.megatron_fsdp else None)
+                       fsdp_bucket_size=megatron_fsdp.bucket_size(spec) if run.megatron_fsdp else None)
 
 

@@ -187,12 +187,15 @@ def split_at(shapes, size) -> list:
     return done + ([bucket] if bucket else [])
 
 
-def bucket_size(overlap_grad_reduce: bool, given, shards: int):
+def bucket_size(spec):
     """The size Megatron-LM hands Megatron-FSDP for its buckets outside the units (training.py,
     resolve_ddp_bucket_size): --ddp-bucket-size, else max(4·10⁷, 10⁶·d·c); None without --overlap-grad-reduce."""
-    if not overlap_grad_reduce:
+    run = spec.run
+    if not run.overlap_grad_reduce:
         return None
-    return given if given is not None else max(40_000_000, 1_000_000 * shards)
+    if run.ddp_bucket_size is not None:
+        return run.ddp_bucket_size
+    return max(40_000_000, 1_000_000 * spec.optimizer_shards)
 
 
 def _covered_below(items):
@@ -223,8 +226,8 @@ def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, pre
     layer's unsharded gradient bucket, and the gradient buckets of the no-unit group made before the layers'
     backward (Buckets.after_layers_padded: reduced only once complete, and then held in the reduce-scatter queue,
     the suggested communication unit, max(10⁹, two units) elements under optim_grads_params unless given, until
-    the backward's end: megatron_fsdp.py, _root_post_backward; a queue smaller than those buckets is not modelled). Not counted: the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction,
-    freed as it completes)."""
+    the backward's end: megatron_fsdp.py, _root_post_backward; a queue smaller than those buckets is not modelled).
+    Not counted: the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction, freed as it completes)."""
     from actmem.memory.peak import PeakRow
 
     weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]

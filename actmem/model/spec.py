@@ -337,13 +337,6 @@ class Spec:
         return (self.run.fsdp_sharding or MEGATRON_FSDP_DEFAULT) if self.run.megatron_fsdp else None
 
     @property
-    def megatron_fsdp_bucket_size(self) -> int | None:
-        """Where Megatron-FSDP splits its buckets outside the units (megatron_fsdp.bucket_size); None: unsplit."""
-        from actmem.memory.megatron_fsdp import bucket_size
-
-        return bucket_size(self.run.overlap_grad_reduce, self.run.ddp_bucket_size, self.optimizer_shards)
-
-    @property
     def optimizer_shards(self) -> int:
         """Ranks the distributed optimizer shards over: d·c (Megatron's data-parallel group
         with context parallelism, which holds the same weights)."""

@@ -104,13 +104,13 @@ def mfsdp_grid() -> list:
 
 def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
-    from actmem.memory.megatron_fsdp import backward_rows, gathered_outside_units, state_bytes
+    from actmem.memory.megatron_fsdp import backward_rows, bucket_size, gathered_outside_units, state_bytes
     from actmem.memory.parameters import megatron_fsdp_buckets
 
     spec, strategy = config.spec, config.strategy
     model, arch = spec.model, spec.architecture
     laid = megatron_fsdp_buckets(model.hidden, 1, model.vocab, model.seq_len, arch, model.heads, model.layers,
-                                 config.world_size, strategy, spec.megatron_fsdp_bucket_size, rank)
+                                 config.world_size, strategy, bucket_size(spec), rank)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
     backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers,

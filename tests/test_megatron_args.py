@@ -75,6 +75,17 @@ def test_a_value_the_script_computes_is_named_and_a_flag_beside_the_paste_gives_
                           "--megatron-args: Invalid value for '--num-layers': 'x' is not a valid integer")
 
 
+def test_a_setting_actmem_reads_itself_that_the_script_computes_is_refused_naming_it(actmem, tmp_path):
+    """--attention-backend and --recompute-modules are read from the paste alone (no flag beside it takes their
+    place): a value the script computes when it runs is refused before anything reads it, naming each."""
+    script = tmp_path / "train.sh"
+    script.write_text(f"torchrun --nproc-per-node 8 pretrain_gpt.py {MODEL} {RUN} --bf16 --attention-backend $2 "
+                      "--recompute-granularity selective --recompute-modules $1\n")
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{script}"),
+                          "--megatron-args: --attention-backend is $2; --recompute-modules is $1: values the script "
+                          "computes when it runs", "write their values into the pasted script")
+
+
 def test_a_missing_file_is_one_line(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", "@/no/such/args.txt"), "cannot read it")
 

@@ -255,6 +255,7 @@ def sort(words: list[str], takes_value: dict, vocab_given: bool = False) -> tupl
             else:
                 refused.append((why, name))
         i = after
+    _refuse_computed_settings(settings)
     used += _implied(words, settings)
     layout, layout_notes, layout_problems = megatron_pipeline.read(words, settings)
     used += layout
@@ -447,6 +448,22 @@ def _recompute_modules(settings) -> list[str]:
         return [f"{RECOMPUTE_MODULES} {' '.join(joined)}: Megatron takes the modules as separate words "
                 f"({RECOMPUTE_MODULES} {' '.join(m for word in joined for m in word.split(',') if m)})"]
     return []
+
+
+def _refuse_computed_settings(settings: dict) -> None:
+    """A setting actmem reads itself (SETTINGS: --attention-backend, --recompute-modules, ...) whose value the script
+    computes when it runs ($1, $(command), a variable it never sets: launch_script's placeholders) cannot be decided
+    by a flag beside the paste: refused, naming it, before anything reads it."""
+    computed = [(name, value) for name, value in settings.items()
+                if any("$" in str(part) or "`" in str(part) for part in (value if isinstance(value, tuple) else (value,)))]
+    if computed:
+        raise SpecError("--megatron-args: " + "; ".join(
+            f"{name} is {' '.join(value) if isinstance(value, tuple) else value}" for name, value in computed)
+            + (", which the script computes" if len(computed) == 1 else ": values the script computes")
+            + " when it runs (a positional parameter, a command's output, a variable it never sets); actmem reads the "
+            "script without running it and takes " + ("this setting" if len(computed) == 1 else "these settings")
+            + " from the paste alone: write " + ("its value" if len(computed) == 1 else "their values")
+            + " into the pasted script")
 
 
 def _megatron_fsdp_problems(words) -> list[str]:

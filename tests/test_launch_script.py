@@ -51,6 +51,16 @@ def test_a_script_is_expanded_as_bash_would():
                                 "--seq-length", "512", "--bf16", "--save", "$1", "--world", "16"]
     assert launch.environment == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert "WANDB_API_KEY" in launch.unset and "NUM_NODES" in launch.unset
+    assert launch.positional == ("$1",)
+
+
+def test_the_scripts_own_arguments_are_read_as_a_run_given_none_and_said():
+    """case "$1" takes its branch for no arguments (bash run with none), ${3:-MOCK} its default; the Launch lists
+    the arguments read, for the note (megatron_args.read) that says so."""
+    launch = read('case "$1" in\n  big) L=80 ;;\n  *) L=32 ;;\nesac\nT=${3:-MOCK}\n'
+                  "torchrun pretrain_gpt.py --num-layers $L --tokenizer-model $T\n")
+    assert launch.arguments == ["--num-layers", "32", "--tokenizer-model", "MOCK"]
+    assert launch.positional == ("$1", "$3")
 
 
 def test_quoted_array_expansion_keeps_each_element_whole():

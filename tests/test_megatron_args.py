@@ -86,6 +86,18 @@ def test_a_setting_actmem_reads_itself_that_the_script_computes_is_refused_namin
                           "computes when it runs", "write their values into the pasted script")
 
 
+def test_a_case_on_the_scripts_argument_is_read_as_a_run_given_none_and_said(actmem, tmp_path):
+    """bash run with no arguments takes case "$1"'s '*)' branch: 32 layers, and the notes say how $1 was read."""
+    script = tmp_path / "train.sh"
+    script.write_text('case "$1" in\n  big) LAYERS=80 ;;\n  *) LAYERS=32 ;;\nesac\n'
+                      f"torchrun --nproc-per-node 8 pretrain_gpt.py {MODEL.replace('--num-layers 32', '--num-layers $LAYERS')} "
+                      f"{RUN} --bf16 --attention-backend local\n")
+    out = actmem.json("estimate", "--megatron-args", f"@{script}")
+    assert out["model"]["layers"] == 32
+    assert "the script's own arguments ($1) read as a run given none: empty in a test or case statement" in " ".join(
+        out["assumptions"])
+
+
 def test_a_missing_file_is_one_line(actmem):
     assert_one_line_error(actmem("estimate", "--megatron-args", "@/no/such/args.txt"), "cannot read it")
 

@@ -44,6 +44,8 @@ class Launch:
     arguments: list
     environment: dict = field(default_factory=dict)
     unset: tuple = ()
+    positional: tuple = ()
+    """The script's own arguments it reads ($1, ${2:-default}), each read as a run with none would read it."""
 
 
 #: nodes whose children are statements, walked in order
@@ -469,7 +471,8 @@ class _Shell:
                        if name in self.variables}
         environment.update(prefix)
         return Launch(words[:at], words[at], words[at + 1:], environment,
-                      tuple(name for name in self.read_unset if not name.isdigit()))
+                      tuple(name for name in self.read_unset if not name.isdigit()),
+                      tuple(f"${name}" for name in sorted((n for n in self.read_unset if n.isdigit()), key=int)))
 
     def _commands_in_strings(self) -> list:
         """A command kept in a variable for ``bash -c "$CMD"`` (an sbatch script): its value read

@@ -135,6 +135,10 @@ def read(text: str) -> tuple[list[str], list[str], int | None]:
              "parameters and $(commands) are placeholders; variables unset where it reads them, set nowhere or only "
              "in a branch bash would not take, read as unset"
              + (f": {', '.join(launch.unset)}" if launch.unset else "") + ")"]
+    if launch.positional:
+        notes.append(f"the script's own arguments ({', '.join(launch.positional)}) read as a run given none: empty in a "
+                     "test or case statement (its branch for none taken), the default of ${N:-default}, and as an "
+                     "argument's value a placeholder")
     notes += _environment(launch.environment, launch.arguments)
     gpus, note = launcher_gpus(launch.launcher)
     if note:

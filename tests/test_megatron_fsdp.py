@@ -66,6 +66,9 @@ def test_the_state_is_held_at_every_moment_and_named(actmem):
     out = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8")
     state = {row["name"]: row["bytes"] for row in out["stages"][0]["peak_floor"]["rows"]}
     assert (state["weights"], state["main_gradients"], state["optimizer_state"]) == (2 * S, 2 * S, 12 * S)
+    # the peak is the loss's moment: the three units the final norm's forward prefetch gathered again, 2·218,136,576
+    # each (the window: 5·10⁸ elements, three padded layer buckets)
+    assert state["regathered_unit_weights"] == 3 * 2 * 218_136_576 == 1_308_819_456
     assert out["run"]["megatron_fsdp"] == "optim_grads_params"
     notes = " ".join(out["assumptions"])
     assert ("--data-parallel-sharding-strategy optim_grads_params: 16-bit weights, main gradients, fp32 main "
@@ -256,3 +259,17 @@ def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_
     tied = ("-m", "22b", "--gpus", "8", "--recompute", "none", "--megatron-args")
     assert _fc1(*tied, paste)["outside_gradient_buckets"] == 78_667_776
     assert _fc1(*tied, paste + " --no-gradient-accumulation-fusion")["outside_gradient_buckets"] == 24_576
+
+
+def test_the_backward_prefetch_counts_only_the_units_the_forwards_end_did_not_gather_again():
+    """A unit's padded bucket U = 2·10⁸ under the default window, max(10⁹, 2·1.9·10⁸)/2 = 5·10⁸ elements: 0, 2·10⁸,
+    4·10⁸ are below it, three units. The forward's end gathers units 1-3 again; the
+    last layer's pre-backward window is L-1..L-3; its gather recycles 1-3, so the units of the window among them are
+    not held: L = 32: 3; L = 6 (window 5, 4, 3): 2; L = 4 (window 3, 2, 1, all among them; 4 gathered): 0; L = 3
+    (every unit among the three: nothing gathered, nothing recycled): 2. The forward's end holds min(3, L)."""
+    from actmem.memory.megatron_fsdp import Buckets, prefetched_units, regathered_units
+
+    laid = Buckets(count=0, padded=0, shard=0, local=0, outside_padded=0, unit_padded=200_000_000,
+                   unit_count=190_000_000)
+    assert [prefetched_units(laid, layers) for layers in (32, 6, 4, 3, 2)] == [3, 2, 0, 2, 1]
+    assert [regathered_units(laid, layers) for layers in (32, 6, 4, 3, 2)] == [3, 3, 3, 3, 2]

@@ -274,8 +274,8 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             "Megatron-FSDP's transients in the last layer's backward moments: its unit all-gathered again, the units "
             "its prefetch window gathers ahead (half of max(10⁹ elements, two units)), its gradient bucket and the "
             "no-unit group's that the final norm's and output layer's backward made (held in the reduce-scatter "
-            "queue); not counted: the units re-gathered before the loss (megatron-core 0.16.1 prefetches from the "
-            "final norm's forward), the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
+            "queue), and before the layers' backward the first units the final norm's forward prefetch gathered "
+            "again; not counted: the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
             "moments, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard "
             "(update_main_grads, from the backward's end to the step): the peak floor is below the run's by those"] + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "

@@ -23,8 +23,8 @@ Each bucket is padded as pgb's build_data_parallel_buffer_index lays it out (rep
 parameters' rows walked widest first, packed in chunks of the lcm of their row sizes, the bucket padded to a multiple
 of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only the parameters' elements inside it.
 In the last layer's backward the transients it certainly holds are peak rows (backward_rows: the unit gathered, the
-prefetched units, the gradient buckets). Not counted (named in the output): the units re-gathered before the loss,
-the reduce-scatters' outputs, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard
+prefetched units, the gradient buckets), and before it the units the final norm's prefetch gathered again
+(regathered_units). Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard
 (update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
 Arithmetic on ints: the planner does not sweep Megatron-FSDP.
 """
@@ -240,17 +240,34 @@ def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, pre
             PeakRow("outside_gradient_buckets", gradient_bytes * laid.after_layers_padded * gradients, BUCKET_SOURCE))
 
 
-def prefetched_units(laid: Buckets, layers: int, communication_unit=None) -> int:
-    """Units the backward's prefetch gathers ahead of the one it computes: while what it has added is below half
-    the suggested communication unit (Megatron-LM's --suggested-communication-unit-size; unset, max(10⁹, twice a
-    unit's parameters) elements: megatron_fsdp.py), the next unit, by its padded bucket (pgb, AllGatherPipeline.
-    all_gather_params); at most the layers before the last."""
+def window_units(laid: Buckets, layers: int, communication_unit=None) -> int:
+    """Units a prefetch adds after the buckets it gathers: while what it has added is below half the suggested
+    communication unit (Megatron-LM's --suggested-communication-unit-size; unset, max(10⁹, twice a unit's
+    parameters) elements: megatron_fsdp.py), the next unit, by its padded bucket (pgb, AllGatherPipeline.
+    all_gather_params); at most ``layers``."""
     window = (communication_unit if communication_unit is not None else
               max(1_000_000_000, 2 * laid.unit_count)) // 2
-    ahead = 0
-    while ahead < layers - 1 and ahead * laid.unit_padded < window:
-        ahead += 1
-    return ahead
+    added = 0
+    while added < layers and added * laid.unit_padded < window:
+        added += 1
+    return added
+
+
+def regathered_units(laid: Buckets, layers: int, communication_unit=None) -> int:
+    """Units held gathered from the forward's end through the loss: the final norm's pre-forward (a module of no
+    unit) prefetches in forward order from the bucket after its own, the first units, each released after its
+    forward and gathered again (megatron_fsdp.py, _pre_forward_param_unshard; pgb, next_bucket_id), k of them;
+    _root_pre_backward only marks them releasable, freed at the backward's next gather (recycle_unused_buckets)."""
+    return window_units(laid, layers, communication_unit)
+
+
+def prefetched_units(laid: Buckets, layers: int, communication_unit=None) -> int:
+    """Units held gathered beside the last one in its backward: its pre-backward prefetch adds the k before it;
+    where the k units the forward's end gathered again (regathered_units) hold every unit, nothing is gathered and
+    all stay; else the gather recycles those, and of the window only the units not among them were gathered
+    (L - 1 - k where fewer than k: the window and the first k overlap)."""
+    k = window_units(laid, layers, communication_unit)
+    return layers - 1 if k >= layers else min(k, layers - 1 - k)
 
 
 #: the moments before the last layer's backward (stage_model.stage_activations)
@@ -261,7 +278,9 @@ def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, 
                   full_recompute: bool, communication_unit=None) -> tuple:
     """The stage's moments (stage_model.StageMoment) with backward_rows beside those of the last layer's backward:
     at a rerun without the unit's gradient bucket (a selective rerun may come before fc2's weight gradient), and at
-    full recompute's, which comes before the layer's pre-backward, without the prefetched units either."""
+    full recompute's, which comes before the layer's pre-backward, without the prefetched units either; and before
+    the layers' backward (the forward's end, the loss) the units the final norm's prefetch gathered again."""
+    from actmem.memory.peak import PeakRow
     from actmem.memory.stage_model import with_rows
 
     def rows(moment):
@@ -269,9 +288,14 @@ def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, 
         return backward_rows(laid, strategy, gradient_bytes, layers, prefetched=not (rerun and full_recompute),
                              unit_gradients=not rerun, communication_unit=communication_unit)
 
-    return tuple(moment if moment.name in BEFORE_THE_LAYERS else with_rows(moment, rows(moment)) for moment in moments)
+    gathered = MEGATRON_FSDP_STRATEGIES[strategy][0] * regathered_units(laid, layers, communication_unit)
+    before = (PeakRow("regathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * gathered, REGATHER_SOURCE),)
+    return tuple(with_rows(moment, before) if moment.name in BEFORE_THE_LAYERS else with_rows(moment, rows(moment))
+                 for moment in moments)
 
 
+REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and held "
+                   "until the backward's first gather (Megatron-FSDP, optim_grads_params)")
 UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for its backward (Megatron-FSDP, "
                "optim_grads_params: its padded bucket, a temporary beside the shard)")
 PREFETCH_SOURCE = ("16-bit weights of the {units} unit(s) before it, all-gathered ahead by its pre-backward's prefetch "

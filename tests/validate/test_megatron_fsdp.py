@@ -34,7 +34,11 @@ group's gradient bucket the final norm's backward made, 2·9344 = 18,688; split 
 embedding's weight with the embedding's own, autograd summing a leaf's gradients first, gradient accumulation
 fusion off). Five layers with --suggested-communication-unit-size 59,136: the window, 29,568, is one unit's padded
 bucket: the prefetch adds one unit (0 < 29,568), then stops (29,568 is not below it): 59,136 B, not the four
-units before the last that the default window would gather (236,544)."""
+units before the last that the default window would gather (236,544). Four layers with a unit of 118,272 (window
+59,136, two units): the final norm's forward prefetch gathers units 1 and 2 again (118,272, held at the forward's
+end); the last layer's pre-backward window is units 3 and 2, its gather recycles 1 and 2, and gathers only 3: one
+unit prefetched, 59,136, where the window alone says two. The forward's end holds, re-gathered, every unit at L = 2
+(2·59,136 = 118,272 at d = 2; 2·59,904 = 119,808 at d = 4) and one at L = 5 with its one-unit window."""
 
 import pytest
 
@@ -47,6 +51,7 @@ from tests.validate.cli_grid import validate_grid  # noqa: E402
 
 STATE = ("weights", "main_gradients", "optimizer_state", "gathered_weights")
 BACKWARD = ("gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")
+REGATHERED = ("regathered_unit_weights",)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +65,13 @@ def _state(rows, config, rank, names=STATE):
 
 
 def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
-    """Eight runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4, there with
-    a bucket size, and five layers with a communication unit): every
+    """Nine runs (every strategy at d = 2, fp32 gradients under optim_grads, optim_grads_params at d = 4, there with
+    a bucket size, five and four layers with a communication unit): every
     state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
     information."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 8
-    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD)
+    assert len({row["config"] for row in grid_rows}) == 9
+    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD + REGATHERED)
 
 
 def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
@@ -94,6 +99,12 @@ def test_what_the_last_layers_backward_holds_is_the_hand_derived(grid_rows):
     assert _state(grid_rows, split, 3, BACKWARD) == (59_904, 59_904, 59_904, 256)
     window = "mfsdp optim_grads_params d=2 grads bf16 L=5 unit 59136"
     assert _state(grid_rows, window, 1, BACKWARD) == (59_136, 59_136, 59_136, 18_688)
+    overlap = "mfsdp optim_grads_params d=2 grads bf16 L=4 unit 118272"
+    assert _state(grid_rows, overlap, 0, BACKWARD + REGATHERED) == (59_136, 59_136, 59_136, 18_688, 118_272)
+    regathered = {config: _state(grid_rows, config, 0, REGATHERED)[0] for config in (
+        "mfsdp optim_grads_params d=2 grads bf16", "mfsdp optim_grads_params d=4 grads bf16", window,
+        "mfsdp optim d=2 grads bf16")}
+    assert list(regathered.values()) == [118_272, 119_808, 59_136, 0]
 
 
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():

@@ -6,6 +6,8 @@ around a small GPTModel of its local spec on real gloo CPU ranks, one forward, b
   storages of the buffers' own tensors after the step (kind 'state');
 - under optim_grads_params the weights outside the units gathered in the forward: the rest's bucket, allocated by
   its buffer's temporary bucket allocator, measured between the forward and the backward (kind 'state');
+- at the forward's end (actmem's 'start' and 'loss' moments; kind 'state'), under optim_grads_params the first units
+  the final norm's forward prefetch gathered again (megatron_fsdp.regathered_units);
 - at the last layer's fc1 backward, actmem's 'fc1' moment (kind 'state'): under optim_grads_params its unit
   gathered again and the units prefetched before it (their weight buckets), under optim_grads and
   optim_grads_params its gradient bucket and the no-unit group's gradient buckets the final norm's backward made
@@ -94,17 +96,20 @@ def mfsdp_grid() -> list:
     """Every strategy at d = 2 with the default (bf16) gradients; fp32 gradients under optim_grads; the default
     strategy at d = 4 (the last rank's shards short of the padding), and there its buckets outside the units split
     at 9000 elements; five layers with a communication unit of two layers' buckets (59,136 elements at d = 2), whose
-    window stops the prefetch at one unit."""
+    window stops the prefetch at one unit; four layers with a window of two units, where the backward's window
+    (layers 2 and 3) overlaps the two the forward's end gathered again (1 and 2): one unit prefetched, not two."""
     specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
     specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4),
               fsdp_spec("optim_grads_params", world=4, bucket_size=9000),
-              fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136)]
+              fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136),
+              fsdp_spec("optim_grads_params", layers=4, communication_unit=118_272)]
     return [MegatronFSDPConfig(spec) for spec in specs]
 
 
 def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
-    from actmem.memory.megatron_fsdp import backward_rows, bucket_size, gathered_outside_units, state_bytes
+    from actmem.memory.megatron_fsdp import (backward_rows, bucket_size, gathered_outside_units, regathered_units,
+                                             state_bytes)
     from actmem.memory.parameters import megatron_fsdp_buckets
 
     spec, strategy = config.spec, config.strategy
@@ -113,8 +118,11 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
                                  config.world_size, strategy, bucket_size(spec), rank)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
+    unit = spec.run.fsdp_communication_unit
     backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers,
-                                                             communication_unit=spec.run.fsdp_communication_unit)}
+                                                             communication_unit=unit)}
+    backward["regathered_unit_weights"] = (2 * laid.unit_padded * regathered_units(laid, model.layers, unit)
+                                           * (strategy == "optim_grads_params"))
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
             "gathered_weights": gathered_outside_units(laid, strategy), **backward}
 
@@ -248,10 +256,12 @@ def _run(rank: int, config: MegatronFSDPConfig) -> dict:
         lambda *_: backward.update(_in_the_last_layer(fsdp, gpt)))
     loss = fsdp(tokens, torch.arange(s).expand(b, s), None, labels=labels).float().mean()
     gathered = _gathered(fsdp)
+    regathered = sum(_temporary(group.model_weight_buffer) for group in fsdp.param_and_grad_buffer.parameter_groups
+                     if group.fsdp_unit_id is not None)
     loss.backward()
     fsdp.finish_grad_sync()
     optimizer.step()
-    return {**_state(fsdp, optimizer), "gathered_weights": gathered, **backward}
+    return {**_state(fsdp, optimizer), "gathered_weights": gathered, "regathered_unit_weights": regathered, **backward}
 
 
 def _storage(tensor):

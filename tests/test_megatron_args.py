@@ -90,8 +90,8 @@ def test_a_case_on_the_scripts_argument_is_read_as_a_run_given_none_and_said(act
     """bash run with no arguments takes case "$1"'s '*)' branch: 32 layers, and the notes say how $1 was read."""
     script = tmp_path / "train.sh"
     script.write_text('case "$1" in\n  big) LAYERS=80 ;;\n  *) LAYERS=32 ;;\nesac\n'
-                      f"torchrun --nproc-per-node 8 pretrain_gpt.py {MODEL.replace('--num-layers 32', '--num-layers $LAYERS')} "
-                      f"{RUN} --bf16 --attention-backend local\n")
+                      "torchrun --nproc-per-node 8 pretrain_gpt.py "
+                      f"{MODEL.replace('--num-layers 32', '--num-layers $LAYERS')} {RUN} --bf16 --attention-backend local\n")
     out = actmem.json("estimate", "--megatron-args", f"@{script}")
     assert out["model"]["layers"] == 32
     assert "the script's own arguments ($1) read as a run given none: empty in a test or case statement" in " ".join(

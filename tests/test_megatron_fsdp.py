@@ -6,8 +6,8 @@ Llama 3.1 8B at t = 1: N = 2·128,256·4096 (embedding, untied output) + 4096 (f
 N = 1,050,673,152 + 4096 + 6,979,584,000 = 8,030,261,248.
 
 Its buckets, padded as param_and_grad_buffer.py's build_data_parallel_buffer_index lays them out, at d·c = 8:
-- optim, optim_grads, optim_grads_params: a bucket a layer (a unit: Megatron-LM d98e8a64) and one of the rest. A layer's rows widest first: fc2 [4096, 14,336]
-  (row 14,336), the projection, QKV and fc1 (row 4096), the two norms (row 1); chunk factor lcm(14,336, 4096) =
+- optim, optim_grads, optim_grads_params: a bucket a layer (a unit: Megatron-LM d98e8a64) and one of the rest. A
+  layer's rows widest first: fc2 [4096, 14,336] (row 14,336), the projection, QKV and fc1 (row 4096), the two norms (row 1); chunk factor lcm(14,336, 4096) =
   28,672. fc2 (2048 chunks) at 0; the projection (16,777,216 = 585 chunks + 4096) ends 4096 into a chunk, QKV
   (25,165,824 = 877 chunks + 20,480) shares that chunk's last 20,480, a norm fills the 4096 between; fc1 (4096
   chunks); the other norm at the end: 218,112,000 with no hole, padded to 8·28,672 = 229,376: 951·229,376 =
@@ -252,7 +252,8 @@ def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_
     norm's two, 2·2·6144 = 24,576 B; and with gradient accumulation fusion (Megatron's default) the tied output
     layer's fused weight gradient goes into the embedding's main_grad at its backward (tensor_parallel/layers.py:
     get_main_grad), its bucket too: + 2·6400·6144 = 78,667,776 B in all."""
-    text = open(_example(tmp_path)[1:]).read().replace("--overlap-grad-reduce", "--overlap-grad-reduce --ddp-bucket-size 1")
+    text = open(_example(tmp_path)[1:]).read().replace("--overlap-grad-reduce",
+                                                       "--overlap-grad-reduce --ddp-bucket-size 1")
     (tmp_path / "one.sh").write_text(text)
     assert _fc1("--megatron-args", f"@{tmp_path / 'one.sh'}")["outside_gradient_buckets"] == 1_050_681_344
     paste = "--bf16 --use-megatron-fsdp --ckpt-format fsdp_dtensor --overlap-grad-reduce --ddp-bucket-size 1"

@@ -24,8 +24,9 @@ parameters' rows walked widest first, packed in chunks of the lcm of their row s
 of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only the parameters' elements inside it.
 In the last layer's backward the transients it certainly holds are peak rows (backward_rows: the unit gathered, the
 prefetched units, the gradient buckets), and before it the units the final norm's prefetch gathered again
-(regathered_units). Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard
-(update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
+(regathered_units). Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main
+gradients the optimizer's fp32 copy of the gradient shard (update_main_grads: dist_main_grad, from the backward's end
+to the next zero_grad).
 Arithmetic on ints: the planner does not sweep Megatron-FSDP.
 """
 
@@ -294,8 +295,8 @@ def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, 
                  for moment in moments)
 
 
-REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and held "
-                   "until the backward's first gather (Megatron-FSDP, optim_grads_params)")
+REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and "
+                   "held until the backward's first gather (Megatron-FSDP, optim_grads_params)")
 UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for its backward (Megatron-FSDP, "
                "optim_grads_params: its padded bucket, a temporary beside the shard)")
 PREFETCH_SOURCE = ("16-bit weights of the {units} unit(s) before it, all-gathered ahead by its pre-backward's prefetch "

@@ -94,8 +94,8 @@ BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES, LOAD_BALANCING,
             AUX_LOSS_COEFF,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, COMMUNICATION_UNIT, LOSS_FUSION,
-            QK_LAYER_SCALING, *megatron_pipeline.NAMES)
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, COMMUNICATION_UNIT,
+            LOSS_FUSION, QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
             "hybrid Mamba", "pretrain_hybrid.py": "hybrid Mamba", "pretrain_vlm.py": "multimodal",
@@ -136,8 +136,8 @@ def read(text: str) -> tuple[list[str], list[str], int | None]:
              "in a branch bash would not take, read as unset"
              + (f": {', '.join(launch.unset)}" if launch.unset else "") + ")"]
     if launch.positional:
-        notes.append(f"the script's own arguments ({', '.join(launch.positional)}) read as a run given none: empty in a "
-                     "test or case statement (its branch for none taken), the default of ${N:-default}, and as an "
+        notes.append(f"the script's own arguments ({', '.join(launch.positional)}) read as a run given none: empty "
+                     "in a test or case statement (its branch for none taken), the default of ${N:-default}, and as an "
                      "argument's value a placeholder")
     notes += _environment(launch.environment, launch.arguments)
     gpus, note = launcher_gpus(launch.launcher)
@@ -459,7 +459,8 @@ def _refuse_computed_settings(settings: dict) -> None:
     computes when it runs ($1, $(command), a variable it never sets: launch_script's placeholders) cannot be decided
     by a flag beside the paste: refused, naming it, before anything reads it."""
     computed = [(name, value) for name, value in settings.items()
-                if any("$" in str(part) or "`" in str(part) for part in (value if isinstance(value, tuple) else (value,)))]
+                if any("$" in str(part) or "`" in str(part)
+                       for part in (value if isinstance(value, tuple) else (value,)))]
     if computed:
         raise SpecError("--megatron-args: " + "; ".join(
             f"{name} is {' '.join(value) if isinstance(value, tuple) else value}" for name, value in computed)

@@ -855,7 +855,7 @@ def build_spec_from_flags(flags: dict, dims_only: bool = False):
         options["gradient_bytes"] = _gradient_bytes(flags["grad_dtype"])
     code = implementation(architecture.get("implementation", MEGATRON))
     options.update(_megatron_fsdp_gradients(flags, run, code))
-    run.update(_megatron_fsdp_buckets(pasted, run))
+    run.update(_megatron_fsdp_bucket_settings(pasted, run))
     options["optimizer"] = optimizer_state(flags)
     if flags["vocab_divisible_by"] is not None:
         options["vocab_divisible_by"] = code.vocab_divisible_by(flags["vocab_divisible_by"], VOCAB_DIVISIBLE_BY)
@@ -893,7 +893,7 @@ def _megatron_fsdp_gradients(flags: dict, run: dict, code) -> dict:
     return {"gradient_bytes": _gradient_bytes(dtype)}
 
 
-def _megatron_fsdp_buckets(pasted: dict, run: dict) -> dict:
+def _megatron_fsdp_bucket_settings(pasted: dict, run: dict) -> dict:
     """Under Megatron-FSDP, the pasted --overlap-grad-reduce and --ddp-bucket-size, with which Megatron-LM splits
     its buckets outside the units (training.py, resolve_ddp_bucket_size), and --suggested-communication-unit-size,
     its prefetch window's and reduce-scatter queue's size; --ddp-num-buckets, which sizes the buckets from the rank's

@@ -266,8 +266,8 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             "padded as build_data_parallel_buffer_index lays it out (chunks of the lcm of its parameters' row sizes, "
             "d·c of them a multiple; a bucket a layer and the rest, under no_shard every parameter, in one bucket or, "
             "under --overlap-grad-reduce, in buckets of --ddp-bucket-size): "
-            f"{parameters.padded_count:,} elements for {parameters.count:,} parameters "
-            f"(+{100 * (parameters.padded_count - parameters.count) / parameters.count:.2f}%); its "
+            f"{parameters.buckets.padded:,} elements for {parameters.count:,} parameters "
+            f"(+{100 * (parameters.buckets.padded - parameters.count) / parameters.count:.2f}%); its "
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
             "of its own here",

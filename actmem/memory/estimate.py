@@ -6,7 +6,7 @@ from functools import cached_property
 from actmem.memory import assumptions, engine, fsdp, megatron_fsdp, zero
 from actmem.model import symbols
 from actmem.model.architecture import Architecture
-from actmem.memory.parameters import ParameterBytes, megatron_fsdp_buckets, mtp_parameters, stage_state
+from actmem.memory.parameters import ParameterBytes, mtp_parameters, stage_state
 from actmem.model.experts import dense_twin
 from actmem.memory.peak import PeakFloor, peak_floor
 from actmem.memory.stage_model import StageCounts, chunk_layers, stage_activations
@@ -413,22 +413,16 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
                                      _sharded_model(spec, t, bindings[symbols.v], arch))
     if spec.run.zero:
         moments = zero.stage_moments(moments, _zero_model(spec))
+    parameters = _parameters(spec, t, occupancy.stage, stage_layers)
     if spec.run.megatron_fsdp:
-        moments = megatron_fsdp.stage_moments(moments, _megatron_fsdp_buckets(spec, t, bindings[symbols.v], arch),
-                                              spec.megatron_fsdp_strategy, spec.gradient_bytes, stage_layers,
-                                              technique.recompute is Recompute.FULL, spec.run.fsdp_communication_unit)
+        moments = megatron_fsdp.stage_moments(moments, parameters.buckets, spec.megatron_fsdp_strategy,
+                                              spec.gradient_bytes, stage_layers, technique.recompute is Recompute.FULL,
+                                              spec.run.fsdp_communication_unit)
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
-                        _parameters(spec, t, occupancy.stage, stage_layers),
+                        parameters,
                         tuple(moment for moment in moments if moment.present))
-
-
-def _megatron_fsdp_buckets(spec: Spec, t: int, vocab: int, arch: Architecture):
-    """Megatron-FSDP's buckets at tensor-parallel size t (one stage: the rules)."""
-    model = spec.model
-    return megatron_fsdp_buckets(model.hidden, t, vocab, model.seq_len, arch, model.heads, model.layers,
-                                 spec.optimizer_shards, spec.megatron_fsdp_strategy, megatron_fsdp.bucket_size(spec))
 
 
 def _sharded_model(spec: Spec, t: int, vocab: int, arch: Architecture):

@@ -274,8 +274,8 @@ class ParameterBytes:
     megatron_fsdp: str | None = None
     """Megatron-FSDP's sharding strategy (actmem.memory.megatron_fsdp), None where the run does not use it: its
     buffers are held at every moment."""
-    padded_count: int = 0
-    """Under Megatron-FSDP, the elements of its buckets, padding included (megatron_fsdp.Buckets.padded)."""
+    buckets: object = None
+    """Under Megatron-FSDP, its buckets (megatron_fsdp.Buckets: the padding, the units, what the backward holds)."""
     gathered_bytes: int = 0
     """Under Megatron-FSDP's optim_grads_params, the 16-bit weights outside its units (the embedding, the output
     layer, the final norm) all-gathered in the forward and kept until the backward's end: held at every moment of
@@ -349,7 +349,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     if megatron_fsdp is not None:      # one stage of dense layers (the rules); TE's dummy weight gradients as DDP's
         laid = megatron_fsdp_buckets(h, t, v, s, arch, heads, stage_layers, shards, megatron_fsdp, fsdp_bucket_size)
         return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
-                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, padded_count=laid.padded,
+                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, buckets=laid,
                               gathered_bytes=gathered_outside_units(laid, megatron_fsdp))
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if arch.moe:

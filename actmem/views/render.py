@@ -339,24 +339,22 @@ def _dc(spec) -> str:
 
 def _megatron_fsdp_state_rows(est: Estimate) -> tuple:
     """The memory table's model state under Megatron-FSDP (actmem.memory.megatron_fsdp): what its strategy shards."""
+    from actmem.memory.megatron_fsdp import MAIN_WEIGHT_BYTES
     from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
 
     spec, params = est.spec, est.parameters
     strategy = spec.megatron_fsdp_strategy
     sharded = MEGATRON_FSDP_STRATEGIES[strategy]
-    buckets = f"its padded buckets' {params.padded_count:,} elements"
-    per = lambda width, shards: (f"{buckets} × {width} B / {_dc(spec)}" if shards else
-                                 f"{buckets} × {width} B, whole" if strategy != "no_shard" else
-                                 f"{params.count:,} parameters × {width} B, whole")
+    buckets = f"its {'buckets' if strategy == 'no_shard' else 'padded buckets'}' {params.buckets.padded:,} elements"
+    per = lambda width, shards: f"{buckets} × {width} B" + (f" / {_dc(spec)}" if shards else ", whole")
     grads = "fp32" if spec.gradient_bytes == GRADIENT_BYTES else "16-bit"
     weights = per(WEIGHT_BYTES, sharded[0]) if strategy != "no_shard" else f"{params.count:,} parameters × 2 B, whole"
     return (("weights", params.weights_bytes, weights + (
                 " (the units gathered to compute: the last layer's backward moments)" if sharded[0] else "")),
             ("gradients", params.gradients_bytes, per(spec.gradient_bytes, sharded[1]) + f" ({grads}: "
              "--megatron-fsdp-main-grads-dtype)"),
-            ("optimizer state", params.optimizer_bytes, per(4, sharded[2]) + " + Adam's two fp32 moments of the "
-             "parameters in the rank's shard" if sharded[2] else per(spec.optimizer.bytes_per_parameter, False)
-             + " (the fp32 main weights and Adam's two moments)"))
+            ("optimizer state", params.optimizer_bytes, per(MAIN_WEIGHT_BYTES, sharded[2]) + " (fp32 main weights) + Adam's two fp32 "
+             "moments of " + ("the parameters in the rank's shard" if sharded[2] else "every parameter")))
 
 
 def _fsdp_state_rows(est: Estimate) -> tuple:

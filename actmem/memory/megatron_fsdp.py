@@ -281,7 +281,6 @@ def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, 
     at a rerun without the unit's gradient bucket (a selective rerun may come before fc2's weight gradient), and at
     full recompute's, which comes before the layer's pre-backward, without the prefetched units either; and before
     the layers' backward (the forward's end, the loss) the units the final norm's prefetch gathered again."""
-    from actmem.memory.peak import PeakRow
     from actmem.memory.stage_model import with_rows
 
     def rows(moment):
@@ -289,10 +288,18 @@ def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, 
         return backward_rows(laid, strategy, gradient_bytes, layers, prefetched=not (rerun and full_recompute),
                              unit_gradients=not rerun, communication_unit=communication_unit)
 
-    gathered = MEGATRON_FSDP_STRATEGIES[strategy][0] * regathered_units(laid, layers, communication_unit)
-    before = (PeakRow("regathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * gathered, REGATHER_SOURCE),)
+    before = forward_end_rows(laid, strategy, layers, communication_unit)
     return tuple(with_rows(moment, before) if moment.name in BEFORE_THE_LAYERS else with_rows(moment, rows(moment))
                  for moment in moments)
+
+
+def forward_end_rows(laid: Buckets, strategy: str, layers: int, communication_unit=None) -> tuple:
+    """What Megatron-FSDP holds beside the model state from the forward's end through the loss, as peak rows: under
+    optim_grads_params the units the final norm's forward prefetch gathered again (regathered_units)."""
+    from actmem.memory.peak import PeakRow
+
+    gathered = MEGATRON_FSDP_STRATEGIES[strategy][0] * regathered_units(laid, layers, communication_unit)
+    return (PeakRow("regathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * gathered, REGATHER_SOURCE),)
 
 
 REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and "

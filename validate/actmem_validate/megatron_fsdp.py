@@ -108,7 +108,7 @@ def mfsdp_grid() -> list:
 
 def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
-    from actmem.memory.megatron_fsdp import (backward_rows, bucket_size, gathered_outside_units, regathered_units,
+    from actmem.memory.megatron_fsdp import (backward_rows, bucket_size, forward_end_rows, gathered_outside_units,
                                              state_bytes)
     from actmem.memory.parameters import megatron_fsdp_buckets
 
@@ -119,10 +119,9 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
     unit = spec.run.fsdp_communication_unit
-    backward = {row.name: row.bytes for row in backward_rows(laid, strategy, config.gradient_bytes, model.layers,
-                                                             communication_unit=unit)}
-    backward["regathered_unit_weights"] = (2 * laid.unit_padded * regathered_units(laid, model.layers, unit)
-                                           * (strategy == "optim_grads_params"))
+    rows = (*backward_rows(laid, strategy, config.gradient_bytes, model.layers, communication_unit=unit),
+            *forward_end_rows(laid, strategy, model.layers, unit))
+    backward = {row.name: row.bytes for row in rows}
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
             "gathered_weights": gathered_outside_units(laid, strategy), **backward}
 

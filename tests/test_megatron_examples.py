@@ -76,17 +76,13 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
     assert fp32["parameters"]["gradients_bytes"] == 4 * count and fp32["verdict_bytes"] == flags["verdict_bytes"]
 
 
-@pytest.mark.parametrize("script, refused", [
-    ("train_llama3_8b_fsdp_h100_fp8.sh", {"--fsdp-double-buffer", "--fsdp-manual-registration", "--use-nccl-ub"}),
-])
-def test_the_other_examples_are_refused_naming_only_what_is_not_modelled(actmem, script, refused):
-    """The names each script carries that change memory in ways actmem does not count yet
-    (read off the scripts by hand: Megatron-FSDP's NCCL user buffers and their double buffers; Megatron-FSDP
-    itself is read: tests/test_megatron_fsdp.py); every other argument is modelled or ignored."""
-    result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / script}")
-    assert_one_line_error(result, "changes memory and is not modelled yet: ")
-    assert _refused_names(result.stderr) == refused
-    assert "not an argument" not in result.stderr and "follow no argument" not in result.stderr
+def test_megatron_lm_s_fsdp_example_is_refused_only_for_fp8_beside_megatron_fsdp(actmem):
+    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: every argument is read or ignored (its NCCL user
+    buffers and double buffers are read: tests/test_megatron_fsdp.py); what stops it is FP8's buffers under
+    Megatron-FSDP, one line."""
+    result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_llama3_8b_fsdp_h100_fp8.sh'}", "--gpu", "h100")
+    assert_one_line_error(result, "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8")
+    assert "not modelled yet:" not in result.stderr and "not an argument" not in result.stderr
 
 
 def test_t5_s_script_is_refused_for_what_it_trains(actmem):
@@ -128,15 +124,16 @@ def test_an_argument_megatron_stops_on_is_refused_with_its_advice(actmem, tmp_pa
 
 def test_deepseek_v3s_sbatch_script_is_read_from_the_command_it_hands_to_srun(actmem):
     """The training command lives in TRAINING_CMD, run by `srun bash -c "${TRAINING_CMD}"` inside
-    an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP's NCCL user
-    buffers and bf16 gradient communication (Megatron-FSDP itself, and its main gradients' dtype, are read); its
+    an sbatch here-document: its arguments are refused for the flex dispatcher and Megatron-FSDP's bf16 gradient
+    communication (Megatron-FSDP itself, and its main gradients' dtype, are read); its
     multi-latent attention and multi-token prediction are read (--multi-latent-attention, the ranks and head
     dims, --mtp-num-layers; YaRN's scaling and the MTP loss's factor change values only)."""
     result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'sbatch_mfsdp_deepseek_v3.sh'}")
-    assert_one_line_error(result, "the flex dispatcher (DeepEP or HybridEP", "sharded data parallelism",
+    assert_one_line_error(result, "the flex dispatcher (DeepEP or HybridEP",
                           "HuggingFaceTokenizer takes its vocabulary from its files")
     names = _refused_names(result.stderr)
-    assert {"--moe-flex-dispatcher-backend", "--fsdp-double-buffer", "--megatron-fsdp-grad-comm-dtype"} <= names
+    assert {"--moe-flex-dispatcher-backend", "--megatron-fsdp-grad-comm-dtype"} <= names
+    assert not {"--fsdp-double-buffer", "--use-nccl-ub"} & names       # read under Megatron-FSDP
     assert not {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--megatron-fsdp-main-grads-dtype"} & names
     assert not {"--num-experts", "--moe-layer-freq"} & names       # read: the experts and their layout are modelled
     assert not {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",

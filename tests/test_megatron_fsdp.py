@@ -79,14 +79,14 @@ def test_the_state_is_held_at_every_moment_and_named(actmem):
     assert "recompute none · Megatron-FSDP" in text and "optim_grads_params over d=8" in text    # (wrapped)
 
 
-def _example(tmp_path, strategy=None, fsdp=True):
-    """Megatron-LM's Megatron-FSDP example as a user edits it to run in bf16 without NCCL user buffers (whose
-    double buffers are not modelled): DTYPE, and the three lines of --use-nccl-ub, --fsdp-double-buffer and
-    --fsdp-manual-registration; ``strategy``, its SHARDING_STRATEGY default; ``fsdp`` False, its DDP path
-    (USE_MEGATRON_FSDP=0)."""
+def _example(tmp_path, strategy=None, fsdp=True, user_buffers=True):
+    """Megatron-LM's Megatron-FSDP example as a user edits it to run in bf16 (FP8 beside Megatron-FSDP is not
+    modelled): DTYPE; ``strategy``, its SHARDING_STRATEGY default; ``fsdp`` False, its DDP path (USE_MEGATRON_FSDP=0);
+    ``user_buffers`` False, without its three lines of --use-nccl-ub, --fsdp-double-buffer and
+    --fsdp-manual-registration."""
     text = open(EXAMPLE).read().replace('DTYPE="fp8"', 'DTYPE="bf16"')
-    text = "\n".join(line for line in text.splitlines()
-                     if line.strip() not in ("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"))
+    text = "\n".join(line for line in text.splitlines() if user_buffers or line.strip() not in (
+        "--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"))
     if strategy:
         text = text.replace('SHARDING_STRATEGY:-"optim_grads_params"', f'SHARDING_STRATEGY:-"{strategy}"')
     if not fsdp:
@@ -102,15 +102,16 @@ def test_megatron_lms_fsdp_example_prices_and_its_optim_strategy_pads_what_its_d
     outside its units gathered through the step: the rest's padded bucket, 2·1,050,705,920 = 2,101,411,840 B (its
     parameters 2·(2·128,256·4096 + 4096) = 2,101,354,496 B, and 28,672 elements of padding). With
     SHARDING_STRATEGY=optim and fp32 main gradients: 2P + 4P + 12S, where its DDP path (USE_MEGATRON_FSDP=0: DDP
-    with the distributed optimizer, fp32 gradients; the dummies beside) keeps 2N + 4N + 12N/8."""
-    out = actmem.json("estimate", "--megatron-args", _example(tmp_path))
+    with the distributed optimizer, fp32 gradients; the dummies beside) keeps 2N + 4N + 12N/8. Here without its NCCL
+    user buffers (their double buffers: test_the_double_buffers_pools_...)."""
+    out = actmem.json("estimate", "--megatron-args", _example(tmp_path, user_buffers=False))
     assert out["parameters"]["gathered_bytes"] == GATHERED == 2_101_354_496 + 2 * 28_672
     notes = " ".join(out["assumptions"])       # its buckets and hooks are Megatron-FSDP's, not DDP's
     assert "--overlap-grad-reduce and --overlap-param-gather read: under Megatron-FSDP" in notes
     assert "Megatron-FSDP's hook adds to main_grad" in notes and "DDP already holds" not in notes
     assert out["parameters"]["total_bytes"] == 16 * S + GATHERED == 16_062_152_704 + GATHERED
     assert out["parameters"]["dummy_wgrads_bytes"] == 0
-    optim = actmem.json("estimate", "--megatron-args", _example(tmp_path, "optim"),
+    optim = actmem.json("estimate", "--megatron-args", _example(tmp_path, "optim", user_buffers=False),
                         "--megatron-fsdp-main-grads-dtype", "fp32")
     ddp = actmem.json("estimate", "--megatron-args", _example(tmp_path, fsdp=False))
     state = ("weights_bytes", "gradients_bytes", "optimizer_bytes")
@@ -274,3 +275,70 @@ def test_the_backward_prefetch_counts_only_the_units_the_forwards_end_did_not_ga
                    unit_count=190_000_000)
     assert [prefetched_units(laid, layers) for layers in (32, 6, 4, 3, 2)] == [3, 2, 0, 2, 1]
     assert [regathered_units(laid, layers) for layers in (32, 6, 4, 3, 2)] == [3, 3, 3, 3, 2]
+
+
+#: the fixed pools of Llama 3.1 8B at d = 8 under --fsdp-double-buffer: two buffers of a unit's padded bucket
+#: (218,136,576 elements: the module docstring), 16-bit
+POOL = 2 * 218_136_576 * 2
+
+
+def test_the_double_buffers_pools_are_two_units_buckets_and_hold_the_units_transients(actmem, tmp_path):
+    """Megatron-LM's example as it is but for FP8 (its --use-nccl-ub turns --fsdp-double-buffer on: arguments.py):
+    the weights' pool and the bf16 gradients' pool, 2·218,136,576·2 B = 872,546,304 each, held beside the state, in
+    place of the unit gathered, the prefetched units, the unit's gradient bucket (fc1's moment) and the units
+    gathered again at the forward's end (the loss's moment; 3 units, 1,308,819,456 B, without the pools); the no-unit
+    group's gradient bucket stays (2,101,411,840). The peak at the loss then rises by 2·872,546,304 - 1,308,819,456
+    = 436,273,152. Under optim_grads with fp32 gradients the gradients' pool alone, 2·218,136,576·4 B; under optim
+    none (a note says it changes nothing)."""
+    out = actmem.json("estimate", "--megatron-args", _example(tmp_path))
+    plain = actmem.json("estimate", "--megatron-args", _example(tmp_path, user_buffers=False))
+    assert out["parameters"]["double_buffer_bytes"] == 2 * POOL == 1_745_092_608
+    assert out["parameters"]["total_bytes"] == 16 * S + GATHERED + 2 * POOL
+    assert out["peak_floor"]["total_bytes"] - plain["peak_floor"]["total_bytes"] == 2 * POOL - 1_308_819_456
+    assert "--use-nccl-ub and --fsdp-manual-registration read" in " ".join(out["assumptions"])
+    assert _fc1("-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fsdp-double-buffer") == {
+        "outside_gradient_buckets": 2_101_411_840}
+    fp32 = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fsdp-double-buffer",
+                       "--data-parallel-sharding-strategy", "optim_grads", "--megatron-fsdp-main-grads-dtype", "fp32")
+    assert fp32["parameters"]["double_buffer_bytes"] == 2 * 218_136_576 * 4
+    optim = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fsdp-double-buffer",
+                        "--data-parallel-sharding-strategy", "optim")
+    assert optim["parameters"]["double_buffer_bytes"] == 0
+    assert any("--fsdp-double-buffer changes nothing under optim" in note for note in optim["assumptions"])
+
+
+def test_a_megatron_fsdp_flag_given_on_the_command_line_prices_as_its_paste(actmem, tmp_path):
+    pasted = actmem.json("estimate", "--megatron-args", _example(tmp_path))
+    given = actmem.json("estimate", "--megatron-args", _example(tmp_path, user_buffers=False), "--fsdp-double-buffer")
+    assert given["parameters"] == pasted["parameters"] and given["peak_floor"] == pasted["peak_floor"]
+
+
+@pytest.mark.parametrize("dropped, fragment", [
+    (("--use-megatron-fsdp", "--fsdp-manual-registration"),
+     "--use-nccl-ub outside Megatron-FSDP (DDP's buffers in NCCL's memory pool)"),
+    (("--use-megatron-fsdp",), "Megatron refuses --fsdp-manual-registration without --use-megatron-fsdp and"),
+    (("--use-nccl-ub",), "Megatron refuses --fsdp-manual-registration without --use-megatron-fsdp and --use-nccl-ub"),
+])
+def test_nccl_user_buffers_where_megatron_lm_would_not_run_them_are_refused(actmem, tmp_path, dropped, fragment):
+    """The example's lines dropped: Megatron-LM asserts manual registration beside both (arguments.py); NCCL's user
+    buffers for DDP's own buffers are not read."""
+    text = open(_example(tmp_path)[1:]).read()
+    for line in dropped:
+        assert f"        {line}\n" in text
+        text = text.replace(f"        {line}\n", "")
+    (tmp_path / "edited.sh").write_text(text)
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{tmp_path / 'edited.sh'}"), fragment)
+
+
+def test_a_double_buffer_that_disagrees_or_without_megatron_fsdp_is_refused(actmem, tmp_path):
+    assert_one_line_error(actmem("estimate", "--megatron-args", _example(tmp_path), "--no-fsdp-double-buffer"),
+                          "--no-fsdp-double-buffer and --fsdp-double-buffer disagree")
+    text = open(_example(tmp_path)[1:]).read().replace("        --fsdp-double-buffer\n", "")
+    (tmp_path / "nccl_only.sh").write_text(text)         # --use-nccl-ub alone turns it on
+    assert_one_line_error(actmem("estimate", "--megatron-args", f"@{tmp_path / 'nccl_only.sh'}",
+                                 "--no-fsdp-double-buffer"),
+                          "--no-fsdp-double-buffer disagrees with the pasted --use-nccl-ub")
+    pasted = actmem.json("estimate", "--megatron-args", f"@{tmp_path / 'nccl_only.sh'}")
+    assert pasted["parameters"]["double_buffer_bytes"] == 2 * POOL
+    assert_one_line_error(actmem("estimate", "-m", "llama-3.1-8b", "--gpus", "8", "--fsdp-double-buffer"),
+                          "--fsdp-double-buffer is Megatron-FSDP's")

@@ -368,6 +368,10 @@ RUN_FLAGS = (
          "megatron-core's own FSDP (Megatron-FSDP, --implementation megatron; give --gpus): the model state sharded "
          "over the d·c data-parallel ranks as --data-parallel-sharding-strategy says, held at every moment; its "
          "main gradients in --megatron-fsdp-main-grads-dtype (the weights' dtype unless given)", bool),
+    Flag(("--fsdp-double-buffer/--no-fsdp-double-buffer",), "fsdp_double_buffer",
+         "with --use-megatron-fsdp, its units' gathered weights and gradient buckets in a fixed pool of two buffers "
+         "each, allocated once and held for the run, in place of a bucket allocated and freed per gather (Megatron's "
+         "--fsdp-double-buffer; its --use-nccl-ub turns it on)", bool),
     Flag(("--data-parallel-sharding-strategy",), "fsdp_sharding",
          "with --use-megatron-fsdp, what it shards: no_shard, optim (the fp32 main weights and Adam's state), "
          "optim_grads (and the main gradients), optim_grads_params (and the 16-bit weights; the default)",
@@ -898,6 +902,7 @@ def _megatron_fsdp_bucket_settings(pasted: dict, run: dict) -> dict:
     its buckets outside the units (training.py, resolve_ddp_bucket_size), and --suggested-communication-unit-size,
     its prefetch window's and reduce-scatter queue's size; --ddp-num-buckets, which sizes the buckets from the rank's
     parameter count, is refused there. Elsewhere they change no byte counted: not read into the run."""
+    nccl_ub = _nccl_user_buffers(pasted, run)
     if not run.get("megatron_fsdp") or not pasted:
         return {}
     if "--ddp-num-buckets" in pasted:
@@ -913,7 +918,27 @@ def _megatron_fsdp_bucket_settings(pasted: dict, run: dict) -> dict:
         raise SpecError("--megatron-args: --suggested-communication-unit-size 0 makes Megatron-FSDP's reduce-scatter "
                         "queue hold nothing, which is not modelled: leave it out or give a size")
     return {"overlap_grad_reduce": "--overlap-grad-reduce" in pasted, "ddp_bucket_size": sizes["--ddp-bucket-size"],
-            "fsdp_communication_unit": sizes["--suggested-communication-unit-size"]}
+            "fsdp_communication_unit": sizes["--suggested-communication-unit-size"], **nccl_ub}
+
+
+def _nccl_user_buffers(pasted: dict, run: dict) -> dict:
+    """{'fsdp_double_buffer': True} where the paste gives --use-nccl-ub under Megatron-FSDP, which Megatron-LM turns
+    on with it (arguments.py, validate_args: nccl_ub sets fsdp_double_buffer and fsdp_manual_registration; its
+    buffers' bytes do not change). Refused: --use-nccl-ub outside Megatron-FSDP (DDP's buffers in NCCL's pool, not
+    read), --fsdp-manual-registration without both (Megatron asserts), --no-fsdp-double-buffer beside it."""
+    nccl_ub = "--use-nccl-ub" in pasted
+    if "--fsdp-manual-registration" in pasted and not (nccl_ub and run.get("megatron_fsdp")):
+        raise SpecError("--megatron-args: Megatron refuses --fsdp-manual-registration without --use-megatron-fsdp and "
+                        "--use-nccl-ub (arguments.py: 'FSDP manual registration is only supported with ...')")
+    if not nccl_ub:
+        return {}
+    if not run.get("megatron_fsdp"):
+        raise SpecError("--megatron-args: changes memory and is not modelled yet: --use-nccl-ub outside Megatron-FSDP "
+                        "(DDP's buffers in NCCL's memory pool)")
+    if run.get("fsdp_double_buffer") is False:
+        raise SpecError("--no-fsdp-double-buffer disagrees with the pasted --use-nccl-ub, which turns Megatron-FSDP's "
+                        "double buffer on (arguments.py)")
+    return {"fsdp_double_buffer": True}
 
 
 def _from_the_launcher(error: SpecError, notes) -> SpecError:

@@ -260,6 +260,7 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
                 MEGATRON_FSDP_STRATEGIES[strategy])
     sharded = [part for part, split in parts if split]
     over = f"d = {spec.data_parallel}" if spec.run.context_parallel == 1 else f"d·c = {spec.optimizer_shards}"
+    pooled = bool(spec.run.fsdp_double_buffer and parameters.double_buffer_bytes)
     return [f"Megatron-FSDP (megatron-core's own FSDP, --use-megatron-fsdp), --data-parallel-sharding-strategy "
             f"{strategy}: " + (f"{', '.join(sharded)} sharded over {over}" if sharded else "nothing sharded")
             + ", each in a buffer allocated once and held at every moment (param_and_grad_buffer.py), each bucket "
@@ -270,19 +271,39 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             f"(+{100 * (parameters.buckets.padded - parameters.count) / parameters.count:.2f}%); its "
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
-            "of its own here",
-            "Megatron-FSDP's transients in the last layer's backward moments: its unit all-gathered again, the units "
-            "its prefetch window gathers ahead (half of max(10⁹ elements, two units)), its gradient bucket and the "
-            "no-unit group's that the final norm's and output layer's backward made (held in the reduce-scatter "
-            "queue), and before the layers' backward the first units the final norm's forward prefetch gathered "
-            "again; not counted: the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
-            "moments, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard "
-            "(update_main_grads, from the backward's end to the step): the peak floor is below the run's by those"] + (
+            "of its own here", _megatron_fsdp_transients(pooled)] + _idle_double_buffer(spec, parameters) + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
          "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
          "only the units' buckets are released): their padded bucket counted whole beside their shards ('gathered "
          "weights')"]
         if MEGATRON_FSDP_STRATEGIES[strategy][0] else [])
+
+
+def _megatron_fsdp_transients(double_buffer: bool) -> str:
+    """What of Megatron-FSDP's step the peak floor counts beside its buffers, and what it leaves out."""
+    units = ("under --fsdp-double-buffer the units' gathered weights and gradient buckets are in fixed pools of two "
+             "buffers each (param_and_grad_buffer.py, FixedPoolAllocator: 'double buffers'), held at every moment "
+             "from the first backward on, its prefetch stopped at two units; in the last layer's backward moments "
+             "beside them the no-unit group's gradient buckets that the final norm's and output layer's backward "
+             "made (held in the reduce-scatter queue)" if double_buffer else
+             "Megatron-FSDP's transients in the last layer's backward moments: its unit all-gathered again, the units "
+             "its prefetch window gathers ahead (half of max(10⁹ elements, two units)), its gradient bucket and the "
+             "no-unit group's that the final norm's and output layer's backward made (held in the reduce-scatter "
+             "queue), and before the layers' backward the first units the final norm's forward prefetch gathered "
+             "again")
+    return (units + "; not counted: the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
+            "moments, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard "
+            "(update_main_grads, from the backward's end to the step): the peak floor is below the run's by those")
+
+
+def _idle_double_buffer(spec: Spec, parameters: ParameterBytes) -> list:
+    """A note where --fsdp-double-buffer is given and changes nothing: no pool is ever fetched into."""
+    if not spec.run.fsdp_double_buffer or parameters.double_buffer_bytes:
+        return []
+    why = ("it makes no units" if spec.megatron_fsdp_strategy == "no_shard" else
+           "its units' weights and gradients are whole buffers, fetched as views")
+    return [f"--fsdp-double-buffer changes nothing under {spec.megatron_fsdp_strategy}: {why} "
+            "(param_and_grad_buffer.py: the fixed pools are allocated into only for sharded buckets of units)"]
 
 
 def _zero_notes(spec: Spec) -> list:

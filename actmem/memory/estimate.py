@@ -417,7 +417,7 @@ def _technique_row(spec: Spec, technique: Technique, occupancy, stage_layers: in
     if spec.run.megatron_fsdp:
         moments = megatron_fsdp.stage_moments(moments, parameters.buckets, spec.megatron_fsdp_strategy,
                                               spec.gradient_bytes, stage_layers, technique.recompute is Recompute.FULL,
-                                              spec.run.fsdp_communication_unit)
+                                              spec.run.fsdp_communication_unit, spec.run.fsdp_double_buffer)
     per_layer = (stage.layers_bytes / layer_activations if technique.partial or others else
                  engine.exact(engine.per_layer_bytes(technique, arch), bindings))
     return TechniqueRow(technique, per_layer, stage.layers_bytes, stage.extra_bytes,
@@ -467,6 +467,7 @@ def _parameters(spec: Spec, t: int, stage: int, layers: int) -> ParameterBytes:
                        extra=extra, dense_layers_too=bool(moe and layers + mtp - moe), gpu_fp8=spec.gpu_fp8,
                        fp8_layers=(len(fp8), sum(fp8)) if arch.fp8_first_last_bf16 else None,
                        eh_projections=mtp, megatron_fsdp=spec.megatron_fsdp_strategy,
-                       fsdp_bucket_size=megatron_fsdp.bucket_size(spec) if run.megatron_fsdp else None)
+                       fsdp_bucket_size=megatron_fsdp.bucket_size(spec) if run.megatron_fsdp else None,
+                       fsdp_double_buffer=run.fsdp_double_buffer)
 
 

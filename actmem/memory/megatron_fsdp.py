@@ -24,7 +24,8 @@ parameters' rows walked widest first, packed in chunks of the lcm of their row s
 of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only the parameters' elements inside it.
 In the last layer's backward the transients it certainly holds are peak rows (backward_rows: the unit gathered, the
 prefetched units, the gradient buckets), and before it the units the final norm's prefetch gathered again
-(regathered_units). Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main
+(regathered_units). Under --fsdp-double-buffer (pools) the units' gathered weights and gradient buckets live in a
+fixed pool of two buffers each, allocated once and held for the run, in place of those transients. Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main
 gradients the optimizer's fp32 copy of the gradient shard (update_main_grads: dist_main_grad, from the backward's end
 to the next zero_grad).
 Arithmetic on ints: the planner does not sweep Megatron-FSDP.
@@ -217,8 +218,26 @@ def _covered_below(items):
     return covered
 
 
+#: the buffers of each fixed pool under --fsdp-double-buffer (pgb, UB_BUFFER_NUM)
+POOL_BUFFERS = 2
+
+
+def pools(laid: Buckets, strategy: str, gradient_bytes, layers: int) -> tuple:
+    """(weights, gradients): bytes of Megatron-FSDP's fixed pools under --fsdp-double-buffer (pgb, FixedPoolAllocator:
+    built where units exist). The units' buckets of one dtype and size (here every layer's) are fetched into a pool
+    of two buffers a bucket offset, each a GlobalMemoryBuffer tensor sized to the bucket's padded request (utils.py,
+    get_tensor) and never freed (free() only returns the slot): the 16-bit weights' where they are sharded (the first
+    at wrapping, the second at the first forward's prefetch), the gradients' where they are (the second once a unit's
+    gradient bucket is needed while the one after it still waits in the reduce-scatter queue). min(L, 2) buffers
+    each: a prefetch stops at two units (need_skip_prefetch) and the queue keeps two (_enforce_double_buffer_limit).
+    Held at every moment from the first backward on."""
+    weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
+    buffers = min(layers, POOL_BUFFERS) * laid.unit_padded
+    return WEIGHT_BYTES * buffers * weights, gradient_bytes * buffers * gradients
+
+
 def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, prefetched: bool = True,
-                  unit_gradients: bool = True, communication_unit=None) -> tuple:
+                  unit_gradients: bool = True, communication_unit=None, double_buffer: bool = False) -> tuple:
     """What Megatron-FSDP certainly holds beside the model state in the last layer's backward, as peak rows (each
     allocated in the host's order, whatever the streams): under optim_grads_params the layer's unit all-gathered
     again (its padded bucket, 16-bit) and, its pre-backward done (``prefetched``; not at full recompute's rerun,
@@ -228,10 +247,13 @@ def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, pre
     backward (Buckets.after_layers_padded: reduced only once complete, and then held in the reduce-scatter queue,
     the suggested communication unit, max(10⁹, two units) elements under optim_grads_params unless given, until
     the backward's end: megatron_fsdp.py, _root_post_backward; a queue smaller than those buckets is not modelled).
+    Under --fsdp-double-buffer (``double_buffer``) the unit's, the prefetched units' and the unit's gradient bucket
+    are in the pools (pools), 0 here; the no-unit group's stay (its buckets are allocated as without it).
     Not counted: the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction, freed as it completes)."""
     from actmem.memory.peak import PeakRow
 
     weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
+    weights, unit_gradients = weights * (not double_buffer), unit_gradients * (not double_buffer)
     ahead = prefetched_units(laid, layers, communication_unit) * prefetched
     return (PeakRow("gathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * weights, UNIT_SOURCE),
             PeakRow("prefetched_unit_weights", WEIGHT_BYTES * laid.unit_padded * ahead * weights,
@@ -276,29 +298,34 @@ BEFORE_THE_LAYERS = ("start", "loss", "forward_end")
 
 
 def stage_moments(moments: tuple, laid: Buckets, strategy: str, gradient_bytes, layers: int,
-                  full_recompute: bool, communication_unit=None) -> tuple:
+                  full_recompute: bool, communication_unit=None, double_buffer: bool = False) -> tuple:
     """The stage's moments (stage_model.StageMoment) with backward_rows beside those of the last layer's backward:
     at a rerun without the unit's gradient bucket (a selective rerun may come before fc2's weight gradient), and at
     full recompute's, which comes before the layer's pre-backward, without the prefetched units either; and before
-    the layers' backward (the forward's end, the loss) the units the final norm's prefetch gathered again."""
+    the layers' backward (the forward's end, the loss) the units the final norm's prefetch gathered again; under
+    --fsdp-double-buffer those in its pools (pools) not."""
     from actmem.memory.stage_model import with_rows
 
     def rows(moment):
         rerun = moment.name == "rerun"
         return backward_rows(laid, strategy, gradient_bytes, layers, prefetched=not (rerun and full_recompute),
-                             unit_gradients=not rerun, communication_unit=communication_unit)
+                             unit_gradients=not rerun, communication_unit=communication_unit,
+                             double_buffer=double_buffer)
 
-    before = forward_end_rows(laid, strategy, layers, communication_unit)
+    before = forward_end_rows(laid, strategy, layers, communication_unit, double_buffer)
     return tuple(with_rows(moment, before) if moment.name in BEFORE_THE_LAYERS else with_rows(moment, rows(moment))
                  for moment in moments)
 
 
-def forward_end_rows(laid: Buckets, strategy: str, layers: int, communication_unit=None) -> tuple:
+def forward_end_rows(laid: Buckets, strategy: str, layers: int, communication_unit=None,
+                     double_buffer: bool = False) -> tuple:
     """What Megatron-FSDP holds beside the model state from the forward's end through the loss, as peak rows: under
-    optim_grads_params the units the final norm's forward prefetch gathered again (regathered_units)."""
+    optim_grads_params the units the final norm's forward prefetch gathered again (regathered_units); 0 under
+    --fsdp-double-buffer, where they are in the weights' pool (pools)."""
     from actmem.memory.peak import PeakRow
 
-    gathered = MEGATRON_FSDP_STRATEGIES[strategy][0] * regathered_units(laid, layers, communication_unit)
+    gathered = (MEGATRON_FSDP_STRATEGIES[strategy][0] * (not double_buffer)
+                * regathered_units(laid, layers, communication_unit))
     return (PeakRow("regathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * gathered, REGATHER_SOURCE),)
 
 

@@ -8,7 +8,7 @@ Megatron's GPT layer; arithmetic only, so it runs on ints and numpy arrays alike
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, state_bytes
+from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, pools, state_bytes
 from actmem.model.architecture import PAPER
 from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -280,6 +280,9 @@ class ParameterBytes:
     """Under Megatron-FSDP's optim_grads_params, the 16-bit weights outside its units (the embedding, the output
     layer, the final norm) all-gathered in the forward and kept until the backward's end: held at every moment of
     the first backward (megatron_fsdp.gathered_outside_units)."""
+    double_buffer_bytes: int = 0
+    """Under Megatron-FSDP's --fsdp-double-buffer, its fixed pools of two buffers for the units' gathered weights and
+    gradient buckets, held for the run (megatron_fsdp.pools)."""
 
     @property
     def transient_gradients(self) -> bool:
@@ -294,7 +297,7 @@ class ParameterBytes:
     @property
     def total_bytes(self):
         return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.dummy_wgrads_bytes
-                + self.fp8_bytes + self.gathered_bytes)
+                + self.fp8_bytes + self.gathered_bytes + self.double_buffer_bytes)
 
     def __add__(self, other: "ParameterBytes") -> "ParameterBytes":
         """Two groups of parameters on one GPU (a MoE layer's experts beside the rest: sharded over
@@ -320,7 +323,7 @@ def parameter_bytes(count, data_parallel, distributed_optimizer, dummy_wgrads=0,
 def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, expert_shards,
                 distributed_optimizer, gradient_bytes, optimizer_bytes, ep=1, etp=None, moe_layers=None,
                 extra=0, dense_layers_too=False, gpu_fp8=None, fp8_layers=None, eh_projections=0,
-                megatron_fsdp=None, fsdp_bucket_size=None) -> ParameterBytes:
+                megatron_fsdp=None, fsdp_bucket_size=None, fsdp_double_buffer=False) -> ParameterBytes:
     """A stage's model state: its layers' parameters and the embedding's and the output layer's where it
     holds them (stage_parameters), the dummy weight gradients (dummy_wgrad_elements), over ``shards``
     data-parallel ranks; a MoE model's experts (expert_parameters, E/EP a rank over ETP) over
@@ -333,7 +336,8 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     the multi-token-prediction layers' eh_proj on the stage, TE linears [h/t, 2h] of their own under FP8 (their
     transformer layers are among ``stage_layers``); ``megatron_fsdp``: Megatron-FSDP's sharding strategy, which
     shards the state over ``shards`` as it says (actmem.memory.megatron_fsdp; a dense model: the rules), its buckets
-    outside the units split at ``fsdp_bucket_size`` elements (None: whole).
+    outside the units split at ``fsdp_bucket_size`` elements (None: whole), its units' buffers in fixed pools under
+    ``fsdp_double_buffer``.
     Arithmetic only: one stage of an estimate, or a column a configuration of the plan's sweep."""
     from actmem.model.experts import dense_twin
 
@@ -350,7 +354,9 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
         laid = megatron_fsdp_buckets(h, t, v, s, arch, heads, stage_layers, shards, megatron_fsdp, fsdp_bucket_size)
         return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
                               WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, buckets=laid,
-                              gathered_bytes=gathered_outside_units(laid, megatron_fsdp))
+                              gathered_bytes=gathered_outside_units(laid, megatron_fsdp),
+                              double_buffer_bytes=fsdp_double_buffer * sum(pools(laid, megatron_fsdp, gradient_bytes,
+                                                                                 stage_layers)))
     state = parameter_bytes(count, shards, distributed_optimizer, dummies, gradient_bytes, optimizer_bytes)
     if arch.moe:
         experts = own * expert_parameters(h, arch, ep, etp)

@@ -34,6 +34,9 @@ FP8_SOURCE = ("what TE keeps for FP8 training: the linears' weights cached in FP
 GATHERED_SOURCE = ("16-bit weights outside Megatron-FSDP's units (the embedding, the output layer, the final norm), "
                    "all-gathered into a bucket of their own in the forward and kept until the backward's end "
                    "(megatron_fsdp.py, _root_pre_backward: only the units' buckets are released), their bucket padded")
+DOUBLE_BUFFER_SOURCE = ("Megatron-FSDP's fixed pools under --fsdp-double-buffer: two buffers of a unit's padded "
+                        "bucket for the gathered 16-bit weights and two for the gradient buckets, allocated once and "
+                        "never freed (param_and_grad_buffer.py, FixedPoolAllocator)")
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ def peak_floor(row) -> PeakFloor:
         (params.weights_bytes, params.gradients_bytes, params.optimizer_bytes), sources))
     extra = (("dummy_weight_gradients", params.dummy_wgrads_bytes, DUMMY_WGRADS_SOURCE),
              ("fp8_weight_state", params.fp8_bytes, FP8_SOURCE),
-             ("gathered_weights", params.gathered_bytes, GATHERED_SOURCE))
+             ("gathered_weights", params.gathered_bytes, GATHERED_SOURCE),
+             ("double_buffers", params.double_buffer_bytes, DOUBLE_BUFFER_SOURCE))
     state += tuple(PeakRow(name, value, source) for name, value, source in extra if value)
     moment = row.peak_moment
     return PeakFloor(state + moment.parts, moment.when)

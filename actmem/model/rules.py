@@ -299,6 +299,9 @@ MEGATRON_FSDP_RULES = (
     Rule(lambda v: _implies(v.fsdp_sharding is not None, v.megatron_fsdp),
          lambda v: f"--data-parallel-sharding-strategy {v.fsdp_sharding} is Megatron-FSDP's, read only beside "
                    "--use-megatron-fsdp: give that too, or leave it out"),
+    Rule(lambda v: _implies(v.fsdp_double_buffer, v.megatron_fsdp),
+         lambda v: "--fsdp-double-buffer is Megatron-FSDP's (its units' buffers in a fixed pool of two): give "
+                   "--use-megatron-fsdp too, or leave it out"),
     Rule(lambda v: _implies(v.megatron_fsdp, v.gpus is not None),
          lambda v: "--use-megatron-fsdp shards the model state over the d·c data-parallel ranks: give --gpus "
                    "(d = gpus/(t·c·p))", ("run_known",)),
@@ -637,6 +640,8 @@ class Values:
     """--use-megatron-fsdp: megatron-core's own FSDP (actmem.memory.megatron_fsdp)."""
     fsdp_sharding: object = None
     """--data-parallel-sharding-strategy, where given."""
+    fsdp_double_buffer: object = False
+    """--fsdp-double-buffer (or --use-nccl-ub): Megatron-FSDP's fixed pool of two buffers."""
 
 
 def _fp8_widths(v) -> str:

@@ -117,6 +117,9 @@ class Run:
     fsdp_communication_unit: int | None = _positive(optional=True, default=None)
     """Megatron's --suggested-communication-unit-size (a pasted script's): Megatron-FSDP's prefetch window is half
     of it; None: max(10⁹, two units) elements (actmem.memory.megatron_fsdp.prefetched_units)."""
+    fsdp_double_buffer: bool = False
+    """Megatron's --fsdp-double-buffer (--use-nccl-ub turns it on): Megatron-FSDP's units' gathered weights and
+    gradient buckets in a fixed pool of two buffers each, held for the run (actmem.memory.megatron_fsdp.pools)."""
     zero: object = None
     """DeepSpeed's ZeRO as the Hugging Face Trainer runs it (actmem.model.deepspeed.ZeroConfig: --zero-stage or
     --deepspeed ds_config.json), None where the run has none."""
@@ -146,7 +149,7 @@ class Run:
         _check_recompute_shape(self)
         if self.recompute_modules is not None:
             object.__setattr__(self, "recompute_modules", _checked_modules(self))
-        for name in ("sequence_parallel", "distributed_optimizer", "fsdp", "megatron_fsdp"):
+        for name in ("sequence_parallel", "distributed_optimizer", "fsdp", "megatron_fsdp", "fsdp_double_buffer"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.recompute, Recompute):
@@ -287,7 +290,8 @@ class Spec:
             mixed_layers=self.architecture.moe and 0 in _pattern_or_all(self.architecture, model.layers),
             offload_layers=run.offload_layers, fsdp=run.fsdp, gradient_bytes=self.gradient_bytes,
             fsdp_replicate=run.fsdp_replicate, fsdp_reshard=run.fsdp_reshard, params_dtype=self.optimizer.params,
-            zero=run.zero.stage if run.zero else 0, megatron_fsdp=run.megatron_fsdp, fsdp_sharding=run.fsdp_sharding)
+            zero=run.zero.stage if run.zero else 0, megatron_fsdp=run.megatron_fsdp, fsdp_sharding=run.fsdp_sharding,
+            fsdp_double_buffer=run.fsdp_double_buffer)
 
     def architecture_at(self, t: int) -> Architecture:
         """The architecture as a run of it at tensor-parallel size t executes: Megatron's local

@@ -78,6 +78,10 @@ BUCKETS = ("--ddp-bucket-size", "--ddp-num-buckets", "--ddp-pad-buckets-for-high
 #: Megatron-FSDP's all-gather prefetch window (half of it) and reduce-scatter queue (megatron_fsdp.py); DDP has no use
 #: for it
 COMMUNICATION_UNIT = "--suggested-communication-unit-size"
+#: NCCL's user buffers for Megatron-FSDP: its buffers allocated from a torch MemPool over ncclMemAlloc (the same
+#: bytes, in torch's allocator); Megatron-LM turns --fsdp-double-buffer on with it (arguments.py, validate_args), and
+#: --fsdp-manual-registration registers that pool once, after the first step (training.py)
+NCCL_UB = ("--use-nccl-ub", "--fsdp-manual-registration")
 #: Megatron's fused cross entropy (its default 'native' implementation): _VocabParallelCrossEntropy
 #: in fusions/fused_cross_entropy.py saves what tensor_parallel/cross_entropy.py's saves (the fp32
 #: exp_logits, the target mask, the masked target) and its backward casts the fp32 gradient to 16
@@ -94,7 +98,7 @@ BIAS_GELU_FUSION = "--no-bias-gelu-fusion"
 #: the arguments read as settings (checked or turned into actmem's flags) rather than parsed
 SETTINGS = (*PRECISION, GQA_SWITCH, NO_POSITION_TABLE, CP_COMM, *ATTENTION, RECOMPUTE_MODULES, LOAD_BALANCING,
             AUX_LOSS_COEFF,
-            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, COMMUNICATION_UNIT,
+            TOKENIZER, BATCH_SCHEDULE, LAYERNORM_1P, FP32_GRADIENTS, *OVERLAP, *BUCKETS, COMMUNICATION_UNIT, *NCCL_UB,
             LOSS_FUSION, QK_LAYER_SCALING, *megatron_pipeline.NAMES)
 #: training scripts of model families actmem does not model
 FAMILIES = {"pretrain_bert.py": "BERT", "pretrain_t5.py": "encoder-decoder (T5)", "pretrain_mamba.py":
@@ -289,6 +293,10 @@ _READ_NOTES = (
               "NCCL's bus bandwidth), not counted"),
     ((COMMUNICATION_UNIT,), "{names} read: only Megatron-FSDP uses it (its prefetch window and reduce-scatter "
                             "queue); here it changes nothing"),
+    (NCCL_UB, "{names} read: Megatron-FSDP's buffers come from a torch MemPool over NCCL's ncclMemAlloc "
+              "(megatron/core/nccl_allocator.py): the same bytes, counted by torch's allocator, its segments rounded to "
+              "NCCL's granularity (not counted); --use-nccl-ub turns --fsdp-double-buffer on (arguments.py), and "
+              "registering the pool (--fsdp-manual-registration, after the first step) allocates nothing"),
     ((LOSS_FUSION,), "{names} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
                      "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its "
                      "fp32 gradient to 16 bits in its backward, the same moment"),

@@ -26,6 +26,7 @@ _PARTS = {
     "dummy_wgrads_bytes": ("dummy weight gradients (16-bit, TE's)", "#c9d98c"),
     "fp8_bytes": ("FP8 weight copies and scaling state (TE's)", "#e3c98c"),
     "gathered_bytes": ("weights gathered through the step (Megatron-FSDP's)", "#a9c4e0"),
+    "double_buffer_bytes": ("Megatron-FSDP's double buffers (its fixed pools)", "#7fa7cf"),
     "transient_bytes": ("at the peak: rerun, gradients, buffers", "#d9d9d9"),
 }
 _GPU_LINE = {"color": "#c0392b", "linestyle": "--", "linewidth": 1.2}

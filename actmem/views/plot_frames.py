@@ -33,7 +33,7 @@ MAP_MEMORY_COLUMN = "peak_bytes"
 #: The parts a technique's bar stacks, bottom to top; they add up to ``peak_bytes``. gradients_bytes: those held at
 #: every moment; FSDP2's and ZeRO-1/2's, held at some moments only, are in transient_bytes where the peak holds them.
 MEMORY_PARTS = ("layers_bytes", "extra_bytes", "weights_bytes", "gradients_bytes", "optimizer_bytes",
-                "dummy_wgrads_bytes", "fp8_bytes", "gathered_bytes", "transient_bytes")
+                "dummy_wgrads_bytes", "fp8_bytes", "gathered_bytes", "double_buffer_bytes", "transient_bytes")
 
 #: What ``actmem validate --format csv`` writes (actmem_validate.compare: the row, then its gate).
 VALIDATION_COLUMNS = ("config", "technique", "rank", "term", "kind", "formula_bytes", "measured_bytes",
@@ -96,6 +96,7 @@ def _technique_rows(est) -> list[dict]:
                      "gradients_bytes": 0 if params.transient_gradients else params.gradients_bytes,
                      "optimizer_bytes": params.optimizer_bytes, "dummy_wgrads_bytes": params.dummy_wgrads_bytes,
                      "fp8_bytes": params.fp8_bytes, "gathered_bytes": params.gathered_bytes,
+                     "double_buffer_bytes": params.double_buffer_bytes,
                      "total_bytes": row.total_bytes,
                      "transient_bytes": row.transient_bytes, "peak_bytes": row.peak_bytes,
                      "gpu_memory_bytes": spec.gpu_memory_bytes, "fits": est.technique_fits(row)})

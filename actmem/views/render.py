@@ -276,6 +276,9 @@ def _memory_table(est: Estimate) -> Table:
     if params.gathered_bytes:
         rows += (("gathered weights", params.gathered_bytes, "16-bit, outside Megatron-FSDP's units (embedding, "
                   "output layer, final norm): gathered from the forward to the backward's end"),)
+    if params.double_buffer_bytes:
+        rows += (("double buffers", params.double_buffer_bytes, "Megatron-FSDP's fixed pools (--fsdp-double-buffer): "
+                  "two of a unit's padded buckets for each sharded buffer (16-bit weights, gradients), held"),)
     if params.fp8_bytes:
         rows += (("FP8 weight state", params.fp8_bytes,
                   "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)

@@ -47,6 +47,7 @@ def records(est: Estimate, codes=None) -> dict:
                        "dummy_wgrads_bytes": est.parameters.dummy_wgrads_bytes,
                        "fp8_bytes": est.parameters.fp8_bytes,
                        "gathered_bytes": est.parameters.gathered_bytes,
+                       "double_buffer_bytes": est.parameters.double_buffer_bytes,
                        "total_bytes": est.parameters.total_bytes},
         "total_bytes": est.total_bytes,
         "peak_floor": _floor(est.peak),
@@ -128,7 +129,8 @@ def frames(est: Estimate, codes=None) -> dict:
         ("activations", rec["activations_bytes"]), ("weights", params["weights_bytes"]),
         ("gradients", params["gradients_bytes"]), ("optimizer", params["optimizer_bytes"]),
         ("dummy_wgrads", params["dummy_wgrads_bytes"]), ("fp8_weight_state", params["fp8_bytes"]),
-        ("gathered_weights", params["gathered_bytes"]), ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
+        ("gathered_weights", params["gathered_bytes"]), ("double_buffers", params["double_buffer_bytes"]),
+        ("total", rec["total_bytes"]), ("peak_floor", rec["peak_floor"]["total_bytes"]),
         ("verdict", rec["verdict_bytes"]), ("gpu_memory", rec["gpu_memory_bytes"]),
         ("reserve", rec["reserve_bytes"]), ("headroom", rec["headroom_bytes"]), ("spare", rec["spare_bytes"]),
         ("host_offload", rec["host_bytes"]))]

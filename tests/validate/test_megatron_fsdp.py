@@ -38,7 +38,13 @@ units before the last that the default window would gather (236,544). Four layer
 59,136, two units): the final norm's forward prefetch gathers units 1 and 2 again (118,272, held at the forward's
 end); the last layer's pre-backward window is units 3 and 2, its gather recycles 1 and 2, and gathers only 3: one
 unit prefetched, 59,136, where the window alone says two. The forward's end holds, re-gathered, every unit at L = 2
-(2·59,136 = 118,272 at d = 2; 2·59,904 = 119,808 at d = 4) and one at L = 5 with its one-unit window."""
+(2·59,136 = 118,272 at d = 2; 2·59,904 = 119,808 at d = 4) and one at L = 5 with its one-unit window.
+Under --fsdp-double-buffer (d = 2) the units' buckets are fetched into fixed pools of two buffers, each a unit's padded
+bucket: the weights' 2·29,568·2 B = 118,272 where they are sharded (optim_grads_params), the gradients' (bf16) the
+same where they are (optim_grads, optim_grads_params), at L = 5 too (two buffers, whatever the window); under optim
+neither (whole buffers, fetched as views). The units gathered, prefetched and re-gathered and the unit's gradient
+bucket are then in the pools, 0 apart; the no-unit group's gradient bucket (18,688) and the gathered rest (18,688)
+are allocated as without it."""
 
 import pytest
 
@@ -52,6 +58,7 @@ from tests.validate.cli_grid import validate_grid  # noqa: E402
 STATE = ("weights", "main_gradients", "optimizer_state", "gathered_weights")
 BACKWARD = ("gathered_unit_weights", "prefetched_unit_weights", "unit_gradient_bucket", "outside_gradient_buckets")
 REGATHERED = ("regathered_unit_weights",)
+POOLS = ("double_buffer_weights", "double_buffer_gradients")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +77,8 @@ def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
     state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
     information."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 9
-    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD + REGATHERED)
+    assert len({row["config"] for row in grid_rows}) == 13
+    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD + REGATHERED + POOLS)
 
 
 def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
@@ -107,6 +114,22 @@ def test_what_the_last_layers_backward_holds_is_the_hand_derived(grid_rows):
     assert list(regathered.values()) == [118_272, 119_808, 59_136, 0]
 
 
+def test_the_double_buffers_pools_are_the_hand_derived(grid_rows):
+    """The module docstring's pools under --fsdp-double-buffer, the units' transients in them, every rank the same;
+    without it no pool."""
+    double = "mfsdp {} d=2 grads bf16{} double buffer"
+    for rank in (0, 1):
+        for strategy, window, pools in (("optim_grads_params", "", (118_272, 118_272)),
+                                        ("optim_grads_params", " L=5 unit 59136", (118_272, 118_272)),
+                                        ("optim_grads", "", (0, 118_272)), ("optim", "", (0, 0))):
+            config = double.format(strategy, window)
+            assert _state(grid_rows, config, rank, POOLS) == pools, config
+            outside = 18_688 * (strategy != "optim")
+            assert _state(grid_rows, config, rank, BACKWARD + REGATHERED) == (0, 0, 0, outside, 0), config
+        assert _state(grid_rows, "mfsdp optim_grads_params d=2 grads bf16", rank, POOLS) == (0, 0)
+    assert _state(grid_rows, double.format("optim_grads_params", ""), 1) == (68_480, 68_480, 407_296, 18_688)
+
+
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():
     """Inject: the weights unpadded (2·(2·29,344 + 9344)/2 = 68,032 for 68,480), no gathered bucket in the formula
     (as if the rest were released after the forward), a buffer measured that no row names, and no prefetch."""
@@ -118,3 +141,15 @@ def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_doe
                          ({"prefetched_unit_weights": 0}, {})):
         failures = judge(state_rows(config, rank, {**expected, **wrong}, {**measured, **extra}), 0.0)
         assert len(failures) == 1, (wrong, extra, failures)
+
+
+def test_the_gate_fails_a_pool_left_out_or_a_transient_priced_beside_it():
+    """Inject under --fsdp-double-buffer: the gradients' pool left out of the formula, one buffer where two are
+    (59,136), and the unit's gradient bucket priced as without the pools (59,136 where it is in them)."""
+    config = next(config for config in mfsdp_grid() if config.spec.run.fsdp_double_buffer)
+    rank, measured = measure(config)[0]
+    expected = formula(config, rank)
+    assert judge(state_rows(config, rank, expected, measured), 0.0) == []
+    for wrong in ({"double_buffer_gradients": 0}, {"double_buffer_weights": 59_136}, {"unit_gradient_bucket": 59_136}):
+        failures = judge(state_rows(config, rank, {**expected, **wrong}, measured), 0.0)
+        assert len(failures) == 1, (wrong, failures)

@@ -12,6 +12,8 @@ around a small GPTModel of its local spec on real gloo CPU ranks, one forward, b
   gathered again and the units prefetched before it (their weight buckets), under optim_grads and
   optim_grads_params its gradient bucket and the no-unit group's gradient buckets the final norm's backward made
   (megatron_fsdp.backward_rows);
+- under --fsdp-double-buffer the fixed pools (megatron_fsdp.pools: GlobalMemoryBuffer's fsdp_params_* and
+  fsdp_grads_* tensors) after the step (kind 'state'), the units' rows above then 0 (they are fetched into the pools);
 - as information: under 16-bit gradients the optimizer's fp32 copy of the gradient shard (dist_main_grad), and the
   AdamW step counters torch's fallback optimizer keeps a parameter (TE's FusedAdam keeps one a group).
 The units are Megatron-LM d98e8a64's (each TransformerLayer under every strategy but no_shard), handed to 0.16.1's
@@ -71,7 +73,7 @@ class MegatronFSDPConfig:
         buckets = f" buckets {self.bucket_size}" if self.bucket_size else ""
         unit = f" L={self.spec.model.layers} unit {run.fsdp_communication_unit}" if run.fsdp_communication_unit else ""
         return (f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
-                + buckets + unit)
+                + buckets + unit + (" double buffer" if run.fsdp_double_buffer else ""))
 
     @property
     def world_size(self) -> int:
@@ -79,15 +81,15 @@ class MegatronFSDPConfig:
 
 
 def fsdp_spec(strategy: str, world: int = 2, fp32_gradients: bool = False, bucket_size=None, layers: int = 2,
-              communication_unit=None) -> Spec:
+              communication_unit=None, double_buffer: bool = False) -> Spec:
     """GPT-2's kind of layer (LayerNorm, biases, GeLU, learned positions, tied output) at h = 64, a = 4, f = 96,
     L = 2, v = 128, s = 16, b = 2 under ``strategy`` over ``world`` data-parallel ranks, without gradient
     accumulation fusion (its kernel is CUDA's); ``bucket_size``: a pasted --overlap-grad-reduce --ddp-bucket-size;
-    ``communication_unit``: --suggested-communication-unit-size."""
+    ``communication_unit``: --suggested-communication-unit-size; ``double_buffer``: --fsdp-double-buffer."""
     arch = Architecture(ffn_hidden=96, attention_dropout=0.0, hidden_dropout=0.0, gradient_accumulation_fusion=False)
     run = Run(micro_batch=2, gpus=world, megatron_fsdp=True, fsdp_sharding=strategy, distributed_optimizer=True,
               overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size,
-              fsdp_communication_unit=communication_unit)
+              fsdp_communication_unit=communication_unit, fsdp_double_buffer=double_buffer)
     return Spec(Model(heads=4, hidden=64, layers=layers, vocab=128, seq_len=16), run, name="mfsdp",
                 architecture=arch, gradient_bytes=4 if fp32_gradients else 2)
 
@@ -97,19 +99,24 @@ def mfsdp_grid() -> list:
     strategy at d = 4 (the last rank's shards short of the padding), and there its buckets outside the units split
     at 9000 elements; five layers with a communication unit of two layers' buckets (59,136 elements at d = 2), whose
     window stops the prefetch at one unit; four layers with a window of two units, where the backward's window
-    (layers 2 and 3) overlaps the two the forward's end gathered again (1 and 2): one unit prefetched, not two."""
+    (layers 2 and 3) overlaps the two the forward's end gathered again (1 and 2): one unit prefetched, not two. Under
+    --fsdp-double-buffer: optim_grads_params (both pools), the five layers whose window the pools' two units stop,
+    optim_grads (the gradients' pool alone) and optim (units, no pool fetched into)."""
     specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
     specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4),
               fsdp_spec("optim_grads_params", world=4, bucket_size=9000),
               fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136),
               fsdp_spec("optim_grads_params", layers=4, communication_unit=118_272)]
+    specs += [fsdp_spec("optim_grads_params", double_buffer=True),
+              fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136, double_buffer=True),
+              fsdp_spec("optim_grads", double_buffer=True), fsdp_spec("optim", double_buffer=True)]
     return [MegatronFSDPConfig(spec) for spec in specs]
 
 
 def formula(config: MegatronFSDPConfig, rank: int) -> dict:
     """{row: bytes} of this rank's model state, from actmem's buckets for this rank's shards."""
     from actmem.memory.megatron_fsdp import (backward_rows, bucket_size, forward_end_rows, gathered_outside_units,
-                                             state_bytes)
+                                             pools, state_bytes)
     from actmem.memory.parameters import megatron_fsdp_buckets
 
     spec, strategy = config.spec, config.strategy
@@ -118,12 +125,15 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
                                  config.world_size, strategy, bucket_size(spec), rank)
     weights, gradients, optimizer = state_bytes(laid, strategy, config.gradient_bytes,
                                                 spec.optimizer.bytes_per_parameter)
-    unit = spec.run.fsdp_communication_unit
-    rows = (*backward_rows(laid, strategy, config.gradient_bytes, model.layers, communication_unit=unit),
-            *forward_end_rows(laid, strategy, model.layers, unit))
+    unit, double = spec.run.fsdp_communication_unit, spec.run.fsdp_double_buffer
+    rows = (*backward_rows(laid, strategy, config.gradient_bytes, model.layers, communication_unit=unit,
+                           double_buffer=double),
+            *forward_end_rows(laid, strategy, model.layers, unit, double))
     backward = {row.name: row.bytes for row in rows}
+    pooled = pools(laid, strategy, config.gradient_bytes, model.layers) if double else (0, 0)
     return {"weights": weights, "main_gradients": gradients, "optimizer_state": optimizer,
-            "gathered_weights": gathered_outside_units(laid, strategy), **backward}
+            "gathered_weights": gathered_outside_units(laid, strategy), **backward,
+            "double_buffer_weights": pooled[0], "double_buffer_gradients": pooled[1]}
 
 
 def cpu_shims():
@@ -234,7 +244,9 @@ def _run(rank: int, config: MegatronFSDPConfig) -> dict:
         grad_reduce_in_fp32=config.gradient_bytes == 4, use_distributed_optimizer=True,
         overlap_grad_reduce=overlap_grads, overlap_param_gather=overlap_gather,
         gradient_reduce_div_fusion=False, check_for_nan_in_grad=False, bucket_size=config.bucket_size,
-        suggested_communication_unit_size=spec.run.fsdp_communication_unit)
+        suggested_communication_unit_size=spec.run.fsdp_communication_unit,
+        fsdp_double_buffer=spec.run.fsdp_double_buffer)
+    _fresh_pools()
     units = [TransformerLayer] if strategy != "no_shard" else []          # Megatron-LM d98e8a64's
     fsdp = FullyShardedDataParallel(model_config, ddp_config, model, fsdp_unit_modules=units,
                                     device=torch.device("cpu"))
@@ -260,7 +272,32 @@ def _run(rank: int, config: MegatronFSDPConfig) -> dict:
     loss.backward()
     fsdp.finish_grad_sync()
     optimizer.step()
-    return {**_state(fsdp, optimizer), "gathered_weights": gathered, "regathered_unit_weights": regathered, **backward}
+    return {**_state(fsdp, optimizer), "gathered_weights": gathered, "regathered_unit_weights": regathered, **backward,
+            **_pools()}
+
+
+def _fresh_pools() -> None:
+    """Megatron-FSDP's GlobalMemoryBuffer emptied: its fixed pools are a process's (utils.py,
+    get_global_memory_buffer), and each configuration of a batch is measured on its own."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import utils
+
+    utils._GLOBAL_MEMORY_BUFFER = None
+
+
+def _pools() -> dict:
+    """Bytes of the fixed pools' buffers (GlobalMemoryBuffer's tensors named fsdp_params_* and fsdp_grads_*: the
+    weights' and the gradients'), each storage once; any other buffer there is named too, so it fails the table."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.utils import get_global_memory_buffer
+
+    rows, seen = {"double_buffer_weights": 0, "double_buffer_gradients": 0}, set()
+    for (name, _), tensor in get_global_memory_buffer().buffer.items():
+        row = ("double_buffer_weights" if name.startswith("fsdp_params_") else
+               "double_buffer_gradients" if name.startswith("fsdp_grads_") else f"global buffer {name}")
+        storage = _storage(tensor)
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            rows[row] = rows.get(row, 0) + storage.nbytes()
+    return rows
 
 
 def _storage(tensor):
@@ -291,10 +328,13 @@ def _in_the_last_layer(fsdp, gpt) -> dict:
 
 
 def _temporary(buffer) -> int:
-    """Bytes of the buffer's temporary (unsharded) bucket allocated now; 0 where none."""
+    """Bytes of the buffer's temporary (unsharded) bucket allocated now; 0 where none. Under --fsdp-double-buffer its
+    allocator is a FixedPoolAllocator: a bucket outside its pools is its backup allocator's (the pools: _pools)."""
     if buffer is None:
         return 0
-    bucket = getattr(buffer.temporary_bucket_allocator, "buckets", {}).get(buffer.bucket_index.bucket_id)
+    allocator = buffer.temporary_bucket_allocator
+    allocator = getattr(allocator, "backup_allocator", allocator)
+    bucket = getattr(allocator, "buckets", {}).get(buffer.bucket_index.bucket_id)
     return _storage(bucket.data).nbytes() if bucket is not None else 0
 
 

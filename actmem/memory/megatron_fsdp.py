@@ -25,9 +25,9 @@ of d·c chunks; a rank's shard is a d·c-th of it, and Adam's moments cover only
 In the last layer's backward the transients it certainly holds are peak rows (backward_rows: the unit gathered, the
 prefetched units, the gradient buckets), and before it the units the final norm's prefetch gathered again
 (regathered_units). Under --fsdp-double-buffer (pools) the units' gathered weights and gradient buckets live in a
-fixed pool of two buffers each, allocated once and held for the run, in place of those transients. Not counted (named in the output): the reduce-scatters' outputs, and under 16-bit main
-gradients the optimizer's fp32 copy of the gradient shard (update_main_grads: dist_main_grad, from the backward's end
-to the next zero_grad).
+fixed pool of two buffers each, allocated once and held for the run, in place of those transients. Not counted
+(named in the output): the reduce-scatters' outputs, and under 16-bit main gradients the optimizer's fp32 copy of
+the gradient shard (update_main_grads: dist_main_grad, from the backward's end to the next zero_grad).
 Arithmetic on ints: the planner does not sweep Megatron-FSDP.
 """
 

@@ -294,8 +294,8 @@ _READ_NOTES = (
     ((COMMUNICATION_UNIT,), "{names} read: only Megatron-FSDP uses it (its prefetch window and reduce-scatter "
                             "queue); here it changes nothing"),
     (NCCL_UB, "{names} read: Megatron-FSDP's buffers come from a torch MemPool over NCCL's ncclMemAlloc "
-              "(megatron/core/nccl_allocator.py): the same bytes, counted by torch's allocator, its segments rounded to "
-              "NCCL's granularity (not counted); --use-nccl-ub turns --fsdp-double-buffer on (arguments.py), and "
+              "(megatron/core/nccl_allocator.py): the same bytes, counted by torch's allocator, its segments rounded "
+              "to NCCL's granularity (not counted); --use-nccl-ub turns --fsdp-double-buffer on (arguments.py), and "
               "registering the pool (--fsdp-manual-registration, after the first step) allocates nothing"),
     ((LOSS_FUSION,), "{names} read: Megatron's native fused cross entropy keeps what the unfused one keeps (the fp32 "
                      "softmax, the target mask and the masked target: fusions/fused_cross_entropy.py) and casts its "

@@ -76,13 +76,13 @@ def test_gpt3_175b_without_its_schedule_is_the_paper_model_on_the_scripts_run(ac
     assert fp32["parameters"]["gradients_bytes"] == 4 * count and fp32["verdict_bytes"] == flags["verdict_bytes"]
 
 
-def test_megatron_lm_s_fsdp_example_is_refused_only_for_fp8_beside_megatron_fsdp(actmem):
-    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: every argument is read or ignored (its NCCL user
-    buffers and double buffers are read: tests/test_megatron_fsdp.py); what stops it is FP8's buffers under
-    Megatron-FSDP, one line."""
-    result = actmem("estimate", "--megatron-args", f"@{EXAMPLES / 'train_llama3_8b_fsdp_h100_fp8.sh'}", "--gpu", "h100")
-    assert_one_line_error(result, "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8")
-    assert "not modelled yet:" not in result.stderr and "not an argument" not in result.stderr
+def test_megatron_lm_s_fsdp_example_prices_as_it_is(actmem):
+    """examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh on its H100s: every argument is read or ignored (its
+    FP8 weights in Megatron-FSDP's buckets, its NCCL user buffers and double buffers: tests/test_megatron_fsdp.py)."""
+    out = actmem.json("estimate", "--megatron-args", f"@{EXAMPLES / 'train_llama3_8b_fsdp_h100_fp8.sh'}", "--gpu",
+                      "h100")
+    assert out["parameters"]["double_buffer_bytes"] > 0 and out["parameters"]["fp8_bytes"] > 0
+    assert out["fits"] is True
 
 
 def test_t5_s_script_is_refused_for_what_it_trains(actmem):

@@ -166,8 +166,16 @@ def test_what_megatron_stops_on_beside_megatron_fsdp_is_refused(actmem, tmp_path
     (("--use-megatron-fsdp", "--gpus", "8", "--pp", "2"), "--use-megatron-fsdp is modelled at p = 1"),
     (("--use-megatron-fsdp", "--gpus", "8", "--mtp-num-layers", "1"),
      "--use-megatron-fsdp is modelled for standard attention without multi-token prediction"),
-    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--gpu", "h100"),
-     "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8"),
+    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--gpu", "h100"),
+     "--use-megatron-fsdp under --fp8-recipe blockwise is not modelled yet"),
+    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--gpu", "h100",
+      "--data-parallel-sharding-strategy", "optim_grads"),
+     "--use-megatron-fsdp under FP8 is modelled for --data-parallel-sharding-strategy optim_grads_params"),
+    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--gpu", "h100",
+      "--first-last-layers-bf16"),
+     "--use-megatron-fsdp beside --first-last-layers-bf16 is not modelled yet"),
+    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--gpu", "b200"),
+     "--use-megatron-fsdp under FP8 is modelled on Hopper"),
     (("--use-megatron-fsdp", "--gpus", "8", "--implementation", "hf"),
      "--use-megatron-fsdp is megatron-core's own FSDP, modelled under --implementation megatron, not hf"),
 ])
@@ -249,8 +257,8 @@ def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_
     """--ddp-bucket-size 1 makes each parameter outside the units a bucket. Llama 3.1 8B's paste (untied): [embedding]
     [final norm] [output]: the norm's (4096, factor 1, padded to 8) and the output's (128,256·4096, a multiple of
     8·4096) are made before the layers: 2·(4096 + 525,336,576) = 1,050,681,344 B; the embedding's at the end, not
-    counted. The 22b preset (tied, t = 8, d = 1): [embedding 6400 × 6144] [positions] [norm weight] [norm bias]: the
-    norm's two, 2·2·6144 = 24,576 B; and with gradient accumulation fusion (Megatron's default) the tied output
+    counted. The 22b preset (tied, t = 8, d = 2): [embedding 6400 × 6144] [positions] [norm weight] [norm bias]: the
+    norm's two, 2·2·6144 = 24,576 B (each a multiple of 2); and with gradient accumulation fusion (Megatron's default) the tied output
     layer's fused weight gradient goes into the embedding's main_grad at its backward (tensor_parallel/layers.py:
     get_main_grad), its bucket too: + 2·6400·6144 = 78,667,776 B in all."""
     text = open(_example(tmp_path)[1:]).read().replace("--overlap-grad-reduce",
@@ -258,7 +266,7 @@ def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_
     (tmp_path / "one.sh").write_text(text)
     assert _fc1("--megatron-args", f"@{tmp_path / 'one.sh'}")["outside_gradient_buckets"] == 1_050_681_344
     paste = "--bf16 --use-megatron-fsdp --ckpt-format fsdp_dtensor --overlap-grad-reduce --ddp-bucket-size 1"
-    tied = ("-m", "22b", "--gpus", "8", "--recompute", "none", "--megatron-args")
+    tied = ("-m", "22b", "--gpus", "16", "--global-batch", "8", "--recompute", "none", "--megatron-args")
     assert _fc1(*tied, paste)["outside_gradient_buckets"] == 78_667_776
     assert _fc1(*tied, paste + " --no-gradient-accumulation-fusion")["outside_gradient_buckets"] == 24_576
 
@@ -342,3 +350,63 @@ def test_a_double_buffer_that_disagrees_or_without_megatron_fsdp_is_refused(actm
     assert pasted["parameters"]["double_buffer_bytes"] == 2 * POOL
     assert_one_line_error(actmem("estimate", "-m", "llama-3.1-8b", "--gpus", "8", "--fsdp-double-buffer"),
                           "--fsdp-double-buffer is Megatron-FSDP's")
+
+
+def test_megatron_lms_fsdp_example_as_it_is_keeps_its_fp8_weights_in_groups_of_their_own(actmem):
+    """The example as it is (FP8, delayed scaling with a 1024-long amax history, --fp8-param-gather, on H100s):
+    each unit's four TE linears' weights are a "float8" group, 1 B an element, apart from its two norms (pgb,
+    _get_parameter_groups; tests/validate checks megatron-core's grouping). The FP8 group by hand: fc2 (2048 chunks
+    of 28,672) at 0; the projection (585 chunks + 4096) and QKV (877 chunks + 20,480) share a chunk, 4096 of it a
+    hole (no norm to fill it now); fc1 (4096 chunks): 218,107,904, padded to 951·229,376 = 218,136,576. The norms'
+    group: 2·4096 = 8192 (chunk 1, a multiple of 8). The rest splits at the bucket size as in bf16: 1,050,705,920.
+    P = 32·(218,136,576 + 8192) + 1,050,705,920 = 8,031,338,496, S = P/8 = 1,003,917,312, the FP8 elements of a
+    shard 32·218,136,576/8 = 872,546,304: weights 2S - 872,546,304 = 1,135,288,320; gradients (bf16, auto) 2S;
+    optimizer 4S + 8S (rank 0's shard all parameters). The pools: weights 2·(218,136,576·1 + 8192·2) = 436,305,920,
+    gradients 2·218,144,768·2 = 872,579,072. TE keeps the scaling state alone (4 modules a layer, each a 4-B
+    scale_inv and 5 quantizers' scale and 1024-row amax history, 4 + 4·5·1025 = 20,504 B): 32·4·20,504 = 2,624,512;
+    the FP8 weights' Hopper transposes are made at each unit's backward and dropped at its release: the last
+    layer's, 4096·(4096 + 6144 + 28,672) + 4096·14,336 = 218,103,808 B, at its backward moments."""
+    out = actmem.json("estimate", "--megatron-args", "@tests/data/megatron_examples/train_llama3_8b_fsdp_h100_fp8.sh",
+                      "--gpu", "h100")
+    params = out["parameters"]
+    s = 1_003_917_312
+    assert (params["weights_bytes"], params["gradients_bytes"], params["optimizer_bytes"]) == (
+        1_135_288_320, 2 * s, 12 * s)
+    assert params["double_buffer_bytes"] == 436_305_920 + 872_579_072
+    assert params["fp8_bytes"] == 2_624_512
+    flags = ("--megatron-args", "@tests/data/megatron_examples/train_llama3_8b_fsdp_h100_fp8.sh", "--gpu", "h100")
+    assert _fc1_rows(*flags)["unit_fp8_transposes"] == 218_103_808
+
+
+def test_fp8_without_its_param_gather_keeps_bf16_buckets_and_te_s_cached_copies(actmem):
+    """FP8 compute with bf16 weights (no --fp8-param-gather): Megatron-FSDP's buckets as in bf16 (the module
+    docstring's S = 1,003,884,544), and TE caches each linear's FP8 weight and its Hopper transpose for the
+    iteration, unsharded (2 B a linear weight element: 32·218,103,808·2), beside the scaling state (delayed scaling
+    at Megatron's default amax history of 1: 4 + 4·5·2 = 44 B a module, 32·4·44)."""
+    out = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "hybrid",
+                      "--gpu", "h100")
+    params = out["parameters"]
+    assert (params["weights_bytes"], params["gradients_bytes"]) == (2 * S, 2 * S)
+    assert params["fp8_bytes"] == 32 * 218_103_808 * 2 + 32 * 4 * 44
+    assert _fc1_rows("-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "hybrid", "--gpu",
+                     "h100").get("unit_fp8_transposes", 0) == 0
+
+
+def _fc1_rows(*args) -> dict:
+    """Every row of the last layer's fc1 moment."""
+    from actmem.cli.flags import _paste_command, build_spec_from_flags
+    from actmem.memory.estimate import estimate
+
+    flags = _paste_command().make_context("estimate", list(args)).params
+    moment = next(m for m in estimate(build_spec_from_flags(flags)).run.moments if m.name == "fc1")
+    return {part.name: part.bytes for part in moment.parts}
+
+
+def test_over_one_data_parallel_rank_nothing_is_gathered_nor_pooled(actmem):
+    """d·c = 1: megatron-core distributes no buffer (pgb: is_data_distributed needs a group of more than one), so
+    no bucket is gathered or allocated and no pool fetched into (measured: tests/validate, one rank): the buffers
+    whole, padded as the strategy pads them, and nothing beside them."""
+    out = actmem.json("estimate", "-m", "llama-3.1-8b", "--gpus", "1", "--use-megatron-fsdp", "--fsdp-double-buffer")
+    assert out["parameters"]["gathered_bytes"] == out["parameters"]["double_buffer_bytes"] == 0
+    assert _fc1_rows("-m", "llama-3.1-8b", "--gpus", "1", "--use-megatron-fsdp").get("outside_gradient_buckets", 0) == 0
+    assert any("over one data-parallel rank no buffer is distributed" in note for note in out["assumptions"])

@@ -271,36 +271,61 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             f"(+{100 * (parameters.buckets.padded - parameters.count) / parameters.count:.2f}%); its "
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
-            "of its own here", _megatron_fsdp_transients(pooled)] + _idle_double_buffer(spec, parameters) + (
+            "of its own here", _megatron_fsdp_transients(pooled, parameters.buckets.one_rank)] + _idle_double_buffer(spec, parameters) + (
+        _megatron_fsdp_fp8(spec, parameters)) + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
          "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
          "only the units' buckets are released): their padded bucket counted whole beside their shards ('gathered "
          "weights')"]
-        if MEGATRON_FSDP_STRATEGIES[strategy][0] else [])
+        if parameters.buckets.sharded(strategy)[0] else [])
 
 
-def _megatron_fsdp_transients(double_buffer: bool) -> str:
+def _megatron_fsdp_transients(double_buffer: bool, one_rank: bool = False) -> str:
     """What of Megatron-FSDP's step the peak floor counts beside its buffers, and what it leaves out."""
-    units = ("under --fsdp-double-buffer the units' gathered weights and gradient buckets are in fixed pools of two "
-             "buffers each (param_and_grad_buffer.py, FixedPoolAllocator: 'double buffers'), held at every moment "
-             "from the first backward on, its prefetch stopped at two units; in the last layer's backward moments "
-             "beside them the no-unit group's gradient buckets that the final norm's and output layer's backward "
-             "made (held in the reduce-scatter queue)" if double_buffer else
+    if one_rank:
+        return ("over one data-parallel rank Megatron-FSDP distributes no buffer (param_and_grad_buffer.py: "
+                "is_data_distributed needs a group of more than one): nothing is gathered and no bucket allocated, its "
+                "buffers whole; not counted: under 16-bit main gradients the optimizer's fp32 copy of the gradients "
+                "(update_main_grads, from the backward's end to the step)")
+    units = ("under --fsdp-double-buffer the units' gathered weights (where sharded) and gradient buckets (where "
+             "sharded) are in fixed pools of min(L, 2) buffers each (param_and_grad_buffer.py, FixedPoolAllocator: "
+             "'double buffers'), held at every moment from the first backward on, its prefetch stopped at two units; "
+             "in the last layer's backward moments beside them the no-unit group's gradient buckets that the final "
+             "norm's and output layer's backward made (held in the reduce-scatter queue), its reduce-scatters in "
+             "place; not counted: " if double_buffer else
              "Megatron-FSDP's transients in the last layer's backward moments: its unit all-gathered again, the units "
              "its prefetch window gathers ahead (half of max(10⁹ elements, two units)), its gradient bucket and the "
              "no-unit group's that the final norm's and output layer's backward made (held in the reduce-scatter "
              "queue), and before the layers' backward the first units the final norm's forward prefetch gathered "
-             "again")
-    return (units + "; not counted: the reduce-scatters' outputs, the gradient buckets queued in the backward's later "
-            "moments, and under 16-bit main gradients the optimizer's fp32 copy of the gradient shard "
-            "(update_main_grads, from the backward's end to the step): the peak floor is below the run's by those")
+             "again; not counted: the reduce-scatters' outputs, ")
+    return (units + "the gradient buckets queued in the backward's later moments, and under 16-bit main gradients the "
+            "optimizer's fp32 copy of the gradient shard (update_main_grads, from the backward's end to the step): the "
+            "peak floor is below the run's by those")
+
+
+def _megatron_fsdp_fp8(spec: Spec, parameters: ParameterBytes) -> list:
+    """FP8 beside Megatron-FSDP: where its FP8 weights live, or TE's cached copies."""
+    if not spec.architecture.fp8:
+        return []
+    if not parameters.buckets.fp8_shard:
+        return ["FP8 without --fp8-param-gather beside Megatron-FSDP: its buckets hold bf16 weights, and TE caches each "
+                "linear's FP8 weight (on Hopper with its transpose) for the iteration's microbatches, whole on every "
+                "rank ('FP8 weight state': Megatron-FSDP shards the bf16 weights it casts, not the cache)"]
+    return ["--fp8-param-gather beside Megatron-FSDP: each unit's TE linears' weights are a group of their own "
+            "(param_and_grad_buffer.py, _get_parameter_groups: dtype float8), laid out and padded apart from its norms "
+            "and biases, 1 B an element in the weights' buffer, gathered and in the double buffers "
+            f"({parameters.buckets.fp8_shard:,} elements of the shard); their gradients in the main gradients' dtype, "
+            "their main weights fp32; their Hopper transposes made after each unit's backward all-gather and dropped "
+            "at its release (megatron_fsdp.py: fp8_create_transpose_cache), counted at the last layer's backward "
+            "moments; TE's FP8 scaling state kept"]
 
 
 def _idle_double_buffer(spec: Spec, parameters: ParameterBytes) -> list:
     """A note where --fsdp-double-buffer is given and changes nothing: no pool is ever fetched into."""
     if not spec.run.fsdp_double_buffer or parameters.double_buffer_bytes:
         return []
-    why = ("it makes no units" if spec.megatron_fsdp_strategy == "no_shard" else
+    why = ("over one data-parallel rank no buffer is distributed" if parameters.buckets.one_rank else
+           "it makes no units" if spec.megatron_fsdp_strategy == "no_shard" else
            "its units' weights and gradients are whole buffers, fetched as views")
     return [f"--fsdp-double-buffer changes nothing under {spec.megatron_fsdp_strategy}: {why} "
             "(param_and_grad_buffer.py: the fixed pools are allocated into only for sharded buckets of units)"]

@@ -40,6 +40,9 @@ from actmem.model.widths import WEIGHT_BYTES
 
 #: fp32 main weights, 4 B an element of the main-weight buffer's shard (preserve_fp32_weights)
 MAIN_WEIGHT_BYTES = 4
+#: an FP8 weight's element in the weights' buffer (uint8: pgb, _init_each_parameter_group_buffers), and in its
+#: Hopper transpose (TE's Float8Tensor._create_transpose)
+FP8_BYTES = 1
 
 
 def chunk_factor(shapes) -> int:
@@ -114,10 +117,27 @@ class Buckets:
     unit_padded: int = 0
     unit_count: int = 0
     after_layers_padded: int = 0
+    fp8_shard: int = 0
+    """Under --fp8-param-gather, the elements of a shard in the units' FP8 groups (1 B each in the weights' buffer)."""
+    unit_fp8_padded: int = 0
+    """... a unit's FP8 group, padded (1 B an element gathered)."""
+    unit_fp8_count: int = 0
+    """... its parameters: the TE linears' weights, whose Hopper transposes TE makes at the unit's backward."""
+    one_rank: bool = False
+    """d·c = 1: no buffer is distributed (pgb: is_data_distributed needs a group of more than one rank), so nothing
+    is gathered, no bucket allocated, no pool fetched into: only the buffers, whole."""
+
+    def sharded(self, strategy: str) -> tuple:
+        """(weights, gradients, optimizer state): which of the strategy's buffers are distributed over the ranks."""
+        return tuple(bool(flag) and not self.one_rank for flag in MEGATRON_FSDP_STRATEGIES[strategy])
+
+    def unit_weight_bytes(self) -> int:
+        """A unit's gathered 16-bit weights: its padded groups, 2 B an element, 1 B in an FP8 group."""
+        return WEIGHT_BYTES * self.unit_padded - (WEIGHT_BYTES - FP8_BYTES) * self.unit_fp8_padded
 
 
 def buckets(layer, layers: int, outside_first, outside_last, shards: int, strategy: str, rank=None,
-            bucket_size=None, output_into_embedding=False) -> Buckets:
+            bucket_size=None, output_into_embedding=False, fp8_weights=False) -> Buckets:
     """Megatron-FSDP's buckets for a model of ``layers`` layers of parameter shapes ``layer``, between the
     parameters before them (the embedding's) and after them (the final norm's, the output layer's), over ``shards``
     ranks. Under every strategy but no_shard each TransformerLayer is a unit and a bucket of its own, the rest one
@@ -127,11 +147,15 @@ def buckets(layer, layers: int, outside_first, outside_last, shards: int, strate
     (split_at; None or 0: whole). ``rank``: that rank's shards (the harness checks each), else the rank whose shards
     hold the most. ``output_into_embedding``: a tied output layer whose fused weight gradient goes into the
     embedding's main_grad at its backward (tensor_parallel/layers.py: weight.get_main_grad()), making the embedding's
-    gradient bucket then."""
+    gradient bucket then. ``fp8_weights`` (--fp8-param-gather): a unit's TE linears' weights (its 2-D parameters) are
+    FP8, a group of their own (pgb, _get_parameter_groups: dtype "float8"), laid out and padded apart from its norms
+    and biases (the rules refuse it under no_shard)."""
     sharded = strategy != "no_shard"
     if sharded:
         outside = split_at([*outside_first, *outside_last], bucket_size)
-        groups = [(layer, layers), *((bucket, 1) for bucket in outside)]
+        units = [[shape for shape in layer if len(shape) == 2], [shape for shape in layer if len(shape) < 2]]
+        units = units if fp8_weights else [layer]
+        groups = [*((unit, layers) for unit in units), *((bucket, 1) for bucket in outside)]
     else:
         every = [*outside_first, *(shape for _ in range(layers) for shape in layer), *outside_last]
         groups = [(bucket, 1) for bucket in split_at(every, bucket_size)]
@@ -141,10 +165,14 @@ def buckets(layer, layers: int, outside_first, outside_last, shards: int, strate
     count = sum(math.prod(shape) * copies for shapes, copies in groups for shape in shapes)
     local = _largest_local(laid, shards, shard, rank)
     if not sharded:
-        return Buckets(count, padded, shard, local, 0)
-    return Buckets(count, padded, shard, local, sum(size for (size, _), _ in laid[1:]), laid[0][0][0],
-                   sum(map(math.prod, layer)), _made_before_the_layers(laid[1:], outside, len(outside_first),
-                                                                       output_into_embedding))
+        return Buckets(count, padded, shard, local, 0, one_rank=shards == 1)
+    unit, rest = laid[:len(units)], laid[len(units):]
+    fp8 = laid[0][0][0] if fp8_weights else 0
+    return Buckets(count, padded, shard, local, sum(size for (size, _), _ in rest), sum(size for (size, _), _ in unit),
+                   sum(map(math.prod, layer)), _made_before_the_layers(rest, outside, len(outside_first),
+                                                                       output_into_embedding),
+                   layers * fp8 // shards, fp8, sum(map(math.prod, units[0])) if fp8_weights else 0,
+                   one_rank=shards == 1)
 
 
 def _made_before_the_layers(laid, outside, before: int, output_into_embedding: bool) -> int:
@@ -231,9 +259,9 @@ def pools(laid: Buckets, strategy: str, gradient_bytes, layers: int) -> tuple:
     gradient bucket is needed while the one after it still waits in the reduce-scatter queue). min(L, 2) buffers
     each: a prefetch stops at two units (need_skip_prefetch) and the queue keeps two (_enforce_double_buffer_limit).
     Held at every moment from the first backward on."""
-    weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
-    buffers = min(layers, POOL_BUFFERS) * laid.unit_padded
-    return WEIGHT_BYTES * buffers * weights, gradient_bytes * buffers * gradients
+    weights, gradients, _ = laid.sharded(strategy)
+    buffers = min(layers, POOL_BUFFERS)
+    return buffers * laid.unit_weight_bytes() * weights, gradient_bytes * buffers * laid.unit_padded * gradients
 
 
 def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, prefetched: bool = True,
@@ -252,12 +280,13 @@ def backward_rows(laid: Buckets, strategy: str, gradient_bytes, layers: int, pre
     Not counted: the reduce-scatters' outputs (megatron-core 0.16.1 makes one a reduction, freed as it completes)."""
     from actmem.memory.peak import PeakRow
 
-    weights, gradients, _ = MEGATRON_FSDP_STRATEGIES[strategy]
+    weights, gradients, _ = laid.sharded(strategy)
     weights, unit_gradients = weights * (not double_buffer), unit_gradients * (not double_buffer)
     ahead = prefetched_units(laid, layers, communication_unit) * prefetched
-    return (PeakRow("gathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * weights, UNIT_SOURCE),
-            PeakRow("prefetched_unit_weights", WEIGHT_BYTES * laid.unit_padded * ahead * weights,
+    return (PeakRow("gathered_unit_weights", laid.unit_weight_bytes() * weights, UNIT_SOURCE),
+            PeakRow("prefetched_unit_weights", laid.unit_weight_bytes() * ahead * weights,
                     PREFETCH_SOURCE.format(units=ahead)),
+            PeakRow("unit_fp8_transposes", FP8_BYTES * laid.unit_fp8_count, TRANSPOSE_SOURCE),
             PeakRow("unit_gradient_bucket", gradient_bytes * laid.unit_padded * gradients * unit_gradients,
                     UNIT_GRADIENT_SOURCE),
             PeakRow("outside_gradient_buckets", gradient_bytes * laid.after_layers_padded * gradients, BUCKET_SOURCE))
@@ -324,9 +353,9 @@ def forward_end_rows(laid: Buckets, strategy: str, layers: int, communication_un
     --fsdp-double-buffer, where they are in the weights' pool (pools)."""
     from actmem.memory.peak import PeakRow
 
-    gathered = (MEGATRON_FSDP_STRATEGIES[strategy][0] * (not double_buffer)
+    gathered = (laid.sharded(strategy)[0] * (not double_buffer)
                 * regathered_units(laid, layers, communication_unit))
-    return (PeakRow("regathered_unit_weights", WEIGHT_BYTES * laid.unit_padded * gathered, REGATHER_SOURCE),)
+    return (PeakRow("regathered_unit_weights", laid.unit_weight_bytes() * gathered, REGATHER_SOURCE),)
 
 
 REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and "
@@ -335,6 +364,9 @@ UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for 
                "optim_grads_params: its padded bucket, a temporary beside the shard)")
 PREFETCH_SOURCE = ("16-bit weights of the {units} unit(s) before it, all-gathered ahead by its pre-backward's prefetch "
                    "(Megatron-FSDP: half of max(10⁹ elements, two units))")
+TRANSPOSE_SOURCE = ("Hopper transposes of the last layer's FP8 weights (--fp8-param-gather), made after its backward "
+                    "all-gather and dropped at its release (megatron_fsdp.py: fp8_create_transpose_cache, "
+                    "fp8_discard_transpose_cache), 1 B an element")
 UNIT_GRADIENT_SOURCE = ("the last layer's unsharded gradient bucket, made at its first weight gradient (fc2's) and "
                         "reduce-scattered once the layer's backward completes it (Megatron-FSDP)")
 BUCKET_SOURCE = ("the unsharded gradient buckets of the no-unit group that the final norm's and output layer's "
@@ -345,7 +377,7 @@ def gathered_outside_units(laid: Buckets, strategy: str):
     """The 16-bit weights outside the units held gathered through the first backward: under optim_grads_params,
     their whole padded bucket beside their shards (DataParallelBuffer.fetch_bucket allocates bucket_index.size);
     else 0, the weights whole already."""
-    return WEIGHT_BYTES * laid.outside_padded if MEGATRON_FSDP_STRATEGIES[strategy][0] else 0
+    return WEIGHT_BYTES * laid.outside_padded if laid.sharded(strategy)[0] else 0
 
 
 def state_bytes(laid: Buckets, strategy: str, gradient_bytes, optimizer_bytes) -> tuple:
@@ -353,13 +385,15 @@ def state_bytes(laid: Buckets, strategy: str, gradient_bytes, optimizer_bytes) -
     parameter elements in its shards). A sharded buffer is the rank's shards, an unsharded one the buckets whole
     (padded; under no_shard unpadded, gaps included); the 16-bit weights under no_shard are the module's own, unpadded.
     The optimizer state: the fp32 main weights' buffer, and the rest of Adam's bytes on the parameter elements that
-    buffer's shard holds (under no_shard all of them)."""
+    buffer's shard holds (under no_shard all of them). Under --fp8-param-gather the FP8 groups' weights 1 B an
+    element."""
     weights, gradients, optimizer = MEGATRON_FSDP_STRATEGIES[strategy]
 
     def buffer(sharded):
         return laid.shard if sharded else laid.padded
 
     own = laid.count if strategy == "no_shard" else buffer(weights)
+    fp8 = laid.fp8_shard          # FP8 weights: under optim_grads_params alone, sharded (fp8.check_megatron_fsdp)
     moments = laid.local if optimizer else laid.count
-    return (WEIGHT_BYTES * own, gradient_bytes * buffer(gradients),
+    return (WEIGHT_BYTES * own - (WEIGHT_BYTES - FP8_BYTES) * fp8, gradient_bytes * buffer(gradients),
             MAIN_WEIGHT_BYTES * buffer(optimizer) + (optimizer_bytes - MAIN_WEIGHT_BYTES) * moments)

@@ -74,7 +74,8 @@ def megatron_fsdp_buckets(h, t, v, s, arch, heads, layers, shards, strategy, buc
     """Megatron-FSDP's buckets (megatron_fsdp.Buckets) of a one-stage GPTModel of dense layers (layer_shapes,
     outside_shapes) over ``shards`` ranks; cached: an estimate asks for them a technique and a stage."""
     return buckets(layer_shapes(h, t, arch, heads), layers, *outside_shapes(h, t, v, s, arch), shards, strategy, rank,
-                   bucket_size, output_into_embedding=arch.tied_output and arch.gradient_accumulation_fusion)
+                   bucket_size, output_into_embedding=arch.tied_output and arch.gradient_accumulation_fusion,
+                   fp8_weights=bool(arch.fp8 and arch.fp8_param_gather))
 
 
 def latent_parameters(h, arch, heads):
@@ -353,7 +354,9 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     if megatron_fsdp is not None:      # one stage of dense layers (the rules); TE's dummy weight gradients as DDP's
         laid = megatron_fsdp_buckets(h, t, v, s, arch, heads, stage_layers, shards, megatron_fsdp, fsdp_bucket_size)
         return ParameterBytes(count, *state_bytes(laid, megatron_fsdp, gradient_bytes, optimizer_bytes),
-                              WEIGHT_BYTES * dummies, megatron_fsdp=megatron_fsdp, buckets=laid,
+                              WEIGHT_BYTES * dummies, _megatron_fsdp_fp8_kept(h, t, arch, heads, stage_layers, gpu_fp8,
+                                                                             laid),
+                              megatron_fsdp=megatron_fsdp, buckets=laid,
                               gathered_bytes=gathered_outside_units(laid, megatron_fsdp),
                               double_buffer_bytes=fsdp_double_buffer * sum(pools(laid, megatron_fsdp, gradient_bytes,
                                                                                  stage_layers)))
@@ -371,6 +374,20 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     shrink += eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
     return replace(state, weights_bytes=state.weights_bytes - shrink,
                    fp8_bytes=kept + eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8))
+
+
+def _megatron_fsdp_fp8_kept(h, t, arch, heads, layers, generation, laid) -> int:
+    """What TE keeps for FP8 beside Megatron-FSDP's buffers: as under DDP (fp8_state: each linear's cached FP8
+    weight, Hopper's transpose too, and the modules' scaling state), but under --fp8-param-gather the FP8 weights'
+    Hopper transposes, which Megatron-FSDP drops at each unit's release (megatron_fsdp.py,
+    release_params_fp8_transpose_cache) and makes again at its backward (megatron_fsdp.backward_rows): the scaling
+    state alone. 0 without FP8."""
+    if not arch.fp8:
+        return 0
+    from actmem.model.fp8 import PARAM_GATHER_COPY_BYTES
+
+    _, kept = fp8_state(h, t, arch, heads, layers, generation)
+    return kept - layers * laid.unit_fp8_count * PARAM_GATHER_COPY_BYTES[generation] * bool(arch.fp8_param_gather)
 
 
 def _eh_proj_fp8_kept(h, t, arch, generation):

@@ -228,6 +228,15 @@ def module_state_bytes(arch) -> int:
     return SCALE_INV_BYTES + SCALE_INV_BYTES * quantizers * rows
 
 
+def check_megatron_fsdp(arch, generation, gpu_name: str) -> None:
+    """FP8 beside Megatron-FSDP is read for Hopper (its FP8 weights' transposes, made at each unit's backward and
+    dropped at its release); on Blackwell TE keeps other copies, not read there yet."""
+    if arch.fp8 and generation != "hopper":
+        raise SpecError(f"--use-megatron-fsdp under FP8 is modelled on Hopper (--gpu h100, h200 or h800), not on "
+                        f"{gpu_name}: TE's FP8 weight copies on {str(generation).capitalize()} beside Megatron-FSDP "
+                        "are not read yet")
+
+
 def check_gpu(arch, generation, gpu_name: str, default: bool = False) -> None:
     """FP8 needs FP8 tensor cores: Hopper or Blackwell (TE raises on older GPUs); MXFP8 runs on Blackwell and
     blockwise on Hopper alone. ``default``: the GPU is actmem's, not the input's (the refusal says so)."""

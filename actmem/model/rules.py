@@ -316,15 +316,30 @@ MEGATRON_FSDP_RULES = (
          lambda v: "--use-megatron-fsdp is modelled for standard attention without multi-token prediction: the "
                    "order of multi-latent attention's and the prediction layers' parameters in its padded buckets is "
                    "not read yet", ("architecture",)),
-    Rule(lambda v: _implies(v.megatron_fsdp, v.architecture is None or not v.architecture.fp8),
-         lambda v: "--use-megatron-fsdp under FP8 keeps its weight buffers in FP8 and its gradients in bf16, which "
-                   "is not modelled yet", ("architecture",)),
+    Rule(lambda v: _implies(_megatron_fsdp_fp8(v),
+                            v.architecture is not None and v.architecture.fp8 in ("delayed", "tensorwise")),
+         lambda v: f"--use-megatron-fsdp under --fp8-recipe {v.architecture.fp8} is not modelled yet (its block "
+                   "scales and transpose buffers in Megatron-FSDP's buckets): delayed and tensorwise are",
+         ("architecture",)),
+    Rule(lambda v: _implies(_megatron_fsdp_fp8(v),
+                            v.fsdp_sharding in (None, "optim_grads_params")),
+         lambda v: f"--use-megatron-fsdp under FP8 is modelled for --data-parallel-sharding-strategy "
+                   f"optim_grads_params (its default), not {v.fsdp_sharding}: the FP8 weights' transposes where the "
+                   "weights are not sharded are not read yet", ("architecture",)),
+    Rule(lambda v: _implies(_megatron_fsdp_fp8(v),
+                            v.architecture is not None and not v.architecture.fp8_first_last_bf16),
+         lambda v: "--use-megatron-fsdp beside --first-last-layers-bf16 is not modelled yet (units of two kinds, "
+                   "bf16 and FP8, in its buckets and double buffers)", ("architecture",)),
     Rule(lambda v: _implies(v.megatron_fsdp, not v.precision_aware),
          lambda v: "--use-megatron-fsdp beside --use-precision-aware-optimizer is not modelled yet (Megatron-FSDP "
                    "keeps its own main-weight buffer)"),
     Rule(lambda v: _implies(v.megatron_fsdp, v.offload_layers == 0),
          lambda v: "--use-megatron-fsdp beside --cpu-offloading-num-layers is not modelled yet"),
 )
+
+
+def _megatron_fsdp_fp8(v) -> bool:
+    return bool(v.megatron_fsdp and v.architecture is not None and v.architecture.fp8)
 
 
 #: DeepSpeed's ZeRO as the Hugging Face Trainer runs it (--zero-stage, --deepspeed; actmem.memory.zero)

@@ -246,10 +246,12 @@ class Spec:
         from actmem.model.experts import check_routing
 
         check_routing(self.architecture, self.run.routing_imbalance, self.run.expert_loads)
-        from actmem.model.fp8 import check_gpu
+        from actmem.model.fp8 import check_gpu, check_megatron_fsdp
 
         if not self.dims_only:        # the dims alone name no GPU yet (plan checks its own: PlanRequest)
             check_gpu(self.architecture, self.gpu_fp8, self.gpu_name, self.gpu_default)
+            if self.run.megatron_fsdp:
+                check_megatron_fsdp(self.architecture, self.gpu_fp8, self.gpu_name)
         rules.check(self.rule_values())
 
     @property

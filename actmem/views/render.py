@@ -278,9 +278,10 @@ def _memory_table(est: Estimate) -> Table:
                   "output layer, final norm): gathered from the forward to the backward's end"),)
     if params.double_buffer_bytes:
         rows += (("double buffers", params.double_buffer_bytes, "Megatron-FSDP's fixed pools (--fsdp-double-buffer): "
-                  "two of a unit's padded buckets for each sharded buffer (16-bit weights, gradients), held"),)
+                  "min(L, 2) of a unit's padded buckets for each sharded buffer (16-bit weights, gradients), held"),)
     if params.fp8_bytes:
-        rows += (("FP8 weight state", params.fp8_bytes,
+        rows += (("FP8 weight state", params.fp8_bytes, "TE's scales and amax history (Megatron-FSDP drops the FP8 "
+                  "weights' transposes at each unit's release)" if params.buckets and params.buckets.fp8_shard else
                   "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)
     for item, n_bytes, note in rows:
         table.add_row(item, f"{n_bytes:,}", f"{gib(n_bytes):,.2f}", Text(note, style="dim"))
@@ -352,6 +353,8 @@ def _megatron_fsdp_state_rows(est: Estimate) -> tuple:
     per = lambda width, shards: f"{buckets} × {width} B" + (f" / {_dc(spec)}" if shards else ", whole")
     grads = "fp32" if spec.gradient_bytes == GRADIENT_BYTES else "16-bit"
     weights = per(WEIGHT_BYTES, sharded[0]) if strategy != "no_shard" else f"{params.count:,} parameters × 2 B, whole"
+    if params.buckets.fp8_shard:
+        weights += f", less 1 B an element of its FP8 groups' {params.buckets.fp8_shard:,} (--fp8-param-gather)"
     return (("weights", params.weights_bytes, weights + (
                 " (the units gathered to compute: the last layer's backward moments)" if sharded[0] else "")),
             ("gradients", params.gradients_bytes, per(spec.gradient_bytes, sharded[1]) + f" ({grads}: "

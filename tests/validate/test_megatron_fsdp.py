@@ -44,7 +44,9 @@ bucket: the weights' 2·29,568·2 B = 118,272 where they are sharded (optim_grad
 same where they are (optim_grads, optim_grads_params), at L = 5 too (two buffers, whatever the window); under optim
 neither (whole buffers, fetched as views). The units gathered, prefetched and re-gathered and the unit's gradient
 bucket are then in the pools, 0 apart; the no-unit group's gradient bucket (18,688) and the gathered rest (18,688)
-are allocated as without it."""
+are allocated as without it. One layer: one buffer a pool (59,136 each); fp32 gradients under optim_grads: 2·29,568·4
+= 236,544; over one rank nothing is distributed: no pool, nothing gathered, no bucket allocated, the buffers whole
+(a layer padded to 192: 153·192 = 29,376; weights and bf16 gradients 2·(2·29,376 + 9344) = 136,192)."""
 
 import pytest
 
@@ -77,8 +79,10 @@ def test_every_ranks_model_state_is_counted_to_the_byte(grid_rows):
     state row of every rank equals actmem's, both ways; the fp32 gradient copy and AdamW's counters are
     information."""
     assert judge(grid_rows, 0.0) == []
-    assert len({row["config"] for row in grid_rows}) == 13
-    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(STATE + BACKWARD + REGATHERED + POOLS)
+    assert len({row["config"] for row in grid_rows}) == 16
+    # the FP8 weights' transposes: 0 both ways here (bf16; TE's Float8Tensor does not run on a CPU)
+    assert {row["term"] for row in grid_rows if row["kind"] == "state"} == set(
+        STATE + BACKWARD + REGATHERED + POOLS + ("unit_fp8_transposes",))
 
 
 def test_the_measured_buffers_are_the_hand_derived_ones(grid_rows):
@@ -127,7 +131,13 @@ def test_the_double_buffers_pools_are_the_hand_derived(grid_rows):
             outside = 18_688 * (strategy != "optim")
             assert _state(grid_rows, config, rank, BACKWARD + REGATHERED) == (0, 0, 0, outside, 0), config
         assert _state(grid_rows, "mfsdp optim_grads_params d=2 grads bf16", rank, POOLS) == (0, 0)
+        one_layer = "mfsdp optim_grads_params d=2 grads bf16 L=1 double buffer"
+        assert _state(grid_rows, one_layer, rank, POOLS) == (59_136, 59_136)
+        assert _state(grid_rows, "mfsdp optim_grads d=2 grads fp32 double buffer", rank, POOLS) == (0, 236_544)
     assert _state(grid_rows, double.format("optim_grads_params", ""), 1) == (68_480, 68_480, 407_296, 18_688)
+    one_rank = "mfsdp optim_grads_params d=1 grads bf16 double buffer"
+    assert _state(grid_rows, one_rank, 0, STATE[:2] + ("gathered_weights",) + POOLS + BACKWARD + REGATHERED) == (
+        136_192, 136_192, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def test_the_gate_fails_padding_left_out_a_buffer_missing_or_one_the_formula_does_not_have():
@@ -153,3 +163,30 @@ def test_the_gate_fails_a_pool_left_out_or_a_transient_priced_beside_it():
     for wrong in ({"double_buffer_gradients": 0}, {"double_buffer_weights": 59_136}, {"unit_gradient_bucket": 59_136}):
         failures = judge(state_rows(config, rank, {**expected, **wrong}, measured), 0.0)
         assert len(failures) == 1, (wrong, failures)
+
+
+def test_fp8_weights_groups_are_laid_out_as_megatron_core_lays_them():
+    """Under --fp8-param-gather (Megatron-LM's FSDP example) each unit's TE linears' weights are a "float8" group of
+    their own, laid out and padded apart from its norms and biases. megatron-core's own _get_parameter_groups and
+    build_data_parallel_buffer_index, given the FP8 parameters as the meta-device path marks them, against actmem's
+    buckets: the small model's layer by hand, FP8: proj 4096, QKV 12,288, fc1 6144, fc2 6144 = 28,672 (factor
+    lcm(96, 64) = 192; proj ends 64 into a chunk, no partner, no fragment: a 128 hole; 28,800 = 75·384 at d = 2, and
+    29,184 = 38·768 at d = 4); the rest 672 (chunk 1: padded to 2 and 4, unchanged); the embedding's group as in
+    bf16."""
+    from actmem.memory.megatron_fsdp import buckets
+    from actmem.memory.parameters import layer_shapes, outside_shapes
+    from actmem_validate.megatron_fsdp import fp8_groups, fsdp_spec
+
+    spec = fsdp_spec("optim_grads_params")
+    rows = fp8_groups(spec)
+    units = {(d, dtype): padded for d, dtype, unit, _, padded in rows if unit == 0}
+    assert units == {(2, "float8"): 28_800, (2, "torch.bfloat16"): 672, (4, "float8"): 29_184,
+                     (4, "torch.bfloat16"): 672}
+    arch = spec.architecture
+    for d in (2, 4):
+        laid = buckets(layer_shapes(64, 1, arch, 4), 2, *outside_shapes(64, 1, 128, 16, arch), d, "optim_grads_params",
+                       fp8_weights=True)
+        fp8 = units[(d, "float8")]
+        assert (laid.unit_fp8_padded, laid.unit_padded, laid.unit_fp8_count) == (fp8, fp8 + 672, 28_672)
+        assert laid.padded == sum(padded for d_, *_, padded in rows if d_ == d)
+        assert laid.fp8_shard == 2 * fp8 // d

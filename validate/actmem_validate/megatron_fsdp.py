@@ -71,7 +71,8 @@ class MegatronFSDPConfig:
     def label(self) -> str:
         run = self.spec.run
         buckets = f" buckets {self.bucket_size}" if self.bucket_size else ""
-        unit = f" L={self.spec.model.layers} unit {run.fsdp_communication_unit}" if run.fsdp_communication_unit else ""
+        layers = f" L={self.spec.model.layers}" if self.spec.model.layers != 2 else ""
+        unit = layers + (f" unit {run.fsdp_communication_unit}" if run.fsdp_communication_unit else "")
         return (f"mfsdp {self.strategy} d={self.world_size} grads {'fp32' if self.gradient_bytes == 4 else 'bf16'}"
                 + buckets + unit + (" double buffer" if run.fsdp_double_buffer else ""))
 
@@ -101,7 +102,8 @@ def mfsdp_grid() -> list:
     window stops the prefetch at one unit; four layers with a window of two units, where the backward's window
     (layers 2 and 3) overlaps the two the forward's end gathered again (1 and 2): one unit prefetched, not two. Under
     --fsdp-double-buffer: optim_grads_params (both pools), the five layers whose window the pools' two units stop,
-    optim_grads (the gradients' pool alone) and optim (units, no pool fetched into)."""
+    optim_grads (the gradients' pool alone), optim (units, no pool fetched into), one layer (one buffer a pool), fp32
+    gradients (4-byte gradient buckets in the pool), and one rank (nothing distributed: no pool, nothing gathered)."""
     specs = [fsdp_spec(strategy) for strategy in STRATEGIES]
     specs += [fsdp_spec("optim_grads", fp32_gradients=True), fsdp_spec("optim_grads_params", world=4),
               fsdp_spec("optim_grads_params", world=4, bucket_size=9000),
@@ -109,7 +111,10 @@ def mfsdp_grid() -> list:
               fsdp_spec("optim_grads_params", layers=4, communication_unit=118_272)]
     specs += [fsdp_spec("optim_grads_params", double_buffer=True),
               fsdp_spec("optim_grads_params", layers=5, communication_unit=59_136, double_buffer=True),
-              fsdp_spec("optim_grads", double_buffer=True), fsdp_spec("optim", double_buffer=True)]
+              fsdp_spec("optim_grads", double_buffer=True), fsdp_spec("optim", double_buffer=True),
+              fsdp_spec("optim_grads_params", layers=1, double_buffer=True),
+              fsdp_spec("optim_grads", fp32_gradients=True, double_buffer=True),
+              fsdp_spec("optim_grads_params", world=1, double_buffer=True)]
     return [MegatronFSDPConfig(spec) for spec in specs]
 
 
@@ -298,6 +303,49 @@ def _pools() -> dict:
             seen.add(storage.data_ptr())
             rows[row] = rows.get(row, 0) + storage.nbytes()
     return rows
+
+
+@dataclass(frozen=True)
+class _LayoutProbe:
+    """megatron-core's own grouping and layout of the small model's buckets over ``shards`` ranks, computed on one."""
+
+    spec: Spec
+    shards: tuple
+    world_size: int = 1
+
+
+def fp8_groups(spec: Spec, shards=(2, 4)) -> list:
+    """[(d, dtype, unit, parameters, padded)] of each bucket megatron-core 0.16.1 makes of the spec's model under
+    --fp8-param-gather (pgb, _get_parameter_groups, given the FP8 parameters as the --init-model-with-meta-device path
+    marks TE's (meta_device_init_fp8_params: each TE linear's weight; here the layers' 2-D parameters), then
+    build_data_parallel_buffer_index for each at d ranks): the grouping by dtype and the padding, without TE's
+    Float8Tensor, which a CPU does not run."""
+    from actmem_validate.gloo import spawn
+
+    return spawn(_probe_layout, _LayoutProbe(spec, tuple(shards)))[0][1]
+
+
+def _probe_layout(rank: int, world: int, port: int, probe: _LayoutProbe, results) -> None:
+    from actmem_validate.gloo import rank_group
+
+    with rank_group(rank, world, port, cpu_shims, 1):
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+            BucketingPolicy, _get_parameter_groups, build_data_parallel_buffer_index)
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        gpt = build_model(probe.spec)[1].module
+        fp8 = {name: (True, False) for name, p in gpt.named_parameters() if ".layers." in name and p.dim() == 2}
+        policy = BucketingPolicy(suggested_bucket_size=None, fsdp_unit_modules=[TransformerLayer],
+                                 data_parallel_sharding_strategy="optim_grads_params")
+        groups = _get_parameter_groups(gpt, policy, fp8)[0]
+        config = DistributedDataParallelConfig(use_megatron_fsdp=True,
+                                               data_parallel_sharding_strategy="optim_grads_params")
+        rows = [(d, str(group.dtype), group.fsdp_unit_id, sum(p.numel() for p in group.params),
+                 build_data_parallel_buffer_index([p.shape for p in group.params], 0, d, True, config,
+                                                  chunk_size_factor=group.chunk_size_factor)[1].size)
+                for d in probe.shards for group in groups]
+        results.put((rank, rows))
 
 
 def _storage(tensor):

@@ -258,9 +258,9 @@ def test_the_gradient_buckets_made_before_the_layers_are_those_holding_the_norm_
     [final norm] [output]: the norm's (4096, factor 1, padded to 8) and the output's (128,256·4096, a multiple of
     8·4096) are made before the layers: 2·(4096 + 525,336,576) = 1,050,681,344 B; the embedding's at the end, not
     counted. The 22b preset (tied, t = 8, d = 2): [embedding 6400 × 6144] [positions] [norm weight] [norm bias]: the
-    norm's two, 2·2·6144 = 24,576 B (each a multiple of 2); and with gradient accumulation fusion (Megatron's default) the tied output
-    layer's fused weight gradient goes into the embedding's main_grad at its backward (tensor_parallel/layers.py:
-    get_main_grad), its bucket too: + 2·6400·6144 = 78,667,776 B in all."""
+    norm's two, 2·2·6144 = 24,576 B (each a multiple of 2); and with gradient accumulation fusion (Megatron's
+    default) the tied output layer's fused weight gradient goes into the embedding's main_grad at its backward
+    (tensor_parallel/layers.py: get_main_grad), its bucket too: + 2·6400·6144 = 78,667,776 B in all."""
     text = open(_example(tmp_path)[1:]).read().replace("--overlap-grad-reduce",
                                                        "--overlap-grad-reduce --ddp-bucket-size 1")
     (tmp_path / "one.sh").write_text(text)

@@ -271,7 +271,8 @@ def _megatron_fsdp_notes(spec: Spec, parameters: ParameterBytes) -> list:
             f"(+{100 * (parameters.buckets.padded - parameters.count) / parameters.count:.2f}%); its "
             "gradients in --megatron-fsdp-main-grads-dtype (auto: the weights' dtype; Megatron-LM d98e8a64), its main "
             "weights fp32; Megatron-FSDP v1 turns the distributed optimizer on (arguments.py), which builds nothing "
-            "of its own here", _megatron_fsdp_transients(pooled, parameters.buckets.one_rank)] + _idle_double_buffer(spec, parameters) + (
+            "of its own here", _megatron_fsdp_transients(pooled, parameters.buckets.one_rank)] + (
+        _idle_double_buffer(spec, parameters)) + (
         _megatron_fsdp_fp8(spec, parameters)) + (
         ["under optim_grads_params the weights outside its units (the embedding, the output layer, the final norm) "
          "are gathered in the forward and kept until the backward's end (megatron_fsdp.py, _root_pre_backward: "
@@ -308,8 +309,8 @@ def _megatron_fsdp_fp8(spec: Spec, parameters: ParameterBytes) -> list:
     if not spec.architecture.fp8:
         return []
     if not parameters.buckets.fp8_shard:
-        return ["FP8 without --fp8-param-gather beside Megatron-FSDP: its buckets hold bf16 weights, and TE caches each "
-                "linear's FP8 weight (on Hopper with its transpose) for the iteration's microbatches, whole on every "
+        return ["FP8 without --fp8-param-gather beside Megatron-FSDP: its buckets hold bf16 weights, and TE caches "
+                "each linear's FP8 weight (on Hopper with its transpose) for the iteration's microbatches, whole on every "
                 "rank ('FP8 weight state': Megatron-FSDP shards the bf16 weights it casts, not the cache)"]
     return ["--fp8-param-gather beside Megatron-FSDP: each unit's TE linears' weights are a group of their own "
             "(param_and_grad_buffer.py, _get_parameter_groups: dtype float8), laid out and padded apart from its norms "

@@ -310,8 +310,8 @@ def _megatron_fsdp_fp8(spec: Spec, parameters: ParameterBytes) -> list:
         return []
     if not parameters.buckets.fp8_shard:
         return ["FP8 without --fp8-param-gather beside Megatron-FSDP: its buckets hold bf16 weights, and TE caches "
-                "each linear's FP8 weight (on Hopper with its transpose) for the iteration's microbatches, whole on every "
-                "rank ('FP8 weight state': Megatron-FSDP shards the bf16 weights it casts, not the cache)"]
+                "each linear's FP8 weight (on Hopper with its transpose) for the iteration's microbatches, whole on "
+                "every rank ('FP8 weight state': Megatron-FSDP shards the bf16 weights it casts, not the cache)"]
     return ["--fp8-param-gather beside Megatron-FSDP: each unit's TE linears' weights are a group of their own "
             "(param_and_grad_buffer.py, _get_parameter_groups: dtype float8), laid out and padded apart from its norms "
             "and biases, 1 B an element in the weights' buffer, gathered and in the double buffers "

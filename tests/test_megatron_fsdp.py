@@ -168,9 +168,10 @@ def test_what_megatron_stops_on_beside_megatron_fsdp_is_refused(actmem, tmp_path
      "--use-megatron-fsdp is modelled for standard attention without multi-token prediction"),
     (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--gpu", "h100"),
      "--use-megatron-fsdp under --fp8-recipe blockwise is not modelled yet"),
-    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--gpu", "h100",
+    (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--gpu", "h100", "--fp8-param-gather",
       "--data-parallel-sharding-strategy", "optim_grads"),
-     "--use-megatron-fsdp under FP8 is modelled for --data-parallel-sharding-strategy optim_grads_params"),
+     "--use-megatron-fsdp with --fp8-param-gather is modelled for --data-parallel-sharding-strategy "
+     "optim_grads_params"),
     (("--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--gpu", "h100",
       "--first-last-layers-bf16"),
      "--use-megatron-fsdp beside --first-last-layers-bf16 is not modelled yet"),
@@ -390,6 +391,11 @@ def test_fp8_without_its_param_gather_keeps_bf16_buckets_and_te_s_cached_copies(
     assert params["fp8_bytes"] == 32 * 218_103_808 * 2 + 32 * 4 * 44
     assert _fc1_rows("-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fp8-format", "hybrid", "--gpu",
                      "h100").get("unit_fp8_transposes", 0) == 0
+    # the same under optim_grads (bf16 buckets, whole weights): the cache as under DDP
+    optim_grads = actmem.json("estimate", "-m", "llama-3.1-8b", "--use-megatron-fsdp", "--gpus", "8", "--fp8-format",
+                              "hybrid", "--gpu", "h100", "--data-parallel-sharding-strategy", "optim_grads")
+    assert optim_grads["parameters"]["fp8_bytes"] == params["fp8_bytes"]
+    assert optim_grads["parameters"]["weights_bytes"] == 2 * P
 
 
 def _fc1_rows(*args) -> dict:

@@ -314,11 +314,12 @@ def _megatron_fsdp_fp8(spec: Spec, parameters: ParameterBytes) -> list:
                 "every rank ('FP8 weight state': Megatron-FSDP shards the bf16 weights it casts, not the cache)"]
     return ["--fp8-param-gather beside Megatron-FSDP: each unit's TE linears' weights are a group of their own "
             "(param_and_grad_buffer.py, _get_parameter_groups: dtype float8), laid out and padded apart from its norms "
-            "and biases, 1 B an element in the weights' buffer, gathered and in the double buffers "
+            "and biases, 1 B an element in the weights' buffer and gathered (and in the double buffers where they are) "
             f"({parameters.buckets.fp8_shard:,} elements of the shard); their gradients in the main gradients' dtype, "
-            "their main weights fp32; their Hopper transposes made after each unit's backward all-gather and dropped "
-            "at its release (megatron_fsdp.py: fp8_create_transpose_cache), counted at the last layer's backward "
-            "moments; TE's FP8 scaling state kept"]
+            "their main weights fp32; their Hopper transposes made in each layer's forward (TE's quantize_weight) and "
+            "after each unit's backward all-gather (megatron_fsdp.py: fp8_create_transpose_cache), dropped at each "
+            "release, counted at the last layer's backward moments (the forward's one layer at a time, below the "
+            "loss's moment); TE's FP8 scaling state kept"]
 
 
 def _idle_double_buffer(spec: Spec, parameters: ParameterBytes) -> list:

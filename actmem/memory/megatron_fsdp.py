@@ -358,15 +358,15 @@ def forward_end_rows(laid: Buckets, strategy: str, layers: int, communication_un
     return (PeakRow("regathered_unit_weights", laid.unit_weight_bytes() * gathered, REGATHER_SOURCE),)
 
 
-REGATHER_SOURCE = ("16-bit weights of the first units, all-gathered again by the final norm's forward prefetch and "
-                   "held until the backward's first gather (Megatron-FSDP, optim_grads_params)")
-UNIT_SOURCE = ("16-bit weights of the last layer's unit, all-gathered again for its backward (Megatron-FSDP, "
-               "optim_grads_params: its padded bucket, a temporary beside the shard)")
-PREFETCH_SOURCE = ("16-bit weights of the {units} unit(s) before it, all-gathered ahead by its pre-backward's prefetch "
-                   "(Megatron-FSDP: half of max(10⁹ elements, two units))")
-TRANSPOSE_SOURCE = ("Hopper transposes of the last layer's FP8 weights (--fp8-param-gather), made after its backward "
-                    "all-gather and dropped at its release (megatron_fsdp.py: fp8_create_transpose_cache, "
-                    "fp8_discard_transpose_cache), 1 B an element")
+REGATHER_SOURCE = ("weights (16-bit; 1 B in FP8 groups) of the first units, all-gathered again by the final norm's "
+                   "forward prefetch and held until the backward's first gather (Megatron-FSDP, optim_grads_params)")
+UNIT_SOURCE = ("weights (16-bit; 1 B in FP8 groups) of the last layer's unit, all-gathered again for its backward "
+               "(Megatron-FSDP, optim_grads_params: its padded bucket, a temporary beside the shard)")
+PREFETCH_SOURCE = ("weights (16-bit; 1 B in FP8 groups) of the {units} unit(s) before it, all-gathered ahead by its "
+                   "pre-backward's prefetch (Megatron-FSDP: half of max(10⁹ elements, two units))")
+TRANSPOSE_SOURCE = ("Hopper transposes of the last layer's FP8 weights (--fp8-param-gather), made again after its "
+                    "backward all-gather (TE makes them in each forward too) and dropped at its release "
+                    "(megatron_fsdp.py: fp8_create_transpose_cache, fp8_discard_transpose_cache), 1 B an element")
 UNIT_GRADIENT_SOURCE = ("the last layer's unsharded gradient bucket, made at its first weight gradient (fc2's) and "
                         "reduce-scattered once the layer's backward completes it (Megatron-FSDP)")
 BUCKET_SOURCE = ("the unsharded gradient buckets of the no-unit group that the final norm's and output layer's "
@@ -393,7 +393,7 @@ def state_bytes(laid: Buckets, strategy: str, gradient_bytes, optimizer_bytes) -
         return laid.shard if sharded else laid.padded
 
     own = laid.count if strategy == "no_shard" else buffer(weights)
-    fp8 = laid.fp8_shard          # FP8 weights: under optim_grads_params alone, sharded (fp8.check_megatron_fsdp)
+    fp8 = laid.fp8_shard          # FP8 weights: under optim_grads_params alone (rules.py), a rank's shards
     moments = laid.local if optimizer else laid.count
     return (WEIGHT_BYTES * own - (WEIGHT_BYTES - FP8_BYTES) * fp8, gradient_bytes * buffer(gradients),
             MAIN_WEIGHT_BYTES * buffer(optimizer) + (optimizer_bytes - MAIN_WEIGHT_BYTES) * moments)

@@ -35,7 +35,7 @@ GATHERED_SOURCE = ("16-bit weights outside Megatron-FSDP's units (the embedding,
                    "all-gathered into a bucket of their own in the forward and kept until the backward's end "
                    "(megatron_fsdp.py, _root_pre_backward: only the units' buckets are released), their bucket padded")
 DOUBLE_BUFFER_SOURCE = ("Megatron-FSDP's fixed pools under --fsdp-double-buffer: min(L, 2) buffers of a unit's "
-                        "padded bucket for the gathered 16-bit weights where they are sharded, and as many for the "
+                        "padded bucket for the gathered weights where they are sharded, and as many for the "
                         "gradient buckets where they are, allocated once and never freed (param_and_grad_buffer.py, "
                         "FixedPoolAllocator)")
 

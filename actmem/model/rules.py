@@ -321,9 +321,9 @@ MEGATRON_FSDP_RULES = (
          lambda v: f"--use-megatron-fsdp under --fp8-recipe {v.architecture.fp8} is not modelled yet (its block "
                    "scales and transpose buffers in Megatron-FSDP's buckets): delayed and tensorwise are",
          ("architecture",)),
-    Rule(lambda v: _implies(_megatron_fsdp_fp8(v),
+    Rule(lambda v: _implies(_megatron_fsdp_fp8(v) and v.architecture.fp8_param_gather,
                             v.fsdp_sharding in (None, "optim_grads_params")),
-         lambda v: f"--use-megatron-fsdp under FP8 is modelled for --data-parallel-sharding-strategy "
+         lambda v: f"--use-megatron-fsdp with --fp8-param-gather is modelled for --data-parallel-sharding-strategy "
                    f"optim_grads_params (its default), not {v.fsdp_sharding}: the FP8 weights' transposes where the "
                    "weights are not sharded are not read yet", ("architecture",)),
     Rule(lambda v: _implies(_megatron_fsdp_fp8(v),

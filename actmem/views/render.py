@@ -278,9 +278,9 @@ def _memory_table(est: Estimate) -> Table:
                   "output layer, final norm): gathered from the forward to the backward's end"),)
     if params.double_buffer_bytes:
         rows += (("double buffers", params.double_buffer_bytes, "Megatron-FSDP's fixed pools (--fsdp-double-buffer): "
-                  "min(L, 2) of a unit's padded buckets for each sharded buffer (16-bit weights, gradients), held"),)
+                  "min(L, 2) of a unit's padded buckets for each sharded buffer (weights, gradients), held"),)
     if params.fp8_bytes:
-        rows += (("FP8 weight state", params.fp8_bytes, "TE's scales and amax history (Megatron-FSDP drops the FP8 "
+        rows += (("FP8 weight state", params.fp8_bytes, "TE's FP8 scaling state (Megatron-FSDP drops the FP8 "
                   "weights' transposes at each unit's release)" if params.buckets and params.buckets.fp8_shard else
                   "TE's FP8 copies of the linears' weights (Hopper: and transposes), scales, amax history"),)
     for item, n_bytes, note in rows:

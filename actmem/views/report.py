@@ -263,6 +263,8 @@ def against_bf16_line(est: Estimate) -> str:
         return f"{'+' if n > 0 else '−' if n < 0 else '±'}{abs(gib(n)):,.2f} GiB"
 
     shrink = ", less a byte a weight element under --fp8-param-gather" if est.spec.architecture.fp8_param_gather else ""
+    if shrink and est.spec.run.megatron_fsdp:
+        shrink += " in Megatron-FSDP's buffers, gathered buckets and pools"
     return (f"FP8 against this run in bf16: {signed(net.verdict_delta_bytes)} at the peak "
             f"({gib(est.verdict_bytes):,.2f} against {gib(net.bf16_verdict_bytes):,.2f} GiB); on "
             f"{stage_name(net.stage, p, article=True)} the activations {signed(net.activations_delta_bytes)}, the "

@@ -4,6 +4,7 @@ putting its (rank, ...) result on a queue (the MoE, MLA and MTP harnesses' commo
 import contextlib
 import os
 import socket
+from dataclasses import dataclass
 
 
 def spawn(rank_fn, config) -> list[tuple]:
@@ -20,6 +21,53 @@ def spawn(rank_fn, config) -> list[tuple]:
 
     on_a_free_port(start)
     return sorted(results.get() for _ in range(config.world_size))
+
+
+def spawn_each(rank_fn, configs) -> dict:
+    """{config: spawn(rank_fn, config)'s results} with one set of processes a world size: its configurations run one
+    after the other in one gloo group (a spawn and megatron-core's import a world size, not a configuration; each
+    configuration's model-parallel state its own: rank_group)."""
+    measured = {}
+    for world in dict.fromkeys(config.world_size for config in configs):
+        batch = _Batch(rank_fn, tuple(config for config in configs if config.world_size == world))
+        per_rank = spawn(_each, batch)
+        for i, config in enumerate(batch.configs):
+            measured[config] = sorted(runs[i] for _, runs in per_rank)
+    return measured
+
+
+@dataclass(frozen=True)
+class _Batch:
+    rank_fn: object
+    configs: tuple
+
+    @property
+    def world_size(self) -> int:
+        return self.configs[0].world_size
+
+
+class _One:
+    """A queue of one put: what a rank function puts for its configuration."""
+
+    def put(self, item):
+        self.item = item
+
+
+def _each(rank: int, world: int, port: int, batch: _Batch, results) -> None:
+    """This rank of every configuration of the batch, in one gloo group (rank_group leaves it up between them)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        runs = []
+        for config in batch.configs:
+            one = _One()
+            batch.rank_fn(rank, world, port, config, one)
+            runs.append(one.item)
+        results.put((rank, runs))
+    finally:
+        dist.destroy_process_group()
 
 
 TAKEN = "EADDRINUSE"
@@ -61,20 +109,26 @@ def term_table(configs, measure, formula) -> list[dict]:
 def rank_group(rank: int, world: int, port: int, shims, tensor_parallel: int, **parallel):
     """This process as one of ``world`` gloo ranks with megatron-core's parallel state initialised (t =
     ``tensor_parallel``; ``parallel``: initialize_model_parallel's expert sizes), the CPU ``shims`` applied
-    first; torn down after, whatever happens."""
+    first; torn down after, whatever happens. In a group already up (spawn_each's) only the parallel state is this
+    configuration's."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         shims()
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(tensor_parallel, 1, **parallel)
-        yield
-        parallel_state.destroy_model_parallel()
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 def recompute_settings(technique) -> dict:

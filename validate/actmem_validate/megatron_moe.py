@@ -14,6 +14,7 @@ node autograd frees on the way, with what it saved, holds nothing), once a stora
 dtype and shape, which the layer's dims make distinct (``_named``); any other is unnamed and fails the gate.
 """
 
+import contextlib
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -730,11 +731,14 @@ def _rank(rank: int, world: int, port: int, config: MoEConfig, results) -> None:
     """One rank: build the layer, run it forward recording what autograd saves, then backward."""
     import torch
 
+    from actmem_validate import te_permutation
     from actmem_validate.gloo import held_storages, rank_group, recorder, rerun_moments
 
     spec, run = config.spec, config.spec.run
     with rank_group(rank, world, port, _cpu_shims, run.tensor_parallel, expert_model_parallel_size=run.expert_parallel,
-                    expert_tensor_parallel_size=run.etp, context_parallel_size=run.context_parallel):
+                    expert_tensor_parallel_size=run.etp, context_parallel_size=run.context_parallel), \
+            contextlib.ExitStack() as stack:
+        stack.callback(te_permutation.uninstall)      # the next configuration in this process starts unfused
         torch.manual_seed(0)                      # the same weights on every rank of a group
         layer = _layer(spec, config.ignored, config.technique, config.in_layer)
         norm_output = []                   # the pre-MLP norm's output: the router's input, in a layer
@@ -789,11 +793,12 @@ def measure(config: MoEConfig, timeout: int = 300) -> list[tuple]:
 def rows(configs, timeout: int = 300) -> list[dict]:
     """The error table's rows of every rank of every configuration: compare.term_rows, then compare.rerun_rows."""
     from actmem_validate.compare import rerun_rows, term_rows
+    from actmem_validate.gloo import spawn_each
 
-    table = []
+    table, measured = [], spawn_each(_rank, configs)
     for config in configs:
         spec, technique = config.spec, config.technique
-        for rank, received, kept, padded, named, moments in measure(config, timeout):
+        for rank, received, kept, padded, named, moments in measured[config]:
             expected = formula(spec, technique, received, config.in_layer, kept, padded)
             table += term_rows(config, rank, expected, named)
             table += rerun_rows(config, rank, technique, spec.architecture, expected,

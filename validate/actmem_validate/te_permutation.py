@@ -120,10 +120,30 @@ def fused_sort_chunks_by_index_with_probs(inp, probs, split_sizes, sorted_idxs):
     return _SortChunks.apply(inp, split_sizes, sorted_idxs, probs)
 
 
+_FUSED = ("fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
+          "fused_sort_chunks_by_index_with_probs")
+_ORIGINAL: dict = {}
+_ABSENT = object()
+
+
+def uninstall() -> None:
+    """moe_utils as it was before install (a configuration without permute fusion after one with it, in a process)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name, value in _ORIGINAL.items():
+        if value is _ABSENT:
+            delattr(moe_utils, name)
+        else:
+            setattr(moe_utils, name, value)
+    _ORIGINAL.clear()
+
+
 def install() -> None:
     """megatron-core's moe_utils calls these where TE would be (it imports them only where TE imports)."""
     from megatron.core.transformer.moe import moe_utils
 
+    for name in ("HAVE_TE", *_FUSED):
+        _ORIGINAL.setdefault(name, getattr(moe_utils, name, _ABSENT))
     moe_utils.HAVE_TE = True
     for function in (fused_permute, fused_permute_with_probs, fused_unpermute, fused_sort_chunks_by_index,
                      fused_sort_chunks_by_index_with_probs):

@@ -558,13 +558,14 @@ def rows(configs) -> list[dict]:
     """The error table's rows of every rank of every configuration: compare.term_rows, then compare.rerun_rows."""
     from actmem.memory.terms import layer_terms
     from actmem_validate.compare import rerun_rows, term_rows
+    from actmem_validate.gloo import spawn_each
 
-    table = []
+    table, measured = [], spawn_each(_rank, configs)
     for config in configs:
         spec, technique = config.spec, config.technique
         expected = formula(spec, technique)
         layer = layer_terms(spec.architecture)
-        for rank, named, moments in measure(config):
+        for rank, named, moments in measured[config]:
             table += term_rows(config, rank, expected, named)
             table += rerun_rows(config, rank, technique, spec.architecture, expected, layer,
                                 spec.bindings_at(spec.run.tensor_parallel), moments)

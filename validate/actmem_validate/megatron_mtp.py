@@ -219,7 +219,8 @@ def measure(config: MTPConfig) -> list[tuple]:
 
 
 def rows(configs) -> list[dict]:
-    """The error table's rows (compare.term_rows) of every rank of every configuration."""
-    from actmem_validate.gloo import term_table
+    """The error table's rows (compare.term_rows) of every rank of every configuration, those of a world size
+    measured in one set of processes."""
+    from actmem_validate.gloo import spawn_each, term_table
 
-    return term_table(configs, measure, formula)
+    return term_table(configs, spawn_each(_rank, configs).__getitem__, formula)

@@ -143,8 +143,12 @@ def formula(config: MegatronFSDPConfig, rank: int) -> dict:
 
 def cpu_shims():
     """The monkeypatches that let Megatron-FSDP 0.16.1 and megatron-core's DistributedOptimizer run on a CPU-only
-    torch over gloo. None allocates a tensor."""
+    torch over gloo. None allocates a tensor. Once a process (the factories' wrappers would wrap themselves)."""
     import torch
+
+    if getattr(torch, "_actmem_cpu_shims", False):
+        return
+    torch._actmem_cpu_shims = True
 
     class _HostStream:
         def __init__(self, *a, **k): pass
@@ -211,24 +215,12 @@ def build_model(spec: Spec):
     return config, Float16Module(config, gpt)
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """Configurations of one world size, run one after the other in one set of processes (a spawn and megatron-core's
-    import a set, not a configuration)."""
-
-    configs: tuple
-
-    @property
-    def world_size(self) -> int:
-        return self.configs[0].world_size
-
-
-def _ranks(rank: int, world: int, port: int, batch: _Batch, results) -> None:
-    """One rank of every configuration of the batch, in one gloo group."""
+def _rank(rank: int, world: int, port: int, config: MegatronFSDPConfig, results) -> None:
+    """One rank of one configuration (gloo.spawn_each runs those of a world size in one gloo group)."""
     from actmem_validate.gloo import rank_group
 
     with rank_group(rank, world, port, cpu_shims, 1):
-        results.put((rank, [_run(rank, config) for config in batch.configs]))
+        results.put((rank, _run(rank, config)))
 
 
 def _run(rank: int, config: MegatronFSDPConfig) -> dict:
@@ -425,15 +417,9 @@ def measure(config: MegatronFSDPConfig) -> list[tuple]:
 
 def measure_all(configs) -> dict:
     """{config: [(rank, {row: bytes}), ...]}: the configurations of each world size in one set of processes."""
-    from actmem_validate.gloo import spawn
+    from actmem_validate.gloo import spawn_each
 
-    measured = {}
-    for world in dict.fromkeys(config.world_size for config in configs):
-        batch = _Batch(tuple(config for config in configs if config.world_size == world))
-        per_rank = spawn(_ranks, batch)
-        for i, config in enumerate(batch.configs):
-            measured[config] = [(rank, runs[i]) for rank, runs in per_rank]
-    return measured
+    return spawn_each(_rank, configs)
 
 
 def rows(configs) -> list[dict]:

@@ -36,13 +36,10 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from actmem.model.implementation import MEGATRON_FSDP_STRATEGIES
-from actmem.model.widths import WEIGHT_BYTES
+from actmem.model.widths import FP8_BYTES, WEIGHT_BYTES
 
 #: fp32 main weights, 4 B an element of the main-weight buffer's shard (preserve_fp32_weights)
 MAIN_WEIGHT_BYTES = 4
-#: an FP8 weight's element in the weights' buffer (uint8: pgb, _init_each_parameter_group_buffers), and in its
-#: Hopper transpose (TE's Float8Tensor._create_transpose)
-FP8_BYTES = 1
 
 
 def chunk_factor(shapes) -> int:

@@ -12,6 +12,7 @@ INDEX_BYTES = 8        # int64 indices (a MoE router's top-k choice, a permutati
 OFFSET_BYTES = 4       # int32 group offsets and row maps (transformers' grouped_mm; TE's fused MoE permutation)
 
 WEIGHT_BYTES = 2       # bf16/fp16 weights
+FP8_BYTES = 1          # an FP8 weight's element (uint8 buffers under --fp8-param-gather) and its Hopper transpose's
 GRADIENT_BYTES = 4     # fp32 main gradients: Megatron accumulates and reduces them in fp32
 #: main gradients by their dtype: fp32 (bf16 training's default), or the parameters' 16 bits
 #: (fp16 training without --accumulate-allreduce-grads-in-fp32; --grad-reduce-in-bf16)

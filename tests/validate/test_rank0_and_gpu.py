@@ -11,9 +11,9 @@ from click.testing import CliRunner  # noqa: E402
 from actmem.cli.main import cli  # noqa: E402
 from actmem.memory.estimate import estimate  # noqa: E402
 from actmem_validate import layers  # noqa: E402
-from actmem_validate.compare import compare, expected_residuals, judge  # noqa: E402
+from actmem_validate.compare import compare, expected_host_residual, expected_residuals, judge  # noqa: E402
 from actmem_validate.footprint import gpu_bytes, rank0_runs  # noqa: E402
-from actmem_validate.grid import FLASH, configs_for, small_spec  # noqa: E402
+from actmem_validate.grid import FLASH, configs_for, offload_configs, small_spec  # noqa: E402
 from actmem_validate.launch import run_rank0, run_real  # noqa: E402
 from actmem_validate.ledger import Ledger  # noqa: E402
 from actmem_validate.parallel import TensorParallel  # noqa: E402
@@ -197,6 +197,23 @@ def test_a_gpu_without_the_flash_rng_state_fails_the_gate():
     assert (rng["formula_bytes"], rng["measured_bytes"]) == (48, 0)
     failures = judge(rows, 0.0)
     assert any("flash_rng_state" in line for line in failures)
+
+
+def test_a_gpu_run_expects_each_offloaded_layers_flash_rng_state_on_the_host():
+    """Seen on an H200 (Llama 3.1 8B, t = 8, N = 20 of 32 layers offloaded): the host copies held 480 B over
+    actmem's host line, 20 x 24 B, each offloaded layer's SDPA philox state (TE v2.11 offloads any contiguous CUDA
+    tensor). Expected on a GPU only: N = 2 flash layers 48 B, none on a CPU; a GPU run whose host copies miss it
+    (or hold it where the formula does not) is red."""
+    config = next(config for config in offload_configs() if config.spec.run.tensor_parallel == 1)
+    assert config.spec.run.offload_layers == 2
+    assert (expected_host_residual(config.spec, "cuda:0"), expected_host_residual(config.spec, "cpu")) == (48, 0)
+    est = estimate(config.spec)
+    for measured, device, red in ((est.host_bytes, "cuda:0", True), (est.host_bytes + 48, "cuda:0", False),
+                                  (est.host_bytes + 48, "cpu", True)):
+        rows = compare(config, est, StageRun(peak_saved_bytes=0, terms_at_peak={}, host_bytes=measured), 0,
+                       peak_bytes=10**12, device=device)
+        host = next(row for row in rows if row["term"] == "host_offload")
+        assert any("host copies held" in line for line in judge([host], 0.0)) is red
 
 
 def test_the_one_time_buffers_are_reported_not_judged():

@@ -102,11 +102,10 @@ def test_q_and_k_norm_grads_unsummed_over_t_fail_the_check(tmp_path):
     sequence_parallel=config.sequence_parallel), and the layer stays right."""
     import json
 
-    import torch.multiprocessing as mp
-
+    from actmem_validate import forkserver
     from actmem_validate.gloo import free_port
 
-    mp.spawn(_rank_without_head_grad_allreduce, args=(str(tmp_path), free_port()), nprocs=2, join=True)
+    forkserver.start(_rank_without_head_grad_allreduce, (str(tmp_path), free_port()), 2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         assert result["False"]["q_norm"] > 1e-3 and result["False"]["k_norm"] > 1e-3, (rank, result)

@@ -10,8 +10,8 @@ import json
 import os
 
 import torch
-import torch.multiprocessing as mp
 
+from actmem_validate import forkserver
 from actmem_validate.gpt import LayerSpec, TransformerLayer
 from actmem_validate.layers import allreduce_layernorm_grads
 from actmem_validate.context import tensor_and_context_groups
@@ -113,7 +113,7 @@ def check_context(t: int, c: int) -> dict:
     from actmem_validate.gloo import free_port
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_context_rank, args=(t, c, folder, free_port()), nprocs=t * c, join=True)
+        forkserver.start(_context_rank, (t, c, folder, free_port()), t * c)
         with open(os.path.join(folder, "result.json")) as file:
             return json.load(file)
 
@@ -146,7 +146,7 @@ def check_all(t: int) -> dict:
     from actmem_validate.gloo import free_port
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(t, folder, free_port()), nprocs=t, join=True)
+        forkserver.start(_rank, (t, folder, free_port()), t)
         with open(os.path.join(folder, "result.json")) as file:
             return json.load(file)
 

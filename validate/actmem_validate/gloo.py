@@ -10,14 +10,12 @@ from dataclasses import dataclass
 def spawn(rank_fn, config) -> list[tuple]:
     """The sorted results of ``rank_fn(rank, world, port, config, results)`` on each of the
     config's ``world_size`` ranks, over a free local port."""
-    import torch.multiprocessing as mp
+    from actmem_validate import forkserver
 
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results = forkserver.context().SimpleQueue()
 
     def start(port):
-        mp.start_processes(rank_fn, args=(config.world_size, port, config, results), nprocs=config.world_size,
-                           start_method="spawn")
+        forkserver.start(rank_fn, (config.world_size, port, config, results), config.world_size)
 
     on_a_free_port(start)
     return sorted(results.get() for _ in range(config.world_size))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from actmem_validate import forkserver
 from actmem_validate.gloo import on_a_free_port
 from actmem_validate.measure import Config, measure
 
@@ -40,9 +41,9 @@ def run_fake(configs: list[Config], on_done=lambda config: None, processes: int 
     if processes <= 1:
         return _rank0(configs, on_done, "cpu", fake=True)
     from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
 
-    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(processes, mp_context=forkserver.context(), initializer=forkserver.environment,
+                             initargs=(dict(os.environ),)) as pool:
         futures = [pool.submit(_fake_process, config) for config in configs]
         rows = []
         for config, future in zip(configs, futures):
@@ -134,7 +135,7 @@ def _spawned(worker, args: tuple, processes: int, who: str) -> list[dict]:
     wrote (_write_rows); a process that raises or dies ends them all, in one line."""
     with tempfile.TemporaryDirectory() as folder:
         try:
-            mp.spawn(worker, args=(folder, *args), nprocs=processes, join=True)
+            forkserver.start(worker, (folder, *args), processes)
         except mp.ProcessRaisedException as error:
             last = str(error).strip().splitlines()[-1]
             raise HarnessError(f"{who} failed: {last}") from None

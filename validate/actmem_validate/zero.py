@@ -75,6 +75,7 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
         raise ImportError("the ZeRO harness runs DeepSpeed: pip install 'actmem[deepspeed]' "
                           f"(deepspeed=={DEEPSPEED_VERSION})") from None
     spec = config.spec
+    imported = {_key(tensor) for tensor in _live_tensors()}    # what the process's imports made (its fork server's)
     torch.manual_seed(1234)
     model = build_model(spec)
     optimizer = trainer_optimizer(model) if spec.run.zero.optimizer == TRAINER else None
@@ -86,7 +87,7 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
     with _dropout_as_on_a_gpu():
         for _ in range(STEPS - 1):
             _step(engine, batches)
-    left_out = {_key(t) for t in (*batches, *model.buffers())}
+    left_out = imported | {_key(t) for t in (*batches, *model.buffers())}
     with _dropout_as_on_a_gpu(), LiveBytes() as live:
         _step(engine, batches)
     state = _state_bytes(left_out)
@@ -123,23 +124,26 @@ def _key(tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def _live_tensors() -> list:
+    """The strided tensors with storage the garbage collector reaches."""
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    return [tensor for tensor in tensors if not tensor.is_meta and tensor.layout == torch.strided]
+
+
 def _bytes_of(tensor) -> int:
     return tensor.untyped_storage().nbytes()
 
 
 def _state_bytes(left_out: set) -> dict:
     """Every live storage the garbage collector reaches, once, by dtype: bf16, and the rest (fp32, fp64, bool)."""
-    import gc
-    import warnings
-
-    gc.collect()
     seen, sums = set(), {"bf16": 0, "other": 0}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for tensor in tensors:
-        if tensor.is_meta or tensor.layout != torch.strided:
-            continue
+    for tensor in _live_tensors():
         key = _key(tensor)
         if key in seen or key in left_out:
             continue

@@ -14,13 +14,27 @@ import os
 
 HARNESS = ("torch", "torch.distributed", "actmem_validate.measure")
 """What every rank imports: the server imports it before its first fork."""
+MEGATRON = ("megatron.core.models.gpt", "megatron.core.transformer.moe.moe_layer",
+            "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.multi_latent_attention",
+            "megatron.core.transformer.multi_token_prediction")
+"""What the moe, mla, mtp and mfsdp grids' ranks import: megatron-core's layers (about 5 s)."""
+TRANSFORMERS = tuple(f"transformers.models.{name}.modeling_{name}"
+                     for name in ("llama", "gpt2", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"))
+"""What the hf backend's ranks import: transformers' models (about 5 s)."""
+DEEPSPEED = ("deepspeed", "transformers.trainer")
+"""What the ZeRO harness's ranks import beside transformers' models: DeepSpeed and the Trainer (its optimizer's
+parameter groups). Imported on a machine without a GPU only (the harness refuses ZeRO on one), where DeepSpeed
+finds the CPU accelerator as the ranks' DS_ACCELERATOR=cpu makes it."""
 _preloaded: list[str] = []
 
 
 def preload(*modules: str) -> None:
     """Add modules (those installed) for the server to import before its first fork; once it runs, it keeps what it
-    imported, and the rest is imported by each rank as it needs it."""
-    for module in HARNESS + modules:
+    imported, and the rest is imported by each rank as it needs it. Where a GPU is visible, the harness only:
+    DeepSpeed's accelerator and megatron-core ask CUDA at import, which a forked rank could not use after."""
+    import torch
+
+    for module in HARNESS + (() if torch.cuda.is_available() else modules):
         if module not in _preloaded and importlib.util.find_spec(module.split(".")[0]) is not None:
             _preloaded.append(module)
     multiprocessing.set_forkserver_preload(list(_preloaded))

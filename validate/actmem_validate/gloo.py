@@ -12,6 +12,7 @@ def spawn(rank_fn, config) -> list[tuple]:
     config's ``world_size`` ranks, over a free local port."""
     from actmem_validate import forkserver
 
+    forkserver.preload(*forkserver.MEGATRON)
     results = forkserver.context().SimpleQueue()
 
     def start(port):

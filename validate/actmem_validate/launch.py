@@ -112,6 +112,7 @@ def _measured(config: Config, device: str, fake: bool) -> list[dict]:
 
 def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config: None) -> list[dict]:
     """t processes for each world size, each measuring its own rank."""
+    forkserver.preload(*_imports(configs))
     rows = []
     for t, group in _by_world_size(configs):
         for batch in _processes_for(group):
@@ -120,6 +121,14 @@ def run_real(configs: list[Config], timeout_s: int = 300, on_done=lambda config:
             for config in batch:
                 on_done(config)
     return rows
+
+
+def _imports(configs) -> tuple:
+    """What the ranks import beyond the harness, for the fork server to import once: transformers' models for the
+    hf backend, DeepSpeed and the Trainer for ZeRO."""
+    hf = any(config.spec.architecture.implementation == "hf" for config in configs)
+    zero = any(config.spec.run.zero for config in configs)
+    return (forkserver.TRANSFORMERS if hf or zero else ()) + (forkserver.DEEPSPEED if zero else ())
 
 
 def _processes_for(group: list) -> list:

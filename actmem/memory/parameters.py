@@ -10,7 +10,10 @@ from functools import lru_cache
 
 from actmem.memory.megatron_fsdp import buckets, gathered_outside_units, pools, state_bytes
 from actmem.model.architecture import PAPER
-from actmem.model.widths import GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+from actmem.model.widths import FP8_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+
+FP8_SAVING = WEIGHT_BYTES - FP8_BYTES
+"""Bytes an element an FP8 parameter (--fp8-param-gather) saves in DDP's buffer against a 16-bit one."""
 
 
 def layer_parameters(h, t, arch=PAPER, heads=None):
@@ -233,9 +236,9 @@ def fp8_state(h, t, arch, heads, layers, generation, moe_layers=None, ep=1, etp=
         # --fp8-param-gather: each expert's GroupedLinear weight{i} an FP8 parameter as a dense TE linear's
         # (base.py, reset_parameters: quantizer(param)), one byte in the expert data-parallel buffer
         elements = sum(rows * cols for rows, cols in linears) + expert_parameters(h, arch, ep, etp)
-        return own * elements * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather) + dense_shrink, own * kept + dense
+        return own * elements * FP8_SAVING * int(arch.fp8_param_gather) + dense_shrink, own * kept + dense
     shapes = fp8_linear_shapes(h, t, arch, heads)
-    shrink = layers * sum(rows * cols for rows, cols in shapes) * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
+    shrink = layers * sum(rows * cols for rows, cols in shapes) * FP8_SAVING * int(arch.fp8_param_gather)
     kept = layers * (sum(fp8.weight_copy_bytes(arch, generation, rows, cols) for rows, cols in shapes)
                      + len(shapes) * fp8.module_state_bytes(arch))
     return shrink, kept
@@ -371,7 +374,7 @@ def stage_state(h, L, p, t, v, s, arch, heads, *, stage_layers, stage, shards, e
     shrink, kept = fp8_state(h, t, arch, heads, fp8_all, gpu_fp8, fp8_moe if arch.moe else None, ep, etp)
     # under --fp8-param-gather eh_proj's weight is FP8 too (multi_token_prediction.py: built under
     # get_fp8_context(is_init=True)), one byte an element in DDP's buffer
-    shrink += eh_projections * (h // t) * 2 * h * (WEIGHT_BYTES - 1) * int(arch.fp8_param_gather)
+    shrink += eh_projections * (h // t) * 2 * h * FP8_SAVING * int(arch.fp8_param_gather)
     return replace(state, weights_bytes=state.weights_bytes - shrink,
                    fp8_bytes=kept + eh_projections * _eh_proj_fp8_kept(h, t, arch, gpu_fp8))
 

@@ -26,6 +26,8 @@ DEEPSPEED = ("deepspeed", "transformers.trainer")
 parameter groups). Imported on a machine without a GPU only (the harness refuses ZeRO on one), where DeepSpeed
 finds the CPU accelerator as the ranks' DS_ACCELERATOR=cpu makes it."""
 _preloaded: list[str] = []
+METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+"""Python's forkserver where the platform has one (Linux, macOS); else spawn (Windows), each rank importing it all."""
 
 
 def preload(*modules: str) -> None:
@@ -41,11 +43,11 @@ def preload(*modules: str) -> None:
 
 
 def context():
-    """The forkserver context, for the queues ranks put their results on."""
+    """The context ranks start in (METHOD), for the queues they put their results on."""
     import torch.multiprocessing as mp
 
     preload()
-    return mp.get_context("forkserver")
+    return mp.get_context(METHOD)
 
 
 def start(fn, args: tuple, nprocs: int) -> None:
@@ -55,7 +57,7 @@ def start(fn, args: tuple, nprocs: int) -> None:
 
     preload()
     mp.start_processes(_in_the_callers_environment, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+                       start_method=METHOD)
 
 
 def environment(environ: dict) -> None:

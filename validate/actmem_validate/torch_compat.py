@@ -95,6 +95,18 @@ class LiveStorages:
         return _Mode()
 
 
+def live_tensors() -> list:
+    """The strided tensors with storage that the garbage collector reaches (isinstance on
+    torch.distributed.reduce_op warns, so its FutureWarning is silenced)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    return [tensor for tensor in tensors if not tensor.is_meta and tensor.layout == torch.strided]
+
+
 class LiveBytes:
     """Bytes of every live storage at its current size, sampled after every op, and their peak: what
     FSDP2's step holds. LiveStorages cannot follow FSDP2, which allocates and frees its unsharded
@@ -117,7 +129,6 @@ class LiveBytes:
 
     def __new__(cls, fake_mode=None):
         import gc
-        import warnings
         import weakref
 
         from torch.distributed.tensor import DTensor
@@ -167,12 +178,8 @@ class LiveBytes:
                 gc.collect()
                 self.collecting = gc.isenabled()
                 gc.disable()
-                with warnings.catch_warnings():      # isinstance on torch.distributed.reduce_op warns
-                    warnings.simplefilter("ignore", FutureWarning)
-                    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-                for tensor in tensors:
-                    if not tensor.is_meta and tensor.layout == torch.strided:
-                        self._add(tensor, False, entering=True)
+                for tensor in live_tensors():
+                    self._add(tensor, False, entering=True)
                 self.peak = self.current()
                 self.propagate = ShardingPropagator._propagate_tensor_meta_non_cached
                 mode, propagate = self, self.propagate

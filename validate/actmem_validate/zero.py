@@ -27,7 +27,7 @@ from actmem.memory.estimate import estimate
 from actmem.model.deepspeed import DEEPSPEED_VERSION, TRAINER
 from actmem_validate.compare import _row
 from actmem_validate.hf import CPU_WIDTHS, _dropout_as_on_a_gpu, _is_gpt2, build_model
-from actmem_validate.torch_compat import LiveBytes
+from actmem_validate.torch_compat import LiveBytes, live_tensors
 
 STEPS = 3
 
@@ -125,15 +125,11 @@ def _key(tensor) -> int:
 
 
 def _live_tensors() -> list:
-    """The strided tensors with storage the garbage collector reaches."""
+    """The strided tensors with storage alive once the garbage collector has run."""
     import gc
-    import warnings
 
     gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    return [tensor for tensor in tensors if not tensor.is_meta and tensor.layout == torch.strided]
+    return live_tensors()
 
 
 def _bytes_of(tensor) -> int:

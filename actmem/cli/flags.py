@@ -332,6 +332,10 @@ RUN_FLAGS = (
          "(multi-latent attention's up projections), and a mixture of experts' moe (the whole MoE layer, keeping its input), moe_act (the experts' "
          "activation) and shared_experts (the shared experts), e.g. core_attn,mlp", str,
          same=lambda value: frozenset(value.replace(",", " ").split())),
+    Flag(("--selective-ac-option",), "selective_ac_option",
+         "with --recompute selective under --implementation torch-native: torchtitan's "
+         "activation_checkpoint.selective_ac_option; op, its per-op policy (each block checkpointed, keeping the "
+         "outputs of every second matmul, attention and the reduce-scatters)", str),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
          "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (Megatron carves ETP·EP from "
          "the t·c·d ranks)"),

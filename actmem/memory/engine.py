@@ -41,9 +41,16 @@ def divisor(term: Term, technique: Technique, arch: Architecture = PAPER):
 def term_bytes(term: Term, technique: Technique, arch: Architecture = PAPER) -> sympy.Expr:
     """Bytes of one instance of a term on one GPU; 0 where the technique recomputes it or
     the architecture has no such tensor."""
-    if technique.recompute not in term.kept_under_for(arch) or not term.present(arch) or technique.drops(term, arch):
+    if not _kept(term, technique, arch) or not term.present(arch) or technique.drops(term, arch) \
+            or (term.only_under_sp and not technique.sequence_parallel):
         return sympy.Integer(0)
     return term.size(arch) / divisor(term, technique, arch) + term.fixed_bytes(arch)
+
+
+def _kept(term: Term, technique: Technique, arch: Architecture) -> bool:
+    """Whether the technique's forward keeps the row: by its recompute mode, or as an op output that torchtitan's
+    per-op checkpointing caches (Term.op_saved)."""
+    return technique.recompute in term.kept_under_for(arch) or (technique.policy.ops and term.op_saved)
 
 
 @cache
@@ -162,6 +169,9 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
         output = term_bytes(RERUN_OUTPUT, technique, arch) if runs else 0
         return held + output + sympy.Add(*(_rerun_bytes(term, technique.whole(), arch, module) *
                                            _rerun_copies(term, technique, arch, module) for term in layer_terms(arch)))
+    # under torchtitan's per-op checkpointing (torch-native, whose norm keeps its input) every row the checkpoint
+    # keeps is one of the rerun's layer (the cached attention and gate outputs, handed back to it) or one the rerun
+    # frees before its end (the other cached matmul outputs, the reduce-scatters'): the layer less all of them
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)

@@ -3,7 +3,7 @@ the recompute choices the planner sweeps."""
 
 from dataclasses import dataclass, replace
 
-from actmem.model.recompute import FULL, NONE, SELECTIVE, Recompute, RecomputePolicy, reruns
+from actmem.model.recompute import FULL, NONE, OP_CHECKPOINTING, SELECTIVE, Recompute, RecomputePolicy, reruns
 from actmem.memory.terms import Term
 
 
@@ -115,13 +115,22 @@ def matching(technique: Technique) -> Technique | None:
                  (named.sequence_parallel, named.policy) == (technique.sequence_parallel, technique.policy)), None)
 
 
+def op_checkpointing(sequence_parallel: bool) -> Technique:
+    """torch-native's selective recompute, torchtitan's per-op checkpointing, with or without SP: 'tp-sp-op', 'op'."""
+    return unnamed_run(run_technique(sequence_parallel, OP_CHECKPOINTING))
+
+
 def unnamed_run(technique: Technique) -> Technique:
     """A row for a run no named technique is: partial full recompute, 'tp-sp-full·block 2', or
     selective recompute of other modules, 'tp-sp-sel·core_attn+mlp'."""
     policy = technique.policy
     base = matching(replace(technique, policy=RecomputePolicy(policy.granularity)))
+    label = base.label.split(" (Eq")[0]        # the paper's equation is core_attn's alone
+    if policy.ops:
+        return replace(technique, name=f"{base.name.removesuffix('full')}op",
+                       label=f"{label.removesuffix(' + full recompute').removesuffix('full recompute')} + torchtitan's "
+                             f"per-op checkpointing (selective_ac_option op)".lstrip(" +"))
     shape = "+".join(policy.ordered_modules) if technique.recompute is Recompute.SELECTIVE else \
         f"{policy.method} {policy.layers}"
-    label = base.label.split(" (Eq")[0]        # the paper's equation is core_attn's alone
     return replace(technique, name=f"{base.name}·{shape}",
                    label=f"{label}, {shape} (Megatron's {policy.megatron_flags})")

@@ -124,6 +124,11 @@ class Term:
     function returns, None for the row. None: the row."""
     remade_fixed: object = 0
     """Beside ``remade``, its bytes that no parallelism splits (the scales of an FP8 copy the rerun makes)."""
+    op_saved: bool = False
+    """torchtitan's per-op checkpointing (selective:op, RecomputePolicy.ops) keeps it, whatever ``kept_under``
+    says: the output of an op its _op_sac_save_list names, which the checkpoint caches for the rerun."""
+    only_under_sp: bool = False
+    """Made only under sequence parallelism (a reduce-scatter's output): none without it."""
 
     def size(self, arch=PAPER) -> sympy.Expr:
         """Bytes of one instance with no parallelism, for this architecture."""

@@ -13,7 +13,7 @@ from actmem.model.architecture import PAPER, checkpoint_causal_mask, checkpoint_
     dataloader_mask, dense_mlp, eager, \
     eager_keeping_16bit_softmax, eager_or_flash_grouped_value, eager_softmax_fp32, eager_with_attention_dropout, \
     flash, flash_attn, flash_grouped_key_value, flash_repeated_key_value, gelu, gelu_keeping_tanh_intermediates, \
-    flash_heads, hidden_dropout, keeps_norm_input, latent, latent_query, loss_in_fp32_gradients, moe, \
+    flash_heads, hidden_dropout, keeps_norm_input, op_checkpointing, latent, latent_query, loss_in_fp32_gradients, moe, \
     norm_keeps_fp32_copy, qk_norm, qk_norm_keeping_fp32_copy, \
     qk_norm_keeping_input, rotary_tables, swiglu, swiglu_keeping_silu_output, te_flash_core, te_flash_core_heads, te_layer_spec, \
     squared_relu, torch_softmax_16bit, torch_softmax_fp32, torch_softmax_making_mask, unfused_rope, \
@@ -163,6 +163,34 @@ def _dense(present):
     return dense_and
 
 
+#: torchtitan's per-op selective checkpointing (activation_checkpoint.mode "selective", selective_ac_option "op";
+#: distributed/activation_checkpoint.py @018740b7, _apply_op_sac; the list: models/llama3/infra/parallelize.py,
+#: _op_sac_save_list): each block is checkpointed (non-reentrant, keeping its input: layer_input_checkpoint), and
+#: the checkpoint caches the outputs of the listed ops it runs, besides SDPA's (projection_input, softmax_lse):
+#: aten.mm's, but every second one (its policy counts the block's matmuls and recomputes the even ones: of wq, wk,
+#: wv, wo, w1, w3, w2, the 1st, 3rd, 5th and 7th), and _c10d_functional.reduce_scatter_tensor's. Nothing else
+#: of the block is kept; its backward reruns the block, taking the cached outputs back
+OP_CHECKPOINT_TERMS = (
+    Term("query_projection_output", _sb_attention(1), Region.BLOCK, frozenset(), Scope.LAYER,
+         "per-op checkpointing caches wq's matmul output, the block's first (2sb·ad), which rope then copies",
+         op_checkpointing, op_saved=True),
+    Term("value_projection_output", _sb_keys, Region.BLOCK, frozenset(), Scope.LAYER,
+         "... wv's, the third (2sb·gd, g groups wide: repeat_kv copies it or views it)", op_checkpointing,
+         op_saved=True),
+    Term("gate_projection_output", _sbf(1), Region.BLOCK, frozenset(), Scope.LAYER,
+         "... w1's, the fifth (2sbf): silu's input, half of what the SwiGLU keeps without checkpointing",
+         op_checkpointing, op_saved=True),
+    Term("fc2_partial_output", A16 * _sbh, Region.REPLICATED, frozenset(), Scope.LAYER,
+         "... w2's, the seventh (2sbh): under tensor parallelism its partial sums, before the reduce-scatter (or "
+         "all-reduce) that RowwiseParallel makes after it, so whole on every rank, divided by nothing",
+         op_checkpointing, op_saved=True),
+    Term("reduce_scatter_outputs", 2 * A16 * _sbh, Region.BOUNDARY, frozenset(), Scope.LAYER,
+         "... and under sequence parallelism the reduce-scatters' outputs, wo's and w2's, each the rank's s/t "
+         "rows (2 x 2sbh/t); without it RowwiseParallel all-reduces, which the list does not name",
+         op_checkpointing, op_saved=True, only_under_sp=True),
+)
+
+
 TERMS = (
     # -- attention block, section 4.1: 11sbh + 5as²b ----------------------------------
     Term("attention_layernorm_input", A16 * _sbh, Region.BOUNDARY, _STORED, Scope.LAYER,
@@ -276,8 +304,9 @@ TERMS = (
          "enable_gqa instead and keeps g groups always: not modelled", flash_repeated_key_value),
     Term("softmax_lse", F32 * b * a * s, Region.BLOCK, _STORED, Scope.LAYER,
          "flash attention keeps the softmax's fp32 log-sum-exp, one a query row (4bas); with "
-         "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none", flash,
-         module="core_attn"),
+         "dropout it keeps the RNG state (16 B) and regenerates the mask, keeping none; torchtitan's per-op "
+         "checkpointing caches it, an output of SDPA's kernel (in its _op_sac_save_list)", flash,
+         module="core_attn", op_saved=True),
     Term("flash_output", lambda arch: _sb_attention(1)(arch) * sympy.Min(b - 1, 1), Region.BLOCK,
          _STORED, Scope.LAYER,
          "flash-attn keeps its output in its own bshd layout; TE's FlashAttention.forward hands the "
@@ -287,8 +316,9 @@ TERMS = (
          "output projection keeps its input (4.1, 2sbh; 2sb·ad); under flash this is the "
          "kernel's own output, one storage: TE's sbhd layout makes the reshape a view; under FP8 delayed "
          "scaling the projection keeps only its quantized copy (below), so this is the core's own output alone: "
-         "not kept where the core is recomputed, nor flash-attn's copy for the projection at b > 1",
-         module=_core_attn_under_delayed_fp8),
+         "not kept where the core is recomputed, nor flash-attn's copy for the projection at b > 1; torchtitan's "
+         "per-op checkpointing caches it, SDPA's output",
+         module=_core_attn_under_delayed_fp8, op_saved=True),
     Term("projection_input_fp8", lambda arch: s * b * arch.attention_width(h, a), Region.BLOCK, _STORED, Scope.LAYER,
          "under FP8 delayed scaling the projection keeps its input quantized, its transposed (columnwise) copy, "
          "one byte an element, with its 4-byte scale_inv, and not the 16-bit input (linear.py: "
@@ -356,6 +386,7 @@ TERMS = (
     # -- full recompute, section 5: only the layer input is checkpointed ---------------
     Term("layer_input_checkpoint", A16 * _sbh, Region.BOUNDARY, _CHECKPOINT, Scope.LAYER,
          "full recompute keeps the layer input (5, 2sbh; 2sbh/t when already split by SP)"),
+    *OP_CHECKPOINT_TERMS,
     # -- first and last stage, section 4.5 ---------------------------------------------
     Term("embedding_dropout_mask", MASK * _sbh, Region.BOUNDARY, _ALWAYS, Scope.EMBEDDING,
          "dropout after the input embedding keeps its 1-byte mask (4.5, sbhp/t under SP)",

@@ -368,9 +368,12 @@ class Architecture:
         """The implementation (actmem.model.implementation.Implementation) this layer runs under."""
         return implementation(self.implementation)
 
-    def unmodelled_recompute(self, heads=None, modules=None) -> dict:
+    def unmodelled_recompute(self, heads=None, modules=None, option=None) -> dict:
         """{recompute mode: why actmem does not model it for this architecture}; selective
-        recompute of ``modules`` (None: core_attn, Megatron's default)."""
+        recompute of ``modules`` (None: core_attn, Megatron's default), or with torchtitan's
+        selective_ac_option ``option`` ('op': its per-op checkpointing, where the code runs it)."""
+        if option is not None and self.code.op_checkpointing:
+            return {}
         if self.code.full_recompute is not None:
             return {"selective": self.code.selective_recompute or self.code.full_recompute,
                     "full": self.code.full_recompute}
@@ -573,6 +576,12 @@ def norm_keeps_fp32_copy(arch: Architecture) -> bool:
     """the norm keeps an fp32 copy of its input and a 16-bit normalized tensor, not the input
     itself (transformers' LlamaRMSNorm)"""
     return "norm_fp32_copy" in arch.keeps
+
+
+def op_checkpointing(arch: Architecture) -> bool:
+    """the code's selective recompute is torchtitan's per-op checkpointing (torch-native), whose cached op outputs
+    are rows of their own"""
+    return arch.code.op_checkpointing
 
 
 def keeps_norm_input(arch: Architecture) -> bool:

@@ -54,6 +54,9 @@ class Implementation:
     Hugging Face Trainer runs it (--zero-stage, --deepspeed)."""
     selective_recompute: str | None = None
     """Why its selective recompute is not modelled; None where it is Megatron's."""
+    op_checkpointing: bool = False
+    """Its selective recompute is torchtitan's per-op checkpointing, given --selective-ac-option op
+    (actmem.model.recompute: selective:op); selective_recompute then says why plain selective is refused."""
     full_recompute: str | None = None
     """Why its full recompute is not modelled; None where it is."""
     notes: tuple = ()
@@ -472,9 +475,11 @@ IMPLEMENTATIONS = {
                "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
                "(8 B a token each, whole on every rank) are not counted; the loss's backward holds fp32 "
                "gradients of the logits, 8sbv at t = 1, 12sbv/t under loss_parallel"),
-        selective_recompute="torchtitan's selective activation checkpointing (op-level: it keeps the "
-                            "outputs of chosen ops; or every n-th layer) is not Megatron's core_attn "
-                            "recompute, and actmem does not model it yet: choose none or full"),
+        selective_recompute="torchtitan's selective activation checkpointing is not Megatron's core_attn recompute: "
+                            "give its option, --selective-ac-option op (its per-op policy, which keeps the outputs of "
+                            "chosen ops; its other option, a block checkpointed whole every N, is not modelled yet), "
+                            "or choose none or full",
+        op_checkpointing=True),
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
               "sdpa with is_causal for flash; a whole model a GPU: data parallelism alone, DDP or DeepSpeed's ZeRO)",

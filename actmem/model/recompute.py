@@ -7,9 +7,15 @@ recompute groups its checkpoints: every layer alone, the paper's; uniform groups
 the first N layers of each model chunk, block). A ``RecomputePolicy`` is the four at once;
 its ``label`` is what every output writes and ``parse`` reads back:
 
-    none · selective · selective:core_attn+mlp · full · full:block=2 · full:uniform=3
+    none · selective · selective:core_attn+mlp · full · full:block=2 · full:uniform=3 · selective:op
 
 and ``word`` is the planner's short form ('sel', 'sel+mlp', 'mlp', 'block=2').
+
+``selective:op`` is torchtitan's per-op selective activation checkpointing (activation_checkpoint.mode
+"selective", selective_ac_option "op"), which torch-native runs: every block is checkpointed and rerun whole,
+as under full recompute, and its checkpoint keeps the outputs of the ops torchtitan's save list names beside
+the block's input (``ops``). It has full recompute's granularity, so everything that reruns a layer whole
+treats it so; the term table's rows say which tensors those ops make (Term.op_saved).
 """
 
 from dataclasses import dataclass
@@ -64,7 +70,10 @@ def remakes(given: str, module: str | None, modules) -> bool:
 DEFAULT_MODULES = frozenset({"core_attn"})
 
 METHODS = ("uniform", "block")
-_FORMS = "give none, selective[:modules] or full[:block=N|:uniform=N]"
+_FORMS = "give none, selective[:modules], selective:op or full[:block=N|:uniform=N]"
+#: torchtitan's activation_checkpoint.selective_ac_option that actmem models: "op", the per-op policy
+#: (distributed/activation_checkpoint.py @018740b7, _apply_op_sac)
+OP = "op"
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class RecomputePolicy:
     """Full recompute's grouping: 'uniform' (groups of ``layers``) or 'block'."""
     layers: int = 1
     """Full recompute's N: uniform with N = 1 is every layer alone, the paper's."""
+    ops: bool = False
+    """torchtitan's per-op selective checkpointing (selective:op): every layer checkpointed alone, the
+    checkpoint keeping the outputs of the ops in torchtitan's _op_sac_save_list besides the input."""
 
     def __post_init__(self):
         if not isinstance(self.granularity, Recompute):
@@ -93,6 +105,8 @@ class RecomputePolicy:
                             f"{self.granularity.value}")
         if (self.method, self.layers) != ("uniform", 1) and self.granularity is not Recompute.FULL:
             raise SpecError(f"a recompute method groups full recompute; this is {self.granularity.value}")
+        if self.ops and (self.granularity is not Recompute.FULL or self.partial):
+            raise SpecError("torchtitan's per-op checkpointing checkpoints every layer alone")
 
     @property
     def ordered_modules(self) -> tuple:
@@ -106,7 +120,9 @@ class RecomputePolicy:
 
     @property
     def label(self) -> str:
-        """The one text form: 'selective:core_attn+mlp', 'full:block=2'."""
+        """The one text form: 'selective:core_attn+mlp', 'full:block=2', 'selective:op'."""
+        if self.ops:
+            return f"selective:{OP}"
         if self.modules != DEFAULT_MODULES:
             return f"selective:{'+'.join(self.ordered_modules)}"
         if self.partial:
@@ -118,6 +134,8 @@ class RecomputePolicy:
         """The planner's short form in a configuration's label ('t=8 p=8 b=1 sp sel+mlp')."""
         if self.partial:
             return f"{self.method}={self.layers}"
+        if self.ops:
+            return OP
         if self.granularity is not Recompute.SELECTIVE:
             return self.granularity.value
         return {DEFAULT_MODULES: "sel", frozenset({"core_attn", "mlp"}): "sel+mlp",
@@ -133,6 +151,8 @@ class RecomputePolicy:
             raise SpecError(f"recompute {text!r}: {_FORMS}") from None
         if not shape:
             return cls(kind)
+        if kind is Recompute.SELECTIVE and shape == OP:
+            return cls(Recompute.FULL, ops=True)
         if kind is Recompute.SELECTIVE:
             return cls(kind, frozenset(shape.split("+")))
         method, _, layers = shape.partition("=")
@@ -141,18 +161,23 @@ class RecomputePolicy:
         return cls(kind, method=method, layers=int(layers))
 
     @classmethod
-    def of_run(cls, recompute, method=None, layers=None, modules=None) -> "RecomputePolicy":
-        """From Megatron's four settings as a Run holds them (None: Megatron's default)."""
+    def of_run(cls, recompute, method=None, layers=None, modules=None, option=None) -> "RecomputePolicy":
+        """From Megatron's four settings as a Run holds them (None: Megatron's default), and torchtitan's
+        selective_ac_option (``option``: 'op' with selective recompute is its per-op checkpointing)."""
+        if option == OP and getattr(recompute, "value", recompute) == Recompute.SELECTIVE.value and not modules:
+            return cls(Recompute.FULL, ops=True)
         return cls(Recompute(getattr(recompute, "value", recompute)), DEFAULT_MODULES if modules is None else
                    frozenset(modules), method or "uniform", layers or 1)
 
     @property
     def run_values(self) -> dict:
-        """The Run's four settings (actmem.model.spec.Run)."""
-        return {"recompute": self.granularity.value,
-                "recompute_modules": None if self.modules == DEFAULT_MODULES else self.ordered_modules,
-                "recompute_method": self.method if self.partial else None,
-                "recompute_layers": self.layers if self.partial else None}
+        """The Run's four settings (actmem.model.spec.Run), and torchtitan's option where it is its per-op
+        checkpointing (its selective mode with selective_ac_option op)."""
+        values = {"recompute": Recompute.SELECTIVE.value if self.ops else self.granularity.value,
+                  "recompute_modules": None if self.modules == DEFAULT_MODULES else self.ordered_modules,
+                  "recompute_method": self.method if self.partial else None,
+                  "recompute_layers": self.layers if self.partial else None}
+        return values | {"selective_ac_option": OP} if self.ops else values
 
     @property
     def megatron_flags(self) -> str:
@@ -172,3 +197,5 @@ class RecomputePolicy:
 NONE = RecomputePolicy()
 SELECTIVE = RecomputePolicy(Recompute.SELECTIVE)
 FULL = RecomputePolicy(Recompute.FULL)
+OP_CHECKPOINTING = RecomputePolicy(Recompute.FULL, ops=True)
+"""torchtitan's per-op selective checkpointing (selective:op)."""

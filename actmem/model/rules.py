@@ -383,6 +383,21 @@ RULES = (
                    f"a preset names it recompute_modules); this run's recompute is {v.recompute}: give --recompute "
                    f"selective",
          ("recompute_modules",)),
+    # torchtitan's activation_checkpoint.selective_ac_option (distributed/activation_checkpoint.py @018740b7,
+    # _apply_ac_to_transformer_block): "op" or a positive int, read only under mode "selective"
+    Rule(lambda v: v.code.op_checkpointing,
+         lambda v: f"--selective-ac-option is torchtitan's (torch-native's selective checkpointing); "
+                   f"--implementation {v.code.name} has no such option", ("selective_ac_option", "code")),
+    Rule(lambda v: v.recompute == "selective",
+         lambda v: f"--selective-ac-option chooses what torchtitan's selective checkpointing keeps; this run's "
+                   f"recompute is {v.recompute}: give --recompute selective", ("selective_ac_option",)),
+    Rule(lambda v: v.selective_ac_option == "op",
+         lambda v: f"--selective-ac-option {v.selective_ac_option}: torchtitan's layer option (a block checkpointed "
+                   f"whole every N) is not modelled yet; op (its per-op policy) is", ("selective_ac_option",)),
+    Rule(lambda v: v.recompute_modules is None,
+         lambda v: "--recompute-modules are Megatron's; torchtitan's per-op checkpointing (--selective-ac-option) "
+                   "keeps what its own list of ops makes: give one or the other",
+         ("selective_ac_option", "recompute_modules")),
     Rule(lambda v: _learned_positions_reach(v.architecture, v.seq_len),
          lambda v: f"the learned position table has {v.architecture.position_rows:,} rows "
                    f"(--max-position-embeddings), fewer than the sequence's {v.seq_len:,} positions: Megatron "
@@ -636,6 +651,8 @@ class Values:
     recompute_shape: object = None
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
+    selective_ac_option: object = None
+    """torchtitan's selective_ac_option (--selective-ac-option), where given."""
     """--recompute-modules, where given."""
     offload_layers: object = 0
     """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""

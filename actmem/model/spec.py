@@ -78,6 +78,9 @@ class Run:
     recompute_modules: tuple | None = None
     """Megatron's --recompute-modules, with selective recompute: what it recomputes, from
     core_attn, layernorm and mlp. None: core_attn, Megatron's default and the paper's."""
+    selective_ac_option: str | None = None
+    """torchtitan's activation_checkpoint.selective_ac_option, with selective recompute under torch-native: 'op',
+    its per-op checkpointing (actmem.model.recompute: selective:op). None: not given."""
     expert_parallel: int = _positive(default=1)
     """EP: ranks the experts are spread over (--expert-model-parallel-size), carved from the
     data-parallel ranks (and the tensor- and context-parallel ones): E/EP experts a rank."""
@@ -164,7 +167,7 @@ class Run:
     def policy(self) -> RecomputePolicy:
         """The four recompute settings as one value (actmem.model.recompute)."""
         return RecomputePolicy.of_run(self.recompute, self.recompute_method, self.recompute_layers,
-                                      self.recompute_modules)
+                                      self.recompute_modules, self.selective_ac_option)
 
 
 def check_imbalance(value) -> None:
@@ -275,7 +278,9 @@ class Spec:
             core=self.architecture.attention_core,
             recompute_layers=run.recompute_layers if run.recompute_method else None,
             chunk_layers=self.chunk_layers if run.recompute_method else None,
-            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules),
+            unmodelled_recompute=self.architecture.unmodelled_recompute(model.heads, run.recompute_modules,
+                                                                        run.selective_ac_option),
+            selective_ac_option=run.selective_ac_option,
             code=self.architecture.code, head_dim=self.architecture.head_dim_or(model.hidden, model.heads),
             run_known=None if self.dims_only else True, vocab=model.vocab, vocab_divisible_by=self.vocab_divisible_by,
             gpu_memory_bytes=self.gpu_memory_bytes, architecture=self.architecture,

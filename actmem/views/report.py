@@ -21,7 +21,7 @@ def records(est: Estimate, codes=None) -> dict:
                 "sequence_parallel": run.sequence_parallel, "recompute": run.recompute.value,
                 "recompute_method": run.recompute_method, "recompute_layers": run.recompute_layers,
                 "recompute_modules": None if run.recompute_modules is None else list(run.recompute_modules),
-                "recompute_policy": run.policy.label,
+                "selective_ac_option": run.selective_ac_option, "recompute_policy": run.policy.label,
                 "technique": est.run_row.technique.name,
                 "global_batch": run.global_batch, "gpus": run.gpus,
                 "data_parallel": spec.data_parallel, "microbatches_per_iteration": spec.microbatches,

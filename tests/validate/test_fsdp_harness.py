@@ -62,6 +62,17 @@ def test_the_floor_is_the_peak_without_recompute(fsdp_rows):
         assert len(gaps) == len(off) and all(0 <= gap <= 1024 for gap in gaps.values()), gaps
 
 
+def test_per_op_checkpointing_peaks_at_its_floor(fsdp_rows):
+    """torchtitan's per-op checkpointing at t = 1, one microbatch and two: the loss's backward decides, with every
+    block's input and cached op outputs held (wq's, wv's, w1's, w2's, SDPA's), and the measured peak is the floor and
+    the loss's scalars (12 B in this tree), as without recompute: a cached output the floor left out, or one it
+    counted that the checkpoint does not keep, would move it by kilobytes."""
+    rows = [row for row in _rows(fsdp_rows, "peak") if row["config"].endswith(" op") and " t=1 " in row["config"]
+            and "-checkpointing " not in row["config"]]
+    assert len(rows) == 2
+    assert all(0 <= row["measured_bytes"] - row["formula_bytes"] <= 1024 for row in rows), rows
+
+
 def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
     """Saved activations as without FSDP, 0 B off on both ranks; rank 0's fp32 shards 4S, their gradients 4S,
     AdamW's two moments 8S and a 4-B step a tensor, as the storages hold them; the step's peak above the floor."""
@@ -72,16 +83,18 @@ def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_gradients")} == sizes
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_optimizer_state")} == {
         8 * S + 4 * 21, 8 * S_TP + 4 * 21, 8 * S_VOCAB + 4 * 21, 8 * S_SHORT + 4 * 21}
-    assert len(_rows(fsdp_rows, "peak")) == 14 and not _rows(fsdp_rows, "peak", rank=1)
+    assert len(_rows(fsdp_rows, "peak")) == 18 and not _rows(fsdp_rows, "peak", rank=1)
 
 
 def test_the_swiglu_backward_measures_within_its_weight_gradient(fsdp_rows):
-    """v = 64 beside s = 512, full recompute: the last block's SwiGLU backward decides (every checkpoint, the rerun
-    block less the product, the product's and mul's gradients, the residual stream's; the block gathered, the one
-    before it prefetched). Measured above it by w2's unsharded bf16 gradient, made just before (FSDP2 holds it to
-    the block's post-backward; not counted: 97·64·2 = 12,416 B) and the loss's scalars."""
-    row, = [row for row in _rows(fsdp_rows, "peak") if "-checkpointing " in row["config"]]
-    assert 0 <= row["measured_bytes"] - row["formula_bytes"] <= 12_416 + 16
+    """v = 64 beside s = 512, full recompute and torchtitan's per-op checkpointing: the last block's SwiGLU backward
+    decides (every checkpoint, the rerun block less the product, the product's and mul's gradients, the residual
+    stream's; the block gathered, the one before it prefetched). Measured above it by w2's unsharded bf16 gradient,
+    made just before (FSDP2 holds it to the block's post-backward; not counted: 97·64·2 = 12,416 B) and the loss's
+    scalars."""
+    rows = [row for row in _rows(fsdp_rows, "peak") if "-checkpointing " in row["config"]]
+    assert sorted(row["config"].rsplit(" ", 1)[1] for row in rows) == ["full", "op"]
+    assert all(0 <= row["measured_bytes"] - row["formula_bytes"] <= 12_416 + 16 for row in rows)
     hsdp = [row for row in _rows(fsdp_rows, "fsdp_weights") if " hsdp 2x2 " in row["config"]]
     assert [row["measured_bytes"] for row in hsdp] == [4 * S]        # two replicas of d = 2's shards
     assert _rows(fsdp_rows, "total", rank=3)          # the t = 2 runs' four ranks

@@ -128,3 +128,68 @@ def test_pipelines_are_refused_before_anything_is_built():
     with pytest.raises(SpecError, match="pipeline parallelism"):
         build_spec(preset.model | {"layers": 2}, {"tensor_parallel": 2, "pipeline_parallel": 2},
                    architecture=preset.architecture | {"implementation": "torch-native"})
+
+
+def _op_small(sequence_parallel=True):
+    from actmem.memory.techniques import op_checkpointing
+
+    rows = run_fake(configs_for(small_spec(2, 2, name="small-torchtitan", **TORCH_NATIVE),
+                                [op_checkpointing(sequence_parallel)], 1))
+    return rows, judge(rows, 0.0)
+
+
+def test_per_op_checkpointing_at_paper_scale():
+    """torchtitan's per-op checkpointing, two layers of Llama 3.1 8B at t = 8 with SP, fake tensors: by hand a layer
+    keeps its input 2sh/t = 8,388,608, wq's output 2sh/t and SDPA's 2sh/t, wv's 2s·gd/t = 2,097,152, the fp32
+    log-sum-exp 4as/t = 131,072, w1's output 2sf/t = 29,360,128, w2's partial sums whole, 2sh = 67,108,864, and the
+    two reduce-scatters' outputs 2 x 2sh/t = 16,777,216; nothing else of the block (no norm input, no rope output,
+    no repeat_kv copy, no silu output)."""
+    config = torch_native_presets(("tp-sp-op",))[0]
+    rows = run_fake([config])
+    assert judge(rows, 0.0) == []
+    layer = {name: count // 2 for name, count in _terms(rows).items() if name not in (
+        "final_layernorm_input", "final_norm_statistics", "output_layer_input", "logits_fp32", "token_ids",
+        "cross_entropy_targets", "cross_entropy_total_weight", "total")}
+    assert layer == {"layer_input_checkpoint": 8_388_608, "query_projection_output": 8_388_608,
+                     "projection_input": 8_388_608, "value_projection_output": 2_097_152, "softmax_lse": 131_072,
+                     "gate_projection_output": 29_360_128, "fc2_partial_output": 67_108_864,
+                     "reduce_scatter_outputs": 16_777_216}
+
+
+def test_per_op_checkpointing_on_real_ranks_matches_one_device():
+    """t = 2 on real gloo ranks, with SP and without (RowwiseParallel all-reduces then, caching no collective): the
+    blocks give the one-device output and gradients, every term on both ranks to the byte."""
+    from actmem.memory.techniques import op_checkpointing
+
+    configs = configs_for(small_spec(2, 2, name="small-torchtitan", **TORCH_NATIVE),
+                          [op_checkpointing(True), op_checkpointing(False)], 1)
+    rows = run_real(configs)
+    assert judge(rows, 0.0) == [] and {r["rank"] for r in rows} == {0, 1}
+    assert {r["term"] for r in rows if r["config"].endswith(" op")} >= {"fc2_partial_output", "layer_input_checkpoint"}
+    assert not [r for r in rows if r["config"].endswith(" op") and r["term"] == "reduce_scatter_outputs"]
+
+
+@pytest.mark.parametrize("injection", ["every_mm", "no_reduce_scatter"])
+def test_per_op_checkpointing_kept_otherwise_turns_the_gate_red(monkeypatch, injection):
+    """Were the checkpoint to keep every matmul's output (torch's list form of the policy: wk's, wo's and w3's too,
+    which no term names, so unattributed), or none of the reduce-scatters' (the formula's row then measured at
+    0 B), the gate is red."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    listed = torchtitan.op_sac_save_list()
+    if injection == "no_reduce_scatter":
+        monkeypatch.setattr(torchtitan, "op_sac_save_list",
+                            lambda: listed - {torch.ops._c10d_functional.reduce_scatter_tensor.default})
+    else:
+        def every_mm(caches):
+            caching, cached = create_selective_checkpoint_contexts(sorted(listed, key=str))
+            caches.append(caching.storage)
+            return caching, cached
+
+        monkeypatch.setattr(torchtitan, "op_sac_contexts", every_mm)
+    rows, failures = _op_small()
+    assert failures
+    if injection == "every_mm":
+        assert any("unattributed" in line for line in failures)
+    else:
+        assert next(r for r in rows if r["term"] == "reduce_scatter_outputs")["gate"] == "fail"

@@ -243,10 +243,12 @@ def _configs(grid, techniques, microbatches, flags):
         raise SpecError(f"validate measures each --techniques entry with its own SP and recompute, "
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
     shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
-    mode = "full" if shaped else "selective" if "--recompute-modules" in given else None
+    mode = "full" if shaped else "selective" if "--recompute-modules" in given else \
+        "op" if "--selective-ac-option" in given else None
     # dims_only: the preset's gpus and global batch (and its kernels' rules at its own run) wait,
     # as validate measures one data-parallel rank of its own; configs_for checks each run whole
-    spec = build_spec_from_flags(with_setting(flags, "recompute", mode) if mode else flags, dims_only=True)
+    recompute = "selective" if mode == "op" else mode       # torchtitan's option refines its selective mode
+    spec = build_spec_from_flags(with_setting(flags, "recompute", recompute) if mode else flags, dims_only=True)
     if spec.architecture.moe:
         raise SpecError("validate measures mixture-of-experts layers with --grid moe (megatron-core's own "
                         "MoELayer at small shapes) so far, not a model's whole stage")
@@ -260,13 +262,14 @@ def _configs(grid, techniques, microbatches, flags):
         chosen = grids.default_techniques(spec)
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
-    others = [t.name for t in chosen if t.recompute.value != mode] if mode else []
+    others = [t.name for t in chosen if ("op" if t.policy.ops else t.recompute.value) != mode] if mode else []
     if techniques is None:
         chosen = [t for t in chosen if t.name not in others]
     elif others:
         shape = ("--recompute-method and --recompute-num-layers shape full recompute: measure them with full "
                  "or tp-sp-full" if shaped else "--recompute-modules shapes selective recompute: measure it "
-                 "with tp-sel or tp-sp-sel")
+                 "with tp-sel or tp-sp-sel" if mode == "selective" else "--selective-ac-option op is torchtitan's "
+                 "per-op checkpointing: measure it with op or tp-sp-op")
         raise SpecError(f"{shape}, not {', '.join(others)}")
     return grids.configs_for(spec, chosen, microbatches)
 

@@ -25,7 +25,7 @@ from actmem_validate.compare import _row
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
 from actmem_validate.torch_compat import LiveBytes, fake_tensor_mode, local_tensor, storage_key
-from actmem_validate.torch_native import RULES, _compare, build_model
+from actmem_validate.torch_native import _compare, build_model, rules_for
 from actmem_validate.torchtitan import cross_entropy_loss, parallelize_model
 
 
@@ -83,7 +83,7 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
         _check_resharded(model)
         ledger = _ledger(model)
         with AllocatorPeak() if cuda else LiveBytes(fake_mode if fake else None) as live:
-            _step(model, optimizer, batches, ledger, parallel_loss=t > 1)
+            _step(model, optimizer, batches, ledger, parallel_loss=t > 1, rules=rules_for(spec))
     est = estimate(spec)
     rows = _compare(config, rank, ledger.by_term(), device)
     if rank:
@@ -110,7 +110,7 @@ def _parallelized(spec, tensor_mesh, building=None):
 
     run = spec.run
     with building or nullcontext():
-        model = build_model(spec, run.recompute.value == "full", dtype=torch.float32)
+        model = build_model(spec, dtype=torch.float32)
     if run.tensor_parallel > 1:
         parallelize_model(model, tensor_mesh, run.sequence_parallel)
     return model
@@ -149,9 +149,10 @@ class AllocatorPeak:
         return False
 
 
-def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -> None:
+def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False, rules=()) -> None:
     """torchtitan's train_step: zero_grad, each microbatch's forward, loss and backward (every one
-    reduce-scatters), the optimizer's step; the ledger records the last microbatch's forward and loss.
+    reduce-scatters), the optimizer's step; the ledger records the last microbatch's forward and loss, the
+    naming ``rules`` (torch_native.rules_for) naming what torch's own code keeps.
     ``parallel_loss``: the loss under loss_parallel (the output layer vocabulary-parallel, t > 1)."""
     from contextlib import nullcontext
 
@@ -162,7 +163,7 @@ def _step(model, optimizer, batches, ledger=None, parallel_loss: bool = False) -
         recording = ledger is not None and i == len(batches) - 1
         with loss_parallel() if parallel_loss else nullcontext():
             if recording:
-                with ledger.recording(), naming(model, RULES):
+                with ledger.recording(), naming(model, rules):
                     loss = cross_entropy_loss(model(tokens), labels)
                 ledger.drop_freed()
             else:

@@ -4,12 +4,16 @@ from dataclasses import replace
 
 from actmem.sources.presets import load_preset
 from actmem.model.spec import Spec, build_spec
-from actmem.memory.techniques import BY_NAME, TECHNIQUES
+from actmem.memory.techniques import BY_NAME, TECHNIQUES, op_checkpointing
 from actmem.model.recompute import Recompute
 from actmem_validate.measure import Config, config_for
 
 DEFAULT_TECHNIQUES = tuple(t.name for t in TECHNIQUES if t.tensor_parallel)
 """Every technique but 'none' (which runs at t = 1, in a run of its own)."""
+#: torch-native's selective recompute, torchtitan's per-op checkpointing, without and with SP ('op', 'tp-sp-op')
+OP_TECHNIQUES = {technique.name: technique for technique in (op_checkpointing(False), op_checkpointing(True))}
+NAMED = BY_NAME | OP_TECHNIQUES
+"""Every technique validate measures, by name."""
 
 
 def default_techniques(spec: Spec) -> list:
@@ -27,9 +31,10 @@ def default_techniques(spec: Spec) -> list:
     if spec.run.recompute_modules is not None:
         modelled |= {name for name in DEFAULT_TECHNIQUES if BY_NAME[name].recompute is Recompute.SELECTIVE}
     t = spec.run.tensor_parallel
-    return [BY_NAME[name] for name in DEFAULT_TECHNIQUES
-            if name in modelled and (t > 1 or not BY_NAME[name].sequence_parallel)
-            and not (spec.run.offload_layers and BY_NAME[name].recompute is not Recompute.NONE)]
+    ops = list(OP_TECHNIQUES.values()) if spec.architecture.code.op_checkpointing else []
+    return [technique for technique in [BY_NAME[name] for name in DEFAULT_TECHNIQUES if name in modelled] + ops
+            if (t > 1 or not technique.sequence_parallel)
+            and not (spec.run.offload_layers and technique.recompute is not Recompute.NONE)]
 
 
 def filling_microbatches(p: int, m: int) -> int:
@@ -42,11 +47,11 @@ def techniques_named(names) -> list:
     """actmem's techniques by name; unknown names are one error naming the known ones."""
     from actmem.errors import SpecError
 
-    unknown = [name for name in names if name not in BY_NAME]
+    unknown = [name for name in names if name not in NAMED]
     if unknown or not names:
         raise SpecError(f"unknown techniques {', '.join(unknown) or '(none given)'}; "
-                        f"known: {', '.join(t.name for t in TECHNIQUES)}")
-    return [BY_NAME[name] for name in names]
+                        f"known: {', '.join(NAMED)}")
+    return [NAMED[name] for name in names]
 
 
 def configs_for(spec: Spec, techniques, microbatches: int | None = None) -> list[Config]:
@@ -55,7 +60,7 @@ def configs_for(spec: Spec, techniques, microbatches: int | None = None) -> list
     measured, one data-parallel rank of n microbatches)."""
     run = spec.run
     n = microbatches or filling_microbatches(run.pipeline_parallel, run.interleave)
-    chosen = [BY_NAME[t] if isinstance(t, str) else t for t in techniques]
+    chosen = [NAMED[t] if isinstance(t, str) else t for t in techniques]
     configs = [config_for(spec, technique, n) for technique in chosen]
     return [replace(config, spec=replace(config.spec, dims_only=False)) for config in configs]
 
@@ -143,9 +148,10 @@ def fsdp_configs() -> list[Config]:
     # a short vocabulary beside a long sequence, checkpointed: the last block's SwiGLU backward is the peak
     swiglu = build_spec(model | dict(vocab=64, seq_len=512), dict(micro_batch=2, gpus=2, fsdp=True),
                         name="small-torchtitan-fsdp-checkpointing", architecture=TORCH_NATIVE | dict(ffn_hidden=97))
-    return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full"], n)]
-            + configs_for(vocab, ["none", "full"], 1) + configs_for(swiglu, ["full"], 1)
-            + configs_for(with_tp, ["tp-sp", "tp-sp-full"], 1) + configs_for(hsdp, ["none"], 2)
+    op, tp_sp_op = op_checkpointing(False), op_checkpointing(True)       # torchtitan's per-op checkpointing
+    return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full", op], n)]
+            + configs_for(vocab, ["none", "full"], 1) + configs_for(swiglu, ["full", op], 1)
+            + configs_for(with_tp, ["tp-sp", "tp-sp-full", tp_sp_op], 1) + configs_for(hsdp, ["none"], 2)
             + [config for policy in policies for config in configs_for(policy, ["none", "full"], 1)])
 
 
@@ -292,11 +298,12 @@ def small_grid() -> list[Config]:
                            ["tp-sp-sel"], 1)
     configs += configs_for(small_spec(2, 2, name="small-flash-mask", c=2, attention_mask=True, **FLASH), ["tp-sp-full"], 1)
     # torch-native: torchtitan's Llama blocks under DTensor TP (+ SP), g/t = 2 (repeat_kv
-    # copies) and 1 (a view), full activation checkpointing; one microbatch's layers
-    configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none"], 1)
+    # copies) and 1 (a view), full activation checkpointing and its per-op selective policy; one microbatch's layers
+    configs += configs_for(small_spec(2, 1, name="small-torchtitan", **TORCH_NATIVE), ["none", op_checkpointing(False)], 1)
     for t in (2, 4):
         configs += configs_for(small_spec(2, t, name="small-torchtitan", **TORCH_NATIVE),
-                               ["tp", "tp-sp", "tp-sp-full"], 1)
+                               ["tp", "tp-sp", "tp-sp-full", op_checkpointing(True)], 1)
+    configs += configs_for(small_spec(2, 2, name="small-torchtitan", **TORCH_NATIVE), [op_checkpointing(False)], 1)
     # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention, with and without the
     # Trainer's activation checkpointing (full recompute: every layer's checkpoint holds its call's arguments)
     for core in ("eager", "flash"):
@@ -417,7 +424,7 @@ def hf_presets() -> list[Config]:
             for preset, arch in archs]
 
 
-def torch_native_presets(techniques=("tp-sp", "tp-sp-full")) -> list[Config]:
+def torch_native_presets(techniques=("tp-sp", "tp-sp-full", op_checkpointing(True))) -> list[Config]:
     configs = []
     for name, t in TORCH_NATIVE_RUNS.items():
         preset = load_preset(name)

@@ -10,7 +10,7 @@ from actmem.model.implementation import MEGATRON
 from actmem.model.spec import Spec
 from actmem.memory.stages import split_of
 from actmem.memory.techniques import Technique, matching, unnamed_run
-from actmem.model.recompute import Recompute
+from actmem.model.recompute import OP, Recompute
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec, fp8_weights, fused_wgrad_weights
 from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads, make_fp8_state
@@ -68,8 +68,10 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     if modules is not None:
         technique = replace(technique, policy=replace(technique.policy, modules=frozenset(modules)))
         technique = matching(technique) or unnamed_run(technique)
+    ops = technique.policy.ops            # torchtitan's per-op checkpointing: its selective, with its option
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
-                  recompute=technique.recompute, recompute_modules=modules,
+                  recompute=Recompute.SELECTIVE if ops else technique.recompute, recompute_modules=modules,
+                  selective_ac_option=OP if ops else None,
                   gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel * d,
                   global_batch=microbatches * spec.run.micro_batch * d, distributed_optimizer=False)
     return Config(replace(spec, run=run), technique, microbatches)

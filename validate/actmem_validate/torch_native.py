@@ -10,11 +10,13 @@ blocks against the same blocks on one device. The peak is not measured here yet.
 
 import copy
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from actmem.memory.estimate import estimate
+from actmem.model.recompute import Recompute
 from actmem_validate.compare import CUDNN_RNG_STATE_BYTES, INDEX_BYTES, STATISTIC_BYTES, term_rows
 from actmem_validate.ledger import Ledger
 from actmem_validate.naming import naming
@@ -36,18 +38,41 @@ RULES = (
     ("attention", "_scaled_dot_product_cudnn_attention.default", "out1", "softmax_lse"),
     ("attention", "_scaled_dot_product_cudnn_attention.default", "out", "sdpa_rng_state"),
 )
+#: under torchtitan's per-op checkpointing, what names the outputs its checkpoint caches (torchtitan.op_sac_contexts):
+#: each linear's matmul by its module (under DTensor the mm above it: its partial sums for w2), the reduce-scatters
+#: RowwiseParallel's output hooks make under SP (after the module's own name is popped: in its parent's), and the
+#: CPU flash kernel's log-sum-exp (out0 is the block's projection_input)
+OP_RULES = (
+    ("attention.wq", "mm.default", "out", "query_projection_output"),
+    ("attention.wv", "mm.default", "out", "value_projection_output"),
+    ("feed_forward.w1", "mm.default", "out", "gate_projection_output"),
+    ("feed_forward.w2", "mm.default", "out", "fc2_partial_output"),
+    ("attention", "reduce_scatter_tensor.default", "out", "reduce_scatter_outputs"),
+    ("feed_forward", "reduce_scatter_tensor.default", "out", "reduce_scatter_outputs"),
+    ("attention", "_scaled_dot_product_flash_attention_for_cpu.default", "out1", "softmax_lse"),
+)
 
 
-def build_model(spec, full_recompute: bool = False, dtype=torch.bfloat16) -> Transformer:
+def checkpointing(spec) -> str:
+    """How torchtitan checkpoints this spec's blocks (torchtitan.Transformer): none, full or op."""
+    return "op" if spec.run.policy.ops else spec.run.recompute.value
+
+
+def rules_for(spec) -> tuple:
+    """The naming rules of this spec's run: RULES, and OP_RULES under per-op checkpointing."""
+    return RULES + OP_RULES if spec.run.policy.ops else RULES
+
+
+def build_model(spec, dtype=torch.bfloat16) -> Transformer:
     """The spec's model on the CPU, in bf16 by default (parameters in bf16, as FSDP2's mixed
-    precision hands them to the blocks)."""
+    precision hands them to the blocks), its blocks checkpointed as the spec's run says."""
     model, arch = spec.model, spec.architecture
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)                 # made in its dtype: fake parameters cannot be cast
     try:
         return Transformer(model.vocab, model.hidden, model.layers, model.heads, arch.query_groups_or(model.heads),
                            arch.head_dim_or(model.hidden, model.heads), arch.ffn(model.hidden), model.seq_len,
-                           full_recompute)
+                           checkpointing(spec))
     finally:
         torch.set_default_dtype(default)
 
@@ -67,12 +92,12 @@ def measure(config, rank: int, device: str = "cpu", fake: bool = False) -> list[
     torch.manual_seed(1234)
     mesh = init_device_mesh("cpu", (t,)) if t > 1 else None      # outside the fake mode: it reads data
     with fake_tensor_mode() if fake else nullcontext():
-        model = build_model(spec, run.recompute.value == "full")
+        model = build_model(spec)
         if mesh is not None:
             parallelize_model(model, mesh, sp)
         tokens, labels = (torch.randint(0, spec.model.vocab, (run.micro_batch, spec.model.seq_len)) for _ in "tl")
         ledger = Ledger([*model.parameters(), *model.buffers()])
-        with ledger.recording(), naming(model, RULES), loss_parallel() if mesh is not None else nullcontext():
+        with ledger.recording(), naming(model, rules_for(spec)), loss_parallel() if mesh is not None else nullcontext():
             loss = cross_entropy_loss(model(tokens), labels)
         ledger.drop_freed()
         measured = ledger.by_term()
@@ -105,7 +130,8 @@ def check_against_one_device(spec, rank: int) -> None:
     from torch.distributed.tensor.parallel import loss_parallel
 
     torch.manual_seed(1234)
-    reference = build_model(spec, dtype=torch.float32)
+    reference = build_model(replace(spec, run=replace(spec.run, recompute=Recompute.NONE, selective_ac_option=None)),
+                            dtype=torch.float32)
     parallel = parallelize_model(copy.deepcopy(reference), init_device_mesh("cpu", (spec.run.tensor_parallel,)),
                                  spec.run.sequence_parallel)
     torch.manual_seed(99)

@@ -20,12 +20,14 @@ on a CPU the flash kernel for the CPU; both keep q, k, v, the output and the fp3
 and cuDNN its philox seed and offset besides (torch_native.RULES names them).
 """
 
+from collections import defaultdict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from actmem_validate.fused import _Norm
-from actmem_validate.ledger import label, name_saved_output, scope
+from actmem_validate.ledger import label, name_saved_output, record, scope
 
 
 def precompute_freqs_cis(dim: int, end: int, theta: float = 500000.0) -> torch.Tensor:
@@ -156,14 +158,66 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def op_sac_save_list() -> set:
+    """models/llama3/infra/parallelize.py @018740b7, _op_sac_save_list: the ops of a bf16 Llama block it names
+    (its float8 max, flex and varlen attention, and inductor's compiled code do not run here), and, on a CPU, SDPA's
+    CPU flash kernel: the stand-in for the GPU kernels the list names (it keeps the same output and log-sum-exp;
+    cuDNN's philox state besides is torch_native.RULES')."""
+    ops = torch.ops.aten
+    return {ops.mm.default, ops._scaled_dot_product_efficient_attention.default,
+            ops._scaled_dot_product_flash_attention.default, ops._scaled_dot_product_cudnn_attention.default,
+            ops._scaled_dot_product_attention_math.default,
+            ops._scaled_dot_product_fused_attention_overrideable.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, ops.max.default,
+            ops._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def op_sac_contexts(caches: list):
+    """distributed/activation_checkpoint.py @018740b7, _apply_op_sac's context_fn, with no matmul shapes forced to
+    recompute (per_op_sac_force_recompute_mm_shapes_by_fqns, empty by default): save the listed ops' outputs but
+    every second mm's, counted apart in the forward and the rerun. ``caches`` gets each call's storage (the
+    tensors the checkpoint caches), which the ledger is shown (Transformer.forward)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save_list, meta = op_sac_save_list(), defaultdict(int)
+
+    def _custom_policy(ctx, func, *args, **kwargs):
+        if (func == torch.ops.aten._to_copy.default and "cuda" in str(args[0].device) and "device" in kwargs
+                and str(kwargs["device"]) == "cpu"):
+            return CheckpointPolicy.MUST_SAVE
+        mode = "recompute" if ctx.is_recompute else "forward"
+        mm_count_key = f"{mode}_mm_count"
+        if func == torch.ops.aten.mm.default:
+            meta[mm_count_key] += 1
+        # Saves output of all compute ops, except every second mm
+        to_save = func in save_list and not (func == torch.ops.aten.mm.default and meta[mm_count_key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    caching, cached = create_selective_checkpoint_contexts(_custom_policy)
+    caches.append(caching.storage)
+    return caching, cached
+
+
+def cached_tensors(storage) -> list:
+    """The tensors a selective checkpoint's storage holds (torch 2.13: {op: {call: its outputs, each in a
+    _VersionWrapper}}; an op recomputed holds a marker)."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [leaf for calls in storage.values() for entry in calls.values() for leaf in tree_leaves(entry)]
+    values = [getattr(leaf, "val", None) for leaf in leaves]
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
 class Transformer(nn.Module):
     """model.py Transformer: the word embedding, the blocks, the final norm and the untied
-    output layer; freqs_cis a buffer. ``full_recompute`` wraps each block as torchtitan's full
-    activation checkpointing does (distributed/activation_checkpoint.py: checkpoint_wrapper,
-    non-reentrant, preserve_rng_state=False), which keeps the block's input."""
+    output layer; freqs_cis a buffer. ``checkpointing`` wraps each block as torchtitan's activation
+    checkpointing does (distributed/activation_checkpoint.py: checkpoint_wrapper, non-reentrant,
+    preserve_rng_state=False), which keeps the block's input: 'full', or 'op', its per-op selective policy
+    (_apply_op_sac: with its context_fn and torchtitan's early_stop=False), whose cache the ledger is shown
+    after each block (the checkpoint's own saved-tensor hooks hide the rest of the block from it)."""
 
     def __init__(self, vocab: int, dim: int, layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 hidden_dim: int, max_seq_len: int, full_recompute: bool = False):
+                 hidden_dim: int, max_seq_len: int, checkpointing: str = "none"):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, n_kv_heads, head_dim, hidden_dim)
@@ -171,16 +225,25 @@ class Transformer(nn.Module):
         self.norm = FusedRMSNorm(dim, "final_layernorm_input", "final_norm_statistics")
         self.output = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seq_len), persistent=False)
-        self.full_recompute = full_recompute
+        if checkpointing not in ("none", "full", "op"):
+            raise ValueError(f"checkpointing must be none, full or op, not {checkpointing!r}")
+        self.checkpointing = checkpointing
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint
 
         h = self.tok_embeddings(tokens)
         for block in self.layers:
-            if self.full_recompute:
+            if self.checkpointing == "full":
                 h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
                                preserve_rng_state=False)
+            elif self.checkpointing == "op":
+                caches = []
+                h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
+                               preserve_rng_state=False, early_stop=False,
+                               context_fn=lambda: op_sac_contexts(caches))
+                for tensor in cached_tensors(caches[0]):
+                    record(tensor)
             else:
                 h = block(h, self.freqs_cis)
         return self.output(self.norm(h))

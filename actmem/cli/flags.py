@@ -335,7 +335,8 @@ RUN_FLAGS = (
     Flag(("--selective-ac-option",), "selective_ac_option",
          "with --recompute selective under --implementation torch-native: torchtitan's "
          "activation_checkpoint.selective_ac_option; op, its per-op policy (each block checkpointed, keeping the "
-         "outputs of every second matmul, attention and the reduce-scatters)", str),
+         "outputs of every second matmul, attention and the reduce-scatters), or N, its layer policy (every N-th "
+         "block checkpointed whole, the others kept whole; torchtitan's default, 2)", str),
     Flag(("--ep", "--expert-model-parallel-size"), "expert_parallel",
          "expert-parallel size EP: ranks the experts are spread over, E/EP a rank (Megatron carves ETP·EP from "
          "the t·c·d ranks)"),

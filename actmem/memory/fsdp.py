@@ -178,8 +178,10 @@ def stage_moments(stage, technique, arch, value, model: ShardedModel) -> tuple:
     """A stage's moments (stage_model.stage_activations) under FSDP2 (``with_fsdp``), the engine's expressions
     evaluated by ``value``: exactly for one run (estimate), over arrays for the planner's sweep. Under full
     recompute the last block's backward holds the layer its rerun makes."""
-    rerun = (PeakRow("rematerialised", value(engine.rematerialised_bytes(technique, arch)),
-                     rematerialised_source(technique)) if technique.recompute is Recompute.FULL else None)
+    last = stage.last_checkpointed             # False: a partial recompute kept the last block whole (no rerun)
+    rerun = (PeakRow("rematerialised", value(engine.rematerialised_bytes(technique, arch)) * last,
+                     rematerialised_source(technique)) if technique.recompute is Recompute.FULL and last is not False
+             else None)
     return with_fsdp(stage.moments, model, stage.held_bytes, value(engine.output_rows(technique, arch)), rerun)
 
 

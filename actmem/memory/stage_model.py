@@ -72,6 +72,9 @@ class StageActivations:
     extra_bytes: object
     """Section 4.5: the embedding's and the output layer's terms."""
     moments: tuple
+    last_checkpointed: object = True
+    """Whether the stage's last layer is checkpointed under full recompute, so the first backward reruns it with
+    every activation held (False where a partial recompute keeps it whole; a bool, or a boolean array)."""
 
     @property
     def held_bytes(self):
@@ -114,7 +117,7 @@ def stage_activations(technique: Technique, arch, value: Callable, counts: Stage
                     offload.EMBEDDING_OUTPUT.source))),)
     moments += _reruns(technique, arch, value, counts, n, held, per_layer)
     moments += _layer_moments(technique, arch, value, counts, n, held)
-    return StageActivations(layers, extra, moments)
+    return StageActivations(layers, extra, moments, last_checkpointed(technique, counts.per_chunk, n)[0])
 
 
 def _loss_term(arch) -> tuple:
@@ -125,7 +128,8 @@ def _loss_term(arch) -> tuple:
 
 def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
     """(layers kept as the technique keeps them, layers kept whole) a chunk: under block, the
-    first N of each chunk are checkpointed; under uniform, each group of N keeps one checkpoint.
+    first N of each chunk are checkpointed; under uniform, each group of N keeps one checkpoint;
+    under every (torchtitan's layer option), the N-th, 2N-th, ... layers are checkpointed alone.
     N: the technique's unless given (a sweep's column)."""
     n = technique.policy.layers if n is None else n
     if not technique.partial:
@@ -133,7 +137,22 @@ def chunk_layers(technique: Technique, per_chunk, n=None) -> tuple:
     if technique.policy.method == "block":
         checkpoints = minimum(n, per_chunk)
         return checkpoints, per_chunk - checkpoints
+    if technique.policy.method == "every":
+        # torchtitan's _apply_layer_sac counts the blocks from 1 and checkpoints those the count divides by N
+        checkpoints = per_chunk // n
+        return checkpoints, per_chunk - checkpoints
     return -(-per_chunk // n), 0
+
+
+def last_checkpointed(technique: Technique, per_chunk, n) -> tuple:
+    """(whether a chunk's last layer is checkpointed alone, whether it is kept whole) where a partial recompute keeps
+    some layers whole: block's last layers are whole unless N covers the chunk; every's last is checkpointed where N
+    divides the chunk's layers. Elsewhere checkpointed (or, with nothing recomputed, neither matters: True, False)."""
+    if technique.partial and technique.policy.method == "block":
+        return n >= per_chunk, n < per_chunk
+    if technique.partial and technique.policy.method == "every":
+        return per_chunk % n == 0, per_chunk % n != 0
+    return True, False
 
 
 def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
@@ -143,7 +162,8 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
     (its last, perhaps shorter than N) and, where the tail is shorter, the next group of N
     with the tail's checkpoint freed; under 'block' 1 layer where every layer of the chunk is
     checkpointed, else none: its last layers are kept whole, so the first rerun comes after
-    their activations are freed, a moment the floor does not take."""
+    their activations are freed, a moment the floor does not take; under 'every' 1 layer where N
+    divides the chunk (its last layer checkpointed), else none, as under block."""
     if technique.recompute is Recompute.SELECTIVE:
         # the layer's last forward was this microbatch's (engine.DISPATCHER_KEEPS): one chunk in flight, or the stage
         # with the output layer, whose first backward follows its last chunk's forward of that microbatch
@@ -157,8 +177,8 @@ def _reruns(technique, arch, value, counts, n, held, per_layer) -> tuple:
     one = value(engine.rematerialised_bytes(technique, arch))
     layer = value(engine.per_layer_bytes(technique.whole(), arch))
     freed = value(engine.freed_before_rerun(technique, arch))
-    if technique.partial and technique.policy.method == "block":
-        return (_rerun(held, one, freed, technique, n >= counts.per_chunk),)
+    if technique.partial and technique.policy.method in ("block", "every"):
+        return (_rerun(held, one, freed, technique, last_checkpointed(technique, counts.per_chunk, n)[0]),)
     tail = (counts.per_chunk - 1) % n + 1
     return (_rerun(held, one + (tail - 1) * layer, freed, technique),
             _rerun(held, one + (n - 1) * layer, freed + per_layer, technique, tail < n))
@@ -182,13 +202,15 @@ def _rerun(held, rematerialised, freed, technique, when=True, unit=None) -> Stag
 
 def _layer_moments(technique, arch, value, counts, n, held) -> tuple:
     """The moments of the last layer's backward, that layer kept as a chunk's last is: as
-    every layer is; under 'block' whole where N is short of the chunk, else checkpointed alone;
+    every layer is; under 'block' whole where N is short of the chunk, else checkpointed alone (under 'every'
+    checkpointed alone where N divides the chunk, else whole);
     none inside uniform groups of N > 1 (not modelled)."""
     if not technique.partial:
         lasts = ((technique, True),)
-    elif technique.policy.method == "block":
+    elif technique.policy.method in ("block", "every"):
         alone = replace(technique, policy=replace(technique.policy, method="uniform", layers=1))
-        lasts = ((technique.whole(), n < counts.per_chunk), (alone, n >= counts.per_chunk))
+        checkpointed, whole = last_checkpointed(technique, counts.per_chunk, n)
+        lasts = ((technique.whole(), whole), (alone, checkpointed))
     else:
         lasts = ()
     return tuple(_layer_moment(name, last, arch, value, held, _and(when, counts.per_chunk > 0), bool(counts.offloaded))

@@ -120,6 +120,11 @@ def op_checkpointing(sequence_parallel: bool) -> Technique:
     return unnamed_run(run_technique(sequence_parallel, OP_CHECKPOINTING))
 
 
+def layer_checkpointing(sequence_parallel: bool, n: int) -> Technique:
+    """torchtitan's layer option: every n-th block checkpointed whole, the others kept whole ('full·every 2')."""
+    return unnamed_run(run_technique(sequence_parallel, RecomputePolicy(Recompute.FULL, method="every", layers=n)))
+
+
 def unnamed_run(technique: Technique) -> Technique:
     """A row for a run no named technique is: partial full recompute, 'tp-sp-full·block 2', or
     selective recompute of other modules, 'tp-sp-sel·core_attn+mlp'."""
@@ -132,5 +137,6 @@ def unnamed_run(technique: Technique) -> Technique:
                              f"per-op checkpointing (selective_ac_option op)".lstrip(" +"))
     shape = "+".join(policy.ordered_modules) if technique.recompute is Recompute.SELECTIVE else \
         f"{policy.method} {policy.layers}"
-    return replace(technique, name=f"{base.name}·{shape}",
-                   label=f"{label}, {shape} (Megatron's {policy.megatron_flags})")
+    spelled = f"torchtitan's selective_ac_option {policy.layers}" if policy.method == "every" else \
+        f"Megatron's {policy.megatron_flags}"
+    return replace(technique, name=f"{base.name}·{shape}", label=f"{label}, {shape} ({spelled})")

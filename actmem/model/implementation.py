@@ -477,8 +477,8 @@ IMPLEMENTATIONS = {
                "gradients of the logits, 8sbv at t = 1, 12sbv/t under loss_parallel"),
         selective_recompute="torchtitan's selective activation checkpointing is not Megatron's core_attn recompute: "
                             "give its option, --selective-ac-option op (its per-op policy, which keeps the outputs of "
-                            "chosen ops; its other option, a block checkpointed whole every N, is not modelled yet), "
-                            "or choose none or full",
+                            "chosen ops) or N (a block checkpointed whole every N: its default, 2), or choose none or "
+                            "full",
         op_checkpointing=True),
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "

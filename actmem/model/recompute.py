@@ -15,7 +15,9 @@ and ``word`` is the planner's short form ('sel', 'sel+mlp', 'mlp', 'block=2').
 "selective", selective_ac_option "op"), which torch-native runs: every block is checkpointed and rerun whole,
 as under full recompute, and its checkpoint keeps the outputs of the ops torchtitan's save list names beside
 the block's input (``ops``). It has full recompute's granularity, so everything that reruns a layer whole
-treats it so; the term table's rows say which tensors those ops make (Term.op_saved).
+treats it so; the term table's rows say which tensors those ops make (Term.op_saved). ``selective:every=N`` is
+torchtitan's other selective option, a positive int N: every N-th block checkpointed whole, the others kept
+whole (_apply_layer_sac), full recompute's third method beside Megatron's uniform and block.
 """
 
 from dataclasses import dataclass
@@ -69,8 +71,10 @@ def remakes(given: str, module: str | None, modules) -> bool:
     return module is not None and (module == given or (INSIDE.get(module) == given and module not in modules))
 DEFAULT_MODULES = frozenset({"core_attn"})
 
-METHODS = ("uniform", "block")
-_FORMS = "give none, selective[:modules], selective:op or full[:block=N|:uniform=N]"
+METHODS = ("uniform", "block", "every")
+#: the methods Megatron's --recompute-method names; 'every' is torchtitan's layer option (selective:every=N)
+MEGATRON_METHODS = ("uniform", "block")
+_FORMS = "give none, selective[:modules], selective:op, selective:every=N or full[:block=N|:uniform=N]"
 #: torchtitan's activation_checkpoint.selective_ac_option that actmem models: "op", the per-op policy
 #: (distributed/activation_checkpoint.py @018740b7, _apply_op_sac)
 OP = "op"
@@ -99,7 +103,8 @@ class RecomputePolicy:
                             f"{', '.join(unknown) or 'none'}")
         if self.method not in METHODS or isinstance(self.layers, bool) or not isinstance(self.layers, int) \
                 or self.layers < 1:
-            raise SpecError(f"recompute method must be uniform or block with N >= 1; got {self.method} {self.layers!r}")
+            raise SpecError(f"recompute method must be uniform, block or every with N >= 1; got {self.method} "
+                            f"{self.layers!r}")
         if self.modules != DEFAULT_MODULES and self.granularity is not Recompute.SELECTIVE:
             raise SpecError("recompute modules choose what selective recompute reruns; this is "
                             f"{self.granularity.value}")
@@ -120,9 +125,11 @@ class RecomputePolicy:
 
     @property
     def label(self) -> str:
-        """The one text form: 'selective:core_attn+mlp', 'full:block=2', 'selective:op'."""
+        """The one text form: 'selective:core_attn+mlp', 'full:block=2', 'selective:op', 'selective:every=2'."""
         if self.ops:
             return f"selective:{OP}"
+        if self.method == "every":
+            return f"selective:every={self.layers}"
         if self.modules != DEFAULT_MODULES:
             return f"selective:{'+'.join(self.ordered_modules)}"
         if self.partial:
@@ -153,10 +160,12 @@ class RecomputePolicy:
             return cls(kind)
         if kind is Recompute.SELECTIVE and shape == OP:
             return cls(Recompute.FULL, ops=True)
+        method, _, layers = shape.partition("=")
+        if kind is Recompute.SELECTIVE and method == "every" and layers.isdecimal():
+            return cls(Recompute.FULL, method=method, layers=int(layers))
         if kind is Recompute.SELECTIVE:
             return cls(kind, frozenset(shape.split("+")))
-        method, _, layers = shape.partition("=")
-        if kind is not Recompute.FULL or not layers.isdecimal():
+        if kind is not Recompute.FULL or not layers.isdecimal() or method not in MEGATRON_METHODS:
             raise SpecError(f"recompute {text!r}: {_FORMS}")
         return cls(kind, method=method, layers=int(layers))
 
@@ -164,8 +173,12 @@ class RecomputePolicy:
     def of_run(cls, recompute, method=None, layers=None, modules=None, option=None) -> "RecomputePolicy":
         """From Megatron's four settings as a Run holds them (None: Megatron's default), and torchtitan's
         selective_ac_option (``option``: 'op' with selective recompute is its per-op checkpointing)."""
-        if option == OP and getattr(recompute, "value", recompute) == Recompute.SELECTIVE.value and not modules:
-            return cls(Recompute.FULL, ops=True)
+        if option is not None and getattr(recompute, "value", recompute) == Recompute.SELECTIVE.value \
+                and not modules and not method:
+            if option == OP:
+                return cls(Recompute.FULL, ops=True)
+            if str(option).isdecimal() and int(option) > 0:
+                return cls(Recompute.FULL, method="every", layers=int(option))
         return cls(Recompute(getattr(recompute, "value", recompute)), DEFAULT_MODULES if modules is None else
                    frozenset(modules), method or "uniform", layers or 1)
 
@@ -173,11 +186,13 @@ class RecomputePolicy:
     def run_values(self) -> dict:
         """The Run's four settings (actmem.model.spec.Run), and torchtitan's option where it is its per-op
         checkpointing (its selective mode with selective_ac_option op)."""
-        values = {"recompute": Recompute.SELECTIVE.value if self.ops else self.granularity.value,
+        option = OP if self.ops else str(self.layers) if self.method == "every" else None
+        megatron = self.partial and not option
+        values = {"recompute": Recompute.SELECTIVE.value if option else self.granularity.value,
                   "recompute_modules": None if self.modules == DEFAULT_MODULES else self.ordered_modules,
-                  "recompute_method": self.method if self.partial else None,
-                  "recompute_layers": self.layers if self.partial else None}
-        return values | {"selective_ac_option": OP} if self.ops else values
+                  "recompute_method": self.method if megatron else None,
+                  "recompute_layers": self.layers if megatron else None}
+        return values | {"selective_ac_option": option} if option else values
 
     @property
     def megatron_flags(self) -> str:
@@ -185,7 +200,7 @@ class RecomputePolicy:
         '--recompute-method block --recompute-num-layers 2' ('' for none, plain selective and full)."""
         if self.modules != DEFAULT_MODULES:
             return f"--recompute-modules {' '.join(self.ordered_modules)}"
-        if self.partial:
+        if self.partial and self.method in MEGATRON_METHODS:
             return f"--recompute-method {self.method} --recompute-num-layers {self.layers}"
         return ""
 

@@ -391,9 +391,11 @@ RULES = (
     Rule(lambda v: v.recompute == "selective",
          lambda v: f"--selective-ac-option chooses what torchtitan's selective checkpointing keeps; this run's "
                    f"recompute is {v.recompute}: give --recompute selective", ("selective_ac_option",)),
-    Rule(lambda v: v.selective_ac_option == "op",
-         lambda v: f"--selective-ac-option {v.selective_ac_option}: torchtitan's layer option (a block checkpointed "
-                   f"whole every N) is not modelled yet; op (its per-op policy) is", ("selective_ac_option",)),
+    Rule(lambda v: v.selective_ac_option == "op" or (str(v.selective_ac_option).isdecimal()
+                                                     and int(v.selective_ac_option) > 0),
+         lambda v: f"--selective-ac-option {v.selective_ac_option}: give op (torchtitan's per-op policy) or a "
+                   f"positive whole number N (its layer policy: every N-th block checkpointed; torchtitan reads 0 as "
+                   f"every block, which is --recompute full)", ("selective_ac_option",)),
     Rule(lambda v: v.recompute_modules is None,
          lambda v: "--recompute-modules are Megatron's; torchtitan's per-op checkpointing (--selective-ac-option) "
                    "keeps what its own list of ops makes: give one or the other",

@@ -23,6 +23,8 @@ S_TP = 8192 + 2 * 7904 + 8224
 S_VOCAB = 131_072 + 2 * 15_584 + 32 + 131_072
 # v = 64 at t = 1: the embedding and output layer keep 32·64 each.
 S_SHORT = 2048 + 2 * 15_584 + 32 + 2048
+# L = 3 (the layer option's run whose last block is kept whole): a third block, 30 parameter tensors.
+S_THREE = 16_384 + 3 * 15_584 + 16_416
 GAP = 8             # percent: what these runs reach (5.7% in this tree, full recompute under 'always', 7.9% before
                     # its SwiGLU backward was a moment; CI's small grid allows 30)
 
@@ -73,17 +75,28 @@ def test_per_op_checkpointing_peaks_at_its_floor(fsdp_rows):
     assert all(0 <= row["measured_bytes"] - row["formula_bytes"] <= 1024 for row in rows), rows
 
 
+def test_the_layer_option_reruns_only_a_checkpointed_last_block(fsdp_rows):
+    """torchtitan's layer option, every second block checkpointed (selective_ac_option 2): of 3 blocks the middle
+    one, so the last is kept whole and the loss's backward decides, measured at the floor (12 B above in this tree);
+    of 2 the last, which the last block's backward reruns, a moment of the floor, above it by what the rerun holds
+    besides, as under full recompute (kilobytes)."""
+    rows = {row["config"]: row for row in _rows(fsdp_rows, "peak") if "every 2" in row["config"]}
+    assert len(rows) == 2
+    (three,) = [row for label, row in rows.items() if "-3 " in label]
+    assert 0 <= three["measured_bytes"] - three["formula_bytes"] <= 1024
+
+
 def test_every_fsdp_run_is_measured_to_the_byte(fsdp_rows):
     """Saved activations as without FSDP, 0 B off on both ranks; rank 0's fp32 shards 4S, their gradients 4S,
     AdamW's two moments 8S and a 4-B step a tensor, as the storages hold them; the step's peak above the floor."""
     assert judge(fsdp_rows, 0.0, GAP) == []
-    sizes = {4 * S, 4 * S_TP, 4 * S_VOCAB, 4 * S_SHORT}
+    sizes = {4 * S, 4 * S_TP, 4 * S_VOCAB, 4 * S_SHORT, 4 * S_THREE}
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_weights")} == sizes == {
-        255_872, 128_896, 1_173_376, 141_184}
+        255_872, 128_896, 1_173_376, 141_184, 318_208}
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_gradients")} == sizes
     assert {row["measured_bytes"] for row in _rows(fsdp_rows, "fsdp_optimizer_state")} == {
-        8 * S + 4 * 21, 8 * S_TP + 4 * 21, 8 * S_VOCAB + 4 * 21, 8 * S_SHORT + 4 * 21}
-    assert len(_rows(fsdp_rows, "peak")) == 18 and not _rows(fsdp_rows, "peak", rank=1)
+        8 * S + 4 * 21, 8 * S_TP + 4 * 21, 8 * S_VOCAB + 4 * 21, 8 * S_SHORT + 4 * 21, 8 * S_THREE + 4 * 30}
+    assert len(_rows(fsdp_rows, "peak")) == 20 and not _rows(fsdp_rows, "peak", rank=1)
 
 
 def test_the_swiglu_backward_measures_within_its_weight_gradient(fsdp_rows):

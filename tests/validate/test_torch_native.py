@@ -193,3 +193,15 @@ def test_per_op_checkpointing_kept_otherwise_turns_the_gate_red(monkeypatch, inj
         assert any("unattributed" in line for line in failures)
     else:
         assert next(r for r in rows if r["term"] == "reduce_scatter_outputs")["gate"] == "fail"
+
+
+def test_the_layer_option_on_real_ranks():
+    """torchtitan's layer option, every second block checkpointed, of 3 at t = 2 with SP: block 2 keeps its input
+    (2sbh/t = 2·32·2·64/2 = 4096 B on the small spec: s = 32, b = 2, h = 64), blocks 1 and 3 everything, every
+    term on both ranks 0 B off."""
+    from actmem.memory.techniques import layer_checkpointing
+
+    configs = configs_for(small_spec(3, 2, name="small-torchtitan", **TORCH_NATIVE), [layer_checkpointing(True, 2)], 1)
+    rows = run_real(configs)
+    assert judge(rows, 0.0) == [] and {r["rank"] for r in rows} == {0, 1}
+    assert {r["measured_bytes"] for r in rows if r["term"] == "layer_input_checkpoint"} == {2 * 32 * 2 * 64 // 2}

@@ -37,6 +37,11 @@ SMALL = ["--heads", "8", "--hidden", "64", "--layers", "2", "--vocab", "512", "-
      ["the hf backend measures one microbatch's forward", "drop --microbatches 2"]),
     ([*SMALL, "--tp", "2", "--techniques", "tp,full", "--recompute-method", "block", "--recompute-num-layers", "1"],
      ["shape full recompute: measure them with full or tp-sp-full, not tp"]),
+    # torchtitan's selective option: measured as the run's own policy, or refused where --techniques names another
+    (["--model", "llama-3.1-8b", "--layers", "2", "--tp", "2", "--implementation", "torch-native",
+      "--selective-ac-option", "2", "--techniques", "tp-sp-op"],
+     ["torchtitan's selective:every=2: measure it with full·every 2 or tp-sp-full·every 2", "not tp-sp-op"]),
+    ([*SMALL, "--tp", "2", "--selective-ac-option", "op"], ["--implementation megatron has no such option"]),
 ])
 
 def test_validate_bad_input(actmem, args, fragments):

@@ -262,14 +262,19 @@ def _configs(grid, techniques, microbatches, flags):
         chosen = grids.default_techniques(spec)
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
-    others = [t.name for t in chosen if ("op" if t.policy.ops else t.recompute.value) != mode] if mode else []
+    if mode == "op":          # torchtitan's option: the run's own policy, with and without SP where t > 1
+        chosen = grids.option_techniques(spec) if techniques is None else chosen
+        others = [t.name for t in chosen if t.policy != spec.run.policy]
+    else:
+        others = [t.name for t in chosen if t.recompute.value != mode] if mode else []
     if techniques is None:
         chosen = [t for t in chosen if t.name not in others]
     elif others:
         shape = ("--recompute-method and --recompute-num-layers shape full recompute: measure them with full "
                  "or tp-sp-full" if shaped else "--recompute-modules shapes selective recompute: measure it "
-                 "with tp-sel or tp-sp-sel" if mode == "selective" else "--selective-ac-option op is torchtitan's "
-                 "per-op checkpointing: measure it with op or tp-sp-op")
+                 "with tp-sel or tp-sp-sel" if mode == "selective" else f"--selective-ac-option is torchtitan's "
+                 f"{spec.run.policy.label}: measure it with "
+                 f"{' or '.join(t.name for t in grids.option_techniques(spec))} or leave out --techniques")
         raise SpecError(f"{shape}, not {', '.join(others)}")
     return grids.configs_for(spec, chosen, microbatches)
 

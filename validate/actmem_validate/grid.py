@@ -4,7 +4,8 @@ from dataclasses import replace
 
 from actmem.sources.presets import load_preset
 from actmem.model.spec import Spec, build_spec
-from actmem.memory.techniques import BY_NAME, TECHNIQUES, op_checkpointing
+from actmem.memory.techniques import BY_NAME, TECHNIQUES, layer_checkpointing, op_checkpointing, \
+    run_technique, unnamed_run
 from actmem.model.recompute import Recompute
 from actmem_validate.measure import Config, config_for
 
@@ -35,6 +36,13 @@ def default_techniques(spec: Spec) -> list:
     return [technique for technique in [BY_NAME[name] for name in DEFAULT_TECHNIQUES if name in modelled] + ops
             if (t > 1 or not technique.sequence_parallel)
             and not (spec.run.offload_layers and technique.recompute is not Recompute.NONE)]
+
+
+def option_techniques(spec: Spec) -> list:
+    """The spec's torchtitan selective checkpointing (--selective-ac-option op or N), without SP, and with it where
+    t > 1: 'op', 'tp-sp-op'; 'full·every 2', 'tp-sp-full·every 2'."""
+    policy = spec.run.policy
+    return [unnamed_run(run_technique(sp, policy)) for sp in (False, True) if not sp or spec.run.tensor_parallel > 1]
 
 
 def filling_microbatches(p: int, m: int) -> int:
@@ -149,7 +157,10 @@ def fsdp_configs() -> list[Config]:
     swiglu = build_spec(model | dict(vocab=64, seq_len=512), dict(micro_batch=2, gpus=2, fsdp=True),
                         name="small-torchtitan-fsdp-checkpointing", architecture=TORCH_NATIVE | dict(ffn_hidden=97))
     op, tp_sp_op = op_checkpointing(False), op_checkpointing(True)       # torchtitan's per-op checkpointing
-    return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full", op], n)]
+    # and its layer option, every second block checkpointed: of 2 the last, of 3 the middle one (the last kept whole)
+    three = replace(spec, name="small-torchtitan-fsdp-3", model=replace(spec.model, layers=3))
+    every = configs_for(spec, [layer_checkpointing(False, 2)], 1) + configs_for(three, [layer_checkpointing(False, 2)], 2)
+    return ([config for n in (1, 2) for config in configs_for(spec, ["none", "full", op], n)] + every
             + configs_for(vocab, ["none", "full"], 1) + configs_for(swiglu, ["full", op], 1)
             + configs_for(with_tp, ["tp-sp", "tp-sp-full", tp_sp_op], 1) + configs_for(hsdp, ["none"], 2)
             + [config for policy in policies for config in configs_for(policy, ["none", "full"], 1)])
@@ -304,6 +315,7 @@ def small_grid() -> list[Config]:
         configs += configs_for(small_spec(2, t, name="small-torchtitan", **TORCH_NATIVE),
                                ["tp", "tp-sp", "tp-sp-full", op_checkpointing(True)], 1)
     configs += configs_for(small_spec(2, 2, name="small-torchtitan", **TORCH_NATIVE), [op_checkpointing(False)], 1)
+    configs += configs_for(small_spec(3, 2, name="small-torchtitan", **TORCH_NATIVE), [layer_checkpointing(True, 2)], 1)
     # hf: transformers' own LlamaForCausalLM on one device, eager and sdpa attention, with and without the
     # Trainer's activation checkpointing (full recompute: every layer's checkpoint holds its call's arguments)
     for core in ("eager", "flash"):

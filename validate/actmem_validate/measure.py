@@ -10,7 +10,7 @@ from actmem.model.implementation import MEGATRON
 from actmem.model.spec import Spec
 from actmem.memory.stages import split_of
 from actmem.memory.techniques import Technique, matching, unnamed_run
-from actmem.model.recompute import OP, Recompute
+from actmem.model.recompute import Recompute
 from actmem_validate.compare import compare
 from actmem_validate.gpt import LayerSpec, fp8_weights, fused_wgrad_weights
 from actmem_validate.layers import attach_main_grads, free_main_grads, make_dummy_wgrads, make_fp8_state
@@ -43,7 +43,8 @@ class Config:
     @property
     def label(self) -> str:
         run = self.spec.run
-        shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial else ""
+        named = "·" in self.technique.name                  # an unnamed run's name says its shape ('full·every 2')
+        shape = f" {run.policy.method} {run.policy.layers}" if run.policy.partial and not named else ""
         cp = f" c={run.context_parallel}" if run.context_parallel > 1 else ""
         if run.fsdp:                       # FSDP2 over d ranks, or HSDP's replicas x shards
             cp += (f" fsdp d={self.sharded_over}" if run.fsdp_replicate == 1 else
@@ -68,10 +69,10 @@ def config_for(spec: Spec, technique: Technique, microbatches: int) -> Config:
     if modules is not None:
         technique = replace(technique, policy=replace(technique.policy, modules=frozenset(modules)))
         technique = matching(technique) or unnamed_run(technique)
-    ops = technique.policy.ops            # torchtitan's per-op checkpointing: its selective, with its option
+    option = technique.policy.run_values.get("selective_ac_option")    # torchtitan's: its selective, refined
     run = replace(spec.run, tensor_parallel=t, sequence_parallel=technique.sequence_parallel,
-                  recompute=Recompute.SELECTIVE if ops else technique.recompute, recompute_modules=modules,
-                  selective_ac_option=OP if ops else None,
+                  recompute=Recompute.SELECTIVE if option else technique.recompute, recompute_modules=modules,
+                  selective_ac_option=option,
                   gpus=t * spec.run.context_parallel * spec.run.pipeline_parallel * d,
                   global_batch=microbatches * spec.run.micro_batch * d, distributed_optimizer=False)
     return Config(replace(spec, run=run), technique, microbatches)

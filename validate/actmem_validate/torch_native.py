@@ -54,8 +54,11 @@ OP_RULES = (
 
 
 def checkpointing(spec) -> str:
-    """How torchtitan checkpoints this spec's blocks (torchtitan.Transformer): none, full or op."""
-    return "op" if spec.run.policy.ops else spec.run.recompute.value
+    """How torchtitan checkpoints this spec's blocks (torchtitan.Transformer): none, full, every=N or op."""
+    policy = spec.run.policy
+    if policy.method == "every":
+        return f"every={policy.layers}"
+    return "op" if policy.ops else spec.run.recompute.value
 
 
 def rules_for(spec) -> tuple:

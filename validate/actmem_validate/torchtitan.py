@@ -212,9 +212,10 @@ class Transformer(nn.Module):
     """model.py Transformer: the word embedding, the blocks, the final norm and the untied
     output layer; freqs_cis a buffer. ``checkpointing`` wraps each block as torchtitan's activation
     checkpointing does (distributed/activation_checkpoint.py: checkpoint_wrapper, non-reentrant,
-    preserve_rng_state=False), which keeps the block's input: 'full', or 'op', its per-op selective policy
-    (_apply_op_sac: with its context_fn and torchtitan's early_stop=False), whose cache the ledger is shown
-    after each block (the checkpoint's own saved-tensor hooks hide the rest of the block from it)."""
+    preserve_rng_state=False), which keeps the block's input: 'full'; 'every=N', its layer policy
+    (_apply_layer_sac: the blocks whose count from 1 N divides, the others not at all); or 'op', its per-op
+    selective policy (_apply_op_sac: with its context_fn and torchtitan's early_stop=False), whose cache the
+    ledger is shown after each block (the checkpoint's own saved-tensor hooks hide the rest of the block from it)."""
 
     def __init__(self, vocab: int, dim: int, layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  hidden_dim: int, max_seq_len: int, checkpointing: str = "none"):
@@ -225,16 +226,18 @@ class Transformer(nn.Module):
         self.norm = FusedRMSNorm(dim, "final_layernorm_input", "final_norm_statistics")
         self.output = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seq_len), persistent=False)
-        if checkpointing not in ("none", "full", "op"):
-            raise ValueError(f"checkpointing must be none, full or op, not {checkpointing!r}")
+        every = checkpointing.removeprefix("every=")
+        if checkpointing not in ("none", "full", "op") and not (every.isdecimal() and int(every) > 0):
+            raise ValueError(f"checkpointing must be none, full, every=N or op, not {checkpointing!r}")
         self.checkpointing = checkpointing
+        self.every = int(every) if every.isdecimal() else 1
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint
 
         h = self.tok_embeddings(tokens)
-        for block in self.layers:
-            if self.checkpointing == "full":
+        for count, block in enumerate(self.layers, start=1):
+            if self.checkpointing == "full" or self.checkpointing.startswith("every=") and count % self.every == 0:
                 h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
                                preserve_rng_state=False)
             elif self.checkpointing == "op":

@@ -1,7 +1,8 @@
-"""torchtitan's per-op selective activation checkpointing (activation_checkpoint.mode "selective",
-selective_ac_option "op"; issue 30), torch-native's selective recompute: what each block's checkpoint keeps, by
-hand from torchtitan 018740b7's policy (distributed/activation_checkpoint.py, _apply_op_sac) and save list
-(models/llama3/infra/parallelize.py, _op_sac_save_list), and what is refused.
+"""torchtitan's selective activation checkpointing (activation_checkpoint.mode "selective"; issue 30), torch-native's
+selective recompute: with selective_ac_option "op", what each block's checkpoint keeps, by hand from torchtitan
+018740b7's policy (distributed/activation_checkpoint.py, _apply_op_sac) and save list (models/llama3/infra/
+parallelize.py, _op_sac_save_list); with a number N, which blocks it checkpoints (_apply_layer_sac); and what is
+refused.
 
 The policy saves the outputs of the listed ops a block runs, but every second matmul: of wq, wk, wv, wo, w1, w3, w2
 (model.py's order) the 1st, 3rd, 5th and 7th: wq's, wv's, w1's and w2's; SDPA's output and log-sum-exp; under
@@ -105,8 +106,10 @@ def test_its_one_value_reads_and_writes_torchtitans_words():
 
 @pytest.mark.parametrize("run, architecture, message", [
     ({"recompute": "selective"}, {"implementation": "torch-native"}, "give its option, --selective-ac-option op"),
-    ({"recompute": "selective", "selective_ac_option": "2"}, {"implementation": "torch-native"},
-     "layer option .* is not modelled yet"),
+    ({"recompute": "selective", "selective_ac_option": "0"}, {"implementation": "torch-native"},
+     "positive whole number N .* which is --recompute full"),
+    ({"recompute": "selective", "selective_ac_option": "layer"}, {"implementation": "torch-native"},
+     "give op .* or a positive whole number"),
     ({"recompute": "full", "selective_ac_option": "op"}, {"implementation": "torch-native"},
      "give --recompute selective"),
     ({"recompute": "selective", "selective_ac_option": "op"}, {}, "--implementation megatron has no such option"),
@@ -129,3 +132,45 @@ def test_the_cli_names_the_run_and_its_rows():
     refused = CliRunner().invoke(cli, ["estimate", "--model", "llama-3.1-8b", "--selective-ac-option", "op",
                                        "--recompute", "selective"])
     assert refused.exit_code == 2 and "no such option" in refused.output
+
+
+# A block of Llama 3.1 8B kept whole under torch-native at t = 1, b = 1 (s = 8192, h = 4096, a = 32, f = 14,336): six
+# 2sh tensors (the two norms' inputs, the gathered inputs of wq/wk/wv and of w1/w3, the rotated q, SDPA's output),
+# k and v repeated to a heads 2 x 2sh, the two norms' fp32 rstd 2 x 4s, the log-sum-exp 4as, w1's and w3's outputs
+# 2 x 2sf, silu's output 2sf and w2's input 2sf
+WHOLE_8B = 6 * 2 * S * 4096 + 2 * 2 * S * 4096 + 2 * 4 * S + 4 * 32 * S + 4 * 2 * S * 14336
+
+
+@pytest.mark.parametrize("n, checkpointed", [(2, 16), (3, 10)])
+def test_the_layer_option_checkpoints_every_nth_block(n, checkpointed):
+    """selective_ac_option N: _apply_layer_sac counts the blocks from 1 and wraps those the count divides by N in
+    full checkpointing, the rest not at all: of 32, 16 at N = 2 and 10 at N = 3, each keeping its input (2sh), the
+    others the whole block (1,477,509,120 B)."""
+    assert WHOLE_8B == 1_477_509_120
+    est = estimate(_llama("llama-3.1-8b", 8, selective_ac_option=str(n)))
+    assert est.run.layers_bytes == checkpointed * 2 * S * 4096 + (32 - checkpointed) * WHOLE_8B
+    rows = {row.term.name: row.count for row in est.run_terms if row.term.scope.value == "layer"}
+    assert rows["layer_input_checkpoint"] == checkpointed and rows["swiglu_input"] == 32 - checkpointed
+    assert est.spec.run.policy.label == f"selective:every={n}"
+
+
+def test_the_last_block_reruns_only_where_n_divides_the_layers():
+    """At N = 2 block 32 is checkpointed: the last block's backward reruns it beside every activation; at N = 3 it
+    is kept whole (32 is not a multiple of 3): no rerun there, its own backward moments instead (the SwiGLU's)."""
+    def last_block(n):
+        return {moment.name: {row.name for row in moment.parts}
+                for moment in estimate(_llama("llama-3.1-8b", 8, selective_ac_option=n)).run.moments}["last_block"]
+
+    assert "rematerialised" in last_block("2")
+    assert "rematerialised" not in last_block("3")
+
+
+def test_the_layer_option_is_one_value_too():
+    policy = RecomputePolicy.parse("selective:every=2")
+    assert policy == RecomputePolicy(Recompute.FULL, method="every", layers=2) == RecomputePolicy.of_run(
+        "selective", option="2")
+    assert policy.partial and policy.word == "every=2" and policy.megatron_flags == ""
+    assert policy.run_values == {"recompute": "selective", "recompute_modules": None, "recompute_method": None,
+                                 "recompute_layers": None, "selective_ac_option": "2"}
+    with pytest.raises(SpecError, match="selective:every=N"):
+        RecomputePolicy.parse("full:every=2")        # Megatron's --recompute-method has no such method

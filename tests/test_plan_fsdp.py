@@ -110,8 +110,8 @@ def test_a_preset_of_fsdp2_plans_and_one_of_hsdp_is_refused(tmp_path):
 def test_every_fsdp_row_of_a_small_sweep_is_the_estimate():
     """Each FSDP2 row of a torch-native sweep (h = 64, 4 heads in 2 groups, v = 1000 that t does not divide, 3
     layers, 8 GPUs, a global batch of 16: t = 1 or 2, so d = 8 or 4, b = 1 or 2, so one, two or four microbatches,
-    no recompute and full, SP on and off at t = 2: 12 rows) is `estimate`'s run to the byte: state, total and
-    peak."""
+    no recompute, full and torchtitan's per-op checkpointing, SP on and off at t = 2: 18 rows) is `estimate`'s run
+    to the byte: state, total and peak."""
     from actmem.memory.estimate import estimate
     from actmem.model.spec import Model, build_spec
     from tests.conftest import plan_row_run
@@ -124,7 +124,8 @@ def test_every_fsdp_row_of_a_small_sweep_is_the_estimate():
                       reserve_bytes=GIB // 8, architecture=Architecture(**flash), max_micro_batch=2)
     rows = plan(req).evaluated
     sharded = rows[rows.fsdp]
-    assert len(sharded) == 12 and set(sharded.n) == {1, 2, 4} and set(sharded.recompute) == {"none", "full"}
+    assert len(sharded) == 18 and set(sharded.n) == {1, 2, 4}
+    assert set(sharded.recompute) == {"none", "full", "selective:op"}
     for row in sharded.itertuples():
         spec = build_spec(vars(model), plan_row_run(row, gpus=8, global_batch=16), architecture=flash,
                           gpu_memory_bytes=GIB, reserve_bytes=GIB // 8)

@@ -196,7 +196,8 @@ def test_the_planner_sweeps_every_recompute_module_under_flash_with_rope():
     from tests.test_plan import request
 
     evaluated = plan(request("530b")).evaluated
-    assert set(evaluated.recompute) == set(PLAN_RECOMPUTE) | {"full:block"}    # the eager core: all five
+    # the eager core: all five of Megatron's (torchtitan's per-op checkpointing is torch-native's)
+    assert set(evaluated.recompute) == set(PLAN_RECOMPUTE) - {"selective:op"} | {"full:block"}
     for name in ("selective:mlp", "selective:core_attn+mlp"):   # the MLP keeps fc1_input there
         for row in evaluated[evaluated.recompute == name].head(3).itertuples():
             run = dict(tensor_parallel=row.t, pipeline_parallel=row.p, interleave=row.m, micro_batch=row.b,

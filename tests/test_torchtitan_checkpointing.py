@@ -174,3 +174,39 @@ def test_the_layer_option_is_one_value_too():
                                  "recompute_layers": None, "selective_ac_option": "2"}
     with pytest.raises(SpecError, match="selective:every=N"):
         RecomputePolicy.parse("full:every=2")        # Megatron's --recompute-method has no such method
+
+
+def test_its_rerun_flops_are_the_three_matmuls_it_does_not_cache():
+    """The per-op rerun runs again only the matmuls its policy does not cache, wk's, wo's and w3's (2·h·(gd + ad + f)
+    FLOPs a token a layer: 2·4096·(1024 + 4096 + 14,336) = 159,383,552 for Llama 3.1 8B), and no attention scores
+    (SDPA is cached); full recompute reruns every layer's matmuls and scores."""
+    from actmem.planner.flops import _parts, hardware_parts
+
+    preset = load_preset("llama-3.1-8b")
+    arch = build_spec(preset.model, {}, architecture=preset.architecture | {"implementation": "torch-native"}
+                      ).architecture
+    B, s, L, h, v = 16, S, 32, 4096, 128_256
+    layers, scores, logits = _parts(B, s, L, h, v, arch, 32)
+    op = hardware_parts(B, s, L, h, v, Recompute.FULL, arch, 32, ops=True)
+    assert op == (3 * layers + B * s * L * 159_383_552, 3 * scores, 3 * logits)
+    assert hardware_parts(B, s, L, h, v, Recompute.FULL, arch, 32) == (4 * layers, 4 * scores, 3 * logits)
+
+
+def test_the_planner_sweeps_it_under_torch_native_and_ranks_torchtitans_config_first():
+    """torchtitan's Llama 3 8B on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md, Table 1: FSDP over 8, t = 1,
+    local batch 2, global 16, selective op checkpointing; llama3_8b.toml: the same at local batch 1) is among the
+    planner's first three for its cluster and batch, both its batches; and Megatron's sweep has no such choice."""
+    from actmem.model.architecture import Architecture
+    from actmem.model.hardware import GPUS
+    from actmem.model.spec import Model
+    from actmem.planner.plan import PlanRequest, config_label, plan, unmodelled_recompute
+
+    preset = load_preset("llama-3.1-8b")
+    request = PlanRequest(model=Model(**preset.model), gpus=8, global_batch=16, gpu=GPUS["h100"],
+                          gpu_memory_bytes=GPUS["h100"].memory_bytes,
+                          architecture=Architecture(**preset.architecture | {"implementation": "torch-native"}))
+    top = [config_label(row) for row in plan(request).fitting.head(3).itertuples()]
+    assert "t=1 p=1 m=1 b=2 nosp op fsdp" in top and "t=1 p=1 m=1 b=1 nosp op fsdp" in top, top
+    megatron = PlanRequest(model=Model(**preset.model), gpus=8, global_batch=16, gpu=GPUS["h100"],
+                           gpu_memory_bytes=GPUS["h100"].memory_bytes, architecture=Architecture(**preset.architecture))
+    assert "selective:op" in unmodelled_recompute(megatron) and "selective:op" not in unmodelled_recompute(request)

@@ -76,10 +76,12 @@ BASELINE = BY_NAME["tp"]
 
 #: The recompute choices the planner sweeps, by their labels: Megatron's three granularities
 #: (selective of the attention core, the paper's), and selective recompute of the MLP beside
-#: the core or alone (--recompute-modules core_attn mlp, or mlp).
+#: the core or alone (--recompute-modules core_attn mlp, or mlp); and torch-native's selective,
+#: torchtitan's per-op checkpointing (selective:op), where the implementation has it (each
+#: implementation's unmodelled_recompute leaves out the others).
 PLAN_RECOMPUTE = {policy.label: policy for policy in (
     NONE, SELECTIVE, RecomputePolicy(Recompute.SELECTIVE, frozenset({"core_attn", "mlp"})),
-    RecomputePolicy(Recompute.SELECTIVE, frozenset({"mlp"})), FULL)}
+    RecomputePolicy(Recompute.SELECTIVE, frozenset({"mlp"})), FULL, OP_CHECKPOINTING)}
 
 #: The planner's family of full recompute of the first N layers of each chunk (Megatron's
 #: --recompute-method block; N is the row's recompute_layers): not swept as the others are,

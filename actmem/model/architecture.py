@@ -372,8 +372,10 @@ class Architecture:
         """{recompute mode: why actmem does not model it for this architecture}; selective
         recompute of ``modules`` (None: core_attn, Megatron's default), or with torchtitan's
         selective_ac_option ``option`` ('op': its per-op checkpointing, where the code runs it)."""
-        if option is not None and self.code.op_checkpointing:
-            return {}
+        if option is not None:
+            return {} if self.code.op_checkpointing else {
+                "selective": f"torchtitan's selective checkpointing (selective_ac_option {option}) is torch-native's; "
+                             f"--implementation {self.code.name} has no such option"}
         if self.code.full_recompute is not None:
             return {"selective": self.code.selective_recompute or self.code.full_recompute,
                     "full": self.code.full_recompute}

@@ -232,7 +232,14 @@ def mlp_forward_flops(B, s, L, h, arch=PAPER):
     return 2.0 * B * s * L * mlp_weights(h, arch)
 
 
-def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
+def op_rerun_flops(B, s, L, h, arch=PAPER, heads=None):
+    """One forward of what torchtitan's per-op checkpointing reruns of a block's matmuls: those its policy does not
+    cache, the 2nd, 4th and 6th (wk, wo, w3: 2·B·s·L·(h·gd + ad·h + h·f)); the attention core is cached (SDPA is
+    in its list), so its scores are not rerun (actmem.memory.terms: OP_CHECKPOINT_TERMS)."""
+    return 2.0 * B * s * L * h * (arch.kv_width(h, heads) + arch.attention_width(h, heads) + arch.ffn(h))
+
+
+def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES, ops=False):
     """What the GPUs really compute, recomputation included (the paper's appendix).
 
     selective of the attention core: the paper counts the attention-score part again,
@@ -240,15 +247,17 @@ def hardware_flops(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, 
     overheads and the HFU column of Table 5; of the MLP (``modules``, --recompute-modules):
     one more forward of its matmuls, as full recompute counts its rerun. full: one more
     forward of every layer, not of the logits: 8·B·s·L·W + 16·B·s²·L·h + 6·B·s·h·v, the
-    appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)).
+    appendix's 96BsLh²·(1 + s/(6h) + v/(16hL)). ``ops``: torchtitan's per-op checkpointing (op_rerun_flops).
     """
-    return sum(hardware_parts(B, s, L, h, v, recompute, arch, heads, modules))
+    return sum(hardware_parts(B, s, L, h, v, recompute, arch, heads, modules, ops))
 
 
-def hardware_parts(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES):
+def hardware_parts(B, s, L, h, v, recompute: Recompute, arch=PAPER, heads=None, modules=DEFAULT_MODULES, ops=False):
     """hardware_flops by part: (the layers' matmuls, the attention scores, the logits), each with
     what recompute reruns of it; the planner times each at its own kernels' speed."""
     layers, scores, logits = _parts(B, s, L, h, v, arch, heads)
+    if ops:
+        return 3 * layers + op_rerun_flops(B, s, L, h, arch, heads), 3 * scores, 3 * logits
     if recompute is Recompute.NONE:
         return 3 * layers, 3 * scores, 3 * logits
     if recompute is Recompute.SELECTIVE:
@@ -275,7 +284,9 @@ def flops_report(model, global_batch: int, gpus: int | None, peak_flops: float,
     if seconds is not None:
         report["mfu"] = utilization(flops, seconds, gpus, peak_flops)
     for name, choice in PLAN_RECOMPUTE.items():
-        hardware = hardware_flops(**dims, recompute=choice.granularity, modules=choice.modules)
+        if choice.ops and not arch.code.op_checkpointing:        # torchtitan's, torch-native's alone
+            continue
+        hardware = hardware_flops(**dims, recompute=choice.granularity, modules=choice.modules, ops=choice.ops)
         row = {"recompute": name, "hardware_flops": hardware, "overhead": hardware / flops - 1}
         if seconds is not None:
             row["hfu"] = utilization(hardware, seconds, gpus, peak_flops)

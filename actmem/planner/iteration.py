@@ -24,7 +24,7 @@ def compute_seconds(B, s, L, h, v, recompute, gpus, peak_flops, efficiency, arch
     of what the recompute choice reruns, the part run (Megatron's block method: N of a chunk's
     layers)."""
     plain = hardware_parts(B, s, L, h, v, Recompute.NONE, arch, heads)
-    chosen = [hardware_parts(B, s, L, h, v, choice.granularity, arch, heads, choice.modules)
+    chosen = [hardware_parts(B, s, L, h, v, choice.granularity, arch, heads, choice.modules, choice.ops)
               for choice in PLAN_CHOICES.values()]
     parts = [base + share * (sum((recompute == name) * rerun[part] for name, rerun in zip(PLAN_CHOICES, chosen)) - base)
              for part, base in enumerate(plain)]
@@ -156,7 +156,11 @@ def tensor_parallel_seconds(s, b, h, stage_layers, t, n, recompute, bandwidth, s
 
 
 def _rerun_collectives(choice, mlp_share=1):
-    """Forward collectives of a layer that recompute runs again."""
+    """Forward collectives of a layer that recompute runs again: torchtitan's per-op checkpointing caches the
+    reduce-scatters and reruns the all-gathers, half of each (sequence parallelism's, which torchtitan's plan
+    always has; under plain TP it would rerun the all-reduces whole)."""
+    if choice.ops:
+        return (1 + mlp_share) / 2
     if choice.granularity is Recompute.FULL:
         return 1 + mlp_share
     return mlp_share * int(choice.granularity is Recompute.SELECTIVE and "mlp" in choice.modules)
@@ -168,7 +172,7 @@ def context_parallel_seconds(s, b, stage_layers, t, c, n, recompute, kv_width, b
     again, 3 x (c - 1) in all (4 with full recompute's second forward). Not overlapped with
     the attention here, though TE overlaps it."""
     passes = 3 + share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
-                             if choice.granularity is Recompute.FULL)
+                             if choice.granularity is Recompute.FULL and not choice.ops)
     volume = n * stage_layers * passes * (c - 1) * 2 * ACTIVATION_BYTES * s * b * kv_width / t
     return volume / bandwidth
 
@@ -243,7 +247,7 @@ def expert_parallel_seconds(s, b, h, stage_layers, t, ep, etp, n, k, dispatcher,
     (dispatch and combine) and again backward (their gradients), and once more forward under full recompute
     (its second forward). Not overlapped here, though Megatron can overlap it (--overlap-moe-expert-parallel-comm)."""
     passes = 4 + 2 * share * sum(recompute == name for name, choice in PLAN_CHOICES.items()
-                                 if choice.granularity is Recompute.FULL)
+                                 if choice.granularity is Recompute.FULL and not choice.ops)
     tokens = s * b / t
     rows = (k * tokens * ((ep - 1) / ep + (etp - 1)) if dispatcher == "alltoall"
             else tokens * (etp * ep - 1))

@@ -211,8 +211,9 @@ def _switches(req: PlanRequest) -> pd.DataFrame:
     """SP, recompute (techniques.PLAN_RECOMPUTE) and the distributed optimizer: 20 combinations; without
     the MLP's recompute where every layer is a mixture of experts (the mlp module leaves a MoE layer whole:
     the same rows as without it)."""
-    choices = [name for name, choice in PLAN_RECOMPUTE.items()
-               if not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
+    unmodelled = unmodelled_recompute(req)           # the rules would drop them: not made at all
+    choices = [name for name, choice in PLAN_RECOMPUTE.items() if name not in unmodelled
+               and not (req.architecture.moe and not mixed(req) and "mlp" in choice.modules)]
     return (_frame("sequence_parallel", [False, True])
             .merge(_frame("recompute", choices), how="cross")
             .merge(_frame("distributed_optimizer", [False, True]), how="cross"))
@@ -306,9 +307,11 @@ def unmodelled_recompute(req: PlanRequest) -> dict:
     """{recompute choice: why actmem does not model it here}, by the sweep's names."""
     unmodelled = {}
     for name, choice in PLAN_RECOMPUTE.items():
-        why = req.architecture.unmodelled_recompute(req.model.heads, choice.run_values["recompute_modules"])
-        if choice.granularity.value in why:
-            unmodelled[name] = why[choice.granularity.value]
+        values = choice.run_values             # torchtitan's per-op checkpointing: its selective with its option
+        why = req.architecture.unmodelled_recompute(req.model.heads, values["recompute_modules"],
+                                                    values.get("selective_ac_option"))
+        if values["recompute"] in why:
+            unmodelled[name] = why[values["recompute"]]
     return unmodelled
 
 

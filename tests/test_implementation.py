@@ -104,7 +104,7 @@ def test_the_vocabulary_is_not_padded_under_dtensor():
     (("--model", "llama-3.1-8b", "--implementation", "torch-native", "--swiglu", "--activation", "gelu"),
      "disagree"),
     (TORCH_NATIVE + ("--cp", "2"), "context parallelism (c = 2) is not modelled for --implementation torch-native"),
-    (TORCH_NATIVE + ("--recompute", "selective"), "torchtitan's selective activation checkpointing"),
+    (TORCH_NATIVE + ("--recompute", "selective"), "is not torchtitan's selective checkpointing, which actmem models given its option"),
     (TORCH_NATIVE + ("--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
      "partial full recompute"),
     (TORCH_NATIVE + ("--make-vocab-size-divisible-by", "64"), "pads none"),

@@ -105,7 +105,7 @@ def test_its_one_value_reads_and_writes_torchtitans_words():
 
 
 @pytest.mark.parametrize("run, architecture, message", [
-    ({"recompute": "selective"}, {"implementation": "torch-native"}, "give its option, --selective-ac-option op"),
+    ({"recompute": "selective"}, {"implementation": "torch-native"}, "given its option: --selective-ac-option op"),
     ({"recompute": "selective", "selective_ac_option": "0"}, {"implementation": "torch-native"},
      "positive whole number N .* which is --recompute full"),
     ({"recompute": "selective", "selective_ac_option": "layer"}, {"implementation": "torch-native"},

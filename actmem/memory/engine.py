@@ -171,7 +171,8 @@ def rematerialised_bytes(technique: Technique, arch: Architecture = PAPER, group
                                            _rerun_copies(term, technique, arch, module) for term in layer_terms(arch)))
     # under torchtitan's per-op checkpointing (torch-native, whose norm keeps its input) every row the checkpoint
     # keeps is one of the rerun's layer (the cached attention and gate outputs, handed back to it) or one the rerun
-    # frees before its end (the other cached matmul outputs, the reduce-scatters'): the layer less all of them
+    # frees once it has used it (the other cached matmul outputs, the reduce-scatters'): the layer less all of them.
+    # The rerun's own forward transients (rope's fp32 copies, w2's partial sums beside the last add) are not counted
     layer, kept = per_layer_bytes(technique.whole(), arch), per_layer_bytes(technique, arch)
     kept = kept if keeps_norm_input(arch) else 0
     output = term_bytes(RERUN_OUTPUT, technique, arch)

@@ -178,7 +178,7 @@ OP_CHECKPOINT_TERMS = (
          "... wv's, the third (2sb·gd, g groups wide: repeat_kv copies it or views it)", op_checkpointing,
          op_saved=True),
     Term("gate_projection_output", _sbf(1), Region.BLOCK, frozenset(), Scope.LAYER,
-         "... w1's, the fifth (2sbf): silu's input, half of what the SwiGLU keeps without checkpointing",
+         "... w1's, the fifth (2sbf): silu's input, half of the swiglu_input row",
          op_checkpointing, op_saved=True),
     Term("fc2_partial_output", A16 * _sbh, Region.REPLICATED, frozenset(), Scope.LAYER,
          "... w2's, the seventh (2sbh): under tensor parallelism its partial sums, before the reduce-scatter (or "

@@ -461,8 +461,8 @@ IMPLEMENTATIONS = {
         runs=frozenset({"tensor", "fsdp"}),
         unpadded_vocab="DTensor shards the vocabulary unevenly", dropped_settings=_NOT_MEGATRON,
         notes=("torch-native: torchtitan's Llama 3 block (commit 018740b7) under parallelize_module with "
-               "its plan: PrepareModuleInput all-gathers each norm's output, and wq, wk, wv (and w1, w3) "
-               "keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "
+               "its plan, as it keeps it without checkpointing: PrepareModuleInput all-gathers each norm's output, "
+               "and wq, wk, wv (and w1, w3) keep that gathered (s, b, h) input, not the shard Megatron keeps; repeat_kv copies k and v "
                "to a/t heads unless g = t; the unfused SwiGLU keeps silu's output; the rotation keeps only "
                "the model's table; the norms are counted as the GPU's fused RMSNorm keeps them (16-bit "
                "input, fp32 rstd), not as torch's CPU decomposition (fp32 copies)",
@@ -475,10 +475,10 @@ IMPLEMENTATIONS = {
                "loss_parallel) the fp32 log-softmax of its vocabulary shard; int64 token ids and targets "
                "(8 B a token each, whole on every rank) are not counted; the loss's backward holds fp32 "
                "gradients of the logits, 8sbv at t = 1, 12sbv/t under loss_parallel"),
-        selective_recompute="torchtitan's selective activation checkpointing is not Megatron's core_attn recompute: "
-                            "give its option, --selective-ac-option op (its per-op policy, which keeps the outputs of "
-                            "chosen ops) or N (a block checkpointed whole every N: its default, 2), or choose none or "
-                            "full",
+        selective_recompute="Megatron's selective recompute (core_attn, mlp, ...) is not torchtitan's selective "
+                            "checkpointing, which actmem models given its option: --selective-ac-option op (its "
+                            "per-op policy, which keeps the outputs of chosen ops) or N (a block checkpointed whole "
+                            "every N: its default, 2); or choose none or full",
         op_checkpointing=True),
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "

@@ -653,9 +653,9 @@ class Values:
     recompute_shape: object = None
     """(--recompute-method, --recompute-num-layers) where either is given."""
     recompute_modules: object = None
+    """--recompute-modules, where given."""
     selective_ac_option: object = None
     """torchtitan's selective_ac_option (--selective-ac-option), where given."""
-    """--recompute-modules, where given."""
     offload_layers: object = 0
     """N of --cpu-offloading-num-layers: layers whose saved activations go to host memory (0: none)."""
     fsdp: object = False

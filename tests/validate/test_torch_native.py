@@ -183,7 +183,7 @@ def test_per_op_checkpointing_kept_otherwise_turns_the_gate_red(monkeypatch, inj
     else:
         def every_mm(caches):
             caching, cached = create_selective_checkpoint_contexts(sorted(listed, key=str))
-            caches.append(caching.storage)
+            caches.append(caching)
             return caching, cached
 
         monkeypatch.setattr(torchtitan, "op_sac_contexts", every_mm)

@@ -448,10 +448,11 @@ def torch_native_presets(techniques=("tp-sp", "tp-sp-full", op_checkpointing(Tru
 
 def fsdp_presets() -> list[Config]:
     """Llama 3.1 8B under FSDP2 as torchtitan applies it, the whole model, one microbatch: on 8 GPUs (d = 8, no
-    recompute: the loss's backward is the peak) and on 16 at t = 8 with SP (d = 2, the loss under loss_parallel)."""
+    recompute: the loss's backward is the peak; and with torchtitan's per-op checkpointing, its llama3_8b.toml) and
+    on 16 at t = 8 with SP (d = 2, the loss under loss_parallel)."""
     preset = load_preset("llama-3.1-8b")
     configs = []
-    for gpus, t, technique in ((8, 1, "none"), (16, 8, "tp-sp")):
+    for gpus, t, technique in ((8, 1, "none"), (8, 1, op_checkpointing(False)), (16, 8, "tp-sp")):
         spec = build_spec(preset.model, {"gpus": gpus, "tensor_parallel": t, "sequence_parallel": t > 1, "fsdp": True},
                           name=f"{preset.name}-fsdp", architecture=preset.architecture | {"implementation": "torch-native"})
         configs += configs_for(spec, [technique], 1)

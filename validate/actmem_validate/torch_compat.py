@@ -218,6 +218,35 @@ class LiveBytes:
         return _Mode()
 
 
+def selective_checkpoint_cache(caching_mode) -> list:
+    """The tensors a selective checkpoint's caching mode holds for the rerun (torch.utils.checkpoint's
+    create_selective_checkpoint_contexts: the outputs of the ops its policy saves). Private: the mode's ``storage``,
+    in torch 2.13 {op: {call: its outputs, each in a _VersionWrapper (.val)}}, a marker where the op is recomputed;
+    older releases {op: [outputs]}."""
+    from torch.utils._pytree import tree_leaves
+
+    calls = caching_mode.storage.values()
+    entries = [entry for call in calls for entry in (call.values() if isinstance(call, dict) else call)]
+    values = [getattr(leaf, "val", leaf) for leaf in tree_leaves(entries)]
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
+def _probe_selective_checkpoint_cache():
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    modes = []
+
+    def contexts():
+        caching, cached = create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+        modes.append(caching)
+        return caching, cached
+
+    x = torch.randn(2, 2, requires_grad=True)
+    checkpoint(lambda a: (a @ a).sin(), x, use_reentrant=False, context_fn=contexts)
+    cached = selective_checkpoint_cache(modes[0])
+    assert len(cached) == 1 and cached[0].shape == (2, 2)
+
+
 def flash_rng_state(out: torch.Tensor) -> list:
     """The philox state SDPA's flash kernel saved for the backward of ``out``: on a GPU,
     flash_api.cpp's rng_state and its unused scalar (saved as rng_state and unused by torch
@@ -304,4 +333,5 @@ PROBES = {
     "TorchDispatchMode and storage weakrefs (LiveStorages)": _probe_live_storages,
     "Variable._execution_engine.run_backward (Megatron's custom_backward)": _probe_pipeline_backward,
     "SDPA flash backward node's _saved_rng_state / _saved_philox_* (flash_rng_state)": _probe_flash_rng_state,
+    "a selective checkpoint's caching mode's storage (selective_checkpoint_cache)": _probe_selective_checkpoint_cache,
 }

@@ -125,7 +125,8 @@ def _compare(config, rank: int, measured: dict, device: str = "cpu") -> list[dic
 
 
 def check_against_one_device(spec, rank: int) -> None:
-    """The parallel model gives the one-device model's loss and gradients, on real gloo ranks:
+    """The parallel model, checkpointed as the run is, gives the one-device model's loss and gradients, on real gloo
+    ranks:
     the weights of a block's attention and norm (a partial sum under SP, all-reduced), of the
     output layer and of the embedding. In fp32, so the tolerance can be tight in each
     gradient's own scale (bf16 sums of many tokens differ by their order alone)."""
@@ -135,8 +136,9 @@ def check_against_one_device(spec, rank: int) -> None:
     torch.manual_seed(1234)
     reference = build_model(replace(spec, run=replace(spec.run, recompute=Recompute.NONE, selective_ac_option=None)),
                             dtype=torch.float32)
-    parallel = parallelize_model(copy.deepcopy(reference), init_device_mesh("cpu", (spec.run.tensor_parallel,)),
-                                 spec.run.sequence_parallel)
+    twin = copy.deepcopy(reference)
+    twin.checkpointing = checkpointing(spec)            # the run's own checkpointing, rerun in its backward
+    parallel = parallelize_model(twin, init_device_mesh("cpu", (spec.run.tensor_parallel,)), spec.run.sequence_parallel)
     torch.manual_seed(99)
     tokens, labels = (torch.randint(0, spec.model.vocab, (spec.run.micro_batch, spec.model.seq_len)) for _ in "tl")
     expected = cross_entropy_loss(reference(tokens), labels)

@@ -28,6 +28,7 @@ from torch import nn
 
 from actmem_validate.fused import _Norm
 from actmem_validate.ledger import label, name_saved_output, record, scope
+from actmem_validate.torch_compat import selective_checkpoint_cache
 
 
 def precompute_freqs_cis(dim: int, end: int, theta: float = 500000.0) -> torch.Tensor:
@@ -173,10 +174,12 @@ def op_sac_save_list() -> set:
 
 
 def op_sac_contexts(caches: list):
-    """distributed/activation_checkpoint.py @018740b7, _apply_op_sac's context_fn, with no matmul shapes forced to
-    recompute (per_op_sac_force_recompute_mm_shapes_by_fqns, empty by default): save the listed ops' outputs but
-    every second mm's, counted apart in the forward and the rerun. ``caches`` gets each call's storage (the
-    tensors the checkpoint caches), which the ledger is shown (Transformer.forward)."""
+    """distributed/activation_checkpoint.py @018740b7, _apply_op_sac's context_fn: save the listed ops' outputs but
+    every second mm's. Its shapes forced to recompute (per_op_sac_force_recompute_mm_shapes_by_fqns, by default
+    ["moe.router.gate"]) match no linear of a dense Llama block, so that test is left out. Its counter keeps the
+    forward's and the rerun's apart; torch 2.13's rerun (_CachedTorchDispatchMode) no longer asks the policy, and
+    takes each call's cached outputs back in order. ``caches`` gets each call's caching mode, whose tensors the
+    ledger is shown (Transformer.forward)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     save_list, meta = op_sac_save_list(), defaultdict(int)
@@ -194,25 +197,16 @@ def op_sac_contexts(caches: list):
         return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
 
     caching, cached = create_selective_checkpoint_contexts(_custom_policy)
-    caches.append(caching.storage)
+    caches.append(caching)
     return caching, cached
-
-
-def cached_tensors(storage) -> list:
-    """The tensors a selective checkpoint's storage holds (torch 2.13: {op: {call: its outputs, each in a
-    _VersionWrapper}}; an op recomputed holds a marker)."""
-    from torch.utils._pytree import tree_leaves
-
-    leaves = [leaf for calls in storage.values() for entry in calls.values() for leaf in tree_leaves(entry)]
-    values = [getattr(leaf, "val", None) for leaf in leaves]
-    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 class Transformer(nn.Module):
     """model.py Transformer: the word embedding, the blocks, the final norm and the untied
     output layer; freqs_cis a buffer. ``checkpointing`` wraps each block as torchtitan's activation
     checkpointing does (distributed/activation_checkpoint.py: checkpoint_wrapper, non-reentrant,
-    preserve_rng_state=False), which keeps the block's input: 'full'; 'every=N', its layer policy
+    preserve_rng_state=False, and its config's early_stop=False: the rerun runs the whole block), which keeps the
+    block's input: 'full'; 'every=N', its layer policy
     (_apply_layer_sac: the blocks whose count from 1 N divides, the others not at all); or 'op', its per-op
     selective policy (_apply_op_sac: with its context_fn and torchtitan's early_stop=False), whose cache the
     ledger is shown after each block (the checkpoint's own saved-tensor hooks hide the rest of the block from it)."""
@@ -226,11 +220,16 @@ class Transformer(nn.Module):
         self.norm = FusedRMSNorm(dim, "final_layernorm_input", "final_norm_statistics")
         self.output = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seq_len), persistent=False)
-        every = checkpointing.removeprefix("every=")
-        if checkpointing not in ("none", "full", "op") and not (every.isdecimal() and int(every) > 0):
-            raise ValueError(f"checkpointing must be none, full, every=N or op, not {checkpointing!r}")
         self.checkpointing = checkpointing
-        self.every = int(every) if every.isdecimal() else 1
+        self.every                      # checked
+
+    @property
+    def every(self) -> int:
+        """N of 'every=N' (1 otherwise); a checkpointing named otherwise is refused."""
+        every = self.checkpointing.removeprefix("every=")
+        if self.checkpointing not in ("none", "full", "op") and not (every.isdecimal() and int(every) > 0):
+            raise ValueError(f"checkpointing must be none, full, every=N or op, not {self.checkpointing!r}")
+        return int(every) if every.isdecimal() else 1
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint
@@ -239,13 +238,13 @@ class Transformer(nn.Module):
         for count, block in enumerate(self.layers, start=1):
             if self.checkpointing == "full" or self.checkpointing.startswith("every=") and count % self.every == 0:
                 h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
-                               preserve_rng_state=False)
+                               preserve_rng_state=False, early_stop=False)
             elif self.checkpointing == "op":
                 caches = []
                 h = checkpoint(block, label(h, "layer_input_checkpoint"), self.freqs_cis, use_reentrant=False,
                                preserve_rng_state=False, early_stop=False,
                                context_fn=lambda: op_sac_contexts(caches))
-                for tensor in cached_tensors(caches[0]):
+                for tensor in selective_checkpoint_cache(caches[0]):
                     record(tensor)
             else:
                 h = block(h, self.freqs_cis)

@@ -78,6 +78,10 @@ def test_quoted_array_expansion_keeps_each_element_whole():
     ('V=(a b c)\npython t.py --v ${V[1]} --n ${#V[@]}\n', ["--v", "b", "--n", "3"]),
     # a command substitution either way is one placeholder word, named by its command
     ('python t.py --a `date +%s` --b $(nproc --all)\n', ["--a", "$(date…)", "--b", "$(nproc…)"]),
+    # an unset variable before text that would go on with its name keeps its braces: ${1}0 is not $10, ${A}_x not
+    # $A_x; where nothing could go on with it, as the script wrote it
+    ('python t.py --a ${1}0 --b "${A}_x" --c $A/x --d "$1"\n', ["--a", "${1}0", "--b", "${A}_x", "--c", "$A/x",
+                                                                   "--d", "$1"]),
     # the last line continued into the end of the file, as T5's example ends: bash ends the command there
     ('python t.py --a 1 \\\n    --b 2 \\\n', ["--a", "1", "--b", "2"]),
 ])

@@ -514,8 +514,23 @@ def _split(value: str) -> list[str]:
 
 
 def _joined(pieces) -> str:
+    """The pieces as one string, a placeholder where any is one. An unset variable's placeholder ``$1`` or ``$A``
+    before text that would go on with its name is written ``${1}``, ``${A}``, as the script wrote it: ``${1}0`` is
+    not ``$10``."""
+    pieces = [_braced(piece) if isinstance(piece, Unknown) and following[:1] and _NAME_CHAR.match(following) else piece
+              for piece, following in zip(pieces, [*pieces[1:], ""])]
     text = "".join(pieces)
     return Unknown(text) if any(isinstance(p, Unknown) for p in pieces) else text
+
+
+_NAME_CHAR = re.compile(r"[A-Za-z0-9_]")
+_BARE_VARIABLE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*|[0-9])$")
+
+
+def _braced(placeholder: "Unknown") -> "Unknown":
+    """``$NAME`` as ``${NAME}`` (another placeholder as it is)."""
+    bare = _BARE_VARIABLE.match(placeholder)
+    return Unknown(f"${{{bare.group(1)}}}") if bare else placeholder
 
 
 def _concatenated(parts: list[list[str]]) -> list[str]:

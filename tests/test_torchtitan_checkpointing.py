@@ -210,3 +210,27 @@ def test_the_planner_sweeps_it_under_torch_native_and_ranks_torchtitans_config_f
     megatron = PlanRequest(model=Model(**preset.model), gpus=8, global_batch=16, gpu=GPUS["h100"],
                            gpu_memory_bytes=GPUS["h100"].memory_bytes, architecture=Architecture(**preset.architecture))
     assert "selective:op" in unmodelled_recompute(megatron) and "selective:op" not in unmodelled_recompute(request)
+
+
+def test_explain_reads_the_op_choice_back_and_times_it_as_the_sweep_does():
+    """--explain 'op' is the sweep's row: its label, its run, and its time model's rerun (not full recompute's)."""
+    import json
+
+    args = ["plan", "--model", "llama-3.1-8b", "--implementation", "torch-native", "--gpus", "8", "--global-batch",
+            "16"]
+    sweep = CliRunner().invoke(cli, args + ["--top", "0", "--format", "json"])
+    row = next(r for r in json.loads(sweep.output)["best"] if r["config"] == "t=1 p=1 m=1 b=1 nosp op fsdp")
+    explained = CliRunner().invoke(cli, args + ["--explain", "t=1 p=1 m=1 b=1 op fsdp"])
+    assert explained.exit_code == 0, explained.output
+    text = " ".join(explained.output.split())
+    assert "t=1 p=1 m=1 b=1 nosp op fsdp" in text and "recompute selective:op" in text
+    assert f"iteration {row['iteration_s']:.3f}" in text
+
+
+@pytest.mark.parametrize("extra, said", [(["--format", "json"], "--format shapes"),
+                                         (["--top", "3", "--format", "csv"], "--format and --top shape")])
+def test_explain_refuses_the_tables_flags(extra, said):
+    """--explain prints one configuration on the terminal: a --format or --top beside it would be ignored."""
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "16",
+                                      "--explain", "t=1 p=1 m=1 b=1 full", *extra])
+    assert result.exit_code == 2 and said in result.output

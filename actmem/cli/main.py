@@ -239,8 +239,8 @@ def plan_options(command):
         option("--explain", "config", metavar="CONFIG", default=None,
                      help="Show one configuration in full, as the table prints it: "
                           "'t=8 p=8 m=3 b=1 sp sel' (recompute none, sel, sel+mlp, mlp, full or "
-                          "block=N; an uneven pipeline as p=7+8x14+7); what it leaves out comes from "
-                          "the preset."),
+                          "block=N, and op under torch-native; an uneven pipeline as p=7+8x14+7); what it leaves "
+                          "out comes from the preset. Shown on the terminal (not with --format or --top)."),
         option("--format", "fmt", type=click.Choice(["rich", "json", "csv"]), default="rich",
                      show_default=True, help="Output format."),
     ]
@@ -277,6 +277,13 @@ def plan(fmt, top, config, **flags):
 
     name, request, preset_run = plan_request(flags)
     if config is not None:
+        context = click.get_current_context()
+        ignored = [f"--{name}" for name in ("format", "top")
+                   if context.get_parameter_source("fmt" if name == "format" else name).name != "DEFAULT"]
+        if ignored:
+            raise SpecError(f"--explain shows one configuration in full on the terminal; {' and '.join(ignored)} "
+                            f"{'shape' if len(ignored) > 1 else 'shapes'} the sweep's table: drop "
+                            f"{'them' if len(ignored) > 1 else 'it'}")
         from actmem.planner.explain import explain, ranking
         from actmem.views.render_plan import render_explain
 

@@ -94,7 +94,7 @@ PLAN_CHOICES = PLAN_RECOMPUTE | {PLAN_BLOCK: RecomputePolicy(Recompute.FULL, met
 def sweep_name(policy: RecomputePolicy) -> str | None:
     """The planner's name for a policy's granularity and modules, its full recompute's method
     aside ('selective:mlp'); None for modules the planner does not sweep (layernorm)."""
-    name = RecomputePolicy(policy.granularity, policy.modules).label
+    name = RecomputePolicy(policy.granularity, policy.modules, ops=policy.ops).label
     return name if name in PLAN_RECOMPUTE else None
 
 

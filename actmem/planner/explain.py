@@ -211,4 +211,4 @@ def _taken_from_the_preset(config: str, run: dict, layers: int) -> tuple:
 def _policy(run: dict) -> RecomputePolicy:
     """The recompute policy of parsed run values."""
     return RecomputePolicy.of_run(Recompute(run["recompute"]), run.get("recompute_method"), run.get("recompute_layers"),
-                                  run.get("recompute_modules"))
+                                  run.get("recompute_modules"), run.get("selective_ac_option"))

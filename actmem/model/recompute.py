@@ -184,8 +184,8 @@ class RecomputePolicy:
 
     @property
     def run_values(self) -> dict:
-        """The Run's four settings (actmem.model.spec.Run), and torchtitan's option where it is its per-op
-        checkpointing (its selective mode with selective_ac_option op)."""
+        """The Run's four settings (actmem.model.spec.Run), and torchtitan's option where the policy is its
+        selective checkpointing (its selective mode with selective_ac_option op or N)."""
         option = OP if self.ops else str(self.layers) if self.method == "every" else None
         megatron = self.partial and not option
         values = {"recompute": Recompute.SELECTIVE.value if option else self.granularity.value,

@@ -154,3 +154,18 @@ def test_live_bytes_is_not_lowered_by_an_earlier_runs_garbage():
     assert live.peak - live.base == 4096
     assert gc.isenabled()
     del kept
+
+
+def test_fake_shortcuts_measure_what_the_skipped_ops_would(monkeypatch):
+    """A fake run skips the collectives over the fake process group and the in-place accumulations into main_grad
+    (torch_compat.fake_shortcut): they allocate nothing, so every row, the peak and each term's bytes, is the same
+    with them run, at t = 2 with SP and two microbatches through the fused weight-gradient GEMM."""
+    from actmem_validate import torch_compat
+    from actmem_validate.grid import configs_for, small_spec
+    from actmem_validate.launch import run_fake
+
+    config = configs_for(small_spec(2, 2, name="small"), ["tp-sp-sel"], 2)[0]
+    short = run_fake([config])
+    monkeypatch.setattr(torch_compat, "FAKE_SHORTCUTS", False)
+    assert run_fake([config]) == short
+    assert any(row["term"] == "peak" for row in short)

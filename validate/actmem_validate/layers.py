@@ -13,7 +13,7 @@ from actmem_validate.ledger import label
 from actmem_validate.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, \
     reduce_scatter_to_sequence_parallel_region
 from actmem_validate.parallel import TensorParallel, all_gather, all_reduce, reduce_scatter
-from actmem_validate.torch_compat import storage_key
+from actmem_validate.torch_compat import fake_shortcut, storage_key
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):
@@ -127,6 +127,13 @@ def accumulate_weight_gradient(weight, grad_2d, input_2d):
     if main_grad is None:
         return grad_2d.t() @ input_2d
     kind = (type(main_grad), main_grad.device.type, grad_2d.dtype)
+    if _FP32_ACCUMULATING_GEMM.get(kind) and fake_shortcut(main_grad):
+        # a fake run, the GEMM known to accumulate in place: it allocates nothing, and its out= dispatch is one of
+        # fake mode's dearest (about 2 ms, past its cache); its shapes are checked instead
+        if main_grad.shape != (grad_2d.shape[-1], input_2d.shape[-1]) or grad_2d.shape[0] != input_2d.shape[0]:
+            raise RuntimeError(f"weight gradient {tuple(grad_2d.shape)}ᵀ·{tuple(input_2d.shape)} does not fit "
+                               f"main_grad {tuple(main_grad.shape)}")
+        return None
     if _FP32_ACCUMULATING_GEMM.get(kind, True):
         try:
             torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
@@ -176,8 +183,8 @@ def _add_to_main_grad(param: torch.Tensor) -> None:
     """DDP's hook: add autograd's gradient in and drop it; a linear that accumulated into
     main_grad itself handed autograd a dummy, which is only dropped."""
     dummies = {storage_key(dummy) for dummy in _DUMMY_WGRADS.values()}
-    if param.grad is not None and storage_key(param.grad) not in dummies:
-        param.main_grad.add_(param.grad)
+    if param.grad is not None and storage_key(param.grad) not in dummies and not fake_shortcut(param.grad):
+        param.main_grad.add_(param.grad)          # in place (a fake run skips it: it allocates nothing)
     param.grad = None
 
 

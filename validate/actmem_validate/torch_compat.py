@@ -28,6 +28,26 @@ def fake_tensor_mode():
     return FakeTensorMode()
 
 
+FAKE_SHORTCUTS = True
+"""Whether fake runs skip the ops that allocate nothing and cost one of fake mode's dearest dispatches (a
+collective over the fake process group, which writes nothing; an in-place accumulation into main_grad): the same
+storages, fewer dispatches. tests/validate/test_torch_compat.py turns it off and compares the rows."""
+
+
+def fake_shortcut(tensor: torch.Tensor) -> bool:
+    """Whether to skip, for this tensor, an op that allocates nothing: a fake run's (FAKE_SHORTCUTS). Private:
+    torch._subclasses.fake_tensor.FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FAKE_SHORTCUTS and isinstance(tensor, FakeTensor)
+
+
+def _probe_fake_shortcut():
+    with fake_tensor_mode():
+        made = torch.empty(2)
+    assert fake_shortcut(made) and not fake_shortcut(torch.empty(2))
+
+
 def fake_store():
     """The store of the 'fake' process-group backend: one process plays rank 0 of t and
     every collective returns at once. Private: torch.testing._internal.distributed.fake_pg."""
@@ -334,4 +354,5 @@ PROBES = {
     "Variable._execution_engine.run_backward (Megatron's custom_backward)": _probe_pipeline_backward,
     "SDPA flash backward node's _saved_rng_state / _saved_philox_* (flash_rng_state)": _probe_flash_rng_state,
     "a selective checkpoint's caching mode's storage (selective_checkpoint_cache)": _probe_selective_checkpoint_cache,
+    "torch._subclasses.fake_tensor.FakeTensor (fake_shortcut)": _probe_fake_shortcut,
 }

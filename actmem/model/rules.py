@@ -397,8 +397,8 @@ RULES = (
                    f"positive whole number N (its layer policy: every N-th block checkpointed; torchtitan reads 0 as "
                    f"every block, which is --recompute full)", ("selective_ac_option",)),
     Rule(lambda v: v.recompute_modules is None,
-         lambda v: "--recompute-modules are Megatron's; torchtitan's per-op checkpointing (--selective-ac-option) "
-                   "keeps what its own list of ops makes: give one or the other",
+         lambda v: "--recompute-modules are Megatron's; torchtitan's selective checkpointing (--selective-ac-option) "
+                   "chooses by its own ops or layers: give one or the other",
          ("selective_ac_option", "recompute_modules")),
     Rule(lambda v: _learned_positions_reach(v.architecture, v.seq_len),
          lambda v: f"the learned position table has {v.architecture.position_rows:,} rows "

@@ -244,10 +244,10 @@ def _configs(grid, techniques, microbatches, flags):
                         f"on one data-parallel rank (--microbatches); drop {', '.join(ignored)}")
     shaped = any(name in given for name in ("--recompute-method", "--recompute-num-layers"))
     mode = "full" if shaped else "selective" if "--recompute-modules" in given else \
-        "op" if "--selective-ac-option" in given else None
+        "option" if "--selective-ac-option" in given else None
     # dims_only: the preset's gpus and global batch (and its kernels' rules at its own run) wait,
     # as validate measures one data-parallel rank of its own; configs_for checks each run whole
-    recompute = "selective" if mode == "op" else mode       # torchtitan's option refines its selective mode
+    recompute = "selective" if mode == "option" else mode   # torchtitan's option refines its selective mode
     spec = build_spec_from_flags(with_setting(flags, "recompute", recompute) if mode else flags, dims_only=True)
     if spec.architecture.moe:
         raise SpecError("validate measures mixture-of-experts layers with --grid moe (megatron-core's own "
@@ -262,7 +262,7 @@ def _configs(grid, techniques, microbatches, flags):
         chosen = grids.default_techniques(spec)
     else:
         chosen = grids.techniques_named([name.strip() for name in techniques.split(",") if name.strip()])
-    if mode == "op":          # torchtitan's option: the run's own policy, with and without SP where t > 1
+    if mode == "option":      # torchtitan's option: the run's own policy, with and without SP where t > 1
         chosen = grids.option_techniques(spec) if techniques is None else chosen
         others = [t.name for t in chosen if t.policy != spec.run.policy]
     else:

@@ -201,6 +201,14 @@ def op_sac_contexts(caches: list):
     return caching, cached
 
 
+def _every(checkpointing: str) -> int:
+    """N of 'every=N', 1 for none, full and op; anything else refused."""
+    every = checkpointing.removeprefix("every=")
+    if checkpointing not in ("none", "full", "op") and not (every.isdecimal() and int(every) > 0):
+        raise ValueError(f"checkpointing must be none, full, every=N or op, not {checkpointing!r}")
+    return int(every) if every.isdecimal() else 1
+
+
 class Transformer(nn.Module):
     """model.py Transformer: the word embedding, the blocks, the final norm and the untied
     output layer; freqs_cis a buffer. ``checkpointing`` wraps each block as torchtitan's activation
@@ -220,16 +228,13 @@ class Transformer(nn.Module):
         self.norm = FusedRMSNorm(dim, "final_layernorm_input", "final_norm_statistics")
         self.output = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(head_dim, max_seq_len), persistent=False)
+        _every(checkpointing)                      # a checkpointing named otherwise is refused here
         self.checkpointing = checkpointing
-        self.every                      # checked
 
     @property
     def every(self) -> int:
-        """N of 'every=N' (1 otherwise); a checkpointing named otherwise is refused."""
-        every = self.checkpointing.removeprefix("every=")
-        if self.checkpointing not in ("none", "full", "op") and not (every.isdecimal() and int(every) > 0):
-            raise ValueError(f"checkpointing must be none, full, every=N or op, not {self.checkpointing!r}")
-        return int(every) if every.isdecimal() else 1
+        """N of 'every=N' (1 otherwise)."""
+        return _every(self.checkpointing)
 
     def forward(self, tokens):
         from torch.utils.checkpoint import checkpoint

@@ -157,9 +157,11 @@ def test_live_bytes_is_not_lowered_by_an_earlier_runs_garbage():
 
 
 def test_fake_shortcuts_measure_what_the_skipped_ops_would(monkeypatch):
-    """A fake run skips the collectives over the fake process group and the in-place accumulations into main_grad
-    (torch_compat.fake_shortcut): they allocate nothing, so every row, the peak and each term's bytes, is the same
-    with them run, at t = 2 with SP and two microbatches through the fused weight-gradient GEMM."""
+    """A fake run skips the collectives over the fake process group, the in-place accumulations into main_grad,
+    dropout's and the softmax's in-place ops and a GEMM's views (torch_compat.fake_shortcut), makes a norm's most at
+    once as one transient, and counts storages inside fake mode's dispatch: every row, the peak and each term's
+    bytes, is the same with none of that, at t = 2 with SP and two microbatches through the fused weight-gradient
+    GEMM."""
     from actmem_validate import torch_compat
     from actmem_validate.grid import configs_for, small_spec
     from actmem_validate.launch import run_fake

@@ -12,8 +12,9 @@ import importlib.util
 import multiprocessing
 import os
 
-HARNESS = ("torch", "torch.distributed", "actmem_validate.measure")
-"""What every rank imports: the server imports it before its first fork."""
+HARNESS = ("torch", "torch.distributed", "torch._dynamo", "actmem_validate.measure")
+"""What every rank imports: the server imports it before its first fork. torch._dynamo: what a fake run's first
+FakeTensorMode imports (about 1.5 s)."""
 MEGATRON = ("megatron.core.models.gpt", "megatron.core.transformer.moe.moe_layer",
             "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.multi_latent_attention",
             "megatron.core.transformer.multi_token_prediction")

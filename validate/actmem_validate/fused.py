@@ -25,6 +25,8 @@ saves, and it saves nothing else.
 import torch
 from torch import nn
 
+from actmem_validate.torch_compat import fake_shortcut
+
 EPSILON = 1e-5
 
 
@@ -51,17 +53,20 @@ class _Norm(torch.autograd.Function):
         stats = dict(dtype=torch.float32, device=x.device)
         y, rsigma = torch.empty_like(x), torch.empty(*x.shape[:-1], 1, **stats)   # (..., 1) fp32
         mu = None if rms else torch.empty(*x.shape[:-1], 1, **stats)
-        x2, y2, r2, m2 = x.view(rows, hidden), y.view(rows, hidden), rsigma.view(rows, 1), \
-            (None if rms else mu.view(rows, 1))
-        for block in _blocks(rows, hidden):             # two fp32 blocks live at most
-            centred = x2[block].to(work, copy=True)
-            if not rms:
-                m2[block] = centred.mean(-1, keepdim=True)
-                centred.sub_(m2[block])
-            r2[block] = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPSILON)
-            out = centred.mul_(r2[block]).mul_(weight.to(work))
-            y2[block] = out if bias is None else out.add_(bias.to(work))
-            del centred, out                            # before the next block's copy
+        if fake_shortcut(x):                            # the loop's most at once, made and freed
+            torch.empty(_most_at_once(rows, hidden, backward=False), dtype=work, device=x.device)
+        else:
+            x2, y2, r2, m2 = x.view(rows, hidden), y.view(rows, hidden), rsigma.view(rows, 1), \
+                (None if rms else mu.view(rows, 1))
+            for block in _blocks(rows, hidden):         # two fp32 blocks live at most
+                centred = x2[block].to(work, copy=True)
+                if not rms:
+                    m2[block] = centred.mean(-1, keepdim=True)
+                    centred.sub_(m2[block])
+                r2[block] = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPSILON)
+                out = centred.mul_(r2[block]).mul_(weight.to(work))
+                y2[block] = out if bias is None else out.add_(bias.to(work))
+                del centred, out                        # before the next block's copy
         ctx.rms, ctx.has_bias = rms, bias is not None
         ctx.save_for_backward(x, weight, rsigma, *(() if rms else (mu,)))
         return y
@@ -74,25 +79,42 @@ class _Norm(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(hidden, dtype=work, device=x.device)
         grad_bias = torch.zeros(hidden, dtype=work, device=x.device) if ctx.has_bias else None
-        x2, g2, dx2, r2 = x.view(rows, hidden), grad.reshape(rows, hidden), grad_x.view(rows, hidden), \
-            rsigma.view(rows, 1)
-        for block in _blocks(rows, hidden):             # three fp32 blocks live at most
-            x_hat = x2[block].to(work, copy=True)
-            if not ctx.rms:
-                x_hat.sub_(mu[0].view(rows, 1)[block])
-            x_hat.mul_(r2[block])
-            g = g2[block].to(work, copy=True)
-            grad_weight += (g * x_hat).sum(0)
-            if grad_bias is not None:
-                grad_bias += g.sum(0)
-            g.mul_(weight.to(work))
-            projection = (g * x_hat).mean(-1, keepdim=True)
-            if not ctx.rms:
-                g.sub_(g.mean(-1, keepdim=True))
-            dx2[block] = g.sub_(x_hat.mul_(projection)).mul_(r2[block])
-            del x_hat, g                                # before the next block's copies
+        g2 = grad.reshape(rows, hidden)                 # a copy where grad is not contiguous, held to the end
+        if fake_shortcut(x):                            # the loop's most at once, made and freed
+            torch.empty(_most_at_once(rows, hidden, backward=True), dtype=work, device=x.device)
+        else:
+            x2, dx2, r2 = x.view(rows, hidden), grad_x.view(rows, hidden), rsigma.view(rows, 1)
+            for block in _blocks(rows, hidden):         # three fp32 blocks live at most
+                x_hat = x2[block].to(work, copy=True)
+                if not ctx.rms:
+                    x_hat.sub_(mu[0].view(rows, 1)[block])
+                x_hat.mul_(r2[block])
+                g = g2[block].to(work, copy=True)
+                grad_weight += (g * x_hat).sum(0)
+                if grad_bias is not None:
+                    grad_bias += g.sum(0)
+                g.mul_(weight.to(work))
+                projection = (g * x_hat).mean(-1, keepdim=True)
+                if not ctx.rms:
+                    g.sub_(g.mean(-1, keepdim=True))
+                dx2[block] = g.sub_(x_hat.mul_(projection)).mul_(r2[block])
+                del x_hat, g                            # before the next block's copies
         grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
         return grad_x, grad_weight.to(weight.dtype), grad_bias, None
+
+
+def _most_at_once(rows: int, hidden: int, backward: bool) -> int:
+    """Elements of fp32 work the loops above hold at most at once, by hand (tests/validate/test_fused_memory.py runs
+    both and compares). Forward: a block's copy, its square and their mean, 2n·h + n, the first block the largest.
+    Backward, block i: its two copies, a product and the larger of the product's column sum (h) or row mean (n_i),
+    beside the previous block's projection (n_(i-1)): 3n_i·h + max(h, n_i) + n_(i-1); the last projection outlives
+    the loop beside two h-wide casts, never more. A fake run makes this one
+    transient in the loops' place: their slices, views and in-place ops allocate nothing, and were the most of a
+    fake 530b run's dispatches (about 45% of a full-recompute technique's time)."""
+    sizes = [block.stop - block.start for block in _blocks(rows, hidden)]
+    if not backward:
+        return 2 * sizes[0] * hidden + sizes[0]
+    return max(3 * n * hidden + max(hidden, n) + previous for n, previous in zip(sizes, [0] + sizes))
 
 
 class _ScaledCausalSoftmax(torch.autograd.Function):
@@ -104,8 +126,10 @@ class _ScaledCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, scale: float):
         s = scores.shape[-1]
-        above = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)   # s² bytes, transient
-        probs = torch.softmax(scores.mul_(scale).masked_fill_(above, float("-inf")), dim=-1)
+        above = torch.ones(s, s, dtype=torch.bool, device=scores.device)   # s² bytes, transient
+        if not fake_shortcut(scores):          # in place: a fake run skips them, which allocate nothing
+            scores.mul_(scale).masked_fill_(above.triu_(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         ctx.scale = scale
         ctx.save_for_backward(probs)
         return probs
@@ -114,6 +138,8 @@ class _ScaledCausalSoftmax(torch.autograd.Function):
     def backward(ctx, grad):
         (probs,) = ctx.saved_tensors
         rows = torch.bmm(probs.view(-1, 1, probs.shape[-1]), grad.reshape(-1, probs.shape[-1], 1))
+        if fake_shortcut(grad):                # the rest is in place: a fake run skips it
+            return grad, None
         # p·(g - Σ p·g)·scale, written over the incoming gradient
         return grad.sub_(rows.view(*probs.shape[:-1], 1)).mul_(probs).mul_(ctx.scale), None
 

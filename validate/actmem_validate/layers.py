@@ -40,7 +40,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
             ctx.save_for_backward(*fp8_copy(x, fp8), weight)
         ctx.parameter = weight         # saved_tensors hands back a new tensor, without main_grad
         total = all_gather(x, tp) if gather else x         # (s, b, h): a transient
-        out = total @ weight.t()
+        out = _matmul(total, weight.t())
         return out if bias is None else out + bias
 
     @staticmethod
@@ -49,7 +49,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         total = all_gather(x, ctx.tp) if ctx.gather else x  # re-gathered, not stored
         if getattr(ctx.parameter, "unfused_wgrad", False):
             return _unfused_backward(ctx, grad, weight, total)
-        grad_input = grad @ weight
+        grad_input = _matmul(grad, weight)
         if ctx.gather:
             grad_input = reduce_scatter(grad_input, ctx.tp)  # (s/t, b, h)
         grad_weight = accumulate_weight_gradient(ctx.parameter, grad.flatten(0, -2), total.flatten(0, -2))
@@ -57,6 +57,17 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
             grad_weight = dummy_wgrad(ctx.parameter)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _matmul(a, b):
+    """a @ b, b a matrix, as torch.matmul folds it (a reshaped to rows, one mm) but ending in a view where matmul
+    ends in _unsafe_view, which fake mode's cache never holds. A fake run with a contiguous (reshaped as a view)
+    makes the product's storage only: mm and the views around it cost fake mode about 1 ms more a GEMM."""
+    if fake_shortcut(a) and a.is_contiguous():
+        if a.shape[-1] != b.shape[0] or a.dtype != b.dtype:
+            raise RuntimeError(f"mm of {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+        return torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,7 @@ def _unfused_backward(ctx, grad, weight, total):
     then the weight gradient, a 16-bit tensor of the weight's shape (the wgrad GEMM with no
     out), made while both of them and the gathered input are live; autograd hands it to DDP's
     hook, which adds it to main_grad and drops it (attach_main_grads)."""
-    full = grad @ weight
+    full = _matmul(grad, weight)
     grad_input = reduce_scatter(full, ctx.tp) if ctx.gather else full
     grad_weight = grad.flatten(0, -2).t() @ total.flatten(0, -2)
     del full
@@ -308,7 +319,9 @@ class _Dropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, p, term):
-        mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)    # 1 byte an element
+        mask = torch.empty_like(x, dtype=torch.bool)                          # 1 byte an element
+        if not fake_shortcut(mask):                   # in place: a fake run skips it, which allocates nothing
+            mask.bernoulli_(1.0 - p)
         label(mask, term)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(mask)

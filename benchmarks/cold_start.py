@@ -11,6 +11,7 @@ Usage: python benchmarks/cold_start.py --actmem /tmp/amvenv/bin/python --llm-ana
 import argparse
 import statistics
 import subprocess
+import tempfile
 import time
 
 #: the same run: MT-NLG 530B, t = 8, p = 35, SP, selective recompute, b = 1, A100 80GB
@@ -21,8 +22,10 @@ LLM_ANALYSIS = ["-m", "llm_analysis.analysis", "train", "--model_name", "megatro
 
 
 def seconds(command: list[str]) -> float:
+    """Wall seconds of a command run outside the checkout: `python -m actmem` there would import the checkout's
+    sources (compiled afresh each run where PYTHONDONTWRITEBYTECODE is set), not the venv's install."""
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(command, check=True, capture_output=True, cwd=tempfile.gettempdir())
     return time.perf_counter() - start
 
 

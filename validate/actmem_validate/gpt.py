@@ -262,9 +262,12 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :per_group].reshape(s, b, self.heads, d)
         if self.spec.attention_core != "eager":
             return self.projection(self._flash(q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1], mask))
-        # Megatron's local attention expands K and V to a heads (dot_product_attention.py:
-        # repeat_interleave makes copies), so both are as wide as Q: 2sb·ad/t each.
-        k, v = (qkv[:, :, :, per_group + i].repeat_interleave(per_group, dim=2) for i in (0, 1))
+        # Megatron's local attention expands K and V to a heads where a group has several
+        # (dot_product_attention.py: repeat_interleave makes copies, only when a/g > 1), so both
+        # are as wide as Q: 2sb·ad/t each.
+        k, v = (qkv[:, :, :, per_group + i] for i in (0, 1))
+        if per_group > 1:
+            k, v = (t.repeat_interleave(per_group, dim=2) for t in (k, v))
         # Copies: with one group a head, Megatron's q, k, v are views of the QKV output, saved
         # once with the same 6sb·ad/t bytes; separate storages let each be named after its own
         # term. (clone, not contiguous: a reshape already contiguous would stay a view.)

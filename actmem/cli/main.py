@@ -6,6 +6,8 @@ shows the traceback instead. A closed pipe (`actmem estimate | head`) ends quiet
 exit code 141, as a shell reports SIGPIPE, never with the 1 that means "nothing fits".
 """
 
+import functools
+import gc
 import math
 import os
 import sys
@@ -23,10 +25,38 @@ from actmem.model.hardware import DEFAULT_EFFICIENCY
 EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
+def _short_lived(command):
+    """A command that computes from the engine, prints and ends: the cyclic garbage collector is off while it runs.
+    What it makes lives until it ends anyway, and each collection walks every object alive, sympy's expressions and
+    caches the most: 0.1-0.15 s of a cold `actmem estimate --model 530b`'s 1.1-1.3 (benchmarks/cold_start.py).
+    validate and plot, which run long or hand memory to other libraries, keep it."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return command(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return run
+
+
 class OneLineErrors(click.Group):
     """Turn usage and spec errors into one line on stderr and exit code 2."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            self._main(args, prog_name, complete_var, **extra)
+        finally:
+            # what is alive at exit (sympy's expressions and caches above all) is frozen out of the collections the
+            # interpreter runs as it shuts down: 0.1-0.2 s of a cold `actmem estimate`'s 1.1-1.5 (atexit and
+            # weakref.finalize callbacks still run, before them)
+            gc.freeze()
+
+    def _main(self, args, prog_name, complete_var, **extra):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as error:     # `actmem` alone: the help
@@ -148,6 +178,7 @@ def cli():
 @option("--compare-implementations", "compare", is_flag=True,
               help="Add the same model and run under each implementation (Megatron, torch-native, "
                    "transformers eager and sdpa): per layer, per GPU, and whether it fits.")
+@_short_lived
 def estimate(fmt, stage_text, compare, **flags):
     """Activation, parameter and optimizer memory per GPU of a pipeline stage (the first).
 
@@ -188,6 +219,7 @@ def estimate(fmt, stage_text, compare, **flags):
 
 @cli.command()
 @option("--latex", is_flag=True, help="Print LaTeX lines (no table) to copy into a document.")
+@_short_lived
 def formulas(latex):
     """Table 2, Eqs 1-6 and the term table, as the engine composes them."""
     from actmem.views.render import render_formulas, render_formulas_latex
@@ -198,6 +230,7 @@ def formulas(latex):
 @cli.command()
 @option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
               show_default=True, help="Output format.")
+@_short_lived
 def presets(fmt):
     """The model presets, with the run each was trained with."""
     from actmem.sources.presets import all_presets
@@ -253,6 +286,7 @@ def plan_options(command):
 
 @cli.command()
 @plan_options
+@_short_lived
 def plan(fmt, top, config, **flags):
     """Choose t, c, p, m, b, sequence parallelism, recompute and the distributed optimizer.
 
@@ -362,6 +396,7 @@ def plan_request(flags: dict):
 @option("--peak-tflops", type=float, default=None, help="Override the GPU's peak, TFLOP/s.")
 @option("--format", "fmt", type=click.Choice(["rich", "json"]), default="rich",
               show_default=True, help="Output format.")
+@_short_lived
 def flops(fmt, iteration_time, peak_tflops, **flags):
     """FLOPs per iteration (the paper's appendix) and, given a time, MFU and HFU.
 

@@ -263,8 +263,10 @@ def _mla_core_output(technique: Technique) -> tuple:
 _TERM_INDEX = {term.name: i for i, term in enumerate(TERMS)}
 
 
+@cache
 def rows_after(module: str, arch: Architecture) -> int:
-    """Where the term table's rows after a recompute module's own begin."""
+    """Where the term table's rows after a recompute module's own begin (cached: asked for each moment of each
+    stage)."""
     return max((i + 1 for i, term in enumerate(TERMS) if reruns(module, term.module_of(arch))), default=len(TERMS))
 
 

@@ -596,11 +596,9 @@ def _run_defaults(flags: dict, preset, run: dict, architecture: dict, sweeping: 
             and run.get("global_batch") is not None):
         notes += (f"the preset's global batch {run.pop('global_batch')} left out: --gradient-accumulation-steps "
                   "sets it",)
-    if (code.name == "torch-native" and run.get("tensor_parallel", 1) > 1
-            and run.get("sequence_parallel") is None):
+    if code.sequence_parallel_default and run.get("tensor_parallel", 1) > 1 and run.get("sequence_parallel") is None:
         run["sequence_parallel"] = True
-        notes += ("sequence parallelism on: torchtitan's plan always has it under tensor parallelism (--no-sp for "
-                  "plain DTensor TP)",)
+        notes += (f"sequence parallelism on: {code.sequence_parallel_default}",)
     return notes
 
 

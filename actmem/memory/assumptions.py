@@ -202,12 +202,8 @@ def _every_layer_moe(arch: Architecture) -> bool:
 def _recompute_notes(spec: Spec) -> list:
     """What --recompute-modules other than Megatron's default does to the rows; transformers' checkpointing."""
     modules = spec.run.recompute_modules
-    if spec.architecture.implementation == "hf" and spec.run.recompute is Recompute.FULL:
-        return ["hf: full recompute is the Trainer's --activation_checkpointing (activation_checkpointing_enable, "
-                "no kwargs): torch's non-reentrant checkpoint of every layer, with early stop; each keeps its input, "
-                "and their closures the call's keywords once for all layers (the rotary tables, the position ids, "
-                "the eager core's mask); every_n_layers, offload and use_reentrant true are not modelled (the "
-                "reentrant one holds the rerun's output too, 2sbh)"]
+    if spec.architecture.code.full_recompute_note and spec.run.recompute is Recompute.FULL:
+        return [spec.architecture.code.full_recompute_note]
     if modules is None:
         return []
     notes = [f"selective recompute of {' and '.join(modules)} (Megatron's --recompute-modules)"

@@ -230,9 +230,6 @@ class Architecture:
             raise SpecError(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
         if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise SpecError(f"mtp_layers must be an integer >= 0, got {self.mtp_layers!r}")
-        if self.mtp_layers and self.implementation != MEGATRON:
-            raise SpecError(f"multi-token prediction is modelled as Megatron-Core runs it; --implementation "
-                            f"{self.implementation} has none")
         if self.rope_type is not None and self.rope_type not in ("rope", "yarn"):
             raise SpecError(f"rope_type must be rope or yarn; got {self.rope_type!r}")
         for name in ("bias", "tied_output", "rope_fusion", "qk_norm", "multi_latent_attention", "attention_mask", "masked_softmax_fusion",

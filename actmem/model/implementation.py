@@ -59,6 +59,11 @@ class Implementation:
     (actmem.model.recompute: selective:op); selective_recompute then says why plain selective is refused."""
     full_recompute: str | None = None
     """Why its full recompute is not modelled; None where it is."""
+    full_recompute_note: str | None = None
+    """What its full recompute is, where it is modelled and not Megatron's (an estimate's note)."""
+    sequence_parallel_default: str | None = None
+    """Why its tensor parallelism has sequence parallelism unless told otherwise (an estimate's note); None:
+    Megatron's, off unless --sequence-parallel."""
     notes: tuple = ()
     """What an estimate under this code says about it (its assumptions)."""
     models: tuple = ()
@@ -376,6 +381,12 @@ _HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_setti
            models=(_HF_QWEN2, _HF_LLAMA, _HF_QWEN3, _HF_GPT2, _HF_MIXTRAL, _HF_QWEN3_MOE, _HF_QWEN2_MOE),
            selective_recompute="transformers has no selective recompute: choose none or full (the Trainer's "
                                "activation checkpointing)",
+           full_recompute_note="hf: full recompute is the Trainer's --activation_checkpointing "
+                               "(activation_checkpointing_enable, no kwargs): torch's non-reentrant checkpoint of "
+                               "every layer, with early stop; each keeps its input, and their closures the call's "
+                               "keywords once for all layers (the rotary tables, the position ids, the eager core's "
+                               "mask); every_n_layers, offload and use_reentrant true are not modelled (the "
+                               "reentrant one holds the rerun's output too, 2sbh)",
            notes=("hf: int64 token ids and shifted labels (8 B a token each) are not counted; model state is "
                   "counted as mixed-precision Adam on one GPU (DDP) unless --zero-stage or --deepspeed prices "
                   "DeepSpeed's ZeRO (FSDP under accelerate is not modelled)",
@@ -397,7 +408,8 @@ _HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_setti
 #: - moe: its MoELayer (actmem.model.experts), the mixture of experts actmem models;
 #: - fp8: TE's FP8 linears (actmem.model.fp8).
 MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
-                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe", "fp8"})
+                           "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe", "fp8",
+                           "multi_token_prediction"})
 
 #: (what the code must have, whether the architecture uses it, the refusal where it does not)
 SWITCHES = (
@@ -414,6 +426,8 @@ SWITCHES = (
      "mixture-of-experts layers are modelled as Megatron-Core's MoELayer and as transformers' MixtralForCausalLM, "
      "Qwen3MoeForCausalLM and Qwen2MoeForCausalLM; --implementation {code}'s own keeps what actmem has not read yet: give "
      "--implementation megatron"),
+    ("multi_token_prediction", lambda arch: arch.mtp_layers,
+     "multi-token prediction is modelled as Megatron-Core runs it; --implementation {code} has none"),
     ("rotary_percent", lambda arch: arch.rotary_percent != 1,
      "--rotary-percent {arch.rotary_percent:g} shapes Megatron's rotary positions; this model's positions are "
      "{arch.position_embedding} under {code}"),
@@ -479,7 +493,9 @@ IMPLEMENTATIONS = {
                             "checkpointing, which actmem models given its option: --selective-ac-option op (its "
                             "per-op policy, which keeps the outputs of chosen ops) or N (a block checkpointed whole "
                             "every N: its default, 2); or choose none or full",
-        op_checkpointing=True),
+        op_checkpointing=True,
+        sequence_parallel_default="torchtitan's plan always has it under tensor parallelism (--no-sp for plain "
+                                  "DTensor TP)"),
     "hf": Implementation(
         "hf", "Hugging Face transformers 5.23 {model} (attn_implementation eager for the eager core, "
               "sdpa with is_causal for flash; a whole model a GPU: data parallelism alone, DDP or DeepSpeed's ZeRO)",

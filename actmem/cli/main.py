@@ -49,15 +49,6 @@ class OneLineErrors(click.Group):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
-            self._main(args, prog_name, complete_var, **extra)
-        finally:
-            # what is alive at exit (sympy's expressions and caches above all) is frozen out of the collections the
-            # interpreter runs as it shuts down: 0.1-0.2 s of a cold `actmem estimate`'s 1.1-1.5 (atexit and
-            # weakref.finalize callbacks still run, before them)
-            gc.freeze()
-
-    def _main(self, args, prog_name, complete_var, **extra):
-        try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as error:     # `actmem` alone: the help
             click.echo(error.ctx.get_help())
@@ -444,4 +435,11 @@ def flops(fmt, iteration_time, peak_tflops, **flags):
 
 
 def main():
-    cli(prog_name="actmem")
+    """The console script (and `python -m actmem`): the process ends with the command. What is alive then (sympy's
+    expressions and caches above all) is frozen out of the collections the interpreter runs as it shuts down: 0.1-0.2 s
+    of a cold `actmem estimate`'s 1.1-1.5 (atexit and weakref.finalize callbacks still run, before them). Not in
+    `cli` itself, which tests call in their own long-lived process."""
+    try:
+        cli(prog_name="actmem")
+    finally:
+        gc.freeze()

@@ -2,6 +2,7 @@
 straight from the CSV rows the H100 measured, and the shapes are derived by hand beside each test."""
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,10 @@ def test_a_layer_s_efficiency_is_its_linears_flops_over_their_measured_time(gemm
     logit_seconds = (gemm("fprop", T, 8192, 4096) + gemm("dgrad", T, 4096, 8192) + gemm("wgrad", 8192, 4096, T)
                      + 8192 * 4096 * per_element("cross_entropy", 4096))
     assert logits == pytest.approx(6 * T * 4096 * 8192 / logit_seconds / peak, rel=1e-12)
+    flash_attn = replace(arch, attention_core="flash-attn")            # TE's flash-attn core: flash-attn's kernel
+    _, scores, _ = iteration.kernel_efficiencies("h100", flash_attn, 4096, 4096, 32, np.array([32768]), 2,
+                                                 np.array([4]), np.array([1]), np.array([1]), 1, np.array([4]), peak)
+    assert scores == pytest.approx(3 * 2 * 4096**2 * 2 * 4096 / 4 / attention("flash", 1, 8, 4096) / peak, rel=1e-12)
 
 
 def test_a_moe_layer_weights_its_experts_at_their_rows(gemm, per_element):

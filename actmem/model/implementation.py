@@ -406,10 +406,12 @@ _HF = dict(runs=frozenset({"zero"}), attention_names=HF_ATTENTION, dropped_setti
 #: - layer_backward: its layer's backward, op by op (actmem.memory.backward's moments);
 #: - megatron_args: it is what a Megatron-LM launch script runs (--megatron-args);
 #: - moe: its MoELayer (actmem.model.experts), the mixture of experts actmem models;
-#: - fp8: TE's FP8 linears (actmem.model.fp8).
+#: - fp8: TE's FP8 linears (actmem.model.fp8);
+#: - multi_token_prediction: its MTP block (multi_token_prediction.py; actmem.memory's mtp rows);
+#: - multi_latent_attention: its MLASelfAttention (actmem.model.latent).
 MEGATRON_CORE = frozenset({"dataloader_mask", "softmax_switches", "wgrad_fusion", "rotary_percent",
                            "te_flash_core", "paper_norms", "layer_backward", "megatron_args", "moe", "fp8",
-                           "multi_token_prediction"})
+                           "multi_token_prediction", "multi_latent_attention"})
 
 #: (what the code must have, whether the architecture uses it, the refusal where it does not)
 SWITCHES = (

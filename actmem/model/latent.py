@@ -49,7 +49,7 @@ def check_latent(arch) -> None:
         if not (value is None and name == "q_lora_rank") and (
                 isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise SpecError(f"{name} must be a positive integer, got {value!r}")
-    if arch.implementation != "megatron":
+    if "multi_latent_attention" not in arch.code.has:
         raise SpecError(f"multi-latent attention is modelled as Megatron-Core runs it; {arch.implementation}'s "
                         f"(transformers' DeepseekV3Attention, torchtitan's) keeps other tensors, not measured yet")
     if arch.attention_core != "flash":

@@ -10,7 +10,7 @@ model, not a promise.
 
 import numpy as np
 
-from actmem.model.architecture import te_flash_core
+from actmem.model.architecture import flash_attn, te_flash_core
 from actmem.planner.flops import hardware_parts
 from actmem.memory.techniques import PLAN_CHOICES
 from actmem.model.recompute import Recompute
@@ -131,7 +131,8 @@ def kernel_efficiencies(table, arch, s, h, a, v, L, t, c, b, ep, etp, peak_flops
     if arch.attention_core == "eager":
         return layers, np.full_like(layers, DEFAULT_EFFICIENCY), logits
     width = score_width(h, arch, a)
-    backend = "cudnn" if te_flash_core(arch) else "flash"          # TE's attention runs cuDNN's fused kernel
+    # TE's own attention runs cuDNN's fused kernel; its flash-attn core (--attention-core flash-attn), flash-attn's
+    backend = "cudnn" if te_flash_core(arch) and not flash_attn(arch) else "flash"
     attention = kernels.attention_seconds(table, backend, b * a / t, s, c, head_dim=width / (2 * a))
     return layers, 3 * 2.0 * b * s * s * width / (t * c) / attention / peak_flops, logits
 

@@ -113,15 +113,16 @@ def _most_at_once(rows: int, hidden: int, backward: bool) -> int:
     fake 530b run's dispatches (about 45% of a full-recompute technique's time)."""
     sizes = [block.stop - block.start for block in _blocks(rows, hidden)]
     if not backward:
-        return 2 * sizes[0] * hidden + sizes[0]
-    return max(3 * n * hidden + max(hidden, n) + previous for n, previous in zip(sizes, [0] + sizes))
+        return 2 * sizes[0] * hidden + sizes[0] if sizes else 0
+    return max((3 * n * hidden + max(hidden, n) + previous for n, previous in zip(sizes, [0] + sizes)), default=0)
 
 
 class _ScaledCausalSoftmax(torch.autograd.Function):
     """softmax(scale·scores, causal) over the last dim; scores: (b·a/t, s, s), the product
     the core has just made and nobody keeps, so it is scaled and masked in place. Not
     mark_dirty: scores is not returned. Were it ever saved by another op, its bumped version
-    counter would make that op's backward raise, so the in-place write cannot go unseen."""
+    counter would make that op's backward raise, so the in-place write cannot go unseen (in a real
+    run: a fake run skips the in-place ops, which allocate nothing)."""
 
     @staticmethod
     def forward(ctx, scores, scale: float):

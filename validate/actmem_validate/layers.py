@@ -60,14 +60,14 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 
 
 def _matmul(a, b):
-    """a @ b, b a matrix, as torch.matmul folds it (a reshaped to rows, one mm) but ending in a view where matmul
-    ends in _unsafe_view, which fake mode's cache never holds. A fake run with a contiguous (reshaped as a view)
-    makes the product's storage only: mm and the views around it cost fake mode about 1 ms more a GEMM."""
+    """a @ b, b a matrix. A fake run with a contiguous: the product's storage only, what matmul makes there (it
+    folds a into rows as a view, one mm, then _unsafe_view): those dispatches, one past fake mode's cache, cost
+    about 1 ms a GEMM more than an empty's."""
     if fake_shortcut(a) and a.is_contiguous():
         if a.shape[-1] != b.shape[0] or a.dtype != b.dtype:
             raise RuntimeError(f"mm of {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
         return torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
-    return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+    return a @ b
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,10 @@ class LiveStorages:
     pipeline stage's received input: it counted each such input and its gradient forever,
     11.7 GB too much on 530B's interleaved first stage (tests/validate/test_torch_compat.py).
     Entered inside fake_tensor_mode() (and FAKE_SHORTCUTS on), fake mode's own dispatch does the counting: the
-    same ops, one crossing into Python fewer each. Private: torch.utils._python_dispatch.TorchDispatchMode,
+    ops the harness's Megatron runs make, one crossing into Python fewer each (tests/validate/test_torch_compat.py
+    compares the two). It then counts no op outside that fake mode (real tensors, another fake mode), does count
+    what a dispatch mode entered beneath it runs in its own handler, and does not nest. Neither way follows
+    DTensor (LiveBytes does). Private: torch.utils._python_dispatch.TorchDispatchMode,
     UntypedStorage._cdata, torch._C._get_dispatch_mode."""
 
     def __new__(cls):

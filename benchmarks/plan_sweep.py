@@ -14,6 +14,7 @@ from actmem.model.hardware import GPUS
 from actmem.planner.plan import PlanRequest, plan
 from actmem.sources.presets import load_preset
 from actmem.model.spec import Model
+from estimate_latency import compile_actmem     # benchmarks/, the script's own folder
 
 
 def timed_plan(model: Model, gpus: int, global_batch: int, **options) -> tuple[int, float]:
@@ -49,6 +50,7 @@ def main() -> None:
         timed(request)                               # lambdify the layer's formulas once
         count, seconds = timed(request)
         print(f"{label:58s} {count:7,d} configs {seconds:6.3f} s {count / seconds:10,.0f} configs/s")
+    compile_actmem()
     for command in (["--model", "1t", "--gpus", "3072", "--global-batch", "3072"],
                     ["--model", "llama-3.1-405b", "--gpus", "16384", "--global-batch", "2048", "--gpu", "h100"],
                     ["--model", "deepseek-v3", "--gpus", "2048", "--global-batch", "8192", "--gpu", "h100"]):

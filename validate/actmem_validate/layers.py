@@ -60,7 +60,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 
 
 def _matmul(a, b):
-    """a @ b, b a matrix. A fake run with a contiguous: the product's storage only, what matmul makes there (it
+    """a @ b, b a matrix. A fake run with a contiguous a: the product's storage only, what matmul makes there (it
     folds a into rows as a view, one mm, then _unsafe_view): those dispatches, one past fake mode's cache, cost
     about 1 ms a GEMM more than an empty's."""
     if fake_shortcut(a) and a.is_contiguous():

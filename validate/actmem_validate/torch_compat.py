@@ -7,6 +7,7 @@ somewhere deep. The harness imports these names from here and never from torch's
 
 import contextlib
 import functools
+import weakref
 
 import torch
 
@@ -59,13 +60,15 @@ def _counting_fake_tensor_mode():
 
 
 FAKE_SHORTCUTS = True
-"""Whether fake runs skip the ops that allocate nothing and cost one of fake mode's dearest dispatches (a
-collective over the fake process group, which writes nothing; an in-place accumulation into main_grad): the same
-storages, fewer dispatches. tests/validate/test_torch_compat.py turns it off and compares the rows."""
+"""Whether fake runs take the shortcuts that make the same storages with fewer of fake mode's dispatches: skip what
+allocates nothing (a collective over the fake process group, which writes nothing; in-place accumulations into
+main_grad; dropout's and the fused softmax's in-place ops), make a GEMM's product alone and a norm's most at once as
+one transient (fused._most_at_once), and count LiveStorages inside fake mode's dispatch.
+tests/validate/test_torch_compat.py turns it off and compares the rows; test_fused_memory.py the norm's peaks."""
 
 
 def fake_shortcut(tensor: torch.Tensor) -> bool:
-    """Whether to skip, for this tensor, an op that allocates nothing: a fake run's (FAKE_SHORTCUTS). Private:
+    """Whether to take, for this tensor, a fake run's shortcut (FAKE_SHORTCUTS). Private:
     torch._subclasses.fake_tensor.FakeTensor."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -112,8 +115,6 @@ class _StorageCount:
         self.current -= self.live.pop(key, (0, None))[0]
 
     def after(self, args, kwargs, out):
-        import weakref
-
         made = [tensor for tensor in _tensors(out) if not tensor._is_view()]
         if not made:                  # a view, a device query (the autograd engine's many): no storage
             return
